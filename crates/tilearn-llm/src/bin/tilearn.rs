@@ -1,0 +1,3 @@
+fn main() {
+    println!("tilearn {}", env!("CARGO_PKG_VERSION"));
+}

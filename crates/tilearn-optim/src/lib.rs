@@ -1,0 +1,1 @@
+//! tilearn-optim: optimizers over flat parameter buffers, gradient clipping and LR schedules.

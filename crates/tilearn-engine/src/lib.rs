@@ -1,2 +1,12 @@
 //! tilearn-engine: Llama-family models, Hugging Face checkpoint I/O, the data pipeline and the
 //! Trainer.
+
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod error;
+pub mod model;
+pub mod params;
+pub mod trainer;
+
+pub use error::{EngineError, Result};

@@ -1,2 +1,30 @@
 //! CPU reference implementations of every op, generic over [`Real`] (f32 in training,
 //! f64 in the finite-difference tests).
+//!
+//! Gradient convention for every backward: gradients of *activations* are written (`=`),
+//! gradients of *parameters* are accumulated (`+=`).
+//!
+//! Determinism: every op gives bit-identical results run to run and for any rayon thread
+//! count. Matmuls go through `matrixmultiply` (each output element is computed by one thread
+//! in a fixed order); other loops are parallel over rows or heads, and every reduction across
+//! rows is done in a fixed order (serially, or per fixed block and then blocks in order).
+
+pub mod attention;
+pub mod cross_entropy;
+pub mod embedding;
+pub mod linear;
+pub mod real;
+pub mod residual;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
+
+pub use attention::{AttnShape, attention_backward, attention_forward};
+pub use cross_entropy::{CeStats, IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
+pub use embedding::{embedding_backward, embedding_forward};
+pub use linear::{linear_backward, linear_forward};
+pub use real::Real;
+pub use residual::add_inplace;
+pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
+pub use rope::{RopeScaling, RopeTable, rope_backward, rope_forward, rope_inv_freq};
+pub use swiglu::{swiglu_backward, swiglu_forward};

@@ -1,0 +1,61 @@
+//! Token embedding lookup.
+//!
+//! Gradient convention: `embedding_backward` *accumulates* into `dtable` (`+=`), since the table
+//! is a parameter (and, with tied embeddings, also receives the lm_head gradient).
+
+use rayon::prelude::*;
+
+use super::Real;
+use crate::{OpsError, Result};
+
+/// `out[r, :] = table[ids[r], :]`. `table` is `[vocab, dim]`, `out` is `[ids.len(), dim]`.
+///
+/// Every id is checked before anything is written: an id `>= vocab` returns
+/// [`OpsError::TokenOutOfRange`] and leaves `out` untouched.
+pub fn embedding_forward<R: Real>(ids: &[u32], table: &[R], dim: usize, out: &mut [R]) -> Result<()> {
+    assert!(dim > 0, "embedding_forward: dim must be positive");
+    if table.len() % dim != 0 {
+        return Err(OpsError::ShapeMismatch {
+            op: "embedding_forward (table)",
+            expected: table.len() / dim * dim,
+            actual: table.len(),
+        });
+    }
+    if out.len() != ids.len() * dim {
+        return Err(OpsError::ShapeMismatch {
+            op: "embedding_forward (out)",
+            expected: ids.len() * dim,
+            actual: out.len(),
+        });
+    }
+    let vocab = table.len() / dim;
+    if let Some((position, &id)) = ids.iter().enumerate().find(|&(_, &id)| id as usize >= vocab) {
+        return Err(OpsError::TokenOutOfRange { id, position, vocab });
+    }
+    out.par_chunks_mut(dim)
+        .with_min_len(16)
+        .zip(ids.par_iter())
+        .for_each(|(row, &id)| {
+            let id = id as usize;
+            row.copy_from_slice(&table[id * dim..(id + 1) * dim]);
+        });
+    Ok(())
+}
+
+/// `dtable[ids[r], :] += dout[r, :]` for every row `r`, in row order.
+///
+/// Rows are added serially in order (two rows may hit the same id), so the result is
+/// bit-reproducible. Panics on an id outside the table (the forward has already rejected it).
+pub fn embedding_backward<R: Real>(ids: &[u32], dout: &[R], dim: usize, dtable: &mut [R]) {
+    assert!(dim > 0, "embedding_backward: dim must be positive");
+    assert_eq!(dout.len(), ids.len() * dim, "embedding_backward: dout length");
+    let vocab = dtable.len() / dim;
+    for (r, &id) in ids.iter().enumerate() {
+        let id = id as usize;
+        assert!(id < vocab, "embedding_backward: token id {id} >= vocab {vocab}");
+        let src = &dout[r * dim..(r + 1) * dim];
+        for (d, s) in dtable[id * dim..(id + 1) * dim].iter_mut().zip(src) {
+            *d += *s;
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! The JSON-lines training log (`train_log.jsonl` in the output directory).
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{EngineError, Result};
+
+/// File name of the log inside the output directory.
+pub const LOG_FILE: &str = "train_log.jsonl";
+
+/// One logged optimizer step. Field names follow what Hugging Face's Trainer logs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LogRecord {
+    pub step: u64,
+    pub epoch: f64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub tokens_per_sec: f64,
+}
+
+/// Appends records to the log, flushing each line so a crash loses nothing already logged.
+pub struct TrainLog {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl TrainLog {
+    /// Opens `<dir>/train_log.jsonl`; with `truncate` a fresh run starts an empty log, while a
+    /// resumed run appends.
+    pub fn open(dir: &Path, truncate: bool) -> Result<TrainLog> {
+        let path = dir.join(LOG_FILE);
+        let file = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(!truncate)
+            .truncate(truncate)
+            .open(&path)
+            .map_err(|e| EngineError::io(&path, "open the training log", e))?;
+        Ok(TrainLog {
+            path,
+            out: BufWriter::new(file),
+        })
+    }
+
+    pub fn write(&mut self, record: &LogRecord) -> Result<()> {
+        let line = serde_json::to_string(record).expect("LogRecord serialises");
+        writeln!(self.out, "{line}")
+            .and_then(|_| self.out.flush())
+            .map_err(|e| EngineError::io(&self.path, "write the training log", e))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Reads a log back (used by tests and by resume to trim records past the checkpoint).
+pub fn read_log(path: &Path) -> Result<Vec<LogRecord>> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| EngineError::io(path, "read the log", e))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| EngineError::Data {
+                file: path.to_path_buf(),
+                message: format!("line {}: not a log record: {e}", i + 1),
+            })
+        })
+        .collect()
+}

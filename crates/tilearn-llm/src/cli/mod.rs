@@ -1,0 +1,48 @@
+//! The `tilearn` command line: `train`, `eval`, `prepare-data`, `info`.
+
+mod eval;
+mod info;
+mod prepare;
+mod progress;
+mod train;
+
+use clap::{Parser, Subcommand};
+
+pub use eval::EvalArgs;
+pub use prepare::PrepareArgs;
+pub use train::TrainArgs;
+
+use crate::Result;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "tilearn",
+    version,
+    about = "Fast Llama training in Rust, compatible with Hugging Face checkpoints"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train a model (from a checkpoint, a config, or the embedded default).
+    Train(TrainArgs),
+    /// Mean next-token loss (and optionally logits) of a model on given token sequences.
+    Eval(EvalArgs),
+    /// Tokenize text or JSON-lines files into memory-mapped token shards.
+    PrepareData(PrepareArgs),
+    /// Version, devices, and which CUDA/NCCL libraries were found (or why not).
+    Info,
+}
+
+/// Runs one parsed command line.
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train(args) => train::run(args),
+        Command::Eval(args) => eval::run(args),
+        Command::PrepareData(args) => prepare::run(args),
+        Command::Info => info::run(),
+    }
+}

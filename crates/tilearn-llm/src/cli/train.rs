@@ -1,0 +1,225 @@
+//! `tilearn train`: flags named after Hugging Face `TrainingArguments`.
+//!
+//! Three starting points: `--model DIR` fine-tunes a Hugging Face checkpoint, `--config FILE`
+//! starts from random weights, and neither trains the embedded default model. Without `--data`
+//! the embedded corpus (a seeded probabilistic grammar, byte-level tokenizer) is generated into
+//! `<output-dir>/data`, so a first run needs no download.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, ValueEnum};
+use tilearn_engine::config::LlamaConfig;
+use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
+use tilearn_engine::model::LlamaForCausalLM;
+use tilearn_engine::trainer::{TrainLength, Trainer, TrainingArguments};
+
+use crate::{LlmError, Result};
+
+/// Documents generated for the embedded corpus (about 1.5 M byte tokens).
+const EMBEDDED_DOCUMENTS: usize = 20_000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceChoice {
+    /// The GPU when one is present and the CUDA path is built, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Hugging Face checkpoint directory to fine-tune (config.json + *.safetensors).
+    #[arg(long, conflicts_with = "config")]
+    pub model: Option<PathBuf>,
+    /// Hugging Face config.json to train from random weights.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Token shards made by `tilearn prepare-data` (default: the embedded corpus).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    #[arg(long, default_value = "runs/tilearn")]
+    pub output_dir: PathBuf,
+    /// Total optimizer steps; overrides --num-train-epochs.
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    #[arg(long)]
+    pub num_train_epochs: Option<f64>,
+    #[arg(long)]
+    pub per_device_train_batch_size: Option<usize>,
+    #[arg(long, default_value_t = 1)]
+    pub gradient_accumulation_steps: usize,
+    /// Peak learning rate (default: 5e-5 when fine-tuning, 3e-3 from scratch).
+    #[arg(long)]
+    pub learning_rate: Option<f32>,
+    /// linear, cosine, constant, constant_with_warmup, cosine_with_restarts, polynomial,
+    /// inverse_sqrt, warmup_stable_decay (default: linear when fine-tuning, cosine from scratch).
+    #[arg(long)]
+    pub lr_scheduler_type: Option<String>,
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f32,
+    #[arg(long, default_value_t = 0.9)]
+    pub adam_beta1: f32,
+    #[arg(long, default_value_t = 0.999)]
+    pub adam_beta2: f32,
+    #[arg(long, default_value_t = 1e-8)]
+    pub adam_epsilon: f32,
+    /// Clip the global gradient norm (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// Tokens per training sequence (default: 1024 when fine-tuning, 128 from scratch; never
+    /// above the model's max_position_embeddings).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 10)]
+    pub logging_steps: u64,
+    /// Save a checkpoint every N optimizer steps (0: only at the end).
+    #[arg(long, default_value_t = 100)]
+    pub save_steps: u64,
+    /// Recompute each block's forward in its backward to save activation memory.
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
+    /// A `checkpoint-N` directory of an earlier run with the same flags.
+    #[arg(long)]
+    pub resume_from_checkpoint: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+}
+
+/// Defaults that differ between fine-tuning (Hugging Face's) and training from scratch (a recipe
+/// that makes a small random model learn quickly).
+struct Recipe {
+    learning_rate: f32,
+    scheduler: &'static str,
+    warmup_steps: u64,
+    batch: usize,
+    seq_len: usize,
+    length: TrainLength,
+}
+
+const FINE_TUNE: Recipe = Recipe {
+    learning_rate: 5e-5,
+    scheduler: "linear",
+    warmup_steps: 0,
+    batch: 8,
+    seq_len: 1024,
+    length: TrainLength::Epochs(3.0),
+};
+
+const FROM_SCRATCH: Recipe = Recipe {
+    learning_rate: 3e-3,
+    scheduler: "cosine",
+    warmup_steps: 20,
+    batch: 16,
+    seq_len: 128,
+    length: TrainLength::MaxSteps(300),
+};
+
+pub fn run(args: TrainArgs) -> Result<()> {
+    choose_device(args.device)?;
+    let (model, recipe) = build_model(&args)?;
+    let dataset = open_dataset(&args)?;
+    let length = match (args.max_steps, args.num_train_epochs) {
+        (Some(steps), _) => TrainLength::MaxSteps(steps),
+        (None, Some(epochs)) => TrainLength::Epochs(epochs),
+        (None, None) if args.data.is_some() => TrainLength::Epochs(3.0),
+        (None, None) => recipe.length,
+    };
+    let seq_len = args
+        .seq_len
+        .unwrap_or(recipe.seq_len.min(model.config.max_position_embeddings));
+    let training = TrainingArguments {
+        output_dir: args.output_dir.clone(),
+        length,
+        per_device_train_batch_size: args.per_device_train_batch_size.unwrap_or(recipe.batch),
+        gradient_accumulation_steps: args.gradient_accumulation_steps,
+        learning_rate: args.learning_rate.unwrap_or(recipe.learning_rate),
+        lr_scheduler_type: args
+            .lr_scheduler_type
+            .clone()
+            .unwrap_or_else(|| recipe.scheduler.into()),
+        warmup_steps: args.warmup_steps.unwrap_or(recipe.warmup_steps),
+        weight_decay: args.weight_decay,
+        adam_beta1: args.adam_beta1,
+        adam_beta2: args.adam_beta2,
+        adam_epsilon: args.adam_epsilon,
+        max_grad_norm: args.max_grad_norm,
+        seq_len,
+        seed: args.seed,
+        logging_steps: args.logging_steps,
+        save_steps: args.save_steps,
+        gradient_checkpointing: args.gradient_checkpointing,
+        progress_bar: true,
+    };
+    println!(
+        "model: {} parameters, {} layers, hidden {}; device cpu; batch {}×{} tokens × {} accumulation; output {}",
+        model.params.numel(),
+        model.config.num_hidden_layers,
+        model.config.hidden_size,
+        training.per_device_train_batch_size,
+        training.seq_len,
+        training.gradient_accumulation_steps,
+        training.output_dir.display()
+    );
+    let mut trainer = Trainer::new(training, model, dataset)?;
+    let mut sink = super::progress::sink();
+    let summary = trainer.train(args.resume_from_checkpoint.as_deref(), sink.as_mut())?;
+    println!(
+        "done: {} steps, loss {:.4} -> {:.4}, {:.3} s/step, {:.0} tokens/s; model saved to {}",
+        summary.steps,
+        summary.first_loss,
+        summary.final_loss,
+        summary.mean_step_seconds,
+        summary.tokens_per_sec,
+        summary.output_dir.display()
+    );
+    Ok(())
+}
+
+/// The Llama path runs on the CPU reference engine; the CUDA training step is the CUDA
+/// backend's work. `auto` says which it picked; an explicit `cuda` is refused clearly.
+fn choose_device(choice: DeviceChoice) -> Result<()> {
+    match choice {
+        DeviceChoice::Cpu => Ok(()),
+        DeviceChoice::Auto => {
+            let info = tilearn_ops::backend::probe();
+            if !info.devices.is_empty() {
+                eprintln!(
+                    "note: a CUDA device is present, but this build trains on the CPU reference engine (the CUDA training step is not built yet)"
+                );
+            }
+            Ok(())
+        }
+        DeviceChoice::Cuda => Err(LlmError::Usage {
+            flag: "--device cuda".into(),
+            message: "the CUDA training step is not available in this version; use --device cpu"
+                .into(),
+        }),
+    }
+}
+
+fn build_model(args: &TrainArgs) -> Result<(LlamaForCausalLM, Recipe)> {
+    if let Some(dir) = &args.model {
+        return Ok((LlamaForCausalLM::from_pretrained(dir)?, FINE_TUNE));
+    }
+    let config = match &args.config {
+        Some(file) => LlamaConfig::from_file(file)?,
+        None => LlamaConfig::from_json_str(crate::DEFAULT_CONFIG_JSON, Path::new("<embedded default config>"))?,
+    };
+    Ok((LlamaForCausalLM::from_config(config, args.seed), FROM_SCRATCH))
+}
+
+fn open_dataset(args: &TrainArgs) -> Result<TokenDataset> {
+    if let Some(dir) = &args.data {
+        return Ok(TokenDataset::open(dir)?);
+    }
+    let dir = args.output_dir.join("data");
+    if TokenDataset::open(&dir).is_err() {
+        println!("data: generating the embedded grammar corpus into {}", dir.display());
+        prepare_embedded_default(&dir, args.seed, EMBEDDED_DOCUMENTS)?;
+    }
+    Ok(TokenDataset::open(&dir)?)
+}

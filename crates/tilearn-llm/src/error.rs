@@ -1,0 +1,19 @@
+//! The error type of the umbrella crate and the CLI.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LlmError {
+    #[error(transparent)]
+    Engine(#[from] tilearn_engine::EngineError),
+    #[error(transparent)]
+    Ops(#[from] tilearn_ops::OpsError),
+    /// An input file of the CLI (e.g. the token list of `tilearn eval`) that is malformed.
+    #[error("{}: {message}", file.display())]
+    Input { file: PathBuf, message: String },
+    /// Flags that contradict each other or cannot work.
+    #[error("{flag}: {message}")]
+    Usage { flag: String, message: String },
+}
+
+pub type Result<T> = std::result::Result<T, LlmError>;

@@ -1,0 +1,273 @@
+//! The on-disk format of a prepared token dataset: shard files, `meta.json`, the FNV-1a-64
+//! checksum and atomic file writes.
+//!
+//! A dataset directory holds `meta.json`, one or more `shard-NNNNN.bin` files and (normally) the
+//! `tokenizer.json` that produced the tokens. A shard is a 32-byte little-endian header followed
+//! by the payload:
+//!
+//! | offset | size | field                                                   |
+//! |-------:|-----:|---------------------------------------------------------|
+//! |      0 |    8 | magic `TILTOK01`                                        |
+//! |      8 |    4 | format version (u32, currently 1)                       |
+//! |     12 |    4 | token width in bytes (u32, 2 or 4)                      |
+//! |     16 |    8 | token count (u64)                                       |
+//! |     24 |    8 | FNV-1a-64 of the payload bytes (u64)                    |
+//! |     32 |  n·w | token ids, little-endian unsigned integers of width `w` |
+
+use std::fs::{self, File};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{EngineError, Result};
+
+/// Magic bytes at the start of every shard.
+pub const SHARD_MAGIC: &[u8; 8] = b"TILTOK01";
+/// Version of the shard header written by this library.
+pub const SHARD_VERSION: u32 = 1;
+/// Size of the shard header in bytes.
+pub const SHARD_HEADER_LEN: usize = 32;
+/// The `format` field of `meta.json`.
+pub const META_FORMAT: &str = "tilearn-tokens";
+/// Version of `meta.json` written by this library.
+pub const META_VERSION: u32 = 1;
+/// File name of the dataset description inside a dataset directory.
+pub const META_FILE: &str = "meta.json";
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// Incremental FNV-1a 64-bit hash.
+#[derive(Debug, Clone, Copy)]
+pub struct Fnv1a64(u64);
+
+impl Default for Fnv1a64 {
+    fn default() -> Self {
+        Fnv1a64(FNV_OFFSET)
+    }
+}
+
+impl Fnv1a64 {
+    /// Feed bytes into the hash.
+    pub fn update(&mut self, bytes: &[u8]) {
+        let mut h = self.0;
+        for &b in bytes {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(FNV_PRIME);
+        }
+        self.0 = h;
+    }
+
+    /// The hash of everything fed so far.
+    pub fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// FNV-1a-64 of `bytes`.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h = Fnv1a64::default();
+    h.update(bytes);
+    h.finish()
+}
+
+/// Token id width in bytes for a vocabulary of `vocab_size` ids (`0..vocab_size`).
+pub fn token_width_for_vocab(vocab_size: usize) -> u32 {
+    if vocab_size <= 1 << 16 { 2 } else { 4 }
+}
+
+/// Name of shard number `index`.
+pub fn shard_file_name(index: usize) -> String {
+    format!("shard-{index:05}.bin")
+}
+
+/// One shard as listed in `meta.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardMeta {
+    /// File name relative to the dataset directory.
+    pub file: String,
+    /// Number of tokens in the shard.
+    pub num_tokens: u64,
+}
+
+/// The contents of `meta.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetMeta {
+    /// Always [`META_FORMAT`].
+    pub format: String,
+    /// [`META_VERSION`] when written by this library.
+    pub version: u32,
+    /// Number of token ids (every id in the shards is below it).
+    pub vocab_size: usize,
+    /// The end-of-sequence id appended after every document.
+    pub eos_id: u32,
+    /// Bytes per token in the shards (2 or 4).
+    pub token_width: u32,
+    /// Total tokens over all shards.
+    pub num_tokens: u64,
+    /// Number of documents (each followed by one EOS).
+    pub num_documents: u64,
+    /// The shards in stream order.
+    pub shards: Vec<ShardMeta>,
+    /// File name (relative to the dataset directory) of the tokenizer that made the tokens.
+    pub tokenizer: Option<String>,
+}
+
+/// The fixed-size shard header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardHeader {
+    pub version: u32,
+    pub token_width: u32,
+    pub num_tokens: u64,
+    pub checksum: u64,
+}
+
+impl ShardHeader {
+    /// Encode as the 32 header bytes.
+    pub fn to_bytes(&self) -> [u8; SHARD_HEADER_LEN] {
+        let mut b = [0u8; SHARD_HEADER_LEN];
+        b[0..8].copy_from_slice(SHARD_MAGIC);
+        b[8..12].copy_from_slice(&self.version.to_le_bytes());
+        b[12..16].copy_from_slice(&self.token_width.to_le_bytes());
+        b[16..24].copy_from_slice(&self.num_tokens.to_le_bytes());
+        b[24..32].copy_from_slice(&self.checksum.to_le_bytes());
+        b
+    }
+
+    /// Decode and check the magic; `file` names the shard in errors.
+    pub fn parse(bytes: &[u8], file: &Path) -> Result<ShardHeader> {
+        let err = |message: String| EngineError::Data {
+            file: file.to_path_buf(),
+            message,
+        };
+        if bytes.len() < SHARD_HEADER_LEN {
+            return Err(err(format!(
+                "truncated shard: {} bytes, shorter than the {SHARD_HEADER_LEN}-byte header; \
+                 re-run `tilearn prepare-data`",
+                bytes.len()
+            )));
+        }
+        if &bytes[0..8] != SHARD_MAGIC {
+            return Err(err(format!(
+                "not a tilearn token shard (magic {:?}, expected {:?}); re-run `tilearn prepare-data`",
+                String::from_utf8_lossy(&bytes[0..8]),
+                String::from_utf8_lossy(SHARD_MAGIC)
+            )));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
+        let header = ShardHeader {
+            version: u32_at(8),
+            token_width: u32_at(12),
+            num_tokens: u64_at(16),
+            checksum: u64_at(24),
+        };
+        if header.version != SHARD_VERSION {
+            return Err(err(format!(
+                "shard format version {} is not supported (this build reads version \
+                 {SHARD_VERSION}); re-run `tilearn prepare-data`",
+                header.version
+            )));
+        }
+        if header.token_width != 2 && header.token_width != 4 {
+            return Err(err(format!(
+                "invalid token width {} in the shard header (expected 2 or 4); the shard is \
+                 corrupt, re-run `tilearn prepare-data`",
+                header.token_width
+            )));
+        }
+        Ok(header)
+    }
+}
+
+/// Append `tokens` to `out` as little-endian integers of `width` bytes.
+pub(crate) fn encode_tokens(tokens: &[u32], width: u32, out: &mut Vec<u8>) {
+    match width {
+        2 => {
+            for &t in tokens {
+                debug_assert!(t <= u32::from(u16::MAX));
+                out.extend_from_slice(&(t as u16).to_le_bytes());
+            }
+        }
+        _ => {
+            for &t in tokens {
+                out.extend_from_slice(&t.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Write a shard file atomically. Every token must fit in `width` bytes.
+pub fn write_shard(path: &Path, tokens: &[u32], width: u32) -> Result<()> {
+    write_atomic(path, |file| {
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        let mut header = ShardHeader {
+            version: SHARD_VERSION,
+            token_width: width,
+            num_tokens: tokens.len() as u64,
+            checksum: 0,
+        };
+        w.write_all(&header.to_bytes())?;
+        let mut hash = Fnv1a64::default();
+        let mut buf = Vec::with_capacity(64 * 1024 * width as usize);
+        for chunk in tokens.chunks(64 * 1024) {
+            buf.clear();
+            encode_tokens(chunk, width, &mut buf);
+            hash.update(&buf);
+            w.write_all(&buf)?;
+        }
+        header.checksum = hash.finish();
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        let mut file = file;
+        file.seek(SeekFrom::Start(0))?;
+        file.write_all(&header.to_bytes())?;
+        Ok(())
+    })
+}
+
+/// Write `path` atomically: the content goes to a temporary file in the same directory, which
+/// is flushed to disk and then renamed over `path`. On error the temporary file is removed and
+/// `path` is untouched.
+pub fn write_atomic(
+    path: &Path,
+    write: impl FnOnce(&mut File) -> std::io::Result<()>,
+) -> Result<()> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty());
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "file".to_string());
+    let tmp_name = format!(".{name}.tmp.{}", std::process::id());
+    let tmp: PathBuf = match dir {
+        Some(d) => d.join(tmp_name),
+        None => PathBuf::from(tmp_name),
+    };
+    let result = (|| -> std::io::Result<()> {
+        let mut file = File::create(&tmp)?;
+        write(&mut file)?;
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&tmp, path)
+    })();
+    match result {
+        Ok(()) => {
+            // Make the rename durable where the platform allows it; failure here is harmless.
+            if let Some(d) = dir
+                && let Ok(f) = File::open(d)
+            {
+                let _ = f.sync_all();
+            }
+            Ok(())
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            Err(EngineError::io(path, "write file atomically", e))
+        }
+    }
+}
+
+/// Write `bytes` to `path` atomically.
+pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic(path, |f| f.write_all(bytes))
+}

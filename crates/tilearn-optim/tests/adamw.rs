@@ -226,7 +226,11 @@ fn weight_decay_only_on_decaying_group() {
         assert_eq!(p[i], before[i] * f, "decayed element {i}");
     }
     for i in 4..8 {
-        assert_eq!(p[i].to_bits(), before[i].to_bits(), "non-decayed element {i}");
+        assert_eq!(
+            p[i].to_bits(),
+            before[i].to_bits(),
+            "non-decayed element {i}"
+        );
     }
 }
 
@@ -299,17 +303,35 @@ fn hyper_parameter_validation() {
     assert!(d.validate().is_ok());
 
     expect_hyper(AdamWConfig { lr: f32::NAN, ..d }, "lr");
-    expect_hyper(AdamWConfig { lr: f32::INFINITY, ..d }, "lr");
+    expect_hyper(
+        AdamWConfig {
+            lr: f32::INFINITY,
+            ..d
+        },
+        "lr",
+    );
     expect_hyper(AdamWConfig { lr: -1e-3, ..d }, "lr");
     expect_hyper(AdamWConfig { beta1: 1.0, ..d }, "beta1");
     expect_hyper(AdamWConfig { beta1: -0.1, ..d }, "beta1");
-    expect_hyper(AdamWConfig { beta1: f32::NAN, ..d }, "beta1");
+    expect_hyper(
+        AdamWConfig {
+            beta1: f32::NAN,
+            ..d
+        },
+        "beta1",
+    );
     expect_hyper(AdamWConfig { beta2: 1.0, ..d }, "beta2");
     expect_hyper(AdamWConfig { beta2: 1.5, ..d }, "beta2");
     expect_hyper(AdamWConfig { eps: 0.0, ..d }, "eps");
     expect_hyper(AdamWConfig { eps: -1e-8, ..d }, "eps");
     expect_hyper(AdamWConfig { eps: f32::NAN, ..d }, "eps");
-    expect_hyper(AdamWConfig { weight_decay: -0.1, ..d }, "weight_decay");
+    expect_hyper(
+        AdamWConfig {
+            weight_decay: -0.1,
+            ..d
+        },
+        "weight_decay",
+    );
     expect_hyper(
         AdamWConfig {
             weight_decay: f32::INFINITY,
@@ -324,12 +346,18 @@ fn hyper_parameter_validation() {
     let bad_wd = vec![ParamGroup::new("g", vec![0..4], -0.5)];
     assert!(matches!(
         AdamW::new(d, bad_wd, 4),
-        Err(OptimError::InvalidHyperParameter { name: "weight_decay", .. })
+        Err(OptimError::InvalidHyperParameter {
+            name: "weight_decay",
+            ..
+        })
     ));
     let bad_scale = vec![ParamGroup::new("g", vec![0..4], 0.0).with_lr_scale(f32::NAN)];
     assert!(matches!(
         AdamW::new(d, bad_scale, 4),
-        Err(OptimError::InvalidHyperParameter { name: "lr_scale", .. })
+        Err(OptimError::InvalidHyperParameter {
+            name: "lr_scale",
+            ..
+        })
     ));
 
     // The learning rate of a step.
@@ -359,7 +387,11 @@ fn group_range_validation() {
     let reversed = vec![ParamGroup::new("g", vec![5..2], 0.0)];
     assert!(matches!(
         AdamW::new(d, reversed, 10),
-        Err(OptimError::ReversedRange { start: 5, end: 2, .. })
+        Err(OptimError::ReversedRange {
+            start: 5,
+            end: 2,
+            ..
+        })
     ));
     let overlap_across = vec![
         ParamGroup::new("a", vec![0..5], 0.1),

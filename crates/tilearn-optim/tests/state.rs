@@ -155,7 +155,11 @@ fn expect_state_error(opt: &mut AdamW, path: &Path, needle: &str) {
         }
         other => panic!("expected OptimError::State, got {other:?}"),
     }
-    assert_eq!(opt.step_count(), before_step, "a failed load changes nothing");
+    assert_eq!(
+        opt.step_count(),
+        before_step,
+        "a failed load changes nothing"
+    );
     assert_eq!(bits(opt.exp_avg()), before_m);
 }
 
@@ -167,7 +171,11 @@ fn corrupt_and_mismatched_files_give_state_errors() {
     let mut fresh = AdamW::new(config(false), groups(), NUMEL).unwrap();
 
     // Missing file.
-    expect_state_error(&mut fresh, &dir.path().join("missing.safetensors"), "cannot read");
+    expect_state_error(
+        &mut fresh,
+        &dir.path().join("missing.safetensors"),
+        "cannot read",
+    );
 
     // Empty, garbage, truncated in the header, truncated in the data.
     let write = |name: &str, bytes: &[u8]| {
@@ -176,9 +184,21 @@ fn corrupt_and_mismatched_files_give_state_errors() {
         p
     };
     expect_state_error(&mut fresh, &write("empty", &[]), "safetensors");
-    expect_state_error(&mut fresh, &write("garbage", b"not a safetensors file at all"), "safetensors");
-    expect_state_error(&mut fresh, &write("short_header", &good[..20]), "safetensors");
-    expect_state_error(&mut fresh, &write("short_data", &good[..good.len() - 4]), "safetensors");
+    expect_state_error(
+        &mut fresh,
+        &write("garbage", b"not a safetensors file at all"),
+        "safetensors",
+    );
+    expect_state_error(
+        &mut fresh,
+        &write("short_header", &good[..20]),
+        "safetensors",
+    );
+    expect_state_error(
+        &mut fresh,
+        &write("short_data", &good[..good.len() - 4]),
+        "safetensors",
+    );
 
     // A header length that points far beyond the file.
     let mut huge = good.clone();
@@ -187,10 +207,7 @@ fn corrupt_and_mismatched_files_give_state_errors() {
 
     // Valid safetensors, but not ours / wrong contents.
     let foreign = safetensors::serialize(
-        [(
-            "weight",
-            view(safetensors::Dtype::F32, 1, &[0u8; 4]),
-        )],
+        [("weight", view(safetensors::Dtype::F32, 1, &[0u8; 4]))],
         None,
     )
     .unwrap();
@@ -215,14 +232,8 @@ fn corrupt_and_mismatched_files_give_state_errors() {
     let short = vec![0u8; 4 * (NUMEL - 1)];
     let wrong_len = safetensors::serialize(
         [
-            (
-                "exp_avg",
-                view(safetensors::Dtype::F32, NUMEL - 1, &short),
-            ),
-            (
-                "exp_avg_sq",
-                view(safetensors::Dtype::F32, NUMEL, &zeros),
-            ),
+            ("exp_avg", view(safetensors::Dtype::F32, NUMEL - 1, &short)),
+            ("exp_avg_sq", view(safetensors::Dtype::F32, NUMEL, &zeros)),
         ],
         meta_of(&good),
     )
@@ -230,24 +241,15 @@ fn corrupt_and_mismatched_files_give_state_errors() {
     expect_state_error(&mut fresh, &write("wrong_len", &wrong_len), "shape");
     let wrong_dtype = safetensors::serialize(
         [
-            (
-                "exp_avg",
-                view(safetensors::Dtype::I32, NUMEL, &zeros),
-            ),
-            (
-                "exp_avg_sq",
-                view(safetensors::Dtype::F32, NUMEL, &zeros),
-            ),
+            ("exp_avg", view(safetensors::Dtype::I32, NUMEL, &zeros)),
+            ("exp_avg_sq", view(safetensors::Dtype::F32, NUMEL, &zeros)),
         ],
         meta_of(&good),
     )
     .unwrap();
     expect_state_error(&mut fresh, &write("wrong_dtype", &wrong_dtype), "dtype");
     let missing = safetensors::serialize(
-        [(
-            "exp_avg",
-            view(safetensors::Dtype::F32, NUMEL, &zeros),
-        )],
+        [("exp_avg", view(safetensors::Dtype::F32, NUMEL, &zeros))],
         meta_of(&good),
     )
     .unwrap();
@@ -258,14 +260,8 @@ fn corrupt_and_mismatched_files_give_state_errors() {
     meta.insert("step".into(), "five".into());
     let bad_step = safetensors::serialize(
         [
-            (
-                "exp_avg",
-                view(safetensors::Dtype::F32, NUMEL, &zeros),
-            ),
-            (
-                "exp_avg_sq",
-                view(safetensors::Dtype::F32, NUMEL, &zeros),
-            ),
+            ("exp_avg", view(safetensors::Dtype::F32, NUMEL, &zeros)),
+            ("exp_avg_sq", view(safetensors::Dtype::F32, NUMEL, &zeros)),
         ],
         Some(meta),
     )

@@ -7,7 +7,10 @@
 //! Gradient convention for every backward: gradients of *activations* are written (`=`),
 //! gradients of *parameters* are accumulated (`+=`) so micro-batches can add into one buffer.
 
+pub mod backend;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod tensor;

@@ -1,0 +1,34 @@
+//! The CUDA path (feature `cuda`): the device handle and one safe, typed wrapper per kernel
+//! launcher of `kernels/*.cu`.
+//!
+//! cudarc owns the context (the device's primary context), the stream and every buffer; the
+//! kernels are launched by their `extern "C"` launchers (declared in
+//! `kernels/include/tilearn_kernels.h`, bound in [`ffi`] by `cargo xtask build-kernels`) on
+//! cudarc's stream, which the statically linked CUDA runtime accepts as a `cudaStream_t`.
+//! Every wrapper checks lengths and devices before the launch and returns
+//! [`OpsError::Cuda`](crate::OpsError::Cuda) with the runtime's error name when a launcher fails.
+//! Launches are asynchronous: results are visible to later work on the same stream, and to the
+//! host after [`GpuDevice::synchronize`] or a device-to-host copy on that stream.
+
+#[allow(
+    non_camel_case_types,
+    non_snake_case,
+    non_upper_case_globals,
+    dead_code,
+    clippy::all
+)]
+mod ffi;
+
+mod cast;
+mod device;
+mod launch;
+mod norm;
+
+pub use cast::{cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16};
+pub use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+};
+pub use device::GpuDevice;
+pub use norm::{
+    rmsnorm_backward_bf16, rmsnorm_backward_f32, rmsnorm_forward_bf16, rmsnorm_forward_f32,
+};

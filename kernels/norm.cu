@@ -1,0 +1,222 @@
+// norm.cu: RMSNorm forward and backward (Hugging Face LlamaRMSNorm),
+//   y = w * x * rstd,  rstd = 1 / sqrt(mean(x^2) + eps)   (mean over the last axis).
+//
+// Fused:     forward: the sum of squares, rstd and the scaling by w in one pass per row (rstd
+//            is saved for the backward). Backward: dx and the per-row contribution to dweight in
+//            one pass per row; a second small kernel reduces the dweight partials.
+// Layout:    x, out, dout, dx are row-major [rows, dim]; weight and dweight are [dim]; rstd is
+//            [rows]. One thread block per row in the forward; one block per chunk of consecutive
+//            rows in the backward.
+// Precision: inputs f32 or bf16; all arithmetic and accumulation in f32; rstd and dweight are
+//            always f32; out / dx are stored in the input type. The bf16 forward rounds like
+//            PyTorch's LlamaRMSNorm: out = bf16(w * bf16(x * rstd)).
+// Gradients: dx is written (`=`); dweight is accumulated (`+=`), deterministically: each block
+//            sums its rows' dy * x * rstd into its own partial (shared memory, or its own slice
+//            of scratch for very wide rows), then one thread per column adds the partials in
+//            chunk order. No float atomics, so the result is bit-identical run to run.
+//            The chunking depends only on (rows, dim).
+
+#include <cuda_bf16.h>
+
+#include "tilearn_kernels.h"
+
+namespace {
+
+constexpr size_t kMaxChunks = 512;          // dweight partials: at most this many rows of scratch
+constexpr size_t kMaxSharedDweight = 12288; // widest row whose dweight partial fits in 48 KiB smem
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// Sum over the block in a fixed order (warp butterflies, then the warp sums in warp order).
+// blockDim.x must be a multiple of 32. Every thread gets the total.
+__device__ float block_sum(float v) {
+    __shared__ float warp_sums[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    v = lane < blockDim.x / 32 ? warp_sums[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();  // warp_sums may be reused by the next call
+    return v;
+}
+
+unsigned threads_for(size_t dim) {
+    if (dim <= 512) return 64;
+    if (dim <= 2048) return 128;
+    if (dim <= 8192) return 256;
+    return 512;
+}
+
+template <typename T>
+__global__ void rmsnorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+                                       size_t dim, float eps, T* __restrict__ out,
+                                       float* __restrict__ rstd) {
+    const size_t row = blockIdx.x;
+    const T* xr = x + row * dim;
+    T* outr = out + row * dim;
+    float ss = 0.0f;
+    for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = to_f32(xr[i]);
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float r = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+    for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float normed = to_f32(from_f32<T>(to_f32(xr[i]) * r));
+        outr[i] = from_f32<T>(to_f32(weight[i]) * normed);
+    }
+    if (threadIdx.x == 0) rstd[row] = r;
+}
+
+// One block per chunk of `rows_per_chunk` rows. dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x)).
+// The chunk's dweight partial lives in shared memory (kSharedAcc) or in its scratch row.
+template <typename T, bool kSharedAcc>
+__global__ void rmsnorm_backward_kernel(const T* __restrict__ dout, const T* __restrict__ x,
+                                        const T* __restrict__ weight,
+                                        const float* __restrict__ rstd, size_t rows, size_t dim,
+                                        size_t rows_per_chunk, T* __restrict__ dx,
+                                        float* __restrict__ partials) {
+    extern __shared__ float shared_acc[];
+    float* acc = kSharedAcc ? shared_acc : partials + blockIdx.x * dim;
+    // Each thread only ever touches its own columns i = threadIdx.x + k * blockDim.x of acc.
+    for (size_t i = threadIdx.x; i < dim; i += blockDim.x) acc[i] = 0.0f;
+    const size_t begin = blockIdx.x * rows_per_chunk;
+    const size_t end = begin + rows_per_chunk < rows ? begin + rows_per_chunk : rows;
+    for (size_t row = begin; row < end; ++row) {
+        const T* dyr = dout + row * dim;
+        const T* xr = x + row * dim;
+        T* dxr = dx + row * dim;
+        const float r = rstd[row];
+        float dot = 0.0f;
+        for (size_t i = threadIdx.x; i < dim; i += blockDim.x)
+            dot += to_f32(weight[i]) * to_f32(dyr[i]) * to_f32(xr[i]);
+        dot = block_sum(dot);
+        const float c = dot * r * r / static_cast<float>(dim);
+        for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
+            const float dy = to_f32(dyr[i]);
+            const float xv = to_f32(xr[i]);
+            dxr[i] = from_f32<T>(r * (to_f32(weight[i]) * dy - xv * c));
+            acc[i] += dy * xv * r;
+        }
+    }
+    if (kSharedAcc) {
+        float* mine = partials + blockIdx.x * dim;
+        for (size_t i = threadIdx.x; i < dim; i += blockDim.x) mine[i] = acc[i];
+    }
+}
+
+// dweight[j] += sum over chunks c (in order) of partials[c, j].
+__global__ void reduce_partials_kernel(const float* __restrict__ partials, size_t chunks,
+                                       size_t dim, float* __restrict__ dweight) {
+    const size_t j = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (j >= dim) return;
+    float s = 0.0f;
+    for (size_t c = 0; c < chunks; ++c) s += partials[c * dim + j];
+    dweight[j] += s;
+}
+
+size_t rows_per_chunk(size_t rows) { return (rows + kMaxChunks - 1) / kMaxChunks; }
+
+size_t chunk_count(size_t rows) {
+    if (rows == 0) return 0;
+    const size_t per = rows_per_chunk(rows);
+    return (rows + per - 1) / per;
+}
+
+bool shape_ok(size_t rows, size_t dim) {
+    return rows <= 0x7fffffffu && (dim == 0 || rows <= SIZE_MAX / dim);
+}
+
+template <typename T>
+int launch_forward(const void* x, const void* weight, size_t rows, size_t dim, float eps,
+                   void* out, float* rstd, cudaStream_t stream) {
+    if (!shape_ok(rows, dim) || !(eps >= 0.0f) || eps == INFINITY)
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (dim == 0 || x == nullptr || weight == nullptr || out == nullptr || rstd == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
+    rmsnorm_forward_kernel<T><<<static_cast<unsigned>(rows), threads_for(dim), 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(weight), dim, eps, static_cast<T*>(out),
+        rstd);
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+int launch_backward(const void* dout, const void* x, const void* weight, const float* rstd,
+                    size_t rows, size_t dim, void* dx, float* dweight, float* scratch,
+                    size_t scratch_len, cudaStream_t stream) {
+    if (!shape_ok(rows, dim)) return static_cast<int>(cudaErrorInvalidValue);
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (dim == 0 || dout == nullptr || x == nullptr || weight == nullptr || rstd == nullptr ||
+        dx == nullptr || dweight == nullptr || scratch == nullptr ||
+        scratch_len < tilearn_rmsnorm_backward_scratch_len(rows, dim))
+        return static_cast<int>(cudaErrorInvalidValue);
+    const size_t chunks = chunk_count(rows);
+    const unsigned threads = threads_for(dim);
+    const T* dy = static_cast<const T*>(dout);
+    const T* xs = static_cast<const T*>(x);
+    const T* w = static_cast<const T*>(weight);
+    T* dxs = static_cast<T*>(dx);
+    if (dim <= kMaxSharedDweight) {
+        rmsnorm_backward_kernel<T, true>
+            <<<static_cast<unsigned>(chunks), threads, dim * sizeof(float), stream>>>(
+                dy, xs, w, rstd, rows, dim, rows_per_chunk(rows), dxs, scratch);
+    } else {
+        rmsnorm_backward_kernel<T, false><<<static_cast<unsigned>(chunks), threads, 0, stream>>>(
+            dy, xs, w, rstd, rows, dim, rows_per_chunk(rows), dxs, scratch);
+    }
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return static_cast<int>(err);
+    const unsigned reduce_threads = 256;
+    const size_t reduce_blocks = (dim + reduce_threads - 1) / reduce_threads;
+    reduce_partials_kernel<<<static_cast<unsigned>(reduce_blocks), reduce_threads, 0, stream>>>(
+        scratch, chunks, dim, dweight);
+    return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+extern "C" size_t tilearn_rmsnorm_backward_scratch_len(size_t rows, size_t dim) {
+    if (!shape_ok(rows, dim)) return SIZE_MAX;
+    return chunk_count(rows) * dim;
+}
+
+extern "C" int tilearn_rmsnorm_forward_f32(const float* x, const float* weight, size_t rows,
+                                           size_t dim, float eps, float* out, float* rstd,
+                                           cudaStream_t stream) {
+    return launch_forward<float>(x, weight, rows, dim, eps, out, rstd, stream);
+}
+
+extern "C" int tilearn_rmsnorm_forward_bf16(const tilearn_bf16* x, const tilearn_bf16* weight,
+                                            size_t rows, size_t dim, float eps, tilearn_bf16* out,
+                                            float* rstd, cudaStream_t stream) {
+    return launch_forward<__nv_bfloat16>(x, weight, rows, dim, eps, out, rstd, stream);
+}
+
+extern "C" int tilearn_rmsnorm_backward_f32(const float* dout, const float* x,
+                                            const float* weight, const float* rstd, size_t rows,
+                                            size_t dim, float* dx, float* dweight, float* scratch,
+                                            size_t scratch_len, cudaStream_t stream) {
+    return launch_backward<float>(dout, x, weight, rstd, rows, dim, dx, dweight, scratch,
+                                  scratch_len, stream);
+}
+
+extern "C" int tilearn_rmsnorm_backward_bf16(const tilearn_bf16* dout, const tilearn_bf16* x,
+                                             const tilearn_bf16* weight, const float* rstd,
+                                             size_t rows, size_t dim, tilearn_bf16* dx,
+                                             float* dweight, float* scratch, size_t scratch_len,
+                                             cudaStream_t stream) {
+    return launch_backward<__nv_bfloat16>(dout, x, weight, rstd, rows, dim, dx, dweight, scratch,
+                                          scratch_len, stream);
+}

@@ -1,1 +1,386 @@
-//! (in progress)
+//! `LlamaForCausalLM` on the CPU: forward (logits), and forward + backward with the Hugging
+//! Face causal-LM loss, over one flat parameter buffer.
+//!
+//! The compute is generic over [`Real`]: the model trains in f32 (its
+//! [`ParamStore`]), and [`LlamaForCausalLM::forward_backward_with`] runs the same code on an f64
+//! copy of the parameters for the finite-difference tests.
+
+mod activations;
+mod block;
+mod layout;
+
+use std::path::Path;
+
+use tilearn_ops::DType;
+use tilearn_ops::cpu::{
+    IGNORE_INDEX, Real, cross_entropy_fused, embedding_backward, embedding_forward,
+    linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward,
+};
+
+pub use activations::{Activations, GradScratch, LayerActs};
+pub use layout::{LayerLayout, LinearLayout, ModelLayout};
+
+use block::{Dims, block_backward, block_forward};
+
+use crate::checkpoint;
+use crate::config::LlamaConfig;
+use crate::error::{EngineError, Result};
+use crate::params::ParamStore;
+
+/// Loss of one `forward_backward` call.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LossStats {
+    /// Sum of the per-token cross entropies (natural log) over the non-ignored targets.
+    pub loss_sum: f64,
+    /// Number of non-ignored targets.
+    pub valid_tokens: usize,
+}
+
+impl LossStats {
+    /// Mean loss over this call's targets (0 when there are none).
+    pub fn mean(&self) -> f64 {
+        if self.valid_tokens == 0 {
+            0.0
+        } else {
+            self.loss_sum / self.valid_tokens as f64
+        }
+    }
+}
+
+/// Number of non-ignored targets in Hugging Face *unshifted* `labels` (`[batch, seq]`): position
+/// `t` predicts `labels[t + 1]`, so the first label of each sequence is never a target.
+pub fn count_valid_targets(labels: &[i32], batch: usize, seq: usize) -> usize {
+    if seq == 0 {
+        return 0;
+    }
+    labels
+        .chunks(seq)
+        .take(batch)
+        .map(|row| row[1..].iter().filter(|&&l| l != IGNORE_INDEX).count())
+        .sum()
+}
+
+/// A Llama causal language model: configuration plus the flat f32 parameters.
+#[derive(Clone, Debug)]
+pub struct LlamaForCausalLM {
+    pub config: LlamaConfig,
+    pub params: ParamStore,
+}
+
+impl LlamaForCausalLM {
+    /// A freshly initialised model (Hugging Face `_init_weights` scheme, `initializer_range`).
+    pub fn from_config(config: LlamaConfig, seed: u64) -> LlamaForCausalLM {
+        let mut params = ParamStore::from_config(&config);
+        params.init_random_with_pad(seed, config.initializer_range, config.pad_token_id);
+        LlamaForCausalLM { config, params }
+    }
+
+    /// Loads `config.json` and the safetensors weights of a Hugging Face checkpoint directory.
+    pub fn from_pretrained(dir: impl AsRef<Path>) -> Result<LlamaForCausalLM> {
+        let dir = dir.as_ref();
+        let config = LlamaConfig::from_file(dir.join(checkpoint::CONFIG_FILE))?;
+        let params = checkpoint::load_params(dir, &config)?;
+        Ok(LlamaForCausalLM { config, params })
+    }
+
+    /// Writes `config.json` and the weights (in `dtype`, sharded above `max_shard_bytes`) so
+    /// that transformers' `from_pretrained` loads them.
+    pub fn save_pretrained(
+        &self,
+        dir: impl AsRef<Path>,
+        dtype: DType,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<()> {
+        checkpoint::save_pretrained(
+            dir.as_ref(),
+            &self.config,
+            &self.params,
+            dtype,
+            max_shard_bytes,
+        )
+    }
+
+    /// The resolved parameter layout (ranges into `params.data` and gradient buffers).
+    pub fn layout(&self) -> ModelLayout {
+        ModelLayout::from_config(&self.config)
+    }
+
+    /// Logits `[batch * seq * vocab]` of `ids` (`[batch, seq]`), borrowed from `acts`.
+    pub fn forward_logits<'a>(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        seq: usize,
+        acts: &'a mut Activations<f32>,
+    ) -> Result<&'a [f32]> {
+        self.forward_logits_with(&self.params.data, ids, batch, seq, acts)
+    }
+
+    /// Forward and backward with Hugging Face *unshifted* `labels` (`-100` = ignore; target of
+    /// position `t` is `labels[t + 1]`). The loss is `loss_sum / loss_denominator`, the
+    /// denominator defaulting to this call's number of valid targets (pass the whole
+    /// accumulated batch's [`count_valid_targets`] when accumulating). Parameter gradients are
+    /// added into `grads` (same layout as `params.data`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward(
+        &self,
+        ids: &[u32],
+        labels: &[i32],
+        batch: usize,
+        seq: usize,
+        loss_denominator: Option<f64>,
+        acts: &mut Activations<f32>,
+        grads: &mut [f32],
+    ) -> Result<LossStats> {
+        self.forward_backward_with(
+            &self.params.data,
+            ids,
+            labels,
+            batch,
+            seq,
+            loss_denominator,
+            acts,
+            grads,
+        )
+    }
+
+    /// [`Self::forward_logits`] on another copy of the parameters (same layout, any [`Real`]).
+    pub fn forward_logits_with<'a, R: Real>(
+        &self,
+        params: &[R],
+        ids: &[u32],
+        batch: usize,
+        seq: usize,
+        acts: &'a mut Activations<R>,
+    ) -> Result<&'a [R]> {
+        let d = self.check_call(params, ids, batch, seq, acts)?;
+        forward(&d, params, ids, acts)?;
+        Ok(&acts.logits[..d.n * d.vocab])
+    }
+
+    /// [`Self::forward_backward`] on another copy of the parameters (same layout, any
+    /// [`Real`]); `grads` has the same layout.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward_with<R: Real>(
+        &self,
+        params: &[R],
+        ids: &[u32],
+        labels: &[i32],
+        batch: usize,
+        seq: usize,
+        loss_denominator: Option<f64>,
+        acts: &mut Activations<R>,
+        grads: &mut [R],
+    ) -> Result<LossStats> {
+        let d = self.check_call(params, ids, batch, seq, acts)?;
+        if labels.len() != d.n {
+            return Err(invalid(
+                "labels",
+                format!("has {} entries but batch * seq = {}", labels.len(), d.n),
+            ));
+        }
+        if grads.len() != acts.layout.numel {
+            return Err(invalid(
+                "grads",
+                format!(
+                    "has {} entries but the model has {} parameters; allocate it like params.data",
+                    grads.len(),
+                    acts.layout.numel
+                ),
+            ));
+        }
+        let valid = count_valid_targets(labels, batch, seq);
+        let denominator = match loss_denominator {
+            None => valid as f64,
+            Some(x) if x >= 0.0 && x.is_finite() => x,
+            Some(x) => {
+                return Err(invalid(
+                    "loss_denominator",
+                    format!("{x} is not a non-negative finite number; pass the token count"),
+                ));
+            }
+        };
+        // Shift: position t predicts labels[t + 1]; the last position of a sequence has no target.
+        for (trow, lrow) in acts.targets[..d.n].chunks_mut(seq).zip(labels.chunks(seq)) {
+            trow[..seq - 1].copy_from_slice(&lrow[1..]);
+            trow[seq - 1] = IGNORE_INDEX;
+        }
+
+        forward(&d, params, ids, acts)?;
+
+        let Activations {
+            checkpointing,
+            layout,
+            rope,
+            resid,
+            layers,
+            final_rstd,
+            final_xn,
+            logits,
+            targets,
+            grad,
+            ..
+        } = acts;
+        let (n, c) = (d.n, d.c);
+        let slab = n * c;
+        let nl = layout.layers.len();
+
+        // Cross entropy in place: logits become d(loss_sum / denominator)/d(logits).
+        let grad_scale = if denominator > 0.0 {
+            1.0 / denominator
+        } else {
+            0.0
+        };
+        let logits = &mut logits[..n * d.vocab];
+        let ce = cross_entropy_fused(logits, &targets[..n], d.vocab, grad_scale)?;
+
+        // lm_head and final norm.
+        linear_backward(
+            logits,
+            &final_xn[..slab],
+            &params[layout.lm_head.clone()],
+            n,
+            c,
+            d.vocab,
+            Some(&mut grad.dxn[..slab]),
+            &mut grads[layout.lm_head.clone()],
+            None,
+        );
+        rmsnorm_backward(
+            &grad.dxn[..slab],
+            &resid[nl * slab..(nl + 1) * slab],
+            &params[layout.norm.clone()],
+            &final_rstd[..n],
+            c,
+            &mut grad.dres[..slab],
+            &mut grads[layout.norm.clone()],
+        );
+
+        for (i, lay) in layout.layers.iter().enumerate().rev() {
+            let x = &resid[i * slab..(i + 1) * slab];
+            let a = if *checkpointing {
+                // The scratch still holds the last layer from the forward.
+                if i + 1 != nl {
+                    block_forward(&d, lay, params, rope, x, &mut layers[0], None);
+                }
+                &layers[0]
+            } else {
+                &layers[i]
+            };
+            block_backward(&d, lay, params, grads, rope, x, a, grad);
+        }
+        embedding_backward(ids, &grad.dres[..slab], c, &mut grads[layout.embed.clone()]);
+
+        debug_assert_eq!(ce.valid, valid);
+        Ok(LossStats {
+            loss_sum: ce.loss_sum,
+            valid_tokens: ce.valid,
+        })
+    }
+
+    fn check_call<R: Real>(
+        &self,
+        params: &[R],
+        ids: &[u32],
+        batch: usize,
+        seq: usize,
+        acts: &Activations<R>,
+    ) -> Result<Dims> {
+        let layout = &acts.layout;
+        if params.len() != layout.numel {
+            return Err(invalid(
+                "params",
+                format!(
+                    "has {} entries but the model has {} parameters",
+                    params.len(),
+                    layout.numel
+                ),
+            ));
+        }
+        if batch == 0 || seq == 0 {
+            return Err(invalid("batch/seq", "must both be positive".to_string()));
+        }
+        if ids.len() != batch * seq {
+            return Err(invalid(
+                "ids",
+                format!(
+                    "has {} entries but batch * seq = {}",
+                    ids.len(),
+                    batch * seq
+                ),
+            ));
+        }
+        let prefix_ok = seq == acts.seq || (seq < acts.seq && acts.rope_prefix_ok);
+        if batch > acts.batch || !prefix_ok {
+            return Err(invalid(
+                "activations",
+                format!(
+                    "built for batch {} x seq {}, called with batch {batch} x seq {seq}; build \
+                     Activations::new(config, {batch}, {seq}, ..)",
+                    acts.batch, acts.seq
+                ),
+            ));
+        }
+        if acts.resid.len()
+            != (self.config.num_hidden_layers + 1) * acts.batch * acts.seq * self.config.hidden_size
+            || acts.logits.len() != acts.batch * acts.seq * self.config.vocab_size
+        {
+            return Err(invalid(
+                "activations",
+                "were built for another config; build them with this model's config".to_string(),
+            ));
+        }
+        Ok(Dims::new(&self.config, batch, seq))
+    }
+}
+
+fn invalid(argument: &str, message: String) -> EngineError {
+    EngineError::InvalidArgument {
+        argument: argument.to_string(),
+        message,
+    }
+}
+
+/// Forward through the final norm and `lm_head` into `acts.logits`.
+fn forward<R: Real>(d: &Dims, params: &[R], ids: &[u32], acts: &mut Activations<R>) -> Result<()> {
+    let Activations {
+        layout,
+        rope,
+        resid,
+        layers,
+        final_rstd,
+        final_xn,
+        logits,
+        ..
+    } = acts;
+    let (n, c) = (d.n, d.c);
+    let slab = n * c;
+    let nl = layout.layers.len();
+    embedding_forward(ids, &params[layout.embed.clone()], c, &mut resid[..slab])?;
+    let single = layers.len() == 1;
+    for (i, lay) in layout.layers.iter().enumerate() {
+        let (before, after) = resid.split_at_mut((i + 1) * slab);
+        let x = &before[i * slab..];
+        let out = &mut after[..slab];
+        let a = &mut layers[if single { 0 } else { i }];
+        block_forward(d, lay, params, rope, x, a, Some(out));
+    }
+    rmsnorm_forward(
+        &resid[nl * slab..(nl + 1) * slab],
+        &params[layout.norm.clone()],
+        c,
+        d.eps,
+        &mut final_xn[..slab],
+        &mut final_rstd[..n],
+    );
+    linear_forward(
+        &final_xn[..slab],
+        &params[layout.lm_head.clone()],
+        None,
+        n,
+        c,
+        d.vocab,
+        &mut logits[..n * d.vocab],
+    );
+    Ok(())
+}

@@ -1,0 +1,165 @@
+//! Loading Hugging Face safetensors weights (single file or sharded) into a [`ParamStore`].
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::safetensors_io::{MappedFile, decode_into};
+use super::{INDEX_FILE, SINGLE_FILE};
+use crate::config::LlamaConfig;
+use crate::error::{EngineError, Result};
+use crate::params::ParamStore;
+
+/// Loads the weights in `dir` for a model described by `config`.
+pub fn load_params(dir: &Path, config: &LlamaConfig) -> Result<ParamStore> {
+    let mut params = ParamStore::from_config(config);
+    load_params_into(dir, &mut params)?;
+    Ok(params)
+}
+
+/// The files holding the weights and, for a sharded checkpoint, the tensor → file map.
+struct Layout {
+    files: Vec<PathBuf>,
+    weight_map: Option<serde_json::Map<String, Value>>,
+    index_path: PathBuf,
+}
+
+fn layout(dir: &Path) -> Result<Layout> {
+    let index_path = dir.join(INDEX_FILE);
+    let single = dir.join(SINGLE_FILE);
+    if index_path.is_file() {
+        let text = std::fs::read_to_string(&index_path)
+            .map_err(|e| EngineError::io(&index_path, "read", e))?;
+        let bad = |message: String| EngineError::Checkpoint {
+            file: index_path.clone(),
+            tensor: "<index>".into(),
+            message,
+        };
+        let value: Value = serde_json::from_str(&text)
+            .map_err(|e| bad(format!("not valid JSON ({e}); re-save the checkpoint")))?;
+        let Some(Value::Object(map)) = value.get("weight_map") else {
+            return Err(bad(
+                "has no \"weight_map\" object; re-save the checkpoint (transformers writes \
+                 {\"metadata\": {...}, \"weight_map\": {tensor: file}})"
+                    .into(),
+            ));
+        };
+        let mut files = BTreeSet::new();
+        for (tensor, file) in map {
+            let Some(file) = file.as_str() else {
+                return Err(EngineError::Checkpoint {
+                    file: index_path.clone(),
+                    tensor: tensor.clone(),
+                    message: format!("weight_map entry {file} is not a file name string"),
+                });
+            };
+            if file.contains('/') || file.contains('\\') || file == ".." {
+                return Err(EngineError::Checkpoint {
+                    file: index_path.clone(),
+                    tensor: tensor.clone(),
+                    message: format!(
+                        "weight_map entry \"{file}\" is not a plain file name in the checkpoint \
+                         directory"
+                    ),
+                });
+            }
+            files.insert(file.to_string());
+        }
+        Ok(Layout {
+            files: files.into_iter().map(|f| dir.join(f)).collect(),
+            weight_map: Some(map.clone()),
+            index_path,
+        })
+    } else if single.is_file() {
+        Ok(Layout {
+            files: vec![single],
+            weight_map: None,
+            index_path,
+        })
+    } else {
+        Err(EngineError::Checkpoint {
+            file: single,
+            tensor: "<all>".into(),
+            message: format!(
+                "no {SINGLE_FILE} and no {INDEX_FILE} in {}; point to a directory saved by \
+                 save_pretrained",
+                dir.display()
+            ),
+        })
+    }
+}
+
+/// Tensors a Llama checkpoint may hold that the model does not take: a tied model's
+/// `lm_head.weight` (transformers ignores it too) and rotary `inv_freq` buffers of old saves.
+fn ignorable(name: &str, params: &ParamStore) -> bool {
+    (name == "lm_head.weight" && params.spec("lm_head.weight").is_none())
+        || name.ends_with("rotary_emb.inv_freq")
+}
+
+/// Loads the weights in `dir` into `params` (whose layout says which tensors are expected).
+pub fn load_params_into(dir: &Path, params: &mut ParamStore) -> Result<()> {
+    let layout = layout(dir)?;
+    let mut loaded = vec![false; params.specs.len()];
+    for path in &layout.files {
+        let mapped = MappedFile::open(path)?;
+        let st = mapped.tensors()?;
+        let mut names = st.names();
+        names.sort_unstable();
+        for name in names {
+            let err = |message: String| EngineError::Checkpoint {
+                file: path.clone(),
+                tensor: name.to_string(),
+                message,
+            };
+            let Some(i) = params.specs.iter().position(|s| s.name == name) else {
+                if ignorable(name, params) {
+                    continue;
+                }
+                return Err(err(
+                    "unexpected tensor: a LlamaForCausalLM with this config.json has no such \
+                     parameter; check num_hidden_layers, attention_bias, mlp_bias and \
+                     tie_word_embeddings in config.json"
+                        .into(),
+                ));
+            };
+            let view = st.tensor(name).map_err(|e| err(format!("{e}")))?;
+            let spec = &params.specs[i];
+            if view.shape() != spec.shape.as_slice() {
+                return Err(err(format!(
+                    "has shape {:?} but config.json expects {:?}; the weights do not match \
+                     config.json",
+                    view.shape(),
+                    spec.shape
+                )));
+            }
+            if loaded[i] {
+                return Err(err(
+                    "appears in more than one file; keep one copy per tensor".into(),
+                ));
+            }
+            let range = spec.range();
+            decode_into(view.dtype(), view.data(), &mut params.data[range]).map_err(err)?;
+            loaded[i] = true;
+        }
+    }
+    if let Some(i) = loaded.iter().position(|&l| !l) {
+        let spec = &params.specs[i];
+        let file = match &layout.weight_map {
+            Some(map) => match map.get(&spec.name).and_then(Value::as_str) {
+                Some(f) => dir.join(f),
+                None => layout.index_path.clone(),
+            },
+            None => layout.files[0].clone(),
+        };
+        return Err(EngineError::Checkpoint {
+            file,
+            tensor: spec.name.clone(),
+            message: format!(
+                "missing (expected shape {:?}); the weights do not match config.json",
+                spec.shape
+            ),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,263 @@
+//! One Llama decoder layer, forward and backward, on prefixes of the arena's buffers.
+//!
+//! ```text
+//! h   = x + o_proj(attn(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = input_layernorm(x)
+//! out = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                    n2 = post_attention_layernorm(h)
+//! ```
+//! Gradient convention: `dres` holds d(loss)/d(out) on entry and d(loss)/d(x) on return
+//! (written); parameter gradients are accumulated (`+=`).
+
+use std::ops::Range;
+
+use tilearn_ops::cpu::{
+    AttnShape, Real, RopeTable, add_inplace, attention_backward, attention_forward,
+    linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward, rope_backward,
+    rope_forward, swiglu_backward, swiglu_forward,
+};
+
+use super::activations::{GradScratch, LayerActs};
+use super::layout::{LayerLayout, LinearLayout};
+use crate::config::LlamaConfig;
+
+/// Sizes of one call: `n = batch * seq` rows plus the model widths.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    pub batch: usize,
+    pub seq: usize,
+    pub n: usize,
+    pub c: usize,
+    pub q: usize,
+    pub kv: usize,
+    pub inter: usize,
+    pub vocab: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f64,
+}
+
+impl Dims {
+    pub fn new(config: &LlamaConfig, batch: usize, seq: usize) -> Dims {
+        Dims {
+            batch,
+            seq,
+            n: batch * seq,
+            c: config.hidden_size,
+            q: config.q_dim(),
+            kv: config.kv_dim(),
+            inter: config.intermediate_size,
+            vocab: config.vocab_size,
+            q_heads: config.num_attention_heads,
+            kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+            eps: config.rms_norm_eps,
+        }
+    }
+
+    fn attn(&self) -> AttnShape {
+        AttnShape {
+            batch: self.batch,
+            seq: self.seq,
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+}
+
+fn linear_fwd<R: Real>(
+    p: &[R],
+    l: &LinearLayout,
+    x: &[R],
+    rows: usize,
+    in_f: usize,
+    out_f: usize,
+    out: &mut [R],
+) {
+    let bias = l.bias.as_ref().map(|b| &p[b.clone()]);
+    linear_forward(x, &p[l.weight.clone()], bias, rows, in_f, out_f, out);
+}
+
+/// Two disjoint mutable ranges of `g` (the weight before its bias, as in the layout).
+fn two_mut<R>(g: &mut [R], a: Range<usize>, b: Range<usize>) -> (&mut [R], &mut [R]) {
+    assert!(
+        a.end <= b.start,
+        "two_mut: ranges must be ordered and disjoint"
+    );
+    let (lo, hi) = g.split_at_mut(b.start);
+    (&mut lo[a], &mut hi[..b.end - b.start])
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear_bwd<R: Real>(
+    p: &[R],
+    g: &mut [R],
+    l: &LinearLayout,
+    dout: &[R],
+    x: &[R],
+    rows: usize,
+    in_f: usize,
+    out_f: usize,
+    dx: Option<&mut [R]>,
+) {
+    let w = &p[l.weight.clone()];
+    match &l.bias {
+        Some(b) => {
+            let (dw, db) = two_mut(g, l.weight.clone(), b.clone());
+            linear_backward(dout, x, w, rows, in_f, out_f, dx, dw, Some(db));
+        }
+        None => linear_backward(
+            dout,
+            x,
+            w,
+            rows,
+            in_f,
+            out_f,
+            dx,
+            &mut g[l.weight.clone()],
+            None,
+        ),
+    }
+}
+
+/// Forward of one block from `x` (`[n, C]`) into `a`. `out` (`[n, C]`) receives the block
+/// output; `None` (recomputation inside the backward) skips `down_proj`, which the backward
+/// does not need.
+pub(crate) fn block_forward<R: Real>(
+    d: &Dims,
+    lay: &LayerLayout,
+    p: &[R],
+    rope: &RopeTable,
+    x: &[R],
+    a: &mut LayerActs<R>,
+    out: Option<&mut [R]>,
+) {
+    let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
+    let xn1 = &mut a.xn1[..n * c];
+    rmsnorm_forward(
+        x,
+        &p[lay.input_norm.clone()],
+        c,
+        d.eps,
+        xn1,
+        &mut a.rstd1[..n],
+    );
+    let xn1 = &a.xn1[..n * c];
+    let qb = &mut a.q[..n * q];
+    let kb = &mut a.k[..n * kv];
+    let vb = &mut a.v[..n * kv];
+    linear_fwd(p, &lay.q, xn1, n, c, q, qb);
+    linear_fwd(p, &lay.k, xn1, n, c, kv, kb);
+    linear_fwd(p, &lay.v, xn1, n, c, kv, vb);
+    rope_forward(qb, d.batch, d.seq, d.q_heads, d.head_dim, rope);
+    rope_forward(kb, d.batch, d.seq, d.kv_heads, d.head_dim, rope);
+    let att = &mut a.att[..n * q];
+    attention_forward(d.attn(), qb, kb, vb, att, &mut a.lse[..n * d.q_heads]);
+    let h = &mut a.h[..n * c];
+    linear_fwd(p, &lay.o, att, n, q, c, h);
+    add_inplace(h, x);
+    let xn2 = &mut a.xn2[..n * c];
+    rmsnorm_forward(
+        h,
+        &p[lay.post_attention_norm.clone()],
+        c,
+        d.eps,
+        xn2,
+        &mut a.rstd2[..n],
+    );
+    let (gate, up, act) = (
+        &mut a.gate[..n * inter],
+        &mut a.up[..n * inter],
+        &mut a.act[..n * inter],
+    );
+    linear_fwd(p, &lay.gate, xn2, n, c, inter, gate);
+    linear_fwd(p, &lay.up, xn2, n, c, inter, up);
+    swiglu_forward(gate, up, act);
+    if let Some(out) = out {
+        linear_fwd(p, &lay.down, act, n, inter, c, out);
+        add_inplace(out, h);
+    }
+}
+
+/// Backward of one block: `s.dres` holds d/d(out) on entry and d/d(x) on return; parameter
+/// gradients are added into `g`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_backward<R: Real>(
+    d: &Dims,
+    lay: &LayerLayout,
+    p: &[R],
+    g: &mut [R],
+    rope: &RopeTable,
+    x: &[R],
+    a: &LayerActs<R>,
+    s: &mut GradScratch<R>,
+) {
+    let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
+    let dres = &mut s.dres[..n * c];
+    let dxn = &mut s.dxn[..n * c];
+    let dtmp = &mut s.dtmp[..n * c];
+    let (dgate, dup, dact) = (
+        &mut s.dgate[..n * inter],
+        &mut s.dup[..n * inter],
+        &mut s.dact[..n * inter],
+    );
+    let xn1 = &a.xn1[..n * c];
+    let xn2 = &a.xn2[..n * c];
+    let h = &a.h[..n * c];
+
+    // MLP: out = h + down(silu(gate(n2)) * up(n2)).
+    linear_bwd(
+        p,
+        g,
+        &lay.down,
+        dres,
+        &a.act[..n * inter],
+        n,
+        inter,
+        c,
+        Some(&mut *dact),
+    );
+    swiglu_backward(dact, &a.gate[..n * inter], &a.up[..n * inter], dgate, dup);
+    linear_bwd(p, g, &lay.gate, dgate, xn2, n, c, inter, Some(&mut *dxn));
+    linear_bwd(p, g, &lay.up, dup, xn2, n, c, inter, Some(&mut *dtmp));
+    add_inplace(dxn, dtmp);
+    let post = lay.post_attention_norm.clone();
+    rmsnorm_backward(
+        dxn,
+        h,
+        &p[post.clone()],
+        &a.rstd2[..n],
+        c,
+        dtmp,
+        &mut g[post],
+    );
+    add_inplace(dres, dtmp); // dres = d/dh
+
+    // Attention: h = x + o(attn(...)).
+    let datt = &mut s.datt[..n * q];
+    let (dq, dk, dv) = (&mut s.dq[..n * q], &mut s.dk[..n * kv], &mut s.dv[..n * kv]);
+    let att = &a.att[..n * q];
+    linear_bwd(p, g, &lay.o, dres, att, n, q, c, Some(&mut *datt));
+    attention_backward(
+        d.attn(),
+        datt,
+        &a.q[..n * q],
+        &a.k[..n * kv],
+        &a.v[..n * kv],
+        att,
+        &a.lse[..n * d.q_heads],
+        dq,
+        dk,
+        dv,
+    );
+    rope_backward(dq, d.batch, d.seq, d.q_heads, d.head_dim, rope);
+    rope_backward(dk, d.batch, d.seq, d.kv_heads, d.head_dim, rope);
+    linear_bwd(p, g, &lay.q, dq, xn1, n, c, q, Some(&mut *dxn));
+    linear_bwd(p, g, &lay.k, dk, xn1, n, c, kv, Some(&mut *dtmp));
+    add_inplace(dxn, dtmp);
+    linear_bwd(p, g, &lay.v, dv, xn1, n, c, kv, Some(&mut *dtmp));
+    add_inplace(dxn, dtmp);
+    let inp = lay.input_norm.clone();
+    rmsnorm_backward(dxn, x, &p[inp.clone()], &a.rstd1[..n], c, dtmp, &mut g[inp]);
+    add_inplace(dres, dtmp); // dres = d/dx
+}

@@ -1,0 +1,289 @@
+//! `LlamaConfig` parsing: both Hugging Face forms, the round trip, and one-line errors that name
+//! the file and the field.
+
+use tilearn_engine::EngineError;
+use tilearn_engine::config::{LlamaConfig, RopeScalingConfig};
+use tilearn_ops::DType;
+
+const V4: &str = r#"{
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 128000,
+  "eos_token_id": [128001, 128008, 128009],
+  "hidden_act": "silu",
+  "hidden_size": 64,
+  "initializer_range": 0.02,
+  "intermediate_size": 176,
+  "max_position_embeddings": 131072,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 8,
+  "num_hidden_layers": 2,
+  "num_key_value_heads": 2,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3"
+  },
+  "rope_theta": 500000.0,
+  "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.45.0",
+  "use_cache": true,
+  "vocab_size": 1000
+}"#;
+
+const V5: &str = r#"{
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 128000,
+  "dtype": "bfloat16",
+  "eos_token_id": [128001, 128008, 128009],
+  "head_dim": 8,
+  "hidden_act": "silu",
+  "hidden_size": 64,
+  "initializer_range": 0.02,
+  "intermediate_size": 176,
+  "max_position_embeddings": 131072,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 8,
+  "num_hidden_layers": 2,
+  "num_key_value_heads": 2,
+  "pad_token_id": null,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_parameters": {
+    "factor": 8.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rope_type": "llama3"
+  },
+  "tie_word_embeddings": true,
+  "transformers_version": "5.0.0",
+  "use_cache": true,
+  "vocab_size": 1000
+}"#;
+
+/// A minimal v4 config with one key replaced (or removed with `None`).
+fn with(key: &str, value: Option<&str>) -> String {
+    let mut v: serde_json::Value = serde_json::from_str(
+        r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":32,
+            "intermediate_size":64,"num_hidden_layers":1,"num_attention_heads":4,
+            "num_key_value_heads":2,"vocab_size":50,"rms_norm_eps":1e-6}"#,
+    )
+    .unwrap();
+    let obj = v.as_object_mut().unwrap();
+    match value {
+        Some(s) => {
+            obj.insert(key.to_string(), serde_json::from_str(s).unwrap());
+        }
+        None => {
+            obj.remove(key);
+        }
+    }
+    v.to_string()
+}
+
+fn err_of(text: &str) -> String {
+    let e = LlamaConfig::from_json_str(text, "/ckpt/config.json").unwrap_err();
+    assert!(matches!(e, EngineError::Config { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(!msg.contains('\n'), "one line: {msg}");
+    assert!(
+        msg.starts_with("/ckpt/config.json: "),
+        "names the file: {msg}"
+    );
+    msg
+}
+
+#[test]
+fn v4_and_v5_forms_agree() {
+    let a = LlamaConfig::from_json_str(V4, "v4/config.json").unwrap();
+    let b = LlamaConfig::from_json_str(V5, "v5/config.json").unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a.head_dim, 8);
+    assert_eq!(a.num_key_value_heads, 2);
+    assert_eq!(a.rope_theta, 500000.0);
+    assert_eq!(
+        a.rope_scaling,
+        RopeScalingConfig::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192
+        }
+    );
+    assert!(a.tie_word_embeddings);
+    assert_eq!(a.dtype, Some(DType::BF16));
+    assert_eq!(a.eos_token_ids, vec![128001, 128008, 128009]);
+    assert_eq!(a.bos_token_id, Some(128000));
+    assert_eq!(a.pad_token_id, None);
+    // Unknown keys are carried.
+    assert_eq!(
+        a.extra.get("use_cache"),
+        Some(&serde_json::Value::Bool(true))
+    );
+    assert_eq!(
+        a.extra.get("pretraining_tp"),
+        Some(&serde_json::Value::from(1))
+    );
+}
+
+#[test]
+fn to_json_writes_v5_form_and_round_trips() {
+    let a = LlamaConfig::from_json_str(V4, "config.json").unwrap();
+    let text = a.to_json();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["architectures"][0], "LlamaForCausalLM");
+    assert_eq!(v["model_type"], "llama");
+    assert_eq!(v["dtype"], "bfloat16");
+    assert_eq!(v["transformers_version"], "5.17.0");
+    assert_eq!(v["rope_parameters"]["rope_type"], "llama3");
+    assert_eq!(v["rope_parameters"]["rope_theta"], 500000.0);
+    assert_eq!(v["use_cache"], true);
+    assert_eq!(v["attention_dropout"], 0.0);
+    assert!(v.get("rope_scaling").is_none() && v.get("torch_dtype").is_none());
+    let b = LlamaConfig::from_json_str(&text, "config.json").unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn defaults_follow_transformers() {
+    let c = LlamaConfig::from_json_str(&with("num_key_value_heads", None), "c.json").unwrap();
+    assert_eq!(c.num_key_value_heads, 4);
+    assert_eq!(c.head_dim, 8);
+    assert_eq!(c.rope_theta, 10000.0);
+    assert_eq!(c.rope_scaling, RopeScalingConfig::Default);
+    assert!(!c.tie_word_embeddings && !c.attention_bias && !c.mlp_bias);
+    assert_eq!(c.initializer_range, 0.02);
+    assert_eq!(c.dtype, None);
+}
+
+#[test]
+fn rope_variants_in_both_forms() {
+    let linear4 = with("rope_scaling", Some(r#"{"type":"linear","factor":2.0}"#));
+    let c = LlamaConfig::from_json_str(&linear4, "c.json").unwrap();
+    assert_eq!(c.rope_scaling, RopeScalingConfig::Linear { factor: 2.0 });
+    let dyn5 = with(
+        "rope_parameters",
+        Some(r#"{"rope_type":"dynamic","factor":4.0,"rope_theta":1000.0}"#),
+    );
+    let c = LlamaConfig::from_json_str(&dyn5, "c.json").unwrap();
+    assert_eq!(c.rope_theta, 1000.0);
+    assert_eq!(
+        c.rope_scaling,
+        RopeScalingConfig::Dynamic {
+            factor: 4.0,
+            original_max_position_embeddings: 2048
+        }
+    );
+    let default5 = with(
+        "rope_parameters",
+        Some(r#"{"rope_type":"default","rope_theta":5.0}"#),
+    );
+    let c = LlamaConfig::from_json_str(&default5, "c.json").unwrap();
+    assert_eq!(
+        (c.rope_theta, c.rope_scaling),
+        (5.0, RopeScalingConfig::Default)
+    );
+}
+
+#[test]
+fn missing_field_names_file_and_field() {
+    let msg = err_of(&with("hidden_size", None));
+    assert!(msg.contains("`hidden_size`"), "{msg}");
+    assert!(msg.contains("add \"hidden_size\": <int>"), "{msg}");
+}
+
+#[test]
+fn wrong_type_names_field_and_type() {
+    let msg = err_of(&with("num_hidden_layers", Some("\"two\"")));
+    assert!(msg.contains("`num_hidden_layers`"), "{msg}");
+    assert!(msg.contains("expected non-negative int"), "{msg}");
+    let msg = err_of(&with("tie_word_embeddings", Some("1")));
+    assert!(
+        msg.contains("`tie_word_embeddings`") && msg.contains("true|false"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn unknown_architecture_is_rejected() {
+    let msg = err_of(&with("architectures", Some(r#"["BloomForCausalLM"]"#)));
+    assert!(msg.contains("`architectures`"), "{msg}");
+    assert!(msg.contains("unsupported architecture"), "{msg}");
+    assert!(msg.contains("BloomForCausalLM"), "{msg}");
+    assert!(msg.contains("tilearn supports LlamaForCausalLM"), "{msg}");
+}
+
+#[test]
+fn unsupported_rope_type_is_rejected() {
+    let msg = err_of(&with(
+        "rope_scaling",
+        Some(r#"{"rope_type":"yarn","factor":4.0}"#),
+    ));
+    assert!(msg.contains("`rope_scaling.rope_type`"), "{msg}");
+    assert!(msg.contains("\"yarn\" is unsupported"), "{msg}");
+    let msg = err_of(&with(
+        "rope_parameters",
+        Some(r#"{"rope_type":"longrope","rope_theta":1.0}"#),
+    ));
+    assert!(
+        msg.contains("`rope_parameters.rope_type`") && msg.contains("longrope"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn kv_heads_must_divide_heads() {
+    let msg = err_of(&with("num_key_value_heads", Some("3")));
+    assert!(msg.contains("`num_key_value_heads`"), "{msg}");
+    assert!(
+        msg.contains("3 does not divide num_attention_heads = 4"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn heads_must_divide_hidden_unless_head_dim_given() {
+    let text = with("num_attention_heads", Some("6"));
+    let text = text.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3");
+    let msg = err_of(&text);
+    assert!(
+        msg.contains("`num_attention_heads`") && msg.contains("head_dim"),
+        "{msg}"
+    );
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["head_dim"] = 16.into();
+    let c = LlamaConfig::from_json_str(&v.to_string(), "c.json").unwrap();
+    assert_eq!((c.head_dim, c.q_dim(), c.kv_dim()), (16, 96, 48));
+}
+
+#[test]
+fn zero_sizes_are_rejected() {
+    let msg = err_of(&with("vocab_size", Some("0")));
+    assert!(
+        msg.contains("`vocab_size`") && msg.contains("positive"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn invalid_json_and_missing_file() {
+    let msg = err_of("{ not json");
+    assert!(msg.contains("not valid JSON"), "{msg}");
+    let e = LlamaConfig::from_file("/nonexistent/dir/config.json").unwrap_err();
+    assert!(
+        e.to_string().contains("/nonexistent/dir/config.json"),
+        "{e}"
+    );
+}

@@ -1,5 +1,8 @@
 //! AdamW against a textbook f64 reference, group handling, amsgrad, validation errors.
 
+// Groups take a list of ranges; a list holding a single range is intended here.
+#![allow(clippy::single_range_in_vec_init)]
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tilearn_optim::{AdamW, AdamWConfig, OptimError, ParamGroup};

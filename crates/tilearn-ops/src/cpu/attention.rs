@@ -31,7 +31,7 @@ impl AttnShape {
     fn check(&self) {
         assert!(self.head_dim > 0, "attention: head_dim must be positive");
         assert!(
-            self.kv_heads > 0 && self.q_heads % self.kv_heads == 0,
+            self.kv_heads > 0 && self.q_heads.is_multiple_of(self.kv_heads),
             "attention: q_heads ({}) must be a multiple of kv_heads ({})",
             self.q_heads,
             self.kv_heads
@@ -57,13 +57,24 @@ impl AttnShape {
 }
 
 /// Causal GQA forward: writes `out` and `lse`.
-pub fn attention_forward<R: Real>(s: AttnShape, q: &[R], k: &[R], v: &[R], out: &mut [R], lse: &mut [R]) {
+pub fn attention_forward<R: Real>(
+    s: AttnShape,
+    q: &[R],
+    k: &[R],
+    v: &[R],
+    out: &mut [R],
+    lse: &mut [R],
+) {
     s.check();
     assert_eq!(q.len(), s.q_len(), "attention_forward: q length");
     assert_eq!(k.len(), s.kv_len(), "attention_forward: k length");
     assert_eq!(v.len(), s.kv_len(), "attention_forward: v length");
     assert_eq!(out.len(), s.q_len(), "attention_forward: out length");
-    assert_eq!(lse.len(), s.batch * s.q_heads * s.seq, "attention_forward: lse length");
+    assert_eq!(
+        lse.len(),
+        s.batch * s.q_heads * s.seq,
+        "attention_forward: lse length"
+    );
     let (t_len, d) = (s.seq, s.head_dim);
     let scale = R::from_f64(1.0 / (d as f64).sqrt());
     let group = s.group();
@@ -104,15 +115,17 @@ pub fn attention_forward<R: Real>(s: AttnShape, q: &[R], k: &[R], v: &[R], out: 
     if s.q_heads * d == 0 || t_len == 0 {
         return;
     }
-    out.par_chunks_mut(t_len * s.q_heads * d).enumerate().for_each(|(b, ob)| {
-        for h in 0..s.q_heads {
-            let src = &head_outs[b * s.q_heads + h];
-            for t in 0..t_len {
-                let dst = (t * s.q_heads + h) * d;
-                ob[dst..dst + d].copy_from_slice(&src[t * d..(t + 1) * d]);
+    out.par_chunks_mut(t_len * s.q_heads * d)
+        .enumerate()
+        .for_each(|(b, ob)| {
+            for h in 0..s.q_heads {
+                let src = &head_outs[b * s.q_heads + h];
+                for t in 0..t_len {
+                    let dst = (t * s.q_heads + h) * d;
+                    ob[dst..dst + d].copy_from_slice(&src[t * d..(t + 1) * d]);
+                }
             }
-        }
-    });
+        });
 }
 
 /// Causal GQA backward. With `p_ij = exp(s_ij - lse_i)`, `delta_i = dout_i · out_i`,
@@ -190,16 +203,19 @@ pub fn attention_backward<R: Real>(
         return;
     }
     if s.q_heads > 0 {
-        dq.par_chunks_mut(t_len * s.q_heads * d).enumerate().for_each(|(b, dqb)| {
-            for h in 0..s.q_heads {
-                let (g, hh) = (h / group, h % group);
-                let src = &parts[b * s.kv_heads + g].0;
-                for t in 0..t_len {
-                    let dst = (t * s.q_heads + h) * d;
-                    dqb[dst..dst + d].copy_from_slice(&src[(hh * t_len + t) * d..(hh * t_len + t + 1) * d]);
+        dq.par_chunks_mut(t_len * s.q_heads * d)
+            .enumerate()
+            .for_each(|(b, dqb)| {
+                for h in 0..s.q_heads {
+                    let (g, hh) = (h / group, h % group);
+                    let src = &parts[b * s.kv_heads + g].0;
+                    for t in 0..t_len {
+                        let dst = (t * s.q_heads + h) * d;
+                        dqb[dst..dst + d]
+                            .copy_from_slice(&src[(hh * t_len + t) * d..(hh * t_len + t + 1) * d]);
+                    }
                 }
-            }
-        });
+            });
     }
     let kv_row = t_len * s.kv_heads * d;
     dk.par_chunks_mut(kv_row)

@@ -33,7 +33,11 @@ fn validate<R>(logits: &[R], targets: &[i32], vocab: usize) -> Result<()> {
     }
     for (position, &label) in targets.iter().enumerate() {
         if label != IGNORE_INDEX && (label < 0 || label as usize >= vocab) {
-            return Err(OpsError::LabelOutOfRange { label, position, vocab });
+            return Err(OpsError::LabelOutOfRange {
+                label,
+                position,
+                vocab,
+            });
         }
     }
     Ok(())
@@ -59,7 +63,11 @@ fn sum_in_order(losses: &[Option<f64>]) -> CeStats {
 
 /// Loss only; `logits` is `[targets.len(), vocab]`. Errors (before any work) on a label that is
 /// neither `-100` nor in `0..vocab`, or on a length mismatch.
-pub fn cross_entropy_forward<R: Real>(logits: &[R], targets: &[i32], vocab: usize) -> Result<CeStats> {
+pub fn cross_entropy_forward<R: Real>(
+    logits: &[R],
+    targets: &[i32],
+    vocab: usize,
+) -> Result<CeStats> {
     validate(logits, targets, vocab)?;
     if vocab == 0 {
         return Ok(sum_in_order(&[]));

@@ -12,9 +12,14 @@ use crate::{OpsError, Result};
 ///
 /// Every id is checked before anything is written: an id `>= vocab` returns
 /// [`OpsError::TokenOutOfRange`] and leaves `out` untouched.
-pub fn embedding_forward<R: Real>(ids: &[u32], table: &[R], dim: usize, out: &mut [R]) -> Result<()> {
+pub fn embedding_forward<R: Real>(
+    ids: &[u32],
+    table: &[R],
+    dim: usize,
+    out: &mut [R],
+) -> Result<()> {
     assert!(dim > 0, "embedding_forward: dim must be positive");
-    if table.len() % dim != 0 {
+    if !table.len().is_multiple_of(dim) {
         return Err(OpsError::ShapeMismatch {
             op: "embedding_forward (table)",
             expected: table.len() / dim * dim,
@@ -29,8 +34,16 @@ pub fn embedding_forward<R: Real>(ids: &[u32], table: &[R], dim: usize, out: &mu
         });
     }
     let vocab = table.len() / dim;
-    if let Some((position, &id)) = ids.iter().enumerate().find(|&(_, &id)| id as usize >= vocab) {
-        return Err(OpsError::TokenOutOfRange { id, position, vocab });
+    if let Some((position, &id)) = ids
+        .iter()
+        .enumerate()
+        .find(|&(_, &id)| id as usize >= vocab)
+    {
+        return Err(OpsError::TokenOutOfRange {
+            id,
+            position,
+            vocab,
+        });
     }
     out.par_chunks_mut(dim)
         .with_min_len(16)
@@ -48,11 +61,18 @@ pub fn embedding_forward<R: Real>(ids: &[u32], table: &[R], dim: usize, out: &mu
 /// bit-reproducible. Panics on an id outside the table (the forward has already rejected it).
 pub fn embedding_backward<R: Real>(ids: &[u32], dout: &[R], dim: usize, dtable: &mut [R]) {
     assert!(dim > 0, "embedding_backward: dim must be positive");
-    assert_eq!(dout.len(), ids.len() * dim, "embedding_backward: dout length");
+    assert_eq!(
+        dout.len(),
+        ids.len() * dim,
+        "embedding_backward: dout length"
+    );
     let vocab = dtable.len() / dim;
     for (r, &id) in ids.iter().enumerate() {
         let id = id as usize;
-        assert!(id < vocab, "embedding_backward: token id {id} >= vocab {vocab}");
+        assert!(
+            id < vocab,
+            "embedding_backward: token id {id} >= vocab {vocab}"
+        );
         let src = &dout[r * dim..(r + 1) * dim];
         for (d, s) in dtable[id * dim..(id + 1) * dim].iter_mut().zip(src) {
             *d += *s;

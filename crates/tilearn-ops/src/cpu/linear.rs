@@ -29,14 +29,31 @@ pub fn linear_forward<R: Real>(
         Some(b) => {
             assert_eq!(b.len(), out_f, "linear_forward: bias length");
             if out_f > 0 {
-                out.par_chunks_mut(out_f).with_min_len(16).for_each(|row| row.copy_from_slice(b));
+                out.par_chunks_mut(out_f)
+                    .with_min_len(16)
+                    .for_each(|row| row.copy_from_slice(b));
             }
             R::one()
         }
         None => R::zero(),
     };
     // A = x (rows×in_f, row-major), B = Wᵀ (in_f×out_f: B[p][j] = w[j*in_f + p]).
-    R::gemm(rows, in_f, out_f, R::one(), x, in_f, 1, w, 1, in_f, beta, out, out_f, 1);
+    R::gemm(
+        rows,
+        in_f,
+        out_f,
+        R::one(),
+        x,
+        in_f,
+        1,
+        w,
+        1,
+        in_f,
+        beta,
+        out,
+        out_f,
+        1,
+    );
 }
 
 /// `dx = dout·W` (if requested), `dw += doutᵀ·x`, `db += column sums of dout` (if requested).
@@ -59,10 +76,40 @@ pub fn linear_backward<R: Real>(
     if let Some(dx) = dx {
         assert_eq!(dx.len(), rows * in_f, "linear_backward: dx length");
         // dx (rows×in_f) = dout (rows×out_f) · W (out_f×in_f).
-        R::gemm(rows, out_f, in_f, R::one(), dout, out_f, 1, w, in_f, 1, R::zero(), dx, in_f, 1);
+        R::gemm(
+            rows,
+            out_f,
+            in_f,
+            R::one(),
+            dout,
+            out_f,
+            1,
+            w,
+            in_f,
+            1,
+            R::zero(),
+            dx,
+            in_f,
+            1,
+        );
     }
     // dw (out_f×in_f) += doutᵀ (out_f×rows: A[j][r] = dout[r*out_f + j]) · x (rows×in_f).
-    R::gemm(out_f, rows, in_f, R::one(), dout, 1, out_f, x, in_f, 1, R::one(), dw, in_f, 1);
+    R::gemm(
+        out_f,
+        rows,
+        in_f,
+        R::one(),
+        dout,
+        1,
+        out_f,
+        x,
+        in_f,
+        1,
+        R::one(),
+        dw,
+        in_f,
+        1,
+    );
     if let Some(db) = db {
         assert_eq!(db.len(), out_f, "linear_backward: db length");
         const COLS: usize = 64;

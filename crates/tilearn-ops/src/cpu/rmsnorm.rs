@@ -15,10 +15,17 @@ const ROWS_PER_BLOCK: usize = 32;
 
 /// `x`, `out` are `[rows, dim]`; `weight` is `[dim]`; `rstd` is `[rows]` and receives
 /// `1 / sqrt(mean(x^2) + eps)` per row for the backward.
-pub fn rmsnorm_forward<R: Real>(x: &[R], weight: &[R], dim: usize, eps: f64, out: &mut [R], rstd: &mut [R]) {
+pub fn rmsnorm_forward<R: Real>(
+    x: &[R],
+    weight: &[R],
+    dim: usize,
+    eps: f64,
+    out: &mut [R],
+    rstd: &mut [R],
+) {
     assert!(dim > 0, "rmsnorm_forward: dim must be positive");
     assert_eq!(weight.len(), dim, "rmsnorm_forward: weight length");
-    assert_eq!(x.len() % dim, 0, "rmsnorm_forward: x length");
+    assert!(x.len().is_multiple_of(dim), "rmsnorm_forward: x length");
     assert_eq!(out.len(), x.len(), "rmsnorm_forward: out length");
     assert_eq!(rstd.len(), x.len() / dim, "rmsnorm_forward: rstd length");
     let eps = R::from_f64(eps);
@@ -52,7 +59,7 @@ pub fn rmsnorm_backward<R: Real>(
     assert!(dim > 0, "rmsnorm_backward: dim must be positive");
     assert_eq!(weight.len(), dim, "rmsnorm_backward: weight length");
     assert_eq!(dweight.len(), dim, "rmsnorm_backward: dweight length");
-    assert_eq!(x.len() % dim, 0, "rmsnorm_backward: x length");
+    assert!(x.len().is_multiple_of(dim), "rmsnorm_backward: x length");
     assert_eq!(dout.len(), x.len(), "rmsnorm_backward: dout length");
     assert_eq!(dx.len(), x.len(), "rmsnorm_backward: dx length");
     assert_eq!(rstd.len(), x.len() / dim, "rmsnorm_backward: rstd length");
@@ -66,7 +73,12 @@ pub fn rmsnorm_backward<R: Real>(
         .map(|(((dxb, db), xb), rb)| {
             let mut dw = vec![R::zero(); dim];
             let mut g = vec![R::zero(); dim];
-            for (((dxr, dr), xr), &r) in dxb.chunks_mut(dim).zip(db.chunks(dim)).zip(xb.chunks(dim)).zip(rb) {
+            for (((dxr, dr), xr), &r) in dxb
+                .chunks_mut(dim)
+                .zip(db.chunks(dim))
+                .zip(xb.chunks(dim))
+                .zip(rb)
+            {
                 for i in 0..dim {
                     g[i] = dr[i] * weight[i];
                     dw[i] += dr[i] * (xr[i] * r);

@@ -21,11 +21,16 @@ use super::Real;
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (equivalently `inv_freq / factor`).
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Dynamic NTK: for `seq_len > original_max_position_embeddings`,
     /// `base = theta * ((factor * seq_len / orig) - (factor - 1)) ^ (d / (d - 2))`.
     /// An `original_max_position_embeddings` of 0 means "use `max_position_embeddings`".
-    Dynamic { factor: f64, original_max_position_embeddings: usize },
+    Dynamic {
+        factor: f64,
+        original_max_position_embeddings: usize,
+    },
     /// Llama 3 wavelength-dependent smoothing (transformers' `_compute_llama3_parameters`).
     Llama3 {
         factor: f64,
@@ -53,15 +58,23 @@ pub fn rope_inv_freq(
     seq_len: usize,
     max_position_embeddings: usize,
 ) -> Vec<f64> {
-    assert!(head_dim >= 2 && head_dim % 2 == 0, "rope: head_dim must be even, got {head_dim}");
+    assert!(
+        head_dim >= 2 && head_dim.is_multiple_of(2),
+        "rope: head_dim must be even, got {head_dim}"
+    );
     let d = head_dim as f64;
     let default = |base: f64| -> Vec<f64> {
-        (0..head_dim / 2).map(|i| 1.0 / base.powf((2 * i) as f64 / d)).collect()
+        (0..head_dim / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f64 / d))
+            .collect()
     };
     match *scaling {
         RopeScaling::None => default(theta),
         RopeScaling::Linear { factor } => default(theta).into_iter().map(|f| f / factor).collect(),
-        RopeScaling::Dynamic { factor, original_max_position_embeddings } => {
+        RopeScaling::Dynamic {
+            factor,
+            original_max_position_embeddings,
+        } => {
             let orig = if original_max_position_embeddings == 0 {
                 max_position_embeddings
             } else {
@@ -92,7 +105,8 @@ pub fn rope_inv_freq(
                     } else if wavelen > low_freq_wavelen {
                         f / factor
                     } else {
-                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * f / factor + smooth * f
                     }
                 })
@@ -121,45 +135,86 @@ impl RopeTable {
                 sin.push(angle.sin());
             }
         }
-        RopeTable { half_dim, seq_len, cos, sin }
+        RopeTable {
+            half_dim,
+            seq_len,
+            cos,
+            sin,
+        }
     }
 }
 
 /// Rotates `x` (`[batch, seq, heads, head_dim]`) by `sign * angle`.
-fn rotate<R: Real>(x: &mut [R], batch: usize, seq: usize, heads: usize, head_dim: usize, table: &RopeTable, inverse: bool) {
+fn rotate<R: Real>(
+    x: &mut [R],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &RopeTable,
+    inverse: bool,
+) {
     assert_eq!(x.len(), batch * seq * heads * head_dim, "rope: x length");
-    assert_eq!(table.half_dim * 2, head_dim, "rope: table half_dim does not match head_dim");
-    assert!(seq <= table.seq_len, "rope: seq {seq} exceeds table length {}", table.seq_len);
+    assert_eq!(
+        table.half_dim * 2,
+        head_dim,
+        "rope: table half_dim does not match head_dim"
+    );
+    assert!(
+        seq <= table.seq_len,
+        "rope: seq {seq} exceeds table length {}",
+        table.seq_len
+    );
     let h = table.half_dim;
     let row = heads * head_dim;
     if row == 0 {
         return;
     }
-    x.par_chunks_mut(row).enumerate().with_min_len(4).for_each(|(bt, xr)| {
-        let t = bt % seq;
-        let cos: Vec<R> = table.cos[t * h..(t + 1) * h].iter().map(|&c| R::from_f64(c)).collect();
-        let sin: Vec<R> = table.sin[t * h..(t + 1) * h]
-            .iter()
-            .map(|&s| R::from_f64(if inverse { -s } else { s }))
-            .collect();
-        for head in xr.chunks_mut(head_dim) {
-            let (a, b) = head.split_at_mut(h);
-            for i in 0..h {
-                let (x1, x2) = (a[i], b[i]);
-                a[i] = x1 * cos[i] - x2 * sin[i];
-                b[i] = x2 * cos[i] + x1 * sin[i];
+    x.par_chunks_mut(row)
+        .enumerate()
+        .with_min_len(4)
+        .for_each(|(bt, xr)| {
+            let t = bt % seq;
+            let cos: Vec<R> = table.cos[t * h..(t + 1) * h]
+                .iter()
+                .map(|&c| R::from_f64(c))
+                .collect();
+            let sin: Vec<R> = table.sin[t * h..(t + 1) * h]
+                .iter()
+                .map(|&s| R::from_f64(if inverse { -s } else { s }))
+                .collect();
+            for head in xr.chunks_mut(head_dim) {
+                let (a, b) = head.split_at_mut(h);
+                for i in 0..h {
+                    let (x1, x2) = (a[i], b[i]);
+                    a[i] = x1 * cos[i] - x2 * sin[i];
+                    b[i] = x2 * cos[i] + x1 * sin[i];
+                }
             }
-        }
-    });
+        });
 }
 
 /// Applies the rotation in place to `x` (`[batch, seq, heads, head_dim]`), position `t` using
 /// row `t` of the table.
-pub fn rope_forward<R: Real>(x: &mut [R], batch: usize, seq: usize, heads: usize, head_dim: usize, table: &RopeTable) {
+pub fn rope_forward<R: Real>(
+    x: &mut [R],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &RopeTable,
+) {
     rotate(x, batch, seq, heads, head_dim, table, false);
 }
 
 /// Backward of [`rope_forward`], in place: `dx = Rᵀ · dy` (rotation by the opposite angle).
-pub fn rope_backward<R: Real>(dx: &mut [R], batch: usize, seq: usize, heads: usize, head_dim: usize, table: &RopeTable) {
+pub fn rope_backward<R: Real>(
+    dx: &mut [R],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &RopeTable,
+) {
     rotate(dx, batch, seq, heads, head_dim, table, true);
 }

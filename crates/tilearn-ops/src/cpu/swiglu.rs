@@ -38,7 +38,10 @@ pub fn swiglu_backward<R: Real>(dout: &[R], gate: &[R], up: &[R], dgate: &mut [R
     dgate
         .par_chunks_mut(CHUNK)
         .zip(dup.par_chunks_mut(CHUNK))
-        .zip(dout.par_chunks(CHUNK).zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK))))
+        .zip(
+            dout.par_chunks(CHUNK)
+                .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK))),
+        )
         .for_each(|((dg, du), (d, (g, u)))| {
             for i in 0..dg.len() {
                 let s = sigmoid(g[i]);

@@ -116,7 +116,8 @@ impl TokenDataset {
                 ),
             ));
         }
-        let width_ok = meta.token_width == 4 || (meta.token_width == 2 && meta.vocab_size <= 1 << 16);
+        let width_ok =
+            meta.token_width == 4 || (meta.token_width == 2 && meta.vocab_size <= 1 << 16);
         if !width_ok || meta.eos_id as usize >= meta.vocab_size {
             return Err(data_err(
                 &meta_path,
@@ -189,7 +190,9 @@ impl TokenDataset {
 
     /// Fill `out` with tokens `start..start + out.len()` of the stream (across shards).
     pub fn read_into(&self, start: usize, out: &mut [u32]) -> Result<()> {
-        let end = start.checked_add(out.len()).filter(|&e| e <= self.num_tokens());
+        let end = start
+            .checked_add(out.len())
+            .filter(|&e| e <= self.num_tokens());
         let Some(end) = end else {
             return Err(EngineError::InvalidArgument {
                 argument: "range".into(),
@@ -255,7 +258,8 @@ fn open_shard(dir: &Path, shard: &ShardMeta, meta: &DatasetMeta) -> Result<Mappe
     // memory-mapped files we rely on nobody truncating or rewriting the shard while it is open;
     // prepare-data never does (it writes new files and renames them into place, which leaves
     // an existing mapping of the old inode intact).
-    let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(&path, "mmap token shard", e))?;
+    let map =
+        unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(&path, "mmap token shard", e))?;
     let header = ShardHeader::parse(&map, &path)?;
     if header.token_width != meta.token_width {
         return Err(data_err(

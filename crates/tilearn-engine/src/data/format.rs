@@ -219,7 +219,6 @@ pub fn write_shard(path: &Path, tokens: &[u32], width: u32) -> Result<()> {
         }
         header.checksum = hash.finish();
         let file = w.into_inner().map_err(|e| e.into_error())?;
-        let mut file = file;
         file.seek(SeekFrom::Start(0))?;
         file.write_all(&header.to_bytes())?;
         Ok(())

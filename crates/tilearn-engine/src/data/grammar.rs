@@ -197,7 +197,10 @@ impl Generator {
 }
 
 fn starts_with_vowel(word: &str) -> bool {
-    matches!(word.as_bytes().first(), Some(b'a' | b'e' | b'i' | b'o' | b'u'))
+    matches!(
+        word.as_bytes().first(),
+        Some(b'a' | b'e' | b'i' | b'o' | b'u')
+    )
 }
 
 fn capitalize(s: &str) -> String {

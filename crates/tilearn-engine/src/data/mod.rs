@@ -23,6 +23,6 @@ pub use format::{DatasetMeta, ShardMeta};
 pub use grammar::generate_corpus;
 pub use loader::{Batch, DataLoader, LoaderOptions, LoaderState, WorkerHook};
 pub use prepare::{
-    DEFAULT_SHARD_TOKENS, PrepareOptions, PrepareSummary, ShardWriter, find_eos_id,
-    load_tokenizer, prepare_data, prepare_embedded_default,
+    DEFAULT_SHARD_TOKENS, PrepareOptions, PrepareSummary, ShardWriter, find_eos_id, load_tokenizer,
+    prepare_data, prepare_embedded_default,
 };

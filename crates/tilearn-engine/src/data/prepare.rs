@@ -116,10 +116,12 @@ pub fn prepare_data(opts: &PrepareOptions, progress: bool) -> Result<PrepareSumm
     copy_tokenizer(&opts.tokenizer, &opts.output_dir)?;
     // Encoding happens inside; make sure a tokenizer.json with truncation or padding does not
     // silently cut or pad documents.
-    tokenizer.with_truncation(None).map_err(|e| EngineError::Tokenizer {
-        file: opts.tokenizer.clone(),
-        message: format!("cannot disable truncation: {e}"),
-    })?;
+    tokenizer
+        .with_truncation(None)
+        .map_err(|e| EngineError::Tokenizer {
+            file: opts.tokenizer.clone(),
+            message: format!("cannot disable truncation: {e}"),
+        })?;
     tokenizer.with_padding(None);
 
     let mut done_bytes = 0u64;
@@ -166,7 +168,12 @@ pub fn prepare_embedded_default(
             message: "must be at least 1".into(),
         });
     }
-    let mut writer = ShardWriter::new(output_dir, BYTE_VOCAB_SIZE, BYTE_EOS_ID, DEFAULT_SHARD_TOKENS)?;
+    let mut writer = ShardWriter::new(
+        output_dir,
+        BYTE_VOCAB_SIZE,
+        BYTE_EOS_ID,
+        DEFAULT_SHARD_TOKENS,
+    )?;
     let tokenizer = byte_level_tokenizer();
     let tokenizer_path = output_dir.join(TOKENIZER_FILE);
     let json = tokenizer
@@ -269,7 +276,8 @@ fn progress_bar(enabled: bool, total_bytes: u64) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let template = "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} ({eta}) {msg}";
-    let style = ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar());
+    let style =
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar());
     ProgressBar::new(total_bytes).with_style(style)
 }
 

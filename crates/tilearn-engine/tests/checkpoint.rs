@@ -5,7 +5,8 @@ use std::path::Path;
 
 use tilearn_engine::EngineError;
 use tilearn_engine::checkpoint::{
-    INDEX_FILE, SINGLE_FILE, load_params, read_tensors_file, save_pretrained, write_tensors_file,
+    INDEX_FILE, NamedTensor, SINGLE_FILE, load_params, read_tensors_file, save_pretrained,
+    write_tensors_file,
 };
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::params::ParamStore;
@@ -26,8 +27,8 @@ fn params(config: &LlamaConfig, seed: u64) -> ParamStore {
     p
 }
 
-/// Every tensor of `dir`'s weights as (name, shape, values), sorted by name.
-fn tensors_in(dir: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+/// Every tensor of the weight files in `dir`, sorted by name.
+fn tensors_in(dir: &Path) -> Vec<NamedTensor> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
@@ -35,7 +36,7 @@ fn tensors_in(dir: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
             out.extend(read_tensors_file(&path).unwrap());
         }
     }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out.sort_by(|a, b| a.name.cmp(&b.name));
     out
 }
 
@@ -119,7 +120,7 @@ fn sharded_round_trip_and_index() {
     assert!(!dir.path().join(SINGLE_FILE).exists());
     assert_eq!(load_params(dir.path(), &cfg).unwrap().data, p.data);
     // Each tensor is in exactly one shard.
-    let mut names: Vec<String> = tensors_in(dir.path()).into_iter().map(|t| t.0).collect();
+    let mut names: Vec<String> = tensors_in(dir.path()).into_iter().map(|t| t.name).collect();
     names.dedup();
     assert_eq!(names.len(), p.specs.len());
 

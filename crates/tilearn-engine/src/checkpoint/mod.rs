@@ -14,7 +14,9 @@ mod safetensors_io;
 mod save;
 
 pub use load::{load_params, load_params_into};
-pub use safetensors_io::{read_tensors_file, write_file_atomic, write_tensors_file};
+pub use safetensors_io::{
+    NamedTensor, TensorRef, read_tensors_file, write_file_atomic, write_tensors_file,
+};
 pub use save::save_pretrained;
 
 /// Name of the single-file weights.

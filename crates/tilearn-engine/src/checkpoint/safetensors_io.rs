@@ -202,8 +202,16 @@ impl MappedFile {
     }
 }
 
+/// A tensor read from a safetensors file, converted to f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NamedTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
 /// Reads every tensor of a safetensors file (F32/BF16/F16) as f32, in file order.
-pub fn read_tensors_file(path: &Path) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+pub fn read_tensors_file(path: &Path) -> Result<Vec<NamedTensor>> {
     let mapped = MappedFile::open(path)?;
     let st = mapped.tensors()?;
     let mut views: Vec<_> = st.iter().collect();
@@ -219,7 +227,11 @@ pub fn read_tensors_file(path: &Path) -> Result<Vec<(String, Vec<usize>, Vec<f32
                 message,
             }
         })?;
-        out.push((name.to_string(), view.shape().to_vec(), values));
+        out.push(NamedTensor {
+            name: name.to_string(),
+            shape: view.shape().to_vec(),
+            data: values,
+        });
     }
     Ok(out)
 }

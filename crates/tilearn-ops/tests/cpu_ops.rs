@@ -721,6 +721,48 @@ fn attention_backward_matches_finite_differences() {
     }
 }
 
+#[test]
+fn attention_multi_block_matches_naive_and_finite_differences() {
+    // T = 37 spans three query blocks of the blocked implementation (16 rows each), so the
+    // strided-gemm path for keys before the block and the diagonal dot-product path both run.
+    // Bound FD_TOL (1e-6): same smooth O(1) function as above, FD error ~1e-9 relative.
+    let s = AttnShape {
+        batch: 1,
+        seq: 37,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+    };
+    let (q, k, v) = attn_inputs(s, 31);
+    let (out, lse) = attention_op(s, &q, &k, &v);
+    let (want_out, want_lse) = attention_naive(s, &q, &k, &v);
+    assert_close("attention out (T=37)", &out, &want_out, 1e-13);
+    assert_close("attention lse (T=37)", &lse, &want_lse, 1e-13);
+    let mut r = rng(32);
+    let c = rand_vec(&mut r, q.len(), -1.0, 1.0);
+    let (mut dq, mut dk, mut dv) = (garbage(q.len()), garbage(k.len()), garbage(v.len()));
+    attention_backward(s, &c, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv);
+    let loss = |q: &[f64], k: &[f64], v: &[f64]| dotv(&attention_op(s, q, k, v).0, &c);
+    assert_close(
+        "attention dq (T=37)",
+        &dq,
+        &fd_grad(&q, |q| loss(q, &k, &v)),
+        FD_TOL,
+    );
+    assert_close(
+        "attention dk (T=37)",
+        &dk,
+        &fd_grad(&k, |k| loss(&q, k, &v)),
+        FD_TOL,
+    );
+    assert_close(
+        "attention dv (T=37)",
+        &dv,
+        &fd_grad(&v, |v| loss(&q, &k, v)),
+        FD_TOL,
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Cross-entropy
 // ---------------------------------------------------------------------------------------------

@@ -6,15 +6,23 @@
 //!
 //! Gradient convention: `dq`, `dk`, `dv` are *written* (`=`, activation gradients).
 //!
+//! Blocking: queries are processed in blocks of `BLOCK` rows. For a block `[i0, i1)`, scores
+//! against the keys `[0, i0)` (all causal for every row of the block) go through one strided
+//! `gemm`; scores against the diagonal keys `[i0, i]` are dot products, so only keys `<= i` are
+//! ever scored. Probabilities above the diagonal are stored as exact zeros, so the products
+//! with `V` (and, in the backward, with `K`, `Q`, `dout`) can use `gemm` over `[0, i1)`.
+//!
 //! Parallelism and determinism: the forward runs one task per (batch, query head); the backward
-//! one task per (batch, kv head), which walks its query heads and query rows in a fixed order,
+//! one task per (batch, kv head), which walks its query heads and query blocks in a fixed order,
 //! so `dk`/`dv` (shared by the heads of a group) are summed in an order independent of
-//! threads. Each task works on private buffers that are then copied into place.
+//! threads. `gemm` here is small enough that matrixmultiply runs it on the calling thread, and
+//! it is deterministic in any case. Each task works on private buffers that are then copied
+//! into place.
 
 use rayon::prelude::*;
 
 use super::Real;
-use super::real::{axpy, dot};
+use super::real::dot;
 
 /// Shape of an attention call: `q`/`out` are `[batch, seq, q_heads, head_dim]`, `k`/`v`
 /// `[batch, seq, kv_heads, head_dim]`, `lse` `[batch, q_heads, seq]`.
@@ -56,6 +64,88 @@ impl AttnShape {
     }
 }
 
+/// Query rows per block.
+const BLOCK: usize = 16;
+
+/// Strides and bases of one (batch, query head, kv head) slice of the inputs.
+#[derive(Clone, Copy)]
+struct HeadView {
+    /// Offset of `q[b, 0, h, :]` (also `out`, `dout`).
+    qb: usize,
+    /// Offset of `k[b, 0, g, :]` (also `v`).
+    kb: usize,
+    /// Row strides of q-shaped and kv-shaped tensors.
+    qs: usize,
+    ks: usize,
+    d: usize,
+}
+
+impl HeadView {
+    fn new(s: &AttnShape, b: usize, h: usize, g: usize) -> HeadView {
+        HeadView {
+            qb: s.qi(b, 0, h),
+            kb: s.ki(b, 0, g),
+            qs: s.q_heads * s.head_dim,
+            ks: s.kv_heads * s.head_dim,
+            d: s.head_dim,
+        }
+    }
+    fn qrow<'a, R>(&self, x: &'a [R], i: usize) -> &'a [R] {
+        &x[self.qb + i * self.qs..self.qb + i * self.qs + self.d]
+    }
+    fn krow<'a, R>(&self, x: &'a [R], j: usize) -> &'a [R] {
+        &x[self.kb + j * self.ks..self.kb + j * self.ks + self.d]
+    }
+}
+
+/// `buf[r, j] = alpha * a_{i0+r} · b_j` for the causal part of a block: rows `r < i1 - i0`,
+/// keys `j <= i0 + r`. `a` is q-shaped, `b` kv-shaped; `buf` has row stride `ld`. Entries
+/// `j` in `(i0 + r, i1)` are set to zero; nothing at `j >= i1` is touched.
+#[allow(clippy::too_many_arguments)]
+fn causal_block_products<R: Real>(
+    hv: HeadView,
+    a: &[R],
+    b: &[R],
+    alpha: R,
+    i0: usize,
+    i1: usize,
+    buf: &mut [R],
+    ld: usize,
+) {
+    let bm = i1 - i0;
+    if i0 > 0 {
+        // Keys [0, i0): A = rows i0..i1 of `a` (bm×d), B = (rows 0..i0 of `b`)ᵀ (d×i0).
+        R::gemm(
+            bm,
+            hv.d,
+            i0,
+            alpha,
+            &a[hv.qb + i0 * hv.qs..],
+            hv.qs,
+            1,
+            &b[hv.kb..],
+            1,
+            hv.ks,
+            R::zero(),
+            buf,
+            ld,
+            1,
+        );
+    }
+    for r in 0..bm {
+        let i = i0 + r;
+        let ai = hv.qrow(a, i);
+        let row = &mut buf[r * ld..r * ld + i1];
+        for (j, x) in row.iter_mut().enumerate().skip(i0) {
+            *x = if j <= i {
+                dot(ai, hv.krow(b, j)) * alpha
+            } else {
+                R::zero()
+            };
+        }
+    }
+}
+
 /// Causal GQA forward: writes `out` and `lse`.
 pub fn attention_forward<R: Real>(
     s: AttnShape,
@@ -76,43 +166,63 @@ pub fn attention_forward<R: Real>(
         "attention_forward: lse length"
     );
     let (t_len, d) = (s.seq, s.head_dim);
+    if t_len == 0 {
+        return;
+    }
     let scale = R::from_f64(1.0 / (d as f64).sqrt());
     let group = s.group();
 
     // One task per (b, h); lse is [B, Hq, T], so each task owns one contiguous lse chunk, and
     // returns its output rows [T, D] to be scattered into the interleaved `out`.
     let head_outs: Vec<Vec<R>> = lse
-        .par_chunks_mut(t_len.max(1))
+        .par_chunks_mut(t_len)
         .enumerate()
         .map(|(bh, lse_bh)| {
             let (b, h) = (bh / s.q_heads, bh % s.q_heads);
-            let g = h / group;
+            let hv = HeadView::new(&s, b, h, h / group);
             let mut o = vec![R::zero(); t_len * d];
-            let mut scores = vec![R::zero(); t_len];
-            for i in 0..t_len {
-                let qi = &q[s.qi(b, i, h)..s.qi(b, i, h) + d];
-                let mut m = R::neg_infinity();
-                for (j, sc) in scores[..=i].iter_mut().enumerate() {
-                    let kj = &k[s.ki(b, j, g)..s.ki(b, j, g) + d];
-                    *sc = dot(qi, kj) * scale;
-                    m = m.max(*sc);
+            // Scaled scores, then probabilities, of one query block: [BLOCK, T].
+            let mut p = vec![R::zero(); BLOCK * t_len];
+            for i0 in (0..t_len).step_by(BLOCK) {
+                let i1 = (i0 + BLOCK).min(t_len);
+                causal_block_products(hv, q, k, scale, i0, i1, &mut p, t_len);
+                for r in 0..i1 - i0 {
+                    let i = i0 + r;
+                    let row = &mut p[r * t_len..r * t_len + i + 1];
+                    let m = row.iter().fold(R::neg_infinity(), |m, &x| m.max(x));
+                    let mut l = R::zero();
+                    for x in row.iter_mut() {
+                        *x = (*x - m).exp();
+                        l += *x;
+                    }
+                    let inv_l = R::one() / l;
+                    for x in row.iter_mut() {
+                        *x *= inv_l;
+                    }
+                    lse_bh[i] = m + l.ln();
                 }
-                let mut l = R::zero();
-                for sc in scores[..=i].iter_mut() {
-                    *sc = (*sc - m).exp();
-                    l += *sc;
-                }
-                let inv_l = R::one() / l;
-                let oi = &mut o[i * d..(i + 1) * d];
-                for (j, &p) in scores[..=i].iter().enumerate() {
-                    axpy(p * inv_l, &v[s.ki(b, j, g)..s.ki(b, j, g) + d], oi);
-                }
-                lse_bh[i] = m + l.ln();
+                // O[i0..i1] = P[:, 0..i1] · V[0..i1] (P is zero above the diagonal).
+                R::gemm(
+                    i1 - i0,
+                    i1,
+                    d,
+                    R::one(),
+                    &p,
+                    t_len,
+                    1,
+                    &v[hv.kb..],
+                    hv.ks,
+                    1,
+                    R::zero(),
+                    &mut o[i0 * d..],
+                    d,
+                    1,
+                );
             }
             o
         })
         .collect();
-    if s.q_heads * d == 0 || t_len == 0 {
+    if s.q_heads == 0 {
         return;
     }
     out.par_chunks_mut(t_len * s.q_heads * d)
@@ -160,6 +270,9 @@ pub fn attention_backward<R: Real>(
         assert_eq!(len, want, "attention_backward: {name} length");
     }
     let (t_len, d) = (s.seq, s.head_dim);
+    if t_len == 0 {
+        return;
+    }
     let scale = R::from_f64(1.0 / (d as f64).sqrt());
     let group = s.group();
 
@@ -171,37 +284,85 @@ pub fn attention_backward<R: Real>(
             let mut dq_g = vec![R::zero(); group * t_len * d];
             let mut dk_g = vec![R::zero(); t_len * d];
             let mut dv_g = vec![R::zero(); t_len * d];
-            let mut ds = vec![R::zero(); t_len];
+            let mut p = vec![R::zero(); BLOCK * t_len];
+            let mut ds = vec![R::zero(); BLOCK * t_len];
             for hh in 0..group {
                 let h = g * group + hh;
-                for i in 0..t_len {
-                    let qo = s.qi(b, i, h);
-                    let qi = &q[qo..qo + d];
-                    let doi = &dout[qo..qo + d];
-                    let delta = dot(doi, &out[qo..qo + d]);
-                    let lse_i = lse[(b * s.q_heads + h) * t_len + i];
-                    for j in 0..=i {
-                        let ko = s.ki(b, j, g);
-                        let kj = &k[ko..ko + d];
-                        let p = (dot(qi, kj) * scale - lse_i).exp();
-                        axpy(p, doi, &mut dv_g[j * d..(j + 1) * d]);
-                        let dp = dot(doi, &v[ko..ko + d]);
-                        ds[j] = p * (dp - delta) * scale;
+                let hv = HeadView::new(&s, b, h, g);
+                let lse_h = &lse[(b * s.q_heads + h) * t_len..(b * s.q_heads + h + 1) * t_len];
+                for i0 in (0..t_len).step_by(BLOCK) {
+                    let i1 = (i0 + BLOCK).min(t_len);
+                    let bm = i1 - i0;
+                    // P (zero above the diagonal) and dP = dout · Vᵀ on the causal part.
+                    causal_block_products(hv, q, k, scale, i0, i1, &mut p, t_len);
+                    causal_block_products(hv, dout, v, R::one(), i0, i1, &mut ds, t_len);
+                    for r in 0..bm {
+                        let i = i0 + r;
+                        let delta = dot(hv.qrow(dout, i), hv.qrow(out, i));
+                        let (pr, dsr) = (
+                            &mut p[r * t_len..r * t_len + i + 1],
+                            &mut ds[r * t_len..r * t_len + i + 1],
+                        );
+                        for (pj, dsj) in pr.iter_mut().zip(dsr.iter_mut()) {
+                            *pj = (*pj - lse_h[i]).exp();
+                            *dsj = *pj * (*dsj - delta) * scale;
+                        }
                     }
-                    let dqi = &mut dq_g[(hh * t_len + i) * d..(hh * t_len + i + 1) * d];
-                    for j in 0..=i {
-                        let ko = s.ki(b, j, g);
-                        axpy(ds[j], &k[ko..ko + d], dqi);
-                        axpy(ds[j], qi, &mut dk_g[j * d..(j + 1) * d]);
-                    }
+                    // dQ[i0..i1] = dS[:, 0..i1] · K[0..i1].
+                    R::gemm(
+                        bm,
+                        i1,
+                        d,
+                        R::one(),
+                        &ds,
+                        t_len,
+                        1,
+                        &k[hv.kb..],
+                        hv.ks,
+                        1,
+                        R::zero(),
+                        &mut dq_g[(hh * t_len + i0) * d..],
+                        d,
+                        1,
+                    );
+                    // dK[0..i1] += dSᵀ · Q[i0..i1];  dV[0..i1] += Pᵀ · dout[i0..i1].
+                    R::gemm(
+                        i1,
+                        bm,
+                        d,
+                        R::one(),
+                        &ds,
+                        1,
+                        t_len,
+                        &q[hv.qb + i0 * hv.qs..],
+                        hv.qs,
+                        1,
+                        R::one(),
+                        &mut dk_g,
+                        d,
+                        1,
+                    );
+                    R::gemm(
+                        i1,
+                        bm,
+                        d,
+                        R::one(),
+                        &p,
+                        1,
+                        t_len,
+                        &dout[hv.qb + i0 * hv.qs..],
+                        hv.qs,
+                        1,
+                        R::one(),
+                        &mut dv_g,
+                        d,
+                        1,
+                    );
                 }
             }
             (dq_g, dk_g, dv_g)
         })
         .collect();
-    if t_len == 0 || d == 0 {
-        return;
-    }
     if s.q_heads > 0 {
         dq.par_chunks_mut(t_len * s.q_heads * d)
             .enumerate()

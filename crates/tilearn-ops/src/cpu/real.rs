@@ -224,15 +224,6 @@ pub(crate) fn dot<R: Real>(a: &[R], b: &[R]) -> R {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// `y += alpha * x`.
-#[inline]
-pub(crate) fn axpy<R: Real>(alpha: R, x: &[R], y: &mut [R]) {
-    debug_assert_eq!(x.len(), y.len());
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += alpha * *xi;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

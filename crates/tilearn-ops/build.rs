@@ -15,7 +15,9 @@
 //! time only what cudarc loads itself with dlopen: the driver's `libcuda.so.1` (and cuBLASLt /
 //! NCCL when used). No `libcudart.so` is needed on the GPU machine. The static runtime and cudarc
 //! both use the device's primary context, so launchers run on cudarc's streams.
-//! The static runtime needs `-lrt -lpthread -ldl`, which Rust's std already links on Linux.
+//! The static runtime needs `-lrt -lpthread -ldl`; nvcc's host stubs need the C++ ABI runtime
+//! (`__cxa_guard_*`, `__gxx_personality_v0`), so `cc` links `libstdc++.so.6` (present on every
+//! Linux with a C++ runtime).
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -91,9 +93,7 @@ fn main() {
         .flag("-gencode=arch=compute_80,code=sm_80")
         .flag("-gencode=arch=compute_90a,code=sm_90a")
         .flag("-gencode=arch=compute_80,code=compute_80")
-        .warnings(false)
-        // The kernels' host code uses no C++ standard library; don't add libstdc++ to the link.
-        .cpp_link_stdlib(None);
+        .warnings(false);
     if let Ok(ccbin) = env::var("NVCC_CCBIN") {
         build.flag(format!("-ccbin={ccbin}"));
     }
@@ -159,7 +159,11 @@ fn find_nvcc(workspace: &Path) -> Option<PathBuf> {
             }
         }
     }
-    let pinned = workspace.join("target").join("cuda").join("bin").join("nvcc");
+    let pinned = workspace
+        .join("target")
+        .join("cuda")
+        .join("bin")
+        .join("nvcc");
     pinned.is_file().then_some(pinned)
 }
 

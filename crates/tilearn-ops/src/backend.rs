@@ -66,7 +66,12 @@ impl BackendInfo {
 
 impl fmt::Display for BackendInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fn line<T>(f: &mut fmt::Formatter<'_>, what: &str, r: &Result<T, String>, ok: &str) -> fmt::Result {
+        fn line<T>(
+            f: &mut fmt::Formatter<'_>,
+            what: &str,
+            r: &Result<T, String>,
+            ok: &str,
+        ) -> fmt::Result {
             match r {
                 Ok(_) => writeln!(f, "{what:<14}{ok}"),
                 Err(why) => writeln!(f, "{what:<14}unavailable: {why}"),
@@ -107,11 +112,11 @@ mod cuda_probe {
         let cublaslt = if unsafe { cudarc::cublaslt::sys::is_culib_present() } {
             Ok(())
         } else {
-            Err(format!(
-                "libcublasLt not found (tried {}): install the CUDA 13 cuBLAS libraries or add \
-                 their directory to LD_LIBRARY_PATH",
-                cudarc::get_lib_name_candidates("cublasLt").join(", ")
-            ))
+            Err(
+                "libcublasLt not found (libcublasLt.so.13 or another name cudarc tries): install \
+                 the CUDA 13 cuBLAS libraries or add their directory to LD_LIBRARY_PATH"
+                    .into(),
+            )
         };
         let nccl = if library_loadable("nccl") {
             Ok(())
@@ -135,9 +140,11 @@ mod cuda_probe {
         // SAFETY: only tries to dlopen the driver library under its candidate names.
         if !unsafe { sys::is_culib_present() } {
             return (
-                Err("no CUDA driver found (libcuda.so could not be loaded: is the NVIDIA driver \
+                Err(
+                    "no CUDA driver found (libcuda.so could not be loaded: is the NVIDIA driver \
                      installed?)"
-                    .into()),
+                        .into(),
+                ),
                 Vec::new(),
             );
         }
@@ -174,8 +181,10 @@ mod cuda_probe {
             // SAFETY: as above; reading an attribute has no other precondition.
             unsafe { result::device::get_attribute(dev, a) }.ok()
         };
-        let major = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
-        let minor = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+        let major =
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+        let minor =
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
         let cc = match (major, minor) {
             (Some(major), Some(minor)) => format!("sm_{major}{minor}"),
             _ => "compute capability unknown".into(),
@@ -193,21 +202,23 @@ mod cuda_probe {
     /// Whether the shared library `name` loads under one of the names cudarc would try. (cudarc's
     /// own `is_culib_present` for NCCL needs its `nccl` feature, which this crate does not use.)
     fn library_loadable(name: &str) -> bool {
-        cudarc::get_lib_name_candidates(name).iter().any(|candidate| {
-            let Ok(c) = CString::new(candidate.as_str()) else {
-                return false;
-            };
-            // SAFETY: `c` is a NUL-terminated path; dlopen runs the library's initialisers, as
-            // loading it for real would; the handle is closed right away.
-            unsafe {
-                let handle = dlopen(c.as_ptr(), RTLD_NOW);
-                if handle.is_null() {
-                    false
-                } else {
-                    dlclose(handle);
-                    true
+        cudarc::get_lib_name_candidates(name)
+            .iter()
+            .any(|candidate| {
+                let Ok(c) = CString::new(candidate.as_str()) else {
+                    return false;
+                };
+                // SAFETY: `c` is a NUL-terminated path; dlopen runs the library's initialisers, as
+                // loading it for real would; the handle is closed right away.
+                unsafe {
+                    let handle = dlopen(c.as_ptr(), RTLD_NOW);
+                    if handle.is_null() {
+                        false
+                    } else {
+                        dlclose(handle);
+                        true
+                    }
                 }
-            }
-        })
+            })
     }
 }

@@ -27,7 +27,9 @@ impl GpuDevice {
         let ctx = CudaContext::new(ordinal).map_err(|e| OpsError::NoCudaDevice {
             reason: format!("cannot open CUDA device {ordinal}: {e}"),
         })?;
-        let stream = ctx.new_stream().map_err(driver_err("GpuDevice::new: stream"))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(driver_err("GpuDevice::new: stream"))?;
         Ok(GpuDevice { ctx, stream })
     }
 

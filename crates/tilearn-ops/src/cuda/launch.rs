@@ -17,10 +17,13 @@ pub(super) fn raw_stream(stream: &CudaStream) -> ffi::cudaStream_t {
 /// Makes the stream's context current on this thread, so the runtime API inside the launcher
 /// uses it (the runtime picks up a driver context that is current; cudarc's is the primary one).
 pub(super) fn bind(stream: &CudaStream, op: &'static str) -> Result<()> {
-    stream.context().bind_to_thread().map_err(|e| OpsError::Cuda {
-        context: op,
-        message: format!("cannot make the device context current: {e}"),
-    })
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| OpsError::Cuda {
+            context: op,
+            message: format!("cannot make the device context current: {e}"),
+        })
 }
 
 /// Fails unless `buf` was allocated on the same device (context) as `stream`.

@@ -12,8 +12,16 @@ use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::{OpsError, Result};
 
-type ForwardLauncher<R> =
-    unsafe extern "C" fn(*const R, *const R, usize, usize, f32, *mut R, *mut f32, ffi::cudaStream_t) -> c_int;
+type ForwardLauncher<R> = unsafe extern "C" fn(
+    *const R,
+    *const R,
+    usize,
+    usize,
+    f32,
+    *mut R,
+    *mut f32,
+    ffi::cudaStream_t,
+) -> c_int;
 type BackwardLauncher<R> = unsafe extern "C" fn(
     *const R,
     *const R,
@@ -37,7 +45,7 @@ fn rows_of(op: &'static str, len: usize, dim: usize) -> Result<usize> {
             actual: 0,
         });
     }
-    if len % dim != 0 {
+    if !len.is_multiple_of(dim) {
         return Err(OpsError::ShapeMismatch {
             op,
             expected: len.div_ceil(dim) * dim,

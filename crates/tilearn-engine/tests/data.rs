@@ -305,6 +305,11 @@ fn prepare_with_custom_text_field_and_progress() {
     opts.text_field = "content".into();
     let summary = prepare_data(&opts, true).unwrap();
     assert_eq!(summary.num_tokens, 3 + 1 + 2 + 1);
+    let shown = summary.to_string();
+    assert!(
+        shown.contains("7 tokens") && shown.contains("2 documents"),
+        "{shown}"
+    );
 }
 
 #[test]
@@ -559,7 +564,8 @@ fn take(loader: &mut DataLoader, n: usize) -> Vec<Batch> {
 #[test]
 fn loader_batches_have_the_right_shape() {
     let (_d, ds, _) = unique_dataset(200);
-    let mut loader = DataLoader::new(ds.clone(), LoaderOptions::new(3, 16, 0)).unwrap();
+    let mut loader =
+        DataLoader::with_options(ds.clone(), LoaderOptions::new(3, 16, 0), None).unwrap();
     assert_eq!(loader.num_windows(), ds.num_tokens() / 16);
     assert_eq!(
         loader.batches_per_epoch(),
@@ -591,7 +597,7 @@ fn one_epoch_covers_the_windows_without_overlap() {
     );
 
     let b = 4;
-    let mut loader = DataLoader::new(ds, LoaderOptions::new(b, t, 42)).unwrap();
+    let mut loader = DataLoader::with_options(ds, LoaderOptions::new(b, t, 42), None).unwrap();
     let per_epoch = loader.batches_per_epoch() as usize;
     assert_eq!(per_epoch, num_windows / b);
     let mut seen = Vec::new();
@@ -629,14 +635,15 @@ fn one_epoch_covers_the_windows_without_overlap() {
 fn shuffling_differs_between_epochs_and_seeds() {
     let (_d, ds, _) = unique_dataset(200);
     let opts = LoaderOptions::new(2, 8, 7);
-    let mut loader = DataLoader::new(ds.clone(), opts).unwrap();
+    let mut loader = DataLoader::with_options(ds.clone(), opts, None).unwrap();
     let per_epoch = loader.batches_per_epoch() as usize;
     let epoch0 = take(&mut loader, per_epoch);
     let epoch1 = take(&mut loader, per_epoch);
     assert_ne!(epoch0, epoch1, "epochs must be shuffled differently");
-    let mut other_seed = DataLoader::new(ds.clone(), LoaderOptions::new(2, 8, 8)).unwrap();
+    let mut other_seed =
+        DataLoader::with_options(ds.clone(), LoaderOptions::new(2, 8, 8), None).unwrap();
     assert_ne!(take(&mut other_seed, per_epoch), epoch0);
-    let mut same_seed = DataLoader::new(ds, opts).unwrap();
+    let mut same_seed = DataLoader::with_options(ds, opts, None).unwrap();
     assert_eq!(take(&mut same_seed, per_epoch), epoch0);
 }
 
@@ -644,8 +651,7 @@ fn shuffling_differs_between_epochs_and_seeds() {
 fn resume_from_a_saved_state_continues_exactly() {
     let (_d, ds, _) = unique_dataset(20);
     // Few batches per epoch, so ten batches cross epoch boundaries.
-    let opts = LoaderOptions::new(2, 16, 1234);
-    let mut full = DataLoader::new(ds.clone(), opts).unwrap();
+    let mut full = DataLoader::new(ds.clone(), 2, 16, 1234, LoaderState::default()).unwrap();
     assert!(
         full.batches_per_epoch() <= 4,
         "{}",
@@ -664,7 +670,7 @@ fn resume_from_a_saved_state_continues_exactly() {
     let saved = serde_json::to_string(&after_four).unwrap();
     let restored: LoaderState = serde_json::from_str(&saved).unwrap();
     assert_eq!(restored, after_four);
-    let mut resumed = DataLoader::new(ds, opts.starting_at(restored)).unwrap();
+    let mut resumed = DataLoader::new(ds.clone(), 2, 16, 1234, restored).unwrap();
     for (i, expected) in batches.iter().enumerate().skip(4) {
         assert_eq!(resumed.state(), states[i]);
         assert_eq!(
@@ -673,19 +679,23 @@ fn resume_from_a_saved_state_continues_exactly() {
             "batch {i} differs after resume"
         );
     }
+    // The options form with the same values is the same loader.
+    let opts = LoaderOptions::new(2, 16, 1234).starting_at(states[7]);
+    let mut again = DataLoader::with_options(ds, opts, None).unwrap();
+    assert_eq!(again.next_batch().unwrap(), batches[7]);
 }
 
 #[test]
 fn ranks_split_each_global_batch() {
     let (_d, ds, _) = unique_dataset(200);
     let single = LoaderOptions::new(6, 8, 5);
-    let mut whole = DataLoader::new(ds.clone(), single).unwrap();
+    let mut whole = DataLoader::with_options(ds.clone(), single, None).unwrap();
     let mut parts = Vec::new();
     for rank in 0..2 {
         let mut o = LoaderOptions::new(3, 8, 5);
         o.rank = rank;
         o.world_size = 2;
-        let mut l = DataLoader::new(ds.clone(), o).unwrap();
+        let mut l = DataLoader::with_options(ds.clone(), o, None).unwrap();
         assert_eq!(l.batches_per_epoch(), whole.batches_per_epoch());
         parts.push(take(&mut l, 3));
     }
@@ -700,25 +710,25 @@ fn ranks_split_each_global_batch() {
 fn loader_rejects_impossible_shapes() {
     let (_d, ds, _) = unique_dataset(20);
     let n = ds.num_tokens();
-    let err = DataLoader::new(ds.clone(), LoaderOptions::new(2, 0, 0))
+    let err = DataLoader::with_options(ds.clone(), LoaderOptions::new(2, 0, 0), None)
         .unwrap_err()
         .to_string();
     assert!(err.contains("--seq-len"), "{err}");
-    let err = DataLoader::new(ds.clone(), LoaderOptions::new(4, n / 2, 0))
+    let err = DataLoader::with_options(ds.clone(), LoaderOptions::new(4, n / 2, 0), None)
         .unwrap_err()
         .to_string();
     assert!(err.contains(&format!("dataset has {n} tokens")), "{err}");
     assert!(err.contains(&format!("one batch of 4×{}", n / 2)), "{err}");
     assert!(err.contains("--per-device-train-batch-size") && err.contains("--seq-len"));
     // Exactly one batch fits.
-    let l = DataLoader::new(ds.clone(), LoaderOptions::new(2, n / 2, 0)).unwrap();
+    let l = DataLoader::with_options(ds.clone(), LoaderOptions::new(2, n / 2, 0), None).unwrap();
     assert_eq!(l.batches_per_epoch(), 1);
     // A resume position beyond the epoch.
     let opts = LoaderOptions::new(2, 4, 0).starting_at(LoaderState {
         epoch: 0,
         batch_index: 10_000,
     });
-    assert!(DataLoader::new(ds, opts).is_err());
+    assert!(DataLoader::with_options(ds, opts, None).is_err());
 }
 
 #[test]
@@ -732,14 +742,14 @@ fn worker_hook_runs_on_the_worker_and_drop_stops_it() {
     });
     let mut opts = LoaderOptions::new(1, 4, 0);
     opts.prefetch = 1;
-    let mut loader = DataLoader::with_worker_hook(ds.clone(), opts, Some(hook)).unwrap();
+    let mut loader = DataLoader::with_options(ds.clone(), opts, Some(hook)).unwrap();
     loader.next_batch().unwrap();
     assert!(ran_elsewhere.load(Ordering::SeqCst));
     drop(loader); // must return: the worker is blocked on a full channel
 
     // Dropping without reading anything, and dropping many loaders, neither hangs nor leaks.
     for _ in 0..20 {
-        drop(DataLoader::new(ds.clone(), LoaderOptions::new(2, 4, 0)).unwrap());
+        drop(DataLoader::with_options(ds.clone(), LoaderOptions::new(2, 4, 0), None).unwrap());
     }
     // The loader is the only other owner of the dataset; after drop only ours is left.
     assert_eq!(
@@ -750,8 +760,7 @@ fn worker_hook_runs_on_the_worker_and_drop_stops_it() {
 
     // A hook that panics turns into an error, not a hang or a panic in drop.
     let hook: Box<dyn FnOnce() + Send> = Box::new(|| panic!("hook failed on purpose"));
-    let mut loader =
-        DataLoader::with_worker_hook(ds, LoaderOptions::new(1, 4, 0), Some(hook)).unwrap();
+    let mut loader = DataLoader::with_options(ds, LoaderOptions::new(1, 4, 0), Some(hook)).unwrap();
     let err = loader.next_batch().unwrap_err().to_string();
     assert!(err.contains("worker thread stopped"), "{err}");
     drop(loader);
@@ -762,7 +771,8 @@ fn loader_over_the_embedded_default() {
     let dir = tempfile::tempdir().unwrap();
     prepare_embedded_default(dir.path(), 0, 500).unwrap();
     let ds = TokenDataset::open(dir.path()).unwrap();
-    let mut loader = DataLoader::new(ds, LoaderOptions::new(4, 64, 0)).unwrap();
+    // An owned dataset works as well as an Arc.
+    let mut loader = DataLoader::new(ds, 4, 64, 0, LoaderState::default()).unwrap();
     let batches = take(&mut loader, 10);
     assert!(batches.iter().all(|b| b.input_ids.iter().all(|&t| t < 257)));
     assert!(

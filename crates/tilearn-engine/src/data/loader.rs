@@ -159,13 +159,22 @@ pub struct DataLoader {
 }
 
 impl DataLoader {
-    /// A loader over `dataset` with `options` and no worker hook.
-    pub fn new(dataset: impl Into<Arc<TokenDataset>>, options: LoaderOptions) -> Result<Self> {
-        Self::with_worker_hook(dataset, options, None)
+    /// A single-rank loader over `dataset` yielding `batch_size × seq_len` batches from
+    /// position `start`, shuffled with `seed`, with [`DEFAULT_PREFETCH`] batches prefetched.
+    pub fn new(
+        dataset: impl Into<Arc<TokenDataset>>,
+        batch_size: usize,
+        seq_len: usize,
+        seed: u64,
+        start: LoaderState,
+    ) -> Result<Self> {
+        let options = LoaderOptions::new(batch_size, seq_len, seed).starting_at(start);
+        Self::with_options(dataset, options, None)
     }
 
-    /// A loader whose worker thread runs `hook` first.
-    pub fn with_worker_hook(
+    /// A loader with all options; its worker thread runs `hook` (if any) before the first
+    /// batch.
+    pub fn with_options(
         dataset: impl Into<Arc<TokenDataset>>,
         options: LoaderOptions,
         hook: Option<WorkerHook>,

@@ -81,6 +81,23 @@ pub struct PrepareSummary {
     pub token_width: u32,
 }
 
+impl std::fmt::Display for PrepareSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "wrote {} tokens ({} documents) in {} shard(s) to {} (vocab {}, eos id {}, {}-byte \
+             tokens)",
+            self.num_tokens,
+            self.num_documents,
+            self.shards.len(),
+            self.output_dir.display(),
+            self.vocab_size,
+            self.eos_id,
+            self.token_width
+        )
+    }
+}
+
 /// Tokenize `opts.inputs` with `opts.tokenizer` into shards in `opts.output_dir`.
 pub fn prepare_data(opts: &PrepareOptions, progress: bool) -> Result<PrepareSummary> {
     if opts.inputs.is_empty() {

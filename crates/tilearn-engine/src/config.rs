@@ -483,10 +483,13 @@ impl LlamaConfig {
                 original_max_position_embeddings,
             } => {
                 rope.insert("factor".into(), Value::from(factor));
-                rope.insert(
-                    "original_max_position_embeddings".into(),
-                    Value::from(original_max_position_embeddings),
-                );
+                // transformers defaults it to max_position_embeddings; write it only if it differs.
+                if original_max_position_embeddings != self.max_position_embeddings {
+                    rope.insert(
+                        "original_max_position_embeddings".into(),
+                        Value::from(original_max_position_embeddings),
+                    );
+                }
             }
             RopeScalingConfig::Llama3 {
                 factor,

@@ -287,3 +287,37 @@ fn invalid_json_and_missing_file() {
         "{e}"
     );
 }
+
+#[test]
+fn golden_configs_round_trip_without_losing_keys() {
+    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&golden).expect("tests/golden is committed") {
+        let path = entry.unwrap().path().join("config.json");
+        if !path.is_file() {
+            continue;
+        }
+        seen += 1;
+        let a = LlamaConfig::from_file(&path).unwrap();
+        let text = a.to_json();
+        let b = LlamaConfig::from_json_str(&text, &path).unwrap();
+        assert_eq!(a, b, "{}", path.display());
+        let src: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let out: serde_json::Value = serde_json::from_str(&text).unwrap();
+        // Every key survives, except the v4 spellings that the v5 form renames.
+        for key in src.as_object().unwrap().keys() {
+            let renamed = ["rope_theta", "rope_scaling", "torch_dtype"].contains(&key.as_str());
+            assert!(
+                renamed || out.get(key).is_some(),
+                "{}: key {key} lost",
+                path.display()
+            );
+        }
+    }
+    assert!(
+        seen >= 4,
+        "expected the golden fixtures in {}",
+        golden.display()
+    );
+}

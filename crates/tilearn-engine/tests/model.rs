@@ -318,3 +318,38 @@ fn a_few_sgd_steps_reduce_the_loss() {
     }
     assert!(last < 0.5 * first.unwrap(), "{first:?} -> {last}");
 }
+
+/// Step time of the default `tilearn train` model (hidden 128, 4 layers, vocab 257) at batch
+/// 16 x seq 128. Not an assertion (the machine is shared); run with
+/// `cargo test -p tilearn-engine --test model -- --ignored --nocapture step_time`.
+#[test]
+#[ignore]
+fn step_time_of_the_default_model() {
+    let cfg = LlamaConfig::from_file(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tilearn-llm/src/default_config.json"
+    ))
+    .unwrap();
+    let m = LlamaForCausalLM::from_config(cfg, 1);
+    let (b, t) = (16, 128);
+    let (ids, labels) = batch(m.config.vocab_size, b, t, 1);
+    for ckpt in [false, true] {
+        let mut acts = Activations::new(&m.config, b, t, ckpt);
+        let mut g = vec![0.0; m.params.numel()];
+        m.forward_backward(&ids, &labels, b, t, None, &mut acts, &mut g)
+            .unwrap();
+        let reps = 5;
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            m.forward_backward(&ids, &labels, b, t, None, &mut acts, &mut g)
+                .unwrap();
+        }
+        let step = start.elapsed().as_secs_f64() / reps as f64;
+        eprintln!(
+            "gradient_checkpointing={ckpt}: {} params, arena {} MiB, forward+backward {:.1} ms",
+            m.params.numel(),
+            acts.bytes() >> 20,
+            step * 1e3
+        );
+    }
+}

@@ -80,28 +80,34 @@ fn main() {
     // SAFETY: the build script is single-threaded here; nothing reads the environment
     // concurrently.
     unsafe { env::set_var("NVCC", &nvcc) };
-    let mut build = cc::Build::new();
-    build
-        .cuda(true)
-        // We emit the cudart link line ourselves (below), with the right search path for every
-        // layout (wheel prefix, /usr/local/cuda, targets/x86_64-linux).
-        .cudart("none")
-        .include(&include)
-        .files(&sources)
-        .flag("-std=c++17")
-        .flag("-lineinfo")
-        .flag("-gencode=arch=compute_80,code=sm_80")
-        .flag("-gencode=arch=compute_90a,code=sm_90a")
-        .flag("-gencode=arch=compute_80,code=compute_80")
-        .warnings(false);
-    if let Ok(ccbin) = env::var("NVCC_CCBIN") {
-        build.flag(format!("-ccbin={ccbin}"));
+    // One cc build (one static library) per kernel file: with a single .cu file cc compiles
+    // whole-program (no `--device-c` relocatable device code, which it uses as soon as a build
+    // has several .cu files), so every file is an independent module the runtime loads lazily.
+    // The files compile in parallel.
+    let ccbin = env::var("NVCC_CCBIN").ok();
+    let failures: Vec<String> = std::thread::scope(|scope| {
+        let jobs: Vec<_> = sources
+            .iter()
+            .map(|source| {
+                let include = &include;
+                let ccbin = ccbin.as_deref();
+                scope.spawn(move || compile_kernel_file(source, include, ccbin))
+            })
+            .collect();
+        jobs.into_iter()
+            .filter_map(|job| match job.join() {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e),
+                Err(_) => Some("a kernel compilation thread panicked".to_string()),
+            })
+            .collect()
+    });
+    if !failures.is_empty() {
+        for failure in &failures {
+            eprintln!("error: {failure}");
+        }
+        std::process::exit(1);
     }
-    // cc passes its own -O level (from the profile); kernels are always built with -O3.
-    build.opt_level(3);
-    // cc adds `-G` (device debug: no optimisation, overrides -lineinfo) in debug profiles.
-    build.debug(false);
-    build.compile("tilearn_kernels");
 
     let mut found_cudart = false;
     for dir in [
@@ -127,6 +133,38 @@ fn main() {
     for lib in ["rt", "pthread", "dl"] {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }
+}
+
+/// Compiles one `kernels/<op>.cu` into `libtilearn_kernels_<op>.a` and emits its link line.
+fn compile_kernel_file(source: &Path, include: &Path, ccbin: Option<&str>) -> Result<(), String> {
+    let stem = source
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .ok_or_else(|| format!("kernel file name {} is not UTF-8", source.display()))?;
+    let mut build = cc::Build::new();
+    build
+        .cuda(true)
+        // We emit the cudart link line ourselves (in main), with the right search path for every
+        // layout (wheel prefix, /usr/local/cuda, targets/x86_64-linux).
+        .cudart("none")
+        .include(include)
+        .file(source)
+        .flag("-std=c++17")
+        .flag("-lineinfo")
+        .flag("-gencode=arch=compute_80,code=sm_80")
+        .flag("-gencode=arch=compute_90a,code=sm_90a")
+        .flag("-gencode=arch=compute_80,code=compute_80")
+        // cc passes its own -O level (from the profile); kernels are always built with -O3.
+        .opt_level(3)
+        // cc adds `-G` (device debug: unoptimised, overrides -lineinfo) in debug profiles.
+        .debug(false)
+        .warnings(false);
+    if let Some(ccbin) = ccbin {
+        build.ccbin(false).flag(format!("-ccbin={ccbin}"));
+    }
+    build
+        .try_compile(&format!("tilearn_kernels_{stem}"))
+        .map_err(|e| format!("nvcc failed on {}: {e}", source.display()))
 }
 
 /// NVCC, then CUDA_HOME / CUDA_PATH, then PATH, then the pinned install (the same order as

@@ -41,4 +41,5 @@ fn main() -> ExitCode {
     }
 }
 
-const HELP: &str = "usage: cargo xtask <train [ARGS…] | test | setup-cuda | build-kernels [--check]>";
+const HELP: &str =
+    "usage: cargo xtask <train [ARGS…] | test | setup-cuda | build-kernels [--check]>";

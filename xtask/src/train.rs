@@ -7,11 +7,20 @@ use crate::setup_cuda::find_nvcc;
 
 pub fn run(args: &[String]) -> Result<(), String> {
     let mut build = cargo();
-    build.args(["build", "--release", "-p", "tilearn-llm", "--bin", "tilearn"]);
+    build.args([
+        "build",
+        "--release",
+        "-p",
+        "tilearn-llm",
+        "--bin",
+        "tilearn",
+    ]);
     if find_nvcc().is_some() {
         build.args(["--features", "cuda"]);
     } else {
-        eprintln!("xtask train: nvcc not found, building without CUDA kernels (run `cargo xtask setup-cuda` to add them)");
+        eprintln!(
+            "xtask train: nvcc not found, building without CUDA kernels (run `cargo xtask setup-cuda` to add them)"
+        );
     }
     run_checked(build)?;
 

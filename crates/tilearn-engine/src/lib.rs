@@ -7,7 +7,7 @@ pub mod data;
 pub mod error;
 pub mod model;
 pub mod params;
-// `trainer` is re-enabled once the model, data and optim APIs it uses have landed.
-// pub mod trainer;
+
+pub mod trainer;
 
 pub use error::{EngineError, Result};

@@ -23,7 +23,9 @@ pub enum OpsError {
         position: usize,
         vocab: usize,
     },
-    #[error("label {label} at position {position} is outside the vocabulary of {vocab} entries (use -100 to ignore a position)")]
+    #[error(
+        "label {label} at position {position} is outside the vocabulary of {vocab} entries (use -100 to ignore a position)"
+    )]
     LabelOutOfRange {
         label: i32,
         position: usize,

@@ -77,10 +77,7 @@ impl TrainingArguments {
             })
         };
         if self.per_device_train_batch_size == 0 {
-            return bad(
-                "--per-device-train-batch-size",
-                "must be at least 1".into(),
-            );
+            return bad("--per-device-train-batch-size", "must be at least 1".into());
         }
         if self.gradient_accumulation_steps == 0 {
             return bad("--gradient-accumulation-steps", "must be at least 1".into());

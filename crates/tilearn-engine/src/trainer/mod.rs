@@ -208,7 +208,7 @@ impl Trainer {
         let mut log = TrainLog::open(&a.output_dir, resume.is_none())?;
 
         let mut loader = DataLoader::new(self.dataset.clone(), batch, seq, a.seed, state.loader)?;
-        let mut acts = Activations::new(&self.model.config, batch, seq, a.gradient_checkpointing)?;
+        let mut acts = Activations::new(&self.model.config, batch, seq, a.gradient_checkpointing);
         let mut grads = vec![0.0f32; self.model.params.numel()];
         let tokens_per_step = (batch * seq * accum) as u64;
 
@@ -270,7 +270,7 @@ impl Trainer {
             final_loss = loss;
             sink.step(state.global_step, loss, lr as f64);
             let last = state.global_step == total_steps;
-            if state.global_step % a.logging_steps.max(1) == 0 || last {
+            if state.global_step.is_multiple_of(a.logging_steps.max(1)) || last {
                 let record = window.take(
                     state.global_step,
                     state.global_step as f64 / steps_per_epoch as f64,
@@ -279,12 +279,13 @@ impl Trainer {
                 log.write(&record)?;
                 sink.log(&record);
             }
-            if (a.save_steps > 0 && state.global_step % a.save_steps == 0) || last {
+            if (a.save_steps > 0 && state.global_step.is_multiple_of(a.save_steps)) || last {
                 self.save_checkpoint(&state, &optimizer, &schedule)?;
             }
         }
         sink.finish();
-        self.model.save_pretrained(&a.output_dir, DType::F32, None)?;
+        self.model
+            .save_pretrained(&a.output_dir, DType::F32, None)?;
 
         let steps_run = state.global_step - first_step;
         let elapsed = run_start.elapsed().as_secs_f64();

@@ -46,6 +46,8 @@ pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
     let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, "read", e))?;
     serde_json::from_str(&text).map_err(|e| EngineError::Data {
         file: path.to_path_buf(),
-        message: format!("not a valid tilearn state file ({e}); was the checkpoint written by tilearn?"),
+        message: format!(
+            "not a valid tilearn state file ({e}); was the checkpoint written by tilearn?"
+        ),
     })
 }

@@ -39,7 +39,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
                 ),
             });
         }
-        let mut acts = Activations::new(&model.config, 1, ids.len(), false)?;
+        let mut acts = Activations::new(&model.config, 1, ids.len(), false);
         let logits = model.forward_logits(ids, 1, ids.len(), &mut acts)?;
         // Position t predicts token t+1; the last position has no target.
         let mut targets: Vec<i32> = ids[1..].iter().map(|&t| t as i32).collect();
@@ -73,8 +73,7 @@ fn read_token_lists(path: &Path, vocab: usize) -> Result<Vec<Vec<u32>>> {
         file: path.to_path_buf(),
         message,
     };
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| bad(format!("cannot read: {e}")))?;
+    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read: {e}")))?;
     let value: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| bad(format!("not JSON ({e}); expected a list of token-id lists")))?;
     let lists = value

@@ -207,9 +207,15 @@ fn build_model(args: &TrainArgs) -> Result<(LlamaForCausalLM, Recipe)> {
     }
     let config = match &args.config {
         Some(file) => LlamaConfig::from_file(file)?,
-        None => LlamaConfig::from_json_str(crate::DEFAULT_CONFIG_JSON, Path::new("<embedded default config>"))?,
+        None => LlamaConfig::from_json_str(
+            crate::DEFAULT_CONFIG_JSON,
+            Path::new("<embedded default config>"),
+        )?,
     };
-    Ok((LlamaForCausalLM::from_config(config, args.seed), FROM_SCRATCH))
+    Ok((
+        LlamaForCausalLM::from_config(config, args.seed),
+        FROM_SCRATCH,
+    ))
 }
 
 fn open_dataset(args: &TrainArgs) -> Result<TokenDataset> {
@@ -218,7 +224,10 @@ fn open_dataset(args: &TrainArgs) -> Result<TokenDataset> {
     }
     let dir = args.output_dir.join("data");
     if TokenDataset::open(&dir).is_err() {
-        println!("data: generating the embedded grammar corpus into {}", dir.display());
+        println!(
+            "data: generating the embedded grammar corpus into {}",
+            dir.display()
+        );
         prepare_embedded_default(&dir, args.seed, EMBEDDED_DOCUMENTS)?;
     }
     Ok(TokenDataset::open(&dir)?)

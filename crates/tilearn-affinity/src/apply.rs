@@ -1,0 +1,224 @@
+//! Applying a plan: pin threads (`sched_setaffinity`), read a thread's mask back
+//! (`sched_getaffinity`), prefer a NUMA node for new memory (`set_mempolicy`), and the
+//! `TILEARN_AFFINITY=off` opt-out.
+//!
+//! All of these act on the *calling thread* (Linux affinity and memory policy are per thread and
+//! inherited by threads it spawns afterwards), so a rank pins its main thread before it starts
+//! its compute pool, and the loader pins its worker from inside (see [`RankPlan::loader_hook`]).
+
+use std::io;
+use std::sync::Arc;
+
+use crate::cpuset::CpuSet;
+use crate::error::{AffinityError, Result};
+use crate::plan::RankPlan;
+
+/// Environment variable that turns all pinning off (`off`, `0`, `false`, `none`).
+pub const OPT_OUT_ENV: &str = "TILEARN_AFFINITY";
+
+/// Why pinning is switched off by the environment, if it is.
+pub fn opt_out_reason() -> Option<String> {
+    let value = std::env::var(OPT_OUT_ENV).ok()?;
+    opt_out_from(&value).then(|| format!("{OPT_OUT_ENV}={value}"))
+}
+
+/// Whether a `TILEARN_AFFINITY` value means "off".
+pub fn opt_out_from(value: &str) -> bool {
+    matches!(
+        value.trim().to_ascii_lowercase().as_str(),
+        "off" | "0" | "false" | "none" | "no"
+    )
+}
+
+/// Bits in the masks passed to the kernel: one word per 64 CPUs, at least 1024 CPUs (glibc's
+/// `cpu_set_t`), more when the set names higher ids.
+fn mask_words(max_cpu: usize) -> usize {
+    (max_cpu + 1).max(1024).div_ceil(64)
+}
+
+/// CPUs the calling thread may run on.
+#[cfg(target_os = "linux")]
+pub fn current_thread_affinity() -> Result<CpuSet> {
+    let mut words = mask_words(0);
+    loop {
+        let mut mask = vec![0u64; words];
+        let bytes = words * 8;
+        // SAFETY: `mask` is a writable buffer of exactly `bytes` bytes; with pid 0 the kernel
+        // reads the calling thread's mask and writes at most `bytes` bytes into it.
+        let ret = unsafe {
+            libc::sched_getaffinity(0, bytes, mask.as_mut_ptr().cast::<libc::cpu_set_t>())
+        };
+        if ret == 0 {
+            let mut set = CpuSet::new();
+            for (w, word) in mask.iter().enumerate() {
+                for bit in 0..64 {
+                    if word & (1u64 << bit) != 0 {
+                        set.insert(w * 64 + bit)?;
+                    }
+                }
+            }
+            return Ok(set);
+        }
+        let err = io::Error::last_os_error();
+        // EINVAL: the kernel's mask is wider than ours (more than `bytes * 8` possible CPUs).
+        if err.raw_os_error() == Some(libc::EINVAL) && words * 64 < crate::cpuset::MAX_CPUS {
+            words *= 2;
+            continue;
+        }
+        return Err(AffinityError::Syscall {
+            call: "sched_getaffinity",
+            detail: "calling thread".into(),
+            source: err,
+        });
+    }
+}
+
+/// Pins the calling thread (and the threads it spawns from now on) to `cpus`.
+#[cfg(target_os = "linux")]
+pub fn pin_current_thread(cpus: &CpuSet) -> Result<()> {
+    let max = cpus.last().ok_or(AffinityError::EmptyCpuSet)?;
+    let words = mask_words(max);
+    let mut mask = vec![0u64; words];
+    for cpu in cpus.iter() {
+        mask[cpu / 64] |= 1u64 << (cpu % 64);
+    }
+    // SAFETY: `mask` holds `words * 8` initialised bytes, the size passed; pid 0 = this thread.
+    let ret =
+        unsafe { libc::sched_setaffinity(0, words * 8, mask.as_ptr().cast::<libc::cpu_set_t>()) };
+    if ret != 0 {
+        return Err(AffinityError::Syscall {
+            call: "sched_setaffinity",
+            detail: format!("cpus {cpus}"),
+            source: io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// Linux `MPOL_DEFAULT` / `MPOL_PREFERRED` (include/uapi/linux/mempolicy.h).
+#[cfg(target_os = "linux")]
+const MPOL_DEFAULT: libc::c_long = 0;
+#[cfg(target_os = "linux")]
+const MPOL_PREFERRED: libc::c_long = 1;
+
+/// Makes new memory of the calling thread come from NUMA node `node` while it has free pages
+/// (`MPOL_PREFERRED`: falls back to other nodes rather than failing). Call it before allocating
+/// pinned host buffers so the pages the GPU reads sit on its node.
+#[cfg(target_os = "linux")]
+pub fn prefer_memory_node(node: usize) -> Result<()> {
+    let words = node / 64 + 1;
+    let mut mask = vec![0 as libc::c_ulong; words];
+    mask[node / 64] |= 1 << (node % 64);
+    // The kernel reads `maxnode - 1` bits (a historical off-by-one that libnuma also
+    // compensates for), so pass one more than the mask's width.
+    let maxnode = (words * 64 + 1) as libc::c_ulong;
+    // SAFETY: set_mempolicy reads `maxnode - 1` bits from `mask`, which holds `words * 64`
+    // initialised bits; it changes only this thread's policy.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_set_mempolicy,
+            MPOL_PREFERRED,
+            mask.as_ptr(),
+            maxnode,
+        )
+    };
+    if ret != 0 {
+        return Err(AffinityError::Syscall {
+            call: "set_mempolicy",
+            detail: format!("MPOL_PREFERRED, node {node}"),
+            source: io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// Restores the default memory policy (allocate on the node of the CPU that touches the page).
+#[cfg(target_os = "linux")]
+pub fn reset_memory_policy() -> Result<()> {
+    // SAFETY: MPOL_DEFAULT takes no mask (NULL, 0); it changes only this thread's policy.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_set_mempolicy,
+            MPOL_DEFAULT,
+            std::ptr::null::<libc::c_ulong>(),
+            0 as libc::c_ulong,
+        )
+    };
+    if ret != 0 {
+        return Err(AffinityError::Syscall {
+            call: "set_mempolicy",
+            detail: "MPOL_DEFAULT".into(),
+            source: io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn current_thread_affinity() -> Result<CpuSet> {
+    Err(AffinityError::Unsupported("sched_getaffinity"))
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn pin_current_thread(_cpus: &CpuSet) -> Result<()> {
+    Err(AffinityError::Unsupported("sched_setaffinity"))
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn prefer_memory_node(_node: usize) -> Result<()> {
+    Err(AffinityError::Unsupported("set_mempolicy"))
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn reset_memory_policy() -> Result<()> {
+    Err(AffinityError::Unsupported("set_mempolicy"))
+}
+
+/// Which thread of a rank is being pinned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThreadRole {
+    Main,
+    Loader,
+    Comm,
+}
+
+impl RankPlan {
+    /// The CPUs for `role`, or `None` when the rank is not pinned.
+    pub fn cpus_for(&self, role: ThreadRole) -> Option<&CpuSet> {
+        let b = self.binding.as_ref()?;
+        Some(match role {
+            ThreadRole::Main => &b.main,
+            ThreadRole::Loader => &b.loader,
+            ThreadRole::Comm => &b.comm,
+        })
+    }
+
+    /// Pins the calling thread as `role` and, with `prefer_local_memory`, prefers the GPU's
+    /// node for its new memory. Returns the CPUs pinned to (`None`: the plan leaves this rank
+    /// alone). A failed memory policy is reported as an error after the pinning succeeded.
+    pub fn apply(&self, role: ThreadRole, prefer_local_memory: bool) -> Result<Option<CpuSet>> {
+        let Some(cpus) = self.cpus_for(role) else {
+            return Ok(None);
+        };
+        pin_current_thread(cpus)?;
+        if prefer_local_memory && let Some(node) = self.numa_node {
+            prefer_memory_node(node)?;
+        }
+        Ok(Some(cpus.clone()))
+    }
+
+    /// A closure for a loader's worker thread (e.g. `tilearn_engine`'s `WorkerHook`): pins
+    /// the thread to the loader CPUs and prefers the GPU's node for the batches it allocates.
+    /// A failure is printed as a warning — a loader must not die because pinning was refused.
+    pub fn loader_hook(&self) -> Arc<dyn Fn() + Send + Sync> {
+        let plan = self.clone();
+        Arc::new(move || {
+            if let Err(e) = plan.apply(ThreadRole::Loader, true) {
+                eprintln!(
+                    "warning: could not pin the data loader thread of local rank {}: {e}",
+                    plan.local_rank
+                );
+            }
+        })
+    }
+}

@@ -51,6 +51,14 @@ pub enum OptimError {
         file: std::path::PathBuf,
         message: String,
     },
+    /// A per-tensor range (LAMB's trust-ratio tensors) that is reversed, overlaps another,
+    /// straddles a group boundary, or leaves group elements uncovered.
+    #[error("tensor range {start}..{end}: {message}")]
+    InvalidTensorRange {
+        start: usize,
+        end: usize,
+        message: &'static str,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, OptimError>;

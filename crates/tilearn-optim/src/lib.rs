@@ -4,17 +4,34 @@
 //! * [`group`]: [`ParamGroup`] — named index ranges of one flat buffer with their own weight
 //!   decay and learning-rate scale.
 //! * [`adamw`]: [`AdamW`] with `torch.optim.AdamW` semantics, state save/load as safetensors.
+//! * [`adam`]: [`Adam`] (`torch.optim.Adam`, L2 decay), [`sgd`]: [`Sgd`] (`torch.optim.SGD`),
+//!   [`lamb`]: [`Lamb`] (Apex `FusedLAMB`), [`lion`]: [`Lion`] (lion-pytorch).
+//! * [`optimizer`]: the [`Optimizer`] trait all five implement, and [`OptimizerConfig`].
 //! * [`clip`]: deterministic global L2 gradient norm and `clip_grad_norm_`.
 //! * [`schedule`]: Hugging Face `get_scheduler` learning-rate curves.
 
+pub mod adam;
 pub mod adamw;
 pub mod clip;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod common;
 pub mod error;
 pub mod group;
+pub mod lamb;
+pub mod lion;
+pub mod optimizer;
 pub mod schedule;
+pub mod sgd;
+mod state_file;
 
+pub use adam::{Adam, AdamConfig, AdamStepScalars};
 pub use adamw::{AdamW, AdamWConfig, AdamWStepScalars};
 pub use clip::{clip_grad_norm, global_grad_norm};
 pub use error::{OptimError, Result};
 pub use group::{ParamGroup, Segment, validate_groups};
+pub use lamb::{Lamb, LambConfig, LambStepScalars, lamb_clip_divisor, lamb_trust_ratio};
+pub use lion::{Lion, LionConfig, LionStepScalars};
+pub use optimizer::{Optimizer, OptimizerConfig};
 pub use schedule::{LrSchedule, SchedulerType};
+pub use sgd::{Sgd, SgdConfig, SgdStepScalars};

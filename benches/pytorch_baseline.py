@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""PyTorch + Hugging Face transformers baseline for `tilearn bench`.
+
+Runs the same presets as `tilearn bench` (LlamaForCausalLM from random weights, bf16 autocast
+over fp32 master weights, SDPA attention, fused AdamW) in eager mode and with torch.compile, and
+prints one JSON line per run with the same fields tilearn prints: step time, tokens/s, MFU and
+peak device memory. Run it on the GPU machine in the same call as `tilearn bench`.
+
+    python3 benches/pytorch_baseline.py --preset llama-134m --mode eager compile
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+# Keep in sync with crates/tilearn-llm/src/presets.rs.
+PRESETS = {
+    "llama-134m": dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12,
+                       num_attention_heads=12, num_key_value_heads=12,
+                       intermediate_size=2048, batch=16, seq=1024),
+    "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=22,
+                           num_attention_heads=32, num_key_value_heads=4,
+                           intermediate_size=5632, batch=8, seq=2048),
+}
+
+# Dense bf16 peak used for MFU, the same constant as tilearn bench (H100/H200 SXM datasheet).
+PEAK_BF16_FLOPS = 989e12
+
+
+def flops_per_token(cfg, n_params, seq):
+    """6·N for the matmuls of forward+backward plus 6·L·T·(Hq·D) for causal attention scores
+    and values (12·L·T·d halved for the causal mask). Same formula as tilearn bench."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    attn = 6 * cfg.num_hidden_layers * seq * cfg.num_attention_heads * head_dim
+    return 6 * n_params + attn
+
+
+def run(preset, mode, batch, seq, steps, warmup):
+    p = dict(PRESETS[preset])
+    batch = batch or p.pop("batch")
+    seq = seq or p.pop("seq")
+    p.pop("batch", None)
+    p.pop("seq", None)
+    cfg = LlamaConfig(**p, max_position_embeddings=max(seq, 2048), tie_word_embeddings=False,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).cuda()
+    n_params = sum(t.numel() for t in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    step_fn = model
+    if mode == "compile":
+        step_fn = torch.compile(model)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = step_fn(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    step_s = statistics.median(times)
+    tokens = batch * seq
+    tps = tokens / step_s
+    mfu = tps * flops_per_token(cfg, n_params, seq) / PEAK_BF16_FLOPS
+    return {
+        "impl": "pytorch", "preset": preset, "mode": mode, "batch": batch, "seq": seq,
+        "params": n_params, "step_ms": step_s * 1e3, "tokens_per_sec": tps, "mfu": mfu,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "loss": float(loss), "torch": torch.__version__,
+        "transformers": transformers.__version__, "gpu": torch.cuda.get_device_name(),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    ap.add_argument("--mode", nargs="+", default=["eager", "compile"],
+                    choices=["eager", "compile"])
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args()
+    for preset in args.preset:
+        for mode in args.mode:
+            t0 = time.time()
+            result = run(preset, mode, args.batch, args.seq, args.steps, args.warmup)
+            result["wall_s"] = time.time() - t0
+            print(json.dumps(result), flush=True)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -248,8 +248,9 @@ fn locate(topology: &Topology, gpu: Option<&str>) -> Result<(usize, Option<Strin
         Some(node) => Err(format!(
             "GPU {bus_id} reports node {node}, which sysfs does not list"
         )),
-        // One node: -1 only means the firmware did not say; there is nothing to choose.
-        None if topology.nodes.len() == 1 => Ok((
+        // One node: -1 only means the firmware did not say; there is nothing to choose. (Not
+        // when other nodes exist but were unreadable.)
+        None if topology.nodes.len() == 1 && topology.nodes_left_out.is_empty() => Ok((
             topology.nodes[0].id,
             Some(format!(
                 "GPU {bus_id} has no numa_node (-1); using the only node, {}",
@@ -258,7 +259,7 @@ fn locate(topology: &Topology, gpu: Option<&str>) -> Result<(usize, Option<Strin
         )),
         None => Err(format!(
             "GPU {bus_id} has no NUMA node (numa_node -1 or unreadable) on a machine with {} nodes",
-            topology.nodes.len()
+            topology.nodes.len() + topology.nodes_left_out.len()
         )),
     }
 }

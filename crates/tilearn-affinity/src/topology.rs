@@ -27,6 +27,8 @@ pub struct NumaNode {
 pub struct Topology {
     /// NUMA nodes in id order; empty when sysfs does not describe them (then nothing is pinned).
     pub nodes: Vec<NumaNode>,
+    /// Ids of nodes present in sysfs whose CPU list could not be read (left out of `nodes`).
+    pub nodes_left_out: Vec<usize>,
     /// Online CPUs.
     pub online: CpuSet,
     /// CPUs this process may use: online ∩ its affinity mask ∩ its cgroup's cpuset.
@@ -57,7 +59,7 @@ impl Topology {
     /// known (tests pass the mask a fake machine's process would have).
     pub fn discover(root: &SysfsRoot, affinity: Option<&CpuSet>) -> Topology {
         let mut warnings = Vec::new();
-        let mut nodes = read_nodes(root, &mut warnings);
+        let (mut nodes, nodes_left_out) = read_nodes(root, &mut warnings);
         let listed: CpuSet = nodes
             .iter()
             .fold(CpuSet::new(), |acc, n| acc.union(&n.cpus));
@@ -101,6 +103,7 @@ impl Topology {
         let gpus = gpu::enumerate(root, &mut warnings);
         Topology {
             nodes,
+            nodes_left_out,
             online,
             allowed,
             siblings,
@@ -154,17 +157,18 @@ impl Topology {
     }
 }
 
-fn read_nodes(root: &SysfsRoot, warnings: &mut Vec<String>) -> Vec<NumaNode> {
+/// The readable nodes, and the ids of those whose CPU list could not be read.
+fn read_nodes(root: &SysfsRoot, warnings: &mut Vec<String>) -> (Vec<NumaNode>, Vec<usize>) {
     let names = match root.list("sys/devices/system/node") {
         Ok(names) => names,
         Err(why) => {
             warnings.push(format!(
                 "no NUMA information ({why}; a container may hide sysfs): nothing will be pinned"
             ));
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
     };
-    let mut nodes = Vec::new();
+    let (mut nodes, mut left_out) = (Vec::new(), Vec::new());
     for name in names {
         let Some(id) = name
             .strip_prefix("node")
@@ -174,14 +178,17 @@ fn read_nodes(root: &SysfsRoot, warnings: &mut Vec<String>) -> Vec<NumaNode> {
         };
         match root.read_cpulist(&format!("sys/devices/system/node/{name}/cpulist")) {
             Ok(cpus) => nodes.push(NumaNode { id, cpus }),
-            Err(why) => warnings.push(format!("node {id} left out: {why}")),
+            Err(why) => {
+                warnings.push(format!("node {id} left out: {why}"));
+                left_out.push(id);
+            }
         }
     }
     if nodes.is_empty() {
         warnings.push("no readable NUMA node: nothing will be pinned".into());
     }
     nodes.sort_by_key(|n| n.id);
-    nodes
+    (nodes, left_out)
 }
 
 fn read_siblings(

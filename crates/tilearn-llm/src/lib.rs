@@ -8,6 +8,7 @@
 
 pub mod cli;
 pub mod error;
+pub mod presets;
 
 pub use error::{LlmError, Result};
 pub use tilearn_engine as engine;

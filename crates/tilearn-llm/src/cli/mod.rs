@@ -1,5 +1,7 @@
 //! The `tilearn` command line: `train`, `eval`, `prepare-data`, `info`.
 
+mod bench;
+mod bench_gpu;
 mod eval;
 mod info;
 mod prepare;
@@ -8,6 +10,7 @@ mod train;
 
 use clap::{Parser, Subcommand};
 
+pub use bench::BenchArgs;
 pub use eval::EvalArgs;
 pub use prepare::PrepareArgs;
 pub use train::TrainArgs;
@@ -31,6 +34,8 @@ pub enum Command {
     Train(TrainArgs),
     /// Mean next-token loss (and optionally logits) of a model on given token sequences.
     Eval(EvalArgs),
+    /// Training-step throughput on a preset model (one JSON line).
+    Bench(BenchArgs),
     /// Tokenize text or JSON-lines files into memory-mapped token shards.
     PrepareData(PrepareArgs),
     /// Version, devices, and which CUDA/NCCL libraries were found (or why not).
@@ -42,6 +47,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train::run(args),
         Command::Eval(args) => eval::run(args),
+        Command::Bench(args) => bench::run(args),
         Command::PrepareData(args) => prepare::run(args),
         Command::Info => info::run(),
     }

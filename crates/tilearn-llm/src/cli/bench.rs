@@ -1,0 +1,159 @@
+//! `tilearn bench`: end-to-end training-step throughput on a preset model, one JSON line.
+//!
+//! Times full optimizer steps (forward, backward, clip, AdamW) on random token batches after a
+//! warm-up, and reports the median step time, tokens/s, MFU against the bf16 peak, and peak
+//! memory. `benches/pytorch_baseline.py` prints the same fields for transformers.
+
+use std::time::Instant;
+
+use clap::{Args, ValueEnum};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tilearn_engine::model::{Activations, LlamaForCausalLM};
+use tilearn_optim::{AdamW, AdamWConfig};
+
+use crate::presets::{PEAK_BF16_FLOPS, PRESETS, Preset, flops_per_token};
+use crate::{LlmError, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchDevice {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// llama-134m or tinyllama-1.1b.
+    #[arg(long)]
+    pub preset: String,
+    /// Sequences per step (default: the preset's).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Tokens per sequence (default: the preset's).
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Timed steps (after 3 warm-up steps); the median is reported.
+    #[arg(long, default_value_t = 10)]
+    pub steps: usize,
+    #[arg(long, value_enum, default_value_t = BenchDevice::Cuda)]
+    pub device: BenchDevice,
+    /// Print only the JSON line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let preset = Preset::by_name(&args.preset).ok_or_else(|| LlmError::Usage {
+        flag: "--preset".into(),
+        message: format!(
+            "unknown preset `{}`; choose one of {}",
+            args.preset,
+            PRESETS.map(|p| p.name).join(", ")
+        ),
+    })?;
+    if args.steps == 0 {
+        return Err(LlmError::Usage {
+            flag: "--steps".into(),
+            message: "must be at least 1".into(),
+        });
+    }
+    let batch = args.batch.unwrap_or(preset.batch);
+    let seq = args.seq.unwrap_or(preset.seq);
+    let config = preset.config(seq);
+    let result = match args.device {
+        BenchDevice::Cpu => bench_cpu(&config, batch, seq, args.steps)?,
+        BenchDevice::Cuda => super::bench_gpu::bench(&config, batch, seq, args.steps)?,
+    };
+    let num_params = result.num_params;
+    let tokens_per_sec = (batch * seq) as f64 / result.step_seconds;
+    let mfu = tokens_per_sec * flops_per_token(&config, num_params, seq) / PEAK_BF16_FLOPS;
+    let line = serde_json::json!({
+        "impl": "tilearn",
+        "preset": preset.name,
+        "device": result.device,
+        "precision": result.precision,
+        "batch": batch,
+        "seq": seq,
+        "params": num_params,
+        "step_ms": result.step_seconds * 1e3,
+        "tokens_per_sec": tokens_per_sec,
+        "mfu": mfu,
+        "peak_mem_gib": result.peak_memory_bytes as f64 / (1u64 << 30) as f64,
+        "loss": result.last_loss,
+        "version": env!("CARGO_PKG_VERSION"),
+    });
+    if !args.json {
+        eprintln!(
+            "{}: {:.1} ms/step, {:.0} tokens/s, MFU {:.1}%",
+            preset.name,
+            result.step_seconds * 1e3,
+            tokens_per_sec,
+            mfu * 100.0
+        );
+    }
+    println!("{line}");
+    Ok(())
+}
+
+/// What a device's bench loop measured.
+pub struct BenchResult {
+    pub device: String,
+    pub precision: &'static str,
+    pub num_params: usize,
+    pub step_seconds: f64,
+    pub peak_memory_bytes: u64,
+    pub last_loss: f64,
+}
+
+/// Random token batches (never constant), seeded so runs are comparable.
+pub fn random_tokens(vocab: usize, n: usize, seed: u64) -> Vec<u32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn bench_cpu(
+    config: &tilearn_engine::config::LlamaConfig,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+) -> Result<BenchResult> {
+    let mut model = LlamaForCausalLM::from_config(config.clone(), 0);
+    let numel = model.params.numel();
+    let mut optimizer = AdamW::with_single_group(AdamWConfig::default(), numel)
+        .map_err(tilearn_engine::EngineError::from)?;
+    let mut acts = Activations::new(config, batch, seq, false);
+    let mut grads = vec![0.0f32; numel];
+    let mut times = Vec::with_capacity(steps);
+    let mut last_loss = f64::NAN;
+    let warmup = 1;
+    for i in 0..warmup + steps {
+        let ids = random_tokens(config.vocab_size, batch * seq, i as u64);
+        let labels: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+        let start = Instant::now();
+        grads.iter_mut().for_each(|g| *g = 0.0);
+        let stats =
+            model.forward_backward(&ids, &labels, batch, seq, None, &mut acts, &mut grads)?;
+        tilearn_optim::clip_grad_norm(&mut grads, 1.0);
+        optimizer
+            .step(&mut model.params.data, &grads, 1e-4)
+            .map_err(tilearn_engine::EngineError::from)?;
+        if i >= warmup {
+            times.push(start.elapsed().as_secs_f64());
+        }
+        last_loss = stats.mean();
+    }
+    let bytes = (numel * 4 * 4 + acts.bytes()) as u64; // params, grads, two moments, arena
+    Ok(BenchResult {
+        device: "cpu".into(),
+        precision: "f32",
+        num_params: numel,
+        step_seconds: median(times),
+        peak_memory_bytes: bytes,
+        last_loss,
+    })
+}

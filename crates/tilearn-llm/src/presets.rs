@@ -1,0 +1,79 @@
+//! Model presets shared by `tilearn bench` and `benches/pytorch_baseline.py` (keep in sync).
+
+use tilearn_engine::config::LlamaConfig;
+
+/// A benchmark configuration: the model and its default batch and sequence length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Preset {
+    pub name: &'static str,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub intermediate_size: usize,
+    pub batch: usize,
+    pub seq: usize,
+}
+
+pub const PRESETS: [Preset; 2] = [
+    Preset {
+        name: "llama-134m",
+        vocab_size: 32000,
+        hidden_size: 768,
+        num_hidden_layers: 12,
+        num_attention_heads: 12,
+        num_key_value_heads: 12,
+        intermediate_size: 2048,
+        batch: 16,
+        seq: 1024,
+    },
+    Preset {
+        name: "tinyllama-1.1b",
+        vocab_size: 32000,
+        hidden_size: 2048,
+        num_hidden_layers: 22,
+        num_attention_heads: 32,
+        num_key_value_heads: 4,
+        intermediate_size: 5632,
+        batch: 8,
+        seq: 2048,
+    },
+];
+
+impl Preset {
+    pub fn by_name(name: &str) -> Option<Preset> {
+        PRESETS.iter().copied().find(|p| p.name == name)
+    }
+
+    /// The preset as a Hugging Face config (untied embeddings, as in the PyTorch baseline).
+    pub fn config(&self, seq: usize) -> LlamaConfig {
+        let json = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": seq.max(2048),
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": false,
+        });
+        LlamaConfig::from_json_str(&json.to_string(), format!("<preset {}>", self.name))
+            .expect("presets are valid configs")
+    }
+}
+
+/// Dense bf16 peak of an H100/H200 SXM (datasheet), the MFU denominator for bf16 runs.
+pub const PEAK_BF16_FLOPS: f64 = 989e12;
+
+/// Training FLOPs per token: 6·N for the matmuls of forward and backward, plus causal attention
+/// (scores and values: 12·L·T·(Hq·D), halved by the causal mask). The same formula as the
+/// PyTorch baseline, so the two MFU figures compare.
+pub fn flops_per_token(config: &LlamaConfig, num_params: usize, seq: usize) -> f64 {
+    let attn = 6 * config.num_hidden_layers * seq * config.num_attention_heads * config.head_dim;
+    6.0 * num_params as f64 + attn as f64
+}

@@ -21,7 +21,7 @@ pub use args::{TrainLength, TrainingArguments};
 pub use log::{LogRecord, TrainLog};
 pub use state::{SchedulerState, TrainerState};
 
-use crate::data::{DataLoader, LoaderState, TokenDataset};
+use crate::data::{DataLoader, LoaderOptions, LoaderState, TokenDataset, WorkerHook};
 use crate::model::{Activations, LlamaForCausalLM, count_valid_targets};
 use crate::{EngineError, Result};
 
@@ -41,6 +41,9 @@ pub struct Trainer {
     pub args: TrainingArguments,
     pub model: LlamaForCausalLM,
     dataset: Arc<TokenDataset>,
+    /// Run on the data loader's worker thread before its first batch (see
+    /// [`Trainer::set_loader_hook`]).
+    loader_hook: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 /// Observes progress (the CLI's progress bar); called after every optimizer step.
@@ -99,7 +102,15 @@ impl Trainer {
             args,
             model,
             dataset: Arc::new(dataset),
+            loader_hook: None,
         })
+    }
+
+    /// Code the data loader's worker thread runs once before producing batches, e.g. pinning it
+    /// to CPUs near the GPU (`tilearn_affinity::RankPlan::loader_hook`). A `Fn` behind an `Arc`
+    /// because every loader the trainer starts (one per `train` call) runs it.
+    pub fn set_loader_hook(&mut self, hook: Arc<dyn Fn() + Send + Sync>) {
+        self.loader_hook = Some(hook);
     }
 
     fn optimizer(&self) -> Result<AdamW> {
@@ -207,7 +218,12 @@ impl Trainer {
         }
         let mut log = TrainLog::open(&a.output_dir, resume.is_none())?;
 
-        let mut loader = DataLoader::new(self.dataset.clone(), batch, seq, a.seed, state.loader)?;
+        let hook = self
+            .loader_hook
+            .clone()
+            .map(|hook| -> WorkerHook { Box::new(move || hook()) });
+        let options = LoaderOptions::new(batch, seq, a.seed).starting_at(state.loader);
+        let mut loader = DataLoader::with_options(self.dataset.clone(), options, hook)?;
         let mut acts = Activations::new(&self.model.config, batch, seq, a.gradient_checkpointing);
         let mut grads = vec![0.0f32; self.model.params.numel()];
         let tokens_per_step = (batch * seq * accum) as u64;

@@ -78,6 +78,88 @@ int tilearn_rmsnorm_backward_bf16(const tilearn_bf16 *dout, const tilearn_bf16 *
                                   size_t dim, tilearn_bf16 *dx, float *dweight, float *scratch,
                                   size_t scratch_len, cudaStream_t stream);
 
+/* ---- optim_*.cu (shared machinery in kernels/optim_common.cuh): fused multi-tensor optimizer
+ *      steps over flat buffers: fp32 master weights and state, f32 or bf16 gradients, an
+ *      optional bf16/f16 working copy of the parameters written by the same kernel ---- */
+
+/* Dtype codes of tilearn_optim_launch. */
+#define TILEARN_OPTIM_DTYPE_NONE 0
+#define TILEARN_OPTIM_DTYPE_F32 1
+#define TILEARN_OPTIM_DTYPE_BF16 2
+#define TILEARN_OPTIM_DTYPE_F16 3
+
+/* Most parameter groups one launch takes (their scalars travel as a kernel argument). */
+#define TILEARN_OPTIM_MAX_GROUPS 16
+
+/* One contiguous range of the flat buffers and its group. Segments are sorted by start and
+ * disjoint; elements in no segment are never read or written. A segment of len elements is cut
+ * into ceil(len / chunk) chunks; chunk_begin is the number of chunks of all earlier segments. */
+typedef struct tilearn_optim_segment {
+    uint64_t start;
+    uint64_t end;
+    uint64_t chunk_begin;
+    uint64_t group;
+} tilearn_optim_segment;
+
+/* What every optimizer launch shares. Pointers marked (device) are device pointers; every
+ * buffer has the same element indexing (index 0 = first element of the buffer). */
+typedef struct tilearn_optim_launch {
+    const tilearn_optim_segment *segments; /* (device) n_segments entries */
+    uint64_t n_segments;
+    uint64_t n_chunks;       /* total chunks of all segments */
+    uint64_t chunk;          /* elements per chunk: > 0, a multiple of 4 */
+    int grad_dtype;          /* TILEARN_OPTIM_DTYPE_F32 or _BF16 */
+    const void *grads;       /* (device) */
+    int copy_dtype;          /* _NONE, _BF16 or _F16: the working copy of the parameters */
+    void *param_copy;        /* (device) NULL iff copy_dtype == _NONE; written (=) */
+    const float *inv_scale;  /* (device, NULL = 1) gradients are multiplied by *inv_scale */
+    const float *found_inf;  /* (device, NULL = never) *found_inf != 0: no change at all */
+    const double *grad_sumsq; /* (device, NULL = no clipping) global sum of squares of the
+                                 unscaled gradients: clip to max_norm as clip_grad_norm_ */
+    double max_norm;
+    int stochastic_rounding; /* bf16 copy only: round stochastically with (seed, step, index) */
+    uint64_t seed;
+    uint64_t step;
+    uint64_t index_offset;   /* global index of buffer element 0 (a ZeRO shard's start) */
+} tilearn_optim_launch;
+
+/* optim_norm.cu: global gradient sum of squares, deterministic (fixed grid, fixed-order block
+ * and final reductions, f64 accumulation). out[0] = sum (g * inv_scale)^2, out[1] = sqrt of
+ * it (both f64, written); inv_scale (device) may be NULL (= 1). partials: scratch of at least
+ * tilearn_optim_norm_partials_len() f64 elements, clobbered. */
+size_t tilearn_optim_norm_partials_len(void);
+int tilearn_optim_grad_sumsq_f32(const float *grads, size_t n, const float *inv_scale,
+                                 double *partials, size_t partials_len, double *out,
+                                 cudaStream_t stream);
+int tilearn_optim_grad_sumsq_bf16(const tilearn_bf16 *grads, size_t n, const float *inv_scale,
+                                  double *partials, size_t partials_len, double *out,
+                                  cudaStream_t stream);
+
+/* optim_adam.cu: Adam / AdamW (torch.optim semantics, optional amsgrad). Per group:
+ *   l2_decay:        g = g + l2_weight_decay * p                 (Adam's weight decay)
+ *   decoupled_decay: p = p * decay_factor                         (AdamW, 1 - lr * wd)
+ *   m = lerp(m, g, one_minus_beta1); v = v * beta2 + one_minus_beta2 * g * g
+ *   amsgrad (max_exp_avg_sq != NULL): vmax = max(vmax, v), the denominator uses vmax
+ *   p = p + neg_step_size * m / (sqrt(v) / bias_correction2_sqrt + eps) */
+typedef struct tilearn_optim_adam_group {
+    float decay_factor;
+    float l2_weight_decay;
+    float one_minus_beta1;
+    float beta2;
+    float one_minus_beta2;
+    float bias_correction2_sqrt;
+    float neg_step_size;
+    float eps;
+    uint32_t decoupled_decay;
+    uint32_t l2_decay;
+} tilearn_optim_adam_group;
+
+/* params, exp_avg, exp_avg_sq (and max_exp_avg_sq, or NULL without amsgrad): (device) f32,
+ * updated in place (=) on the launch's segments. */
+int tilearn_optim_adam(const tilearn_optim_launch *launch, const tilearn_optim_adam_group *groups,
+                       uint32_t n_groups, float *params, float *exp_avg, float *exp_avg_sq,
+                       float *max_exp_avg_sq, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -11,6 +11,48 @@ pub struct CUstream_st {
 pub type cudaStream_t = *mut CUstream_st;
 pub type tilearn_bf16 = u16;
 pub type tilearn_f16 = u16;
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct tilearn_optim_segment {
+    pub start: u64,
+    pub end: u64,
+    pub chunk_begin: u64,
+    pub group: u64,
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct tilearn_optim_launch {
+    pub segments: *const tilearn_optim_segment,
+    pub n_segments: u64,
+    pub n_chunks: u64,
+    pub chunk: u64,
+    pub grad_dtype: ::std::os::raw::c_int,
+    pub grads: *const ::std::os::raw::c_void,
+    pub copy_dtype: ::std::os::raw::c_int,
+    pub param_copy: *mut ::std::os::raw::c_void,
+    pub inv_scale: *const f32,
+    pub found_inf: *const f32,
+    pub grad_sumsq: *const f64,
+    pub max_norm: f64,
+    pub stochastic_rounding: ::std::os::raw::c_int,
+    pub seed: u64,
+    pub step: u64,
+    pub index_offset: u64,
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct tilearn_optim_adam_group {
+    pub decay_factor: f32,
+    pub l2_weight_decay: f32,
+    pub one_minus_beta1: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    pub bias_correction2_sqrt: f32,
+    pub neg_step_size: f32,
+    pub eps: f32,
+    pub decoupled_decay: u32,
+    pub l2_decay: u32,
+}
 unsafe extern "C" {
     pub fn tilearn_status_name(status: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
     pub fn tilearn_status_string(status: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
@@ -83,6 +125,35 @@ unsafe extern "C" {
         dweight: *mut f32,
         scratch: *mut f32,
         scratch_len: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_optim_norm_partials_len() -> usize;
+    pub fn tilearn_optim_grad_sumsq_f32(
+        grads: *const f32,
+        n: usize,
+        inv_scale: *const f32,
+        partials: *mut f64,
+        partials_len: usize,
+        out: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_optim_grad_sumsq_bf16(
+        grads: *const tilearn_bf16,
+        n: usize,
+        inv_scale: *const f32,
+        partials: *mut f64,
+        partials_len: usize,
+        out: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_optim_adam(
+        launch: *const tilearn_optim_launch,
+        groups: *const tilearn_optim_adam_group,
+        n_groups: u32,
+        params: *mut f32,
+        exp_avg: *mut f32,
+        exp_avg_sq: *mut f32,
+        max_exp_avg_sq: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
 }

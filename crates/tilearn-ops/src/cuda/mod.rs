@@ -17,7 +17,9 @@
     dead_code,
     clippy::all
 )]
-mod ffi;
+/// The raw `extern "C"` launchers of `kernels/*.cu` (generated from the header), public so that
+/// other crates (tilearn-optim's fused optimizers) can wrap their own kernels.
+pub mod ffi;
 
 mod cast;
 mod device;

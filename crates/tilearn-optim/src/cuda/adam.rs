@@ -1,0 +1,168 @@
+//! Fused Adam / AdamW step (`kernels/optim_adam.cu`).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, CudaViewMut};
+use tilearn_ops::cuda::ffi;
+
+use super::error::{FusedError, Result};
+use super::io::{Prepared, StepIo, bind, check_status, finite, prepare, unit_interval};
+use super::plan::SegmentPlan;
+use crate::adamw::AdamWStepScalars;
+
+/// One group's scalars of a fused Adam-family step (`tilearn_optim_adam_group`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamGroupScalars {
+    /// AdamW's decoupled decay `p *= decay_factor` (`1 - lr * wd`), when `decoupled_decay`.
+    pub decoupled_decay: bool,
+    pub decay_factor: f32,
+    /// Adam's L2 decay `g += l2_weight_decay * p`, when `l2_decay`.
+    pub l2_decay: bool,
+    pub l2_weight_decay: f32,
+    pub one_minus_beta1: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    pub bias_correction2_sqrt: f32,
+    pub neg_step_size: f32,
+    pub eps: f32,
+}
+
+impl From<&AdamWStepScalars> for AdamGroupScalars {
+    fn from(s: &AdamWStepScalars) -> Self {
+        AdamGroupScalars {
+            decoupled_decay: s.apply_decay,
+            decay_factor: s.decay_factor,
+            l2_decay: false,
+            l2_weight_decay: 0.0,
+            one_minus_beta1: s.one_minus_beta1,
+            beta2: s.beta2,
+            one_minus_beta2: s.one_minus_beta2,
+            bias_correction2_sqrt: s.bias_correction2_sqrt,
+            neg_step_size: s.neg_step_size,
+            eps: s.eps,
+        }
+    }
+}
+
+impl AdamGroupScalars {
+    fn validate(&self) -> Result<()> {
+        finite("decay_factor", self.decay_factor)?;
+        finite("l2_weight_decay", self.l2_weight_decay)?;
+        finite("neg_step_size", self.neg_step_size)?;
+        finite("eps", self.eps)?;
+        finite("bias_correction2_sqrt", self.bias_correction2_sqrt)?;
+        unit_interval("beta2", self.beta2)?;
+        // 1 - beta1 in (0, 1] <=> beta1 in [0, 1).
+        unit_interval("beta1", 1.0 - self.one_minus_beta1)?;
+        if self.bias_correction2_sqrt <= 0.0 {
+            return Err(crate::OptimError::InvalidHyperParameter {
+                name: "bias_correction2_sqrt",
+                value: f64::from(self.bias_correction2_sqrt),
+                message: "must be > 0 (step count starts at 1)",
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    fn to_ffi(self) -> ffi::tilearn_optim_adam_group {
+        ffi::tilearn_optim_adam_group {
+            decay_factor: self.decay_factor,
+            l2_weight_decay: self.l2_weight_decay,
+            one_minus_beta1: self.one_minus_beta1,
+            beta2: self.beta2,
+            one_minus_beta2: self.one_minus_beta2,
+            bias_correction2_sqrt: self.bias_correction2_sqrt,
+            neg_step_size: self.neg_step_size,
+            eps: self.eps,
+            decoupled_decay: u32::from(self.decoupled_decay),
+            l2_decay: u32::from(self.l2_decay),
+        }
+    }
+}
+
+/// The f32 buffers an Adam-family step updates in place, each `plan.len()` elements.
+pub struct AdamState<'a> {
+    /// fp32 master weights.
+    pub params: CudaViewMut<'a, f32>,
+    pub exp_avg: CudaViewMut<'a, f32>,
+    pub exp_avg_sq: CudaViewMut<'a, f32>,
+    /// Running maximum of `exp_avg_sq`; `Some` enables amsgrad.
+    pub max_exp_avg_sq: Option<CudaViewMut<'a, f32>>,
+}
+
+/// One fused AdamW step with the CPU [`AdamW`](crate::AdamW)'s scalars (one per group, e.g.
+/// from `AdamW::step_scalars`): one launch for every group and tensor of `plan`.
+pub fn adamw_step(
+    stream: &Arc<CudaStream>,
+    plan: &SegmentPlan,
+    groups: &[AdamWStepScalars],
+    state: AdamState<'_>,
+    io: StepIo<'_>,
+) -> Result<()> {
+    let groups: Vec<AdamGroupScalars> = groups.iter().map(AdamGroupScalars::from).collect();
+    adam_step(stream, plan, &groups, state, io)
+}
+
+/// One fused Adam-family step (Adam with L2 decay, AdamW with decoupled decay, optional
+/// amsgrad): one launch for every group and tensor of `plan`. `groups[i]` are the scalars of
+/// group `i` (`groups.len() == plan.n_groups()`). Every check runs before the launch; on an
+/// `Err` nothing was modified.
+pub fn adam_step(
+    stream: &Arc<CudaStream>,
+    plan: &SegmentPlan,
+    groups: &[AdamGroupScalars],
+    mut state: AdamState<'_>,
+    mut io: StepIo<'_>,
+) -> Result<()> {
+    const OP: &str = "tilearn_optim_adam";
+    if groups.len() != plan.n_groups() {
+        return Err(FusedError::InvalidArgument {
+            op: OP,
+            message: format!(
+                "{} group scalars for a plan of {} groups",
+                groups.len(),
+                plan.n_groups()
+            ),
+        });
+    }
+    for g in groups {
+        g.validate()?;
+    }
+    let ffi_groups: Vec<ffi::tilearn_optim_adam_group> =
+        groups.iter().map(|g| g.to_ffi()).collect();
+    let mut prep: Prepared<'_> = prepare(OP, stream, plan, &mut io)?;
+    let p = prep.state(OP, "params", stream, plan, &mut state.params)?;
+    let m = prep.state(OP, "exp_avg", stream, plan, &mut state.exp_avg)?;
+    let v = prep.state(OP, "exp_avg_sq", stream, plan, &mut state.exp_avg_sq)?;
+    let vmax = match &mut state.max_exp_avg_sq {
+        Some(x) => prep.state(OP, "max_exp_avg_sq", stream, plan, x)?,
+        None => std::ptr::null_mut(),
+    };
+    if plan.n_chunks() == 0 {
+        return Ok(());
+    }
+    bind(OP, stream)?;
+    // SAFETY: every pointer in `prep.launch` and p/m/v/vmax is a live device allocation of the
+    // stream's context holding `plan.len()` elements of its type (lengths and devices checked
+    // by `prepare` / `Prepared::state`), or NULL where the launcher allows it; the segment
+    // table lies within `0..plan.len()` with groups `< groups.len()` (checked when the plan was
+    // built). The mutable buffers are distinct `&mut` borrows, so they do not alias each other
+    // or the read-only inputs. `launch` and `ffi_groups` are host memory read by the launcher
+    // before it returns. The buffers stay borrowed until the guards in `prep` record the launch
+    // (cudarc frees device memory stream-ordered), and the launcher only enqueues work.
+    let status = unsafe {
+        ffi::tilearn_optim_adam(
+            &prep.launch,
+            ffi_groups.as_ptr(),
+            ffi_groups.len() as u32,
+            p,
+            m,
+            v,
+            vmax,
+            stream.cu_stream() as ffi::cudaStream_t,
+        )
+    };
+    drop(prep);
+    check_status(OP, status)
+}

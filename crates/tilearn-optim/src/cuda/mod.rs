@@ -1,0 +1,25 @@
+//! Fused multi-tensor CUDA optimizers (feature `cuda`): one launch per step for every parameter
+//! group and tensor of a flat buffer, at memory-bandwidth speed.
+//!
+//! * [`SegmentPlan`]: the optimizer's [`Segment`](crate::Segment)s (optionally restricted to a
+//!   ZeRO-1 shard) as a device table, built once.
+//! * [`StepIo`]: gradients (f32 or bf16), the bf16/f16 working copy written by the same kernel
+//!   (round to nearest or stochastic), the GradScaler's device `inv_scale` / `found_inf` (read
+//!   inside the kernel: a step with `found_inf != 0` changes nothing, no host sync) and the
+//!   global-norm [`Clip`] input from [`GradNorm`].
+//! * Steps: [`adamw_step`] / [`adam_step`].
+//!
+//! The kernels perform the CPU reference's f32 operations in the same order (no FMA
+//! contraction), so a fused step matches the CPU optimizer to the last bit or within an ulp.
+
+mod adam;
+mod error;
+mod io;
+mod norm;
+mod plan;
+
+pub use adam::{AdamGroupScalars, AdamState, adam_step, adamw_step};
+pub use error::{FusedError, Result};
+pub use io::{Clip, Grads, ParamCopy, Rounding, StepIo};
+pub use norm::GradNorm;
+pub use plan::{CHUNK, LocalSegment, MAX_GROUPS, SegmentPlan, local_segments};

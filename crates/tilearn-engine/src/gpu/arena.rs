@@ -1,0 +1,264 @@
+//! The device activation arena: every buffer the forward and backward need, in two
+//! allocations made once at model build (one of the activation type `T`, one of f32 for the
+//! per-row statistics), carved into named views for each call.
+//!
+//! Each call carves views sized for its own `n = batch * seq` rows from the start of the arena
+//! (a shorter batch uses a prefix of the space), so layouts such as the attention's `[B, Hq, T]`
+//! log-sum-exp are contiguous for the call's shape. Every buffer starts on a multiple of
+//! [`ALIGN_ELEMS`] elements (256 bytes for f32, 128 for bf16) so vectorised kernels and
+//! cuBLASLt see aligned pointers.
+
+use cudarc::driver::{CudaSlice, CudaViewMut, DeviceRepr, ValidAsZeroBits};
+use tilearn_ops::cuda::CudaStream;
+
+use super::views::{Carver, sub_mut};
+use crate::config::LlamaConfig;
+use crate::error::Result;
+use std::sync::Arc;
+
+/// Every buffer's start is rounded up to this many elements.
+pub(crate) const ALIGN_ELEMS: usize = 64;
+
+fn padded(len: usize) -> usize {
+    len.div_ceil(ALIGN_ELEMS) * ALIGN_ELEMS
+}
+
+/// Sizes of one call: `n = batch * seq` rows plus the model widths.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    pub batch: usize,
+    pub seq: usize,
+    pub n: usize,
+    pub c: usize,
+    pub q: usize,
+    pub kv: usize,
+    pub inter: usize,
+    pub vocab: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub layers: usize,
+    pub eps: f64,
+}
+
+impl Dims {
+    pub(crate) fn new(config: &LlamaConfig, batch: usize, seq: usize) -> Dims {
+        Dims {
+            batch,
+            seq,
+            n: batch * seq,
+            c: config.hidden_size,
+            q: config.q_dim(),
+            kv: config.kv_dim(),
+            inter: config.intermediate_size,
+            vocab: config.vocab_size,
+            q_heads: config.num_attention_heads,
+            kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+            layers: config.num_hidden_layers,
+            eps: config.rms_norm_eps,
+        }
+    }
+
+    /// Lengths of the `T` buffers of one layer, in carving order: xn1, q, k, v, att, h, xn2,
+    /// gate, up, act.
+    fn layer_lens(&self) -> [usize; 10] {
+        let (n, c, q, kv, i) = (self.n, self.c, self.q, self.kv, self.inter);
+        [
+            n * c,
+            n * q,
+            n * kv,
+            n * kv,
+            n * q,
+            n * c,
+            n * c,
+            n * i,
+            n * i,
+            n * i,
+        ]
+    }
+
+    /// Lengths of the gradient scratch, in carving order: dres, dxn, dtmp, dq, dk, dv, datt,
+    /// dgate, dup, dact.
+    fn grad_lens(&self) -> [usize; 10] {
+        let (n, c, q, kv, i) = (self.n, self.c, self.q, self.kv, self.inter);
+        [
+            n * c,
+            n * c,
+            n * c,
+            n * q,
+            n * kv,
+            n * kv,
+            n * q,
+            n * i,
+            n * i,
+            n * i,
+        ]
+    }
+
+    /// Lengths of one layer's f32 statistics: rstd1, lse, rstd2.
+    fn layer_stat_lens(&self) -> [usize; 3] {
+        [self.n, self.n * self.q_heads, self.n]
+    }
+
+    /// Elements of `T` the arena needs for this call's shape (the carving below takes exactly
+    /// these, in the same order).
+    pub(crate) fn main_len(&self) -> usize {
+        let slab = padded(self.n * self.c);
+        let layer: usize = self.layer_lens().iter().map(|&l| padded(l)).sum();
+        let grad: usize = self.grad_lens().iter().map(|&l| padded(l)).sum();
+        (self.layers + 1) * slab + self.layers * layer + slab + padded(self.n * self.vocab) + grad
+    }
+
+    /// f32 elements of the statistics arena for this call's shape.
+    pub(crate) fn stats_len(&self) -> usize {
+        let layer: usize = self.layer_stat_lens().iter().map(|&l| padded(l)).sum();
+        self.layers * layer + 2 * padded(self.n)
+    }
+}
+
+/// The two allocations, sized for the largest call (the build's batch and sequence).
+#[derive(Debug)]
+pub(crate) struct Arena<T> {
+    main: CudaSlice<T>,
+    stats: CudaSlice<f32>,
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> Arena<T> {
+    /// Allocates (zero-filled, so nothing uninitialised is ever read) for `capacity`.
+    pub(crate) fn new(stream: &Arc<CudaStream>, capacity: &Dims) -> Result<Self> {
+        let main = stream
+            .alloc_zeros::<T>(capacity.main_len())
+            .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
+        let stats = stream
+            .alloc_zeros::<f32>(capacity.stats_len())
+            .map_err(|e| super::cuda_err("allocating the statistics arena", e))?;
+        Ok(Arena { main, stats })
+    }
+
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        self.main.num_bytes() + self.stats.num_bytes()
+    }
+
+    /// The named views for a call of shape `d` (which must not exceed the capacity; the
+    /// carving fails with an error rather than overrun).
+    pub(crate) fn carve(&mut self, d: &Dims) -> Result<Bufs<'_, T>> {
+        let mut m = Carver::new(self.main.as_view_mut());
+        let mut s = Carver::new(self.stats.as_view_mut());
+        let resid = (0..=d.layers)
+            .map(|_| aligned(&mut m, d.n * d.c))
+            .collect::<Result<Vec<_>>>()?;
+        let mut layers = Vec::with_capacity(d.layers);
+        for _ in 0..d.layers {
+            let [xn1, q, k, v, att, h, xn2, gate, up, act] = d.layer_lens();
+            let [rstd1, lse, rstd2] = d.layer_stat_lens();
+            layers.push(LayerBufs {
+                xn1: aligned(&mut m, xn1)?,
+                q: aligned(&mut m, q)?,
+                k: aligned(&mut m, k)?,
+                v: aligned(&mut m, v)?,
+                att: aligned(&mut m, att)?,
+                h: aligned(&mut m, h)?,
+                xn2: aligned(&mut m, xn2)?,
+                gate: aligned(&mut m, gate)?,
+                up: aligned(&mut m, up)?,
+                act: aligned(&mut m, act)?,
+                rstd1: aligned(&mut s, rstd1)?,
+                lse: aligned(&mut s, lse)?,
+                rstd2: aligned(&mut s, rstd2)?,
+            });
+        }
+        let final_xn = aligned(&mut m, d.n * d.c)?;
+        let logits = aligned(&mut m, d.n * d.vocab)?;
+        let [dres, dxn, dtmp, dq, dk, dv, datt, dgate, dup, dact] = d.grad_lens();
+        let grad = GradBufs {
+            dres: aligned(&mut m, dres)?,
+            dxn: aligned(&mut m, dxn)?,
+            dtmp: aligned(&mut m, dtmp)?,
+            dq: aligned(&mut m, dq)?,
+            dk: aligned(&mut m, dk)?,
+            dv: aligned(&mut m, dv)?,
+            datt: aligned(&mut m, datt)?,
+            dgate: aligned(&mut m, dgate)?,
+            dup: aligned(&mut m, dup)?,
+            dact: aligned(&mut m, dact)?,
+        };
+        let final_rstd = aligned(&mut s, d.n)?;
+        let row_loss = aligned(&mut s, d.n)?;
+        Ok(Bufs {
+            resid,
+            layers,
+            final_xn,
+            final_rstd,
+            logits,
+            row_loss,
+            grad,
+        })
+    }
+}
+
+/// The next `len` elements, starting on an aligned element (the padding is skipped).
+fn aligned<'a, T>(c: &mut Carver<'a, T>, len: usize) -> Result<CudaViewMut<'a, T>> {
+    sub_mut(c.take(padded(len))?, 0..len)
+}
+
+/// What one decoder layer's forward saves for its backward (`N = batch * seq` rows).
+pub(crate) struct LayerBufs<'a, T> {
+    /// `input_layernorm(x)`, `[N, C]`.
+    pub xn1: CudaViewMut<'a, T>,
+    /// Queries after rotary embedding, `[N, Hq*D]`.
+    pub q: CudaViewMut<'a, T>,
+    /// Keys after rotary embedding, `[N, Hkv*D]`.
+    pub k: CudaViewMut<'a, T>,
+    /// Values, `[N, Hkv*D]`.
+    pub v: CudaViewMut<'a, T>,
+    /// Attention output (input of `o_proj`), `[N, Hq*D]`.
+    pub att: CudaViewMut<'a, T>,
+    /// Residual stream after attention, `[N, C]`.
+    pub h: CudaViewMut<'a, T>,
+    /// `post_attention_layernorm(h)`, `[N, C]`.
+    pub xn2: CudaViewMut<'a, T>,
+    pub gate: CudaViewMut<'a, T>,
+    pub up: CudaViewMut<'a, T>,
+    /// `silu(gate) * up`, `[N, I]`.
+    pub act: CudaViewMut<'a, T>,
+    /// f32 `1/rms` of the block input, `[N]`.
+    pub rstd1: CudaViewMut<'a, f32>,
+    /// f32 log-sum-exp of the scaled attention scores, `[B, Hq, T]`.
+    pub lse: CudaViewMut<'a, f32>,
+    /// f32 `1/rms` of `h`, `[N]`.
+    pub rstd2: CudaViewMut<'a, f32>,
+}
+
+/// Gradient scratch of the backward, shared by all layers (written `=` by each op).
+pub(crate) struct GradBufs<'a, T> {
+    /// d(loss)/d(residual stream), `[N, C]`.
+    pub dres: CudaViewMut<'a, T>,
+    /// d(loss)/d(a norm output), `[N, C]`.
+    pub dxn: CudaViewMut<'a, T>,
+    /// Temporary `[N, C]`: the `=` output of a backward before it is added.
+    pub dtmp: CudaViewMut<'a, T>,
+    pub dq: CudaViewMut<'a, T>,
+    pub dk: CudaViewMut<'a, T>,
+    pub dv: CudaViewMut<'a, T>,
+    pub datt: CudaViewMut<'a, T>,
+    pub dgate: CudaViewMut<'a, T>,
+    pub dup: CudaViewMut<'a, T>,
+    pub dact: CudaViewMut<'a, T>,
+}
+
+/// All views of one call.
+pub(crate) struct Bufs<'a, T> {
+    /// `resid[i]` is the input of layer `i`, `resid[L]` the final norm's input; `[N, C]` each.
+    pub resid: Vec<CudaViewMut<'a, T>>,
+    pub layers: Vec<LayerBufs<'a, T>>,
+    /// `model.norm(resid[L])`, `[N, C]`.
+    pub final_xn: CudaViewMut<'a, T>,
+    pub final_rstd: CudaViewMut<'a, f32>,
+    /// Logits `[N, V]`; after the fused cross entropy, d(loss)/d(logits).
+    pub logits: CudaViewMut<'a, T>,
+    /// Per-row cross-entropy losses (f32, 0 for ignored rows), `[N]`.
+    pub row_loss: CudaViewMut<'a, f32>,
+    pub grad: GradBufs<'a, T>,
+}

@@ -1,0 +1,443 @@
+//! The Llama forward and backward on the device, generic over the activation type, op for op
+//! the CPU reference's (`model/mod.rs` and `model/block.rs`): the same buffers, the same order of
+//! operations, the same gradient conventions (activation gradients `=`, parameter gradients
+//! `+=` into the f32 gradient buffer).
+//!
+//! ```text
+//! h   = x + o_proj(attn(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = input_layernorm(x)
+//! out = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                    n2 = post_attention_layernorm(h)
+//! ```
+//! Everything is enqueued on one stream; nothing here waits for the device.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use tilearn_ops::cuda::{CeTotals, CudaStream, GpuRopeTable, TokenIdCheck};
+
+use super::arena::{Bufs, Dims, LayerBufs};
+use super::linalg::{GpuLinalg, Matmul};
+use super::views::{sub_mut, two_mut};
+use crate::error::Result;
+use crate::model::{LayerLayout, LinearLayout, ModelLayout};
+
+/// What every op of a call needs besides its buffers.
+pub(crate) struct Cx<'a> {
+    pub stream: &'a Arc<CudaStream>,
+    pub layout: &'a ModelLayout,
+    pub rope: &'a GpuRopeTable,
+    pub mm: &'a mut Matmul,
+    pub check: &'a mut TokenIdCheck,
+}
+
+fn linear_fwd<T: GpuLinalg>(
+    cx: &mut Cx<'_>,
+    w: &CudaView<'_, T>,
+    l: &LinearLayout,
+    x: &CudaView<'_, T>,
+    rows: usize,
+    in_f: usize,
+    out_f: usize,
+    out: &mut CudaViewMut<'_, T>,
+) -> Result<()> {
+    let bias = l.bias.as_ref().map(|b| w.slice(b.clone()));
+    T::linear_forward(
+        cx.mm,
+        cx.stream,
+        x,
+        &w.slice(l.weight.clone()),
+        bias.as_ref(),
+        rows,
+        in_f,
+        out_f,
+        out,
+    )?;
+    Ok(())
+}
+
+/// Backward of one linear layer: `dx =` (when asked), weight and bias gradients `+=` into
+/// their ranges of the flat f32 gradient buffer.
+#[allow(clippy::too_many_arguments)]
+fn linear_bwd<T: GpuLinalg>(
+    cx: &mut Cx<'_>,
+    w: &CudaView<'_, T>,
+    g: &mut CudaSlice<f32>,
+    l: &LinearLayout,
+    dout: &CudaView<'_, T>,
+    x: &CudaView<'_, T>,
+    rows: usize,
+    in_f: usize,
+    out_f: usize,
+    dx: Option<&mut CudaViewMut<'_, T>>,
+) -> Result<()> {
+    let weight = w.slice(l.weight.clone());
+    let gv = g.as_view_mut();
+    match &l.bias {
+        Some(b) => {
+            let (mut dw, mut db) = two_mut(gv, l.weight.clone(), b.clone())?;
+            T::linear_backward(
+                cx.mm,
+                cx.stream,
+                dout,
+                x,
+                &weight,
+                rows,
+                in_f,
+                out_f,
+                dx,
+                &mut dw,
+                Some(&mut db),
+            )?;
+            Ok(())
+        }
+        None => {
+            let mut dw = sub_mut(gv, l.weight.clone())?;
+            T::linear_backward(
+                cx.mm, cx.stream, dout, x, &weight, rows, in_f, out_f, dx, &mut dw, None,
+            )?;
+            Ok(())
+        }
+    }
+}
+
+/// Forward through the final norm and `lm_head` into `b.logits`.
+pub(crate) fn forward<T: GpuLinalg>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    w: &CudaView<'_, T>,
+    ids: &CudaView<'_, u32>,
+    b: &mut Bufs<'_, T>,
+) -> Result<()> {
+    let layout = cx.layout;
+    let (n, c) = (d.n, d.c);
+    T::embedding_forward(
+        cx.stream,
+        ids,
+        &w.slice(layout.embed.clone()),
+        c,
+        &mut b.resid[0],
+        cx.check,
+    )?;
+    for (i, lay) in layout.layers.iter().enumerate() {
+        let (before, after) = b.resid.split_at_mut(i + 1);
+        block_forward(
+            cx,
+            d,
+            lay,
+            w,
+            &before[i].as_view(),
+            &mut b.layers[i],
+            &mut after[0],
+        )?;
+    }
+    T::rmsnorm_forward(
+        cx.stream,
+        &b.resid[d.layers],
+        &w.slice(layout.norm.clone()),
+        c,
+        d.eps,
+        &mut b.final_xn,
+        &mut b.final_rstd,
+    )?;
+    T::linear_forward(
+        cx.mm,
+        cx.stream,
+        &b.final_xn.as_view(),
+        &w.slice(layout.lm_head.clone()),
+        None,
+        n,
+        c,
+        d.vocab,
+        &mut b.logits,
+    )?;
+    Ok(())
+}
+
+/// Backward from the fused cross entropy down to the embedding: `b.logits` must hold the
+/// forward's logits; they are overwritten with d(loss)/d(logits) (`grad_scale` = 1 / the loss
+/// denominator). Parameter gradients are added into `g`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<T: GpuLinalg>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    w: &CudaView<'_, T>,
+    g: &mut CudaSlice<f32>,
+    ids: &CudaView<'_, u32>,
+    targets: &CudaView<'_, i32>,
+    grad_scale: f64,
+    totals: &mut CeTotals,
+    b: &mut Bufs<'_, T>,
+) -> Result<()> {
+    let layout = cx.layout;
+    let (n, c) = (d.n, d.c);
+    T::cross_entropy_fused(
+        cx.stream,
+        &mut b.logits,
+        targets,
+        d.vocab,
+        grad_scale,
+        &mut b.row_loss,
+        totals,
+    )?;
+    // lm_head (its weight gradient lands in the embedding's range when tied, as on the CPU).
+    let lm_head = LinearLayout {
+        weight: layout.lm_head.clone(),
+        bias: None,
+    };
+    linear_bwd(
+        cx,
+        w,
+        g,
+        &lm_head,
+        &b.logits.as_view(),
+        &b.final_xn.as_view(),
+        n,
+        c,
+        d.vocab,
+        Some(&mut b.grad.dxn),
+    )?;
+    {
+        let mut dnorm = sub_mut(g.as_view_mut(), layout.norm.clone())?;
+        T::rmsnorm_backward(
+            cx.stream,
+            &b.grad.dxn,
+            &b.resid[d.layers],
+            &w.slice(layout.norm.clone()),
+            &b.final_rstd,
+            c,
+            &mut b.grad.dres,
+            &mut dnorm,
+        )?;
+    }
+    for (i, lay) in layout.layers.iter().enumerate().rev() {
+        block_backward(
+            cx,
+            d,
+            lay,
+            w,
+            g,
+            &b.resid[i].as_view(),
+            &b.layers[i],
+            &mut b.grad,
+        )?;
+    }
+    let mut dembed = sub_mut(g.as_view_mut(), layout.embed.clone())?;
+    T::embedding_backward(cx.stream, ids, &b.grad.dres, c, &mut dembed, cx.check)?;
+    Ok(())
+}
+
+/// Forward of one block from `x` into `a`; `out` receives the block output.
+#[allow(clippy::too_many_arguments)]
+fn block_forward<T: GpuLinalg>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    lay: &LayerLayout,
+    w: &CudaView<'_, T>,
+    x: &CudaView<'_, T>,
+    a: &mut LayerBufs<'_, T>,
+    out: &mut CudaViewMut<'_, T>,
+) -> Result<()> {
+    let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
+    let s = cx.stream;
+    T::rmsnorm_forward(
+        s,
+        x,
+        &w.slice(lay.input_norm.clone()),
+        c,
+        d.eps,
+        &mut a.xn1,
+        &mut a.rstd1,
+    )?;
+    let xn1 = a.xn1.as_view();
+    linear_fwd(cx, w, &lay.q, &xn1, n, c, q, &mut a.q)?;
+    linear_fwd(cx, w, &lay.k, &xn1, n, c, kv, &mut a.k)?;
+    linear_fwd(cx, w, &lay.v, &xn1, n, c, kv, &mut a.v)?;
+    T::rope_forward(s, &mut a.q, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope)?;
+    T::rope_forward(s, &mut a.k, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope)?;
+    T::attention_forward(
+        cx.mm,
+        s,
+        d,
+        &a.q.as_view(),
+        &a.k.as_view(),
+        &a.v.as_view(),
+        &mut a.att,
+        &mut a.lse,
+    )?;
+    linear_fwd(cx, w, &lay.o, &a.att.as_view(), n, q, c, &mut a.h)?;
+    T::add_inplace(s, &mut a.h, x)?;
+    T::rmsnorm_forward(
+        s,
+        &a.h,
+        &w.slice(lay.post_attention_norm.clone()),
+        c,
+        d.eps,
+        &mut a.xn2,
+        &mut a.rstd2,
+    )?;
+    let xn2 = a.xn2.as_view();
+    linear_fwd(cx, w, &lay.gate, &xn2, n, c, inter, &mut a.gate)?;
+    linear_fwd(cx, w, &lay.up, &xn2, n, c, inter, &mut a.up)?;
+    T::swiglu_forward(s, &a.gate, &a.up, &mut a.act)?;
+    linear_fwd(cx, w, &lay.down, &a.act.as_view(), n, inter, c, out)?;
+    T::add_inplace(s, out, &a.h)?;
+    Ok(())
+}
+
+/// Backward of one block: `gb.dres` holds d/d(out) on entry and d/d(x) on return.
+#[allow(clippy::too_many_arguments)]
+fn block_backward<T: GpuLinalg>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    lay: &LayerLayout,
+    w: &CudaView<'_, T>,
+    g: &mut CudaSlice<f32>,
+    x: &CudaView<'_, T>,
+    a: &LayerBufs<'_, T>,
+    gb: &mut super::arena::GradBufs<'_, T>,
+) -> Result<()> {
+    let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
+    let s = cx.stream;
+    let xn1 = a.xn1.as_view();
+    let xn2 = a.xn2.as_view();
+
+    // MLP: out = h + down(silu(gate(n2)) * up(n2)).
+    linear_bwd(
+        cx,
+        w,
+        g,
+        &lay.down,
+        &gb.dres.as_view(),
+        &a.act.as_view(),
+        n,
+        inter,
+        c,
+        Some(&mut gb.dact),
+    )?;
+    T::swiglu_backward(s, &gb.dact, &a.gate, &a.up, &mut gb.dgate, &mut gb.dup)?;
+    linear_bwd(
+        cx,
+        w,
+        g,
+        &lay.gate,
+        &gb.dgate.as_view(),
+        &xn2,
+        n,
+        c,
+        inter,
+        Some(&mut gb.dxn),
+    )?;
+    linear_bwd(
+        cx,
+        w,
+        g,
+        &lay.up,
+        &gb.dup.as_view(),
+        &xn2,
+        n,
+        c,
+        inter,
+        Some(&mut gb.dtmp),
+    )?;
+    T::add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+    {
+        let mut dpost = sub_mut(g.as_view_mut(), lay.post_attention_norm.clone())?;
+        T::rmsnorm_backward(
+            s,
+            &gb.dxn,
+            &a.h,
+            &w.slice(lay.post_attention_norm.clone()),
+            &a.rstd2,
+            c,
+            &mut gb.dtmp,
+            &mut dpost,
+        )?;
+    }
+    T::add_inplace(s, &mut gb.dres, &gb.dtmp)?; // dres = d/dh
+
+    // Attention: h = x + o(attn(...)).
+    linear_bwd(
+        cx,
+        w,
+        g,
+        &lay.o,
+        &gb.dres.as_view(),
+        &a.att.as_view(),
+        n,
+        q,
+        c,
+        Some(&mut gb.datt),
+    )?;
+    T::attention_backward(
+        cx.mm,
+        s,
+        d,
+        &gb.datt.as_view(),
+        &a.q.as_view(),
+        &a.k.as_view(),
+        &a.v.as_view(),
+        &a.att.as_view(),
+        &a.lse.as_view(),
+        &mut gb.dq,
+        &mut gb.dk,
+        &mut gb.dv,
+    )?;
+    T::rope_backward(
+        s, &mut gb.dq, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope,
+    )?;
+    T::rope_backward(
+        s, &mut gb.dk, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope,
+    )?;
+    linear_bwd(
+        cx,
+        w,
+        g,
+        &lay.q,
+        &gb.dq.as_view(),
+        &xn1,
+        n,
+        c,
+        q,
+        Some(&mut gb.dxn),
+    )?;
+    linear_bwd(
+        cx,
+        w,
+        g,
+        &lay.k,
+        &gb.dk.as_view(),
+        &xn1,
+        n,
+        c,
+        kv,
+        Some(&mut gb.dtmp),
+    )?;
+    T::add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+    linear_bwd(
+        cx,
+        w,
+        g,
+        &lay.v,
+        &gb.dv.as_view(),
+        &xn1,
+        n,
+        c,
+        kv,
+        Some(&mut gb.dtmp),
+    )?;
+    T::add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+    {
+        let mut dinp = sub_mut(g.as_view_mut(), lay.input_norm.clone())?;
+        T::rmsnorm_backward(
+            s,
+            &gb.dxn,
+            x,
+            &w.slice(lay.input_norm.clone()),
+            &a.rstd1,
+            c,
+            &mut gb.dtmp,
+            &mut dinp,
+        )?;
+    }
+    T::add_inplace(s, &mut gb.dres, &gb.dtmp)?; // dres = d/dx
+    Ok(())
+}

@@ -1,0 +1,226 @@
+//! [`GpuAdamW`]: torch AdamW on the device through tilearn-optim's fused multi-tensor kernel,
+//! with `clip_grad_norm_` folded into the same launch and the bf16 working copy written by it.
+//!
+//! The step's scalars (bias corrections, step size, decay factor) are computed on the host
+//! exactly as [`tilearn_optim::AdamW`] computes them (f64, rounded to f32 once), so a device step
+//! follows the CPU optimizer's trajectory. The global gradient norm is computed on the device
+//! (f64 accumulation) and read by the kernel from device memory: a step queues two launches and
+//! never waits for the device.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use tilearn_ops::cuda::CudaStream;
+use tilearn_optim::cuda::{
+    AdamState, Clip, FusedError, GradNorm, Grads, ParamCopy, Rounding, SegmentPlan, StepIo,
+    adamw_step,
+};
+use tilearn_optim::{AdamWConfig, AdamWStepScalars, OptimError, ParamGroup, validate_groups};
+
+use crate::error::{EngineError, Result};
+
+/// AdamW state on the device: the moments (f32, flat, the parameters' layout), the segment
+/// table of the groups, and the gradient-norm scratch.
+#[derive(Debug)]
+pub struct GpuAdamW {
+    config: AdamWConfig,
+    groups: Vec<ParamGroup>,
+    plan: SegmentPlan,
+    exp_avg: CudaSlice<f32>,
+    exp_avg_sq: CudaSlice<f32>,
+    max_exp_avg_sq: Option<CudaSlice<f32>>,
+    norm: GradNorm,
+    max_grad_norm: f64,
+    step: u64,
+}
+
+impl GpuAdamW {
+    /// Zeroed moments for `numel` parameters split into `groups` (validated as the CPU
+    /// optimizer validates them); `max_grad_norm > 0` clips the global norm to it, 0 disables.
+    pub(crate) fn new(
+        stream: &Arc<CudaStream>,
+        config: AdamWConfig,
+        groups: Vec<ParamGroup>,
+        numel: usize,
+        max_grad_norm: f64,
+    ) -> Result<Self> {
+        config.validate()?;
+        if !(max_grad_norm.is_finite() && max_grad_norm >= 0.0) {
+            return Err(EngineError::InvalidArgument {
+                argument: "max_grad_norm".into(),
+                message: format!("is {max_grad_norm}; use a finite value >= 0 (0 disables)"),
+            });
+        }
+        let segments = validate_groups(&groups, numel)?;
+        let plan = SegmentPlan::whole(stream, &segments, numel, groups.len()).map_err(fused)?;
+        let zeros = |what: &'static str| {
+            stream
+                .alloc_zeros::<f32>(numel.max(1))
+                .map_err(|e| super::cuda_err(what, e))
+        };
+        let exp_avg = zeros("allocating exp_avg")?;
+        let exp_avg_sq = zeros("allocating exp_avg_sq")?;
+        let max_exp_avg_sq = if config.amsgrad {
+            Some(zeros("allocating max_exp_avg_sq")?)
+        } else {
+            None
+        };
+        Ok(GpuAdamW {
+            config,
+            groups,
+            plan,
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq,
+            norm: GradNorm::new(stream).map_err(fused)?,
+            max_grad_norm,
+            step: 0,
+        })
+    }
+
+    /// Number of completed steps (torch's `state["step"]`).
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// Bytes of device memory held (moments and scratch).
+    pub(crate) fn bytes(&self) -> usize {
+        self.exp_avg.num_bytes()
+            + self.exp_avg_sq.num_bytes()
+            + self.max_exp_avg_sq.as_ref().map_or(0, |m| m.num_bytes())
+    }
+
+    /// One step at learning rate `lr` (times each group's `lr_scale`): global norm of `grads`,
+    /// then the fused update of `params` (and of the bf16 working copy `work`, rounded to
+    /// nearest) with the norm clip applied inside the kernel. `numel` of every buffer must be
+    /// the optimizer's. Queues the work; does not wait.
+    pub(crate) fn step(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        params: &mut CudaSlice<f32>,
+        grads: &CudaSlice<f32>,
+        work: Option<&mut CudaSlice<bf16>>,
+        lr: f32,
+    ) -> Result<()> {
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(OptimError::InvalidHyperParameter {
+                name: "lr",
+                value: f64::from(lr),
+                message: "must be finite and >= 0",
+            }
+            .into());
+        }
+        let numel = self.plan.len();
+        let params_view = params.slice_mut(..numel);
+        let grads_view = grads.slice(..numel);
+        // The norm is always computed (for logging via `grad_norm`), clipping only when asked.
+        self.norm
+            .compute(stream, &Grads::F32(grads.slice(..numel)), None)
+            .map_err(fused)?;
+        let next = self.step + 1;
+        let scalars: Vec<AdamWStepScalars> = self
+            .groups
+            .iter()
+            .map(|g| {
+                AdamWStepScalars::new(
+                    &self.config,
+                    decimal_f64(lr) * decimal_f64(g.lr_scale),
+                    decimal_f64(g.weight_decay),
+                    next,
+                )
+            })
+            .collect();
+        let param_copy = match work {
+            Some(w) => ParamCopy::Bf16(w.slice_mut(..numel), Rounding::Nearest),
+            None => ParamCopy::None,
+        };
+        let io = StepIo {
+            grads: Grads::F32(grads_view),
+            param_copy,
+            inv_scale: None,
+            found_inf: None,
+            clip: (self.max_grad_norm > 0.0).then(|| Clip {
+                grad_sumsq: self.norm.result(),
+                max_norm: self.max_grad_norm,
+            }),
+            step: next,
+        };
+        let state = AdamState {
+            params: params_view,
+            exp_avg: self.exp_avg.slice_mut(..numel),
+            exp_avg_sq: self.exp_avg_sq.slice_mut(..numel),
+            max_exp_avg_sq: self.max_exp_avg_sq.as_mut().map(|m| m.slice_mut(..numel)),
+        };
+        adamw_step(stream, &self.plan, &scalars, state, io).map_err(fused)?;
+        self.step = next;
+        Ok(())
+    }
+
+    /// The global gradient norm (before clipping) of the last step. Cost: a 16-byte
+    /// device-to-host copy and a stream synchronisation.
+    pub(crate) fn last_grad_norm(&self, stream: &Arc<CudaStream>) -> Result<f64> {
+        Ok(self.norm.read(stream).map_err(fused)?[1])
+    }
+
+    /// Downloads `(exp_avg, exp_avg_sq)` (for saving the optimizer state).
+    pub(crate) fn download_moments(
+        &self,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let numel = self.plan.len();
+        let m = stream
+            .clone_dtoh(&self.exp_avg.slice(..numel))
+            .map_err(|e| super::cuda_err("downloading exp_avg", e))?;
+        let v = stream
+            .clone_dtoh(&self.exp_avg_sq.slice(..numel))
+            .map_err(|e| super::cuda_err("downloading exp_avg_sq", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| super::cuda_err("downloading the moments", e))?;
+        Ok((m, v))
+    }
+}
+
+/// The f64 with the same shortest decimal form as `x` (`0.9f32` -> `0.9`), as
+/// tilearn-optim's AdamW widens its hyper-parameters, so device and CPU steps take the same
+/// scalars.
+fn decimal_f64(x: f32) -> f64 {
+    if !x.is_finite() {
+        return f64::from(x);
+    }
+    x.to_string().parse::<f64>().unwrap_or(f64::from(x))
+}
+
+/// A fused-optimizer error as an engine error.
+fn fused(e: FusedError) -> EngineError {
+    match e {
+        FusedError::Optim(e) => EngineError::Optim(e),
+        FusedError::Ops(e) => EngineError::Ops(e),
+        FusedError::InvalidArgument { op, message } => EngineError::InvalidArgument {
+            argument: op.to_string(),
+            message,
+        },
+        FusedError::Cuda { op, message } => EngineError::Ops(tilearn_ops::OpsError::Cuda {
+            context: op,
+            message,
+        }),
+        other => EngineError::Ops(tilearn_ops::OpsError::Cuda {
+            context: "fused AdamW",
+            message: other.to_string(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decimal_f64;
+
+    #[test]
+    fn decimal_widening_keeps_the_written_value() {
+        assert_eq!(decimal_f64(0.9), 0.9);
+        assert_eq!(decimal_f64(0.999), 0.999);
+        assert_eq!(decimal_f64(1e-8), 1e-8);
+        assert_ne!(f64::from(0.9f32), 0.9);
+    }
+}

@@ -292,3 +292,63 @@ fn trajectories_match_torch() {
         );
     }
 }
+
+#[test]
+fn optimizer_config_json_and_trait_objects() {
+    // The tagged JSON form a trainer config would carry, and back.
+    let json = r#"{"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "dampening": 0.0,
+                   "weight_decay": 0.0, "nesterov": true}"#;
+    let config: OptimizerConfig = serde_json::from_str(json).unwrap();
+    assert_eq!(config.name(), "sgd");
+    assert_eq!(config.lr(), 0.1);
+    let back: OptimizerConfig =
+        serde_json::from_str(&serde_json::to_string(&config).unwrap()).unwrap();
+    assert_eq!(back, config);
+    assert!(serde_json::from_str::<OptimizerConfig>(r#"{"optimizer": "adagrad"}"#).is_err());
+
+    // Every kind builds behind `Box<dyn Optimizer>`, steps, and refuses another kind's state.
+    let all = [
+        OptimizerConfig::AdamW(AdamWConfig::default()),
+        OptimizerConfig::Adam(AdamConfig::default()),
+        OptimizerConfig::Sgd(SgdConfig {
+            momentum: 0.9,
+            ..SgdConfig::default()
+        }),
+        OptimizerConfig::Lamb(LambConfig::default()),
+        OptimizerConfig::Lion(LionConfig::default()),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts: Vec<Box<dyn tilearn_optim::Optimizer>> = all
+        .iter()
+        .map(|c| {
+            let groups = vec![ParamGroup::whole("all", 10, c.weight_decay())];
+            c.build(groups, 10, vec![0..4, 4..10]).unwrap()
+        })
+        .collect();
+    for (opt, c) in opts.iter_mut().zip(&all) {
+        assert_eq!(opt.name(), c.name());
+        assert_eq!(opt.numel(), 10);
+        assert_eq!(opt.base_lr(), c.lr());
+        assert_eq!(opt.groups().len(), 1);
+        let mut p = [0.5f32; 10];
+        opt.step(&mut p, &[0.25; 10], c.lr()).unwrap();
+        assert_eq!(opt.step_count(), 1);
+        assert!(
+            p.iter().all(|&x| x < 0.5),
+            "{}: moved against the gradient",
+            c.name()
+        );
+        opt.save_state(&dir.path().join(c.name())).unwrap();
+    }
+    for (i, opt) in opts.iter_mut().enumerate() {
+        let other = all[(i + 1) % all.len()].name();
+        match opt.load_state(&dir.path().join(other)) {
+            Err(tilearn_optim::OptimError::State { message, .. }) => {
+                assert!(message.contains("format"), "{}: {message}", opt.name())
+            }
+            r => panic!("{} loaded {other}'s state: {r:?}", opt.name()),
+        }
+        opt.load_state(&dir.path().join(opt.name())).unwrap();
+        assert_eq!(opt.step_count(), 1);
+    }
+}

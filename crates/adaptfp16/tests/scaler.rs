@@ -294,14 +294,32 @@ fn state_dict_uses_torchs_keys_and_round_trips() {
     keys.sort();
     assert_eq!(
         keys,
-        ["_growth_tracker", "backoff_factor", "growth_factor", "growth_interval", "scale"]
+        [
+            "_growth_tracker",
+            "_overflow_count",
+            "_update_count",
+            "backoff_factor",
+            "growth_factor",
+            "growth_interval",
+            "scale"
+        ]
     );
+    assert_eq!((json["_update_count"].as_u64(), json["_overflow_count"].as_u64()), (Some(3), Some(1)));
     assert_eq!(json["scale"], 32768.0);
     assert_eq!(json["_growth_tracker"], 2);
 
     let mut r = GradScaler::new();
     r.load_state_dict_json(&json).unwrap();
     assert_eq!(r.state_dict(), s.state_dict());
+    assert_eq!((r.update_count(), r.overflow_count()), (3, 1));
+    // torch's own dict (no counters of ours) loads, with the counters at 0.
+    let mut torch_dict = json.clone();
+    let m = torch_dict.as_object_mut().unwrap();
+    m.remove("_update_count");
+    m.remove("_overflow_count");
+    let mut t = GradScaler::new();
+    t.load_state_dict_json(&torch_dict).unwrap();
+    assert_eq!((t.get_scale(), t.growth_tracker(), t.overflow_count()), (32768.0, 2, 0));
     // Both continue identically: 5 more clean steps reach the interval of 7.
     for _ in 0..5 {
         assert_eq!(clean_step(&mut r), clean_step(&mut s));
@@ -317,6 +335,8 @@ fn state_dict_validation() {
         backoff_factor: 0.5,
         growth_interval: 10,
         growth_tracker: 3,
+        update_count: 40,
+        overflow_count: 4,
     };
     let mut s = GradScaler::new();
     s.load_state_dict(&good).unwrap();

@@ -150,7 +150,9 @@ fn reproduces_torch_gradscaler_trajectory_bit_for_bit() {
         // Our final state dict is torch's, key for key.
         let ours = scaler.state_dict_json();
         let theirs = &sc["final_state_dict"];
-        assert_eq!(ours.as_object().unwrap().len(), 5, "{name}: {ours}");
+        // torch's five keys plus our two counters.
+        assert_eq!(ours.as_object().unwrap().len(), 7, "{name}: {ours}");
+        let skipped_count = ours["_overflow_count"].as_u64().unwrap();
         for key in ["growth_interval", "_growth_tracker"] {
             assert_eq!(ours[key].as_i64(), theirs[key].as_i64(), "{name}: {key}");
         }
@@ -162,6 +164,7 @@ fn reproduces_torch_gradscaler_trajectory_bit_for_bit() {
             .iter()
             .filter(|r| !r["optimizer_stepped"].as_bool().unwrap())
             .count();
+        assert_eq!(skipped_count, skipped as u64, "{name}: overflow counter");
         eprintln!(
             "{name}: {} steps, {skipped} skipped, final scale {:e}, {compared} values bit-equal",
             records.len(),

@@ -50,9 +50,8 @@ pub struct AutoState {
     pub mode: AutoMode,
     /// (period of the decision, overflows counted at it), newest last, only within the window.
     pub history: VecDeque<(u64, u64)>,
-    /// The scaler's overflow counter at the previous decision. Not saved: the scaler's counters
-    /// restart at 0 when it is loaded, so after a resume the baseline is 0 too.
-    #[serde(skip)]
+    /// The scaler's overflow counter at the previous decision (the scaler saves its counter in
+    /// its state dict, so a resume keeps overflows that happened after the last decision).
     pub baseline: u64,
 }
 
@@ -159,7 +158,8 @@ impl AutoPolicy {
             period,
         })?;
         let count = scaler.overflow_count();
-        // A counter below the baseline means the scaler was reloaded (counters restart at 0).
+        // A counter below the baseline means the scaler was reset or loaded from a state dict
+        // without our counters (torch's): count what it has seen since.
         let fresh = count.checked_sub(self.state.baseline).unwrap_or(count);
         self.state.baseline = count;
         let st = &mut self.state;

@@ -83,7 +83,7 @@ pub struct GradScaler {
     /// torch's int32 `_growth_tracker`.
     growth_tracker: i32,
     stage: Stage,
-    /// Updates and overflowing updates since construction or `load_state_dict` (not saved).
+    /// Updates, and overflowing updates, since construction (saved in the state dict).
     updates: u64,
     overflows: u64,
 }
@@ -309,7 +309,7 @@ impl GradScaler {
         Ok(())
     }
 
-    /// Number of `update`s since construction or the last `load_state_dict`.
+    /// Number of `update`s since construction (restored by `load_state_dict`).
     pub fn update_count(&self) -> u64 {
         self.updates
     }

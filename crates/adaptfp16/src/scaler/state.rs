@@ -1,13 +1,16 @@
 //! The scaler's checkpoint form: torch's `GradScaler.state_dict()` keys and meanings, so a state
-//! saved by one side loads in the other (as JSON).
+//! saved by one side loads in the other (as JSON). Two keys of ours ride along, prefixed like
+//! torch's private `_growth_tracker`: the update and overflow counters, which the auto policy
+//! reads (a resume must not lose an overflow between the last decision and the checkpoint).
+//! torch's `load_state_dict` reads only its own keys, and ours default to 0 when absent.
 
 use serde::{Deserialize, Serialize};
 
 use super::{GradScaler, Stage, validate_factors};
 use crate::error::{Error, Result};
 
-/// torch's five keys. `scale` is the f32 scale widened to f64 (what torch's `get_scale()`
-/// returns), so the f32 round trip is exact.
+/// torch's five keys plus our two counters. `scale` is the f32 scale widened to f64 (what
+/// torch's `get_scale()` returns), so the f32 round trip is exact.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScalerState {
@@ -17,6 +20,12 @@ pub struct ScalerState {
     pub growth_interval: i32,
     #[serde(rename = "_growth_tracker")]
     pub growth_tracker: i32,
+    /// [`GradScaler::update_count`]; 0 when loading torch's state dict.
+    #[serde(rename = "_update_count", default)]
+    pub update_count: u64,
+    /// [`GradScaler::overflow_count`]; 0 when loading torch's state dict.
+    #[serde(rename = "_overflow_count", default)]
+    pub overflow_count: u64,
 }
 
 impl GradScaler {
@@ -28,13 +37,15 @@ impl GradScaler {
             backoff_factor: self.config.backoff_factor,
             growth_interval: self.config.growth_interval,
             growth_tracker: self.growth_tracker,
+            update_count: self.updates,
+            overflow_count: self.overflows,
         })
     }
 
     /// Restore a state. A no-op on a disabled scaler (torch's rule). Validates what torch only
     /// asserts at construction, and rejects a tracker at or past the interval (torch would then
-    /// never grow again, since it grows when the tracker *equals* the interval). Clears the
-    /// update/overflow counters and any half-done step.
+    /// never grow again, since it grows when the tracker *equals* the interval). Restores the
+    /// update/overflow counters (0 from a torch state dict) and drops any half-done step.
     pub fn load_state_dict(&mut self, state: &ScalerState) -> Result<()> {
         if !self.config.enabled {
             return Ok(());
@@ -66,8 +77,8 @@ impl GradScaler {
         self.config.growth_interval = state.growth_interval;
         self.growth_tracker = state.growth_tracker;
         self.stage = Stage::Ready;
-        self.updates = 0;
-        self.overflows = 0;
+        self.updates = state.update_count;
+        self.overflows = state.overflow_count;
         Ok(())
     }
 
@@ -80,6 +91,8 @@ impl GradScaler {
                 "backoff_factor": s.backoff_factor,
                 "growth_interval": s.growth_interval,
                 "_growth_tracker": s.growth_tracker,
+                "_update_count": s.update_count,
+                "_overflow_count": s.overflow_count,
             }),
             None => serde_json::Value::Object(serde_json::Map::new()),
         }

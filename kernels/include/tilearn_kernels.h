@@ -160,6 +160,69 @@ int tilearn_optim_adam(const tilearn_optim_launch *launch, const tilearn_optim_a
                        uint32_t n_groups, float *params, float *exp_avg, float *exp_avg_sq,
                        float *max_exp_avg_sq, cudaStream_t stream);
 
+/* ---- embedding.cu: token embedding, out[r] = table[ids[r]]; dtable[ids[r]] += dout[r] ----
+ * ids: [rows] u32; table / dtable: [vocab, dim]; out / dout: [rows, dim].
+ * status: one u64 device word, initialised by the caller to UINT64_MAX ("no error"); a launch
+ * that meets an id >= vocab lowers it (atomic min) to (position << 32) | id. Such a row is never
+ * read out of bounds: the forward fills it with NaN, the backward skips it. */
+int tilearn_embedding_forward_f32(const uint32_t *ids, const float *table, size_t rows,
+                                  size_t vocab, size_t dim, float *out, uint64_t *status,
+                                  cudaStream_t stream);
+int tilearn_embedding_forward_bf16(const uint32_t *ids, const tilearn_bf16 *table, size_t rows,
+                                   size_t vocab, size_t dim, tilearn_bf16 *out, uint64_t *status,
+                                   cudaStream_t stream);
+
+/* Bytes of scratch (256-byte aligned) that tilearn_embedding_backward_* needs for (rows, vocab);
+ * SIZE_MAX if the shape is out of range or the current device cannot be queried. */
+size_t tilearn_embedding_backward_scratch_bytes(size_t rows, size_t vocab);
+
+/* dtable (f32) is accumulated (+=), deterministically and in position order (bit-identical to
+ * the f32 CPU reference); scratch: at least tilearn_embedding_backward_scratch_bytes(rows, vocab)
+ * bytes, 256-byte aligned, clobbered. */
+int tilearn_embedding_backward_f32(const uint32_t *ids, const float *dout, size_t rows,
+                                   size_t vocab, size_t dim, float *dtable, uint64_t *status,
+                                   void *scratch, size_t scratch_bytes, cudaStream_t stream);
+int tilearn_embedding_backward_bf16(const uint32_t *ids, const tilearn_bf16 *dout, size_t rows,
+                                    size_t vocab, size_t dim, float *dtable, uint64_t *status,
+                                    void *scratch, size_t scratch_bytes, cudaStream_t stream);
+
+/* ---- rope.cu: rotary embedding (Hugging Face rotate_half: element i pairs with i + D/2),
+ *      in place on x [batch, seq, heads, head_dim]; cos / sin: [table_seq, head_dim / 2] f32,
+ *      row t for position t (seq <= table_seq). The backward rotates by -angle. ---- */
+int tilearn_rope_forward_f32(float *x, const float *cos_table, const float *sin_table,
+                             size_t batch, size_t seq, size_t heads, size_t head_dim,
+                             size_t table_seq, cudaStream_t stream);
+int tilearn_rope_forward_bf16(tilearn_bf16 *x, const float *cos_table, const float *sin_table,
+                              size_t batch, size_t seq, size_t heads, size_t head_dim,
+                              size_t table_seq, cudaStream_t stream);
+int tilearn_rope_backward_f32(float *dx, const float *cos_table, const float *sin_table,
+                              size_t batch, size_t seq, size_t heads, size_t head_dim,
+                              size_t table_seq, cudaStream_t stream);
+int tilearn_rope_backward_bf16(tilearn_bf16 *dx, const float *cos_table, const float *sin_table,
+                               size_t batch, size_t seq, size_t heads, size_t head_dim,
+                               size_t table_seq, cudaStream_t stream);
+
+/* ---- activation.cu: SwiGLU, out = silu(gate) * up, element-wise over n elements;
+ *      the backward writes (=) dgate and dup ---- */
+int tilearn_swiglu_forward_f32(const float *gate, const float *up, float *out, size_t n,
+                               cudaStream_t stream);
+int tilearn_swiglu_forward_bf16(const tilearn_bf16 *gate, const tilearn_bf16 *up,
+                                tilearn_bf16 *out, size_t n, cudaStream_t stream);
+int tilearn_swiglu_backward_f32(const float *dout, const float *gate, const float *up,
+                                float *dgate, float *dup, size_t n, cudaStream_t stream);
+int tilearn_swiglu_backward_bf16(const tilearn_bf16 *dout, const tilearn_bf16 *gate,
+                                 const tilearn_bf16 *up, tilearn_bf16 *dgate, tilearn_bf16 *dup,
+                                 size_t n, cudaStream_t stream);
+
+/* ---- residual.cu: out = a + b (out may equal a), and acc += x, over n elements ---- */
+int tilearn_residual_add_f32(const float *a, const float *b, float *out, size_t n,
+                             cudaStream_t stream);
+int tilearn_residual_add_bf16(const tilearn_bf16 *a, const tilearn_bf16 *b, tilearn_bf16 *out,
+                              size_t n, cudaStream_t stream);
+int tilearn_residual_add_inplace_f32(float *acc, const float *x, size_t n, cudaStream_t stream);
+int tilearn_residual_add_inplace_bf16(tilearn_bf16 *acc, const tilearn_bf16 *x, size_t n,
+                                      cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -156,4 +156,151 @@ unsafe extern "C" {
         max_exp_avg_sq: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_embedding_forward_f32(
+        ids: *const u32,
+        table: *const f32,
+        rows: usize,
+        vocab: usize,
+        dim: usize,
+        out: *mut f32,
+        status: *mut u64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_embedding_forward_bf16(
+        ids: *const u32,
+        table: *const tilearn_bf16,
+        rows: usize,
+        vocab: usize,
+        dim: usize,
+        out: *mut tilearn_bf16,
+        status: *mut u64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_embedding_backward_scratch_bytes(rows: usize, vocab: usize) -> usize;
+    pub fn tilearn_embedding_backward_f32(
+        ids: *const u32,
+        dout: *const f32,
+        rows: usize,
+        vocab: usize,
+        dim: usize,
+        dtable: *mut f32,
+        status: *mut u64,
+        scratch: *mut ::std::os::raw::c_void,
+        scratch_bytes: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_embedding_backward_bf16(
+        ids: *const u32,
+        dout: *const tilearn_bf16,
+        rows: usize,
+        vocab: usize,
+        dim: usize,
+        dtable: *mut f32,
+        status: *mut u64,
+        scratch: *mut ::std::os::raw::c_void,
+        scratch_bytes: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_rope_forward_f32(
+        x: *mut f32,
+        cos_table: *const f32,
+        sin_table: *const f32,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        table_seq: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_rope_forward_bf16(
+        x: *mut tilearn_bf16,
+        cos_table: *const f32,
+        sin_table: *const f32,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        table_seq: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_rope_backward_f32(
+        dx: *mut f32,
+        cos_table: *const f32,
+        sin_table: *const f32,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        table_seq: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_rope_backward_bf16(
+        dx: *mut tilearn_bf16,
+        cos_table: *const f32,
+        sin_table: *const f32,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        table_seq: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_swiglu_forward_f32(
+        gate: *const f32,
+        up: *const f32,
+        out: *mut f32,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_swiglu_forward_bf16(
+        gate: *const tilearn_bf16,
+        up: *const tilearn_bf16,
+        out: *mut tilearn_bf16,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_swiglu_backward_f32(
+        dout: *const f32,
+        gate: *const f32,
+        up: *const f32,
+        dgate: *mut f32,
+        dup: *mut f32,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_swiglu_backward_bf16(
+        dout: *const tilearn_bf16,
+        gate: *const tilearn_bf16,
+        up: *const tilearn_bf16,
+        dgate: *mut tilearn_bf16,
+        dup: *mut tilearn_bf16,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_residual_add_f32(
+        a: *const f32,
+        b: *const f32,
+        out: *mut f32,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_residual_add_bf16(
+        a: *const tilearn_bf16,
+        b: *const tilearn_bf16,
+        out: *mut tilearn_bf16,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_residual_add_inplace_f32(
+        acc: *mut f32,
+        x: *const f32,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_residual_add_inplace_bf16(
+        acc: *mut tilearn_bf16,
+        x: *const tilearn_bf16,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
 }

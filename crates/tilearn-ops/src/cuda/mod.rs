@@ -23,14 +23,31 @@ pub mod ffi;
 
 mod cast;
 mod device;
+mod embedding;
 mod launch;
 mod norm;
+mod residual;
+mod rope;
+mod swiglu;
 
 pub use cast::{cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16};
 pub use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 };
 pub use device::GpuDevice;
+pub use embedding::{
+    TokenIdCheck, embedding_backward_bf16, embedding_backward_f32, embedding_forward_bf16,
+    embedding_forward_f32,
+};
 pub use norm::{
     rmsnorm_backward_bf16, rmsnorm_backward_f32, rmsnorm_forward_bf16, rmsnorm_forward_f32,
+};
+pub use residual::{
+    residual_add_bf16, residual_add_f32, residual_add_inplace_bf16, residual_add_inplace_f32,
+};
+pub use rope::{
+    GpuRopeTable, rope_backward_bf16, rope_backward_f32, rope_forward_bf16, rope_forward_f32,
+};
+pub use swiglu::{
+    swiglu_backward_bf16, swiglu_backward_f32, swiglu_forward_bf16, swiglu_forward_f32,
 };

@@ -1,0 +1,350 @@
+//! Wrappers of `kernels/embedding.cu`: token embedding lookup and its deterministic gradient, in
+//! f32 and bf16 (the table gradient is always f32). Same contract as
+//! [`crate::cpu::embedding_forward`] / [`crate::cpu::embedding_backward`]: `dtable` is
+//! accumulated (`+=`), and the result is bit-identical to the f32 CPU reference.
+//!
+//! Token ids live on the device, so the wrapper cannot check them without a host round trip.
+//! Instead every launch records the first out-of-range id in a [`TokenIdCheck`] (a device word
+//! written with an integer atomic min) and never reads or writes outside the table: the forward
+//! fills such a row with NaN, the backward skips it. The caller reads the check when it chooses
+//! (e.g. once per logging step) and gets [`OpsError::TokenOutOfRange`].
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+
+use super::ffi;
+use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use crate::{OpsError, Result};
+
+/// "No out-of-range id seen": the value the status word starts from.
+const NO_ERROR: u64 = u64::MAX;
+
+/// The device-side record of out-of-range token ids for one embedding table of `vocab` rows.
+///
+/// The embedding launches lower its word to `(position << 32) | id` of an offending row (atomic
+/// min), so after several launches it names the smallest position of the earliest launch that
+/// had one. [`take`](Self::take) reads and clears it.
+#[derive(Debug)]
+pub struct TokenIdCheck {
+    word: CudaSlice<u64>,
+    vocab: usize,
+}
+
+impl TokenIdCheck {
+    /// A cleared check for a table of `vocab` rows, on the device of `stream`.
+    pub fn new(stream: &Arc<CudaStream>, vocab: usize) -> Result<Self> {
+        let word = stream.clone_htod(&[NO_ERROR]).map_err(|e| OpsError::Cuda {
+            context: "TokenIdCheck::new",
+            message: format!("cannot allocate the status word: {e}"),
+        })?;
+        Ok(TokenIdCheck { word, vocab })
+    }
+
+    /// Rows of the table whose launches this check accepts.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Waits for the work queued on `stream`, then returns
+    /// [`OpsError::TokenOutOfRange`] if any launch since the last `take` met an id `>= vocab`,
+    /// and clears the record either way.
+    pub fn take(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
+        let op = "TokenIdCheck::take";
+        let mut host = [NO_ERROR];
+        let err = |e: cudarc::driver::DriverError| OpsError::Cuda {
+            context: op,
+            message: e.to_string(),
+        };
+        stream.memcpy_dtoh(&self.word, &mut host).map_err(err)?;
+        stream.synchronize().map_err(err)?;
+        if host[0] == NO_ERROR {
+            return Ok(());
+        }
+        stream
+            .memcpy_htod(&[NO_ERROR], &mut self.word)
+            .map_err(err)?;
+        Err(OpsError::TokenOutOfRange {
+            id: host[0] as u32,
+            position: (host[0] >> 32) as usize,
+            vocab: self.vocab,
+        })
+    }
+}
+
+type ForwardLauncher<R> = unsafe extern "C" fn(
+    *const u32,
+    *const R,
+    usize,
+    usize,
+    usize,
+    *mut R,
+    *mut u64,
+    ffi::cudaStream_t,
+) -> c_int;
+type BackwardLauncher<R> = unsafe extern "C" fn(
+    *const u32,
+    *const R,
+    usize,
+    usize,
+    usize,
+    *mut f32,
+    *mut u64,
+    *mut c_void,
+    usize,
+    ffi::cudaStream_t,
+) -> c_int;
+
+/// The vocabulary of a `[vocab, dim]` table of `len` elements, which must match `check`.
+fn vocab_of(op: &'static str, len: usize, dim: usize, check: &TokenIdCheck) -> Result<usize> {
+    if dim == 0 {
+        return Err(OpsError::ShapeMismatch {
+            op,
+            expected: 1,
+            actual: 0,
+        });
+    }
+    let expected = check
+        .vocab
+        .checked_mul(dim)
+        .ok_or(OpsError::ShapeMismatch {
+            op,
+            expected: usize::MAX,
+            actual: len,
+        })?;
+    expect_len(op, expected, len)?;
+    Ok(check.vocab)
+}
+
+/// Fails unless `rows * dim == len` (the `[rows, dim]` activation).
+fn rows_len(op: &'static str, rows: usize, dim: usize, len: usize) -> Result<()> {
+    let expected = rows.checked_mul(dim).ok_or(OpsError::ShapeMismatch {
+        op,
+        expected: usize::MAX,
+        actual: len,
+    })?;
+    expect_len(op, expected, len)
+}
+
+/// The kernels index rows and positions with u32 and launch one block per row (< 2^31).
+fn rows_in_range(op: &'static str, rows: usize, vocab: usize) -> Result<()> {
+    if rows > i32::MAX as usize || vocab > u32::MAX as usize {
+        return Err(OpsError::Cuda {
+            context: op,
+            message: format!(
+                "{rows} tokens / vocabulary {vocab} exceed the kernel's range (tokens < 2^31, \
+                 vocabulary < 2^32)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward<T, R>(
+    op: &'static str,
+    launcher: ForwardLauncher<R>,
+    stream: &Arc<CudaStream>,
+    ids: &impl DevicePtr<u32>,
+    table: &impl DevicePtr<T>,
+    dim: usize,
+    out: &mut impl DevicePtrMut<T>,
+    check_ids: &mut TokenIdCheck,
+) -> Result<()> {
+    const { assert!(size_of::<T>() == size_of::<R>()) };
+    let vocab = vocab_of(op, table.len(), dim, check_ids)?;
+    let rows = ids.len();
+    rows_len(op, rows, dim, out.len())?;
+    rows_in_range(op, rows, vocab)?;
+    same_device(stream, op, "ids", ids)?;
+    same_device(stream, op, "table", table)?;
+    same_device(stream, op, "out", out)?;
+    same_device(stream, op, "check", &check_ids.word)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    bind(stream, op)?;
+    let (ids_ptr, _ids) = ids.device_ptr(stream);
+    let (table_ptr, _table) = table.device_ptr(stream);
+    let (out_ptr, _out) = out.device_ptr_mut(stream);
+    let (status_ptr, _status) = check_ids.word.device_ptr_mut(stream);
+    // SAFETY: every pointer is a live allocation of the stream's context (checked above): ids
+    // holds `rows` u32, table vocab * dim and out rows * dim elements of the launcher's type,
+    // the status word one u64 (all checked above). The kernel reads table rows only for ids
+    // < vocab. out and the status word are borrowed mutably, so they overlap nothing else. Work
+    // is enqueued on `stream` only; the guards order it after earlier writers and before later
+    // users of these buffers.
+    let status = unsafe {
+        launcher(
+            ids_ptr as *const u32,
+            table_ptr as *const R,
+            rows,
+            vocab,
+            dim,
+            out_ptr as *mut R,
+            status_ptr as *mut u64,
+            raw_stream(stream),
+        )
+    };
+    check(op, status)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward<T, R>(
+    op: &'static str,
+    launcher: BackwardLauncher<R>,
+    stream: &Arc<CudaStream>,
+    ids: &impl DevicePtr<u32>,
+    dout: &impl DevicePtr<T>,
+    dim: usize,
+    dtable: &mut impl DevicePtrMut<f32>,
+    check_ids: &mut TokenIdCheck,
+) -> Result<()> {
+    const { assert!(size_of::<T>() == size_of::<R>()) };
+    let vocab = vocab_of(op, dtable.len(), dim, check_ids)?;
+    let rows = ids.len();
+    rows_len(op, rows, dim, dout.len())?;
+    rows_in_range(op, rows, vocab)?;
+    same_device(stream, op, "ids", ids)?;
+    same_device(stream, op, "dout", dout)?;
+    same_device(stream, op, "dtable", dtable)?;
+    same_device(stream, op, "check", &check_ids.word)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    bind(stream, op)?;
+    // SAFETY: only asks CUB for its temporary-storage size on the current device (bound above);
+    // reads and writes no memory.
+    let scratch_bytes = unsafe { ffi::tilearn_embedding_backward_scratch_bytes(rows, vocab) };
+    if scratch_bytes == usize::MAX {
+        return Err(OpsError::Cuda {
+            context: op,
+            message: format!("cannot size the sort scratch for {rows} tokens"),
+        });
+    }
+    // SAFETY: the launcher writes every scratch byte it later reads (keys and positions by its
+    // first kernel, the sorted copies and CUB's storage by the sort), so the uninitialised
+    // contents are never observed.
+    let mut scratch = unsafe { stream.alloc::<u8>(scratch_bytes) }.map_err(|e| OpsError::Cuda {
+        context: op,
+        message: format!("cannot allocate {scratch_bytes} bytes of scratch: {e}"),
+    })?;
+    let (ids_ptr, _ids) = ids.device_ptr(stream);
+    let (dout_ptr, _dout) = dout.device_ptr(stream);
+    let (dtable_ptr, _dtable) = dtable.device_ptr_mut(stream);
+    let (status_ptr, _status) = check_ids.word.device_ptr_mut(stream);
+    let (scratch_ptr, _scratch) = scratch.device_ptr_mut(stream);
+    // SAFETY: every pointer is a live allocation of the stream's context (checked above; the
+    // scratch was just allocated on `stream`, and cudarc allocations are at least 256-byte
+    // aligned as the launcher requires): ids holds `rows` u32, dout rows * dim elements of the
+    // launcher's type, dtable vocab * dim f32, the status word one u64, the scratch exactly the
+    // size the launcher asked for. dtable is written only at rows < vocab. The outputs (dtable,
+    // status, scratch) are borrowed mutably, so they overlap no other buffer. Work is enqueued
+    // on `stream` only; the guards order it, and the scratch is freed stream-ordered on drop.
+    let status = unsafe {
+        launcher(
+            ids_ptr as *const u32,
+            dout_ptr as *const R,
+            rows,
+            vocab,
+            dim,
+            dtable_ptr as *mut f32,
+            status_ptr as *mut u64,
+            scratch_ptr as *mut c_void,
+            scratch_bytes,
+            raw_stream(stream),
+        )
+    };
+    check(op, status)
+}
+
+/// `out[r, :] = table[ids[r], :]` in f32. `table` is `[vocab, dim]` with `vocab =
+/// check.vocab()`, `out` is `[ids.len(), dim]`. An id `>= vocab` is recorded in `check` and its
+/// output row is filled with NaN.
+pub fn embedding_forward_f32(
+    stream: &Arc<CudaStream>,
+    ids: &impl DevicePtr<u32>,
+    table: &impl DevicePtr<f32>,
+    dim: usize,
+    out: &mut impl DevicePtrMut<f32>,
+    check: &mut TokenIdCheck,
+) -> Result<()> {
+    forward::<f32, f32>(
+        "tilearn_embedding_forward_f32",
+        ffi::tilearn_embedding_forward_f32,
+        stream,
+        ids,
+        table,
+        dim,
+        out,
+        check,
+    )
+}
+
+/// [`embedding_forward_f32`] for a bf16 table and output (a copy, no rounding).
+pub fn embedding_forward_bf16(
+    stream: &Arc<CudaStream>,
+    ids: &impl DevicePtr<u32>,
+    table: &impl DevicePtr<bf16>,
+    dim: usize,
+    out: &mut impl DevicePtrMut<bf16>,
+    check: &mut TokenIdCheck,
+) -> Result<()> {
+    forward::<bf16, ffi::tilearn_bf16>(
+        "tilearn_embedding_forward_bf16",
+        ffi::tilearn_embedding_forward_bf16,
+        stream,
+        ids,
+        table,
+        dim,
+        out,
+        check,
+    )
+}
+
+/// `dtable[ids[r], :] += dout[r, :]` for every row `r` in order, in f32: deterministic and
+/// bit-identical to [`crate::cpu::embedding_backward`]`::<f32>`. An id `>= vocab` is recorded in
+/// `check` and its row skipped. Allocates a stream-ordered sort scratch of about
+/// `16 * ids.len()` bytes plus CUB's temporary storage.
+pub fn embedding_backward_f32(
+    stream: &Arc<CudaStream>,
+    ids: &impl DevicePtr<u32>,
+    dout: &impl DevicePtr<f32>,
+    dim: usize,
+    dtable: &mut impl DevicePtrMut<f32>,
+    check: &mut TokenIdCheck,
+) -> Result<()> {
+    backward::<f32, f32>(
+        "tilearn_embedding_backward_f32",
+        ffi::tilearn_embedding_backward_f32,
+        stream,
+        ids,
+        dout,
+        dim,
+        dtable,
+        check,
+    )
+}
+
+/// [`embedding_backward_f32`] with a bf16 `dout`, widened to f32 (dtable stays f32).
+pub fn embedding_backward_bf16(
+    stream: &Arc<CudaStream>,
+    ids: &impl DevicePtr<u32>,
+    dout: &impl DevicePtr<bf16>,
+    dim: usize,
+    dtable: &mut impl DevicePtrMut<f32>,
+    check: &mut TokenIdCheck,
+) -> Result<()> {
+    backward::<bf16, ffi::tilearn_bf16>(
+        "tilearn_embedding_backward_bf16",
+        ffi::tilearn_embedding_backward_bf16,
+        stream,
+        ids,
+        dout,
+        dim,
+        dtable,
+        check,
+    )
+}

@@ -1,0 +1,252 @@
+//! Wrappers of `kernels/rope.cu`: rotary position embedding (Hugging Face `rotate_half`
+//! convention: element `i` of a head pairs with `i + head_dim/2`), in place on `[batch, seq,
+//! heads, head_dim]`, in f32 and in bf16 with f32 arithmetic. Same contract as
+//! [`crate::cpu::rope_forward`] / [`crate::cpu::rope_backward`]; the backward rewrites the
+//! gradient in place (`=`) with the inverse rotation.
+
+use std::ffi::c_int;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+
+use super::ffi;
+use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use crate::cpu::RopeTable;
+use crate::{OpsError, Result};
+
+type RopeLauncher<R> = unsafe extern "C" fn(
+    *mut R,
+    *const f32,
+    *const f32,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    ffi::cudaStream_t,
+) -> c_int;
+
+/// A [`RopeTable`] on the device: `cos` and `sin`, `[seq_len, half_dim]` row-major, computed on
+/// the host in f64 (with the config's `rope_scaling`) and rounded to f32 once at upload.
+#[derive(Debug)]
+pub struct GpuRopeTable {
+    half_dim: usize,
+    seq_len: usize,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+}
+
+impl GpuRopeTable {
+    /// Copies `table` to the device of `stream` (the copy is ordered on `stream`).
+    pub fn upload(stream: &Arc<CudaStream>, table: &RopeTable) -> Result<Self> {
+        let op = "GpuRopeTable::upload";
+        let len = table.seq_len * table.half_dim;
+        expect_len(op, len, table.cos.len())?;
+        expect_len(op, len, table.sin.len())?;
+        let to_f32 = |v: &[f64]| -> Vec<f32> { v.iter().map(|&x| x as f32).collect() };
+        let copy = |host: Vec<f32>| {
+            stream.clone_htod(&host).map_err(|e| OpsError::Cuda {
+                context: op,
+                message: format!("cannot copy a {len}-element table to the device: {e}"),
+            })
+        };
+        Ok(GpuRopeTable {
+            half_dim: table.half_dim,
+            seq_len: table.seq_len,
+            cos: copy(to_f32(&table.cos))?,
+            sin: copy(to_f32(&table.sin))?,
+        })
+    }
+
+    /// `head_dim / 2` of the heads this table rotates.
+    pub fn half_dim(&self) -> usize {
+        self.half_dim
+    }
+
+    /// Number of positions (rows) in the table: the longest sequence it can rotate.
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+}
+
+/// Checks `(batch, seq, heads, head_dim)` against `x` and the table; returns nothing to launch
+/// (`Ok(false)`) for empty tensors.
+fn check_shape(
+    op: &'static str,
+    x_len: usize,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+) -> Result<bool> {
+    let invalid = |message: String| OpsError::Cuda {
+        context: op,
+        message,
+    };
+    if head_dim != 2 * table.half_dim {
+        return Err(invalid(format!(
+            "head_dim {head_dim} does not match the table (half_dim {}, so head_dim {})",
+            table.half_dim,
+            2 * table.half_dim
+        )));
+    }
+    if seq > table.seq_len {
+        return Err(invalid(format!(
+            "seq {seq} exceeds the table's {} positions (build the RopeTable for the longest \
+             sequence)",
+            table.seq_len
+        )));
+    }
+    let elems = batch
+        .checked_mul(seq)
+        .and_then(|v| v.checked_mul(heads))
+        .and_then(|v| v.checked_mul(head_dim))
+        .ok_or_else(|| {
+            invalid(format!(
+                "shape [{batch}, {seq}, {heads}, {head_dim}] overflows usize"
+            ))
+        })?;
+    expect_len(op, elems, x_len)?;
+    Ok(elems > 0)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rotate<T, R>(
+    op: &'static str,
+    launcher: RopeLauncher<R>,
+    stream: &Arc<CudaStream>,
+    x: &mut impl DevicePtrMut<T>,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+) -> Result<()> {
+    const { assert!(size_of::<T>() == size_of::<R>()) };
+    same_device(stream, op, "x", x)?;
+    same_device(stream, op, "table.cos", &table.cos)?;
+    same_device(stream, op, "table.sin", &table.sin)?;
+    if !check_shape(op, x.len(), batch, seq, heads, head_dim, table)? {
+        return Ok(());
+    }
+    bind(stream, op)?;
+    let (cos_ptr, _cos) = table.cos.device_ptr(stream);
+    let (sin_ptr, _sin) = table.sin.device_ptr(stream);
+    let (x_ptr, _x) = x.device_ptr_mut(stream);
+    // SAFETY: all pointers are live allocations of the stream's context (checked above). x holds
+    // exactly batch * seq * heads * head_dim elements of the launcher's type; cos and sin hold
+    // table.seq_len * head_dim / 2 f32 (built that way by `upload`), and seq <= table.seq_len and
+    // head_dim == 2 * half_dim were checked, so every table row the kernel reads exists. x is
+    // borrowed mutably and the table is private to `GpuRopeTable`, so they do not overlap. Work
+    // is enqueued on `stream` only; the guards order it after earlier writers of x and the table
+    // and before later users.
+    let status = unsafe {
+        launcher(
+            x_ptr as *mut R,
+            cos_ptr as *const f32,
+            sin_ptr as *const f32,
+            batch,
+            seq,
+            heads,
+            head_dim,
+            table.seq_len,
+            raw_stream(stream),
+        )
+    };
+    check(op, status)
+}
+
+/// Rotates `x` (`[batch, seq, heads, head_dim]`, f32) in place; position `t` uses row `t` of
+/// `table`.
+pub fn rope_forward_f32(
+    stream: &Arc<CudaStream>,
+    x: &mut impl DevicePtrMut<f32>,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+) -> Result<()> {
+    rotate::<f32, f32>(
+        "tilearn_rope_forward_f32",
+        ffi::tilearn_rope_forward_f32,
+        stream,
+        x,
+        batch,
+        seq,
+        heads,
+        head_dim,
+        table,
+    )
+}
+
+/// Rotates bf16 `x` in place (f32 arithmetic, one rounding per element).
+pub fn rope_forward_bf16(
+    stream: &Arc<CudaStream>,
+    x: &mut impl DevicePtrMut<bf16>,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+) -> Result<()> {
+    rotate::<bf16, ffi::tilearn_bf16>(
+        "tilearn_rope_forward_bf16",
+        ffi::tilearn_rope_forward_bf16,
+        stream,
+        x,
+        batch,
+        seq,
+        heads,
+        head_dim,
+        table,
+    )
+}
+
+/// Backward of [`rope_forward_f32`], in place: `dx = Rᵀ · dy` (rotation by the opposite angle).
+pub fn rope_backward_f32(
+    stream: &Arc<CudaStream>,
+    dx: &mut impl DevicePtrMut<f32>,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+) -> Result<()> {
+    rotate::<f32, f32>(
+        "tilearn_rope_backward_f32",
+        ffi::tilearn_rope_backward_f32,
+        stream,
+        dx,
+        batch,
+        seq,
+        heads,
+        head_dim,
+        table,
+    )
+}
+
+/// Backward of [`rope_forward_bf16`], in place.
+pub fn rope_backward_bf16(
+    stream: &Arc<CudaStream>,
+    dx: &mut impl DevicePtrMut<bf16>,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+) -> Result<()> {
+    rotate::<bf16, ffi::tilearn_bf16>(
+        "tilearn_rope_backward_bf16",
+        ffi::tilearn_rope_backward_bf16,
+        stream,
+        dx,
+        batch,
+        seq,
+        heads,
+        head_dim,
+        table,
+    )
+}

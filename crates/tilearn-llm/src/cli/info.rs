@@ -1,8 +1,17 @@
 //! `tilearn info`: what this build can use on this machine.
 
+use clap::Args;
+
 use crate::Result;
 
-pub fn run() -> Result<()> {
+#[derive(Debug, Args)]
+pub struct InfoArgs {
+    /// Also print the NUMA nodes, the GPUs' nodes and the CPU affinity plans.
+    #[arg(long)]
+    pub topology: bool,
+}
+
+pub fn run(args: InfoArgs) -> Result<()> {
     println!("tilearn {}", env!("CARGO_PKG_VERSION"));
     let info = tilearn_ops::backend::probe();
     println!(
@@ -34,5 +43,8 @@ pub fn run() -> Result<()> {
         "cpu threads: {}",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
+    if args.topology {
+        super::topology::print_topology();
+    }
     Ok(())
 }

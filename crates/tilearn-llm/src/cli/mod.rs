@@ -6,12 +6,14 @@ mod eval;
 mod info;
 mod prepare;
 mod progress;
+mod topology;
 mod train;
 
 use clap::{Parser, Subcommand};
 
 pub use bench::BenchArgs;
 pub use eval::EvalArgs;
+pub use info::InfoArgs;
 pub use prepare::PrepareArgs;
 pub use train::TrainArgs;
 
@@ -39,7 +41,7 @@ pub enum Command {
     /// Tokenize text or JSON-lines files into memory-mapped token shards.
     PrepareData(PrepareArgs),
     /// Version, devices, and which CUDA/NCCL libraries were found (or why not).
-    Info,
+    Info(InfoArgs),
 }
 
 /// Runs one parsed command line.
@@ -49,6 +51,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Eval(args) => eval::run(args),
         Command::Bench(args) => bench::run(args),
         Command::PrepareData(args) => prepare::run(args),
-        Command::Info => info::run(),
+        Command::Info(args) => info::run(args),
     }
 }

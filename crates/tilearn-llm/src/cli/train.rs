@@ -13,6 +13,7 @@ use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
 use tilearn_engine::model::LlamaForCausalLM;
 use tilearn_engine::trainer::{TrainLength, Trainer, TrainingArguments};
 
+use super::topology::BindCores;
 use crate::{LlmError, Result};
 
 /// Documents generated for the embedded corpus (about 1.5 M byte tokens).
@@ -87,6 +88,11 @@ pub struct TrainArgs {
     pub resume_from_checkpoint: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    /// Pin this rank's threads near its GPU (LOCAL_RANK / LOCAL_WORLD_SIZE /
+    /// CUDA_VISIBLE_DEVICES say which GPU); TILEARN_AFFINITY=off overrides. See `tilearn info
+    /// --topology` for the plan.
+    #[arg(long, value_enum, default_value_t = BindCores::Auto)]
+    pub bind_cores: BindCores,
 }
 
 /// Defaults that differ between fine-tuning (Hugging Face's) and training from scratch (a recipe
@@ -120,6 +126,11 @@ const FROM_SCRATCH: Recipe = Recipe {
 
 pub fn run(args: TrainArgs) -> Result<()> {
     choose_device(args.device)?;
+    // Before anything spawns threads (rayon's pool, the loader): they inherit the main thread's
+    // CPU mask. The training step runs on the CPU reference engine in this version (see
+    // choose_device), so `--bind-cores auto` pins nothing yet.
+    let trains_on_gpu = false;
+    let loader_hook = super::topology::bind_this_rank(args.bind_cores.resolve(trains_on_gpu));
     let (model, recipe) = build_model(&args)?;
     let dataset = open_dataset(&args)?;
     let length = match (args.max_steps, args.num_train_epochs) {
@@ -165,6 +176,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         training.output_dir.display()
     );
     let mut trainer = Trainer::new(training, model, dataset)?;
+    if let Some(hook) = loader_hook {
+        trainer.set_loader_hook(hook);
+    }
     let mut sink = super::progress::sink();
     let summary = trainer.train(args.resume_from_checkpoint.as_deref(), sink.as_mut())?;
     println!(

@@ -182,8 +182,9 @@ int launch_forward(const uint32_t* ids, const void* table, size_t rows, size_t v
     return launch_forward_vec<T, 1>(ids, tab, rows, vocab, dim, o, st, stream);
 }
 
-// Scratch layout (bytes, each part 256-aligned): keys, sorted keys, positions, sorted positions
-// (u32[rows] each), then CUB's temporary storage.
+// Scratch layout (bytes, each part 256-aligned from the first 256-aligned byte of the scratch,
+// so any base address works): keys, sorted keys, positions, sorted positions (u32[rows] each),
+// then CUB's temporary storage.
 struct ScratchLayout {
     size_t part;       // bytes of one u32[rows] part
     size_t cub_bytes;  // CUB temporary storage
@@ -199,7 +200,8 @@ cudaError_t scratch_layout(size_t rows, size_t vocab, ScratchLayout* layout) {
     if (err != cudaSuccess) return err;
     layout->part = align_up(rows * sizeof(uint32_t), kScratchAlign);
     layout->cub_bytes = cub_bytes;
-    layout->total = 4 * layout->part + align_up(cub_bytes, kScratchAlign);
+    // + kScratchAlign: room to round the caller's base address up to the alignment.
+    layout->total = 4 * layout->part + align_up(cub_bytes, kScratchAlign) + kScratchAlign;
     return cudaSuccess;
 }
 
@@ -223,13 +225,15 @@ int launch_backward(const uint32_t* ids, const void* dout, size_t rows, size_t v
     if (!shape_ok(rows, vocab, dim)) return static_cast<int>(cudaErrorInvalidValue);
     if (rows == 0) return static_cast<int>(cudaSuccess);
     if (ids == nullptr || dout == nullptr || status == nullptr || scratch == nullptr ||
-        (vocab > 0 && dtable == nullptr) || reinterpret_cast<uintptr_t>(scratch) % kScratchAlign)
+        (vocab > 0 && dtable == nullptr))
         return static_cast<int>(cudaErrorInvalidValue);
     ScratchLayout layout;
     cudaError_t err = scratch_layout(rows, vocab, &layout);
     if (err != cudaSuccess) return static_cast<int>(err);
     if (scratch_bytes < layout.total) return static_cast<int>(cudaErrorInvalidValue);
-    char* base = static_cast<char*>(scratch);
+    char* base = static_cast<char*>(scratch) +
+                 (align_up(reinterpret_cast<uintptr_t>(scratch), kScratchAlign) -
+                  reinterpret_cast<uintptr_t>(scratch));
     uint32_t* keys = reinterpret_cast<uint32_t*>(base);
     uint32_t* sorted_keys = reinterpret_cast<uint32_t*>(base + layout.part);
     uint32_t* positions = reinterpret_cast<uint32_t*>(base + 2 * layout.part);

@@ -172,13 +172,13 @@ int tilearn_embedding_forward_bf16(const uint32_t *ids, const tilearn_bf16 *tabl
                                    size_t vocab, size_t dim, tilearn_bf16 *out, uint64_t *status,
                                    cudaStream_t stream);
 
-/* Bytes of scratch (256-byte aligned) that tilearn_embedding_backward_* needs for (rows, vocab);
+/* Bytes of scratch (any alignment) that tilearn_embedding_backward_* needs for (rows, vocab);
  * SIZE_MAX if the shape is out of range or the current device cannot be queried. */
 size_t tilearn_embedding_backward_scratch_bytes(size_t rows, size_t vocab);
 
 /* dtable (f32) is accumulated (+=), deterministically and in position order (bit-identical to
  * the f32 CPU reference); scratch: at least tilearn_embedding_backward_scratch_bytes(rows, vocab)
- * bytes, 256-byte aligned, clobbered. */
+ * bytes, clobbered. */
 int tilearn_embedding_backward_f32(const uint32_t *ids, const float *dout, size_t rows,
                                    size_t vocab, size_t dim, float *dtable, uint64_t *status,
                                    void *scratch, size_t scratch_bytes, cudaStream_t stream);

@@ -237,8 +237,7 @@ fn backward<T, R>(
     let (status_ptr, _status) = check_ids.word.device_ptr_mut(stream);
     let (scratch_ptr, _scratch) = scratch.device_ptr_mut(stream);
     // SAFETY: every pointer is a live allocation of the stream's context (checked above; the
-    // scratch was just allocated on `stream`, and cudarc allocations are at least 256-byte
-    // aligned as the launcher requires): ids holds `rows` u32, dout rows * dim elements of the
+    // scratch was just allocated on `stream`, and the launcher aligns inside it): ids holds `rows` u32, dout rows * dim elements of the
     // launcher's type, dtable vocab * dim f32, the status word one u64, the scratch exactly the
     // size the launcher asked for. dtable is written only at rows < vocab. The outputs (dtable,
     // status, scratch) are borrowed mutably, so they overlap no other buffer. Work is enqueued

@@ -48,7 +48,7 @@ pub mod sysfs;
 pub mod topology;
 
 pub use apply::{
-    OPT_OUT_ENV, ThreadRole, current_thread_affinity, opt_out_from, opt_out_reason,
+    OPT_OUT_ENV, ThreadRole, current_thread_affinity, opt_out_from, opt_out_reason, page_nodes,
     pin_current_thread, prefer_memory_node, reset_memory_policy,
 };
 pub use cpuset::CpuSet;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tilearn_affinity::{
     BindMode, Binding, CpuSet, Plan, RankPlan, ThreadRole, Topology, current_thread_affinity,
-    pin_current_thread, prefer_memory_node, reset_memory_policy,
+    page_nodes, pin_current_thread, prefer_memory_node, reset_memory_policy,
 };
 
 #[test]
@@ -99,6 +99,15 @@ fn memory_policy_prefers_an_existing_node_and_refuses_a_missing_one() {
         }
         let err = prefer_memory_node(4000).expect_err("node 4000 does not exist");
         eprintln!("node 4000 refused as expected: {err}");
+        // Memory touched under the policy lands on node 0 (the preferred node has free pages
+        // on any test machine); page_nodes reads it back.
+        prefer_memory_node(0).unwrap();
+        let buffer = vec![1u8; 1 << 20];
+        reset_memory_policy().unwrap();
+        let nodes = page_nodes(&[buffer.as_ptr(), buffer[(1 << 20) - 1..].as_ptr()]).unwrap();
+        assert_eq!(nodes, [Some(0), Some(0)]);
+        // An address that is not mapped has no node.
+        assert_eq!(page_nodes(&[std::ptr::null()]).unwrap(), [None]);
     })
     .join()
     .unwrap();

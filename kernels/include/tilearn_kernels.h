@@ -223,6 +223,31 @@ int tilearn_residual_add_inplace_f32(float *acc, const float *x, size_t n, cudaS
 int tilearn_residual_add_inplace_bf16(tilearn_bf16 *acc, const tilearn_bf16 *x, size_t n,
                                       cudaStream_t stream);
 
+/* ---- cross_entropy.cu: softmax cross-entropy over the vocabulary, forward + backward fused ----
+ * logits: [rows, vocab] row-major, any vocab; targets: [rows] (-100 = ignored); row_loss: [rows]
+ * f32, written (0 for ignored rows); totals: 4 f64, written by every successful launch:
+ *   totals[0] = sum of row losses (fixed-order f64 reduction: deterministic),
+ *   totals[1] = number of targets in [0, vocab),
+ *   totals[2] = position of the first target neither -100 nor in [0, vocab), or -1,
+ *   totals[3] = that target (0 if none).
+ * A row with such a target gets a NaN loss (and, fused, a NaN gradient row). */
+
+/* Overwrites each logits row (in place) with (softmax(row) - onehot(target)) * grad_scale,
+ * all zeros for ignored rows. grad_scale must be finite. */
+int tilearn_cross_entropy_fused_f32(float *logits, const int32_t *targets, size_t rows,
+                                    size_t vocab, float grad_scale, float *row_loss,
+                                    double *totals, cudaStream_t stream);
+int tilearn_cross_entropy_fused_bf16(tilearn_bf16 *logits, const int32_t *targets, size_t rows,
+                                     size_t vocab, float grad_scale, float *row_loss,
+                                     double *totals, cudaStream_t stream);
+/* Loss only (evaluation): logits are not modified. */
+int tilearn_cross_entropy_forward_f32(const float *logits, const int32_t *targets, size_t rows,
+                                      size_t vocab, float *row_loss, double *totals,
+                                      cudaStream_t stream);
+int tilearn_cross_entropy_forward_bf16(const tilearn_bf16 *logits, const int32_t *targets,
+                                       size_t rows, size_t vocab, float *row_loss,
+                                       double *totals, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -303,4 +303,42 @@ unsafe extern "C" {
         n: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cross_entropy_fused_f32(
+        logits: *mut f32,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        grad_scale: f32,
+        row_loss: *mut f32,
+        totals: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cross_entropy_fused_bf16(
+        logits: *mut tilearn_bf16,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        grad_scale: f32,
+        row_loss: *mut f32,
+        totals: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cross_entropy_forward_f32(
+        logits: *const f32,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        row_loss: *mut f32,
+        totals: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cross_entropy_forward_bf16(
+        logits: *const tilearn_bf16,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        row_loss: *mut f32,
+        totals: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
 }

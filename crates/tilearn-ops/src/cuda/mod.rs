@@ -22,6 +22,7 @@
 pub mod ffi;
 
 mod cast;
+mod cross_entropy;
 mod device;
 mod embedding;
 mod launch;
@@ -31,6 +32,10 @@ mod rope;
 mod swiglu;
 
 pub use cast::{cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16};
+pub use cross_entropy::{
+    CeTotals, cross_entropy_forward_bf16, cross_entropy_forward_f32, cross_entropy_fused_bf16,
+    cross_entropy_fused_f32,
+};
 pub use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 };

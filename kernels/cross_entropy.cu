@@ -1,0 +1,297 @@
+// cross_entropy.cu: token softmax cross-entropy over the vocabulary (Hugging Face semantics:
+// targets already shifted, -100 ignored), forward and backward fused.
+//
+// Fused:     per row, one pass over the vocabulary computes the max and the sum of exp(x - max)
+//            together (online softmax: the running sum is rescaled when the max grows), then the
+//            fused variant makes a second pass that OVERWRITES the logits row in place with its
+//            gradient (softmax - onehot(target)) * grad_scale. No f32 copy of the logits and no
+//            probability buffer exist. A second, one-block kernel reduces the per-row losses
+//            and the valid-target count, and finds the first out-of-range label.
+// Layout:    logits [rows, vocab] row-major (any vocab: no alignment or multiple is assumed);
+//            targets [rows] i32; row_loss [rows] f32; totals [4] f64 (layout below). One thread
+//            block per row.
+// Precision: logits f32 or bf16, read as f32; max, exp and the per-thread and block sums in f32
+//            (expf, not the fast-math __expf); the row loss is formed in f64 as
+//            max + log(sum) - logit[target] and stored as f32. Gradients are computed in f32 and
+//            stored in the logits' type. The totals are summed in f64.
+// Output:    row_loss is written (`=`): 0 for ignored rows; the gradient is written (`=`, in
+//            place), all zeros for ignored rows. totals is written (`=`):
+//              totals[0] = sum of row losses over non-ignored rows, f64, in a fixed order
+//                          (per-thread sums over a fixed row stride, then a fixed tree);
+//              totals[1] = number of targets in [0, vocab) (exact in f64 below 2^53);
+//              totals[2] = position of the first (lowest) target that is neither -100 nor in
+//                          [0, vocab), or -1 if there is none;
+//              totals[3] = that target's value (0 if none).
+//            A row with an out-of-range target gets a NaN loss and (fused) a NaN gradient row,
+//            so an unchecked error cannot train silently: the loss sum is then NaN too.
+// Determinism: no atomics; every reduction has a fixed shape that depends only on
+//            (rows, vocab), so results are bit-identical run to run.
+
+#include <cuda_bf16.h>
+#include <math.h>
+
+#include "tilearn_kernels.h"
+
+namespace {
+
+constexpr int32_t kIgnoreIndex = -100;
+constexpr unsigned kTotalsThreads = 512;  // one block; a power of two for the tree reduction
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ bool label_in_range(int32_t t, size_t vocab) {
+    return t >= 0 && static_cast<size_t>(t) < vocab;
+}
+
+// Merges the partial (max, sum of exp(x - max)) pair (m2, s2) into (m, s). Symmetric in its two
+// operands (fmaxf and the final addition commute), so butterfly exchanges leave every lane with
+// the same bits. An empty partial is (-inf, 0); two empty partials stay empty (no inf - inf).
+__device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
+    const float mn = fmaxf(m, m2);
+    if (mn == -INFINITY) return;
+    s = s * expf(m - mn) + s2 * expf(m2 - mn);
+    m = mn;
+}
+
+// The row's max and sum of exp(x - max), returned to every thread of the block.
+// Each thread scans i = threadIdx.x + k * blockDim.x; the partials are merged by warp
+// butterflies and then across warps in warp order: a fixed order for a given blockDim.
+// blockDim.x must be a multiple of 32.
+template <typename T>
+__device__ void row_max_sumexp(const T* __restrict__ x, size_t vocab, float& m_out,
+                               float& s_out) {
+    float m = -INFINITY, s = 0.0f;
+    for (size_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = to_f32(x[i]);
+        if (v > m) {
+            // exp(-inf - v) is 0 for the first element, so (m, s) = (v, 1).
+            s = s * expf(m - v) + 1.0f;
+            m = v;
+        } else if (v != -INFINITY) {
+            // A NaN logit lands here and makes s NaN (and the loss with it), as it should.
+            s += expf(v - m);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        merge(m, s, m2, s2);
+    }
+    __shared__ float warp_m[32], warp_s[32];
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        warp_m[warp] = m;
+        warp_s[warp] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const bool live = lane < blockDim.x / 32;
+        m = live ? warp_m[lane] : -INFINITY;
+        s = live ? warp_s[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+            const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+            merge(m, s, m2, s2);
+        }
+        if (lane == 0) {
+            warp_m[0] = m;
+            warp_s[0] = s;
+        }
+    }
+    __syncthreads();
+    m_out = warp_m[0];
+    s_out = warp_s[0];
+}
+
+// loss = max + log(sum) - x[target], formed in f64 (one per row, so the cost is nil).
+__device__ __forceinline__ float row_loss_of(float m, float s, float x_target) {
+    return static_cast<float>(static_cast<double>(m) + log(static_cast<double>(s)) -
+                              static_cast<double>(x_target));
+}
+
+template <typename T>
+__global__ void ce_fused_kernel(T* __restrict__ logits, const int32_t* __restrict__ targets,
+                                size_t vocab, float grad_scale, float* __restrict__ row_loss) {
+    const size_t row = blockIdx.x;
+    T* x = logits + row * vocab;
+    const int32_t t = targets[row];
+    if (t == kIgnoreIndex) {
+        for (size_t i = threadIdx.x; i < vocab; i += blockDim.x) x[i] = from_f32<T>(0.0f);
+        if (threadIdx.x == 0) row_loss[row] = 0.0f;
+        return;
+    }
+    const bool ok = label_in_range(t, vocab);
+    // Read before the barriers inside row_max_sumexp: every overwrite of the row comes after
+    // them, so thread 0 sees the original logit.
+    float x_target = NAN;
+    if (threadIdx.x == 0 && ok) x_target = to_f32(x[t]);
+    float m, s;
+    row_max_sumexp(x, vocab, m, s);
+    if (threadIdx.x == 0) row_loss[row] = ok ? row_loss_of(m, s, x_target) : NAN;
+    if (!ok) {
+        for (size_t i = threadIdx.x; i < vocab; i += blockDim.x) x[i] = from_f32<T>(NAN);
+        return;
+    }
+    const float p_scale = grad_scale / s;
+    const size_t target = static_cast<size_t>(t);
+    for (size_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float g = expf(to_f32(x[i]) - m) * p_scale;
+        if (i == target) g -= grad_scale;
+        x[i] = from_f32<T>(g);
+    }
+}
+
+template <typename T>
+__global__ void ce_forward_kernel(const T* __restrict__ logits,
+                                  const int32_t* __restrict__ targets, size_t vocab,
+                                  float* __restrict__ row_loss) {
+    const size_t row = blockIdx.x;
+    const int32_t t = targets[row];
+    if (t == kIgnoreIndex) {
+        if (threadIdx.x == 0) row_loss[row] = 0.0f;
+        return;
+    }
+    const T* x = logits + row * vocab;
+    const bool ok = label_in_range(t, vocab);
+    float m, s;
+    row_max_sumexp(x, vocab, m, s);
+    if (threadIdx.x == 0) row_loss[row] = ok ? row_loss_of(m, s, to_f32(x[t])) : NAN;
+}
+
+// One block of kTotalsThreads threads. Thread j takes rows j, j + kTotalsThreads, ... in order,
+// then a shared-memory tree halves the partials: the summation order depends only on `rows`.
+__global__ void ce_totals_kernel(const float* __restrict__ row_loss,
+                                 const int32_t* __restrict__ targets, size_t rows, size_t vocab,
+                                 double* __restrict__ totals) {
+    __shared__ double sum_sh[kTotalsThreads];
+    __shared__ unsigned long long valid_sh[kTotalsThreads];
+    __shared__ unsigned long long bad_sh[kTotalsThreads];
+    double sum = 0.0;
+    unsigned long long valid = 0, bad = ~0ull;
+    for (size_t r = threadIdx.x; r < rows; r += kTotalsThreads) {
+        const int32_t t = targets[r];
+        if (t == kIgnoreIndex) continue;
+        if (label_in_range(t, vocab)) {
+            ++valid;
+        } else if (bad == ~0ull) {
+            bad = r;  // rows increase along the loop: the first bad one is this thread's lowest
+        }
+        sum += static_cast<double>(row_loss[r]);
+    }
+    sum_sh[threadIdx.x] = sum;
+    valid_sh[threadIdx.x] = valid;
+    bad_sh[threadIdx.x] = bad;
+    __syncthreads();
+    for (unsigned half = kTotalsThreads / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            sum_sh[threadIdx.x] += sum_sh[threadIdx.x + half];
+            valid_sh[threadIdx.x] += valid_sh[threadIdx.x + half];
+            const unsigned long long other = bad_sh[threadIdx.x + half];
+            if (other < bad_sh[threadIdx.x]) bad_sh[threadIdx.x] = other;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        totals[0] = sum_sh[0];
+        totals[1] = static_cast<double>(valid_sh[0]);
+        const unsigned long long first_bad = bad_sh[0];
+        totals[2] = first_bad == ~0ull ? -1.0 : static_cast<double>(first_bad);
+        totals[3] = first_bad == ~0ull ? 0.0 : static_cast<double>(targets[first_bad]);
+    }
+}
+
+unsigned threads_for(size_t vocab) {
+    if (vocab <= 1024) return 128;
+    if (vocab <= 8192) return 256;
+    return 512;
+}
+
+// rows fit the grid's x dimension (and, as positions, exactly in f64); rows * vocab fits size_t.
+bool shape_ok(size_t rows, size_t vocab) {
+    return rows <= 0x7fffffffu && (vocab == 0 || rows <= SIZE_MAX / vocab);
+}
+
+bool pointers_ok(const void* logits, const int32_t* targets, size_t rows, size_t vocab,
+                 const float* row_loss, const double* totals) {
+    if (totals == nullptr) return false;
+    if (rows == 0) return true;
+    return targets != nullptr && row_loss != nullptr && (vocab == 0 || logits != nullptr);
+}
+
+int launch_totals(const float* row_loss, const int32_t* targets, size_t rows, size_t vocab,
+                  double* totals, cudaStream_t stream) {
+    ce_totals_kernel<<<1, kTotalsThreads, 0, stream>>>(row_loss, targets, rows, vocab, totals);
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+int launch_fused(void* logits, const int32_t* targets, size_t rows, size_t vocab,
+                 float grad_scale, float* row_loss, double* totals, cudaStream_t stream) {
+    if (!shape_ok(rows, vocab) || !isfinite(grad_scale) ||
+        !pointers_ok(logits, targets, rows, vocab, row_loss, totals))
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (rows > 0) {
+        ce_fused_kernel<T><<<static_cast<unsigned>(rows), threads_for(vocab), 0, stream>>>(
+            static_cast<T*>(logits), targets, vocab, grad_scale, row_loss);
+        const cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess) return static_cast<int>(err);
+    }
+    // Also for rows == 0: the totals are always written, so they never hold a stale result.
+    return launch_totals(row_loss, targets, rows, vocab, totals, stream);
+}
+
+template <typename T>
+int launch_forward(const void* logits, const int32_t* targets, size_t rows, size_t vocab,
+                   float* row_loss, double* totals, cudaStream_t stream) {
+    if (!shape_ok(rows, vocab) || !pointers_ok(logits, targets, rows, vocab, row_loss, totals))
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (rows > 0) {
+        ce_forward_kernel<T><<<static_cast<unsigned>(rows), threads_for(vocab), 0, stream>>>(
+            static_cast<const T*>(logits), targets, vocab, row_loss);
+        const cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess) return static_cast<int>(err);
+    }
+    return launch_totals(row_loss, targets, rows, vocab, totals, stream);
+}
+
+}  // namespace
+
+extern "C" int tilearn_cross_entropy_fused_f32(float* logits, const int32_t* targets,
+                                               size_t rows, size_t vocab, float grad_scale,
+                                               float* row_loss, double* totals,
+                                               cudaStream_t stream) {
+    return launch_fused<float>(logits, targets, rows, vocab, grad_scale, row_loss, totals,
+                               stream);
+}
+
+extern "C" int tilearn_cross_entropy_fused_bf16(tilearn_bf16* logits, const int32_t* targets,
+                                                size_t rows, size_t vocab, float grad_scale,
+                                                float* row_loss, double* totals,
+                                                cudaStream_t stream) {
+    return launch_fused<__nv_bfloat16>(logits, targets, rows, vocab, grad_scale, row_loss,
+                                       totals, stream);
+}
+
+extern "C" int tilearn_cross_entropy_forward_f32(const float* logits, const int32_t* targets,
+                                                 size_t rows, size_t vocab, float* row_loss,
+                                                 double* totals, cudaStream_t stream) {
+    return launch_forward<float>(logits, targets, rows, vocab, row_loss, totals, stream);
+}
+
+extern "C" int tilearn_cross_entropy_forward_bf16(const tilearn_bf16* logits,
+                                                  const int32_t* targets, size_t rows,
+                                                  size_t vocab, float* row_loss, double* totals,
+                                                  cudaStream_t stream) {
+    return launch_forward<__nv_bfloat16>(logits, targets, rows, vocab, row_loss, totals,
+                                         stream);
+}

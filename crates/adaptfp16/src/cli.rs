@@ -42,7 +42,9 @@ pub enum FlagError {
          --fp32; choose the mixed precision with --fp16 (default) or --bf16"
     )]
     PolicyWithFp32,
-    #[error("--amp-policy auto watches the fp16 loss scale: use it with --fp16 (default), not --bf16")]
+    #[error(
+        "--amp-policy auto watches the fp16 loss scale: use it with --fp16 (default), not --bf16"
+    )]
     AutoWithBf16,
     #[error("--amp-policy {0} requires {1}")]
     Requires(PolicyId, &'static str),
@@ -105,17 +107,20 @@ pub fn plan_from_args(args: &AmpArgs) -> Result<AmpPlan, FlagError> {
     let mut b = PolicyBuilder::new(id)
         .mixed(mixed)
         .unit(args.unit.unwrap_or_default());
-    let setters: [(Option<u64>, fn(PolicyBuilder, u64) -> PolicyBuilder); 5] = [
-        (args.start, PolicyBuilder::start),
-        (args.end, PolicyBuilder::end),
-        (args.hold, PolicyBuilder::hold),
-        (args.interval, PolicyBuilder::interval),
-        (args.interval_hold, PolicyBuilder::interval_hold),
-    ];
-    for (value, set) in setters {
-        if let Some(v) = value {
-            b = set(b, v);
-        }
+    if let Some(v) = args.start {
+        b = b.start(v);
+    }
+    if let Some(v) = args.end {
+        b = b.end(v);
+    }
+    if let Some(v) = args.hold {
+        b = b.hold(v);
+    }
+    if let Some(v) = args.interval {
+        b = b.interval(v);
+    }
+    if let Some(v) = args.interval_hold {
+        b = b.interval_hold(v);
     }
     if let Some(f) = args.fallback {
         b = b.fallback(f);

@@ -2,12 +2,12 @@
 //! compared with an expected timeline written by hand as segments (from the rules in the crate
 //! docs, not computed by the same code), with the first mismatch reported.
 
+use Precision::{Bf16, Fp16, Fp32};
 use adaptfp16::policy::AutoMode;
 use adaptfp16::{
     AmpPolicy, CpuGrads, Error, GradScaler, Param, PolicyBuilder, PolicyId, Precision, Signals,
     TimeUnit,
 };
-use Precision::{Bf16, Fp16, Fp32};
 
 /// `[(end_exclusive, precision)]` → one precision per period from 0.
 fn timeline(segments: &[(u64, Precision)]) -> Vec<Precision> {
@@ -46,7 +46,10 @@ fn run(policy: &mut AmpPolicy, n: u64, signals: impl Fn(u64) -> Signals) -> Vec<
 
 #[test]
 fn policy0_time_window_inclusive() {
-    let mut p = PolicyBuilder::new(PolicyId::Time).end(2000).build().unwrap();
+    let mut p = PolicyBuilder::new(PolicyId::Time)
+        .end(2000)
+        .build()
+        .unwrap();
     let got = run(&mut p, 3000, |_| Signals::default());
     let want = timeline(&[(10, Fp32), (2001, Fp16), (3000, Fp32)]);
     assert_timeline("policy 0 (default start 10, end 2000)", &got, &want);
@@ -60,7 +63,11 @@ fn policy0_time_window_inclusive() {
         .unwrap();
     assert_eq!(p.unit(), TimeUnit::Epoch);
     let got = run(&mut p, 5, |_| Signals::default());
-    assert_timeline("policy 0 one-period window", &got, &timeline(&[(1, Bf16), (5, Fp32)]));
+    assert_timeline(
+        "policy 0 one-period window",
+        &got,
+        &timeline(&[(1, Bf16), (5, Fp32)]),
+    );
 }
 
 // ---------------------------------------------------------------- policy 1
@@ -96,9 +103,9 @@ fn policy1_holds_fp32_after_learning_rate_changes() {
         loss: None,
     });
     let want = timeline(&[
-        (130, Fp32),  // before start, then the hold of the change at 80 runs into the window
-        (600, Fp16),  // the 5% wiggle at 300 is below the 10% tolerance
-        (650, Fp32),  // drop at 600
+        (130, Fp32), // before start, then the hold of the change at 80 runs into the window
+        (600, Fp16), // the 5% wiggle at 300 is below the 10% tolerance
+        (650, Fp32), // drop at 600
         (1000, Fp16),
         (1060, Fp32), // drop at 1000, restarted by the change at 1010
         (1500, Fp16),
@@ -122,11 +129,25 @@ fn policy1_end_is_inclusive_and_lr_is_required() {
         lr: Some(0.1),
         loss: None,
     });
-    assert_timeline("policy 1 small", &got, &timeline(&[(2, Fp32), (5, Bf16), (7, Fp32)]));
+    assert_timeline(
+        "policy 1 small",
+        &got,
+        &timeline(&[(2, Fp32), (5, Bf16), (7, Fp32)]),
+    );
     let err = p.decide(7, Signals::default(), None).unwrap_err();
-    assert!(matches!(err, Error::MissingSignal { signal: "lr", .. }), "{err}");
+    assert!(
+        matches!(err, Error::MissingSignal { signal: "lr", .. }),
+        "{err}"
+    );
     let err = p
-        .decide(8, Signals { lr: Some(f64::NAN), loss: None }, None)
+        .decide(
+            8,
+            Signals {
+                lr: Some(f64::NAN),
+                loss: None,
+            },
+            None,
+        )
         .unwrap_err();
     assert!(matches!(err, Error::NonFiniteSignal { .. }), "{err}");
 }
@@ -143,15 +164,18 @@ fn policy2_loss_trend_decides_inside_windows_only() {
     let r = base_loss(2000); // window 2's reference: the loss given when it opens
     let loss = |t: u64| -> Option<f64> {
         Some(match t {
-            0..5 => return None,              // no loss yet at the very start
-            700..800 => 50.0,                 // a spike between windows changes nothing
-            2040..2045 => r * 1.01,           // 1% above the reference: within 2%
-            2050..2070 => r * 1.05,           // rising: off
-            2090..2100 => r * 1.03,           // rising at the window's end: off and stays off
+            0..5 => return None,    // no loss yet at the very start
+            700..800 => 50.0,       // a spike between windows changes nothing
+            2040..2045 => r * 1.01, // 1% above the reference: within 2%
+            2050..2070 => r * 1.05, // rising: off
+            2090..2100 => r * 1.03, // rising at the window's end: off and stays off
             _ => base_loss(t),
         })
     };
-    let got = run(&mut p, 3050, |t| Signals { lr: None, loss: loss(t) });
+    let got = run(&mut p, 3050, |t| Signals {
+        lr: None,
+        loss: loss(t),
+    });
     let want = timeline(&[
         (10, Fp32), // before the default start
         (2050, Fp16),
@@ -182,7 +206,10 @@ fn policy2_non_finite_absent_loss_and_end() {
             _ => base_loss(t),
         })
     };
-    let got = run(&mut p, 3000, |t| Signals { lr: None, loss: loss(t) });
+    let got = run(&mut p, 3000, |t| Signals {
+        lr: None,
+        loss: loss(t),
+    });
     let want = timeline(&[
         (1510, Bf16),
         (1511, Fp32), // NaN loss inside window 3
@@ -198,10 +225,12 @@ fn policy2_non_finite_absent_loss_and_end() {
 
 /// Steps where an fp16 step's gradients overflow (only fp16 steps use the scaler).
 fn planted_overflow(t: u64) -> bool {
-    t < 5                                             // a fresh start backs off a few times
-        || ((500..520).contains(&t) && t % 2 == 0)    // 10 overflows in 20 steps
-        || (1000..1100).contains(&t)                  // every step: the scale collapses
-        || (t >= 2000 && t % 50 == 0)                 // rare, but never recovering: slow collapse
+    // A fresh start backs off a few times; then 10 overflows in 20 steps; then every step (the
+    // scale collapses); then rare overflows that the scale never recovers from (slow collapse).
+    t < 5
+        || ((500..520).contains(&t) && t.is_multiple_of(2))
+        || (1000..1100).contains(&t)
+        || (t >= 2000 && t.is_multiple_of(50))
 }
 
 fn auto_loss(t: u64) -> Option<f64> {
@@ -224,14 +253,24 @@ fn run_auto(n: u64, resume_at: Option<u64>) -> (Vec<Precision>, Vec<f32>) {
             scaler = GradScaler::new();
             scaler.load_state_dict(&saved_scaler).unwrap();
         }
-        let signals = Signals { lr: None, loss: auto_loss(t) };
+        let signals = Signals {
+            lr: None,
+            loss: auto_loss(t),
+        };
         let p = policy.decide(t, signals, Some(&mut scaler)).unwrap();
         // Asking again for the same period neither changes the answer nor counts twice.
         assert_eq!(policy.decide(t, signals, Some(&mut scaler)).unwrap(), p);
         got.push(p);
         scales.push(scaler.get_scale());
         if p == Fp16 {
-            let mut g = vec![0.5f32, if planted_overflow(t) { f32::INFINITY } else { 1.0 }];
+            let mut g = vec![
+                0.5f32,
+                if planted_overflow(t) {
+                    f32::INFINITY
+                } else {
+                    1.0
+                },
+            ];
             let mut target = CpuGrads::flat(&mut g);
             scaler.unscale(&mut target).unwrap();
             scaler.update(&mut target).unwrap();
@@ -257,7 +296,10 @@ fn auto_expected() -> Vec<Precision> {
 fn auto_falls_back_on_recurring_overflows_and_scale_collapse() {
     let (got, scales) = run_auto(3000, None);
     assert_timeline("auto", &got, &auto_expected());
-    assert_eq!(scales[719], 2.0, "no restart when the scale is above the floor");
+    assert_eq!(
+        scales[719], 2.0,
+        "no restart when the scale is above the floor"
+    );
     assert_eq!(scales[1002], 0.5, "the collapse that triggered");
     assert_eq!(scales[1202], 65536.0, "restarted at resume_scale on return");
     assert_eq!(scales[2801], 0.5);
@@ -271,19 +313,37 @@ fn policies_resume_from_saved_state_mid_schedule() {
     }
     // Policies 1 and 2 saved in the middle of a hold / a window.
     let make1 = || {
-        PolicyBuilder::new(PolicyId::TimeLr).start(100).end(2500).hold(50).build().unwrap()
+        PolicyBuilder::new(PolicyId::TimeLr)
+            .start(100)
+            .end(2500)
+            .hold(50)
+            .build()
+            .unwrap()
     };
     let make2 = || PolicyBuilder::new(PolicyId::Loss).build().unwrap();
-    let sig1 = |t| Signals { lr: Some(lr_schedule(t)), loss: None };
-    let sig2 = |t| Signals { lr: None, loss: Some(if (2050..2070).contains(&t) { 9.0 } else { base_loss(t) }) };
+    let sig1 = |t| Signals {
+        lr: Some(lr_schedule(t)),
+        loss: None,
+    };
+    let sig2 = |t| Signals {
+        lr: None,
+        loss: Some(if (2050..2070).contains(&t) {
+            9.0
+        } else {
+            base_loss(t)
+        }),
+    };
     type Sig = dyn Fn(u64) -> Signals;
-    let cases: [(&str, &dyn Fn() -> AmpPolicy, &Sig, u64); 2] =
-        [("policy 1", &make1, &sig1, 1020), ("policy 2", &make2, &sig2, 2060)];
+    let cases: [(&str, &dyn Fn() -> AmpPolicy, &Sig, u64); 2] = [
+        ("policy 1", &make1, &sig1, 1020),
+        ("policy 2", &make2, &sig2, 2060),
+    ];
     for (name, make, sig, at) in cases {
         let whole = run(&mut make(), 3000, sig);
         let mut p = make();
-        let mut got: Vec<Precision> =
-            (0..at).map(|t| p.decide(t, sig(t), None).unwrap()).collect();
+        let mut got: Vec<Precision> = (0..at)
+            .map(|t| p.decide(t, sig(t), None).unwrap())
+            .collect();
         let saved = p.state_json().unwrap();
         let mut q = make();
         q.load_state_json(&saved).unwrap();
@@ -292,7 +352,11 @@ fn policies_resume_from_saved_state_mid_schedule() {
     }
     // State saved with other parameters is refused.
     let saved = make2().state_json().unwrap();
-    let mut other = PolicyBuilder::new(PolicyId::Loss).interval(10).interval_hold(5).build().unwrap();
+    let mut other = PolicyBuilder::new(PolicyId::Loss)
+        .interval(10)
+        .interval_hold(5)
+        .build()
+        .unwrap();
     assert!(matches!(
         other.load_state_json(&saved),
         Err(Error::StateMismatch { .. })
@@ -329,14 +393,27 @@ fn auto_with_fp32_fallback_and_its_requirements() {
     assert!(matches!(p.rule(), adaptfp16::Rule::Auto(a) if a.state().mode == AutoMode::Fp16));
 
     let err = p.decide(12, Signals::default(), None).unwrap_err();
-    assert!(matches!(err, Error::MissingSignal { policy: PolicyId::Auto, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::MissingSignal {
+                policy: PolicyId::Auto,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 // ---------------------------------------------------------------- API rules
 
 #[test]
 fn decisions_are_asked_in_time_order() {
-    let mut p = PolicyBuilder::new(PolicyId::Time).start(0).end(5).build().unwrap();
+    let mut p = PolicyBuilder::new(PolicyId::Time)
+        .start(0)
+        .end(5)
+        .build()
+        .unwrap();
     assert_eq!(p.decide(3, Signals::default(), None).unwrap(), Fp16);
     assert_eq!(p.decide(3, Signals::default(), None).unwrap(), Fp16);
     assert_eq!(p.decide(9, Signals::default(), None).unwrap(), Fp32); // gaps are fine
@@ -347,7 +424,10 @@ fn decisions_are_asked_in_time_order() {
     // The seed's boolean form.
     let mut p = PolicyBuilder::new(PolicyId::Time).end(20).build().unwrap();
     assert!(!p.enable_mixed_precision(9, None, None, None).unwrap());
-    assert!(p.enable_mixed_precision(10, Some(0.01), Some(0.1), None).unwrap());
+    assert!(
+        p.enable_mixed_precision(10, Some(0.01), Some(0.1), None)
+            .unwrap()
+    );
 }
 
 #[test]
@@ -355,34 +435,80 @@ fn builder_validation() {
     use PolicyId::*;
     let cases: Vec<(PolicyBuilder, &str)> = vec![
         (PolicyBuilder::new(Time), "policy 0 requires end_time"),
-        (PolicyBuilder::new(TimeLr).start(1).end(5), "policy 1 requires hold_time"),
-        (PolicyBuilder::new(TimeLr).end(5).hold(2), "policy 1 requires start_time"),
-        (PolicyBuilder::new(Time).start(10).end(5), "end_time 5 is before start_time 10"),
-        (PolicyBuilder::new(Time).end(5), "end_time 5 is before start_time 10"),
-        (PolicyBuilder::new(Loss).end(3), "end_time 3 is before start_time 10"),
-        (PolicyBuilder::new(Time).end(50).hold(3), "policy 0 does not use hold_time; leave it unset"),
-        (PolicyBuilder::new(Time).end(50).interval(3), "policy 0 does not use interval_time; leave it unset"),
-        (PolicyBuilder::new(Auto).start(3), "policy auto does not use start_time; leave it unset"),
-        (PolicyBuilder::new(Loss).fallback(Fp32), "policy 2 does not use fallback; leave it unset"),
-        (PolicyBuilder::new(TimeLr).start(1).end(5).hold(0), "hold_time must be at least 1"),
-        (PolicyBuilder::new(Loss).interval(0), "interval_time must be at least 1"),
-        (PolicyBuilder::new(Loss).interval_hold(0), "interval_hold_time must be at least 1"),
+        (
+            PolicyBuilder::new(TimeLr).start(1).end(5),
+            "policy 1 requires hold_time",
+        ),
+        (
+            PolicyBuilder::new(TimeLr).end(5).hold(2),
+            "policy 1 requires start_time",
+        ),
+        (
+            PolicyBuilder::new(Time).start(10).end(5),
+            "end_time 5 is before start_time 10",
+        ),
+        (
+            PolicyBuilder::new(Time).end(5),
+            "end_time 5 is before start_time 10",
+        ),
+        (
+            PolicyBuilder::new(Loss).end(3),
+            "end_time 3 is before start_time 10",
+        ),
+        (
+            PolicyBuilder::new(Time).end(50).hold(3),
+            "policy 0 does not use hold_time; leave it unset",
+        ),
+        (
+            PolicyBuilder::new(Time).end(50).interval(3),
+            "policy 0 does not use interval_time; leave it unset",
+        ),
+        (
+            PolicyBuilder::new(Auto).start(3),
+            "policy auto does not use start_time; leave it unset",
+        ),
+        (
+            PolicyBuilder::new(Loss).fallback(Fp32),
+            "policy 2 does not use fallback; leave it unset",
+        ),
+        (
+            PolicyBuilder::new(TimeLr).start(1).end(5).hold(0),
+            "hold_time must be at least 1",
+        ),
+        (
+            PolicyBuilder::new(Loss).interval(0),
+            "interval_time must be at least 1",
+        ),
+        (
+            PolicyBuilder::new(Loss).interval_hold(0),
+            "interval_hold_time must be at least 1",
+        ),
         (
             PolicyBuilder::new(Loss).interval(100).interval_hold(101),
             "interval_hold_time 101 is longer than interval_time 100: the loss windows would overlap",
         ),
-        (PolicyBuilder::new(Time).end(50).mixed(Fp32), "mixed precision must be fp16 or bf16, got fp32"),
+        (
+            PolicyBuilder::new(Time).end(50).mixed(Fp32),
+            "mixed precision must be fp16 or bf16, got fp32",
+        ),
         (
             PolicyBuilder::new(Auto).mixed(Bf16),
             "policy auto watches the fp16 loss scale, so its mixed precision must be fp16, got bf16",
         ),
-        (PolicyBuilder::new(Auto).fallback(Fp16), "policy auto falls back to bf16 or fp32, not fp16"),
+        (
+            PolicyBuilder::new(Auto).fallback(Fp16),
+            "policy auto falls back to bf16 or fp32, not fp16",
+        ),
         (
             PolicyBuilder::new(Auto).overflow_window(5).max_overflows(6),
             "policy auto: max_overflows 6 must be in 1..=window (5)",
         ),
         (
-            PolicyBuilder::new(TimeLr).start(1).end(5).hold(2).lr_tolerance(-0.1),
+            PolicyBuilder::new(TimeLr)
+                .start(1)
+                .end(5)
+                .hold(2)
+                .lr_tolerance(-0.1),
             "lr_tolerance = -0.1 is invalid: it must be finite and >= 0",
         ),
         (
@@ -398,7 +524,10 @@ fn builder_validation() {
     let p = PolicyBuilder::new(Loss).build().unwrap();
     match p.rule() {
         adaptfp16::Rule::Loss(l) => {
-            assert_eq!((l.start(), l.end(), l.interval(), l.interval_hold()), (10, None, 1000, 100))
+            assert_eq!(
+                (l.start(), l.end(), l.interval(), l.interval_hold()),
+                (10, None, 1000, 100)
+            )
         }
         other => panic!("{other:?}"),
     }

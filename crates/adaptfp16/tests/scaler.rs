@@ -51,7 +51,13 @@ fn defaults_are_torchs() {
     let s = GradScaler::new();
     let c = s.config();
     assert_eq!(
-        (c.init_scale, c.growth_factor, c.backoff_factor, c.growth_interval, c.enabled),
+        (
+            c.init_scale,
+            c.growth_factor,
+            c.backoff_factor,
+            c.growth_interval,
+            c.enabled
+        ),
         (65536.0, 2.0, 0.5, 2000, true)
     );
     assert_eq!(s.get_scale(), 65536.0);
@@ -69,7 +75,10 @@ fn grows_after_exactly_growth_interval_clean_steps() {
         assert_eq!(o.growth_tracker, i);
     }
     let o = clean_step(&mut s);
-    assert_eq!((o.scale_before, o.scale_after, o.growth_tracker), (65536.0, 131072.0, 0));
+    assert_eq!(
+        (o.scale_before, o.scale_after, o.growth_tracker),
+        (65536.0, 131072.0, 0)
+    );
     assert_eq!((s.update_count(), s.overflow_count()), (2000, 0));
 }
 
@@ -102,7 +111,11 @@ fn unscale_multiplies_by_the_rounded_f64_reciprocal() {
     assert!(!s.should_skip_step(&mut t).unwrap());
     drop(t);
     assert_eq!(g, want);
-    assert!(g[1] != 0.0 && g[1].is_subnormal(), "subnormal kept: {:e}", g[1]);
+    assert!(
+        g[1] != 0.0 && g[1].is_subnormal(),
+        "subnormal kept: {:e}",
+        g[1]
+    );
 }
 
 #[test]
@@ -158,7 +171,10 @@ fn host_reads_found_inf_once_per_step() {
         ..Default::default()
     };
     s.unscale(&mut t).unwrap();
-    assert_eq!(t.host_reads, 0, "unscale must not read the flag to the host");
+    assert_eq!(
+        t.host_reads, 0,
+        "unscale must not read the flag to the host"
+    );
     assert!(!s.update(&mut t).unwrap().found_inf);
     assert_eq!((t.passes, t.host_reads), (1, 1));
 }
@@ -169,7 +185,10 @@ fn step_state_machine_rejects_misuse() {
     let mut g = vec![1.0f32];
     let mut t = CpuGrads::flat(&mut g);
     assert!(matches!(s.update(&mut t), Err(Error::NoInfCheck)));
-    assert!(matches!(s.update_with_found_inf(false), Err(Error::NoInfCheck)));
+    assert!(matches!(
+        s.update_with_found_inf(false),
+        Err(Error::NoInfCheck)
+    ));
     s.unscale(&mut t).unwrap();
     assert!(matches!(s.unscale(&mut t), Err(Error::AlreadyUnscaled)));
     assert!(matches!(
@@ -237,7 +256,10 @@ fn backend_errors_propagate() {
 fn disabled_scaler_is_the_identity() {
     let mut s = GradScaler::disabled();
     assert!(!s.is_enabled());
-    assert_eq!((s.get_scale(), s.inv_scale(), s.scale(2.5)), (1.0, 1.0, 2.5));
+    assert_eq!(
+        (s.get_scale(), s.inv_scale(), s.scale(2.5)),
+        (1.0, 1.0, 2.5)
+    );
     let mut g = vec![3.0f32, f32::INFINITY];
     let mut t = CpuGrads::flat(&mut g);
     s.unscale(&mut t).unwrap();
@@ -256,13 +278,55 @@ fn disabled_scaler_is_the_identity() {
 #[test]
 fn config_validation() {
     let bad = [
-        (ScalerConfig { growth_factor: 1.0, ..Default::default() }, "growth_factor"),
-        (ScalerConfig { growth_factor: f64::NAN, ..Default::default() }, "growth_factor"),
-        (ScalerConfig { backoff_factor: 1.0, ..Default::default() }, "backoff_factor"),
-        (ScalerConfig { backoff_factor: 0.0, ..Default::default() }, "backoff_factor"),
-        (ScalerConfig { growth_interval: 0, ..Default::default() }, "growth_interval"),
-        (ScalerConfig { init_scale: 0.0, ..Default::default() }, "init_scale"),
-        (ScalerConfig { init_scale: 1e39, ..Default::default() }, "init_scale"),
+        (
+            ScalerConfig {
+                growth_factor: 1.0,
+                ..Default::default()
+            },
+            "growth_factor",
+        ),
+        (
+            ScalerConfig {
+                growth_factor: f64::NAN,
+                ..Default::default()
+            },
+            "growth_factor",
+        ),
+        (
+            ScalerConfig {
+                backoff_factor: 1.0,
+                ..Default::default()
+            },
+            "backoff_factor",
+        ),
+        (
+            ScalerConfig {
+                backoff_factor: 0.0,
+                ..Default::default()
+            },
+            "backoff_factor",
+        ),
+        (
+            ScalerConfig {
+                growth_interval: 0,
+                ..Default::default()
+            },
+            "growth_interval",
+        ),
+        (
+            ScalerConfig {
+                init_scale: 0.0,
+                ..Default::default()
+            },
+            "init_scale",
+        ),
+        (
+            ScalerConfig {
+                init_scale: 1e39,
+                ..Default::default()
+            },
+            "init_scale",
+        ),
     ];
     for (config, field) in bad {
         match GradScaler::with_config(config) {
@@ -304,7 +368,13 @@ fn state_dict_uses_torchs_keys_and_round_trips() {
             "scale"
         ]
     );
-    assert_eq!((json["_update_count"].as_u64(), json["_overflow_count"].as_u64()), (Some(3), Some(1)));
+    assert_eq!(
+        (
+            json["_update_count"].as_u64(),
+            json["_overflow_count"].as_u64()
+        ),
+        (Some(3), Some(1))
+    );
     assert_eq!(json["scale"], 32768.0);
     assert_eq!(json["_growth_tracker"], 2);
 
@@ -319,7 +389,10 @@ fn state_dict_uses_torchs_keys_and_round_trips() {
     m.remove("_overflow_count");
     let mut t = GradScaler::new();
     t.load_state_dict_json(&torch_dict).unwrap();
-    assert_eq!((t.get_scale(), t.growth_tracker(), t.overflow_count()), (32768.0, 2, 0));
+    assert_eq!(
+        (t.get_scale(), t.growth_tracker(), t.overflow_count()),
+        (32768.0, 2, 0)
+    );
     // Both continue identically: 5 more clean steps reach the interval of 7.
     for _ in 0..5 {
         assert_eq!(clean_step(&mut r), clean_step(&mut s));
@@ -341,11 +414,26 @@ fn state_dict_validation() {
     let mut s = GradScaler::new();
     s.load_state_dict(&good).unwrap();
     for bad in [
-        ScalerState { growth_tracker: 10, ..good },
-        ScalerState { growth_tracker: -1, ..good },
-        ScalerState { scale: f64::INFINITY, ..good },
-        ScalerState { scale: -1.0, ..good },
-        ScalerState { backoff_factor: 2.0, ..good },
+        ScalerState {
+            growth_tracker: 10,
+            ..good
+        },
+        ScalerState {
+            growth_tracker: -1,
+            ..good
+        },
+        ScalerState {
+            scale: f64::INFINITY,
+            ..good
+        },
+        ScalerState {
+            scale: -1.0,
+            ..good
+        },
+        ScalerState {
+            backoff_factor: 2.0,
+            ..good
+        },
     ] {
         assert!(
             matches!(s.load_state_dict(&bad), Err(Error::InvalidStateDict(_))),

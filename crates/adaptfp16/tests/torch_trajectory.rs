@@ -100,8 +100,16 @@ fn replay(scaler: &mut GradScaler, sc: &Value, st: &SafeTensors<'_>, from: usize
         let outcome = scaler.update(&mut target).unwrap();
         drop(target);
 
-        assert_eq!(outcome.found_inf, r["found_inf"].as_bool().unwrap(), "{at}: found_inf");
-        assert_eq!(skip, !r["optimizer_stepped"].as_bool().unwrap(), "{at}: skip");
+        assert_eq!(
+            outcome.found_inf,
+            r["found_inf"].as_bool().unwrap(),
+            "{at}: found_inf"
+        );
+        assert_eq!(
+            skip,
+            !r["optimizer_stepped"].as_bool().unwrap(),
+            "{at}: skip"
+        );
         assert_eq!(skip, outcome.skipped(), "{at}: outcome.skipped");
         assert_eq!(
             outcome.scale_after.to_bits(),
@@ -138,7 +146,11 @@ fn reproduces_torch_gradscaler_trajectory_bit_for_bit() {
     let fx = load();
     let st = SafeTensors::deserialize(&fx.tensors).unwrap();
     let scenarios = fx.meta["scenarios"].as_array().unwrap();
-    assert!(scenarios.len() >= 4, "fixture has {} scenarios", scenarios.len());
+    assert!(
+        scenarios.len() >= 4,
+        "fixture has {} scenarios",
+        scenarios.len()
+    );
     let mut total = 0;
     for sc in scenarios {
         let name = sc["name"].as_str().unwrap();
@@ -208,7 +220,10 @@ fn fixture_plants_what_it_claims() {
                 planted.contains_key(&step),
                 "{name} step {step}"
             );
-            let (before, after) = (u64_of(r, "scale_before_bits"), u64_of(r, "scale_after_bits"));
+            let (before, after) = (
+                u64_of(r, "scale_before_bits"),
+                u64_of(r, "scale_after_bits"),
+            );
             if f32::from_bits(after as u32) > f32::from_bits(before as u32) {
                 grew += 1;
             }

@@ -41,7 +41,10 @@ pub enum FallbackReason {
 pub enum AutoMode {
     Fp16,
     /// In the fallback precision for periods `< until`.
-    Fallback { until: u64, reason: FallbackReason },
+    Fallback {
+        until: u64,
+        reason: FallbackReason,
+    },
 }
 
 /// What the auto policy remembers between decisions.
@@ -177,7 +180,8 @@ impl AutoPolicy {
             AutoMode::Fp16 => {}
         }
         let non_finite_loss = loss.is_some_and(|l| !l.is_finite());
-        st.history.push_back((period, fresh + u64::from(non_finite_loss)));
+        st.history
+            .push_back((period, fresh + u64::from(non_finite_loss)));
         while st
             .history
             .front()

@@ -4,7 +4,9 @@ use super::auto::{
     AutoPolicy, DEFAULT_AUTO_HOLD, DEFAULT_MAX_OVERFLOWS, DEFAULT_OVERFLOW_WINDOW,
     DEFAULT_RESUME_SCALE, DEFAULT_SCALE_FLOOR,
 };
-use super::loss::{DEFAULT_INTERVAL, DEFAULT_INTERVAL_HOLD, DEFAULT_LOSS_RISE_TOLERANCE, LossPolicy};
+use super::loss::{
+    DEFAULT_INTERVAL, DEFAULT_INTERVAL_HOLD, DEFAULT_LOSS_RISE_TOLERANCE, LossPolicy,
+};
 use super::params::{Param, PolicyId};
 use super::time::{DEFAULT_START, TimePolicy};
 use super::time_lr::{DEFAULT_LR_TOLERANCE, TimeLrPolicy};
@@ -129,7 +131,10 @@ impl PolicyBuilder {
             (Param::ScaleFloor, self.scale_floor.is_some()),
             (Param::ResumeScale, self.resume_scale.is_some()),
         ];
-        set.into_iter().filter(|&(_, s)| s).map(|(p, _)| p).collect()
+        set.into_iter()
+            .filter(|&(_, s)| s)
+            .map(|(p, _)| p)
+            .collect()
     }
 
     /// The parameters `id` takes.
@@ -161,9 +166,8 @@ impl PolicyBuilder {
         if let Some(&param) = self.set_params().iter().find(|p| !accepted.contains(p)) {
             return Err(Error::ParameterNotUsed { policy: id, param });
         }
-        let required = |v: Option<u64>, param: Param| {
-            v.ok_or(Error::MissingParameter { policy: id, param })
-        };
+        let required =
+            |v: Option<u64>, param: Param| v.ok_or(Error::MissingParameter { policy: id, param });
         let rule = match id {
             PolicyId::Time => Rule::Time(TimePolicy::new(
                 self.start.unwrap_or(DEFAULT_START),

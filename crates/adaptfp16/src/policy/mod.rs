@@ -137,9 +137,7 @@ impl AmpPolicy {
         loss: Option<f64>,
         scaler: Option<&mut GradScaler>,
     ) -> Result<bool> {
-        Ok(self
-            .decide(epoch, Signals { lr, loss }, scaler)?
-            .is_mixed())
+        Ok(self.decide(epoch, Signals { lr, loss }, scaler)?.is_mixed())
     }
 
     /// The whole policy (parameters and runtime state) as JSON, for checkpoints.
@@ -152,7 +150,9 @@ impl AmpPolicy {
     pub fn load_state_json(&mut self, json: &serde_json::Value) -> Result<()> {
         let saved: AmpPolicy = serde_json::from_value(json.clone()).map_err(Error::StateJson)?;
         if !same_parameters(self, &saved) {
-            return Err(Error::StateMismatch { expected: self.id() });
+            return Err(Error::StateMismatch {
+                expected: self.id(),
+            });
         }
         *self = saved;
         Ok(())

@@ -72,7 +72,9 @@ impl StepOutcome {
 enum Stage {
     Ready,
     /// The inf check ran; `found_inf` caches the host read once it happened.
-    Checked { found_inf: Option<bool> },
+    Checked {
+        found_inf: Option<bool>,
+    },
 }
 
 #[derive(Debug, Clone)]

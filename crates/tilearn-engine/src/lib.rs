@@ -5,6 +5,8 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod model;
 pub mod params;
 

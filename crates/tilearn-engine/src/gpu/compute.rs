@@ -29,6 +29,7 @@ pub(crate) struct Cx<'a> {
     pub check: &'a mut TokenIdCheck,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn linear_fwd<T: GpuLinalg>(
     cx: &mut Cx<'_>,
     w: &CudaView<'_, T>,

@@ -288,9 +288,8 @@ impl GpuLlama {
             },
             config,
         };
-        gpu.device
-            .synchronize()
-            .map_err(|e| invalid("GpuLlama::new", format!("the upload failed: {e}")))?;
+        // Surface a failed upload or cast here rather than at the first step.
+        gpu.device.synchronize()?;
         gpu.sample_memory()?;
         Ok(gpu)
     }
@@ -743,6 +742,25 @@ impl GpuLlama {
             )?;
         }
         Ok(())
+    }
+
+    /// Replaces the accumulated gradients with `grads` (flat, the parameters' layout), e.g. to
+    /// step on gradients computed elsewhere.
+    pub fn upload_grads(&mut self, grads: &[f32]) -> Result<()> {
+        let numel = self.layout.numel;
+        if grads.len() != numel {
+            return Err(invalid(
+                "grads",
+                format!(
+                    "has {} entries but the model has {numel} parameters",
+                    grads.len()
+                ),
+            ));
+        }
+        let stream = self.device.stream().clone();
+        stream
+            .memcpy_htod(grads, &mut self.grads.slice_mut(..numel))
+            .map_err(|e| cuda_err("uploading the gradients", e))
     }
 
     /// Downloads the optimizer moments `(exp_avg, exp_avg_sq)`. Synchronises.

@@ -30,14 +30,12 @@ pub(crate) fn split_owned<'a, T>(
     // allocation's events and stream). `view` is consumed by this function and never used
     // again (a `CudaViewMut` has no destructor), and the two halves cover disjoint element
     // ranges, so extending their lifetime to `'a` creates no aliasing mutable access. The
-    // pointer reads copy each half exactly once and `forget` makes sure the originals are not
-    // used afterwards.
+    // transmutes change only the lifetime parameter (same type, same layout).
     let (head, tail) = unsafe {
-        let h = std::ptr::read(&head as *const CudaViewMut<'_, T> as *const CudaViewMut<'a, T>);
-        let t = std::ptr::read(&tail as *const CudaViewMut<'_, T> as *const CudaViewMut<'a, T>);
-        std::mem::forget(head);
-        std::mem::forget(tail);
-        (h, t)
+        (
+            std::mem::transmute::<CudaViewMut<'_, T>, CudaViewMut<'a, T>>(head),
+            std::mem::transmute::<CudaViewMut<'_, T>, CudaViewMut<'a, T>>(tail),
+        )
     };
     Ok((head, tail))
 }

@@ -248,6 +248,30 @@ int tilearn_cross_entropy_forward_bf16(const tilearn_bf16 *logits, const int32_t
                                        size_t rows, size_t vocab, float *row_loss,
                                        double *totals, cudaStream_t stream);
 
+/* ---- reduce.cu: whole-buffer gradient reductions (global L2 norm; GradScaler unscale) ---- */
+
+/* Number of f64 partials tilearn_global_norm_* uses as scratch for n elements (at most 1024;
+ * 0 for n == 0). */
+size_t tilearn_global_norm_partials_len(size_t n);
+/* sum_sq[0] = sum of x[i]^2 (f64) and norm[0] = sqrt(sum_sq) (f32), both written (=), also for
+ * n == 0; every square and sum in f64, deterministic (grid fixed by n, fixed-order trees).
+ * partials: at least tilearn_global_norm_partials_len(n) f64, clobbered. */
+int tilearn_global_norm_f32(const float *x, size_t n, double *partials, size_t partials_len,
+                            double *sum_sq, float *norm, cudaStream_t stream);
+int tilearn_global_norm_bf16(const tilearn_bf16 *x, size_t n, double *partials,
+                             size_t partials_len, double *sum_sq, float *norm,
+                             cudaStream_t stream);
+
+/* In place x[i] = x[i] * inv_scale[0] (f32 product, rounded once to x's type), and
+ * found_inf[0] = 1.0f if any x[i] was inf or NaN (never cleared: the caller zeroes it once per
+ * step), like torch._amp_foreach_non_finite_check_and_unscale_. */
+int tilearn_unscale_check_f32(float *x, size_t n, const float *inv_scale, float *found_inf,
+                              cudaStream_t stream);
+int tilearn_unscale_check_bf16(tilearn_bf16 *x, size_t n, const float *inv_scale,
+                               float *found_inf, cudaStream_t stream);
+int tilearn_unscale_check_f16(tilearn_f16 *x, size_t n, const float *inv_scale, float *found_inf,
+                              cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,5 +1,6 @@
-//! CUDA kernels of the loss against the CPU reference: fused softmax cross-entropy
-//! (`kernels/cross_entropy.cu`).
+//! CUDA kernels of the loss and of the optimizer step's reductions against the CPU reference:
+//! fused softmax cross-entropy (`kernels/cross_entropy.cu`), the global gradient norm and the
+//! GradScaler's unscale + non-finite check (`kernels/reduce.cu`).
 //!
 //! Fresh seeded random inputs (logits ~ N(0, 3²), never all zeros), shapes that are not
 //! multiples of any block size (vocab 32003, 128256, small odd ones), every output poisoned with
@@ -13,11 +14,11 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
-use half::bf16;
+use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
-use tilearn_ops::cuda::{self, CeTotals, CudaSlice, CudaStream, GpuDevice};
+use tilearn_ops::cuda::{self, CeTotals, CudaSlice, CudaStream, GpuDevice, NormWorkspace};
 use tilearn_ops::{OpsError, cpu};
 
 /// Writes to the process's stderr directly: libtest captures `eprintln!` of passing tests, and a
@@ -706,5 +707,361 @@ fn cross_entropy_rejects_bad_shapes() {
     assert!(
         totals.read(s).unwrap().loss_sum.is_nan(),
         "a rejected call wrote the totals"
+    );
+}
+
+// ---- global gradient norm ----
+
+/// ±(1 + u)·2^e with e uniform in `exp`: spans many binades, never zero.
+fn wide_f32(g: &mut ChaCha8Rng, n: usize, exp: std::ops::RangeInclusive<i32>) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let sign = if g.random::<bool>() { -1.0f64 } else { 1.0 };
+            let e = g.random_range(exp.clone());
+            (sign * (1.0 + g.random::<f64>()) * 2f64.powi(e)) as f32
+        })
+        .collect()
+}
+
+/// Lengths around the vector width (4), the per-block work (4096), and past the partials cap
+/// (1024 blocks of 4096), where each thread takes many elements.
+const NORM_LENGTHS: &[usize] = &[1, 3, 4, 5, 1000, 4097, (1 << 22) + 3, 50_000_017];
+
+/// The f32 norm vs `cpu::global_norm` in f64: ≤ 1e-6 relative (the kernel accumulates in f64,
+/// so the only visible error is the final rounding of the norm to f32, ≤ 6e-8); the f64 sum of
+/// squares ≤ 1e-10 (summation-order differences of f64 sums of positive terms over ≤ 5e7
+/// elements: ≤ n·2^-53 in the worst case of the CPU's 65536-long serial chunks).
+#[test]
+fn global_norm_matches_cpu_reference() {
+    let Some(dev) = gpu_or_skip("global_norm_matches_cpu_reference") else {
+        return;
+    };
+    let s = dev.stream();
+    let mut ws = NormWorkspace::new(s).unwrap();
+    let mut g = rng(1200);
+    for &n in NORM_LENGTHS {
+        let host = wide_f32(&mut g, n + 1, -20..=20);
+        let input = upload(s, &host);
+        for offset in [0usize, 1] {
+            let x = &host[offset..offset + n];
+            let want = cpu::global_norm(x);
+            let view = input.slice(offset..offset + n);
+            cuda::global_norm_f32(s, &view, &mut ws).unwrap();
+            let norm = ws.read_norm(s).unwrap() as f64;
+            let sum_sq = ws.read_sum_sq(s).unwrap();
+            let e_norm = (norm - want).abs() / want;
+            let e_sq = (sum_sq - want * want).abs() / (want * want);
+            report(&format!(
+                "global norm f32 n={n} offset={offset}: {norm:.9e} (ref {want:.9e}), norm rel \
+                 err {e_norm:.3e}, sum_sq rel err {e_sq:.3e}"
+            ));
+            assert!(
+                e_norm <= 1e-6,
+                "n={n} offset={offset}: norm rel err {e_norm:e}"
+            );
+            assert!(
+                e_sq <= 1e-10,
+                "n={n} offset={offset}: sum_sq rel err {e_sq:e}"
+            );
+            // Deterministic: again, same bits.
+            cuda::global_norm_f32(s, &view, &mut ws).unwrap();
+            assert_eq!(
+                ws.read_sum_sq(s).unwrap().to_bits(),
+                sum_sq.to_bits(),
+                "n={n}"
+            );
+        }
+    }
+}
+
+/// bf16 input, widened exactly: the same bounds as f32.
+#[test]
+fn global_norm_bf16_matches_cpu_reference() {
+    let Some(dev) = gpu_or_skip("global_norm_bf16_matches_cpu_reference") else {
+        return;
+    };
+    let s = dev.stream();
+    let mut ws = NormWorkspace::new(s).unwrap();
+    let mut g = rng(1300);
+    for &n in NORM_LENGTHS {
+        let host: Vec<bf16> = wide_f32(&mut g, n + 1, -20..=20)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let input = upload(s, &host);
+        for offset in [0usize, 1] {
+            let x: Vec<f64> = host[offset..offset + n]
+                .iter()
+                .map(|v| v.to_f64())
+                .collect();
+            let want = cpu::global_norm(&x);
+            cuda::global_norm_bf16(s, &input.slice(offset..offset + n), &mut ws).unwrap();
+            let norm = ws.read_norm(s).unwrap() as f64;
+            let e = (norm - want).abs() / want;
+            report(&format!(
+                "global norm bf16 n={n} offset={offset}: {norm:.9e} (ref {want:.9e}), rel err \
+                 {e:.3e}"
+            ));
+            assert!(e <= 1e-6, "bf16 n={n} offset={offset}: norm rel err {e:e}");
+        }
+    }
+}
+
+/// A NaN makes the norm NaN, an inf makes it inf (what clip_grad_norm_ sees in PyTorch); huge
+/// finite values whose f32 squares would overflow stay finite; an empty buffer gives 0.
+#[test]
+fn global_norm_edge_cases() {
+    let Some(dev) = gpu_or_skip("global_norm_edge_cases") else {
+        return;
+    };
+    let s = dev.stream();
+    let mut ws = NormWorkspace::new(s).unwrap();
+    let mut host = wide_f32(&mut rng(1400), 10_007, -3..=3);
+    host[5000] = f32::NAN;
+    cuda::global_norm_f32(s, &upload(s, &host), &mut ws).unwrap();
+    assert!(ws.read_norm(s).unwrap().is_nan());
+    host[5000] = f32::NEG_INFINITY;
+    cuda::global_norm_f32(s, &upload(s, &host), &mut ws).unwrap();
+    assert_eq!(ws.read_norm(s).unwrap(), f32::INFINITY);
+    let huge = vec![3e19f32; 9];
+    cuda::global_norm_f32(s, &upload(s, &huge), &mut ws).unwrap();
+    let got = ws.read_norm(s).unwrap() as f64;
+    let want = cpu::global_norm(&huge);
+    assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+    let empty = s.alloc_zeros::<f32>(1).unwrap();
+    cuda::global_norm_f32(s, &empty.slice(0..0), &mut ws).unwrap();
+    assert_eq!(ws.read_norm(s).unwrap(), 0.0);
+    assert_eq!(ws.read_sum_sq(s).unwrap(), 0.0);
+}
+
+// ---- GradScaler unscale + non-finite check ----
+
+const UNSCALE_LENGTHS: &[usize] = &[1, 3, 4, 5, 1000, 4099, (1 << 20) + 3];
+
+/// Positions and values of planted non-finite gradients (+inf, -inf, NaN) for a length n.
+fn plant_positions(g: &mut ChaCha8Rng, n: usize) -> Vec<usize> {
+    let count = n.min(3);
+    let mut at: Vec<usize> = Vec::with_capacity(count);
+    while at.len() < count {
+        let p = g.random_range(0..n);
+        if !at.contains(&p) {
+            at.push(p);
+        }
+    }
+    at
+}
+
+/// Runs the unscale of one dtype on clean and on planted inputs, comparing bit for bit with the
+/// CPU reference (f32 product rounded to the dtype, which `from_f32` does to nearest even).
+/// `make` draws finite values whose products with `inv_scale` stay normal; `plant` writes the
+/// k-th non-finite value (+inf, -inf, NaN).
+#[allow(clippy::too_many_arguments)]
+fn check_unscale<T>(
+    dev: &GpuDevice,
+    what: &str,
+    seed: u64,
+    inv_scale: f32,
+    make: impl Fn(&mut ChaCha8Rng, usize) -> Vec<T>,
+    to_f32: fn(T) -> f32,
+    from_f32: fn(f32) -> T,
+    plant: fn(usize) -> T,
+    launch: impl Fn(&mut CudaSlice<T>, std::ops::Range<usize>, &CudaSlice<f32>, &mut CudaSlice<f32>),
+) where
+    T: cudarc::driver::DeviceRepr + Copy + PartialEq + std::fmt::Debug,
+    T: bytemuck::Pod,
+{
+    let s = dev.stream();
+    let mut g = rng(seed);
+    let scale = upload(s, &[inv_scale]);
+    for &n in UNSCALE_LENGTHS {
+        for planted in [false, true] {
+            for offset in [0usize, 1] {
+                let mut host = make(&mut g, n + 1);
+                let positions = if planted {
+                    plant_positions(&mut g, n)
+                } else {
+                    vec![]
+                };
+                for (k, &p) in positions.iter().enumerate() {
+                    host[offset + p] = plant(k);
+                }
+                let mut want32: Vec<f32> = host[offset..offset + n]
+                    .iter()
+                    .map(|&v| to_f32(v))
+                    .collect();
+                let want_flag = cpu::unscale_and_check(&mut want32, inv_scale);
+                assert_eq!(want_flag, planted, "reference flag");
+                let want: Vec<T> = want32.iter().map(|&v| from_f32(v)).collect();
+
+                let mut buf = upload(s, &host);
+                let mut found_inf = upload(s, &[0.0f32]);
+                launch(&mut buf, offset..offset + n, &scale, &mut found_inf);
+                let flag = download(dev, &found_inf)[0];
+                let got = download(dev, &buf);
+                let mismatches = (0..n)
+                    .filter(|&i| {
+                        bytemuck::bytes_of(&got[offset + i]) != bytemuck::bytes_of(&want[i])
+                            && !(to_f32(got[offset + i]).is_nan() && to_f32(want[i]).is_nan())
+                    })
+                    .count();
+                report(&format!(
+                    "unscale {what} n={n} offset={offset} planted={planted}: found_inf {flag}, \
+                     {mismatches} elements differ from the reference"
+                ));
+                assert_eq!(
+                    flag,
+                    if planted { 1.0 } else { 0.0 },
+                    "{what} n={n}: found_inf"
+                );
+                assert_eq!(mismatches, 0, "{what} n={n} offset={offset}: values");
+                // The one element outside the view (index n for offset 0, index 0 for offset 1)
+                // is untouched.
+                let outside = if offset == 0 { n } else { 0 };
+                assert_eq!(
+                    bytemuck::bytes_of(&got[outside]),
+                    bytemuck::bytes_of(&host[outside]),
+                    "{what} n={n} offset={offset}: element outside the view was written"
+                );
+                // Exact for a power-of-two scale: the stored result equals x·s in f64.
+                if inv_scale.log2().fract() == 0.0 && !planted {
+                    for i in 0..n {
+                        let exact = to_f32(host[offset + i]) as f64 * inv_scale as f64;
+                        assert_eq!(
+                            to_f32(got[offset + i]) as f64,
+                            exact,
+                            "{what} n={n}: element {i} not exact"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // found_inf is OR-accumulated: a clean launch after a flagged one leaves it at 1.
+    let mut clean = upload(s, &make(&mut g, 100));
+    let mut found_inf = upload(s, &[0.0f32]);
+    let mut host = make(&mut g, 100);
+    host[42] = plant(2);
+    let mut flagged = upload(s, &host);
+    launch(&mut flagged, 0..100, &scale, &mut found_inf);
+    launch(&mut clean, 0..100, &scale, &mut found_inf);
+    assert_eq!(
+        download(dev, &found_inf)[0],
+        1.0,
+        "{what}: found_inf was cleared"
+    );
+}
+
+fn plant_f32(k: usize) -> f32 {
+    [f32::INFINITY, f32::NEG_INFINITY, f32::NAN][k % 3]
+}
+
+/// Bit-exact against the CPU reference (both are one IEEE f32 multiply, rounded to nearest
+/// even); exact for the power-of-two scales (2^-16, PyTorch's initial 65536); also a
+/// non-power-of-two scale (1/3) where only the bit-exact match with the reference holds.
+#[test]
+fn unscale_check_f32_matches_cpu_reference() {
+    let Some(dev) = gpu_or_skip("unscale_check_f32_matches_cpu_reference") else {
+        return;
+    };
+    for (seed, inv_scale) in [(1500u64, 1.0f32 / 65536.0), (1501, 1.0 / 3.0)] {
+        check_unscale(
+            &dev,
+            &format!("f32 inv_scale={inv_scale:e}"),
+            seed,
+            inv_scale,
+            // 2^±100 · 2^-16 stays far from f32's subnormals and overflow.
+            |g, n| wide_f32(g, n, -100..=100),
+            |v| v,
+            |v| v,
+            plant_f32,
+            |buf, range, scale, found| {
+                let s = dev.stream();
+                let mut view = buf.slice_mut(range);
+                cuda::unscale_check_f32(s, &mut view, scale, found).unwrap();
+            },
+        );
+    }
+}
+
+#[test]
+fn unscale_check_bf16_matches_cpu_reference() {
+    let Some(dev) = gpu_or_skip("unscale_check_bf16_matches_cpu_reference") else {
+        return;
+    };
+    check_unscale(
+        &dev,
+        "bf16",
+        1600,
+        1.0 / 65536.0,
+        |g, n| {
+            wide_f32(g, n, -60..=60)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect()
+        },
+        bf16::to_f32,
+        bf16::from_f32,
+        |k| [bf16::INFINITY, bf16::NEG_INFINITY, bf16::NAN][k % 3],
+        |buf, range, scale, found| {
+            let s = dev.stream();
+            let mut view = buf.slice_mut(range);
+            cuda::unscale_check_bf16(s, &mut view, scale, found).unwrap();
+        },
+    );
+}
+
+/// f16 gradients as the GradScaler produces them: scaled by 2^16 into [4, 65504), unscaled by
+/// 2^-16 into f16's normal range (≥ 2^-14), where the result is exact.
+#[test]
+fn unscale_check_f16_matches_cpu_reference() {
+    let Some(dev) = gpu_or_skip("unscale_check_f16_matches_cpu_reference") else {
+        return;
+    };
+    check_unscale(
+        &dev,
+        "f16",
+        1700,
+        1.0 / 65536.0,
+        |g, n| {
+            wide_f32(g, n, 2..=14)
+                .into_iter()
+                .map(f16::from_f32)
+                .collect()
+        },
+        f16::to_f32,
+        f16::from_f32,
+        |k| [f16::INFINITY, f16::NEG_INFINITY, f16::NAN][k % 3],
+        |buf, range, scale, found| {
+            let s = dev.stream();
+            let mut view = buf.slice_mut(range);
+            cuda::unscale_check_f16(s, &mut view, scale, found).unwrap();
+        },
+    );
+}
+
+#[test]
+fn unscale_rejects_bad_scalars() {
+    let Some(dev) = gpu_or_skip("unscale_rejects_bad_scalars") else {
+        return;
+    };
+    let s = dev.stream();
+    let mut grads = upload(s, &[1.0f32; 8]);
+    let two = upload(s, &[0.5f32, 0.5]);
+    let mut found = upload(s, &[0.0f32]);
+    let err = cuda::unscale_check_f32(s, &mut grads, &two, &mut found).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            OpsError::ShapeMismatch {
+                expected: 1,
+                actual: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        download(&dev, &grads).iter().all(|&v| v == 1.0),
+        "a rejected call wrote output"
     );
 }

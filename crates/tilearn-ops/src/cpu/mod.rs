@@ -14,6 +14,7 @@ pub mod cross_entropy;
 pub mod embedding;
 pub mod linear;
 pub mod real;
+pub mod reduce;
 pub mod residual;
 pub mod rmsnorm;
 pub mod rope;
@@ -24,6 +25,7 @@ pub use cross_entropy::{CeStats, IGNORE_INDEX, cross_entropy_forward, cross_entr
 pub use embedding::{embedding_backward, embedding_forward};
 pub use linear::{linear_backward, linear_forward};
 pub use real::Real;
+pub use reduce::{global_norm, unscale_and_check};
 pub use residual::add_inplace;
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{RopeScaling, RopeTable, rope_backward, rope_forward, rope_inv_freq};

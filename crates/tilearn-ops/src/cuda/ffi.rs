@@ -341,4 +341,44 @@ unsafe extern "C" {
         totals: *mut f64,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_global_norm_partials_len(n: usize) -> usize;
+    pub fn tilearn_global_norm_f32(
+        x: *const f32,
+        n: usize,
+        partials: *mut f64,
+        partials_len: usize,
+        sum_sq: *mut f64,
+        norm: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_global_norm_bf16(
+        x: *const tilearn_bf16,
+        n: usize,
+        partials: *mut f64,
+        partials_len: usize,
+        sum_sq: *mut f64,
+        norm: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_unscale_check_f32(
+        x: *mut f32,
+        n: usize,
+        inv_scale: *const f32,
+        found_inf: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_unscale_check_bf16(
+        x: *mut tilearn_bf16,
+        n: usize,
+        inv_scale: *const f32,
+        found_inf: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_unscale_check_f16(
+        x: *mut tilearn_f16,
+        n: usize,
+        inv_scale: *const f32,
+        found_inf: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
 }

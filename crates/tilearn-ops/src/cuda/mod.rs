@@ -27,6 +27,7 @@ mod device;
 mod embedding;
 mod launch;
 mod norm;
+mod reduce;
 mod residual;
 mod rope;
 mod swiglu;
@@ -46,6 +47,10 @@ pub use embedding::{
 };
 pub use norm::{
     rmsnorm_backward_bf16, rmsnorm_backward_f32, rmsnorm_forward_bf16, rmsnorm_forward_f32,
+};
+pub use reduce::{
+    NormWorkspace, global_norm_bf16, global_norm_f32, unscale_check_bf16, unscale_check_f16,
+    unscale_check_f32,
 };
 pub use residual::{
     residual_add_bf16, residual_add_f32, residual_add_inplace_bf16, residual_add_inplace_f32,

@@ -12,6 +12,38 @@
 //! * [`AmpPlan`]: a fixed precision or a policy, what the trainer holds; [`cli::plan_from_args`]
 //!   builds one from `tilearn train`'s flags.
 //!
+//! # Example: a training loop on CPU
+//!
+//! ```
+//! use adaptfp16::cli::{AmpArgs, plan_from_args};
+//! use adaptfp16::{CpuGrads, Precision, Signals};
+//!
+//! // `tilearn train --amp-policy 0 --amp-start 2 --amp-end 5`
+//! let args = AmpArgs { policy: Some("0".parse()?), start: Some(2), end: Some(5), ..Default::default() };
+//! let mut plan = plan_from_args(&args)?;
+//! let mut scaler = plan.new_scaler();
+//! let mut timeline = Vec::new();
+//! for step in 0..8u64 {
+//!     let precision = plan.decide(step, Signals { lr: Some(1e-3), loss: None }, Some(&mut scaler))?;
+//!     timeline.push(precision);
+//!     let mut grads = vec![0.25f32; 4]; // the backward of loss * seed
+//!     if precision == Precision::Fp16 {
+//!         let _seed = scaler.scale(1.0); // multiplies the loss gradient
+//!         grads.iter_mut().for_each(|g| *g *= scaler.get_scale());
+//!         let mut target = CpuGrads::flat(&mut grads);
+//!         scaler.unscale(&mut target)?;
+//!         let skip = scaler.should_skip_step(&mut target)?;
+//!         // if !skip { optimizer.step(&grads) }
+//!         let outcome = scaler.update(&mut target)?;
+//!         assert_eq!(outcome.skipped(), skip);
+//!         assert_eq!(grads, vec![0.25f32; 4]);
+//!     }
+//! }
+//! use Precision::{Fp16, Fp32};
+//! assert_eq!(timeline, [Fp32, Fp32, Fp16, Fp16, Fp16, Fp16, Fp32, Fp32]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # Periods
 //!
 //! A policy is asked once per *period*, before the period runs, with the period's 0-based index

@@ -160,6 +160,31 @@ int tilearn_optim_adam(const tilearn_optim_launch *launch, const tilearn_optim_a
                        uint32_t n_groups, float *params, float *exp_avg, float *exp_avg_sq,
                        float *max_exp_avg_sq, cudaStream_t stream);
 
+/* ---- cross_entropy.cu: softmax cross-entropy over the vocabulary, forward + backward fused ----
+ * logits: [rows, vocab] row-major, any vocab; targets: [rows] (-100 = ignored); row_loss: [rows]
+ * f32, written (0 for ignored rows); totals: 4 f64, written by every successful launch:
+ *   totals[0] = sum of row losses (fixed-order f64 reduction: deterministic),
+ *   totals[1] = number of targets in [0, vocab),
+ *   totals[2] = position of the first target neither -100 nor in [0, vocab), or -1,
+ *   totals[3] = that target (0 if none).
+ * A row with such a target gets a NaN loss (and, fused, a NaN gradient row). */
+
+/* Overwrites each logits row (in place) with (softmax(row) - onehot(target)) * grad_scale,
+ * all zeros for ignored rows. grad_scale must be finite. */
+int tilearn_cross_entropy_fused_f32(float *logits, const int32_t *targets, size_t rows,
+                                    size_t vocab, float grad_scale, float *row_loss,
+                                    double *totals, cudaStream_t stream);
+int tilearn_cross_entropy_fused_bf16(tilearn_bf16 *logits, const int32_t *targets, size_t rows,
+                                     size_t vocab, float grad_scale, float *row_loss,
+                                     double *totals, cudaStream_t stream);
+/* Loss only (evaluation): logits are not modified. */
+int tilearn_cross_entropy_forward_f32(const float *logits, const int32_t *targets, size_t rows,
+                                      size_t vocab, float *row_loss, double *totals,
+                                      cudaStream_t stream);
+int tilearn_cross_entropy_forward_bf16(const tilearn_bf16 *logits, const int32_t *targets,
+                                       size_t rows, size_t vocab, float *row_loss,
+                                       double *totals, cudaStream_t stream);
+
 /* ---- embedding.cu: token embedding, out[r] = table[ids[r]]; dtable[ids[r]] += dout[r] ----
  * ids: [rows] u32; table / dtable: [vocab, dim]; out / dout: [rows, dim].
  * status: one u64 device word, initialised by the caller to UINT64_MAX ("no error"); a launch
@@ -223,31 +248,6 @@ int tilearn_residual_add_inplace_f32(float *acc, const float *x, size_t n, cudaS
 int tilearn_residual_add_inplace_bf16(tilearn_bf16 *acc, const tilearn_bf16 *x, size_t n,
                                       cudaStream_t stream);
 
-/* ---- cross_entropy.cu: softmax cross-entropy over the vocabulary, forward + backward fused ----
- * logits: [rows, vocab] row-major, any vocab; targets: [rows] (-100 = ignored); row_loss: [rows]
- * f32, written (0 for ignored rows); totals: 4 f64, written by every successful launch:
- *   totals[0] = sum of row losses (fixed-order f64 reduction: deterministic),
- *   totals[1] = number of targets in [0, vocab),
- *   totals[2] = position of the first target neither -100 nor in [0, vocab), or -1,
- *   totals[3] = that target (0 if none).
- * A row with such a target gets a NaN loss (and, fused, a NaN gradient row). */
-
-/* Overwrites each logits row (in place) with (softmax(row) - onehot(target)) * grad_scale,
- * all zeros for ignored rows. grad_scale must be finite. */
-int tilearn_cross_entropy_fused_f32(float *logits, const int32_t *targets, size_t rows,
-                                    size_t vocab, float grad_scale, float *row_loss,
-                                    double *totals, cudaStream_t stream);
-int tilearn_cross_entropy_fused_bf16(tilearn_bf16 *logits, const int32_t *targets, size_t rows,
-                                     size_t vocab, float grad_scale, float *row_loss,
-                                     double *totals, cudaStream_t stream);
-/* Loss only (evaluation): logits are not modified. */
-int tilearn_cross_entropy_forward_f32(const float *logits, const int32_t *targets, size_t rows,
-                                      size_t vocab, float *row_loss, double *totals,
-                                      cudaStream_t stream);
-int tilearn_cross_entropy_forward_bf16(const tilearn_bf16 *logits, const int32_t *targets,
-                                       size_t rows, size_t vocab, float *row_loss,
-                                       double *totals, cudaStream_t stream);
-
 /* ---- reduce.cu: whole-buffer gradient reductions (global L2 norm; GradScaler unscale) ---- */
 
 /* Number of f64 partials tilearn_global_norm_* uses as scratch for n elements (at most 1024;
@@ -271,6 +271,50 @@ int tilearn_unscale_check_bf16(tilearn_bf16 *x, size_t n, const float *inv_scale
                                float *found_inf, cudaStream_t stream);
 int tilearn_unscale_check_f16(tilearn_f16 *x, size_t n, const float *inv_scale, float *found_inf,
                               cudaStream_t stream);
+
+/* ---- bias_grad.cu: linear-layer bias gradient, db[j] += sum_r dout[r, j] (f32 sums, no
+ *      atomics: bit-identical from run to run) ----
+ * dout: [rows, cols]; db: [cols] f32, accumulated (+=). scratch: at least
+ * tilearn_bias_grad_scratch_len(rows, cols) f32 elements (0 for rows <= 256), clobbered. */
+size_t tilearn_bias_grad_scratch_len(size_t rows, size_t cols);
+int tilearn_bias_grad_f32(const float *dout, size_t rows, size_t cols, float *db, float *scratch,
+                          size_t scratch_len, cudaStream_t stream);
+int tilearn_bias_grad_bf16(const tilearn_bf16 *dout, size_t rows, size_t cols, float *db,
+                           float *scratch, size_t scratch_len, cudaStream_t stream);
+
+/* ---- attention.cu: the row-wise kernels of causal grouped-query attention (the matrix
+ *      products run on cuBLASLt; see crates/tilearn-ops/src/cuda/attention.rs) ----
+ * scores / dprobs: f32 [rows, ld]; probs (P, or dS in place): [rows, ld] f32 or bf16; rows are
+ * (batch, head, query) with query position i = row % seq; columns [0, seq) are used, ld >= seq;
+ * every probs column < seq is written, keys j > i as exact zeros. lse, delta: f32 [rows]. */
+
+/* dst[o, yi, xi, :] = src[o, xi, yi, :] for rows of inner_bytes bytes (src != dst). */
+int tilearn_attention_swap_axes(const void *src, void *dst, size_t outer, size_t x, size_t y,
+                                size_t inner_bytes, cudaStream_t stream);
+/* Causal softmax of each row: probs = exp(scores - lse), lse = log sum_{j <= i} exp(scores). */
+int tilearn_attention_softmax_f32(const float *scores, size_t ld, size_t rows, size_t seq,
+                                  float *probs, float *lse, cudaStream_t stream);
+int tilearn_attention_softmax_bf16(const float *scores, size_t ld, size_t rows, size_t seq,
+                                   tilearn_bf16 *probs, float *lse, cudaStream_t stream);
+/* Backward recomputation: probs = exp(scores - lse) (causal), lse from the forward. */
+int tilearn_attention_probs_f32(const float *scores, size_t ld, size_t rows, size_t seq,
+                                const float *lse, float *probs, cudaStream_t stream);
+int tilearn_attention_probs_bf16(const float *scores, size_t ld, size_t rows, size_t seq,
+                                 const float *lse, tilearn_bf16 *probs, cudaStream_t stream);
+/* In place: probs_ds = probs * (dprobs - delta[row]) * scale for keys j <= i, 0 above. */
+int tilearn_attention_dscores_f32(float *probs_ds, const float *dprobs, size_t ld, size_t rows,
+                                  size_t seq, const float *delta, float scale,
+                                  cudaStream_t stream);
+int tilearn_attention_dscores_bf16(tilearn_bf16 *probs_ds, const float *dprobs, size_t ld,
+                                   size_t rows, size_t seq, const float *delta, float scale,
+                                   cudaStream_t stream);
+/* delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d] (f32, written); dout, out:
+ * [batch, seq, heads, head_dim]; delta: [batch, heads, seq]. */
+int tilearn_attention_delta_f32(const float *dout, const float *out, size_t batch, size_t seq,
+                                size_t heads, size_t head_dim, float *delta, cudaStream_t stream);
+int tilearn_attention_delta_bf16(const tilearn_bf16 *dout, const tilearn_bf16 *out, size_t batch,
+                                 size_t seq, size_t heads, size_t head_dim, float *delta,
+                                 cudaStream_t stream);
 
 #ifdef __cplusplus
 }

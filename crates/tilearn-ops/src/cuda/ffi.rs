@@ -156,6 +156,44 @@ unsafe extern "C" {
         max_exp_avg_sq: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cross_entropy_fused_f32(
+        logits: *mut f32,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        grad_scale: f32,
+        row_loss: *mut f32,
+        totals: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cross_entropy_fused_bf16(
+        logits: *mut tilearn_bf16,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        grad_scale: f32,
+        row_loss: *mut f32,
+        totals: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cross_entropy_forward_f32(
+        logits: *const f32,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        row_loss: *mut f32,
+        totals: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cross_entropy_forward_bf16(
+        logits: *const tilearn_bf16,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        row_loss: *mut f32,
+        totals: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
     pub fn tilearn_embedding_forward_f32(
         ids: *const u32,
         table: *const f32,
@@ -303,44 +341,6 @@ unsafe extern "C" {
         n: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
-    pub fn tilearn_cross_entropy_fused_f32(
-        logits: *mut f32,
-        targets: *const i32,
-        rows: usize,
-        vocab: usize,
-        grad_scale: f32,
-        row_loss: *mut f32,
-        totals: *mut f64,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_cross_entropy_fused_bf16(
-        logits: *mut tilearn_bf16,
-        targets: *const i32,
-        rows: usize,
-        vocab: usize,
-        grad_scale: f32,
-        row_loss: *mut f32,
-        totals: *mut f64,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_cross_entropy_forward_f32(
-        logits: *const f32,
-        targets: *const i32,
-        rows: usize,
-        vocab: usize,
-        row_loss: *mut f32,
-        totals: *mut f64,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_cross_entropy_forward_bf16(
-        logits: *const tilearn_bf16,
-        targets: *const i32,
-        rows: usize,
-        vocab: usize,
-        row_loss: *mut f32,
-        totals: *mut f64,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_global_norm_partials_len(n: usize) -> usize;
     pub fn tilearn_global_norm_f32(
         x: *const f32,
@@ -379,6 +379,110 @@ unsafe extern "C" {
         n: usize,
         inv_scale: *const f32,
         found_inf: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_bias_grad_scratch_len(rows: usize, cols: usize) -> usize;
+    pub fn tilearn_bias_grad_f32(
+        dout: *const f32,
+        rows: usize,
+        cols: usize,
+        db: *mut f32,
+        scratch: *mut f32,
+        scratch_len: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_bias_grad_bf16(
+        dout: *const tilearn_bf16,
+        rows: usize,
+        cols: usize,
+        db: *mut f32,
+        scratch: *mut f32,
+        scratch_len: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_attention_swap_axes(
+        src: *const ::std::os::raw::c_void,
+        dst: *mut ::std::os::raw::c_void,
+        outer: usize,
+        x: usize,
+        y: usize,
+        inner_bytes: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_attention_softmax_f32(
+        scores: *const f32,
+        ld: usize,
+        rows: usize,
+        seq: usize,
+        probs: *mut f32,
+        lse: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_attention_softmax_bf16(
+        scores: *const f32,
+        ld: usize,
+        rows: usize,
+        seq: usize,
+        probs: *mut tilearn_bf16,
+        lse: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_attention_probs_f32(
+        scores: *const f32,
+        ld: usize,
+        rows: usize,
+        seq: usize,
+        lse: *const f32,
+        probs: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_attention_probs_bf16(
+        scores: *const f32,
+        ld: usize,
+        rows: usize,
+        seq: usize,
+        lse: *const f32,
+        probs: *mut tilearn_bf16,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_attention_dscores_f32(
+        probs_ds: *mut f32,
+        dprobs: *const f32,
+        ld: usize,
+        rows: usize,
+        seq: usize,
+        delta: *const f32,
+        scale: f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_attention_dscores_bf16(
+        probs_ds: *mut tilearn_bf16,
+        dprobs: *const f32,
+        ld: usize,
+        rows: usize,
+        seq: usize,
+        delta: *const f32,
+        scale: f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_attention_delta_f32(
+        dout: *const f32,
+        out: *const f32,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        delta: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_attention_delta_bf16(
+        dout: *const tilearn_bf16,
+        out: *const tilearn_bf16,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        delta: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
 }

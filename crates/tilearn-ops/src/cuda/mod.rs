@@ -21,10 +21,12 @@
 /// other crates (tilearn-optim's fused optimizers) can wrap their own kernels.
 pub mod ffi;
 
+mod attention;
 mod cast;
 mod cross_entropy;
 mod device;
 mod embedding;
+mod gemm;
 mod launch;
 mod norm;
 mod reduce;
@@ -32,6 +34,10 @@ mod residual;
 mod rope;
 mod swiglu;
 
+pub use attention::{
+    AttentionWorkspace, AttnElement, attention_backward_bf16, attention_backward_f32,
+    attention_forward_bf16, attention_forward_f32,
+};
 pub use cast::{cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16};
 pub use cross_entropy::{
     CeTotals, cross_entropy_forward_bf16, cross_entropy_forward_f32, cross_entropy_fused_bf16,
@@ -44,6 +50,10 @@ pub use device::GpuDevice;
 pub use embedding::{
     TokenIdCheck, embedding_backward_bf16, embedding_backward_f32, embedding_forward_bf16,
     embedding_forward_f32,
+};
+pub use gemm::{
+    GEMM_WORKSPACE_BYTES, Gemm, GemmElement, MatmulSpec, Operand, Transpose, cublaslt_available,
+    linear_backward_bf16, linear_backward_f32, linear_forward_bf16, linear_forward_f32,
 };
 pub use norm::{
     rmsnorm_backward_bf16, rmsnorm_backward_f32, rmsnorm_forward_bf16, rmsnorm_forward_f32,

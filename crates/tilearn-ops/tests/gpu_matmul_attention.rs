@@ -1,0 +1,973 @@
+//! cuBLASLt matmuls (the raw strided-batched product and the linear layer) and causal GQA
+//! attention against the CPU reference computed in f64, on fresh seeded random inputs (never
+//! zeros) at awkward shapes, with every output poisoned with NaN before the launch. Every test
+//! prints its measured errors, on success too, so the GPU log shows the margins.
+//!
+//! Tolerances (‖got − want‖₂ / ‖want‖₂, DESIGN.md's bounds):
+//! * f32: 1e-5. cuBLASLt runs with `CUBLAS_COMPUTE_32F` (TF32 off, which would give ~1e-3);
+//!   f32 sums over up to 32003 terms have relative error ~ 2^-24 · sqrt(k) ≈ 1e-5 at worst.
+//! * bf16 outputs: 1e-2. The references use the same bf16-rounded inputs, so the error is the
+//!   rounding of the output (≤ 2^-9 ≈ 2e-3 per element) plus, in attention, of P and dS
+//!   before their GEMMs; 1e-2 leaves room for those few roundings in sequence.
+//! * f32 outputs of bf16 GEMMs (dW, attention's lse): 1e-3. The products of bf16 numbers are
+//!   exact, but tensor cores' f32 accumulation does not round to nearest at every add.
+//!
+//! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes. With a
+//! GPU but no libcublasLt the tests fail with the loader's message (the GPU path needs it).
+#![cfg(feature = "cuda")]
+
+use std::io::Write;
+use std::sync::Arc;
+
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tilearn_ops::OpsError;
+use tilearn_ops::cpu::{self, AttnShape};
+use tilearn_ops::cuda::{
+    self, AttentionWorkspace, AttnElement, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, Gemm,
+    GemmElement, GpuDevice, MatmulSpec, Operand, Transpose,
+};
+
+/// Writes to the process's stderr directly: libtest captures `eprintln!` of passing tests, and
+/// skips and measured errors must be visible in the log.
+fn report(line: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+/// Opens GPU 0 and a cuBLASLt handle on its stream, or prints why the test is skipped (no GPU).
+fn gpu_or_skip(test: &str) -> Option<(GpuDevice, Gemm)> {
+    let dev = match GpuDevice::new(0) {
+        Ok(dev) => dev,
+        Err(e) => {
+            report(&format!("skipped: {test}: {e}"));
+            return None;
+        }
+    };
+    let gemm = Gemm::new(dev.stream())
+        .unwrap_or_else(|e| panic!("{test}: a GPU is present but cuBLASLt is not usable: {e}"));
+    Some((dev, gemm))
+}
+
+fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// Uniform in ±[lo, hi): bounded away from zero.
+fn uniform(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let m = rng.random_range(lo..hi);
+            if rng.random::<bool>() { m } else { -m }
+        })
+        .collect()
+}
+
+/// An element type under test (f32 or bf16): host conversions and the typed wrappers, so one
+/// test body serves both precisions.
+trait Elem: GemmElement + AttnElement + cudarc::driver::DeviceRepr + Copy + std::fmt::Debug {
+    const NAN: Self;
+    fn from_f32(x: f32) -> Self;
+    fn to_f64(self) -> f64;
+    fn bits(self) -> u32;
+    #[allow(clippy::too_many_arguments)]
+    fn linear_forward(
+        gemm: &Gemm,
+        x: &CudaSlice<Self>,
+        w: &CudaSlice<Self>,
+        bias: Option<&dyn DevicePtr<Self>>,
+        rows: usize,
+        in_f: usize,
+        out_f: usize,
+        out: &mut CudaSlice<Self>,
+    ) -> tilearn_ops::Result<()>;
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(
+        gemm: &Gemm,
+        dout: &CudaSlice<Self>,
+        x: &CudaSlice<Self>,
+        w: &CudaSlice<Self>,
+        rows: usize,
+        in_f: usize,
+        out_f: usize,
+        dx: Option<&mut dyn DevicePtrMut<Self>>,
+        dw: &mut CudaSlice<f32>,
+        db: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> tilearn_ops::Result<()>;
+    #[allow(clippy::too_many_arguments)]
+    fn attention_forward(
+        gemm: &Gemm,
+        ws: &mut AttentionWorkspace<Self>,
+        s: AttnShape,
+        q: &CudaSlice<Self>,
+        k: &CudaSlice<Self>,
+        v: &CudaSlice<Self>,
+        out: &mut CudaSlice<Self>,
+        lse: &mut CudaSlice<f32>,
+    ) -> tilearn_ops::Result<()>;
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        gemm: &Gemm,
+        ws: &mut AttentionWorkspace<Self>,
+        s: AttnShape,
+        dout: &CudaSlice<Self>,
+        q: &CudaSlice<Self>,
+        k: &CudaSlice<Self>,
+        v: &CudaSlice<Self>,
+        out: &CudaSlice<Self>,
+        lse: &CudaSlice<f32>,
+        dq: &mut CudaSlice<Self>,
+        dk: &mut CudaSlice<Self>,
+        dv: &mut CudaSlice<Self>,
+    ) -> tilearn_ops::Result<()>;
+}
+
+macro_rules! impl_elem {
+    ($t:ty, $nan:expr, $from:expr, $to:expr, $bits:expr,
+     $lf:path, $lb:path, $af:path, $ab:path) => {
+        impl Elem for $t {
+            const NAN: $t = $nan;
+            fn from_f32(x: f32) -> $t {
+                $from(x)
+            }
+            fn to_f64(self) -> f64 {
+                $to(self)
+            }
+            fn bits(self) -> u32 {
+                $bits(self)
+            }
+            fn linear_forward(
+                gemm: &Gemm,
+                x: &CudaSlice<$t>,
+                w: &CudaSlice<$t>,
+                bias: Option<&dyn DevicePtr<$t>>,
+                rows: usize,
+                in_f: usize,
+                out_f: usize,
+                out: &mut CudaSlice<$t>,
+            ) -> tilearn_ops::Result<()> {
+                $lf(gemm, x, w, bias, rows, in_f, out_f, out)
+            }
+            fn linear_backward(
+                gemm: &Gemm,
+                dout: &CudaSlice<$t>,
+                x: &CudaSlice<$t>,
+                w: &CudaSlice<$t>,
+                rows: usize,
+                in_f: usize,
+                out_f: usize,
+                dx: Option<&mut dyn DevicePtrMut<$t>>,
+                dw: &mut CudaSlice<f32>,
+                db: Option<&mut dyn DevicePtrMut<f32>>,
+            ) -> tilearn_ops::Result<()> {
+                $lb(gemm, dout, x, w, rows, in_f, out_f, dx, dw, db)
+            }
+            fn attention_forward(
+                gemm: &Gemm,
+                ws: &mut AttentionWorkspace<$t>,
+                s: AttnShape,
+                q: &CudaSlice<$t>,
+                k: &CudaSlice<$t>,
+                v: &CudaSlice<$t>,
+                out: &mut CudaSlice<$t>,
+                lse: &mut CudaSlice<f32>,
+            ) -> tilearn_ops::Result<()> {
+                $af(gemm, ws, s, q, k, v, out, lse)
+            }
+            fn attention_backward(
+                gemm: &Gemm,
+                ws: &mut AttentionWorkspace<$t>,
+                s: AttnShape,
+                dout: &CudaSlice<$t>,
+                q: &CudaSlice<$t>,
+                k: &CudaSlice<$t>,
+                v: &CudaSlice<$t>,
+                out: &CudaSlice<$t>,
+                lse: &CudaSlice<f32>,
+                dq: &mut CudaSlice<$t>,
+                dk: &mut CudaSlice<$t>,
+                dv: &mut CudaSlice<$t>,
+            ) -> tilearn_ops::Result<()> {
+                $ab(gemm, ws, s, dout, q, k, v, out, lse, dq, dk, dv)
+            }
+        }
+    };
+}
+
+impl_elem!(
+    f32,
+    f32::NAN,
+    |x: f32| x,
+    |x: f32| x as f64,
+    |x: f32| x.to_bits(),
+    cuda::linear_forward_f32,
+    cuda::linear_backward_f32,
+    cuda::attention_forward_f32,
+    cuda::attention_backward_f32
+);
+impl_elem!(
+    bf16,
+    bf16::NAN,
+    bf16::from_f32,
+    bf16::to_f64,
+    |x: bf16| x.to_bits() as u32,
+    cuda::linear_forward_bf16,
+    cuda::linear_backward_bf16,
+    cuda::attention_forward_bf16,
+    cuda::attention_backward_bf16
+);
+
+/// Random values of `T` (drawn in f32, rounded once) and their exact f64 values.
+fn random<T: Elem>(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> (Vec<T>, Vec<f64>) {
+    let v: Vec<T> = uniform(rng, n, lo, hi)
+        .into_iter()
+        .map(T::from_f32)
+        .collect();
+    let f = v.iter().map(|x| x.to_f64()).collect();
+    (v, f)
+}
+
+fn upload<T: cudarc::driver::DeviceRepr>(stream: &Arc<CudaStream>, host: &[T]) -> CudaSlice<T> {
+    stream.clone_htod(host).expect("host-to-device copy")
+}
+
+fn poisoned<T: Elem>(stream: &Arc<CudaStream>, n: usize) -> CudaSlice<T> {
+    upload(stream, &vec![T::NAN; n])
+}
+
+fn download<T: cudarc::driver::DeviceRepr>(dev: &GpuDevice, buf: &CudaSlice<T>) -> Vec<T> {
+    dev.synchronize().expect("kernels ran without error");
+    dev.stream().clone_dtoh(buf).expect("device-to-host copy")
+}
+
+fn download_f64<T: Elem>(dev: &GpuDevice, buf: &CudaSlice<T>) -> Vec<f64> {
+    download(dev, buf).into_iter().map(Elem::to_f64).collect()
+}
+
+/// Fails on the first non-finite element (an unwritten, NaN-poisoned output).
+fn all_finite(what: &str, v: &[f64]) {
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        panic!("{what}: element {i} of {} is {}", v.len(), v[i]);
+    }
+}
+
+/// ‖got − want‖₂ / ‖want‖₂, failing on any non-finite `got`.
+fn rel_err(what: &str, got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    all_finite(what, got);
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den).sqrt()
+}
+
+/// Checks `err <= tol`, printing the measurement either way.
+fn expect_within(test: &str, what: &str, err: f64, tol: f64) {
+    report(&format!(
+        "{test}: {what}: rel err {err:.3e} (tol {tol:.0e})"
+    ));
+    assert!(err <= tol, "{test}: {what}: rel err {err:.3e} > {tol:.0e}");
+}
+
+// ---- the raw strided-batched matmul ----
+
+/// `C_i = alpha op(A_i) op(B_i) + beta C_i` in f64, row-major, for every batch entry; entries of
+/// `c` outside the matrices are left as they are.
+fn naive_matmul(spec: &MatmulSpec, a: &[f64], b: &[f64], c: &mut [f64]) {
+    let at = |x: &[f64], o: &Operand, bi: usize, r: usize, col: usize| match o.transpose {
+        Transpose::No => x[bi * o.batch_stride + r * o.ld + col],
+        Transpose::Yes => x[bi * o.batch_stride + col * o.ld + r],
+    };
+    for bi in 0..spec.batch {
+        for i in 0..spec.m {
+            for j in 0..spec.n {
+                let acc: f64 = (0..spec.k)
+                    .map(|p| at(a, &spec.a, bi, i, p) * at(b, &spec.b, bi, p, j))
+                    .sum();
+                let ci = bi * spec.c_batch_stride + i * spec.c_ld + j;
+                let prev = if spec.beta == 0.0 { 0.0 } else { c[ci] };
+                c[ci] = spec.alpha as f64 * acc + spec.beta as f64 * prev;
+            }
+        }
+    }
+}
+
+fn operand_len(o: &Operand, rows: usize, cols: usize, batch: usize) -> usize {
+    let (r, c) = match o.transpose {
+        Transpose::No => (rows, cols),
+        Transpose::Yes => (cols, rows),
+    };
+    let _ = c;
+    (batch - 1) * o.batch_stride + (r - 1) * o.ld + o.ld
+}
+
+fn matmul_case<I: Elem, O: Elem>(test: &str, dev: &GpuDevice, gemm: &Gemm, tol: f64, seed: u64) {
+    let s = dev.stream();
+    let mut rng = rng(seed);
+    let (m, n, k, batch) = (37, 29, 53, 3);
+    for ta in [Transpose::No, Transpose::Yes] {
+        for tb in [Transpose::No, Transpose::Yes] {
+            for beta in [0.0f32, 0.5] {
+                // Padded leading dimensions and batch strides: the padding must stay untouched.
+                let a_cols = if ta == Transpose::No { k } else { m };
+                let a_rows = if ta == Transpose::No { m } else { k };
+                let b_cols = if tb == Transpose::No { n } else { k };
+                let b_rows = if tb == Transpose::No { k } else { n };
+                let a_op = Operand {
+                    transpose: ta,
+                    ld: a_cols + 3,
+                    batch_stride: a_rows * (a_cols + 3) + 5,
+                };
+                let b_op = Operand {
+                    transpose: tb,
+                    ld: b_cols + 1,
+                    batch_stride: b_rows * (b_cols + 1) + 2,
+                };
+                let spec = MatmulSpec {
+                    m,
+                    n,
+                    k,
+                    batch,
+                    a: a_op,
+                    b: b_op,
+                    c_ld: n + 2,
+                    c_batch_stride: m * (n + 2) + 7,
+                    alpha: 0.75,
+                    beta,
+                };
+                let a_len = operand_len(&a_op, m, k, batch);
+                let b_len = operand_len(&b_op, k, n, batch);
+                let c_len = (batch - 1) * spec.c_batch_stride + m * spec.c_ld;
+                let (a, a64) = random::<I>(&mut rng, a_len, 0.05, 1.0);
+                let (b, b64) = random::<I>(&mut rng, b_len, 0.05, 1.0);
+                // With beta = 0, C starts as NaN: it must not be read. Otherwise random values;
+                // in both cases the padding between rows and matrices is NaN and must stay NaN.
+                let (c0, c064) = random::<O>(&mut rng, c_len, 0.05, 1.0);
+                let mut c_host = vec![O::NAN; c_len];
+                let mut want = vec![f64::NAN; c_len];
+                for bi in 0..batch {
+                    for i in 0..m {
+                        for j in 0..n {
+                            let ci = bi * spec.c_batch_stride + i * spec.c_ld + j;
+                            if beta != 0.0 {
+                                c_host[ci] = c0[ci];
+                                want[ci] = c064[ci];
+                            }
+                        }
+                    }
+                }
+                naive_matmul(&spec, &a64, &b64, &mut want);
+                let (da, db) = (upload(s, &a), upload(s, &b));
+                let mut dc = upload(s, &c_host);
+                gemm.matmul::<I, O>(&spec, &da, &db, &mut dc).unwrap();
+                let got = download_f64(dev, &dc);
+                let (mut g, mut w) = (Vec::new(), Vec::new());
+                for (idx, (&gv, &wv)) in got.iter().zip(&want).enumerate() {
+                    if wv.is_nan() {
+                        assert!(
+                            gv.is_nan(),
+                            "{test}: padding element {idx} was written: {gv}"
+                        );
+                    } else {
+                        g.push(gv);
+                        w.push(wv);
+                    }
+                }
+                let what = format!("{}->{} {ta:?}/{tb:?} beta={beta}", I::NAME, O::NAME);
+                expect_within(test, &what, rel_err(&what, &g, &w), tol);
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_strided_batched_matches_naive_reference() {
+    const TEST: &str = "matmul_strided_batched_matches_naive_reference";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    matmul_case::<f32, f32>(TEST, &dev, &gemm, 1e-5, 1);
+    matmul_case::<bf16, bf16>(TEST, &dev, &gemm, 1e-2, 2);
+    matmul_case::<bf16, f32>(TEST, &dev, &gemm, 1e-3, 3);
+}
+
+#[test]
+fn matmul_rejects_bad_specs() {
+    const TEST: &str = "matmul_rejects_bad_specs";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    let s = dev.stream();
+    let a = upload(s, &[1.0f32; 6]);
+    let b = upload(s, &[1.0f32; 6]);
+    let mut c = poisoned::<f32>(s, 4);
+    // A 2x3 · B 3x2 fits; a short C, an ld below the column count, overlapping batch entries
+    // and f32 -> bf16 do not.
+    let ok = MatmulSpec::new(2, 2, 3, Operand::plain(3), Operand::plain(2));
+    gemm.matmul::<f32, f32>(&ok, &a, &b, &mut c).unwrap();
+    let mut short = poisoned::<f32>(s, 3);
+    assert!(gemm.matmul::<f32, f32>(&ok, &a, &b, &mut short).is_err());
+    let bad_ld = MatmulSpec::new(2, 2, 3, Operand::plain(2), Operand::plain(2));
+    assert!(gemm.matmul::<f32, f32>(&bad_ld, &a, &b, &mut c).is_err());
+    let mut overlap = ok;
+    overlap.batch = 2;
+    overlap.c_batch_stride = 1;
+    let mut big = poisoned::<f32>(s, 64);
+    let a_big = upload(s, &vec![1.0f32; 64]);
+    assert!(
+        gemm.matmul::<f32, f32>(&overlap, &a_big, &a_big, &mut big)
+            .is_err()
+    );
+    let mut c16 = poisoned::<bf16>(s, 4);
+    assert!(gemm.matmul::<f32, bf16>(&ok, &a, &b, &mut c16).is_err());
+    let got = download(&dev, &c);
+    assert_eq!(got, vec![3.0f32; 4]);
+}
+
+// ---- the linear layer ----
+
+/// (rows, in_features, out_features, bias): a small odd case, the Llama-134m MLP and attention
+/// projections (hidden 768 <-> intermediate 2048) at 4 x 1000 tokens, and the 32003-word LM head.
+const LINEAR_CASES: &[(usize, usize, usize, bool)] = &[
+    (37, 80, 53, true),
+    (4000, 768, 2048, true),
+    (4000, 2048, 768, false),
+    (4000, 768, 32003, true),
+];
+
+/// Up to `n` sorted distinct indices below `len` (all of them when `len <= n`), always with the
+/// first and the last.
+fn sample(rng: &mut ChaCha8Rng, len: usize, n: usize) -> Vec<usize> {
+    if len <= n {
+        return (0..len).collect();
+    }
+    let mut v: Vec<usize> = (0..n - 2).map(|_| rng.random_range(0..len)).collect();
+    v.push(0);
+    v.push(len - 1);
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn gather_rows(x: &[f64], cols: usize, rows: &[usize]) -> Vec<f64> {
+    rows.iter()
+        .flat_map(|&r| x[r * cols..(r + 1) * cols].iter().copied())
+        .collect()
+}
+
+fn gather_cols(x: &[f64], cols: usize, pick: &[usize]) -> Vec<f64> {
+    x.chunks(cols)
+        .flat_map(|row| pick.iter().map(move |&j| row[j]))
+        .collect()
+}
+
+/// Forward and backward of one linear case in type `T`; `tol_t` for `T` outputs (out, dx),
+/// `tol_f32` for the f32 accumulations (dW, db).
+fn linear_case<T: Elem>(
+    test: &str,
+    dev: &GpuDevice,
+    gemm: &Gemm,
+    case: (usize, usize, usize, bool),
+    seed: u64,
+    tol_t: f64,
+    tol_f32: f64,
+) {
+    let (rows, in_f, out_f, with_bias) = case;
+    let tag = format!(
+        "{}: rows={rows} in={in_f} out={out_f} bias={with_bias}",
+        T::NAME
+    );
+    let s = dev.stream();
+    let mut rng = rng(seed);
+    let (x, x64) = random::<T>(&mut rng, rows * in_f, 0.05, 1.0);
+    let (w, w64) = random::<T>(&mut rng, out_f * in_f, 0.05, 1.0);
+    let (b, b64) = random::<T>(&mut rng, out_f, 0.05, 1.0);
+    let (dout, dout64) = random::<T>(&mut rng, rows * out_f, 0.05, 1.0);
+    // Non-zero initial parameter gradients: the backward must add to them.
+    let (dw0, dw064) = random::<f32>(&mut rng, out_f * in_f, 0.05, 1.0);
+    let (db0, db064) = random::<f32>(&mut rng, out_f, 0.05, 1.0);
+
+    let (dx_, dw_) = (upload(s, &x), upload(s, &w));
+    let dbias = upload(s, &b);
+    let mut out = poisoned::<T>(s, rows * out_f);
+    let bias_arg: Option<&dyn DevicePtr<T>> = if with_bias { Some(&dbias) } else { None };
+    T::linear_forward(gemm, &dx_, &dw_, bias_arg, rows, in_f, out_f, &mut out).unwrap();
+    let ddout = upload(s, &dout);
+    let mut dx = poisoned::<T>(s, rows * in_f);
+    let mut dw = upload(s, &dw0);
+    let mut db = upload(s, &db0);
+    T::linear_backward(
+        gemm,
+        &ddout,
+        &dx_,
+        &dw_,
+        rows,
+        in_f,
+        out_f,
+        Some(&mut dx),
+        &mut dw,
+        if with_bias { Some(&mut db) } else { None },
+    )
+    .unwrap();
+    let (out, dx, dw, db) = (
+        download_f64(dev, &out),
+        download_f64(dev, &dx),
+        download_f64(dev, &dw),
+        download_f64(dev, &db),
+    );
+    all_finite("out", &out);
+    all_finite("dx", &dx);
+    all_finite("dw", &dw);
+
+    // The f64 reference on sampled rows (out, dx are row-wise) and sampled output features
+    // (dW rows), so the 32003-feature case stays cheap on the host; db in full.
+    let rs = sample(&mut rng, rows, 48);
+    let js = sample(&mut rng, out_f, 48);
+    let x_r = gather_rows(&x64, in_f, &rs);
+    let mut out_ref = vec![f64::NAN; rs.len() * out_f];
+    cpu::linear_forward(
+        &x_r,
+        &w64,
+        with_bias.then_some(&b64[..]),
+        rs.len(),
+        in_f,
+        out_f,
+        &mut out_ref,
+    );
+    let dout_r = gather_rows(&dout64, out_f, &rs);
+    let mut dx_ref = vec![f64::NAN; rs.len() * in_f];
+    let mut scratch_dw = vec![0.0; out_f * in_f];
+    cpu::linear_backward(
+        &dout_r,
+        &x_r,
+        &w64,
+        rs.len(),
+        in_f,
+        out_f,
+        Some(&mut dx_ref),
+        &mut scratch_dw,
+        None,
+    );
+    let dout_j = gather_cols(&dout64, out_f, &js);
+    let w_j = gather_rows(&w64, in_f, &js);
+    let mut dw_ref = gather_rows(&dw064, in_f, &js);
+    cpu::linear_backward(
+        &dout_j,
+        &x64,
+        &w_j,
+        rows,
+        in_f,
+        js.len(),
+        None,
+        &mut dw_ref,
+        None,
+    );
+    expect_within(
+        test,
+        &format!("{tag}: out"),
+        rel_err("out", &gather_rows(&out, out_f, &rs), &out_ref),
+        tol_t,
+    );
+    expect_within(
+        test,
+        &format!("{tag}: dx"),
+        rel_err("dx", &gather_rows(&dx, in_f, &rs), &dx_ref),
+        tol_t,
+    );
+    expect_within(
+        test,
+        &format!("{tag}: dW (+=)"),
+        rel_err("dw", &gather_rows(&dw, in_f, &js), &dw_ref),
+        tol_f32,
+    );
+    if with_bias {
+        let mut db_ref = db064.clone();
+        for r in 0..rows {
+            for (d, g) in db_ref.iter_mut().zip(&dout64[r * out_f..(r + 1) * out_f]) {
+                *d += g;
+            }
+        }
+        expect_within(
+            test,
+            &format!("{tag}: db (+=)"),
+            rel_err("db", &db, &db_ref),
+            1e-5,
+        );
+    } else {
+        // Without a bias gradient requested, db is untouched.
+        assert_eq!(db, db064, "{tag}: db was written without being requested");
+    }
+}
+
+/// f32: 1e-5 for every output (no TF32; see the file header).
+#[test]
+fn linear_f32_matches_cpu_reference() {
+    const TEST: &str = "linear_f32_matches_cpu_reference";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    for (i, &case) in LINEAR_CASES.iter().enumerate() {
+        linear_case::<f32>(TEST, &dev, &gemm, case, 10 + i as u64, 1e-5, 1e-5);
+    }
+}
+
+/// bf16: out and dx (bf16) 1e-2; dW (f32 accumulation of exact bf16 products) 1e-3; db (f32
+/// sums in the reduction kernel) 1e-5.
+#[test]
+fn linear_bf16_matches_cpu_reference() {
+    const TEST: &str = "linear_bf16_matches_cpu_reference";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    for (i, &case) in LINEAR_CASES.iter().enumerate() {
+        linear_case::<bf16>(TEST, &dev, &gemm, case, 20 + i as u64, 1e-2, 1e-3);
+    }
+}
+
+#[test]
+fn linear_backward_is_deterministic() {
+    const TEST: &str = "linear_backward_is_deterministic";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    let s = dev.stream();
+    let (rows, in_f, out_f) = (1000, 96, 301);
+    let mut rng = rng(30);
+    let (x, _) = random::<bf16>(&mut rng, rows * in_f, 0.05, 1.0);
+    let (w, _) = random::<bf16>(&mut rng, out_f * in_f, 0.05, 1.0);
+    let (dout, _) = random::<bf16>(&mut rng, rows * out_f, 0.05, 1.0);
+    let (x, w, dout) = (upload(s, &x), upload(s, &w), upload(s, &dout));
+    let run = || {
+        let mut dw = upload(s, &vec![0.25f32; out_f * in_f]);
+        let mut db = upload(s, &vec![0.25f32; out_f]);
+        cuda::linear_backward_bf16(
+            &gemm,
+            &dout,
+            &x,
+            &w,
+            rows,
+            in_f,
+            out_f,
+            None,
+            &mut dw,
+            Some(&mut db),
+        )
+        .unwrap();
+        (download(&dev, &dw), download(&dev, &db))
+    };
+    let (a, b) = (run(), run());
+    let same = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+    assert!(same(&a.0, &b.0), "dW differs between two identical runs");
+    assert!(same(&a.1, &b.1), "db differs between two identical runs");
+    report(&format!("{TEST}: dW and db bit-identical over two runs"));
+}
+
+#[test]
+fn linear_rejects_bad_lengths() {
+    const TEST: &str = "linear_rejects_bad_lengths";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    let s = dev.stream();
+    let (rows, in_f, out_f) = (5, 3, 4);
+    let x = upload(s, &vec![1.0f32; rows * in_f]);
+    let w = upload(s, &vec![1.0f32; out_f * in_f]);
+    let short_bias = upload(s, &vec![1.0f32; out_f - 1]);
+    let mut out = poisoned::<f32>(s, rows * out_f);
+    let err = cuda::linear_forward_f32(&gemm, &x, &w, None, rows, in_f + 1, out_f, &mut out);
+    assert!(
+        matches!(err, Err(OpsError::ShapeMismatch { .. })),
+        "{err:?}"
+    );
+    let err = cuda::linear_forward_f32(
+        &gemm,
+        &x,
+        &w,
+        Some(&short_bias),
+        rows,
+        in_f,
+        out_f,
+        &mut out,
+    );
+    assert!(
+        matches!(err, Err(OpsError::ShapeMismatch { .. })),
+        "{err:?}"
+    );
+    let mut dw_short = upload(s, &vec![0.0f32; out_f * in_f - 1]);
+    let err = cuda::linear_backward_f32(
+        &gemm,
+        &out,
+        &x,
+        &w,
+        rows,
+        in_f,
+        out_f,
+        None,
+        &mut dw_short,
+        None,
+    );
+    assert!(
+        matches!(err, Err(OpsError::ShapeMismatch { .. })),
+        "{err:?}"
+    );
+    // Nothing was launched: out is still poisoned.
+    assert!(download(&dev, &out).iter().all(|v| v.is_nan()));
+}
+
+// ---- attention ----
+
+/// (batch, seq, q_heads, kv_heads, head_dim): Llama-style GQA at T = 1000 (not a multiple of
+/// any tile), odd small shapes with D = 80, plain multi-head, and a single token.
+const ATTN_CASES: &[(usize, usize, usize, usize, usize)] = &[
+    (2, 1000, 12, 4, 64),
+    (3, 37, 6, 2, 80),
+    (2, 37, 4, 4, 80),
+    (2, 1, 2, 1, 16),
+];
+
+struct AttnRun {
+    out: Vec<f64>,
+    lse: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    bits: Vec<u32>,
+}
+
+/// Forward then backward on the GPU with NaN-poisoned outputs; `bits` collects every output's
+/// bit pattern for the determinism check.
+#[allow(clippy::too_many_arguments)]
+fn attn_gpu<T: Elem>(
+    dev: &GpuDevice,
+    gemm: &Gemm,
+    ws: &mut AttentionWorkspace<T>,
+    s: AttnShape,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    dout: &CudaSlice<T>,
+) -> AttnRun {
+    let st = dev.stream();
+    let (ql, kvl, rl) = (q.len(), k.len(), s.batch * s.q_heads * s.seq);
+    let mut out = poisoned::<T>(st, ql);
+    let mut lse = poisoned::<f32>(st, rl);
+    T::attention_forward(gemm, ws, s, q, k, v, &mut out, &mut lse).unwrap();
+    let (mut dq, mut dk, mut dv) = (
+        poisoned::<T>(st, ql),
+        poisoned::<T>(st, kvl),
+        poisoned::<T>(st, kvl),
+    );
+    T::attention_backward(
+        gemm, ws, s, dout, q, k, v, &out, &lse, &mut dq, &mut dk, &mut dv,
+    )
+    .unwrap();
+    let raw: Vec<Vec<T>> = [&out, &dq, &dk, &dv]
+        .iter()
+        .map(|b| download(dev, b))
+        .collect();
+    let lse_h = download(dev, &lse);
+    let mut bits: Vec<u32> = raw.iter().flatten().map(|x| x.bits()).collect();
+    bits.extend(lse_h.iter().map(|x| x.to_bits()));
+    let f = |v: &Vec<T>| v.iter().map(|x| x.to_f64()).collect::<Vec<f64>>();
+    AttnRun {
+        out: f(&raw[0]),
+        lse: lse_h.iter().map(|&x| x as f64).collect(),
+        dq: f(&raw[1]),
+        dk: f(&raw[2]),
+        dv: f(&raw[3]),
+        bits,
+    }
+}
+
+/// One attention case in type `T`: vs the f64 CPU reference, twice for bit-identity, and once
+/// more through a workspace of one sequence (the multi-pass path).
+fn attention_case<T: Elem>(
+    test: &str,
+    dev: &GpuDevice,
+    gemm: &Gemm,
+    case: (usize, usize, usize, usize, usize),
+    seed: u64,
+    tol_t: f64,
+    tol_lse: f64,
+) {
+    let (batch, seq, q_heads, kv_heads, head_dim) = case;
+    let s = AttnShape {
+        batch,
+        seq,
+        q_heads,
+        kv_heads,
+        head_dim,
+    };
+    let tag = format!(
+        "{}: B={batch} T={seq} Hq={q_heads} Hkv={kv_heads} D={head_dim}",
+        T::NAME
+    );
+    let st = dev.stream();
+    let mut rng = rng(seed);
+    let (ql, kvl) = (
+        batch * seq * q_heads * head_dim,
+        batch * seq * kv_heads * head_dim,
+    );
+    // |q|, |k| up to 2: scores of std ~1.3, so the softmax is neither uniform nor one-hot.
+    let (q, q64) = random::<T>(&mut rng, ql, 0.05, 2.0);
+    let (k, k64) = random::<T>(&mut rng, kvl, 0.05, 2.0);
+    let (v, v64) = random::<T>(&mut rng, kvl, 0.05, 1.0);
+    let (dout, dout64) = random::<T>(&mut rng, ql, 0.05, 1.0);
+    let (q, k, v, dout) = (
+        upload(st, &q),
+        upload(st, &k),
+        upload(st, &v),
+        upload(st, &dout),
+    );
+
+    let mut ws = AttentionWorkspace::<T>::new(st, s).unwrap();
+    let a = attn_gpu(dev, gemm, &mut ws, s, &q, &k, &v, &dout);
+    let b = attn_gpu(dev, gemm, &mut ws, s, &q, &k, &v, &dout);
+    assert!(
+        a.bits == b.bits,
+        "{tag}: two identical runs differ (forward or backward)"
+    );
+
+    let mut out_ref = vec![f64::NAN; ql];
+    let mut lse_ref = vec![f64::NAN; batch * q_heads * seq];
+    cpu::attention_forward(s, &q64, &k64, &v64, &mut out_ref, &mut lse_ref);
+    let (mut dq_ref, mut dk_ref, mut dv_ref) =
+        (vec![f64::NAN; ql], vec![f64::NAN; kvl], vec![f64::NAN; kvl]);
+    cpu::attention_backward(
+        s,
+        &dout64,
+        &q64,
+        &k64,
+        &v64,
+        &out_ref,
+        &lse_ref,
+        &mut dq_ref,
+        &mut dk_ref,
+        &mut dv_ref,
+    );
+    let check = |run: &AttnRun, label: &str| {
+        expect_within(
+            test,
+            &format!("{tag}{label}: out"),
+            rel_err("out", &run.out, &out_ref),
+            tol_t,
+        );
+        expect_within(
+            test,
+            &format!("{tag}{label}: lse"),
+            rel_err("lse", &run.lse, &lse_ref),
+            tol_lse,
+        );
+        expect_within(
+            test,
+            &format!("{tag}{label}: dq"),
+            rel_err("dq", &run.dq, &dq_ref),
+            tol_t,
+        );
+        expect_within(
+            test,
+            &format!("{tag}{label}: dk"),
+            rel_err("dk", &run.dk, &dk_ref),
+            tol_t,
+        );
+        expect_within(
+            test,
+            &format!("{tag}{label}: dv"),
+            rel_err("dv", &run.dv, &dv_ref),
+            tol_t,
+        );
+    };
+    check(&a, "");
+    report(&format!(
+        "{test}: {tag}: forward and backward bit-identical over two runs"
+    ));
+    if batch > 1 {
+        let one = AttnShape { batch: 1, ..s };
+        let mut small = AttentionWorkspace::<T>::new(st, one).unwrap();
+        assert_eq!(small.batch_chunk(s).unwrap(), 1);
+        let c = attn_gpu(dev, gemm, &mut small, s, &q, &k, &v, &dout);
+        check(&c, " (one sequence per pass)");
+    }
+}
+
+/// f32: 1e-5 for out, lse, dq, dk, dv.
+#[test]
+fn attention_f32_matches_cpu_reference() {
+    const TEST: &str = "attention_f32_matches_cpu_reference";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    for (i, &case) in ATTN_CASES.iter().enumerate() {
+        attention_case::<f32>(TEST, &dev, &gemm, case, 40 + i as u64, 1e-5, 1e-5);
+    }
+}
+
+/// bf16: out, dq, dk, dv (bf16, after P and dS are rounded to bf16) 1e-2; lse (f32 from exact
+/// bf16 products) 1e-3.
+#[test]
+fn attention_bf16_matches_cpu_reference() {
+    const TEST: &str = "attention_bf16_matches_cpu_reference";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    for (i, &case) in ATTN_CASES.iter().enumerate() {
+        attention_case::<bf16>(TEST, &dev, &gemm, case, 50 + i as u64, 1e-2, 1e-3);
+    }
+}
+
+#[test]
+fn attention_rejects_bad_shapes() {
+    const TEST: &str = "attention_rejects_bad_shapes";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    let st = dev.stream();
+    let s = AttnShape {
+        batch: 2,
+        seq: 5,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+    };
+    let mut ws = AttentionWorkspace::<f32>::new(st, s).unwrap();
+    let q = upload(st, &vec![0.5f32; 2 * 5 * 4 * 8]);
+    let kv = upload(st, &vec![0.5f32; 2 * 5 * 2 * 8]);
+    let mut out = poisoned::<f32>(st, q.len());
+    let mut lse = poisoned::<f32>(st, 2 * 4 * 5);
+    // q_heads not a multiple of kv_heads.
+    let bad = AttnShape { kv_heads: 3, ..s };
+    assert!(
+        cuda::attention_forward_f32(&gemm, &mut ws, bad, &q, &kv, &kv, &mut out, &mut lse).is_err()
+    );
+    // k and v swapped for q-sized buffers.
+    assert!(
+        cuda::attention_forward_f32(&gemm, &mut ws, s, &q, &q, &q, &mut out, &mut lse).is_err()
+    );
+    // A longer sequence than the workspace was built for.
+    let long = AttnShape {
+        seq: 6,
+        batch: 1,
+        ..s
+    };
+    let q6 = upload(st, &vec![0.5f32; 6 * 4 * 8]);
+    let kv6 = upload(st, &vec![0.5f32; 6 * 2 * 8]);
+    let mut out6 = poisoned::<f32>(st, q6.len());
+    let mut lse6 = poisoned::<f32>(st, 4 * 6);
+    assert!(ws.batch_chunk(long).is_err());
+    assert!(
+        cuda::attention_forward_f32(&gemm, &mut ws, long, &q6, &kv6, &kv6, &mut out6, &mut lse6)
+            .is_err()
+    );
+    assert!(
+        download(&dev, &out).iter().all(|v| v.is_nan()),
+        "a rejected call wrote out"
+    );
+}
+
+/// Runs everywhere: asking whether cuBLASLt can be loaded never panics.
+#[test]
+fn cublaslt_probe_never_panics() {
+    let present = cuda::cublaslt_available();
+    report(&format!(
+        "cublaslt_probe_never_panics: libcublasLt loadable: {present}"
+    ));
+}

@@ -1,0 +1,313 @@
+// attention.cu: the element-wise and row-wise kernels of causal grouped-query attention; the
+// matrix products (S = scale·Q·Kᵀ, O = P·V and the four backward products) run on cuBLASLt, in
+// crates/tilearn-ops/src/cuda/attention.rs, which also documents the whole algorithm.
+//
+// Fused:     softmax: the causal mask, the row max, the sum of exponentials (one online pass),
+//            the probabilities and the log-sum-exp, in one kernel (S is read twice, P written
+//            once). probs: the backward's recomputation P = exp(S - lse) with the mask.
+//            dscores: dS = P ∘ (dP − delta) · scale with the mask, written over P in place.
+//            delta: rowsum(dO ∘ O) straight from the [B, T, H, D] tensors (no permute).
+// Layout:    scores / dP: f32 [rows, ld] row-major with rows = (batch, head, query) and the
+//            query position i = row % seq; only columns [0, seq) are used (ld >= seq pads rows
+//            for aligned GEMMs). probs / dS: [rows, ld] of f32 or bf16; every column j in
+//            [0, seq) is written: keys j <= i get their value, keys j > i an exact 0 (the GEMMs
+//            that consume P run over all seq columns). lse / delta: f32 [rows].
+//            swap_axes: [outer, x, y, inner] -> [outer, y, x, inner] on raw bytes (the permute
+//            between the projections' [B, T, H, D] and the per-head [B, H, T, D]).
+// Precision: scores, dP, lse, delta and all arithmetic in f32 (expf / logf, not the fast
+//            intrinsics, so the f32 path meets 1e-5 against the reference); P and dS are
+//            rounded once to their storage type (bf16 in the mixed-precision path).
+// Gradients: dS and delta are written (`=`); there are no parameters.
+// Determinism: one warp per row, butterfly shuffles in a fixed pattern, no atomics.
+
+#include <cuda_bf16.h>
+
+#include "tilearn_kernels.h"
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kRowsPerBlock = 8;  // one warp per row, 256 threads
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr unsigned kMaxGridX = 0x7fffffffu;
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
+    return v;
+}
+
+__device__ __forceinline__ size_t warp_row() {
+    return static_cast<size_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+}
+
+// ---- swap_axes: dst[o, yi, xi, e] = src[o, xi, yi, e], moved in words of W bytes ----
+template <typename W>
+__global__ void swap_axes_kernel(const W* __restrict__ src, W* __restrict__ dst, size_t outer,
+                                 size_t x, size_t y, size_t inner) {
+    const size_t n = outer * x * y * inner;
+    const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+    for (size_t idx = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
+         idx += stride) {
+        const size_t e = idx % inner;
+        size_t rest = idx / inner;
+        const size_t xi = rest % x;
+        rest /= x;
+        const size_t yi = rest % y;
+        const size_t o = rest / y;
+        dst[idx] = src[((o * x + xi) * y + yi) * inner + e];
+    }
+}
+
+// ---- softmax: P[r, j] = exp(S[r, j] - lse[r]) for j <= i, 0 for i < j < seq ----
+template <typename TP>
+__global__ void softmax_kernel(const float* __restrict__ scores, size_t ld, size_t rows,
+                               size_t seq, TP* __restrict__ probs, float* __restrict__ lse) {
+    const size_t r = warp_row();
+    if (r >= rows) return;
+    const int lane = threadIdx.x % kWarp;
+    const size_t i = r % seq;
+    const float* s = scores + r * ld;
+    // Online max and sum of this lane's keys, then the warp's.
+    float m = -INFINITY, l = 0.0f;
+    for (size_t j = lane; j <= i; j += kWarp) {
+        const float x = s[j];
+        const float m_new = fmaxf(m, x);
+        l = l * expf(m - m_new) + expf(x - m_new);
+        m = m_new;
+    }
+    const float m_all = warp_max(m);
+    // A lane without keys has m = -inf and l = 0: its term is 0 * exp(-inf) = 0.
+    const float l_all = warp_sum(l == 0.0f ? 0.0f : l * expf(m - m_all));
+    const float row_lse = m_all + logf(l_all);
+    TP* p = probs + r * ld;
+    for (size_t j = lane; j < seq; j += kWarp)
+        p[j] = from_f32<TP>(j <= i ? expf(s[j] - row_lse) : 0.0f);
+    if (lane == 0) lse[r] = row_lse;
+}
+
+// ---- probs: the backward's P = exp(S - lse) with the causal mask ----
+template <typename TP>
+__global__ void probs_kernel(const float* __restrict__ scores, size_t ld, size_t rows, size_t seq,
+                             const float* __restrict__ lse, TP* __restrict__ probs) {
+    const size_t r = warp_row();
+    if (r >= rows) return;
+    const int lane = threadIdx.x % kWarp;
+    const size_t i = r % seq;
+    const float row_lse = lse[r];
+    const float* s = scores + r * ld;
+    TP* p = probs + r * ld;
+    for (size_t j = lane; j < seq; j += kWarp)
+        p[j] = from_f32<TP>(j <= i ? expf(s[j] - row_lse) : 0.0f);
+}
+
+// ---- dscores: dS = P * (dP - delta) * scale, in place over P, with the causal mask ----
+template <typename TP>
+__global__ void dscores_kernel(TP* __restrict__ probs_ds, const float* __restrict__ dprobs,
+                               size_t ld, size_t rows, size_t seq,
+                               const float* __restrict__ delta, float scale) {
+    const size_t r = warp_row();
+    if (r >= rows) return;
+    const int lane = threadIdx.x % kWarp;
+    const size_t i = r % seq;
+    const float row_delta = delta[r];
+    TP* p = probs_ds + r * ld;
+    const float* dp = dprobs + r * ld;
+    for (size_t j = lane; j < seq; j += kWarp) {
+        // Each element is read and written by the same thread, so in place is race-free.
+        const float v = j <= i ? to_f32(p[j]) * (dp[j] - row_delta) * scale : 0.0f;
+        p[j] = from_f32<TP>(v);
+    }
+}
+
+// ---- delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d] ----
+template <typename T>
+__global__ void delta_kernel(const T* __restrict__ dout, const T* __restrict__ out, size_t batch,
+                             size_t seq, size_t heads, size_t head_dim,
+                             float* __restrict__ delta) {
+    const size_t r = warp_row();  // (b, h, t)
+    if (r >= batch * heads * seq) return;
+    const int lane = threadIdx.x % kWarp;
+    const size_t t = r % seq;
+    const size_t bh = r / seq;
+    const size_t h = bh % heads;
+    const size_t b = bh / heads;
+    const size_t base = ((b * seq + t) * heads + h) * head_dim;
+    float acc = 0.0f;
+    for (size_t d = lane; d < head_dim; d += kWarp) acc += to_f32(dout[base + d]) * to_f32(out[base + d]);
+    acc = warp_sum(acc);
+    if (lane == 0) delta[r] = acc;
+}
+
+bool row_grid(size_t rows, unsigned* blocks) {
+    const size_t b = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+    if (b == 0 || b > kMaxGridX) return false;
+    *blocks = static_cast<unsigned>(b);
+    return true;
+}
+
+bool row_args_ok(const void* a, const void* b, size_t ld, size_t rows, size_t seq) {
+    return a != nullptr && b != nullptr && seq > 0 && ld >= seq && rows % seq == 0 &&
+           rows <= SIZE_MAX / ld;
+}
+
+template <typename TP>
+int launch_softmax(const float* scores, size_t ld, size_t rows, size_t seq, void* probs,
+                   float* lse, cudaStream_t stream) {
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (!row_args_ok(scores, probs, ld, rows, seq) || lse == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
+    unsigned blocks;
+    if (!row_grid(rows, &blocks)) return static_cast<int>(cudaErrorInvalidValue);
+    softmax_kernel<TP><<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(
+        scores, ld, rows, seq, static_cast<TP*>(probs), lse);
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename TP>
+int launch_probs(const float* scores, size_t ld, size_t rows, size_t seq, const float* lse,
+                 void* probs, cudaStream_t stream) {
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (!row_args_ok(scores, probs, ld, rows, seq) || lse == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
+    unsigned blocks;
+    if (!row_grid(rows, &blocks)) return static_cast<int>(cudaErrorInvalidValue);
+    probs_kernel<TP><<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(scores, ld, rows, seq, lse,
+                                                                   static_cast<TP*>(probs));
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename TP>
+int launch_dscores(void* probs_ds, const float* dprobs, size_t ld, size_t rows, size_t seq,
+                   const float* delta, float scale, cudaStream_t stream) {
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (!row_args_ok(probs_ds, dprobs, ld, rows, seq) || delta == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
+    unsigned blocks;
+    if (!row_grid(rows, &blocks)) return static_cast<int>(cudaErrorInvalidValue);
+    dscores_kernel<TP><<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(
+        static_cast<TP*>(probs_ds), dprobs, ld, rows, seq, delta, scale);
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+int launch_delta(const void* dout, const void* out, size_t batch, size_t seq, size_t heads,
+                 size_t head_dim, float* delta, cudaStream_t stream) {
+    if (batch == 0 || seq == 0 || heads == 0) return static_cast<int>(cudaSuccess);
+    if (dout == nullptr || out == nullptr || delta == nullptr || head_dim == 0)
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (seq > SIZE_MAX / heads || batch > SIZE_MAX / (seq * heads))
+        return static_cast<int>(cudaErrorInvalidValue);
+    unsigned blocks;
+    if (!row_grid(batch * heads * seq, &blocks)) return static_cast<int>(cudaErrorInvalidValue);
+    delta_kernel<T><<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(
+        static_cast<const T*>(dout), static_cast<const T*>(out), batch, seq, heads, head_dim,
+        delta);
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename W>
+void launch_swap(const void* src, void* dst, size_t outer, size_t x, size_t y, size_t inner_bytes,
+                 cudaStream_t stream) {
+    const size_t inner = inner_bytes / sizeof(W);
+    const size_t n = outer * x * y * inner;
+    const unsigned threads = 256;
+    size_t blocks = (n + threads - 1) / threads;
+    if (blocks > 65535u * 8u) blocks = 65535u * 8u;  // grid-stride loop covers the rest
+    swap_axes_kernel<W><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        static_cast<const W*>(src), static_cast<W*>(dst), outer, x, y, inner);
+}
+
+}  // namespace
+
+extern "C" int tilearn_attention_swap_axes(const void* src, void* dst, size_t outer, size_t x,
+                                           size_t y, size_t inner_bytes, cudaStream_t stream) {
+    if (outer == 0 || x == 0 || y == 0 || inner_bytes == 0) return static_cast<int>(cudaSuccess);
+    if (src == nullptr || dst == nullptr || src == dst)
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (x > SIZE_MAX / y || outer > SIZE_MAX / (x * y) ||
+        inner_bytes > SIZE_MAX / (outer * x * y))
+        return static_cast<int>(cudaErrorInvalidValue);
+    // The widest word that divides the row of `inner_bytes` and both pointers' alignment.
+    const uintptr_t align = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
+                            static_cast<uintptr_t>(inner_bytes);
+    if (align % 16 == 0) {
+        launch_swap<uint4>(src, dst, outer, x, y, inner_bytes, stream);
+    } else if (align % 8 == 0) {
+        launch_swap<uint2>(src, dst, outer, x, y, inner_bytes, stream);
+    } else if (align % 4 == 0) {
+        launch_swap<uint32_t>(src, dst, outer, x, y, inner_bytes, stream);
+    } else if (align % 2 == 0) {
+        launch_swap<uint16_t>(src, dst, outer, x, y, inner_bytes, stream);
+    } else {
+        launch_swap<uint8_t>(src, dst, outer, x, y, inner_bytes, stream);
+    }
+    return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int tilearn_attention_softmax_f32(const float* scores, size_t ld, size_t rows,
+                                             size_t seq, float* probs, float* lse,
+                                             cudaStream_t stream) {
+    return launch_softmax<float>(scores, ld, rows, seq, probs, lse, stream);
+}
+
+extern "C" int tilearn_attention_softmax_bf16(const float* scores, size_t ld, size_t rows,
+                                              size_t seq, tilearn_bf16* probs, float* lse,
+                                              cudaStream_t stream) {
+    return launch_softmax<__nv_bfloat16>(scores, ld, rows, seq, probs, lse, stream);
+}
+
+extern "C" int tilearn_attention_probs_f32(const float* scores, size_t ld, size_t rows,
+                                           size_t seq, const float* lse, float* probs,
+                                           cudaStream_t stream) {
+    return launch_probs<float>(scores, ld, rows, seq, lse, probs, stream);
+}
+
+extern "C" int tilearn_attention_probs_bf16(const float* scores, size_t ld, size_t rows,
+                                            size_t seq, const float* lse, tilearn_bf16* probs,
+                                            cudaStream_t stream) {
+    return launch_probs<__nv_bfloat16>(scores, ld, rows, seq, lse, probs, stream);
+}
+
+extern "C" int tilearn_attention_dscores_f32(float* probs_ds, const float* dprobs, size_t ld,
+                                             size_t rows, size_t seq, const float* delta,
+                                             float scale, cudaStream_t stream) {
+    return launch_dscores<float>(probs_ds, dprobs, ld, rows, seq, delta, scale, stream);
+}
+
+extern "C" int tilearn_attention_dscores_bf16(tilearn_bf16* probs_ds, const float* dprobs,
+                                              size_t ld, size_t rows, size_t seq,
+                                              const float* delta, float scale,
+                                              cudaStream_t stream) {
+    return launch_dscores<__nv_bfloat16>(probs_ds, dprobs, ld, rows, seq, delta, scale, stream);
+}
+
+extern "C" int tilearn_attention_delta_f32(const float* dout, const float* out, size_t batch,
+                                           size_t seq, size_t heads, size_t head_dim,
+                                           float* delta, cudaStream_t stream) {
+    return launch_delta<float>(dout, out, batch, seq, heads, head_dim, delta, stream);
+}
+
+extern "C" int tilearn_attention_delta_bf16(const tilearn_bf16* dout, const tilearn_bf16* out,
+                                            size_t batch, size_t seq, size_t heads,
+                                            size_t head_dim, float* delta, cudaStream_t stream) {
+    return launch_delta<__nv_bfloat16>(dout, out, batch, seq, heads, head_dim, delta, stream);
+}

@@ -8,6 +8,7 @@ use tilearn_ops::cuda::ffi;
 use super::error::{FusedError, Result};
 use super::io::{Prepared, StepIo, bind, check_status, finite, prepare, unit_interval};
 use super::plan::SegmentPlan;
+use crate::adam::AdamStepScalars;
 use crate::adamw::AdamWStepScalars;
 
 /// One group's scalars of a fused Adam-family step (`tilearn_optim_adam_group`).
@@ -34,6 +35,24 @@ impl From<&AdamWStepScalars> for AdamGroupScalars {
             decay_factor: s.decay_factor,
             l2_decay: false,
             l2_weight_decay: 0.0,
+            one_minus_beta1: s.one_minus_beta1,
+            beta2: s.beta2,
+            one_minus_beta2: s.one_minus_beta2,
+            bias_correction2_sqrt: s.bias_correction2_sqrt,
+            neg_step_size: s.neg_step_size,
+            eps: s.eps,
+        }
+    }
+}
+
+impl From<&AdamStepScalars> for AdamGroupScalars {
+    fn from(s: &AdamStepScalars) -> Self {
+        AdamGroupScalars {
+            decoupled_decay: false,
+            decay_factor: 1.0,
+            // torch skips the L2 term when weight_decay == 0 (adam.rs does the same).
+            l2_decay: s.weight_decay != 0.0,
+            l2_weight_decay: s.weight_decay,
             one_minus_beta1: s.one_minus_beta1,
             beta2: s.beta2,
             one_minus_beta2: s.one_minus_beta2,
@@ -89,6 +108,19 @@ pub struct AdamState<'a> {
     pub exp_avg_sq: CudaViewMut<'a, f32>,
     /// Running maximum of `exp_avg_sq`; `Some` enables amsgrad.
     pub max_exp_avg_sq: Option<CudaViewMut<'a, f32>>,
+}
+
+/// One fused Adam (L2) step with the CPU [`Adam`](crate::Adam)'s scalars (one per group, e.g.
+/// from `Adam::step_scalars`).
+pub fn adam_l2_step(
+    stream: &Arc<CudaStream>,
+    plan: &SegmentPlan,
+    groups: &[AdamStepScalars],
+    state: AdamState<'_>,
+    io: StepIo<'_>,
+) -> Result<()> {
+    let groups: Vec<AdamGroupScalars> = groups.iter().map(AdamGroupScalars::from).collect();
+    adam_step(stream, plan, &groups, state, io)
 }
 
 /// One fused AdamW step with the CPU [`AdamW`](crate::AdamW)'s scalars (one per group, e.g.

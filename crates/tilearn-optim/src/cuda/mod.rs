@@ -7,18 +7,20 @@
 //!   (round to nearest or stochastic), the GradScaler's device `inv_scale` / `found_inf` (read
 //!   inside the kernel: a step with `found_inf != 0` changes nothing, no host sync) and the
 //!   global-norm [`Clip`] input from [`GradNorm`].
-//! * Steps: [`adamw_step`] / [`adam_step`].
+//! * Steps: [`adamw_step`] / [`adam_l2_step`] / [`adam_step`].
+//! * [`bench`]: the bandwidth benchmark shared by `benches/fused_optim.rs` and `optim-bench`.
 //!
 //! The kernels perform the CPU reference's f32 operations in the same order (no FMA
 //! contraction), so a fused step matches the CPU optimizer to the last bit or within an ulp.
 
 mod adam;
+pub mod bench;
 mod error;
 mod io;
 mod norm;
 mod plan;
 
-pub use adam::{AdamGroupScalars, AdamState, adam_step, adamw_step};
+pub use adam::{AdamGroupScalars, AdamState, adam_l2_step, adam_step, adamw_step};
 pub use error::{FusedError, Result};
 pub use io::{Clip, Grads, ParamCopy, Rounding, StepIo};
 pub use norm::GradNorm;

@@ -22,6 +22,9 @@
 //! order, no atomics, so the result is bit-identical from run to run (the cuBLASLt algorithm is
 //! cached per shape, see [`super::Gemm`]).
 //!
+//! Work: the score GEMMs compute the full `T×T` square, so half of their flops (the masked
+//! upper triangle) are wasted; the fused kernel of the performance issue skips them.
+//!
 //! Memory: the workspace holds `S` (f32) and `P`/`dS` (f32 or bf16) for a chunk of the batch,
 //! `O(chunk · Hq · T²)` — e.g. 6 bytes · 12 · 1024² = 75 MB per sequence in bf16 — plus seven
 //! per-head copies of Q/K/V-sized tensors. Batches larger than the workspace's chunk run in

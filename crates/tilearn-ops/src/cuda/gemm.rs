@@ -21,10 +21,11 @@
 //! so later calls spend no host time on the search and — since the algorithm is fixed — give
 //! bit-identical results from run to run.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::size_of;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
@@ -235,16 +236,14 @@ pub struct Gemm {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     stream: Arc<CudaStream>,
-    algos: Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
+    algos: RefCell<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
 }
 
-// SAFETY: the handle is an opaque pointer to cuBLASLt's host-side state, which cuBLASLt allows
-// to be used from any thread; every use enqueues work on `self.stream` only, so concurrent
-// callers are serialised on the device and never use the workspace at the same time. The
-// algorithm cache is behind a mutex.
+// SAFETY: the handle is an opaque pointer to cuBLASLt's host-side state, which may be used
+// from any thread (one at a time); every use enqueues work on `self.stream` only. `Gemm` is
+// deliberately not `Sync`: cuBLAS does not promise that one handle may be used by several
+// threads at the same time, so sharing across threads needs a lock around the whole handle.
 unsafe impl Send for Gemm {}
-// SAFETY: as above; `&Gemm` methods touch no unsynchronised host state.
-unsafe impl Sync for Gemm {}
 
 /// Whether libcublasLt can be loaded (never panics; cuBLASLt is loaded at run time).
 pub fn cublaslt_available() -> bool {
@@ -294,7 +293,7 @@ impl Gemm {
             handle,
             workspace,
             stream: stream.clone(),
-            algos: Mutex::new(HashMap::new()),
+            algos: RefCell::new(HashMap::new()),
         })
     }
 
@@ -446,21 +445,13 @@ impl Gemm {
             )?;
         }
 
-        let cached = self
-            .algos
-            .lock()
-            .map_err(|_| poisoned(op))?
-            .get(&key)
-            .copied();
+        let cached = self.algos.borrow().get(&key).copied();
         let algo = match cached {
             Some(algo) => algo,
             None => {
                 let algo =
                     self.heuristic(op, &desc, &lay_first, &lay_second, &lay_c, align, spec)?;
-                self.algos
-                    .lock()
-                    .map_err(|_| poisoned(op))?
-                    .insert(key, algo);
+                self.algos.borrow_mut().insert(key, algo);
                 algo
             }
         };
@@ -565,13 +556,6 @@ impl Drop for Gemm {
         let _ = bind(&self.stream, "Gemm::drop");
         // SAFETY: the handle was created by `create_handle` and is destroyed exactly once.
         let _ = unsafe { lt::destroy_handle(self.handle) };
-    }
-}
-
-fn poisoned(op: &'static str) -> OpsError {
-    OpsError::Cuda {
-        context: op,
-        message: "the algorithm cache lock is poisoned (a thread panicked while holding it)".into(),
     }
 }
 

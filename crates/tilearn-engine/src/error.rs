@@ -41,6 +41,8 @@ pub enum EngineError {
     Ops(#[from] tilearn_ops::OpsError),
     #[error(transparent)]
     Optim(#[from] tilearn_optim::OptimError),
+    #[error(transparent)]
+    Amp(#[from] adaptfp16::Error),
 }
 
 impl EngineError {

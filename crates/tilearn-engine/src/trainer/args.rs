@@ -38,6 +38,10 @@ pub struct TrainingArguments {
     pub gradient_checkpointing: bool,
     /// Show a progress bar (the CLI turns it on when stderr is a terminal).
     pub progress_bar: bool,
+    /// Fault injection: make every gradient infinite at these optimizer steps (1-based) when
+    /// they run in fp16, as an fp16 backward overflow would (`--debug-inject-overflow`).
+    #[serde(default)]
+    pub debug_inject_overflow: Vec<u64>,
 }
 
 impl Default for TrainingArguments {
@@ -63,6 +67,7 @@ impl Default for TrainingArguments {
             save_steps: 500,
             gradient_checkpointing: false,
             progress_bar: false,
+            debug_inject_overflow: Vec::new(),
         }
     }
 }

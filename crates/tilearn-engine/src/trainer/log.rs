@@ -18,8 +18,41 @@ pub struct LogRecord {
     pub epoch: f64,
     pub loss: f64,
     pub lr: f64,
+    /// NaN (written as JSON `null`) when every step of the window was skipped.
+    #[serde(deserialize_with = "nan_if_null")]
     pub grad_norm: f64,
     pub tokens_per_sec: f64,
+    /// The compute precision of the last step in the window (`fp32`, `bf16`, `fp16`).
+    #[serde(default)]
+    pub precision: String,
+    /// The GradScaler's scale after the window (1 when no scaler is in use).
+    #[serde(default)]
+    pub loss_scale: f64,
+    /// Steps in the window whose update the GradScaler skipped.
+    #[serde(default)]
+    pub skipped_steps: u64,
+}
+
+/// JSON has no NaN: serde_json writes it as `null`, so read `null` back as NaN.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+impl LogRecord {
+    /// The human-readable form printed to the terminal.
+    pub fn display_line(&self) -> String {
+        let mut line = format!(
+            "step {:>6}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  tokens/s {:.0}  {}",
+            self.step, self.loss, self.lr, self.grad_norm, self.tokens_per_sec, self.precision
+        );
+        if self.precision == "fp16" {
+            line.push_str(&format!(" scale {}", self.loss_scale));
+        }
+        if self.skipped_steps > 0 {
+            line.push_str(&format!("  skipped {}", self.skipped_steps));
+        }
+        line
+    }
 }
 
 /// Appends records to the log, flushing each line so a crash loses nothing already logged.

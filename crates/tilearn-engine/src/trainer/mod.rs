@@ -6,7 +6,9 @@
 //! accumulation gives the same gradient as one large batch.
 
 pub mod args;
+pub mod backend;
 pub mod checkpoint;
+pub mod cpu_backend;
 pub mod log;
 pub mod state;
 
@@ -14,15 +16,20 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use adaptfp16::{AmpPlan, GradScaler, Precision, Signals, TimeUnit};
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, ParamGroup, SchedulerType};
 
 pub use args::{TrainLength, TrainingArguments};
+pub use backend::StepBackend;
+pub use cpu_backend::CpuBackend;
 pub use log::{LogRecord, TrainLog};
 pub use state::{SchedulerState, TrainerState};
 
+use crate::config::LlamaConfig;
 use crate::data::{DataLoader, LoaderOptions, LoaderState, TokenDataset, WorkerHook};
-use crate::model::{Activations, LlamaForCausalLM, count_valid_targets};
+use crate::model::{LlamaForCausalLM, count_valid_targets};
+use crate::params::ParamStore;
 use crate::{EngineError, Result};
 
 /// What a finished run reports.
@@ -33,17 +40,22 @@ pub struct TrainSummary {
     pub final_loss: f64,
     pub mean_step_seconds: f64,
     pub tokens_per_sec: f64,
+    /// Optimizer steps skipped by the GradScaler (non-finite fp16 gradients).
+    pub skipped_steps: u64,
+    pub peak_memory_bytes: u64,
     pub output_dir: PathBuf,
 }
 
-/// Trains `model` on `dataset` as `args` say.
+/// Trains a model on `dataset` as `args` say, on whichever [`StepBackend`] holds the model.
 pub struct Trainer {
     pub args: TrainingArguments,
-    pub model: LlamaForCausalLM,
+    config: LlamaConfig,
+    backend: Box<dyn StepBackend>,
     dataset: Arc<TokenDataset>,
     /// Run on the data loader's worker thread before its first batch (see
     /// [`Trainer::set_loader_hook`]).
     loader_hook: Option<Arc<dyn Fn() + Send + Sync>>,
+    amp: AmpPlan,
 }
 
 /// Observes progress (the CLI's progress bar); called after every optimizer step.
@@ -63,22 +75,68 @@ impl ProgressSink for PrintLogs {
     }
     fn step(&mut self, _: u64, _: f64, _: f64) {}
     fn log(&mut self, r: &LogRecord) {
-        println!(
-            "step {:>6}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  tokens/s {:.0}",
-            r.step, r.loss, r.lr, r.grad_norm, r.tokens_per_sec
-        );
+        println!("{}", r.display_line());
     }
     fn finish(&mut self) {}
 }
 
+/// Hugging Face's grouping for AdamW: weight decay on matrices and embeddings, none on norms
+/// and biases.
+pub fn adamw_for(args: &TrainingArguments, params: &ParamStore) -> Result<AdamW> {
+    let config = AdamWConfig {
+        lr: args.learning_rate,
+        beta1: args.adam_beta1,
+        beta2: args.adam_beta2,
+        eps: args.adam_epsilon,
+        weight_decay: args.weight_decay,
+        amsgrad: false,
+    };
+    let groups = vec![
+        ParamGroup {
+            name: "decay".into(),
+            ranges: params.decay_ranges(),
+            weight_decay: args.weight_decay,
+            lr_scale: 1.0,
+        },
+        ParamGroup {
+            name: "no_decay".into(),
+            ranges: params.no_decay_ranges(),
+            weight_decay: 0.0,
+            lr_scale: 1.0,
+        },
+    ];
+    Ok(AdamW::new(config, groups, params.numel())?)
+}
+
 impl Trainer {
+    /// A Trainer on the CPU reference engine.
     pub fn new(
         args: TrainingArguments,
         model: LlamaForCausalLM,
         dataset: TokenDataset,
     ) -> Result<Trainer> {
         args.validate()?;
-        let max_pos = model.config.max_position_embeddings;
+        let optimizer = adamw_for(&args, &model.params)?;
+        let config = model.config.clone();
+        let backend = CpuBackend::new(
+            model,
+            optimizer,
+            args.per_device_train_batch_size,
+            args.seq_len,
+            args.gradient_checkpointing,
+        );
+        Trainer::with_backend(args, config, Box::new(backend), dataset)
+    }
+
+    /// A Trainer on any backend (the CUDA engine builds its own).
+    pub fn with_backend(
+        args: TrainingArguments,
+        config: LlamaConfig,
+        backend: Box<dyn StepBackend>,
+        dataset: TokenDataset,
+    ) -> Result<Trainer> {
+        args.validate()?;
+        let max_pos = config.max_position_embeddings;
         if args.seq_len > max_pos {
             return Err(EngineError::InvalidArgument {
                 argument: "--seq-len".into(),
@@ -88,21 +146,23 @@ impl Trainer {
                 ),
             });
         }
-        if dataset.vocab_size() > model.config.vocab_size {
+        if dataset.vocab_size() > config.vocab_size {
             return Err(EngineError::InvalidArgument {
                 argument: "--data".into(),
                 message: format!(
                     "the dataset's tokenizer has {} tokens but the model's vocab_size is {}; prepare the data with the model's tokenizer",
                     dataset.vocab_size(),
-                    model.config.vocab_size
+                    config.vocab_size
                 ),
             });
         }
         Ok(Trainer {
             args,
-            model,
+            config,
+            backend,
             dataset: Arc::new(dataset),
             loader_hook: None,
+            amp: AmpPlan::Fixed(Precision::Fp32),
         })
     }
 
@@ -113,32 +173,19 @@ impl Trainer {
         self.loader_hook = Some(hook);
     }
 
-    fn optimizer(&self) -> Result<AdamW> {
-        let a = &self.args;
-        let config = AdamWConfig {
-            lr: a.learning_rate,
-            beta1: a.adam_beta1,
-            beta2: a.adam_beta2,
-            eps: a.adam_epsilon,
-            weight_decay: a.weight_decay,
-            amsgrad: false,
-        };
-        let params = &self.model.params;
-        let groups = vec![
-            ParamGroup {
-                name: "decay".into(),
-                ranges: params.decay_ranges(),
-                weight_decay: a.weight_decay,
-                lr_scale: 1.0,
-            },
-            ParamGroup {
-                name: "no_decay".into(),
-                ranges: params.no_decay_ranges(),
-                weight_decay: 0.0,
-                lr_scale: 1.0,
-            },
-        ];
-        Ok(AdamW::new(config, groups, params.numel())?)
+    /// The precision plan: a fixed precision (default fp32) or an adaptive policy.
+    pub fn set_amp_plan(&mut self, plan: AmpPlan) {
+        self.amp = plan;
+    }
+
+    /// Where the steps run.
+    pub fn backend_description(&self) -> String {
+        self.backend.describe()
+    }
+
+    /// The model with its current weights.
+    pub fn model(&mut self) -> Result<&LlamaForCausalLM> {
+        self.backend.model()
     }
 
     fn schedule(&self, total_steps: u64) -> Result<LrSchedule> {
@@ -200,8 +247,8 @@ impl Trainer {
             TrainLength::Epochs(e) => ((e * steps_per_epoch as f64).ceil() as u64).max(1),
         };
 
-        let mut optimizer = self.optimizer()?;
         let schedule = self.schedule(total_steps)?;
+        let mut scaler = self.amp.new_scaler();
         let mut state = TrainerState {
             global_step: 0,
             max_steps: total_steps,
@@ -210,10 +257,8 @@ impl Trainer {
             tokens_seen: 0,
         };
         if let Some(dir) = resume {
-            state = self.restore(dir, &mut optimizer)?;
+            state = self.restore(dir, &mut scaler)?;
             state.max_steps = total_steps;
-        }
-        if resume.is_some() {
             trim_log(&a.output_dir.join(log::LOG_FILE), state.global_step)?;
         }
         let mut log = TrainLog::open(&a.output_dir, resume.is_none())?;
@@ -224,62 +269,84 @@ impl Trainer {
             .map(|hook| -> WorkerHook { Box::new(move || hook()) });
         let options = LoaderOptions::new(batch, seq, a.seed).starting_at(state.loader);
         let mut loader = DataLoader::with_options(self.dataset.clone(), options, hook)?;
-        let mut acts = Activations::new(&self.model.config, batch, seq, a.gradient_checkpointing);
-        let mut grads = vec![0.0f32; self.model.params.numel()];
         let tokens_per_step = (batch * seq * accum) as u64;
 
         let mut window = LogWindow::default();
         let (mut first_loss, mut final_loss) = (f64::NAN, f64::NAN);
+        let mut last_loss = None;
+        let mut skipped_total = 0u64;
         let run_start = Instant::now();
         let first_step = state.global_step;
         sink.start(total_steps, first_step);
 
         while state.global_step < total_steps {
             let step_start = Instant::now();
+            let lr = schedule.lr_at(state.global_step);
+            let period = match self.amp.unit() {
+                TimeUnit::Step => state.global_step,
+                TimeUnit::Epoch => state.global_step / steps_per_epoch,
+            };
+            let signals = Signals {
+                lr: Some(lr as f64),
+                loss: last_loss,
+            };
+            let precision = self.amp.decide(period, signals, Some(&mut scaler))?;
+            let scaled = precision.needs_scaler() && scaler.is_enabled();
+            let loss_scale = if scaled { scaler.get_scale() } else { 1.0 };
+
             let micro: Vec<_> = (0..accum)
                 .map(|_| loader.next_batch())
                 .collect::<Result<_>>()?;
-            let denominator: usize = micro
+            let denominator = micro
                 .iter()
                 .map(|b| count_valid_targets(&b.labels, batch, seq))
-                .sum();
-            grads.iter_mut().for_each(|g| *g = 0.0);
+                .sum::<usize>()
+                .max(1) as f64;
+            self.backend.zero_grads();
             let mut loss_sum = 0.0;
             for b in &micro {
-                let stats = self.model.forward_backward(
-                    &b.input_ids,
-                    &b.labels,
-                    batch,
-                    seq,
-                    Some(denominator.max(1) as f64),
-                    &mut acts,
-                    &mut grads,
-                )?;
-                loss_sum += stats.loss_sum;
+                loss_sum += self
+                    .backend
+                    .forward_backward(b, denominator, precision, loss_scale)?;
             }
-            let loss = loss_sum / denominator.max(1) as f64;
-            let grad_norm = if a.max_grad_norm > 0.0 {
-                tilearn_optim::clip_grad_norm(&mut grads, a.max_grad_norm)
+            if scaled && a.debug_inject_overflow.contains(&(state.global_step + 1)) {
+                self.backend.poison_gradients();
+            }
+            let loss = loss_sum / denominator;
+
+            let mut skipped = false;
+            if scaled {
+                let mut grads = BackendGrads {
+                    backend: self.backend.as_mut(),
+                    found_inf: false,
+                };
+                scaler.unscale(&mut grads)?;
+                skipped = scaler.update(&mut grads)?.skipped();
+            }
+            let grad_norm = if skipped {
+                f64::NAN
             } else {
-                tilearn_optim::global_grad_norm(&grads)
+                let norm = self.backend.clip_grad_norm(a.max_grad_norm);
+                if !loss.is_finite() || !norm.is_finite() {
+                    return Err(EngineError::InvalidArgument {
+                        argument: "--learning-rate".into(),
+                        message: format!(
+                            "step {}: loss {loss} / grad norm {norm} is not finite in {precision}; training stopped before the update, the last checkpoint is intact; lower the learning rate, enable clipping or use --fp16 with its loss scaler",
+                            state.global_step + 1
+                        ),
+                    });
+                }
+                self.backend.optimizer_step(lr)?;
+                norm
             };
-            if !loss.is_finite() || !grad_norm.is_finite() {
-                return Err(EngineError::InvalidArgument {
-                    argument: "--learning-rate".into(),
-                    message: format!(
-                        "step {}: loss {loss} / grad norm {grad_norm} is not finite; training stopped before the update, the last checkpoint is intact; lower the learning rate or enable clipping",
-                        state.global_step + 1
-                    ),
-                });
-            }
-            let lr = schedule.lr_at(state.global_step);
-            optimizer.step(&mut self.model.params.data, &grads, lr)?;
             state.global_step += 1;
             state.tokens_seen += tokens_per_step;
             state.loader = loader.state();
+            skipped_total += skipped as u64;
+            last_loss = Some(loss);
 
             let step_secs = step_start.elapsed().as_secs_f64();
-            window.add(loss, grad_norm, step_secs, tokens_per_step);
+            window.add(loss, grad_norm, step_secs, tokens_per_step, skipped);
             if first_loss.is_nan() {
                 first_loss = loss;
             }
@@ -291,16 +358,23 @@ impl Trainer {
                     state.global_step,
                     state.global_step as f64 / steps_per_epoch as f64,
                     lr as f64,
+                    precision,
+                    if precision.needs_scaler() {
+                        scaler.get_scale() as f64
+                    } else {
+                        1.0
+                    },
                 );
                 log.write(&record)?;
                 sink.log(&record);
             }
             if (a.save_steps > 0 && state.global_step.is_multiple_of(a.save_steps)) || last {
-                self.save_checkpoint(&state, &optimizer, &schedule)?;
+                self.save_checkpoint(&state, &schedule, &scaler)?;
             }
         }
         sink.finish();
-        self.model
+        self.backend
+            .model()?
             .save_pretrained(&a.output_dir, DType::F32, None)?;
 
         let steps_run = state.global_step - first_step;
@@ -311,36 +385,49 @@ impl Trainer {
             final_loss,
             mean_step_seconds: elapsed / steps_run.max(1) as f64,
             tokens_per_sec: (steps_run * tokens_per_step) as f64 / elapsed.max(1e-9),
+            skipped_steps: skipped_total,
+            peak_memory_bytes: self.backend.peak_memory_bytes(),
             output_dir: a.output_dir.clone(),
         })
     }
 
     fn save_checkpoint(
-        &self,
+        &mut self,
         state: &TrainerState,
-        optimizer: &AdamW,
         schedule: &LrSchedule,
+        scaler: &GradScaler,
     ) -> Result<()> {
         let dir = checkpoint::checkpoint_dir(&self.args.output_dir, state.global_step);
+        let lr_scheduler_type = self.args.lr_scheduler_type.clone();
+        let backend = &mut self.backend;
+        let amp = &self.amp;
         checkpoint::save_dir_atomically(&dir, |staging| {
             // f32 on disk so that a resume continues bit-for-bit.
-            self.model.save_pretrained(staging, DType::F32, None)?;
-            optimizer.save_state(&staging.join(state::OPTIMIZER_FILE))?;
+            backend
+                .model()?
+                .save_pretrained(staging, DType::F32, None)?;
+            backend.save_optimizer(&staging.join(state::OPTIMIZER_FILE))?;
             state::write_json(
                 &staging.join(state::SCHEDULER_FILE),
                 &SchedulerState {
-                    lr_scheduler_type: self.args.lr_scheduler_type.clone(),
+                    lr_scheduler_type,
                     base_lr: schedule.base_lr,
                     warmup_steps: schedule.warmup_steps,
                     total_steps: schedule.total_steps,
                     last_step: state.global_step,
                 },
             )?;
+            if scaler.is_enabled() {
+                state::write_json(&staging.join(state::SCALER_FILE), &scaler.state_dict_json())?;
+            }
+            if let AmpPlan::Adaptive(policy) = amp {
+                state::write_json(&staging.join(state::AMP_POLICY_FILE), &policy.state_json()?)?;
+            }
             state::write_json(&staging.join(state::TRAINER_STATE_FILE), state)
         })
     }
 
-    fn restore(&mut self, dir: &Path, optimizer: &mut AdamW) -> Result<TrainerState> {
+    fn restore(&mut self, dir: &Path, scaler: &mut GradScaler) -> Result<TrainerState> {
         let state: TrainerState = state::read_json(&dir.join(state::TRAINER_STATE_FILE))?;
         if state.seed != self.args.seed {
             return Err(EngineError::InvalidArgument {
@@ -352,19 +439,28 @@ impl Trainer {
             });
         }
         let loaded = LlamaForCausalLM::from_pretrained(dir)?;
-        if loaded.params.numel() != self.model.params.numel() {
+        if loaded.config != self.config {
             return Err(EngineError::InvalidArgument {
                 argument: "--resume-from-checkpoint".into(),
                 message: format!(
-                    "{} holds a model of {} parameters, this run builds {}; resume with the same --config/--model",
+                    "{} holds a different model ({} parameters) from the one this run builds; resume with the same --config/--model",
                     dir.display(),
                     loaded.params.numel(),
-                    self.model.params.numel()
                 ),
             });
         }
-        self.model = loaded;
-        optimizer.load_state(&dir.join(state::OPTIMIZER_FILE))?;
+        self.backend
+            .restore(loaded, &dir.join(state::OPTIMIZER_FILE))?;
+        let scaler_file = dir.join(state::SCALER_FILE);
+        if scaler.is_enabled() && scaler_file.exists() {
+            let json: serde_json::Value = state::read_json(&scaler_file)?;
+            scaler.load_state_dict_json(&json)?;
+        }
+        let policy_file = dir.join(state::AMP_POLICY_FILE);
+        if let (AmpPlan::Adaptive(policy), true) = (&mut self.amp, policy_file.exists()) {
+            let json: serde_json::Value = state::read_json(&policy_file)?;
+            policy.load_state_json(&json)?;
+        }
         Ok(state)
     }
 }
@@ -377,29 +473,69 @@ struct LogWindow {
     seconds: f64,
     tokens: u64,
     steps: u64,
+    skipped: u64,
 }
 
 impl LogWindow {
-    fn add(&mut self, loss: f64, grad_norm: f64, seconds: f64, tokens: u64) {
+    fn add(&mut self, loss: f64, grad_norm: f64, seconds: f64, tokens: u64, skipped: bool) {
         self.loss += loss;
-        self.grad_norm += grad_norm;
+        if !skipped {
+            self.grad_norm += grad_norm;
+        }
         self.seconds += seconds;
         self.tokens += tokens;
         self.steps += 1;
+        self.skipped += skipped as u64;
     }
 
-    fn take(&mut self, step: u64, epoch: f64, lr: f64) -> LogRecord {
+    fn take(
+        &mut self,
+        step: u64,
+        epoch: f64,
+        lr: f64,
+        precision: Precision,
+        loss_scale: f64,
+    ) -> LogRecord {
         let n = self.steps.max(1) as f64;
+        let applied = self.steps - self.skipped;
         let record = LogRecord {
             step,
             epoch,
             loss: self.loss / n,
             lr,
-            grad_norm: self.grad_norm / n,
+            // Skipped steps have no meaningful norm; a window of only skipped steps logs NaN.
+            grad_norm: if applied > 0 {
+                self.grad_norm / applied as f64
+            } else {
+                f64::NAN
+            },
             tokens_per_sec: self.tokens as f64 / self.seconds.max(1e-9),
+            precision: precision.as_str().to_string(),
+            loss_scale,
+            skipped_steps: self.skipped,
         };
         *self = LogWindow::default();
         record
+    }
+}
+
+/// The backend's gradients as the GradScaler's unscale target.
+struct BackendGrads<'a> {
+    backend: &'a mut dyn StepBackend,
+    found_inf: bool,
+}
+
+impl adaptfp16::UnscaleTarget for BackendGrads<'_> {
+    fn unscale_and_check(
+        &mut self,
+        inv_scale: f32,
+    ) -> std::result::Result<(), adaptfp16::BackendError> {
+        self.found_inf = self.backend.unscale_and_check(inv_scale);
+        Ok(())
+    }
+
+    fn found_inf(&mut self) -> std::result::Result<bool, adaptfp16::BackendError> {
+        Ok(self.found_inf)
     }
 }
 

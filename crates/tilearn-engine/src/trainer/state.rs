@@ -11,6 +11,10 @@ use crate::{EngineError, Result};
 pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const SCHEDULER_FILE: &str = "scheduler.json";
+/// The GradScaler's state (torch's keys), present when fp16 can occur.
+pub const SCALER_FILE: &str = "scaler.json";
+/// An adaptive precision policy's memory (e.g. auto's overflow window), present with a policy.
+pub const AMP_POLICY_FILE: &str = "amp_policy.json";
 
 /// Progress of a run, saved as `trainer_state.json` in every checkpoint.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -33,7 +33,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train a model (from a checkpoint, a config, or the embedded default).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Mean next-token loss (and optionally logits) of a model on given token sequences.
     Eval(EvalArgs),
     /// Training-step throughput on a preset model (one JSON line).
@@ -47,7 +47,7 @@ pub enum Command {
 /// Runs one parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => train::run(*args),
         Command::Eval(args) => eval::run(args),
         Command::Bench(args) => bench::run(args),
         Command::PrepareData(args) => prepare::run(args),

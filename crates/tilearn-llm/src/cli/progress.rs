@@ -30,10 +30,7 @@ impl ProgressSink for Bar {
     }
     fn log(&mut self, r: &LogRecord) {
         if let Some(bar) = &self.bar {
-            bar.println(format!(
-                "step {:>6}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  tokens/s {:.0}",
-                r.step, r.loss, r.lr, r.grad_norm, r.tokens_per_sec
-            ));
+            bar.println(r.display_line());
         }
     }
     fn finish(&mut self) {

@@ -88,6 +88,45 @@ pub struct TrainArgs {
     pub resume_from_checkpoint: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    /// Compute in fp16 with the GradScaler (alone: every step; with --amp-policy: the mixed
+    /// precision the policy switches to).
+    #[arg(long)]
+    pub fp16: bool,
+    /// Compute in bf16 (no loss scaling needed).
+    #[arg(long)]
+    pub bf16: bool,
+    /// Compute in fp32 (the default).
+    #[arg(long)]
+    pub fp32: bool,
+    /// Adaptive mixed precision: 0 time-based, 1 time + learning rate, 2 loss-based, auto
+    /// (fp16 with fallback on recurring overflows or a collapsed loss scale).
+    #[arg(long)]
+    pub amp_policy: Option<adaptfp16::PolicyId>,
+    /// First period in mixed precision (policies 0 and 1; default 10).
+    #[arg(long)]
+    pub amp_start: Option<u64>,
+    /// Last period in mixed precision (policies 0 and 1).
+    #[arg(long)]
+    pub amp_end: Option<u64>,
+    /// How long one decision is held (policy 1; auto's fallback period).
+    #[arg(long)]
+    pub amp_hold: Option<u64>,
+    /// Policy 2 is switched on every this many periods (default 1000).
+    #[arg(long)]
+    pub amp_interval: Option<u64>,
+    /// Policy 2 stays on this long in each interval (default 100).
+    #[arg(long)]
+    pub amp_interval_hold: Option<u64>,
+    /// Whether policy periods count optimizer steps or epochs.
+    #[arg(long)]
+    pub amp_unit: Option<adaptfp16::TimeUnit>,
+    /// What auto falls back to: bf16 or fp32.
+    #[arg(long)]
+    pub amp_fallback: Option<adaptfp16::Precision>,
+    /// Fault injection for testing the fp16 overflow path: make every gradient infinite at
+    /// these optimizer steps (1-based, comma-separated).
+    #[arg(long, value_delimiter = ',', hide = true)]
+    pub debug_inject_overflow: Vec<u64>,
     /// Pin this rank's threads near its GPU (LOCAL_RANK / LOCAL_WORLD_SIZE /
     /// CUDA_VISIBLE_DEVICES say which GPU); TILEARN_AFFINITY=off overrides. See `tilearn info
     /// --topology` for the plan.
@@ -126,6 +165,7 @@ const FROM_SCRATCH: Recipe = Recipe {
 
 pub fn run(args: TrainArgs) -> Result<()> {
     choose_device(args.device)?;
+    let amp = amp_plan(&args)?;
     // Before anything spawns threads (rayon's pool, the loader): they inherit the main thread's
     // CPU mask. The training step runs on the CPU reference engine in this version (see
     // choose_device), so `--bind-cores auto` pins nothing yet.
@@ -164,6 +204,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         save_steps: args.save_steps,
         gradient_checkpointing: args.gradient_checkpointing,
         progress_bar: true,
+        debug_inject_overflow: args.debug_inject_overflow.clone(),
     };
     println!(
         "model: {} parameters, {} layers, hidden {}; device cpu; batch {}×{} tokens × {} accumulation; output {}",
@@ -176,14 +217,16 @@ pub fn run(args: TrainArgs) -> Result<()> {
         training.output_dir.display()
     );
     let mut trainer = Trainer::new(training, model, dataset)?;
+    trainer.set_amp_plan(amp);
     if let Some(hook) = loader_hook {
         trainer.set_loader_hook(hook);
     }
     let mut sink = super::progress::sink();
     let summary = trainer.train(args.resume_from_checkpoint.as_deref(), sink.as_mut())?;
     println!(
-        "done: {} steps, loss {:.4} -> {:.4}, {:.3} s/step, {:.0} tokens/s; model saved to {}",
+        "done: {} steps ({} skipped by the loss scaler), loss {:.4} -> {:.4}, {:.3} s/step, {:.0} tokens/s; model saved to {}",
         summary.steps,
+        summary.skipped_steps,
         summary.first_loss,
         summary.final_loss,
         summary.mean_step_seconds,
@@ -213,6 +256,27 @@ fn choose_device(choice: DeviceChoice) -> Result<()> {
                 .into(),
         }),
     }
+}
+
+/// The precision flags as a validated plan; errors name the flag.
+fn amp_plan(args: &TrainArgs) -> Result<adaptfp16::AmpPlan> {
+    let flags = adaptfp16::cli::AmpArgs {
+        fp16: args.fp16,
+        bf16: args.bf16,
+        fp32: args.fp32,
+        policy: args.amp_policy,
+        start: args.amp_start,
+        end: args.amp_end,
+        hold: args.amp_hold,
+        interval: args.amp_interval,
+        interval_hold: args.amp_interval_hold,
+        unit: args.amp_unit,
+        fallback: args.amp_fallback,
+    };
+    adaptfp16::cli::plan_from_args(&flags).map_err(|e| LlmError::Usage {
+        flag: "precision".into(),
+        message: e.to_string(),
+    })
 }
 
 fn build_model(args: &TrainArgs) -> Result<(LlamaForCausalLM, Recipe)> {

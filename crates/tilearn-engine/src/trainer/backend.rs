@@ -1,0 +1,56 @@
+//! What the Trainer needs from a device to run one optimizer step, so the same loop drives the
+//! CPU reference engine and the CUDA engine.
+
+use std::path::Path;
+
+use adaptfp16::Precision;
+
+use crate::Result;
+use crate::data::Batch;
+use crate::model::LlamaForCausalLM;
+
+/// One device's model, gradients and optimizer state.
+pub trait StepBackend {
+    /// e.g. `cpu (f32 reference)` or `cuda:0 NVIDIA H200`.
+    fn describe(&self) -> String;
+
+    /// Clears the gradient buffer before the micro-batches of one optimizer step.
+    fn zero_grads(&mut self);
+
+    /// Forward and backward of one micro-batch in `precision`. Gradients of
+    /// `loss_sum * loss_scale / denominator` are added into the gradient buffer; returns the
+    /// micro-batch's (unscaled) sum of token losses.
+    fn forward_backward(
+        &mut self,
+        batch: &Batch,
+        denominator: f64,
+        precision: Precision,
+        loss_scale: f32,
+    ) -> Result<f64>;
+
+    /// The GradScaler's unscale: multiplies every gradient by `inv_scale` and reports whether
+    /// any is infinite or NaN.
+    fn unscale_and_check(&mut self, inv_scale: f32) -> bool;
+
+    /// Clips the global gradient norm to `max_norm` (0 = no clipping); returns the norm before
+    /// clipping.
+    fn clip_grad_norm(&mut self, max_norm: f64) -> f64;
+
+    /// Applies the optimizer with learning rate `lr`.
+    fn optimizer_step(&mut self, lr: f32) -> Result<()>;
+
+    /// The model with the current weights (the CUDA engine copies them back first).
+    fn model(&mut self) -> Result<&LlamaForCausalLM>;
+
+    fn save_optimizer(&self, path: &Path) -> Result<()>;
+
+    /// Replaces weights and optimizer state with a checkpoint's.
+    fn restore(&mut self, model: LlamaForCausalLM, optimizer_file: &Path) -> Result<()>;
+
+    /// Makes every gradient infinite: fault injection for testing the fp16 overflow path
+    /// (`--debug-inject-overflow`).
+    fn poison_gradients(&mut self);
+
+    /// Peak memory the backend holds for training (device memory on a GPU).
+    fn peak_memory_bytes(&self) -> u64;
+}

@@ -1,0 +1,149 @@
+//! The CPU reference engine as a [`StepBackend`].
+//!
+//! Mixed precision on the CPU is an emulation with the same numerics where they matter for the
+//! scaler and the policies: in bf16/fp16 periods the forward and backward read the weights
+//! rounded to that format (the working copy a GPU would hold) while the master weights and the
+//! optimizer stay f32, and in fp16 periods the scaled gradients are rounded to f16, so an
+//! element beyond f16's range overflows to infinity exactly as an fp16 backward would. The
+//! arithmetic inside the ops stays f32.
+
+use std::path::Path;
+
+use adaptfp16::Precision;
+use half::{bf16, f16};
+use tilearn_optim::AdamW;
+
+use super::backend::StepBackend;
+use crate::Result;
+use crate::data::Batch;
+use crate::model::{Activations, LlamaForCausalLM};
+
+pub struct CpuBackend {
+    model: LlamaForCausalLM,
+    acts: Activations<f32>,
+    grads: Vec<f32>,
+    /// The weights rounded to the period's precision (unused in fp32 periods).
+    working: Vec<f32>,
+    optimizer: AdamW,
+}
+
+impl CpuBackend {
+    pub fn new(
+        model: LlamaForCausalLM,
+        optimizer: AdamW,
+        batch: usize,
+        seq: usize,
+        gradient_checkpointing: bool,
+    ) -> CpuBackend {
+        let acts = Activations::new(&model.config, batch, seq, gradient_checkpointing);
+        let numel = model.params.numel();
+        CpuBackend {
+            model,
+            acts,
+            grads: vec![0.0; numel],
+            working: Vec::new(),
+            optimizer,
+        }
+    }
+}
+
+fn round_into(master: &[f32], working: &mut Vec<f32>, precision: Precision) {
+    working.clear();
+    match precision {
+        Precision::Bf16 => working.extend(master.iter().map(|&x| bf16::from_f32(x).to_f32())),
+        Precision::Fp16 => working.extend(master.iter().map(|&x| f16::from_f32(x).to_f32())),
+        Precision::Fp32 => working.extend_from_slice(master),
+    }
+}
+
+impl StepBackend for CpuBackend {
+    fn describe(&self) -> String {
+        "cpu (f32 reference engine)".into()
+    }
+
+    fn zero_grads(&mut self) {
+        self.grads.iter_mut().for_each(|g| *g = 0.0);
+    }
+
+    fn forward_backward(
+        &mut self,
+        batch: &Batch,
+        denominator: f64,
+        precision: Precision,
+        loss_scale: f32,
+    ) -> Result<f64> {
+        // Gradients of loss_sum * scale / denominator: fold the scale into the denominator.
+        let denom = denominator / loss_scale as f64;
+        let stats = if precision == Precision::Fp32 {
+            self.model.forward_backward(
+                &batch.input_ids,
+                &batch.labels,
+                batch.batch,
+                batch.seq_len,
+                Some(denom),
+                &mut self.acts,
+                &mut self.grads,
+            )?
+        } else {
+            round_into(&self.model.params.data, &mut self.working, precision);
+            self.model.forward_backward_with(
+                &self.working,
+                &batch.input_ids,
+                &batch.labels,
+                batch.batch,
+                batch.seq_len,
+                Some(denom),
+                &mut self.acts,
+                &mut self.grads,
+            )?
+        };
+        if precision == Precision::Fp16 {
+            for g in &mut self.grads {
+                *g = f16::from_f32(*g).to_f32();
+            }
+        }
+        Ok(stats.loss_sum)
+    }
+
+    fn unscale_and_check(&mut self, inv_scale: f32) -> bool {
+        adaptfp16::unscale_and_check_slice(&mut self.grads, inv_scale)
+    }
+
+    fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
+        if max_norm > 0.0 {
+            tilearn_optim::clip_grad_norm(&mut self.grads, max_norm)
+        } else {
+            tilearn_optim::global_grad_norm(&self.grads)
+        }
+    }
+
+    fn optimizer_step(&mut self, lr: f32) -> Result<()> {
+        Ok(self
+            .optimizer
+            .step(&mut self.model.params.data, &self.grads, lr)?)
+    }
+
+    fn model(&mut self) -> Result<&LlamaForCausalLM> {
+        Ok(&self.model)
+    }
+
+    fn save_optimizer(&self, path: &Path) -> Result<()> {
+        Ok(self.optimizer.save_state(path)?)
+    }
+
+    fn restore(&mut self, model: LlamaForCausalLM, optimizer_file: &Path) -> Result<()> {
+        self.optimizer.load_state(optimizer_file)?;
+        self.model = model;
+        Ok(())
+    }
+
+    fn poison_gradients(&mut self) {
+        self.grads.iter_mut().for_each(|g| *g = f32::INFINITY);
+    }
+
+    fn peak_memory_bytes(&self) -> u64 {
+        let params = self.model.params.numel() * 4;
+        // master + grads + two moments + working copy + activations arena
+        (params * 4 + self.working.capacity() * 4 + self.acts.bytes()) as u64
+    }
+}

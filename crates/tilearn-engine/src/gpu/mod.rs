@@ -36,7 +36,9 @@ mod views;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView, DriverError};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaView, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
+};
 use half::bf16;
 use tilearn_ops::OpsError;
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
@@ -135,14 +137,33 @@ pub struct GpuLlama {
     rope: GpuRopeTable,
     ids: CudaSlice<u32>,
     targets: CudaSlice<i32>,
-    /// Host staging for the shifted targets (reused, so a step allocates no host memory for
-    /// them either).
-    host_targets: Vec<i32>,
+    /// Page-locked host staging of the ids and shifted targets (capacity-sized, allocated at
+    /// build): copies from pageable memory would make the driver wait for the stream before
+    /// each upload, a second synchronisation per step. Each buffer's own event makes a rewrite
+    /// wait only for that buffer's previous copy.
+    host_ids: PinnedHostSlice<u32>,
+    host_targets: PinnedHostSlice<i32>,
     check: TokenIdCheck,
     totals: CeTotals,
     mm: Matmul,
     optimizer: Option<GpuAdamW>,
     memory: GpuMemory,
+}
+
+/// A page-locked host buffer of `len` elements filled with `fill`.
+fn pinned<T: DeviceRepr + ValidAsZeroBits + Copy>(
+    ctx: &Arc<CudaContext>,
+    len: usize,
+    fill: T,
+) -> Result<PinnedHostSlice<T>> {
+    // SAFETY: the allocation is uninitialised; it is filled below before anything (host code
+    // or a copy) reads it.
+    let mut buf = unsafe { ctx.alloc_pinned::<T>(len.max(1)) }
+        .map_err(|e| cuda_err("allocating page-locked staging memory", e))?;
+    buf.as_mut_slice()
+        .map_err(|e| cuda_err("initialising page-locked staging memory", e))?
+        .fill(fill);
+    Ok(buf)
 }
 
 /// A driver error as an engine error.
@@ -243,6 +264,8 @@ impl GpuLlama {
         let targets = stream
             .alloc_zeros::<i32>(n)
             .map_err(|e| cuda_err("allocating the targets", e))?;
+        let host_ids = pinned(ctx, n, 0u32)?;
+        let host_targets = pinned(ctx, n, IGNORE_INDEX)?;
         let check = TokenIdCheck::new(&stream, config.vocab_size)?;
         let totals = CeTotals::new(&stream)?;
         let mm = Matmul::new(&stream, &cap, precision)?;
@@ -265,7 +288,8 @@ impl GpuLlama {
             rope,
             ids,
             targets,
-            host_targets: vec![IGNORE_INDEX; n],
+            host_ids,
+            host_targets,
             check,
             totals,
             mm,
@@ -381,9 +405,15 @@ impl GpuLlama {
             .into());
         }
         let n = batch * seq;
+        self.host_ids
+            .as_mut_slice()
+            .map_err(|e| cuda_err("staging the token ids", e))?[..n]
+            .copy_from_slice(ids);
+        // The whole (capacity-sized) staging buffer goes up in one copy; only the first `n`
+        // ids are read by this call.
         let stream = self.device.stream().clone();
         stream
-            .memcpy_htod(ids, &mut self.ids.slice_mut(..n))
+            .memcpy_htod(&self.host_ids, &mut self.ids)
             .map_err(|e| cuda_err("uploading the token ids", e))?;
         Ok(Dims::new(&self.config, batch, seq))
     }
@@ -399,26 +429,34 @@ impl GpuLlama {
                 format!("has {} entries but batch * seq = {n}", labels.len()),
             ));
         }
-        let host = &mut self.host_targets[..n];
+        // Validate from `labels` (the staging buffer is write-combined: slow to read back).
+        // Target `t` of a row is the row's label `t + 1`; the first label is never a target.
+        for (r, row) in labels.chunks(seq).enumerate() {
+            if let Some((t, &label)) = row
+                .iter()
+                .enumerate()
+                .skip(1)
+                .find(|&(_, &l)| l != IGNORE_INDEX && (l < 0 || l as usize >= vocab))
+            {
+                return Err(OpsError::LabelOutOfRange {
+                    label,
+                    position: r * seq + t - 1,
+                    vocab,
+                }
+                .into());
+            }
+        }
+        let host = &mut self
+            .host_targets
+            .as_mut_slice()
+            .map_err(|e| cuda_err("staging the targets", e))?[..n];
         for (trow, lrow) in host.chunks_mut(seq).zip(labels.chunks(seq)) {
             trow[..seq - 1].copy_from_slice(&lrow[1..]);
             trow[seq - 1] = IGNORE_INDEX;
         }
-        if let Some((position, &label)) = host
-            .iter()
-            .enumerate()
-            .find(|&(_, &t)| t != IGNORE_INDEX && (t < 0 || t as usize >= vocab))
-        {
-            return Err(OpsError::LabelOutOfRange {
-                label,
-                position,
-                vocab,
-            }
-            .into());
-        }
         let stream = self.device.stream().clone();
         stream
-            .memcpy_htod(&self.host_targets[..n], &mut self.targets.slice_mut(..n))
+            .memcpy_htod(&self.host_targets, &mut self.targets)
             .map_err(|e| cuda_err("uploading the targets", e))?;
         Ok(count_valid_targets(labels, d.batch, seq))
     }

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine from the repository root, with target/gpu-bundle carried (see
+# ../shared/gpu/bundle.sh). Phases are named on the command line; every phase writes its log
+# under $OUT and a failure in one phase does not stop the others.
+#   scripts/gpu-call.sh kernels goldens host
+set -uo pipefail
+B=target/gpu-bundle
+. "$B/env.sh"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+status=0
+run() { # name, command...
+  local name=$1; shift
+  echo "=== $name: $*"
+  if "$@" > "$OUT/$name.log" 2>&1; then echo "--- $name ok"; else echo "--- $name FAILED ($?)"; status=1; fi
+  grep -E "test result|rel err|error|FAILED|panicked|tflops|GB/s|gb_per_s|\"impl\"|skipped" "$OUT/$name.log" | tail -40
+}
+for phase in "$@"; do
+  case $phase in
+    kernels)
+      for t in gpu-test gpu-test-38 gpu_elementwise-test gpu_loss-test gpu_matmul_attention-test; do
+        [ -x "$B/tests/$t" ] && run "$t" "$B/tests/$t" --include-ignored --test-threads=1 --nocapture
+      done;;
+    model)
+      run gpu_model "$B/tests/gpu_model-test" --include-ignored --test-threads=1 --nocapture;;
+    goldens)
+      run optim_golden python3 tests/optim_golden/make_optim_golden.py --device cuda --out "$OUT/optim_golden_cuda"
+      TILEARN_OPTIM_GOLDEN_DIR="$OUT/optim_golden_cuda" run optim_replay "$B/tests/torch_trajectories-test" --nocapture
+      run amp_golden python3 tests/amp_golden/make_scaler_golden.py --device cuda --out "$OUT/amp_golden"
+      AMP_GOLDEN_DIR="$OUT/amp_golden" run amp_replay "$B/tests/torch_trajectory-test" --nocapture
+      (cd "$OUT" && tar -cf goldens.tar optim_golden_cuda amp_golden && rm -rf optim_golden_cuda amp_golden);;
+    host)
+      run affinity_host "$B/tests/host-test" --nocapture --test-threads=1
+      run hostbench "$B/bin/tilearn-hostbench" --loader-batches 500 --repeats 3;;
+    ceilings)
+      run gemm_bench "$B/bin/gemm-bench"
+      run optim_bench "$B/bin/optim-bench";;
+  esac
+done
+exit $status

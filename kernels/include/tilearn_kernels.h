@@ -160,6 +160,43 @@ int tilearn_optim_adam(const tilearn_optim_launch *launch, const tilearn_optim_a
                        uint32_t n_groups, float *params, float *exp_avg, float *exp_avg_sq,
                        float *max_exp_avg_sq, cudaStream_t stream);
 
+/* optim_sgd.cu: SGD (torch.optim.SGD). Per group:
+ *   g = g + weight_decay * p                        (when weight_decay != 0)
+ *   with a buffer: buf = g (first_step) or buf = buf * momentum + one_minus_dampening * g;
+ *                  d = nesterov ? g + momentum * buf : buf
+ *   p = p + neg_lr * d                              (d = g without a buffer) */
+typedef struct tilearn_optim_sgd_group {
+    float weight_decay;
+    float momentum;
+    float one_minus_dampening;
+    float neg_lr;
+    uint32_t nesterov;
+    uint32_t first_step;
+} tilearn_optim_sgd_group;
+
+/* params: (device) f32; momentum_buffer: (device) f32 or NULL (momentum 0: plain SGD); both
+ * updated in place (=) on the launch's segments. */
+int tilearn_optim_sgd(const tilearn_optim_launch *launch, const tilearn_optim_sgd_group *groups,
+                      uint32_t n_groups, float *params, float *momentum_buffer,
+                      cudaStream_t stream);
+
+/* optim_lion.cu: Lion (lion-pytorch). Per group:
+ *   p = p * decay_factor (when apply_decay); c = m * beta1 + one_minus_beta1 * g;
+ *   p = p + neg_lr * sign(c); m = m * beta2 + one_minus_beta2 * g */
+typedef struct tilearn_optim_lion_group {
+    float decay_factor;
+    float beta1;
+    float one_minus_beta1;
+    float beta2;
+    float one_minus_beta2;
+    float neg_lr;
+    uint32_t apply_decay;
+} tilearn_optim_lion_group;
+
+/* params, exp_avg: (device) f32, updated in place (=) on the launch's segments. */
+int tilearn_optim_lion(const tilearn_optim_launch *launch, const tilearn_optim_lion_group *groups,
+                       uint32_t n_groups, float *params, float *exp_avg, cudaStream_t stream);
+
 /* ---- cross_entropy.cu: softmax cross-entropy over the vocabulary, forward + backward fused ----
  * logits: [rows, vocab] row-major, any vocab; targets: [rows] (-100 = ignored); row_loss: [rows]
  * f32, written (0 for ignored rows); totals: 4 f64, written by every successful launch:

@@ -947,3 +947,234 @@ fn plan_rejects_bad_shards_groups_and_segment_lists() {
         "past numel"
     );
 }
+
+// ---- Adam (L2), SGD, Lion: the same fixture, bf16 gradients and a bf16 working copy ----
+
+/// Parameters, a poisoned bf16 copy and the plan over `groups()`, plus per-step gradients.
+struct Fixture {
+    segments: Vec<Segment>,
+    plan: SegmentPlan,
+    init: Vec<f32>,
+    params: CudaSlice<f32>,
+    copy: CudaSlice<bf16>,
+    rng: ChaCha8Rng,
+}
+
+impl Fixture {
+    fn new(dev: &GpuDevice, seed: u64) -> Self {
+        let s = dev.stream();
+        let groups = groups();
+        let segments = segments_of(&groups);
+        let plan = SegmentPlan::whole(s, &segments, N, groups.len()).expect("plan");
+        let mut rng = rng(seed);
+        let init = nonzero(&mut rng, N, 0.05, 2.0);
+        Fixture {
+            params: upload(s, &init),
+            copy: upload(s, &vec![bf16::from_bits(POISON_BF16); N]),
+            segments,
+            plan,
+            init,
+            rng,
+        }
+    }
+
+    /// Next step's gradients: bf16 on the device, the same values as f32 for the CPU.
+    fn grads(&mut self, s: &Arc<CudaStream>) -> (Vec<f32>, CudaSlice<bf16>) {
+        let g16: Vec<bf16> = nonzero(&mut self.rng, N, 1e-3, 1.0)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        (g16.iter().map(|x| x.to_f32()).collect(), upload(s, &g16))
+    }
+
+    /// Compares params (and the copy) with the CPU's; returns the GPU params.
+    fn check_params(&self, dev: &GpuDevice, test: &str, cpu_params: &[f32]) {
+        let mask = covered(&self.segments, &(0..N));
+        let gpu = download(dev, &self.params);
+        check(test, "params", &gpu, cpu_params, &mask, &self.init);
+        check_bf16_copy(test, &download(dev, &self.copy), &gpu, &mask);
+    }
+}
+
+fn io<'a>(g: &'a CudaSlice<bf16>, copy: &'a mut CudaSlice<bf16>, step: u64) -> StepIo<'a> {
+    StepIo {
+        grads: Grads::Bf16(g.as_view()),
+        param_copy: ParamCopy::Bf16(copy.as_view_mut(), Rounding::Nearest),
+        inv_scale: None,
+        found_inf: None,
+        clip: None,
+        step,
+    }
+}
+
+#[test]
+fn adam_l2_matches_cpu() {
+    use tilearn_optim::cuda::adam_l2_step;
+    use tilearn_optim::{Adam, AdamConfig};
+    let test = "adam_l2_matches_cpu";
+    let Some(dev) = gpu_or_skip(test) else {
+        return;
+    };
+    let s = dev.stream();
+    for amsgrad in [false, true] {
+        let mut f = Fixture::new(&dev, 21);
+        let config = AdamConfig {
+            amsgrad,
+            weight_decay: 0.05,
+            ..AdamConfig::default()
+        };
+        let mut cpu = Adam::new(config, groups(), N).expect("cpu");
+        let mut cpu_p = f.init.clone();
+        let mut m = upload(s, &vec![0.0f32; N]);
+        let mut v = upload(s, &vec![0.0f32; N]);
+        let mut x = upload(s, &vec![0.0f32; N]);
+        for step in 1..=4u64 {
+            let lr = 1e-3 / step as f32;
+            let (g, g_dev) = f.grads(s);
+            let scalars: Vec<_> = (0..2)
+                .map(|gi| cpu.step_scalars(gi, lr).expect("g"))
+                .collect();
+            cpu.step(&mut cpu_p, &g, lr).expect("cpu step");
+            let state = AdamState {
+                params: f.params.as_view_mut(),
+                exp_avg: m.as_view_mut(),
+                exp_avg_sq: v.as_view_mut(),
+                max_exp_avg_sq: amsgrad.then(|| x.as_view_mut()),
+            };
+            adam_l2_step(s, &f.plan, &scalars, state, io(&g_dev, &mut f.copy, step))
+                .expect("fused step");
+        }
+        let name = if amsgrad {
+            "adam_l2_amsgrad"
+        } else {
+            "adam_l2"
+        };
+        f.check_params(&dev, name, &cpu_p);
+        let mask = covered(&f.segments, &(0..N));
+        let zeros = vec![0.0f32; N];
+        check(
+            name,
+            "exp_avg",
+            &download(&dev, &m),
+            cpu.exp_avg(),
+            &mask,
+            &zeros,
+        );
+        check(
+            name,
+            "exp_avg_sq",
+            &download(&dev, &v),
+            cpu.exp_avg_sq(),
+            &mask,
+            &zeros,
+        );
+    }
+}
+
+#[test]
+fn sgd_matches_cpu_for_momentum_dampening_nesterov_and_plain() {
+    use tilearn_optim::cuda::sgd_step;
+    use tilearn_optim::{Sgd, SgdConfig};
+    let test = "sgd_matches_cpu";
+    let Some(dev) = gpu_or_skip(test) else {
+        return;
+    };
+    let s = dev.stream();
+    let configs = [
+        ("sgd_momentum_dampening", 0.9, 0.1, false, 0.01),
+        ("sgd_nesterov", 0.9, 0.0, true, 0.01),
+        ("sgd_plain", 0.0, 0.0, false, 0.0),
+    ];
+    for (name, momentum, dampening, nesterov, wd) in configs {
+        let mut f = Fixture::new(&dev, 31);
+        let config = SgdConfig {
+            lr: 0.01,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay: wd,
+        };
+        let mut cpu = Sgd::new(config, groups(), N).expect("cpu");
+        let mut cpu_p = f.init.clone();
+        // Poisoned: the first step must write the buffer without reading it (buf = g).
+        let mut buf = upload(s, &vec![f32::NAN; N]);
+        for step in 1..=4u64 {
+            let lr = 0.01 / step as f32;
+            let (g, g_dev) = f.grads(s);
+            let scalars: Vec<_> = (0..2)
+                .map(|gi| cpu.step_scalars(gi, lr).expect("g"))
+                .collect();
+            cpu.step(&mut cpu_p, &g, lr).expect("cpu step");
+            let b = (momentum != 0.0).then(|| buf.as_view_mut());
+            sgd_step(
+                s,
+                &f.plan,
+                &scalars,
+                f.params.as_view_mut(),
+                b,
+                io(&g_dev, &mut f.copy, step),
+            )
+            .expect("fused step");
+        }
+        f.check_params(&dev, name, &cpu_p);
+        if momentum != 0.0 {
+            let mask = covered(&f.segments, &(0..N));
+            let nan = vec![f32::NAN; N];
+            check(
+                name,
+                "momentum_buffer",
+                &download(&dev, &buf),
+                cpu.momentum_buffer().expect("buffer"),
+                &mask,
+                &nan,
+            );
+        }
+    }
+}
+
+#[test]
+fn lion_matches_cpu() {
+    use tilearn_optim::cuda::lion_step;
+    use tilearn_optim::{Lion, LionConfig};
+    let test = "lion_matches_cpu";
+    let Some(dev) = gpu_or_skip(test) else {
+        return;
+    };
+    let s = dev.stream();
+    let mut f = Fixture::new(&dev, 41);
+    let config = LionConfig {
+        weight_decay: 0.1,
+        ..LionConfig::default()
+    };
+    let mut cpu = Lion::new(config, groups(), N).expect("cpu");
+    let mut cpu_p = f.init.clone();
+    let mut m = upload(s, &vec![0.0f32; N]);
+    for step in 1..=4u64 {
+        let lr = 1e-4 * step as f32;
+        let (g, g_dev) = f.grads(s);
+        let scalars: Vec<_> = (0..2)
+            .map(|gi| cpu.step_scalars(gi, lr).expect("g"))
+            .collect();
+        cpu.step(&mut cpu_p, &g, lr).expect("cpu step");
+        lion_step(
+            s,
+            &f.plan,
+            &scalars,
+            f.params.as_view_mut(),
+            m.as_view_mut(),
+            io(&g_dev, &mut f.copy, step),
+        )
+        .expect("fused step");
+    }
+    f.check_params(&dev, test, &cpu_p);
+    let mask = covered(&f.segments, &(0..N));
+    let zeros = vec![0.0f32; N];
+    check(
+        test,
+        "exp_avg",
+        &download(&dev, &m),
+        cpu.exp_avg(),
+        &mask,
+        &zeros,
+    );
+}

@@ -53,6 +53,27 @@ pub struct tilearn_optim_adam_group {
     pub decoupled_decay: u32,
     pub l2_decay: u32,
 }
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct tilearn_optim_sgd_group {
+    pub weight_decay: f32,
+    pub momentum: f32,
+    pub one_minus_dampening: f32,
+    pub neg_lr: f32,
+    pub nesterov: u32,
+    pub first_step: u32,
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct tilearn_optim_lion_group {
+    pub decay_factor: f32,
+    pub beta1: f32,
+    pub one_minus_beta1: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    pub neg_lr: f32,
+    pub apply_decay: u32,
+}
 unsafe extern "C" {
     pub fn tilearn_status_name(status: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
     pub fn tilearn_status_string(status: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
@@ -154,6 +175,22 @@ unsafe extern "C" {
         exp_avg: *mut f32,
         exp_avg_sq: *mut f32,
         max_exp_avg_sq: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_optim_sgd(
+        launch: *const tilearn_optim_launch,
+        groups: *const tilearn_optim_sgd_group,
+        n_groups: u32,
+        params: *mut f32,
+        momentum_buffer: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_optim_lion(
+        launch: *const tilearn_optim_launch,
+        groups: *const tilearn_optim_lion_group,
+        n_groups: u32,
+        params: *mut f32,
+        exp_avg: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_cross_entropy_fused_f32(

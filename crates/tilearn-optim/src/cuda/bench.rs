@@ -266,7 +266,7 @@ impl BenchResult {
 }
 
 /// The optimizers [`run_optimizer`] knows, in report order.
-pub const OPTIMIZERS: &[&str] = &["adamw", "adam"];
+pub const OPTIMIZERS: &[&str] = &["adamw", "adam", "sgd", "lion"];
 
 /// The `'static` name of a known optimizer (for [`BenchResult`]); unknown names map to "?".
 pub fn static_name(name: &str) -> &'static str {
@@ -284,7 +284,9 @@ pub type StepFn<'a> = dyn FnMut(u64) -> Result<()> + 'a;
 /// it likes) and returns the bytes the step moves per parameter with `time`'s result.
 ///
 /// Bytes per parameter (fp32 master and state, bf16 gradient and working copy):
-/// Adam/AdamW read p, m, v (12) + g (2) and write p, m, v (12) + the bf16 copy (2) = 28.
+/// Adam/AdamW read p, m, v (12) + g (2) and write p, m, v (12) + the bf16 copy (2) = 28;
+/// SGD with momentum reads p, buf (8) + g (2) and writes p, buf (8) + copy (2) = 20;
+/// Lion reads p, m (8) + g (2) and writes p, m (8) + copy (2) = 20.
 pub fn run_optimizer<T>(
     stream: &Arc<CudaStream>,
     bufs: &mut BenchBuffers,
@@ -293,7 +295,10 @@ pub fn run_optimizer<T>(
 ) -> Result<(usize, T)> {
     use super::adam::{AdamGroupScalars, AdamState, adam_step};
     use super::io::{Grads, ParamCopy, Rounding, StepIo};
-    use crate::{AdamConfig, AdamStepScalars, AdamWConfig, AdamWStepScalars};
+    use crate::{
+        AdamConfig, AdamStepScalars, AdamWConfig, AdamWStepScalars, LionConfig, LionStepScalars,
+        SgdConfig, SgdStepScalars,
+    };
 
     let lr = 1e-4f64;
     match name {
@@ -339,6 +344,63 @@ pub fn run_optimizer<T>(
                 adam_step(stream, &bufs.plan, &scalars, state, io)
             };
             Ok((28, time(stream, &mut step)?))
+        }
+        "sgd" => {
+            let config = SgdConfig {
+                momentum: 0.9,
+                ..SgdConfig::default()
+            };
+            let mut step = |t: u64| -> Result<()> {
+                let scalars: Vec<SgdStepScalars> = bufs
+                    .groups
+                    .iter()
+                    .map(|g| SgdStepScalars::new(&config, lr, f64::from(g.weight_decay), t == 1))
+                    .collect();
+                let io = StepIo {
+                    grads: Grads::Bf16(bufs.grads.as_view()),
+                    param_copy: ParamCopy::Bf16(bufs.param_copy.as_view_mut(), Rounding::Nearest),
+                    inv_scale: None,
+                    found_inf: None,
+                    clip: None,
+                    step: t,
+                };
+                super::sgd::sgd_step(
+                    stream,
+                    &bufs.plan,
+                    &scalars,
+                    bufs.params.as_view_mut(),
+                    Some(bufs.exp_avg.as_view_mut()),
+                    io,
+                )
+            };
+            Ok((20, time(stream, &mut step)?))
+        }
+        "lion" => {
+            let config = LionConfig::default();
+            let mut step = |t: u64| -> Result<()> {
+                let scalars: Vec<LionStepScalars> = bufs
+                    .groups
+                    .iter()
+                    .map(|g| LionStepScalars::new(&config, lr, f64::from(g.weight_decay)))
+                    .collect();
+                let io = StepIo {
+                    grads: Grads::Bf16(bufs.grads.as_view()),
+                    param_copy: ParamCopy::Bf16(bufs.param_copy.as_view_mut(), Rounding::Nearest),
+                    inv_scale: None,
+                    found_inf: None,
+                    clip: None,
+                    step: t,
+                };
+                super::lion::lion_step(
+                    stream,
+                    &bufs.plan,
+                    &scalars,
+                    bufs.params.as_view_mut(),
+                    bufs.exp_avg.as_view_mut(),
+                    io,
+                )
+            };
+            Ok((20, time(stream, &mut step)?))
         }
         other => Err(FusedError::InvalidArgument {
             op: "bench::run_optimizer",

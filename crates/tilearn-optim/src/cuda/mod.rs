@@ -7,7 +7,7 @@
 //!   (round to nearest or stochastic), the GradScaler's device `inv_scale` / `found_inf` (read
 //!   inside the kernel: a step with `found_inf != 0` changes nothing, no host sync) and the
 //!   global-norm [`Clip`] input from [`GradNorm`].
-//! * Steps: [`adamw_step`] / [`adam_l2_step`] / [`adam_step`].
+//! * Steps: [`adamw_step`] / [`adam_l2_step`] / [`adam_step`], [`sgd_step`], [`lion_step`].
 //! * [`bench`]: the bandwidth benchmark shared by `benches/fused_optim.rs` and `optim-bench`.
 //!
 //! The kernels perform the CPU reference's f32 operations in the same order (no FMA
@@ -17,11 +17,15 @@ mod adam;
 pub mod bench;
 mod error;
 mod io;
+mod lion;
 mod norm;
 mod plan;
+mod sgd;
 
 pub use adam::{AdamGroupScalars, AdamState, adam_l2_step, adam_step, adamw_step};
 pub use error::{FusedError, Result};
 pub use io::{Clip, Grads, ParamCopy, Rounding, StepIo};
+pub use lion::lion_step;
 pub use norm::GradNorm;
 pub use plan::{CHUNK, LocalSegment, MAX_GROUPS, SegmentPlan, local_segments};
+pub use sgd::sgd_step;

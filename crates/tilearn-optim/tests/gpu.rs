@@ -1178,3 +1178,104 @@ fn lion_matches_cpu() {
         &zeros,
     );
 }
+
+// ---- LAMB: per-tensor trust ratios, Apex clip divisor on the host or on the device ----
+
+/// Trust-ratio tensors: every group range cut into pieces of at most 150 001 elements, plus
+/// the 5-element gap as a frozen tensor.
+fn lamb_tensors() -> Vec<Range<usize>> {
+    let mut out = vec![0..5];
+    for seg in segments_of(&groups()) {
+        let mut start = seg.range.start;
+        while start < seg.range.end {
+            let end = (start + 150_001).min(seg.range.end);
+            out.push(start..end);
+            start = end;
+        }
+    }
+    out
+}
+
+#[test]
+fn lamb_matches_cpu_with_host_and_device_clip() {
+    use tilearn_optim::cuda::{
+        LambScratch, LambState, lamb_groups, lamb_max_norm, lamb_segments, lamb_step,
+    };
+    use tilearn_optim::{Lamb, LambConfig};
+    let test = "lamb_matches_cpu";
+    let Some(dev) = gpu_or_skip(test) else {
+        return;
+    };
+    let s = dev.stream();
+    for device_clip in [false, true] {
+        let name = if device_clip {
+            "lamb_device_clip"
+        } else {
+            "lamb_host_clip"
+        };
+        let mut f = Fixture::new(&dev, 51);
+        let mut cpu =
+            Lamb::new(LambConfig::default(), groups(), N, lamb_tensors()).expect("cpu lamb");
+        let plan = SegmentPlan::whole(s, &lamb_segments(&cpu), N, 2).expect("plan");
+        let mut scratch = LambScratch::new(s, &plan).expect("scratch");
+        let mut norm = GradNorm::new(s).expect("norm");
+        let mut cpu_p = f.init.clone();
+        let mut m = upload(s, &vec![0.0f32; N]);
+        let mut v = upload(s, &vec![0.0f32; N]);
+        for step in 1..=4u64 {
+            let lr = 1e-3 * step as f32;
+            let (g, g_dev) = f.grads(s);
+            let gnorm = cpu.global_grad_norm(&g).expect("norm");
+            let groups = lamb_groups(&cpu, lr, gnorm);
+            cpu.step(&mut cpu_p, &g, lr).expect("cpu step");
+            let mut io = io(&g_dev, &mut f.copy, step);
+            if device_clip {
+                // Apex's norm covers the group elements only: skip the 5-element gap.
+                norm.compute(s, &Grads::Bf16(g_dev.slice(5..)), None)
+                    .expect("norm");
+                io.clip = Some(Clip {
+                    grad_sumsq: norm.result(),
+                    max_norm: lamb_max_norm(&cpu).expect("max_grad_norm"),
+                });
+            }
+            let state = LambState {
+                params: f.params.as_view_mut(),
+                exp_avg: m.as_view_mut(),
+                exp_avg_sq: v.as_view_mut(),
+            };
+            lamb_step(s, &plan, &groups, &mut scratch, state, io).expect("fused step");
+        }
+        f.check_params(&dev, name, &cpu_p);
+        let mask = covered(&f.segments, &(0..N));
+        let zeros = vec![0.0f32; N];
+        check(
+            name,
+            "exp_avg",
+            &download(&dev, &m),
+            cpu.exp_avg(),
+            &mask,
+            &zeros,
+        );
+        check(
+            name,
+            "exp_avg_sq",
+            &download(&dev, &v),
+            cpu.exp_avg_sq(),
+            &mask,
+            &zeros,
+        );
+        let ratios = download(&dev, scratch.ratios());
+        let want = cpu.last_ratios();
+        let worst = ratios
+            .iter()
+            .zip(want)
+            .map(|(&a, &b)| (f64::from(a) - f64::from(b)).abs() / f64::from(b).abs())
+            .fold(0.0f64, f64::max);
+        report(&format!(
+            "{name}: {} tensors, trust ratios max rel err {worst:.3e}",
+            want.len()
+        ));
+        assert_eq!(ratios.len(), want.len(), "{name}: one ratio per tensor");
+        assert!(worst <= TOL, "{name}: trust ratio rel err {worst:e}");
+    }
+}

@@ -266,7 +266,7 @@ impl BenchResult {
 }
 
 /// The optimizers [`run_optimizer`] knows, in report order.
-pub const OPTIMIZERS: &[&str] = &["adamw", "adam", "sgd", "lion"];
+pub const OPTIMIZERS: &[&str] = &["adamw", "adam", "sgd", "lion", "lamb"];
 
 /// The `'static` name of a known optimizer (for [`BenchResult`]); unknown names map to "?".
 pub fn static_name(name: &str) -> &'static str {
@@ -286,7 +286,9 @@ pub type StepFn<'a> = dyn FnMut(u64) -> Result<()> + 'a;
 /// Bytes per parameter (fp32 master and state, bf16 gradient and working copy):
 /// Adam/AdamW read p, m, v (12) + g (2) and write p, m, v (12) + the bf16 copy (2) = 28;
 /// SGD with momentum reads p, buf (8) + g (2) and writes p, buf (8) + copy (2) = 20;
-/// Lion reads p, m (8) + g (2) and writes p, m (8) + copy (2) = 20.
+/// Lion reads p, m (8) + g (2) and writes p, m (8) + copy (2) = 20;
+/// LAMB moves 40: stage 1 reads p, m, v, g (14) and writes m, v (8); stage 2 reads p, m, v
+/// (12) and writes p + copy (6) (the per-tensor ratio kernel moves a few kB).
 pub fn run_optimizer<T>(
     stream: &Arc<CudaStream>,
     bufs: &mut BenchBuffers,
@@ -401,6 +403,44 @@ pub fn run_optimizer<T>(
                 )
             };
             Ok((20, time(stream, &mut step)?))
+        }
+        "lamb" => {
+            use super::lamb::{LambGroup, LambScratch, LambState, lamb_step};
+            use crate::{LambConfig, LambStepScalars};
+            // The model's tensors are the plan's segments (one per group range here).
+            let mut scratch = LambScratch::new(stream, &bufs.plan)?;
+            let config = LambConfig::default();
+            let mut step = |t: u64| -> Result<()> {
+                let groups: Vec<LambGroup> = bufs
+                    .groups
+                    .iter()
+                    .map(|g| LambGroup {
+                        scalars: LambStepScalars::new(
+                            &config,
+                            lr,
+                            f64::from(g.weight_decay),
+                            t,
+                            1.0,
+                        ),
+                        lr,
+                    })
+                    .collect();
+                let io = StepIo {
+                    grads: Grads::Bf16(bufs.grads.as_view()),
+                    param_copy: ParamCopy::Bf16(bufs.param_copy.as_view_mut(), Rounding::Nearest),
+                    inv_scale: None,
+                    found_inf: None,
+                    clip: None,
+                    step: t,
+                };
+                let state = LambState {
+                    params: bufs.params.as_view_mut(),
+                    exp_avg: bufs.exp_avg.as_view_mut(),
+                    exp_avg_sq: bufs.exp_avg_sq.as_view_mut(),
+                };
+                lamb_step(stream, &bufs.plan, &groups, &mut scratch, state, io)
+            };
+            Ok((40, time(stream, &mut step)?))
         }
         other => Err(FusedError::InvalidArgument {
             op: "bench::run_optimizer",

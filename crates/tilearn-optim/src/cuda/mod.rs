@@ -7,7 +7,8 @@
 //!   (round to nearest or stochastic), the GradScaler's device `inv_scale` / `found_inf` (read
 //!   inside the kernel: a step with `found_inf != 0` changes nothing, no host sync) and the
 //!   global-norm [`Clip`] input from [`GradNorm`].
-//! * Steps: [`adamw_step`] / [`adam_l2_step`] / [`adam_step`], [`sgd_step`], [`lion_step`].
+//! * Steps: [`adamw_step`] / [`adam_l2_step`] / [`adam_step`], [`sgd_step`], [`lion_step`],
+//!   [`lamb_step`] (three launches: moments and partial norms, per-tensor trust ratios, apply).
 //! * [`bench`]: the bandwidth benchmark shared by `benches/fused_optim.rs` and `optim-bench`.
 //!
 //! The kernels perform the CPU reference's f32 operations in the same order (no FMA
@@ -17,6 +18,7 @@ mod adam;
 pub mod bench;
 mod error;
 mod io;
+mod lamb;
 mod lion;
 mod norm;
 mod plan;
@@ -25,6 +27,9 @@ mod sgd;
 pub use adam::{AdamGroupScalars, AdamState, adam_l2_step, adam_step, adamw_step};
 pub use error::{FusedError, Result};
 pub use io::{Clip, Grads, ParamCopy, Rounding, StepIo};
+pub use lamb::{
+    LambGroup, LambScratch, LambState, lamb_groups, lamb_max_norm, lamb_segments, lamb_step,
+};
 pub use lion::lion_step;
 pub use norm::GradNorm;
 pub use plan::{CHUNK, LocalSegment, MAX_GROUPS, SegmentPlan, local_segments};

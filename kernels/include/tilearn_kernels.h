@@ -197,6 +197,36 @@ typedef struct tilearn_optim_lion_group {
 int tilearn_optim_lion(const tilearn_optim_launch *launch, const tilearn_optim_lion_group *groups,
                        uint32_t n_groups, float *params, float *exp_avg, cudaStream_t stream);
 
+/* optim_lamb.cu: LAMB (Apex FusedLAMB, adam_w_mode). The launch's segments are the tensors of
+ * the per-tensor trust ratio. Per group:
+ *   s = g / divisor (divisor = norm / max_norm when the launch has grad_sumsq and
+ *       norm > max_norm (launch->max_norm = Apex max_grad_norm), else clip_divisor)
+ *   m = m * beta1 + beta3 * s; v = v * beta2 + one_minus_beta2 * s * s
+ *   u = (m / bias_correction1) / (sqrt(v / bias_correction2) + eps) + weight_decay * p
+ *   per tensor: ratio = lr * ||p|| / ||u|| (use_trust_ratio, both norms non-zero) else lr
+ *   p = p - ratio * u */
+typedef struct tilearn_optim_lamb_group {
+    float clip_divisor;
+    float beta1;
+    float beta3;
+    float beta2;
+    float one_minus_beta2;
+    float bias_correction1;
+    float bias_correction2;
+    float eps;
+    float weight_decay;
+    uint32_t use_trust_ratio;
+    double lr;
+} tilearn_optim_lamb_group;
+
+/* params, exp_avg, exp_avg_sq: (device) f32, updated in place (=). partials: (device) scratch of
+ * >= 2 * launch->n_chunks f64; ratios: (device) >= launch->n_segments f32, written with each
+ * tensor's applied learning rate. */
+int tilearn_optim_lamb(const tilearn_optim_launch *launch, const tilearn_optim_lamb_group *groups,
+                       uint32_t n_groups, float *params, float *exp_avg, float *exp_avg_sq,
+                       double *partials, size_t partials_len, float *ratios, size_t ratios_len,
+                       cudaStream_t stream);
+
 /* ---- cross_entropy.cu: softmax cross-entropy over the vocabulary, forward + backward fused ----
  * logits: [rows, vocab] row-major, any vocab; targets: [rows] (-100 = ignored); row_loss: [rows]
  * f32, written (0 for ignored rows); totals: 4 f64, written by every successful launch:

@@ -74,6 +74,21 @@ pub struct tilearn_optim_lion_group {
     pub neg_lr: f32,
     pub apply_decay: u32,
 }
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct tilearn_optim_lamb_group {
+    pub clip_divisor: f32,
+    pub beta1: f32,
+    pub beta3: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    pub bias_correction1: f32,
+    pub bias_correction2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub use_trust_ratio: u32,
+    pub lr: f64,
+}
 unsafe extern "C" {
     pub fn tilearn_status_name(status: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
     pub fn tilearn_status_string(status: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
@@ -191,6 +206,19 @@ unsafe extern "C" {
         n_groups: u32,
         params: *mut f32,
         exp_avg: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_optim_lamb(
+        launch: *const tilearn_optim_launch,
+        groups: *const tilearn_optim_lamb_group,
+        n_groups: u32,
+        params: *mut f32,
+        exp_avg: *mut f32,
+        exp_avg_sq: *mut f32,
+        partials: *mut f64,
+        partials_len: usize,
+        ratios: *mut f32,
+        ratios_len: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_cross_entropy_fused_f32(

@@ -412,6 +412,43 @@ impl AdamW {
     /// Tensors: `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq` with amsgrad), F32, shape
     /// `[numel]`. Metadata: `format`, `format_version`, `step`, `numel`, `config` (JSON of
     /// [`AdamWConfig`]) and `groups` (JSON).
+    /// Replaces the moments and the step count, e.g. with state a device optimizer kept, so
+    /// that [`AdamW::save_state`] writes it in this format. Lengths must equal `numel`, and
+    /// `max_exp_avg_sq` must be given exactly when amsgrad is on.
+    pub fn set_state(
+        &mut self,
+        exp_avg: Vec<f32>,
+        exp_avg_sq: Vec<f32>,
+        max_exp_avg_sq: Option<Vec<f32>>,
+        step: u64,
+    ) -> Result<()> {
+        for (what, len) in [("exp_avg", exp_avg.len()), ("exp_avg_sq", exp_avg_sq.len())] {
+            if len != self.numel {
+                return Err(OptimError::LengthMismatch {
+                    what,
+                    expected: self.numel,
+                    actual: len,
+                });
+            }
+        }
+        if max_exp_avg_sq.is_some() != self.config.amsgrad
+            || max_exp_avg_sq
+                .as_ref()
+                .is_some_and(|m| m.len() != self.numel)
+        {
+            return Err(OptimError::LengthMismatch {
+                what: "max_exp_avg_sq (given exactly when amsgrad is on)",
+                expected: if self.config.amsgrad { self.numel } else { 0 },
+                actual: max_exp_avg_sq.as_ref().map_or(0, Vec::len),
+            });
+        }
+        self.exp_avg = exp_avg;
+        self.exp_avg_sq = exp_avg_sq;
+        self.max_exp_avg_sq = max_exp_avg_sq.unwrap_or_default();
+        self.step = step;
+        Ok(())
+    }
+
     pub fn save_state(&self, path: &Path) -> Result<()> {
         let err = |message: String| OptimError::State {
             file: path.to_path_buf(),

@@ -13,9 +13,9 @@
 pub mod adam;
 pub mod adamw;
 pub mod clip;
+mod common;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-mod common;
 pub mod error;
 pub mod group;
 pub mod lamb;

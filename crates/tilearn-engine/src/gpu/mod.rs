@@ -812,6 +812,24 @@ impl GpuLlama {
         }
     }
 
+    /// Replaces the optimizer's moments and step count, e.g. from a checkpoint's
+    /// `optimizer.safetensors` read by the CPU AdamW.
+    pub fn upload_optimizer_state(
+        &mut self,
+        exp_avg: &[f32],
+        exp_avg_sq: &[f32],
+        step: u64,
+    ) -> Result<()> {
+        let stream = self.device.stream().clone();
+        match &mut self.optimizer {
+            Some(opt) => opt.upload_moments(&stream, exp_avg, exp_avg_sq, step),
+            None => Err(invalid(
+                "GpuLlama::upload_optimizer_state",
+                "no optimizer: call configure_optimizer first".into(),
+            )),
+        }
+    }
+
     fn download_f32(&self, buf: &CudaSlice<f32>, what: &str) -> Result<Vec<f32>> {
         let stream = self.stream();
         let host = stream

@@ -182,6 +182,35 @@ impl GpuAdamW {
     }
 }
 
+impl GpuAdamW {
+    /// Replaces the moments and the step count (resuming from a checkpoint).
+    pub(crate) fn upload_moments(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        exp_avg: &[f32],
+        exp_avg_sq: &[f32],
+        step: u64,
+    ) -> Result<()> {
+        let numel = self.plan.len();
+        if exp_avg.len() != numel || exp_avg_sq.len() != numel {
+            return Err(OptimError::LengthMismatch {
+                what: "optimizer moments",
+                expected: numel,
+                actual: exp_avg.len().min(exp_avg_sq.len()),
+            }
+            .into());
+        }
+        stream
+            .memcpy_htod(exp_avg, &mut self.exp_avg.slice_mut(..numel))
+            .map_err(|e| super::cuda_err("uploading exp_avg", e))?;
+        stream
+            .memcpy_htod(exp_avg_sq, &mut self.exp_avg_sq.slice_mut(..numel))
+            .map_err(|e| super::cuda_err("uploading exp_avg_sq", e))?;
+        self.step = step;
+        Ok(())
+    }
+}
+
 /// The f64 with the same shortest decimal form as `x` (`0.9f32` -> `0.9`), as
 /// tilearn-optim's AdamW widens its hyper-parameters, so device and CPU steps take the same
 /// scalars.

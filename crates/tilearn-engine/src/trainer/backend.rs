@@ -14,6 +14,13 @@ pub trait StepBackend {
     /// e.g. `cpu (f32 reference)` or `cuda:0 NVIDIA H200`.
     fn describe(&self) -> String;
 
+    /// Whether this backend can run a period in `precision` (the CPU emulates all three; the
+    /// CUDA engine runs the one it was built for).
+    fn supports(&self, precision: Precision) -> bool {
+        let _ = precision;
+        true
+    }
+
     /// Clears the gradient buffer before the micro-batches of one optimizer step.
     fn zero_grads(&mut self);
 
@@ -33,16 +40,18 @@ pub trait StepBackend {
     fn unscale_and_check(&mut self, inv_scale: f32) -> bool;
 
     /// Clips the global gradient norm to `max_norm` (0 = no clipping); returns the norm before
-    /// clipping.
+    /// clipping. A backend that clips inside its optimizer kernel returns 0 here and reports
+    /// the norm from [`StepBackend::optimizer_step`].
     fn clip_grad_norm(&mut self, max_norm: f64) -> f64;
 
-    /// Applies the optimizer with learning rate `lr`.
-    fn optimizer_step(&mut self, lr: f32) -> Result<()>;
+    /// Applies the optimizer with learning rate `lr`; returns the pre-clip gradient norm when
+    /// the backend measured it inside the step.
+    fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>>;
 
     /// The model with the current weights (the CUDA engine copies them back first).
     fn model(&mut self) -> Result<&LlamaForCausalLM>;
 
-    fn save_optimizer(&self, path: &Path) -> Result<()>;
+    fn save_optimizer(&mut self, path: &Path) -> Result<()>;
 
     /// Replaces weights and optimizer state with a checkpoint's.
     fn restore(&mut self, model: LlamaForCausalLM, optimizer_file: &Path) -> Result<()>;

@@ -117,17 +117,17 @@ impl StepBackend for CpuBackend {
         }
     }
 
-    fn optimizer_step(&mut self, lr: f32) -> Result<()> {
-        Ok(self
-            .optimizer
-            .step(&mut self.model.params.data, &self.grads, lr)?)
+    fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
+        self.optimizer
+            .step(&mut self.model.params.data, &self.grads, lr)?;
+        Ok(None)
     }
 
     fn model(&mut self) -> Result<&LlamaForCausalLM> {
         Ok(&self.model)
     }
 
-    fn save_optimizer(&self, path: &Path) -> Result<()> {
+    fn save_optimizer(&mut self, path: &Path) -> Result<()> {
         Ok(self.optimizer.save_state(path)?)
     }
 

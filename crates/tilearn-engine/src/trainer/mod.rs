@@ -9,6 +9,8 @@ pub mod args;
 pub mod backend;
 pub mod checkpoint;
 pub mod cpu_backend;
+#[cfg(feature = "cuda")]
+pub mod gpu_backend;
 pub mod log;
 pub mod state;
 
@@ -247,6 +249,20 @@ impl Trainer {
             TrainLength::Epochs(e) => ((e * steps_per_epoch as f64).ceil() as u64).max(1),
         };
 
+        if let Some(p) = self
+            .amp
+            .possible_precisions()
+            .into_iter()
+            .find(|&p| !self.backend.supports(p))
+        {
+            return Err(EngineError::InvalidArgument {
+                argument: "precision".into(),
+                message: format!(
+                    "{} cannot run {p} periods; choose a precision it supports (or --device cpu)",
+                    self.backend.describe()
+                ),
+            });
+        }
         let schedule = self.schedule(total_steps)?;
         let mut scaler = self.amp.new_scaler();
         let mut state = TrainerState {
@@ -326,17 +342,21 @@ impl Trainer {
             let grad_norm = if skipped {
                 f64::NAN
             } else {
-                let norm = self.backend.clip_grad_norm(a.max_grad_norm);
-                if !loss.is_finite() || !norm.is_finite() {
-                    return Err(EngineError::InvalidArgument {
-                        argument: "--learning-rate".into(),
-                        message: format!(
-                            "step {}: loss {loss} / grad norm {norm} is not finite in {precision}; training stopped before the update, the last checkpoint is intact; lower the learning rate, enable clipping or use --fp16 with its loss scaler",
-                            state.global_step + 1
-                        ),
-                    });
+                let clip_norm = self.backend.clip_grad_norm(a.max_grad_norm);
+                let diverged = |norm: f64| EngineError::InvalidArgument {
+                    argument: "--learning-rate".into(),
+                    message: format!(
+                        "step {}: loss {loss} / grad norm {norm} is not finite in {precision}; training stopped, the last checkpoint on disk is intact; lower the learning rate, enable clipping or use --fp16 with its loss scaler",
+                        state.global_step + 1
+                    ),
+                };
+                if !loss.is_finite() || !clip_norm.is_finite() {
+                    return Err(diverged(clip_norm));
                 }
-                self.backend.optimizer_step(lr)?;
+                let norm = self.backend.optimizer_step(lr)?.unwrap_or(clip_norm);
+                if !norm.is_finite() {
+                    return Err(diverged(norm));
+                }
                 norm
             };
             state.global_step += 1;

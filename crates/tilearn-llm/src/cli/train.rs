@@ -95,9 +95,12 @@ pub struct TrainArgs {
     /// Compute in bf16 (no loss scaling needed).
     #[arg(long)]
     pub bf16: bool,
-    /// Compute in fp32 (the default).
+    /// Compute in fp32 (the default on the CPU; the GPU defaults to bf16).
     #[arg(long)]
     pub fp32: bool,
+    /// Same as --fp32: turn off the GPU's default bf16 mixed precision.
+    #[arg(long)]
+    pub no_bf16: bool,
     /// Adaptive mixed precision: 0 time-based, 1 time + learning rate, 2 loss-based, auto
     /// (fp16 with fallback on recurring overflows or a collapsed loss scale).
     #[arg(long)]
@@ -164,12 +167,10 @@ const FROM_SCRATCH: Recipe = Recipe {
 };
 
 pub fn run(args: TrainArgs) -> Result<()> {
-    choose_device(args.device)?;
-    let amp = amp_plan(&args)?;
+    let trains_on_gpu = choose_device(args.device)?;
+    let amp = amp_plan(&args, trains_on_gpu)?;
     // Before anything spawns threads (rayon's pool, the loader): they inherit the main thread's
-    // CPU mask. The training step runs on the CPU reference engine in this version (see
-    // choose_device), so `--bind-cores auto` pins nothing yet.
-    let trains_on_gpu = false;
+    // CPU mask.
     let loader_hook = super::topology::bind_this_rank(args.bind_cores.resolve(trains_on_gpu));
     let (model, recipe) = build_model(&args)?;
     let dataset = open_dataset(&args)?;
@@ -206,17 +207,25 @@ pub fn run(args: TrainArgs) -> Result<()> {
         progress_bar: true,
         debug_inject_overflow: args.debug_inject_overflow.clone(),
     };
+    let config = model.config.clone();
+    let params = model.params.numel();
+    let mut trainer = if trains_on_gpu {
+        gpu_trainer(training, model, dataset, &amp)?
+    } else {
+        Trainer::new(training, model, dataset)?
+    };
+    let training = &trainer.args;
     println!(
-        "model: {} parameters, {} layers, hidden {}; device cpu; batch {}×{} tokens × {} accumulation; output {}",
-        model.params.numel(),
-        model.config.num_hidden_layers,
-        model.config.hidden_size,
+        "model: {} parameters, {} layers, hidden {}; device {}; batch {}×{} tokens × {} accumulation; output {}",
+        params,
+        config.num_hidden_layers,
+        config.hidden_size,
+        trainer.backend_description(),
         training.per_device_train_batch_size,
         training.seq_len,
         training.gradient_accumulation_steps,
         training.output_dir.display()
     );
-    let mut trainer = Trainer::new(training, model, dataset)?;
     trainer.set_amp_plan(amp);
     if let Some(hook) = loader_hook {
         trainer.set_loader_hook(hook);
@@ -236,34 +245,91 @@ pub fn run(args: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// The Llama path runs on the CPU reference engine; the CUDA training step is the CUDA
-/// backend's work. `auto` says which it picked; an explicit `cuda` is refused clearly.
-fn choose_device(choice: DeviceChoice) -> Result<()> {
+/// Whether to train on the GPU: `cpu` never, `cuda` always (a clear error when this build or
+/// machine has no GPU), `auto` when the CUDA kernels are built in and a device is present.
+fn choose_device(choice: DeviceChoice) -> Result<bool> {
+    let info = tilearn_ops::backend::probe();
+    let usable = info.cuda_compiled && !info.devices.is_empty();
     match choice {
-        DeviceChoice::Cpu => Ok(()),
-        DeviceChoice::Auto => {
-            let info = tilearn_ops::backend::probe();
-            if !info.devices.is_empty() {
-                eprintln!(
-                    "note: a CUDA device is present, but this build trains on the CPU reference engine (the CUDA training step is not built yet)"
-                );
-            }
-            Ok(())
-        }
+        DeviceChoice::Cpu => Ok(false),
+        DeviceChoice::Auto => Ok(usable),
+        DeviceChoice::Cuda if usable => Ok(true),
         DeviceChoice::Cuda => Err(LlmError::Usage {
             flag: "--device cuda".into(),
-            message: "the CUDA training step is not available in this version; use --device cpu"
-                .into(),
+            message: if info.cuda_compiled {
+                let why = info
+                    .cuda_driver
+                    .err()
+                    .unwrap_or_else(|| "no device found".into());
+                format!("no usable CUDA device ({why}); use --device cpu")
+            } else {
+                "this build has no CUDA kernels; rebuild with --features cuda (cargo xtask train does when nvcc is found) or use --device cpu".into()
+            },
         }),
     }
 }
 
+/// The GPU rank of this process: torchrun's LOCAL_RANK, else 0.
+#[cfg(feature = "cuda")]
+fn local_gpu() -> usize {
+    std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_trainer(
+    training: TrainingArguments,
+    model: LlamaForCausalLM,
+    dataset: TokenDataset,
+    amp: &adaptfp16::AmpPlan,
+) -> Result<Trainer> {
+    use tilearn_engine::trainer::gpu_backend::GpuBackend;
+    let precision = match amp {
+        adaptfp16::AmpPlan::Fixed(p) => *p,
+        adaptfp16::AmpPlan::Adaptive(_) => {
+            return Err(LlmError::Usage {
+                flag: "--amp-policy".into(),
+                message: "adaptive precision runs on the CPU engine in this version; on the GPU use --bf16 (default) or --fp32".into(),
+            });
+        }
+    };
+    let config = model.config.clone();
+    let backend = GpuBackend::new(model, &training, local_gpu(), precision)?;
+    Ok(Trainer::with_backend(
+        training,
+        config,
+        Box::new(backend),
+        dataset,
+    )?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_trainer(
+    _training: TrainingArguments,
+    _model: LlamaForCausalLM,
+    _dataset: TokenDataset,
+    _amp: &adaptfp16::AmpPlan,
+) -> Result<Trainer> {
+    // choose_device only picks the GPU when the CUDA kernels are compiled in.
+    Err(LlmError::Usage {
+        flag: "--device cuda".into(),
+        message: "this build has no CUDA kernels; rebuild with --features cuda".into(),
+    })
+}
+
 /// The precision flags as a validated plan; errors name the flag.
-fn amp_plan(args: &TrainArgs) -> Result<adaptfp16::AmpPlan> {
+fn amp_plan(args: &TrainArgs, on_gpu: bool) -> Result<adaptfp16::AmpPlan> {
+    let any_flag = args.fp16 || args.bf16 || args.fp32 || args.no_bf16 || args.amp_policy.is_some();
+    if on_gpu && !any_flag {
+        // The GPU default: bf16 mixed precision with fp32 master weights.
+        return Ok(adaptfp16::AmpPlan::Fixed(adaptfp16::Precision::Bf16));
+    }
     let flags = adaptfp16::cli::AmpArgs {
         fp16: args.fp16,
         bf16: args.bf16,
-        fp32: args.fp32,
+        fp32: args.fp32 || args.no_bf16,
         policy: args.amp_policy,
         start: args.amp_start,
         end: args.amp_end,

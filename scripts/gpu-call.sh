@@ -18,7 +18,7 @@ run() { # name, command...
 for phase in "$@"; do
   case $phase in
     kernels)
-      for t in gpu-test gpu-test-38 gpu_elementwise-test gpu_loss-test gpu_matmul_attention-test; do
+      for t in $(cd "$B/tests" && ls | grep -E "^gpu(-test|_elementwise|_loss|_matmul)"); do
         [ -x "$B/tests/$t" ] && run "$t" "$B/tests/$t" --include-ignored --test-threads=1 --nocapture
       done;;
     model)
@@ -32,9 +32,23 @@ for phase in "$@"; do
     host)
       run affinity_host "$B/tests/host-test" --nocapture --test-threads=1
       run hostbench "$B/bin/tilearn-hostbench" --loader-batches 500 --repeats 3;;
+    train)
+      # The main job on the GPU: the embedded default, bf16, then a resume from its checkpoint.
+      run train_gpu "$B/bin/tilearn" train --device cuda --output-dir "$OUT/run" --save-steps 150
+      run train_gpu_resume "$B/bin/tilearn" train --device cuda --output-dir "$OUT/run-resumed" \
+        --data "$OUT/run/data" --resume-from-checkpoint "$OUT/run/checkpoint-150"
+      cp "$OUT/run/train_log.jsonl" "$OUT/train_gpu_log.jsonl" 2>/dev/null
+      rm -rf "$OUT/run" "$OUT/run-resumed";;
+    e2e)
+      for p in llama-134m tinyllama-1.1b; do
+        run "bench_$p" "$B/bin/tilearn" bench --preset "$p" --steps 10 --json
+      done
+      run torch_eager timeout 240 python3 benches/pytorch_baseline.py --mode eager --steps 10
+      run torch_compile timeout 300 python3 benches/pytorch_baseline.py --mode compile --steps 10;;
     ceilings)
       run gemm_bench "$B/bin/gemm-bench"
-      run optim_bench "$B/bin/optim-bench";;
+      run optim_bench "$B/bin/optim-bench" --steps 20
+      run torch_optim timeout 300 python3 benches/pytorch_optim_baseline.py --steps 20;;
   esac
 done
 exit $status

@@ -948,18 +948,19 @@ fn attention_rejects_bad_shapes() {
     assert!(
         cuda::attention_forward_f32(&gemm, &mut ws, s, &q, &q, &q, &mut out, &mut lse).is_err()
     );
-    // A sequence whose T×T scores exceed the whole workspace (built for 2 sequences of 5, so
-    // 200 scores; one sequence of 8 needs 4·64 = 256). The check is by size: one sequence of 6
-    // (144 scores) legitimately fits in the room of two sequences of 5.
+    // A sequence whose scores exceed the whole workspace. The check is by size, and score rows
+    // are padded (T=5 rows hold 8 scores), so two sequences of 5 leave room for 2·4·5·8 = 320
+    // scores: one sequence of 8 (4·8·8 = 256) legitimately fits, one of 16 (4·16·16 = 1024)
+    // does not.
     let long = AttnShape {
-        seq: 8,
+        seq: 16,
         batch: 1,
         ..s
     };
-    let q6 = upload(st, &vec![0.5f32; 8 * 4 * 8]);
-    let kv6 = upload(st, &vec![0.5f32; 8 * 2 * 8]);
+    let q6 = upload(st, &vec![0.5f32; 16 * 4 * 8]);
+    let kv6 = upload(st, &vec![0.5f32; 16 * 2 * 8]);
     let mut out6 = poisoned::<f32>(st, q6.len());
-    let mut lse6 = poisoned::<f32>(st, 4 * 8);
+    let mut lse6 = poisoned::<f32>(st, 4 * 16);
     assert!(ws.batch_chunk(long).is_err());
     assert!(
         cuda::attention_forward_f32(&gemm, &mut ws, long, &q6, &kv6, &kv6, &mut out6, &mut lse6)

@@ -24,8 +24,15 @@ pub enum BenchDevice {
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// llama-134m or tinyllama-1.1b.
-    #[arg(long)]
-    pub preset: String,
+    #[arg(long, required_unless_present = "optimizer")]
+    pub preset: Option<String>,
+    /// Benchmark fused optimizer steps instead (comma-separated: adamw, adam, sgd, lion, lamb)
+    /// over `--params` parameters, against the measured device copy bandwidth.
+    #[arg(long, value_delimiter = ',', conflicts_with = "preset")]
+    pub optimizer: Option<Vec<String>>,
+    /// Parameters for `--optimizer` (fp32 master and state, bf16 gradients and working copy).
+    #[arg(long, default_value_t = 1_100_000_000)]
+    pub params: usize,
     /// Sequences per step (default: the preset's).
     #[arg(long)]
     pub batch: Option<usize>,
@@ -43,20 +50,23 @@ pub struct BenchArgs {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
-    let preset = Preset::by_name(&args.preset).ok_or_else(|| LlmError::Usage {
-        flag: "--preset".into(),
-        message: format!(
-            "unknown preset `{}`; choose one of {}",
-            args.preset,
-            PRESETS.map(|p| p.name).join(", ")
-        ),
-    })?;
     if args.steps == 0 {
         return Err(LlmError::Usage {
             flag: "--steps".into(),
             message: "must be at least 1".into(),
         });
     }
+    if let Some(optimizers) = &args.optimizer {
+        return super::bench_gpu::bench_optimizers(optimizers, args.params, args.steps);
+    }
+    let name = args.preset.clone().unwrap_or_default();
+    let preset = Preset::by_name(&name).ok_or_else(|| LlmError::Usage {
+        flag: "--preset".into(),
+        message: format!(
+            "unknown preset `{name}`; choose one of {}",
+            PRESETS.map(|p| p.name).join(", ")
+        ),
+    })?;
     let batch = args.batch.unwrap_or(preset.batch);
     let seq = args.seq.unwrap_or(preset.seq);
     let config = preset.config(seq);

@@ -62,6 +62,44 @@ pub fn bench(config: &LlamaConfig, batch: usize, seq: usize, steps: usize) -> Re
     })
 }
 
+/// Fused optimizer steps over `params` parameters: one JSON line per optimizer with GB/s
+/// against the device copy bandwidth measured in the same run.
+#[cfg(feature = "cuda")]
+pub fn bench_optimizers(names: &[String], params: usize, steps: usize) -> Result<()> {
+    use tilearn_ops::cuda::GpuDevice;
+    use tilearn_optim::cuda::bench::{
+        BenchBuffers, BenchResult, copy_bandwidth, run_optimizer, static_name, time_steps,
+    };
+
+    let fused = |e: tilearn_optim::cuda::FusedError| crate::LlmError::Usage {
+        flag: "--optimizer".into(),
+        message: e.to_string(),
+    };
+    let steps = steps.max(20);
+    let device = GpuDevice::new(0)?;
+    let stream = device.stream();
+    // 4 GiB each way: far beyond the 60 MB L2, so this is the HBM ceiling.
+    let copy = copy_bandwidth(stream, 4 << 30, steps).map_err(fused)?;
+    let mut bufs = BenchBuffers::new(stream, params).map_err(fused)?;
+    for name in names {
+        let (bytes, times) = run_optimizer(stream, &mut bufs, name, |s, step| {
+            time_steps(s, 3, steps, step)
+        })
+        .map_err(fused)?;
+        let r = BenchResult::new(static_name(name), params, bytes, &times, copy);
+        println!("{}", r.to_json());
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn bench_optimizers(_names: &[String], _params: usize, _steps: usize) -> Result<()> {
+    Err(crate::LlmError::Usage {
+        flag: "--optimizer".into(),
+        message: "the fused optimizer kernels need a build with --features cuda".into(),
+    })
+}
+
 #[cfg(not(feature = "cuda"))]
 pub fn bench(
     _config: &LlamaConfig,

@@ -3,12 +3,17 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The workspace root (the parent of `xtask/`).
+/// The workspace root (the parent of `xtask/`). `cargo run` sets `CARGO_MANIFEST_DIR` for the
+/// process, which is right even when this binary was compiled from another checkout sharing
+/// the target directory; the compile-time value is the fallback.
 pub fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest_dir
         .parent()
-        .expect("xtask lives one level below the workspace root")
-        .to_path_buf()
+        .map(|p| p.to_path_buf())
+        .unwrap_or(manifest_dir)
 }
 
 /// Runs `cmd` in the workspace root, failing with the command line when it exits non-zero.

@@ -233,13 +233,14 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let mut sink = super::progress::sink();
     let summary = trainer.train(args.resume_from_checkpoint.as_deref(), sink.as_mut())?;
     println!(
-        "done: {} steps ({} skipped by the loss scaler), loss {:.4} -> {:.4}, {:.3} s/step, {:.0} tokens/s; model saved to {}",
+        "done: {} steps ({} skipped by the loss scaler), loss {:.4} -> {:.4}, {:.3} s/step, {:.0} tokens/s, peak memory {:.2} GiB; model saved to {}",
         summary.steps,
         summary.skipped_steps,
         summary.first_loss,
         summary.final_loss,
         summary.mean_step_seconds,
         summary.tokens_per_sec,
+        summary.peak_memory_bytes as f64 / (1u64 << 30) as f64,
         summary.output_dir.display()
     );
     Ok(())

@@ -15,6 +15,14 @@
 //            of scratch for very wide rows), then one thread per column adds the partials in
 //            chunk order. No float atomics, so the result is bit-identical run to run.
 //            The chunking depends only on (rows, dim).
+// Residual-fused variants (so the Llama block's residual adds need no launch of their own):
+//   add_rmsnorm_forward:   resid += y (in place: the residual stream update h = x + y), then
+//                          out = RMSNorm(resid) from the stored (rounded) resid, so the result
+//                          is bit-identical to residual_add_inplace followed by rmsnorm_forward.
+//                          bf16: resid = bf16(resid + y) (one rounding, like the add kernel).
+//   rmsnorm_backward_add:  dresid += dx (`+=`) instead of dx `=`; dweight as above. bf16: the
+//                          f32 dx is added to the widened dresid and rounded once (one rounding
+//                          fewer than rmsnorm_backward + residual_add_inplace).
 
 #include <cuda_bf16.h>
 
@@ -81,9 +89,36 @@ __global__ void rmsnorm_forward_kernel(const T* __restrict__ x, const T* __restr
     if (threadIdx.x == 0) rstd[row] = r;
 }
 
+// resid += y, then RMSNorm of the updated resid. Each thread reads back only the elements it
+// wrote itself (same index mapping in both loops), so no extra barrier is needed.
+template <typename T>
+__global__ void add_rmsnorm_forward_kernel(T* __restrict__ resid, const T* __restrict__ y,
+                                           const T* __restrict__ weight, size_t dim, float eps,
+                                           T* __restrict__ out, float* __restrict__ rstd) {
+    const size_t row = blockIdx.x;
+    T* hr = resid + row * dim;
+    const T* yr = y + row * dim;
+    T* outr = out + row * dim;
+    float ss = 0.0f;
+    for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const T h = from_f32<T>(to_f32(hr[i]) + to_f32(yr[i]));
+        hr[i] = h;
+        const float v = to_f32(h);
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float r = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+    for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float normed = to_f32(from_f32<T>(to_f32(hr[i]) * r));
+        outr[i] = from_f32<T>(to_f32(weight[i]) * normed);
+    }
+    if (threadIdx.x == 0) rstd[row] = r;
+}
+
 // One block per chunk of `rows_per_chunk` rows. dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x)).
 // The chunk's dweight partial lives in shared memory (kSharedAcc) or in its scratch row.
-template <typename T, bool kSharedAcc>
+// kAccumulate: dx += (the residual-stream gradient) instead of dx =.
+template <typename T, bool kSharedAcc, bool kAccumulate>
 __global__ void rmsnorm_backward_kernel(const T* __restrict__ dout, const T* __restrict__ x,
                                         const T* __restrict__ weight,
                                         const float* __restrict__ rstd, size_t rows, size_t dim,
@@ -108,7 +143,8 @@ __global__ void rmsnorm_backward_kernel(const T* __restrict__ dout, const T* __r
         for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
             const float dy = to_f32(dyr[i]);
             const float xv = to_f32(xr[i]);
-            dxr[i] = from_f32<T>(r * (to_f32(weight[i]) * dy - xv * c));
+            const float g = r * (to_f32(weight[i]) * dy - xv * c);
+            dxr[i] = from_f32<T>(kAccumulate ? to_f32(dxr[i]) + g : g);
             acc[i] += dy * xv * r;
         }
     }
@@ -155,6 +191,21 @@ int launch_forward(const void* x, const void* weight, size_t rows, size_t dim, f
 }
 
 template <typename T>
+int launch_add_forward(void* resid, const void* y, const void* weight, size_t rows, size_t dim,
+                       float eps, void* out, float* rstd, cudaStream_t stream) {
+    if (!shape_ok(rows, dim) || !(eps >= 0.0f) || eps == INFINITY)
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (dim == 0 || resid == nullptr || y == nullptr || weight == nullptr || out == nullptr ||
+        rstd == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
+    add_rmsnorm_forward_kernel<T><<<static_cast<unsigned>(rows), threads_for(dim), 0, stream>>>(
+        static_cast<T*>(resid), static_cast<const T*>(y), static_cast<const T*>(weight), dim, eps,
+        static_cast<T*>(out), rstd);
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T, bool kAccumulate>
 int launch_backward(const void* dout, const void* x, const void* weight, const float* rstd,
                     size_t rows, size_t dim, void* dx, float* dweight, float* scratch,
                     size_t scratch_len, cudaStream_t stream) {
@@ -171,12 +222,13 @@ int launch_backward(const void* dout, const void* x, const void* weight, const f
     const T* w = static_cast<const T*>(weight);
     T* dxs = static_cast<T*>(dx);
     if (dim <= kMaxSharedDweight) {
-        rmsnorm_backward_kernel<T, true>
+        rmsnorm_backward_kernel<T, true, kAccumulate>
             <<<static_cast<unsigned>(chunks), threads, dim * sizeof(float), stream>>>(
                 dy, xs, w, rstd, rows, dim, rows_per_chunk(rows), dxs, scratch);
     } else {
-        rmsnorm_backward_kernel<T, false><<<static_cast<unsigned>(chunks), threads, 0, stream>>>(
-            dy, xs, w, rstd, rows, dim, rows_per_chunk(rows), dxs, scratch);
+        rmsnorm_backward_kernel<T, false, kAccumulate>
+            <<<static_cast<unsigned>(chunks), threads, 0, stream>>>(
+                dy, xs, w, rstd, rows, dim, rows_per_chunk(rows), dxs, scratch);
     }
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return static_cast<int>(err);
@@ -192,6 +244,14 @@ int launch_backward(const void* dout, const void* x, const void* weight, const f
 extern "C" size_t tilearn_rmsnorm_backward_scratch_len(size_t rows, size_t dim) {
     if (!shape_ok(rows, dim)) return SIZE_MAX;
     return chunk_count(rows) * dim;
+}
+
+extern "C" size_t tilearn_rmsnorm_backward_scratch_len_max(size_t max_rows, size_t dim) {
+    if (!shape_ok(max_rows, dim)) return SIZE_MAX;
+    // chunk_count(rows) <= min(rows, kMaxChunks) for every rows, though it is not monotone in
+    // rows (513 rows make 257 chunks, 512 rows 512), so the bound is not the max_rows length.
+    const size_t chunks = max_rows < kMaxChunks ? max_rows : kMaxChunks;
+    return chunks * dim;
 }
 
 extern "C" int tilearn_rmsnorm_forward_f32(const float* x, const float* weight, size_t rows,
@@ -210,7 +270,7 @@ extern "C" int tilearn_rmsnorm_backward_f32(const float* dout, const float* x,
                                             const float* weight, const float* rstd, size_t rows,
                                             size_t dim, float* dx, float* dweight, float* scratch,
                                             size_t scratch_len, cudaStream_t stream) {
-    return launch_backward<float>(dout, x, weight, rstd, rows, dim, dx, dweight, scratch,
+    return launch_backward<float, false>(dout, x, weight, rstd, rows, dim, dx, dweight, scratch,
                                   scratch_len, stream);
 }
 
@@ -219,6 +279,37 @@ extern "C" int tilearn_rmsnorm_backward_bf16(const tilearn_bf16* dout, const til
                                              size_t rows, size_t dim, tilearn_bf16* dx,
                                              float* dweight, float* scratch, size_t scratch_len,
                                              cudaStream_t stream) {
-    return launch_backward<__nv_bfloat16>(dout, x, weight, rstd, rows, dim, dx, dweight, scratch,
-                                          scratch_len, stream);
+    return launch_backward<__nv_bfloat16, false>(dout, x, weight, rstd, rows, dim, dx, dweight,
+                                                 scratch, scratch_len, stream);
+}
+
+extern "C" int tilearn_add_rmsnorm_forward_f32(float* resid, const float* y, const float* weight,
+                                               size_t rows, size_t dim, float eps, float* out,
+                                               float* rstd, cudaStream_t stream) {
+    return launch_add_forward<float>(resid, y, weight, rows, dim, eps, out, rstd, stream);
+}
+
+extern "C" int tilearn_add_rmsnorm_forward_bf16(tilearn_bf16* resid, const tilearn_bf16* y,
+                                                const tilearn_bf16* weight, size_t rows,
+                                                size_t dim, float eps, tilearn_bf16* out,
+                                                float* rstd, cudaStream_t stream) {
+    return launch_add_forward<__nv_bfloat16>(resid, y, weight, rows, dim, eps, out, rstd, stream);
+}
+
+extern "C" int tilearn_rmsnorm_backward_add_f32(const float* dout, const float* x,
+                                                const float* weight, const float* rstd,
+                                                size_t rows, size_t dim, float* dresid,
+                                                float* dweight, float* scratch,
+                                                size_t scratch_len, cudaStream_t stream) {
+    return launch_backward<float, true>(dout, x, weight, rstd, rows, dim, dresid, dweight,
+                                        scratch, scratch_len, stream);
+}
+
+extern "C" int tilearn_rmsnorm_backward_add_bf16(const tilearn_bf16* dout, const tilearn_bf16* x,
+                                                 const tilearn_bf16* weight, const float* rstd,
+                                                 size_t rows, size_t dim, tilearn_bf16* dresid,
+                                                 float* dweight, float* scratch,
+                                                 size_t scratch_len, cudaStream_t stream) {
+    return launch_backward<__nv_bfloat16, true>(dout, x, weight, rstd, rows, dim, dresid, dweight,
+                                                scratch, scratch_len, stream);
 }

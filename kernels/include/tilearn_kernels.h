@@ -78,6 +78,29 @@ int tilearn_rmsnorm_backward_bf16(const tilearn_bf16 *dout, const tilearn_bf16 *
                                   size_t dim, tilearn_bf16 *dx, float *dweight, float *scratch,
                                   size_t scratch_len, cudaStream_t stream);
 
+/* norm.cu, residual-fused: resid += y (in place; resid, y: [rows, dim]), then out = RMSNorm(resid)
+ * with rstd written, exactly as residual_add_inplace followed by rmsnorm_forward. */
+int tilearn_add_rmsnorm_forward_f32(float *resid, const float *y, const float *weight, size_t rows,
+                                    size_t dim, float eps, float *out, float *rstd,
+                                    cudaStream_t stream);
+int tilearn_add_rmsnorm_forward_bf16(tilearn_bf16 *resid, const tilearn_bf16 *y,
+                                     const tilearn_bf16 *weight, size_t rows, size_t dim,
+                                     float eps, tilearn_bf16 *out, float *rstd,
+                                     cudaStream_t stream);
+/* Like tilearn_rmsnorm_backward_*, but the input gradient is added into dresid (+=) rather than
+ * written; same scratch, same deterministic dweight (+=). */
+int tilearn_rmsnorm_backward_add_f32(const float *dout, const float *x, const float *weight,
+                                     const float *rstd, size_t rows, size_t dim, float *dresid,
+                                     float *dweight, float *scratch, size_t scratch_len,
+                                     cudaStream_t stream);
+int tilearn_rmsnorm_backward_add_bf16(const tilearn_bf16 *dout, const tilearn_bf16 *x,
+                                      const tilearn_bf16 *weight, const float *rstd, size_t rows,
+                                      size_t dim, tilearn_bf16 *dresid, float *dweight,
+                                      float *scratch, size_t scratch_len, cudaStream_t stream);
+/* Scratch (f32 elements) that covers every call of tilearn_rmsnorm_backward* with rows <=
+ * max_rows and this dim: size a caller-owned buffer once with it. */
+size_t tilearn_rmsnorm_backward_scratch_len_max(size_t max_rows, size_t dim);
+
 /* ---- optim_*.cu (shared machinery in kernels/optim_common.cuh): fused multi-tensor optimizer
  *      steps over flat buffers: fp32 master weights and state, f32 or bf16 gradients, an
  *      optional bf16/f16 working copy of the parameters written by the same kernel ---- */

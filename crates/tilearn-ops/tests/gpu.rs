@@ -281,6 +281,14 @@ const NORM_SHAPES: &[(usize, usize)] = &[
 ];
 const EPS: f64 = 1e-6;
 
+/// One backward scratch covering every shape of [`NORM_SHAPES`] (allocated once, as a training
+/// loop does).
+fn norm_scratch(s: &Arc<CudaStream>) -> cuda::RmsNormScratch {
+    let rows = NORM_SHAPES.iter().map(|&(r, _)| r).max().unwrap();
+    let dim = NORM_SHAPES.iter().map(|&(_, d)| d).max().unwrap();
+    cuda::RmsNormScratch::new(s, rows, dim).expect("allocating the RMSNorm scratch")
+}
+
 struct NormCase {
     x: Vec<f32>,
     weight: Vec<f32>,
@@ -324,6 +332,7 @@ fn rmsnorm_f32_matches_cpu_reference() {
         return;
     };
     let s = dev.stream();
+    let mut scratch = norm_scratch(s);
     for (case_no, &(rows, dim)) in NORM_SHAPES.iter().enumerate() {
         let c = norm_case(100 + case_no as u64, rows, dim);
         let (out_ref, rstd_ref, dx_ref, dw_ref) = norm_reference(
@@ -354,7 +363,18 @@ fn rmsnorm_f32_matches_cpu_reference() {
         let dout = upload(s, &c.dout);
         let mut dx = upload(s, &vec![f32::NAN; rows * dim]);
         let mut dweight = upload(s, &c.dweight0);
-        cuda::rmsnorm_backward_f32(s, &dout, &x, &w, &rstd, dim, &mut dx, &mut dweight).unwrap();
+        cuda::rmsnorm_backward_f32(
+            s,
+            &dout,
+            &x,
+            &w,
+            &rstd,
+            dim,
+            &mut dx,
+            &mut dweight,
+            &mut scratch,
+        )
+        .unwrap();
         let e = rel_err("dx", &to_f64(&download(&dev, &dx)), &dx_ref);
         assert!(
             e <= tol,
@@ -369,7 +389,18 @@ fn rmsnorm_f32_matches_cpu_reference() {
 
         // Deterministic: the same launch from the same dweight gives the same bits.
         let mut dweight2 = upload(s, &c.dweight0);
-        cuda::rmsnorm_backward_f32(s, &dout, &x, &w, &rstd, dim, &mut dx, &mut dweight2).unwrap();
+        cuda::rmsnorm_backward_f32(
+            s,
+            &dout,
+            &x,
+            &w,
+            &rstd,
+            dim,
+            &mut dx,
+            &mut dweight2,
+            &mut scratch,
+        )
+        .unwrap();
         let dw2 = download(&dev, &dweight2);
         assert!(
             dw.iter().zip(&dw2).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -388,6 +419,7 @@ fn rmsnorm_bf16_matches_cpu_reference() {
         return;
     };
     let s = dev.stream();
+    let mut scratch = norm_scratch(s);
     for (case_no, &(rows, dim)) in NORM_SHAPES.iter().enumerate() {
         let c = norm_case(200 + case_no as u64, rows, dim);
         let round = |v: &[f32]| -> Vec<bf16> { v.iter().map(|&x| bf16::from_f32(x)).collect() };
@@ -419,7 +451,18 @@ fn rmsnorm_bf16_matches_cpu_reference() {
         let dout = upload(s, &dout_h);
         let mut dx = upload(s, &vec![bf16::NAN; rows * dim]);
         let mut dweight = upload(s, &c.dweight0);
-        cuda::rmsnorm_backward_bf16(s, &dout, &x, &w, &rstd, dim, &mut dx, &mut dweight).unwrap();
+        cuda::rmsnorm_backward_bf16(
+            s,
+            &dout,
+            &x,
+            &w,
+            &rstd,
+            dim,
+            &mut dx,
+            &mut dweight,
+            &mut scratch,
+        )
+        .unwrap();
         let e = rel_err("dx", &bf16_to_f64(&download(&dev, &dx)), &dx_ref);
         assert!(
             e <= 1e-2,
@@ -465,6 +508,353 @@ fn rmsnorm_rejects_bad_shapes() {
     assert!(
         download(&dev, &out).iter().all(|v| v.is_nan()),
         "a rejected call wrote output"
+    );
+}
+
+// ---- RMSNorm fused with the residual add ----
+
+struct AddNormCase {
+    x: Vec<f32>,
+    y: Vec<f32>,
+    weight: Vec<f32>,
+    dout: Vec<f32>,
+    dresid0: Vec<f32>,
+    dweight0: Vec<f32>,
+}
+
+fn add_norm_case(seed: u64, rows: usize, dim: usize) -> AddNormCase {
+    let mut rng = rng(seed);
+    AddNormCase {
+        x: nonzero_f32(&mut rng, rows * dim),
+        y: nonzero_f32(&mut rng, rows * dim),
+        weight: nonzero_f32(&mut rng, dim),
+        dout: nonzero_f32(&mut rng, rows * dim),
+        dresid0: nonzero_f32(&mut rng, rows * dim),
+        dweight0: nonzero_f32(&mut rng, dim),
+    }
+}
+
+/// The CPU composition in f64 on `h` (the residual sum as the kernel must store it, computed on
+/// the host): RMSNorm forward of h, then `dresid0 + dx` and `dweight0 + dw`.
+/// Returns (out, rstd, dresid, dweight).
+fn add_norm_reference(
+    h: &[f64],
+    weight: &[f64],
+    dout: &[f64],
+    dresid0: &[f64],
+    dweight0: &[f64],
+    dim: usize,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (out, rstd, dx, dweight) = norm_reference(h, weight, dout, dweight0, dim);
+    let mut dresid = dresid0.to_vec();
+    cpu::add_inplace(&mut dresid, &dx);
+    (out, rstd, dresid, dweight)
+}
+
+fn check_tol(what: &str, e: f64, tol: f64) {
+    report(&format!("{what}: rel err {e:.3e} (tol {tol:e})"));
+    assert!(e <= tol, "{what}: rel err {e:e} > {tol:e}");
+}
+
+/// f32: the stored residual sum is bit-exact (`x + y` in f32); out, rstd, dresid, dweight
+/// within 1e-5 of the f64 composition (as the unfused kernels); and the fused kernels give the
+/// same bits as the unfused sequence they replace (residual add + RMSNorm forward; RMSNorm
+/// backward + residual add), so swapping them into the engine changes no f32 result.
+#[test]
+fn add_rmsnorm_f32_matches_cpu_composition() {
+    let Some(dev) = gpu_or_skip("add_rmsnorm_f32_matches_cpu_composition") else {
+        return;
+    };
+    let s = dev.stream();
+    let mut scratch = norm_scratch(s);
+    for (case_no, &(rows, dim)) in NORM_SHAPES.iter().enumerate() {
+        let c = add_norm_case(300 + case_no as u64, rows, dim);
+        let h_host: Vec<f32> = c.x.iter().zip(&c.y).map(|(a, b)| a + b).collect();
+        let (out_ref, rstd_ref, dresid_ref, dw_ref) = add_norm_reference(
+            &to_f64(&h_host),
+            &to_f64(&c.weight),
+            &to_f64(&c.dout),
+            &to_f64(&c.dresid0),
+            &to_f64(&c.dweight0),
+            dim,
+        );
+        let tag = format!("add_rmsnorm f32 ({rows}x{dim})");
+
+        let mut resid = upload(s, &c.x);
+        let y = upload(s, &c.y);
+        let w = upload(s, &c.weight);
+        let mut out = upload(s, &vec![f32::NAN; rows * dim]);
+        let mut rstd = upload(s, &vec![f32::NAN; rows]);
+        cuda::add_rmsnorm_forward_f32(s, &mut resid, &y, &w, dim, EPS, &mut out, &mut rstd)
+            .unwrap();
+        let h = download(&dev, &resid);
+        let bad = h
+            .iter()
+            .zip(&h_host)
+            .filter(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(bad.count(), 0, "{tag}: stored residual differs from x + y");
+        let out_h = download(&dev, &out);
+        check_tol(
+            &format!("{tag} out"),
+            rel_err("out", &to_f64(&out_h), &out_ref),
+            1e-5,
+        );
+        let rstd_h = download(&dev, &rstd);
+        check_tol(
+            &format!("{tag} rstd"),
+            rel_err("rstd", &to_f64(&rstd_h), &rstd_ref),
+            1e-5,
+        );
+
+        // The unfused forward on the same h: identical bits.
+        let mut out2 = upload(s, &vec![f32::NAN; rows * dim]);
+        let mut rstd2 = upload(s, &vec![f32::NAN; rows]);
+        cuda::rmsnorm_forward_f32(s, &resid, &w, dim, EPS, &mut out2, &mut rstd2).unwrap();
+        let same = download(&dev, &out2)
+            .iter()
+            .zip(&out_h)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+            && download(&dev, &rstd2)
+                .iter()
+                .zip(&rstd_h)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "{tag}: fused forward differs from add + rmsnorm_forward"
+        );
+
+        let dout = upload(s, &c.dout);
+        let mut dresid = upload(s, &c.dresid0);
+        let mut dweight = upload(s, &c.dweight0);
+        cuda::rmsnorm_backward_add_f32(
+            s,
+            &dout,
+            &resid,
+            &w,
+            &rstd,
+            dim,
+            &mut dresid,
+            &mut dweight,
+            &mut scratch,
+        )
+        .unwrap();
+        let dres = download(&dev, &dresid);
+        check_tol(
+            &format!("{tag} dresid"),
+            rel_err("dresid", &to_f64(&dres), &dresid_ref),
+            1e-5,
+        );
+        let dw = download(&dev, &dweight);
+        check_tol(
+            &format!("{tag} dweight"),
+            rel_err("dweight", &to_f64(&dw), &dw_ref),
+            1e-5,
+        );
+
+        // The unfused backward: dx written, then added on the host in f32: identical bits.
+        let mut dx = upload(s, &vec![f32::NAN; rows * dim]);
+        let mut dweight2 = upload(s, &c.dweight0);
+        cuda::rmsnorm_backward_f32(
+            s,
+            &dout,
+            &resid,
+            &w,
+            &rstd,
+            dim,
+            &mut dx,
+            &mut dweight2,
+            &mut scratch,
+        )
+        .unwrap();
+        let unfused: Vec<f32> = download(&dev, &dx)
+            .iter()
+            .zip(&c.dresid0)
+            .map(|(d, r)| r + d)
+            .collect();
+        let diff = unfused
+            .iter()
+            .zip(&dres)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            diff, 0,
+            "{tag}: fused dresid differs from rmsnorm_backward + add in {diff} elements"
+        );
+        let dw2 = download(&dev, &dweight2);
+        assert!(
+            dw.iter().zip(&dw2).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{tag}: dweight differs between the fused and unfused backward"
+        );
+
+        // Deterministic: the same fused launch from the same state gives the same bits.
+        let mut dresid3 = upload(s, &c.dresid0);
+        let mut dweight3 = upload(s, &c.dweight0);
+        cuda::rmsnorm_backward_add_f32(
+            s,
+            &dout,
+            &resid,
+            &w,
+            &rstd,
+            dim,
+            &mut dresid3,
+            &mut dweight3,
+            &mut scratch,
+        )
+        .unwrap();
+        let same = download(&dev, &dresid3)
+            .iter()
+            .zip(&dres)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+            && download(&dev, &dweight3)
+                .iter()
+                .zip(&dw)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{tag}: backward differs between identical runs");
+    }
+}
+
+/// bf16: the stored residual is `bf16(x + y)` bit for bit (the f32 sum of two bf16 values in
+/// ±[0.05, 2) is exact, then one round-to-nearest-even, as `half` does); out and dresid are bf16
+/// results (DESIGN's bf16 bound 1e-2); rstd and dweight are f32 arithmetic on exact bf16 inputs
+/// (1e-5), all against the f64 composition on the rounded h.
+#[test]
+fn add_rmsnorm_bf16_matches_cpu_composition() {
+    let Some(dev) = gpu_or_skip("add_rmsnorm_bf16_matches_cpu_composition") else {
+        return;
+    };
+    let s = dev.stream();
+    let mut scratch = norm_scratch(s);
+    for (case_no, &(rows, dim)) in NORM_SHAPES.iter().enumerate() {
+        let c = add_norm_case(400 + case_no as u64, rows, dim);
+        let round = |v: &[f32]| -> Vec<bf16> { v.iter().map(|&x| bf16::from_f32(x)).collect() };
+        let (x_h, y_h, w_h) = (round(&c.x), round(&c.y), round(&c.weight));
+        let (dout_h, dresid0_h) = (round(&c.dout), round(&c.dresid0));
+        let h_host: Vec<bf16> = x_h
+            .iter()
+            .zip(&y_h)
+            .map(|(a, b)| bf16::from_f32(a.to_f32() + b.to_f32()))
+            .collect();
+        let (out_ref, rstd_ref, dresid_ref, dw_ref) = add_norm_reference(
+            &bf16_to_f64(&h_host),
+            &bf16_to_f64(&w_h),
+            &bf16_to_f64(&dout_h),
+            &bf16_to_f64(&dresid0_h),
+            &to_f64(&c.dweight0),
+            dim,
+        );
+        let tag = format!("add_rmsnorm bf16 ({rows}x{dim})");
+
+        let mut resid = upload(s, &x_h);
+        let y = upload(s, &y_h);
+        let w = upload(s, &w_h);
+        let mut out = upload(s, &vec![bf16::NAN; rows * dim]);
+        let mut rstd = upload(s, &vec![f32::NAN; rows]);
+        cuda::add_rmsnorm_forward_bf16(s, &mut resid, &y, &w, dim, EPS, &mut out, &mut rstd)
+            .unwrap();
+        let h = download(&dev, &resid);
+        let bad = h
+            .iter()
+            .zip(&h_host)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            bad, 0,
+            "{tag}: stored residual differs from bf16(x + y) in {bad} elements"
+        );
+        let e = rel_err("out", &bf16_to_f64(&download(&dev, &out)), &out_ref);
+        check_tol(&format!("{tag} out"), e, 1e-2);
+        let e = rel_err("rstd", &to_f64(&download(&dev, &rstd)), &rstd_ref);
+        check_tol(&format!("{tag} rstd"), e, 1e-5);
+
+        let dout = upload(s, &dout_h);
+        let mut dresid = upload(s, &dresid0_h);
+        let mut dweight = upload(s, &c.dweight0);
+        cuda::rmsnorm_backward_add_bf16(
+            s,
+            &dout,
+            &resid,
+            &w,
+            &rstd,
+            dim,
+            &mut dresid,
+            &mut dweight,
+            &mut scratch,
+        )
+        .unwrap();
+        let e = rel_err(
+            "dresid",
+            &bf16_to_f64(&download(&dev, &dresid)),
+            &dresid_ref,
+        );
+        check_tol(&format!("{tag} dresid"), e, 1e-2);
+        let e = rel_err("dweight", &to_f64(&download(&dev, &dweight)), &dw_ref);
+        check_tol(&format!("{tag} dweight"), e, 1e-5);
+    }
+}
+
+/// Bad shapes and a too-small scratch are typed errors that launch nothing.
+#[test]
+fn add_rmsnorm_rejects_bad_shapes_and_small_scratch() {
+    let Some(dev) = gpu_or_skip("add_rmsnorm_rejects_bad_shapes_and_small_scratch") else {
+        return;
+    };
+    let s = dev.stream();
+    let mut resid = upload(s, &[1.5f32; 12]);
+    let y_short = upload(s, &[0.5f32; 8]);
+    let w = upload(s, &[1.0f32; 4]);
+    let mut out = upload(s, &[f32::NAN; 12]);
+    let mut rstd = upload(s, &[f32::NAN; 3]);
+    let err =
+        cuda::add_rmsnorm_forward_f32(s, &mut resid, &y_short, &w, 4, EPS, &mut out, &mut rstd)
+            .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            OpsError::ShapeMismatch {
+                expected: 12,
+                actual: 8,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        download(&dev, &resid).iter().all(|&v| v == 1.5),
+        "a rejected call wrote resid"
+    );
+    assert!(
+        download(&dev, &out).iter().all(|v| v.is_nan()),
+        "a rejected call wrote out"
+    );
+
+    // Scratch for 1 row of width 4 cannot serve 3 rows of width 4.
+    let mut small = cuda::RmsNormScratch::new(s, 1, 4).unwrap();
+    assert_eq!(small.bytes(), cuda::RmsNormScratch::bytes_for(1, 4));
+    let dout = upload(s, &[0.25f32; 12]);
+    let x = upload(s, &[1.5f32; 12]);
+    let r = upload(s, &[0.5f32; 3]);
+    let mut dresid = upload(s, &[2.0f32; 12]);
+    let mut dweight = upload(s, &[3.0f32; 4]);
+    let err = cuda::rmsnorm_backward_add_f32(
+        s,
+        &dout,
+        &x,
+        &w,
+        &r,
+        4,
+        &mut dresid,
+        &mut dweight,
+        &mut small,
+    )
+    .unwrap_err();
+    assert!(matches!(err, OpsError::Cuda { .. }), "{err}");
+    assert!(
+        download(&dev, &dresid).iter().all(|&v| v == 2.0),
+        "a rejected call wrote dresid"
+    );
+    assert!(
+        download(&dev, &dweight).iter().all(|&v| v == 3.0),
+        "a rejected call wrote dweight"
     );
 }
 

@@ -8,11 +8,17 @@
 //! out = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                    n2 = post_attention_layernorm(h)
 //! ```
 //! Everything is enqueued on one stream; nothing here waits for the device.
+//!
+//! The residual adds are fused into the norms that read their result: `h = x + o` into
+//! `post_attention_layernorm`, `out = h + down` into the next layer's `input_layernorm` (or the
+//! final norm), so each block's output norm is computed by the block that produced its input;
+//! in the backward the norms add their input gradient straight into `dres`.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
-use tilearn_ops::cuda::{CeTotals, CudaStream, GpuRopeTable, TokenIdCheck};
+use tilearn_ops::cuda::{CeTotals, CudaStream, GpuRopeTable, RmsNormScratch, TokenIdCheck};
 
 use super::arena::{Bufs, Dims, LayerBufs};
 use super::linalg::{GpuLinalg, Matmul};
@@ -27,6 +33,16 @@ pub(crate) struct Cx<'a> {
     pub rope: &'a GpuRopeTable,
     pub mm: &'a mut Matmul,
     pub check: &'a mut TokenIdCheck,
+    /// dweight partials of the RMSNorm backwards (allocated once at build).
+    pub norm_scratch: &'a mut RmsNormScratch,
+}
+
+/// Where a block writes the norm of its output: the next layer's `input_layernorm` buffers, or
+/// the final norm's.
+struct NextNorm<'b, 'a, T> {
+    weight: Range<usize>,
+    xn: &'b mut CudaViewMut<'a, T>,
+    rstd: &'b mut CudaViewMut<'a, f32>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -118,27 +134,51 @@ pub(crate) fn forward<T: GpuLinalg>(
         &mut b.resid[0],
         cx.check,
     )?;
+    // The first norm has no residual add before it; every later one is fused into the block
+    // that produces its input.
+    let (first_w, first_xn, first_rstd) = match b.layers.first_mut() {
+        Some(l0) => (
+            layout.layers[0].input_norm.clone(),
+            &mut l0.xn1,
+            &mut l0.rstd1,
+        ),
+        None => (layout.norm.clone(), &mut b.final_xn, &mut b.final_rstd),
+    };
+    T::rmsnorm_forward(
+        cx.stream,
+        &b.resid[0],
+        &w.slice(first_w),
+        c,
+        d.eps,
+        first_xn,
+        first_rstd,
+    )?;
     for (i, lay) in layout.layers.iter().enumerate() {
         let (before, after) = b.resid.split_at_mut(i + 1);
+        let (cur, rest) = b.layers.split_at_mut(i + 1);
+        let next = match rest.first_mut() {
+            Some(nl) => NextNorm {
+                weight: layout.layers[i + 1].input_norm.clone(),
+                xn: &mut nl.xn1,
+                rstd: &mut nl.rstd1,
+            },
+            None => NextNorm {
+                weight: layout.norm.clone(),
+                xn: &mut b.final_xn,
+                rstd: &mut b.final_rstd,
+            },
+        };
         block_forward(
             cx,
             d,
             lay,
             w,
             &before[i].as_view(),
-            &mut b.layers[i],
+            &mut cur[i],
             &mut after[0],
+            next,
         )?;
     }
-    T::rmsnorm_forward(
-        cx.stream,
-        &b.resid[d.layers],
-        &w.slice(layout.norm.clone()),
-        c,
-        d.eps,
-        &mut b.final_xn,
-        &mut b.final_rstd,
-    )?;
     T::linear_forward(
         cx.mm,
         cx.stream,
@@ -207,6 +247,7 @@ pub(crate) fn backward<T: GpuLinalg>(
             c,
             &mut b.grad.dres,
             &mut dnorm,
+            cx.norm_scratch,
         )?;
     }
     for (i, lay) in layout.layers.iter().enumerate().rev() {
@@ -226,7 +267,8 @@ pub(crate) fn backward<T: GpuLinalg>(
     Ok(())
 }
 
-/// Forward of one block from `x` into `a`; `out` receives the block output.
+/// Forward of one block from `x` (whose `input_layernorm` is already in `a.xn1`/`a.rstd1`)
+/// into `a`; `out` receives the block output and `next` its norm.
 #[allow(clippy::too_many_arguments)]
 fn block_forward<T: GpuLinalg>(
     cx: &mut Cx<'_>,
@@ -236,18 +278,10 @@ fn block_forward<T: GpuLinalg>(
     x: &CudaView<'_, T>,
     a: &mut LayerBufs<'_, T>,
     out: &mut CudaViewMut<'_, T>,
+    next: NextNorm<'_, '_, T>,
 ) -> Result<()> {
     let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
     let s = cx.stream;
-    T::rmsnorm_forward(
-        s,
-        x,
-        &w.slice(lay.input_norm.clone()),
-        c,
-        d.eps,
-        &mut a.xn1,
-        &mut a.rstd1,
-    )?;
     let xn1 = a.xn1.as_view();
     linear_fwd(cx, w, &lay.q, &xn1, n, c, q, &mut a.q)?;
     linear_fwd(cx, w, &lay.k, &xn1, n, c, kv, &mut a.k)?;
@@ -265,10 +299,11 @@ fn block_forward<T: GpuLinalg>(
         &mut a.lse,
     )?;
     linear_fwd(cx, w, &lay.o, &a.att.as_view(), n, q, c, &mut a.h)?;
-    T::add_inplace(s, &mut a.h, x)?;
-    T::rmsnorm_forward(
+    // h = o + x in place, and post_attention_layernorm(h), in one launch.
+    T::add_rmsnorm_forward(
         s,
-        &a.h,
+        &mut a.h,
+        x,
         &w.slice(lay.post_attention_norm.clone()),
         c,
         d.eps,
@@ -280,7 +315,17 @@ fn block_forward<T: GpuLinalg>(
     linear_fwd(cx, w, &lay.up, &xn2, n, c, inter, &mut a.up)?;
     T::swiglu_forward(s, &a.gate, &a.up, &mut a.act)?;
     linear_fwd(cx, w, &lay.down, &a.act.as_view(), n, inter, c, out)?;
-    T::add_inplace(s, out, &a.h)?;
+    // out = down + h in place, and the next norm of out, in one launch.
+    T::add_rmsnorm_forward(
+        s,
+        out,
+        &a.h,
+        &w.slice(next.weight),
+        c,
+        d.eps,
+        next.xn,
+        next.rstd,
+    )?;
     Ok(())
 }
 
@@ -342,18 +387,19 @@ fn block_backward<T: GpuLinalg>(
     T::add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     {
         let mut dpost = sub_mut(g.as_view_mut(), lay.post_attention_norm.clone())?;
-        T::rmsnorm_backward(
+        // dres += the norm's input gradient: dres becomes d/dh.
+        T::rmsnorm_backward_add(
             s,
             &gb.dxn,
             &a.h,
             &w.slice(lay.post_attention_norm.clone()),
             &a.rstd2,
             c,
-            &mut gb.dtmp,
+            &mut gb.dres,
             &mut dpost,
+            cx.norm_scratch,
         )?;
     }
-    T::add_inplace(s, &mut gb.dres, &gb.dtmp)?; // dres = d/dh
 
     // Attention: h = x + o(attn(...)).
     linear_bwd(
@@ -428,17 +474,18 @@ fn block_backward<T: GpuLinalg>(
     T::add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     {
         let mut dinp = sub_mut(g.as_view_mut(), lay.input_norm.clone())?;
-        T::rmsnorm_backward(
+        // dres += the norm's input gradient: dres becomes d/dx.
+        T::rmsnorm_backward_add(
             s,
             &gb.dxn,
             x,
             &w.slice(lay.input_norm.clone()),
             &a.rstd1,
             c,
-            &mut gb.dtmp,
+            &mut gb.dres,
             &mut dinp,
+            cx.norm_scratch,
         )?;
     }
-    T::add_inplace(s, &mut gb.dres, &gb.dtmp)?; // dres = d/dx
     Ok(())
 }

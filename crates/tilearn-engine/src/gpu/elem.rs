@@ -11,7 +11,9 @@ use std::sync::Arc;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use tilearn_ops::Result;
-use tilearn_ops::cuda::{self as k, CeTotals, CudaStream, GpuRopeTable, TokenIdCheck};
+use tilearn_ops::cuda::{
+    self as k, CeTotals, CudaStream, GpuRopeTable, RmsNormScratch, TokenIdCheck,
+};
 
 /// An activation element type the device model runs in.
 #[allow(clippy::too_many_arguments)]
@@ -45,6 +47,18 @@ pub(crate) trait GpuElem: DeviceRepr + ValidAsZeroBits + Copy + Unpin + 'static 
         rstd: &mut impl DevicePtrMut<f32>,
     ) -> Result<()>;
 
+    /// `resid += y` in place, then `out = RMSNorm(resid)` (one launch).
+    fn add_rmsnorm_forward(
+        s: &Arc<CudaStream>,
+        resid: &mut impl DevicePtrMut<Self>,
+        y: &impl DevicePtr<Self>,
+        weight: &impl DevicePtr<Self>,
+        dim: usize,
+        eps: f64,
+        out: &mut impl DevicePtrMut<Self>,
+        rstd: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()>;
+
     /// `dx =`, `dweight +=` (f32).
     fn rmsnorm_backward(
         s: &Arc<CudaStream>,
@@ -55,6 +69,20 @@ pub(crate) trait GpuElem: DeviceRepr + ValidAsZeroBits + Copy + Unpin + 'static 
         dim: usize,
         dx: &mut impl DevicePtrMut<Self>,
         dweight: &mut impl DevicePtrMut<f32>,
+        scratch: &mut RmsNormScratch,
+    ) -> Result<()>;
+
+    /// `dresid +=` the input gradient, `dweight +=` (f32).
+    fn rmsnorm_backward_add(
+        s: &Arc<CudaStream>,
+        dout: &impl DevicePtr<Self>,
+        x: &impl DevicePtr<Self>,
+        weight: &impl DevicePtr<Self>,
+        rstd: &impl DevicePtr<f32>,
+        dim: usize,
+        dresid: &mut impl DevicePtrMut<Self>,
+        dweight: &mut impl DevicePtrMut<f32>,
+        scratch: &mut RmsNormScratch,
     ) -> Result<()>;
 
     fn rope_forward(
@@ -128,7 +156,8 @@ pub(crate) trait GpuElem: DeviceRepr + ValidAsZeroBits + Copy + Unpin + 'static 
 
 /// Implements [`GpuElem`] for one type from its wrappers (all with the same argument order).
 macro_rules! impl_elem {
-    ($t:ty, $emb_f:path, $emb_b:path, $rms_f:path, $rms_b:path, $rope_f:path,
+    ($t:ty, $emb_f:path, $emb_b:path, $rms_f:path, $rms_b:path, $add_rms_f:path,
+     $rms_b_add:path, $rope_f:path,
      $rope_b:path, $swi_f:path, $swi_b:path, $add:path, $ce_fused:path, $ce_fwd:path) => {
         impl GpuElem for $t {
             fn embedding_forward(
@@ -165,6 +194,19 @@ macro_rules! impl_elem {
                 $rms_f(s, x, weight, dim, eps, out, rstd)
             }
 
+            fn add_rmsnorm_forward(
+                s: &Arc<CudaStream>,
+                resid: &mut impl DevicePtrMut<Self>,
+                y: &impl DevicePtr<Self>,
+                weight: &impl DevicePtr<Self>,
+                dim: usize,
+                eps: f64,
+                out: &mut impl DevicePtrMut<Self>,
+                rstd: &mut impl DevicePtrMut<f32>,
+            ) -> Result<()> {
+                $add_rms_f(s, resid, y, weight, dim, eps, out, rstd)
+            }
+
             fn rmsnorm_backward(
                 s: &Arc<CudaStream>,
                 dout: &impl DevicePtr<Self>,
@@ -174,8 +216,23 @@ macro_rules! impl_elem {
                 dim: usize,
                 dx: &mut impl DevicePtrMut<Self>,
                 dweight: &mut impl DevicePtrMut<f32>,
+                scratch: &mut RmsNormScratch,
             ) -> Result<()> {
-                $rms_b(s, dout, x, weight, rstd, dim, dx, dweight)
+                $rms_b(s, dout, x, weight, rstd, dim, dx, dweight, scratch)
+            }
+
+            fn rmsnorm_backward_add(
+                s: &Arc<CudaStream>,
+                dout: &impl DevicePtr<Self>,
+                x: &impl DevicePtr<Self>,
+                weight: &impl DevicePtr<Self>,
+                rstd: &impl DevicePtr<f32>,
+                dim: usize,
+                dresid: &mut impl DevicePtrMut<Self>,
+                dweight: &mut impl DevicePtrMut<f32>,
+                scratch: &mut RmsNormScratch,
+            ) -> Result<()> {
+                $rms_b_add(s, dout, x, weight, rstd, dim, dresid, dweight, scratch)
             }
 
             fn rope_forward(
@@ -266,6 +323,8 @@ impl_elem!(
     k::embedding_backward_f32,
     k::rmsnorm_forward_f32,
     k::rmsnorm_backward_f32,
+    k::add_rmsnorm_forward_f32,
+    k::rmsnorm_backward_add_f32,
     k::rope_forward_f32,
     k::rope_backward_f32,
     k::swiglu_forward_f32,
@@ -281,6 +340,8 @@ impl_elem!(
     k::embedding_backward_bf16,
     k::rmsnorm_forward_bf16,
     k::rmsnorm_backward_bf16,
+    k::add_rmsnorm_forward_bf16,
+    k::rmsnorm_backward_add_bf16,
     k::rope_forward_bf16,
     k::rope_backward_bf16,
     k::swiglu_forward_bf16,

@@ -13,8 +13,9 @@
 //!   ([`GpuLlama::zero_grad`] clears it).
 //! * **Activations** and their gradients: one arena of the activation type plus one f32 arena
 //!   for per-row statistics, allocated at build for (batch, seq) and carved per call; a step
-//!   allocates no device memory of its own (the RMSNorm and embedding backward wrappers take
-//!   small stream-ordered scratch from the driver's pool, see [`GpuMemory`]).
+//!   allocates no device memory of its own (the RMSNorm backward's dweight partials live in a
+//!   scratch buffer allocated at build too; the embedding backward wrapper still takes small
+//!   stream-ordered scratch from the driver's pool, see [`GpuMemory`]).
 //!
 //! Precision: [`Precision::F32`] runs everything in f32 (the exactness tests compare it with the
 //! CPU engine and transformers); [`Precision::Bf16`] keeps activations and the working weights in
@@ -43,7 +44,7 @@ use half::bf16;
 use tilearn_ops::OpsError;
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
-    CeTotals, CudaStream, GpuDevice, GpuRopeTable, TokenIdCheck, cast_f32_to_bf16,
+    CeTotals, CudaStream, GpuDevice, GpuRopeTable, RmsNormScratch, TokenIdCheck, cast_f32_to_bf16,
 };
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
@@ -79,7 +80,7 @@ pub struct GpuMemory {
     pub grad_bytes: usize,
     /// Activation and statistics arenas, ids, targets.
     pub activation_bytes: usize,
-    /// cuBLASLt and attention workspaces.
+    /// cuBLASLt and attention workspaces, and the RMSNorm backward scratch.
     pub workspace_bytes: usize,
     /// Optimizer moments (0 until [`GpuLlama::configure_optimizer`]).
     pub optimizer_bytes: usize,
@@ -146,6 +147,8 @@ pub struct GpuLlama {
     check: TokenIdCheck,
     totals: CeTotals,
     mm: Matmul,
+    /// dweight partials of every RMSNorm backward (sized for `batch * seq` rows at build).
+    norm_scratch: RmsNormScratch,
     optimizer: Option<GpuAdamW>,
     memory: GpuMemory,
 }
@@ -269,11 +272,12 @@ impl GpuLlama {
         let check = TokenIdCheck::new(&stream, config.vocab_size)?;
         let totals = CeTotals::new(&stream)?;
         let mm = Matmul::new(&stream, &cap, precision)?;
+        let norm_scratch = RmsNormScratch::new(&stream, n, config.hidden_size)?;
 
         let master_bytes = master.num_bytes();
         let grad_bytes = grads.num_bytes();
         let activation_bytes = arena_bytes + ids.num_bytes() + targets.num_bytes();
-        let workspace_bytes = mm.bytes();
+        let workspace_bytes = mm.bytes() + norm_scratch.bytes();
         let mut gpu = GpuLlama {
             device: device.clone(),
             specs: model.params.specs.clone(),
@@ -293,6 +297,7 @@ impl GpuLlama {
             check,
             totals,
             mm,
+            norm_scratch,
             optimizer: None,
             memory: GpuMemory {
                 master_bytes,
@@ -505,6 +510,7 @@ impl GpuLlama {
             check,
             totals,
             mm,
+            norm_scratch,
             ..
         } = self;
         let stream = device.stream();
@@ -514,6 +520,7 @@ impl GpuLlama {
             rope,
             mm,
             check,
+            norm_scratch,
         };
         let n = d.n;
         let ids_v = ids_dev.slice(..n);
@@ -562,6 +569,7 @@ impl GpuLlama {
             ids: ids_dev,
             check,
             mm,
+            norm_scratch,
             ..
         } = self;
         let stream = device.stream();
@@ -571,6 +579,7 @@ impl GpuLlama {
             rope,
             mm,
             check,
+            norm_scratch,
         };
         let ids_v = ids_dev.slice(..d.n);
         match engine {
@@ -605,6 +614,7 @@ impl GpuLlama {
             check,
             totals,
             mm,
+            norm_scratch,
             ..
         } = self;
         let stream = device.stream();
@@ -614,6 +624,7 @@ impl GpuLlama {
             rope,
             mm,
             check,
+            norm_scratch,
         };
         let ids_v = ids_dev.slice(..d.n);
         let targets_v = targets.slice(..d.n);

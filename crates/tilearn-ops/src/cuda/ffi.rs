@@ -163,6 +163,55 @@ unsafe extern "C" {
         scratch_len: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_add_rmsnorm_forward_f32(
+        resid: *mut f32,
+        y: *const f32,
+        weight: *const f32,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: *mut f32,
+        rstd: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_add_rmsnorm_forward_bf16(
+        resid: *mut tilearn_bf16,
+        y: *const tilearn_bf16,
+        weight: *const tilearn_bf16,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: *mut tilearn_bf16,
+        rstd: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_rmsnorm_backward_add_f32(
+        dout: *const f32,
+        x: *const f32,
+        weight: *const f32,
+        rstd: *const f32,
+        rows: usize,
+        dim: usize,
+        dresid: *mut f32,
+        dweight: *mut f32,
+        scratch: *mut f32,
+        scratch_len: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_rmsnorm_backward_add_bf16(
+        dout: *const tilearn_bf16,
+        x: *const tilearn_bf16,
+        weight: *const tilearn_bf16,
+        rstd: *const f32,
+        rows: usize,
+        dim: usize,
+        dresid: *mut tilearn_bf16,
+        dweight: *mut f32,
+        scratch: *mut f32,
+        scratch_len: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_rmsnorm_backward_scratch_len_max(max_rows: usize, dim: usize) -> usize;
     pub fn tilearn_optim_norm_partials_len() -> usize;
     pub fn tilearn_optim_grad_sumsq_f32(
         grads: *const f32,

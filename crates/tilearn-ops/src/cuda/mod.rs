@@ -56,7 +56,9 @@ pub use gemm::{
     linear_backward_bf16, linear_backward_f32, linear_forward_bf16, linear_forward_f32,
 };
 pub use norm::{
-    rmsnorm_backward_bf16, rmsnorm_backward_f32, rmsnorm_forward_bf16, rmsnorm_forward_f32,
+    RmsNormScratch, add_rmsnorm_forward_bf16, add_rmsnorm_forward_f32, rmsnorm_backward_add_bf16,
+    rmsnorm_backward_add_f32, rmsnorm_backward_bf16, rmsnorm_backward_f32, rmsnorm_forward_bf16,
+    rmsnorm_forward_f32,
 };
 pub use reduce::{
     NormWorkspace, global_norm_bf16, global_norm_f32, unscale_check_bf16, unscale_check_f16,

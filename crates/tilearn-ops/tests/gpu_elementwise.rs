@@ -792,13 +792,23 @@ fn embedding_backward_is_deterministic_and_exact() {
         cpu::embedding_backward(&ids, &f32_to_f64(&dout), dim, &mut want64);
         let d_ids = upload(s, &ids);
         let mut check = TokenIdCheck::new(s, vocab).unwrap();
+        let mut scratch = cuda::EmbeddingBackwardScratch::new(s, rows, vocab).unwrap();
         let name = format!("rows={rows} vocab={vocab} dim={dim}");
 
         let d_dout = upload(s, &dout);
         let mut first = None;
         for run in 0..2 {
             let mut dtable = upload(s, &dtable0);
-            cuda::embedding_backward_f32(s, &d_ids, &d_dout, dim, &mut dtable, &mut check).unwrap();
+            cuda::embedding_backward_f32(
+                s,
+                &d_ids,
+                &d_dout,
+                dim,
+                &mut dtable,
+                &mut check,
+                &mut scratch,
+            )
+            .unwrap();
             let got = download(&dev, &dtable);
             expect_bits(
                 &format!("embedding_backward_f32 {name} run {run} vs cpu f32"),
@@ -832,7 +842,16 @@ fn embedding_backward_is_deterministic_and_exact() {
         cpu::embedding_backward(&ids, &widened, dim, &mut want16);
         let d_dout16 = upload(s, &dout16);
         let mut dtable = upload(s, &dtable0);
-        cuda::embedding_backward_bf16(s, &d_ids, &d_dout16, dim, &mut dtable, &mut check).unwrap();
+        cuda::embedding_backward_bf16(
+            s,
+            &d_ids,
+            &d_dout16,
+            dim,
+            &mut dtable,
+            &mut check,
+            &mut scratch,
+        )
+        .unwrap();
         let got = download(&dev, &dtable);
         expect_bits(
             &format!("embedding_backward_bf16 {name} vs cpu f32"),
@@ -902,7 +921,17 @@ fn embedding_out_of_range_ids_are_reported() {
     cpu::embedding_backward(&good_ids, &good_dout, dim, &mut want);
     let mut dtable = upload(s, &dtable0);
     let d_dout = upload(s, &dout);
-    cuda::embedding_backward_f32(s, &d_ids, &d_dout, dim, &mut dtable, &mut check).unwrap();
+    let mut scratch = cuda::EmbeddingBackwardScratch::new(s, rows, vocab).unwrap();
+    cuda::embedding_backward_f32(
+        s,
+        &d_ids,
+        &d_dout,
+        dim,
+        &mut dtable,
+        &mut check,
+        &mut scratch,
+    )
+    .unwrap();
     let got = download(&dev, &dtable);
     expect_bits(
         "embedding_backward_f32 with bad ids skipped",
@@ -945,14 +974,18 @@ fn embedding_rejects_bad_shapes() {
     let err = cuda::embedding_forward_f32(s, &ids, &table, 0, &mut out, &mut check).unwrap_err();
     assert!(matches!(err, OpsError::ShapeMismatch { .. }), "{err}");
     // out is [3, 4] but dim 4 with 3 ids needs 12: give it a dtable of the wrong size instead.
+    let mut scratch = cuda::EmbeddingBackwardScratch::new(s, 3, 5).unwrap();
     let dout = upload(s, &[1.0f32; 3 * 4]);
     let mut dtable = upload(s, &[0.0f32; 4 * 4]);
-    let err = cuda::embedding_backward_f32(s, &ids, &dout, 4, &mut dtable, &mut check).unwrap_err();
+    let err =
+        cuda::embedding_backward_f32(s, &ids, &dout, 4, &mut dtable, &mut check, &mut scratch)
+            .unwrap_err();
     assert!(matches!(err, OpsError::ShapeMismatch { .. }), "{err}");
     let short = upload(s, &[1.0f32; 3 * 4 - 1]);
     let mut dtable = upload(s, &[0.0f32; 5 * 4]);
     let err =
-        cuda::embedding_backward_f32(s, &ids, &short, 4, &mut dtable, &mut check).unwrap_err();
+        cuda::embedding_backward_f32(s, &ids, &short, 4, &mut dtable, &mut check, &mut scratch)
+            .unwrap_err();
     assert!(
         matches!(
             err,
@@ -971,6 +1004,26 @@ fn embedding_rejects_bad_shapes() {
     assert!(
         download(&dev, &dtable).iter().all(|&v| v == 0.0),
         "a rejected call wrote dtable"
+    );
+    // Scratch sized for 1 token cannot serve 1000 (its key and position arrays alone are
+    // larger): a typed error, dtable untouched.
+    let mut small = cuda::EmbeddingBackwardScratch::new(s, 1, 5).unwrap();
+    let many_ids = upload(s, &vec![1u32; 1000]);
+    let many_dout = upload(s, &vec![1.0f32; 1000 * 4]);
+    let err = cuda::embedding_backward_f32(
+        s,
+        &many_ids,
+        &many_dout,
+        4,
+        &mut dtable,
+        &mut check,
+        &mut small,
+    )
+    .unwrap_err();
+    assert!(matches!(err, OpsError::Cuda { .. }), "{err}");
+    assert!(
+        download(&dev, &dtable).iter().all(|&v| v == 0.0),
+        "a call with too small a scratch wrote dtable"
     );
     check.take(s).expect("rejected calls record nothing");
 }

@@ -18,7 +18,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
-use tilearn_ops::cuda::{CeTotals, CudaStream, GpuRopeTable, RmsNormScratch, TokenIdCheck};
+use tilearn_ops::cuda::{
+    CeTotals, CudaStream, EmbeddingBackwardScratch, GpuRopeTable, RmsNormScratch, TokenIdCheck,
+};
 
 use super::arena::{Bufs, Dims, LayerBufs};
 use super::linalg::{GpuLinalg, Matmul};
@@ -35,6 +37,8 @@ pub(crate) struct Cx<'a> {
     pub check: &'a mut TokenIdCheck,
     /// dweight partials of the RMSNorm backwards (allocated once at build).
     pub norm_scratch: &'a mut RmsNormScratch,
+    /// Sort buffers of the embedding backward (allocated once at build).
+    pub embed_scratch: &'a mut EmbeddingBackwardScratch,
 }
 
 /// Where a block writes the norm of its output: the next layer's `input_layernorm` buffers, or
@@ -263,7 +267,15 @@ pub(crate) fn backward<T: GpuLinalg>(
         )?;
     }
     let mut dembed = sub_mut(g.as_view_mut(), layout.embed.clone())?;
-    T::embedding_backward(cx.stream, ids, &b.grad.dres, c, &mut dembed, cx.check)?;
+    T::embedding_backward(
+        cx.stream,
+        ids,
+        &b.grad.dres,
+        c,
+        &mut dembed,
+        cx.check,
+        cx.embed_scratch,
+    )?;
     Ok(())
 }
 

@@ -12,7 +12,8 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use tilearn_ops::Result;
 use tilearn_ops::cuda::{
-    self as k, CeTotals, CudaStream, GpuRopeTable, RmsNormScratch, TokenIdCheck,
+    self as k, CeTotals, CudaStream, EmbeddingBackwardScratch, GpuRopeTable, RmsNormScratch,
+    TokenIdCheck,
 };
 
 /// An activation element type the device model runs in.
@@ -35,6 +36,7 @@ pub(crate) trait GpuElem: DeviceRepr + ValidAsZeroBits + Copy + Unpin + 'static 
         dim: usize,
         dtable: &mut impl DevicePtrMut<f32>,
         check: &mut TokenIdCheck,
+        scratch: &mut EmbeddingBackwardScratch,
     ) -> Result<()>;
 
     fn rmsnorm_forward(
@@ -178,8 +180,9 @@ macro_rules! impl_elem {
                 dim: usize,
                 dtable: &mut impl DevicePtrMut<f32>,
                 check: &mut TokenIdCheck,
+                scratch: &mut EmbeddingBackwardScratch,
             ) -> Result<()> {
-                $emb_b(s, ids, dout, dim, dtable, check)
+                $emb_b(s, ids, dout, dim, dtable, check, scratch)
             }
 
             fn rmsnorm_forward(

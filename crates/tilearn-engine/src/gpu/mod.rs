@@ -13,9 +13,8 @@
 //!   ([`GpuLlama::zero_grad`] clears it).
 //! * **Activations** and their gradients: one arena of the activation type plus one f32 arena
 //!   for per-row statistics, allocated at build for (batch, seq) and carved per call; a step
-//!   allocates no device memory of its own (the RMSNorm backward's dweight partials live in a
-//!   scratch buffer allocated at build too; the embedding backward wrapper still takes small
-//!   stream-ordered scratch from the driver's pool, see [`GpuMemory`]).
+//!   allocates no device memory of its own (the RMSNorm backward's dweight partials and the
+//!   embedding backward's sort buffers are scratch allocated at build too, see [`GpuMemory`]).
 //!
 //! Precision: [`Precision::F32`] runs everything in f32 (the exactness tests compare it with the
 //! CPU engine and transformers); [`Precision::Bf16`] keeps activations and the working weights in
@@ -44,7 +43,8 @@ use half::bf16;
 use tilearn_ops::OpsError;
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
-    CeTotals, CudaStream, GpuDevice, GpuRopeTable, RmsNormScratch, TokenIdCheck, cast_f32_to_bf16,
+    CeTotals, CudaStream, EmbeddingBackwardScratch, GpuDevice, GpuRopeTable, RmsNormScratch,
+    TokenIdCheck, cast_f32_to_bf16,
 };
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
@@ -80,7 +80,7 @@ pub struct GpuMemory {
     pub grad_bytes: usize,
     /// Activation and statistics arenas, ids, targets.
     pub activation_bytes: usize,
-    /// cuBLASLt and attention workspaces, and the RMSNorm backward scratch.
+    /// cuBLASLt and attention workspaces, and the RMSNorm and embedding backward scratch.
     pub workspace_bytes: usize,
     /// Optimizer moments (0 until [`GpuLlama::configure_optimizer`]).
     pub optimizer_bytes: usize,
@@ -89,8 +89,7 @@ pub struct GpuMemory {
     /// Device memory in use (all processes, `cuMemGetInfo`) just before the build.
     pub device_used_before: usize,
     /// Highest device memory in use observed: sampled after the build, after every
-    /// `forward_backward` (at its synchronisation point) and after every `step`. Includes the
-    /// driver's stream-ordered pool (wrapper scratch) while it holds memory.
+    /// `forward_backward` (at its synchronisation point) and after every `step`.
     pub device_used_peak: usize,
     /// Total device memory.
     pub device_total: usize,
@@ -149,6 +148,8 @@ pub struct GpuLlama {
     mm: Matmul,
     /// dweight partials of every RMSNorm backward (sized for `batch * seq` rows at build).
     norm_scratch: RmsNormScratch,
+    /// Sort buffers of the embedding backward (sized for `batch * seq` tokens at build).
+    embed_scratch: EmbeddingBackwardScratch,
     optimizer: Option<GpuAdamW>,
     memory: GpuMemory,
 }
@@ -273,11 +274,12 @@ impl GpuLlama {
         let totals = CeTotals::new(&stream)?;
         let mm = Matmul::new(&stream, &cap, precision)?;
         let norm_scratch = RmsNormScratch::new(&stream, n, config.hidden_size)?;
+        let embed_scratch = EmbeddingBackwardScratch::new(&stream, n, config.vocab_size)?;
 
         let master_bytes = master.num_bytes();
         let grad_bytes = grads.num_bytes();
         let activation_bytes = arena_bytes + ids.num_bytes() + targets.num_bytes();
-        let workspace_bytes = mm.bytes() + norm_scratch.bytes();
+        let workspace_bytes = mm.bytes() + norm_scratch.bytes() + embed_scratch.bytes();
         let mut gpu = GpuLlama {
             device: device.clone(),
             specs: model.params.specs.clone(),
@@ -298,6 +300,7 @@ impl GpuLlama {
             totals,
             mm,
             norm_scratch,
+            embed_scratch,
             optimizer: None,
             memory: GpuMemory {
                 master_bytes,
@@ -511,6 +514,7 @@ impl GpuLlama {
             totals,
             mm,
             norm_scratch,
+            embed_scratch,
             ..
         } = self;
         let stream = device.stream();
@@ -521,6 +525,7 @@ impl GpuLlama {
             mm,
             check,
             norm_scratch,
+            embed_scratch,
         };
         let n = d.n;
         let ids_v = ids_dev.slice(..n);
@@ -570,6 +575,7 @@ impl GpuLlama {
             check,
             mm,
             norm_scratch,
+            embed_scratch,
             ..
         } = self;
         let stream = device.stream();
@@ -580,6 +586,7 @@ impl GpuLlama {
             mm,
             check,
             norm_scratch,
+            embed_scratch,
         };
         let ids_v = ids_dev.slice(..d.n);
         match engine {
@@ -615,6 +622,7 @@ impl GpuLlama {
             totals,
             mm,
             norm_scratch,
+            embed_scratch,
             ..
         } = self;
         let stream = device.stream();
@@ -625,6 +633,7 @@ impl GpuLlama {
             mm,
             check,
             norm_scratch,
+            embed_scratch,
         };
         let ids_v = ids_dev.slice(..d.n);
         let targets_v = targets.slice(..d.n);

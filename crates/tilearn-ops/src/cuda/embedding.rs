@@ -8,6 +8,9 @@
 //! written with an integer atomic min) and never reads or writes outside the table: the forward
 //! fills such a row with NaN, the backward skips it. The caller reads the check when it chooses
 //! (e.g. once per logging step) and gets [`OpsError::TokenOutOfRange`].
+//!
+//! The backward's sort buffers live in a caller-owned [`EmbeddingBackwardScratch`], allocated
+//! once for the largest token count (a training step then allocates nothing).
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
@@ -71,6 +74,53 @@ impl TokenIdCheck {
             position: (host[0] >> 32) as usize,
             vocab: self.vocab,
         })
+    }
+}
+
+/// Device scratch of the embedding backward (the id sort's keys, positions and CUB's temporary
+/// storage), sized once for up to `max_tokens` ids into a table of `vocab` rows. Clobbered by
+/// each backward (calls on one stream are ordered).
+#[derive(Debug)]
+pub struct EmbeddingBackwardScratch {
+    buf: CudaSlice<u8>,
+}
+
+impl EmbeddingBackwardScratch {
+    /// Bytes the backward needs for `tokens` ids into `vocab` rows (CUB is asked on the
+    /// stream's device, which is bound first).
+    pub fn bytes_for(stream: &Arc<CudaStream>, tokens: usize, vocab: usize) -> Result<usize> {
+        let op = "EmbeddingBackwardScratch::bytes_for";
+        bind(stream, op)?;
+        // SAFETY: only asks CUB for its temporary-storage size on the current device (bound
+        // above); reads and writes no memory.
+        let bytes = unsafe { ffi::tilearn_embedding_backward_scratch_bytes(tokens, vocab) };
+        if bytes == usize::MAX {
+            return Err(OpsError::Cuda {
+                context: op,
+                message: format!("cannot size the sort scratch for {tokens} tokens"),
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// Allocates (zero-filled) scratch for backward calls of up to `max_tokens` ids into a
+    /// table of `vocab` rows. (CUB's storage grows with the item count, so the largest count
+    /// covers the smaller ones; each call still checks its own need and errors rather than
+    /// overrun.)
+    pub fn new(stream: &Arc<CudaStream>, max_tokens: usize, vocab: usize) -> Result<Self> {
+        let bytes = Self::bytes_for(stream, max_tokens, vocab)?;
+        let buf = stream
+            .alloc_zeros::<u8>(bytes.max(1))
+            .map_err(|e| OpsError::Cuda {
+                context: "EmbeddingBackwardScratch::new",
+                message: format!("cannot allocate {bytes} bytes of scratch: {e}"),
+            })?;
+        Ok(EmbeddingBackwardScratch { buf })
+    }
+
+    /// Bytes of device memory held.
+    pub fn bytes(&self) -> usize {
+        self.buf.num_bytes()
     }
 }
 
@@ -201,6 +251,7 @@ fn backward<T, R>(
     dim: usize,
     dtable: &mut impl DevicePtrMut<f32>,
     check_ids: &mut TokenIdCheck,
+    scratch: &mut EmbeddingBackwardScratch,
 ) -> Result<()> {
     const { assert!(size_of::<T>() == size_of::<R>()) };
     let vocab = vocab_of(op, dtable.len(), dim, check_ids)?;
@@ -224,24 +275,28 @@ fn backward<T, R>(
             message: format!("cannot size the sort scratch for {rows} tokens"),
         });
     }
-    // SAFETY: the launcher writes every scratch byte it later reads (keys and positions by its
-    // first kernel, the sorted copies and CUB's storage by the sort), so the uninitialised
-    // contents are never observed.
-    let mut scratch = unsafe { stream.alloc::<u8>(scratch_bytes) }.map_err(|e| OpsError::Cuda {
-        context: op,
-        message: format!("cannot allocate {scratch_bytes} bytes of scratch: {e}"),
-    })?;
+    let have = scratch.buf.len();
+    if have < scratch_bytes {
+        return Err(OpsError::Cuda {
+            context: op,
+            message: format!(
+                "EmbeddingBackwardScratch holds {have} bytes, {rows} tokens need {scratch_bytes}"
+            ),
+        });
+    }
+    same_device(stream, op, "scratch", &scratch.buf)?;
     let (ids_ptr, _ids) = ids.device_ptr(stream);
     let (dout_ptr, _dout) = dout.device_ptr(stream);
     let (dtable_ptr, _dtable) = dtable.device_ptr_mut(stream);
     let (status_ptr, _status) = check_ids.word.device_ptr_mut(stream);
-    let (scratch_ptr, _scratch) = scratch.device_ptr_mut(stream);
+    let (scratch_ptr, _scratch) = scratch.buf.device_ptr_mut(stream);
     // SAFETY: every pointer is a live allocation of the stream's context (checked above; the
-    // scratch was just allocated on `stream`, and the launcher aligns inside it): ids holds `rows` u32, dout rows * dim elements of the
-    // launcher's type, dtable vocab * dim f32, the status word one u64, the scratch exactly the
-    // size the launcher asked for. dtable is written only at rows < vocab. The outputs (dtable,
-    // status, scratch) are borrowed mutably, so they overlap no other buffer. Work is enqueued
-    // on `stream` only; the guards order it, and the scratch is freed stream-ordered on drop.
+    // launcher aligns inside the scratch): ids holds `rows` u32, dout rows * dim elements of
+    // the launcher's type, dtable vocab * dim f32, the status word one u64, the scratch at least
+    // the size the launcher asks for (the launcher writes every scratch byte it later reads, so
+    // stale contents are never observed). dtable is written only at rows < vocab. The outputs
+    // (dtable, status, scratch) are borrowed mutably, so they overlap no other buffer. Work is
+    // enqueued on `stream` only; the guards order it after earlier users of these buffers.
     let status = unsafe {
         launcher(
             ids_ptr as *const u32,
@@ -252,7 +307,7 @@ fn backward<T, R>(
             dtable_ptr as *mut f32,
             status_ptr as *mut u64,
             scratch_ptr as *mut c_void,
-            scratch_bytes,
+            have,
             raw_stream(stream),
         )
     };
@@ -305,8 +360,7 @@ pub fn embedding_forward_bf16(
 
 /// `dtable[ids[r], :] += dout[r, :]` for every row `r` in order, in f32: deterministic and
 /// bit-identical to [`crate::cpu::embedding_backward`]`::<f32>`. An id `>= vocab` is recorded in
-/// `check` and its row skipped. Allocates a stream-ordered sort scratch of about
-/// `16 * ids.len()` bytes plus CUB's temporary storage.
+/// `check` and its row skipped. `scratch` must cover `ids.len()` tokens of this table.
 pub fn embedding_backward_f32(
     stream: &Arc<CudaStream>,
     ids: &impl DevicePtr<u32>,
@@ -314,6 +368,7 @@ pub fn embedding_backward_f32(
     dim: usize,
     dtable: &mut impl DevicePtrMut<f32>,
     check: &mut TokenIdCheck,
+    scratch: &mut EmbeddingBackwardScratch,
 ) -> Result<()> {
     backward::<f32, f32>(
         "tilearn_embedding_backward_f32",
@@ -324,6 +379,7 @@ pub fn embedding_backward_f32(
         dim,
         dtable,
         check,
+        scratch,
     )
 }
 
@@ -335,6 +391,7 @@ pub fn embedding_backward_bf16(
     dim: usize,
     dtable: &mut impl DevicePtrMut<f32>,
     check: &mut TokenIdCheck,
+    scratch: &mut EmbeddingBackwardScratch,
 ) -> Result<()> {
     backward::<bf16, ffi::tilearn_bf16>(
         "tilearn_embedding_backward_bf16",
@@ -345,5 +402,6 @@ pub fn embedding_backward_bf16(
         dim,
         dtable,
         check,
+        scratch,
     )
 }

@@ -48,8 +48,8 @@ pub use cudarc::driver::{
 };
 pub use device::GpuDevice;
 pub use embedding::{
-    TokenIdCheck, embedding_backward_bf16, embedding_backward_f32, embedding_forward_bf16,
-    embedding_forward_f32,
+    EmbeddingBackwardScratch, TokenIdCheck, embedding_backward_bf16, embedding_backward_f32,
+    embedding_forward_bf16, embedding_forward_f32,
 };
 pub use gemm::{
     GEMM_WORKSPACE_BYTES, Gemm, GemmElement, MatmulSpec, Operand, Transpose, cublaslt_available,

@@ -10,11 +10,16 @@
 //! bit, and the working copy, poisoned with NaN before the first step, must keep the poison
 //! there.
 //!
+//! `torch_trajectories_replay_on_gpu` replays the PyTorch-recorded trajectories of
+//! `tests/optim_golden` (every case, 20 steps) with the fused kernels against torch itself.
+//!
 //! Without a GPU or driver each GPU test prints `skipped: <reason>` and passes; the plan
 //! validation tests run everywhere.
 #![cfg(feature = "cuda")]
 // Groups take a list of ranges; a list holding a single range is intended here.
 #![allow(clippy::single_range_in_vec_init)]
+
+mod common;
 
 use std::io::Write;
 use std::ops::Range;
@@ -1277,5 +1282,332 @@ fn lamb_matches_cpu_with_host_and_device_clip() {
         ));
         assert_eq!(ratios.len(), want.len(), "{name}: one ratio per tensor");
         assert!(worst <= TOL, "{name}: trust ratio rel err {worst:e}");
+    }
+}
+
+// ---- PyTorch parity: the recorded trajectories replayed with the fused kernels ----
+
+/// Issue 5's bound for the GPU against torch (the CPU replay in `torch_trajectories.rs` holds
+/// 1e-6). The element-wise kernels perform the CPU optimizer's f32 operations in the same
+/// order, but the device reductions (LAMB's global clip norm and per-tensor norms) sum in
+/// another order than the CPU's, and a trust ratio or clip factor rounded differently moves
+/// every element of its tensor at once: 1e-5 leaves that an order of magnitude of room while
+/// still catching any wrong formula, which shows up at 1e-3 or worse after 20 steps.
+const TORCH_TOL: f64 = 1e-5;
+
+/// One case's device state. The CPU optimizer steps in lockstep on its own copy of the
+/// parameters: it supplies each step's scalars (bias corrections, group learning rates,
+/// LAMB's clip divisor), as a trainer's CPU side does, and its parameters give a GPU-vs-CPU
+/// diagnostic. The GPU parameters are compared with torch's, never seeded from the CPU's.
+// One value per case, built once: the size difference between variants does not matter.
+#[allow(clippy::large_enum_variant)]
+enum GpuOpt {
+    AdamW {
+        cpu: tilearn_optim::AdamW,
+        m: CudaSlice<f32>,
+        v: CudaSlice<f32>,
+        x: Option<CudaSlice<f32>>,
+    },
+    Adam {
+        cpu: tilearn_optim::Adam,
+        m: CudaSlice<f32>,
+        v: CudaSlice<f32>,
+        x: Option<CudaSlice<f32>>,
+    },
+    Sgd {
+        cpu: tilearn_optim::Sgd,
+        buf: Option<CudaSlice<f32>>,
+    },
+    Lamb {
+        cpu: tilearn_optim::Lamb,
+        m: CudaSlice<f32>,
+        v: CudaSlice<f32>,
+        scratch: tilearn_optim::cuda::LambScratch,
+        norm: GradNorm,
+        /// The groups cover the whole buffer, so Apex's clip norm (over group elements) is
+        /// the device norm of the whole gradient buffer; otherwise the host norm is used.
+        device_clip: bool,
+    },
+    Lion {
+        cpu: tilearn_optim::Lion,
+        m: CudaSlice<f32>,
+    },
+}
+
+struct TorchReplay {
+    plan: SegmentPlan,
+    opt: GpuOpt,
+    cpu_params: Vec<f32>,
+}
+
+impl TorchReplay {
+    fn new(dev: &GpuDevice, case: &common::golden::Case, inputs: &common::golden::Inputs) -> Self {
+        use tilearn_optim::cuda::{LambScratch, lamb_segments};
+        use tilearn_optim::{Adam, Lamb, Lion, OptimizerConfig, Sgd};
+        let s = dev.stream();
+        let n = inputs.params0.len();
+        let groups = case.groups.clone();
+        let n_groups = groups.len();
+        let segments = segments_of_n(&groups, n);
+        let zeros = || upload(s, &vec![0.0f32; n]);
+        let group_plan = || SegmentPlan::whole(s, &segments, n, n_groups).expect("plan");
+        let (plan, opt) = match case.config {
+            OptimizerConfig::AdamW(c) => (
+                group_plan(),
+                GpuOpt::AdamW {
+                    cpu: AdamW::new(c, groups, n).expect("cpu adamw"),
+                    m: zeros(),
+                    v: zeros(),
+                    x: c.amsgrad.then(zeros),
+                },
+            ),
+            OptimizerConfig::Adam(c) => (
+                group_plan(),
+                GpuOpt::Adam {
+                    cpu: Adam::new(c, groups, n).expect("cpu adam"),
+                    m: zeros(),
+                    v: zeros(),
+                    x: c.amsgrad.then(zeros),
+                },
+            ),
+            OptimizerConfig::Sgd(c) => (
+                group_plan(),
+                GpuOpt::Sgd {
+                    cpu: Sgd::new(c, groups, n).expect("cpu sgd"),
+                    // Poisoned: the first step must write the buffer without reading it.
+                    buf: (c.momentum != 0.0).then(|| upload(s, &vec![f32::NAN; n])),
+                },
+            ),
+            OptimizerConfig::Lamb(c) => {
+                let cpu = Lamb::new(c, groups, n, inputs.tensors.clone()).expect("cpu lamb");
+                // LAMB's plan segments are its trust-ratio tensors.
+                let plan = SegmentPlan::whole(s, &lamb_segments(&cpu), n, n_groups).expect("plan");
+                let covered: usize = segments.iter().map(|sg| sg.range.len()).sum();
+                let opt = GpuOpt::Lamb {
+                    scratch: LambScratch::new(s, &plan).expect("lamb scratch"),
+                    norm: GradNorm::new(s).expect("norm scratch"),
+                    device_clip: c.max_grad_norm.is_some() && covered == n,
+                    cpu,
+                    m: zeros(),
+                    v: zeros(),
+                };
+                (plan, opt)
+            }
+            OptimizerConfig::Lion(c) => (
+                group_plan(),
+                GpuOpt::Lion {
+                    cpu: Lion::new(c, groups, n).expect("cpu lion"),
+                    m: zeros(),
+                },
+            ),
+        };
+        TorchReplay {
+            plan,
+            opt,
+            cpu_params: inputs.params0.clone(),
+        }
+    }
+
+    /// Step `step` (1-based) at `lr` with gradients `g` (host) / `g_dev` (the same f32 values
+    /// on the device).
+    fn step(
+        &mut self,
+        s: &Arc<CudaStream>,
+        params: &mut CudaSlice<f32>,
+        g: &[f32],
+        g_dev: &CudaSlice<f32>,
+        lr: f32,
+        step: u64,
+    ) {
+        use tilearn_optim::cuda::{
+            LambState, adam_l2_step, lamb_groups, lamb_max_norm, lamb_step, lion_step, sgd_step,
+        };
+        let TorchReplay {
+            plan,
+            opt,
+            cpu_params,
+        } = self;
+        let n_groups = plan.n_groups();
+        let mut io = StepIo::new(Grads::F32(g_dev.as_view()));
+        io.step = step;
+        match opt {
+            GpuOpt::AdamW { cpu, m, v, x } => {
+                let scalars: Vec<_> = (0..n_groups)
+                    .map(|gi| cpu.step_scalars(gi, lr).expect("group"))
+                    .collect();
+                cpu.step(cpu_params, g, lr).expect("cpu step");
+                let state = AdamState {
+                    params: params.as_view_mut(),
+                    exp_avg: m.as_view_mut(),
+                    exp_avg_sq: v.as_view_mut(),
+                    max_exp_avg_sq: x.as_mut().map(|x| x.as_view_mut()),
+                };
+                adamw_step(s, plan, &scalars, state, io).expect("fused adamw step");
+            }
+            GpuOpt::Adam { cpu, m, v, x } => {
+                let scalars: Vec<_> = (0..n_groups)
+                    .map(|gi| cpu.step_scalars(gi, lr).expect("group"))
+                    .collect();
+                cpu.step(cpu_params, g, lr).expect("cpu step");
+                let state = AdamState {
+                    params: params.as_view_mut(),
+                    exp_avg: m.as_view_mut(),
+                    exp_avg_sq: v.as_view_mut(),
+                    max_exp_avg_sq: x.as_mut().map(|x| x.as_view_mut()),
+                };
+                adam_l2_step(s, plan, &scalars, state, io).expect("fused adam step");
+            }
+            GpuOpt::Sgd { cpu, buf } => {
+                let scalars: Vec<_> = (0..n_groups)
+                    .map(|gi| cpu.step_scalars(gi, lr).expect("group"))
+                    .collect();
+                cpu.step(cpu_params, g, lr).expect("cpu step");
+                let b = buf.as_mut().map(|b| b.as_view_mut());
+                sgd_step(s, plan, &scalars, params.as_view_mut(), b, io).expect("fused sgd step");
+            }
+            GpuOpt::Lamb {
+                cpu,
+                m,
+                v,
+                scratch,
+                norm,
+                device_clip,
+            } => {
+                let gnorm = cpu.global_grad_norm(g).expect("host norm");
+                let groups = lamb_groups(cpu, lr, gnorm);
+                cpu.step(cpu_params, g, lr).expect("cpu step");
+                if *device_clip {
+                    norm.compute(s, &Grads::F32(g_dev.as_view()), None)
+                        .expect("device norm");
+                    io.clip = Some(Clip {
+                        grad_sumsq: norm.result(),
+                        max_norm: lamb_max_norm(cpu).expect("max_grad_norm"),
+                    });
+                }
+                let state = LambState {
+                    params: params.as_view_mut(),
+                    exp_avg: m.as_view_mut(),
+                    exp_avg_sq: v.as_view_mut(),
+                };
+                lamb_step(s, plan, &groups, scratch, state, io).expect("fused lamb step");
+            }
+            GpuOpt::Lion { cpu, m } => {
+                let scalars: Vec<_> = (0..n_groups)
+                    .map(|gi| cpu.step_scalars(gi, lr).expect("group"))
+                    .collect();
+                cpu.step(cpu_params, g, lr).expect("cpu step");
+                lion_step(s, plan, &scalars, params.as_view_mut(), m.as_view_mut(), io)
+                    .expect("fused lion step");
+            }
+        }
+    }
+
+    /// The device optimizer state under torch's names, sorted by name.
+    fn state(&self, dev: &GpuDevice) -> Vec<(String, Vec<f32>)> {
+        let d = |b: &CudaSlice<f32>| download(dev, b);
+        let mut out: Vec<(&str, Vec<f32>)> = match &self.opt {
+            GpuOpt::AdamW { m, v, x, .. } | GpuOpt::Adam { m, v, x, .. } => {
+                let mut o = vec![("exp_avg", d(m)), ("exp_avg_sq", d(v))];
+                o.extend(x.iter().map(|x| ("max_exp_avg_sq", d(x))));
+                o
+            }
+            GpuOpt::Sgd { buf, .. } => buf.iter().map(|b| ("momentum_buffer", d(b))).collect(),
+            GpuOpt::Lamb { m, v, .. } => vec![("exp_avg", d(m)), ("exp_avg_sq", d(v))],
+            GpuOpt::Lion { m, .. } => vec![("exp_avg", d(m))],
+        };
+        out.sort_by(|a, b| a.0.cmp(b.0));
+        out.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    }
+
+    fn clip_note(&self) -> &'static str {
+        match &self.opt {
+            GpuOpt::Lamb {
+                device_clip: true, ..
+            } => ", clip norm on the device",
+            GpuOpt::Lamb { cpu, .. } if cpu.config().max_grad_norm.is_some() => {
+                ", clip divisor from the host norm"
+            }
+            _ => "",
+        }
+    }
+}
+
+fn segments_of_n(groups: &[ParamGroup], n: usize) -> Vec<Segment> {
+    validate_groups(groups, n).expect("valid groups")
+}
+
+#[test]
+fn torch_trajectories_replay_on_gpu() {
+    use common::golden::{CASES, golden_dir, load_case, load_inputs, rel_err};
+    let test = "torch_trajectories_replay_on_gpu";
+    let Some(dev) = gpu_or_skip(test) else {
+        return;
+    };
+    let s = dev.stream();
+    let dir = golden_dir();
+    let inputs = load_inputs(&dir);
+    assert_eq!(inputs.grads.len(), 20, "the recordings have 20 steps");
+    let n = inputs.params0.len();
+    report(&format!("{test}: fixtures {}", dir.display()));
+    for name in CASES {
+        let case = load_case(&dir, &inputs, name);
+        assert_eq!(
+            case.config.name(),
+            case.optimizer,
+            "{test}: {name}: optimizer kind"
+        );
+        let mut replay = TorchReplay::new(&dev, &case, &inputs);
+        let mut params = upload(s, &inputs.params0);
+        let (mut max_err, mut worst_step, mut max_cpu_err) = (0.0f64, 0usize, 0.0f64);
+        let mut gpu = Vec::new();
+        let rows = case.trajectory.chunks_exact(n);
+        for (t, ((g, &lr), want)) in inputs.grads.iter().zip(&case.lrs).zip(rows).enumerate() {
+            let step = t + 1;
+            let g_dev = upload(s, g);
+            replay.step(s, &mut params, g, &g_dev, lr, step as u64);
+            gpu = download(&dev, &params);
+            let e = rel_err(&gpu, want);
+            if e > max_err || step == 1 {
+                max_err = e;
+                worst_step = step;
+            }
+            max_cpu_err = max_cpu_err.max(rel_err(&gpu, &replay.cpu_params));
+            assert!(
+                e <= TORCH_TOL,
+                "{test}: {name}: step {step}: GPU parameters' relative error to torch {e:e} > \
+                 {TORCH_TOL:e} (GPU vs this crate's CPU optimizer: {:e})",
+                rel_err(&gpu, &replay.cpu_params)
+            );
+        }
+        let bits_differ = gpu
+            .iter()
+            .zip(&replay.cpu_params)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+
+        // Final state against torch's (same names, same bound).
+        let ours = replay.state(&dev);
+        let names = |v: &[(String, Vec<f32>)]| v.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>();
+        assert_eq!(
+            names(&ours),
+            names(&case.state),
+            "{test}: {name}: state buffers"
+        );
+        let mut state_errs = Vec::new();
+        for ((k, got), (_, want)) in ours.iter().zip(&case.state) {
+            let e = rel_err(got, want);
+            state_errs.push(format!("{k} {e:.2e}"));
+            assert!(
+                e <= TORCH_TOL,
+                "{test}: {name}: state {k}: relative error to torch {e:e} > {TORCH_TOL:e}"
+            );
+        }
+        report(&format!(
+            "{test}: {name:>20}: max param rel err vs torch {max_err:.2e} (step {worst_step}, \
+             bound {TORCH_TOL:e}), vs CPU optimizer {max_cpu_err:.2e} ({bits_differ} of {n} \
+             final elements differ in bits){}, state vs torch [{}]",
+            replay.clip_note(),
+            state_errs.join(", ")
+        ));
     }
 }

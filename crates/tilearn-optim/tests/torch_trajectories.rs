@@ -8,159 +8,18 @@
 //! `TILEARN_OPTIM_GOLDEN_DIR` to replay another recording (e.g. one made with
 //! `--device cuda` on the GPU machine).
 
-use std::ops::Range;
-use std::path::{Path, PathBuf};
+mod common;
 
+use std::path::Path;
+
+use common::golden::{CASES, Inputs, f32s, golden_dir, load_case, load_inputs, rel_err};
 use safetensors::SafeTensors;
-use serde_json::Value;
 use tilearn_optim::{
     AdamConfig, AdamWConfig, LambConfig, LionConfig, OptimizerConfig, ParamGroup, SgdConfig,
 };
 
 /// The bound for the CPU implementation against torch.
 const TOL: f64 = 1e-6;
-
-const CASES: &[&str] = &[
-    "adamw",
-    "adamw_amsgrad",
-    "adam",
-    "adam_amsgrad",
-    "sgd",
-    "sgd_momentum",
-    "sgd_nesterov",
-    "lamb",
-    "lamb_nvlamb_noclip",
-    "lion",
-];
-
-fn golden_dir() -> PathBuf {
-    match std::env::var_os("TILEARN_OPTIM_GOLDEN_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/optim_golden/fixtures"),
-    }
-}
-
-fn f32s(st: &SafeTensors<'_>, name: &str) -> (Vec<f32>, Vec<usize>) {
-    let view = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
-    assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
-    let data = view
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    (data, view.shape().to_vec())
-}
-
-fn metadata(bytes: &[u8]) -> std::collections::HashMap<String, String> {
-    let (_, header) = SafeTensors::read_metadata(bytes).unwrap();
-    header.metadata().clone().expect("metadata")
-}
-
-struct Inputs {
-    params0: Vec<f32>,
-    /// One gradient buffer per step.
-    grads: Vec<Vec<f32>>,
-    /// Element range of each model tensor in the flat buffer.
-    tensors: Vec<Range<usize>>,
-}
-
-fn load_inputs(dir: &Path) -> Inputs {
-    let bytes = std::fs::read(dir.join("inputs.safetensors"))
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.join("inputs.safetensors").display()));
-    let meta = metadata(&bytes);
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let (params0, shape) = f32s(&st, "params0");
-    let n = shape[0];
-    let (g, gshape) = f32s(&st, "grads");
-    assert_eq!(gshape[1], n);
-    let layout: Value = serde_json::from_str(&meta["tensors"]).unwrap();
-    let tensors = layout
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| {
-            let off = t["offset"].as_u64().unwrap() as usize;
-            off..off + t["numel"].as_u64().unwrap() as usize
-        })
-        .collect::<Vec<_>>();
-    assert_eq!(tensors.last().unwrap().end, n);
-    Inputs {
-        params0,
-        grads: g.chunks_exact(n).map(<[f32]>::to_vec).collect(),
-        tensors,
-    }
-}
-
-fn f(v: &Value) -> f32 {
-    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}")) as f32
-}
-
-/// The Rust config equal to the case's torch hyper-parameters.
-fn config_of(case: &Value, decay_wd: f32) -> OptimizerConfig {
-    let h = &case["hyper"];
-    let lr = f(&case["lrs"][0]);
-    let betas = || (f(&h["betas"][0]), f(&h["betas"][1]));
-    let flag = |k: &str| h.get(k).and_then(Value::as_bool).unwrap_or(false);
-    let num = |k: &str, d: f32| h.get(k).map_or(d, f);
-    match case["optimizer"].as_str().unwrap() {
-        "adamw" => OptimizerConfig::AdamW(AdamWConfig {
-            lr,
-            beta1: betas().0,
-            beta2: betas().1,
-            eps: f(&h["eps"]),
-            weight_decay: decay_wd,
-            amsgrad: flag("amsgrad"),
-        }),
-        "adam" => OptimizerConfig::Adam(AdamConfig {
-            lr,
-            beta1: betas().0,
-            beta2: betas().1,
-            eps: f(&h["eps"]),
-            weight_decay: decay_wd,
-            amsgrad: flag("amsgrad"),
-        }),
-        "sgd" => OptimizerConfig::Sgd(SgdConfig {
-            lr,
-            momentum: num("momentum", 0.0),
-            dampening: num("dampening", 0.0),
-            weight_decay: decay_wd,
-            nesterov: flag("nesterov"),
-        }),
-        "lamb" => OptimizerConfig::Lamb(LambConfig {
-            lr,
-            beta1: betas().0,
-            beta2: betas().1,
-            eps: f(&h["eps"]),
-            weight_decay: decay_wd,
-            bias_correction: flag("bias_correction"),
-            grad_averaging: flag("grad_averaging"),
-            max_grad_norm: h["max_grad_norm"].as_f64().map(|x| x as f32),
-            use_nvlamb: flag("use_nvlamb"),
-        }),
-        "lion" => OptimizerConfig::Lion(LionConfig {
-            lr,
-            beta1: betas().0,
-            beta2: betas().1,
-            weight_decay: decay_wd,
-        }),
-        other => panic!("unknown optimizer {other}"),
-    }
-}
-
-/// `||a - b|| / ||b||` in f64.
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|&y| f64::from(y).powi(2)).sum();
-    let e = (num / den).sqrt();
-    // NaN must fail the comparison, not slip through `e <= TOL`.
-    assert!(e.is_finite(), "non-finite relative error");
-    e
-}
 
 struct Report {
     max_param_err: f64,
@@ -171,33 +30,15 @@ struct Report {
 }
 
 fn replay(dir: &Path, inputs: &Inputs, name: &str) -> Report {
-    let path = dir.join(format!("{name}.safetensors"));
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let case: Value = serde_json::from_str(&metadata(&bytes)["case"]).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let case = load_case(dir, inputs, name);
     let n = inputs.params0.len();
-    let (traj, tshape) = f32s(&st, "trajectory");
-    assert_eq!(tshape, vec![inputs.grads.len(), n]);
-
-    let groups_json = case["groups"].as_array().unwrap();
-    let groups: Vec<ParamGroup> = groups_json
-        .iter()
-        .map(|g| {
-            let ranges = g["tensors"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|i| inputs.tensors[i.as_u64().unwrap() as usize].clone())
-                .collect();
-            ParamGroup::new(g["name"].as_str().unwrap(), ranges, f(&g["weight_decay"]))
-        })
-        .collect();
-    let decay_wd = groups[0].weight_decay;
-    let lrs: Vec<f32> = case["lrs"].as_array().unwrap().iter().map(f).collect();
-    let mut opt = config_of(&case, decay_wd)
-        .build(groups, n, inputs.tensors.clone())
+    let traj = &case.trajectory;
+    let lrs = &case.lrs;
+    let mut opt = case
+        .config
+        .build(case.groups.clone(), n, inputs.tensors.clone())
         .unwrap();
-    assert_eq!(opt.name(), case["optimizer"].as_str().unwrap());
+    assert_eq!(opt.name(), case.optimizer);
 
     let mut p = inputs.params0.clone();
     let mut report = Report {
@@ -241,19 +82,17 @@ fn replay(dir: &Path, inputs: &Inputs, name: &str) -> Report {
     opt.save_state(&state_path).unwrap();
     let saved = std::fs::read(&state_path).unwrap();
     let saved = SafeTensors::deserialize(&saved).unwrap();
-    let mut torch_names: Vec<String> = st
-        .names()
-        .into_iter()
-        .filter_map(|k| k.strip_prefix("state.").map(str::to_string))
-        .collect();
-    torch_names.sort();
+    let torch_names: Vec<&String> = case.state.iter().map(|(s, _)| s).collect();
     let mut ours: Vec<String> = saved.names().into_iter().map(str::to_string).collect();
     ours.sort();
-    assert_eq!(ours, torch_names, "{name}: state buffers");
-    for s in &torch_names {
-        let (want, _) = f32s(&st, &format!("state.{s}"));
+    assert_eq!(
+        ours.iter().collect::<Vec<_>>(),
+        torch_names,
+        "{name}: state buffers"
+    );
+    for (s, want) in &case.state {
         let (got, _) = f32s(&saved, s);
-        let e = rel_err(&got, &want);
+        let e = rel_err(&got, want);
         assert!(e <= TOL, "{name}: state {s} relative error {e:e} > {TOL:e}");
         report.state_errs.push((s.clone(), e));
     }

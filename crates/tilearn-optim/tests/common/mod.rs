@@ -1,0 +1,3 @@
+//! Code shared by several test binaries of this crate (each includes it with `mod common;`).
+
+pub mod golden;

@@ -144,7 +144,9 @@ __global__ void rmsnorm_backward_kernel(const T* __restrict__ dout, const T* __r
             const float dy = to_f32(dyr[i]);
             const float xv = to_f32(xr[i]);
             const float g = r * (to_f32(weight[i]) * dy - xv * c);
-            dxr[i] = from_f32<T>(kAccumulate ? to_f32(dxr[i]) + g : g);
+            // __fadd_rn is never contracted into an FMA with the product above, so the f32
+            // accumulate is bit-identical to writing g and adding it in a separate kernel.
+            dxr[i] = from_f32<T>(kAccumulate ? __fadd_rn(to_f32(dxr[i]), g) : g);
             acc[i] += dy * xv * r;
         }
     }

@@ -858,6 +858,36 @@ fn add_rmsnorm_rejects_bad_shapes_and_small_scratch() {
     );
 }
 
+/// Host-only (runs everywhere): a scratch sized by `RmsNormScratch::len_for(max_rows, dim)`
+/// covers every call with fewer rows, although the per-call need is not monotone in the row
+/// count (512 rows use 512 chunks, 513 rows only 257).
+#[test]
+fn rmsnorm_scratch_len_for_covers_every_smaller_call() {
+    // SAFETY: pure host functions of their arguments.
+    let need = |rows: usize, dim: usize| unsafe {
+        cuda::ffi::tilearn_rmsnorm_backward_scratch_len(rows, dim)
+    };
+    assert!(
+        need(513, 8) < need(512, 8),
+        "the per-call need is expected to be non-monotone"
+    );
+    for &dim in &[1usize, 768, 4099] {
+        for &max_rows in &[1usize, 7, 511, 512, 513, 1025, 8192] {
+            let bound = cuda::RmsNormScratch::len_for(max_rows, dim);
+            let worst = (1..=max_rows).map(|r| need(r, dim)).max().unwrap();
+            assert!(
+                worst <= bound,
+                "max_rows {max_rows} dim {dim}: a call needs {worst} f32, len_for gives {bound}"
+            );
+            assert_eq!(
+                cuda::RmsNormScratch::bytes_for(max_rows, dim),
+                bound * 4,
+                "bytes_for is len_for in f32 bytes"
+            );
+        }
+    }
+}
+
 // ---- backend probe: runs everywhere ----
 
 #[test]

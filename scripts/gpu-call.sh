@@ -36,7 +36,7 @@ for phase in "$@"; do
       # The main job on the GPU: the embedded default, bf16, then a resume from its checkpoint.
       run train_gpu "$B/bin/tilearn" train --device cuda --output-dir "$OUT/run" --save-steps 150
       run train_gpu_resume "$B/bin/tilearn" train --device cuda --output-dir "$OUT/run-resumed" \
-        --data "$OUT/run/data" --resume-from-checkpoint "$OUT/run/checkpoint-150"
+        --data "$OUT/run/data" --max-steps 300 --resume-from-checkpoint "$OUT/run/checkpoint-150"
       cp "$OUT/run/train_log.jsonl" "$OUT/train_gpu_log.jsonl" 2>/dev/null
       rm -rf "$OUT/run" "$OUT/run-resumed";;
     e2e)

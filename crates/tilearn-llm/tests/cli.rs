@@ -380,3 +380,23 @@ fn eval_rejects_bad_token_file() {
         assert_clean_error(&out, &[name]);
     }
 }
+
+#[test]
+fn device_cuda_without_a_gpu_is_a_clear_error() {
+    if tilearn_ops::backend::probe().cuda_usable() {
+        eprintln!("skipped: device_cuda_without_a_gpu_is_a_clear_error: a CUDA device is present");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("o");
+    let out = tilearn(&[
+        "train",
+        "--device",
+        "cuda",
+        "--output-dir",
+        path_str(&out_dir),
+        "--max-steps",
+        "1",
+    ]);
+    assert_clean_error(&out, &["--device cuda", "--device cpu"]);
+}

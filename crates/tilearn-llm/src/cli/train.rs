@@ -250,7 +250,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
 /// machine has no GPU), `auto` when the CUDA kernels are built in and a device is present.
 fn choose_device(choice: DeviceChoice) -> Result<bool> {
     let info = tilearn_ops::backend::probe();
-    let usable = info.cuda_compiled && !info.devices.is_empty();
+    let usable = info.cuda_usable();
     match choice {
         DeviceChoice::Cpu => Ok(false),
         DeviceChoice::Auto => Ok(usable),

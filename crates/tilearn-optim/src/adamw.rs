@@ -30,6 +30,7 @@ use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors, View};
 use serde::{Deserialize, Serialize};
 
+use crate::common::decimal_f64;
 use crate::error::{OptimError, Result};
 use crate::group::{ParamGroup, Segment, validate_groups};
 
@@ -112,17 +113,6 @@ fn check_lr(lr: f32) -> Result<()> {
             message: "must be finite and >= 0",
         })
     }
-}
-
-/// Widens an f32 to the f64 with the same shortest decimal representation (`0.9f32` →
-/// `0.9f64`), i.e. the Python float the user most likely wrote.
-fn decimal_f64(x: f32) -> f64 {
-    if !x.is_finite() {
-        return f64::from(x);
-    }
-    // `Display` for f32 prints the shortest string that round-trips to `x`; parsing it as f64
-    // cannot fail for a finite value.
-    x.to_string().parse::<f64>().unwrap_or(f64::from(x))
 }
 
 /// The per-group scalars of one AdamW step, computed in f64 and rounded to f32 once.

@@ -91,7 +91,7 @@ pub(crate) fn check_len(what: &'static str, expected: usize, actual: usize) -> R
 /// Widens an f32 to the f64 with the same shortest decimal representation (`0.9f32` →
 /// `0.9f64`), i.e. the Python float the user most likely wrote; torch computes its per-step
 /// scalars from such Python floats.
-pub(crate) fn decimal_f64(x: f32) -> f64 {
+pub fn decimal_f64(x: f32) -> f64 {
     if !x.is_finite() {
         return f64::from(x);
     }
@@ -162,4 +162,17 @@ pub(crate) fn split_mut_opt<'a>(
 /// Shared slices of `buf` for `chunks` (same contract as [`split_mut`]).
 pub(crate) fn split<'a>(buf: &'a [f32], chunks: &[Chunk]) -> Vec<&'a [f32]> {
     chunks.iter().map(|c| &buf[c.range.clone()]).collect()
+}
+
+#[cfg(test)]
+mod decimal_tests {
+    use super::decimal_f64;
+
+    #[test]
+    fn decimal_widening_keeps_the_written_value() {
+        assert_eq!(decimal_f64(0.9), 0.9);
+        assert_eq!(decimal_f64(0.999), 0.999);
+        assert_eq!(decimal_f64(1e-8), 1e-8);
+        assert_ne!(f64::from(0.9f32), 0.9);
+    }
 }

@@ -28,6 +28,7 @@ mod state_file;
 pub use adam::{Adam, AdamConfig, AdamStepScalars};
 pub use adamw::{AdamW, AdamWConfig, AdamWStepScalars};
 pub use clip::{clip_grad_norm, global_grad_norm};
+pub use common::decimal_f64;
 pub use error::{OptimError, Result};
 pub use group::{ParamGroup, Segment, validate_groups};
 pub use lamb::{Lamb, LambConfig, LambStepScalars, lamb_clip_divisor, lamb_trust_ratio};

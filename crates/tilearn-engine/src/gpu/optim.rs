@@ -16,7 +16,9 @@ use tilearn_optim::cuda::{
     AdamState, Clip, FusedError, GradNorm, Grads, ParamCopy, Rounding, SegmentPlan, StepIo,
     adamw_step,
 };
-use tilearn_optim::{AdamWConfig, AdamWStepScalars, OptimError, ParamGroup, validate_groups};
+use tilearn_optim::{
+    AdamWConfig, AdamWStepScalars, OptimError, ParamGroup, decimal_f64, validate_groups,
+};
 
 use crate::error::{EngineError, Result};
 
@@ -211,16 +213,6 @@ impl GpuAdamW {
     }
 }
 
-/// The f64 with the same shortest decimal form as `x` (`0.9f32` -> `0.9`), as
-/// tilearn-optim's AdamW widens its hyper-parameters, so device and CPU steps take the same
-/// scalars.
-fn decimal_f64(x: f32) -> f64 {
-    if !x.is_finite() {
-        return f64::from(x);
-    }
-    x.to_string().parse::<f64>().unwrap_or(f64::from(x))
-}
-
 /// A fused-optimizer error as an engine error.
 fn fused(e: FusedError) -> EngineError {
     match e {
@@ -238,18 +230,5 @@ fn fused(e: FusedError) -> EngineError {
             context: "fused AdamW",
             message: other.to_string(),
         }),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::decimal_f64;
-
-    #[test]
-    fn decimal_widening_keeps_the_written_value() {
-        assert_eq!(decimal_f64(0.9), 0.9);
-        assert_eq!(decimal_f64(0.999), 0.999);
-        assert_eq!(decimal_f64(1e-8), 1e-8);
-        assert_ne!(f64::from(0.9f32), 0.9);
     }
 }

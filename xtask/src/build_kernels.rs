@@ -58,6 +58,7 @@ fn generate(header: &Path) -> Result<String, String> {
         .rust_edition(bindgen::RustEdition::Edition2024)
         .allowlist_function("tilearn_.*")
         .allowlist_type("tilearn_.*")
+        .allowlist_var("TILEARN_.*")
         .opaque_type("CUstream_st")
         .layout_tests(false)
         .derive_debug(false)

@@ -1,5 +1,5 @@
 //! The CUDA path (feature `cuda`): the device handle and one safe, typed wrapper per kernel
-//! launcher of `kernels/*.cu`.
+//! launcher of `kernels/*.cu`, generic over the element type ([`DeviceFloat`]) where the kernel is.
 //!
 //! cudarc owns the context (the device's primary context), the stream and every buffer; the
 //! kernels are launched by their `extern "C"` launchers (declared in
@@ -25,6 +25,7 @@ mod attention;
 mod cast;
 mod cross_entropy;
 mod device;
+mod dtype;
 mod embedding;
 mod gemm;
 mod launch;
@@ -34,42 +35,19 @@ mod residual;
 mod rope;
 mod swiglu;
 
-pub use attention::{
-    AttentionWorkspace, AttnElement, attention_backward_bf16, attention_backward_f32,
-    attention_forward_bf16, attention_forward_f32,
-};
+// Each op module exports exactly its public wrappers and workspace types.
+pub use attention::*;
 pub use cast::{cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16};
-pub use cross_entropy::{
-    CeTotals, cross_entropy_forward_bf16, cross_entropy_forward_f32, cross_entropy_fused_bf16,
-    cross_entropy_fused_f32,
-};
+pub use cross_entropy::*;
 pub use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 };
 pub use device::GpuDevice;
-pub use embedding::{
-    EmbeddingBackwardScratch, TokenIdCheck, embedding_backward_bf16, embedding_backward_f32,
-    embedding_forward_bf16, embedding_forward_f32,
-};
-pub use gemm::{
-    GEMM_WORKSPACE_BYTES, Gemm, GemmElement, MatmulSpec, Operand, Transpose, cublaslt_available,
-    linear_backward_bf16, linear_backward_f32, linear_forward_bf16, linear_forward_f32,
-};
-pub use norm::{
-    RmsNormScratch, add_rmsnorm_forward_bf16, add_rmsnorm_forward_f32, rmsnorm_backward_add_bf16,
-    rmsnorm_backward_add_f32, rmsnorm_backward_bf16, rmsnorm_backward_f32, rmsnorm_forward_bf16,
-    rmsnorm_forward_f32,
-};
-pub use reduce::{
-    NormWorkspace, global_norm_bf16, global_norm_f32, unscale_check_bf16, unscale_check_f16,
-    unscale_check_f32,
-};
-pub use residual::{
-    residual_add_bf16, residual_add_f32, residual_add_inplace_bf16, residual_add_inplace_f32,
-};
-pub use rope::{
-    GpuRopeTable, rope_backward_bf16, rope_backward_f32, rope_forward_bf16, rope_forward_f32,
-};
-pub use swiglu::{
-    swiglu_backward_bf16, swiglu_backward_f32, swiglu_forward_bf16, swiglu_forward_f32,
-};
+pub use dtype::DeviceFloat;
+pub use embedding::*;
+pub use gemm::*;
+pub use norm::*;
+pub use reduce::*;
+pub use residual::*;
+pub use rope::*;
+pub use swiglu::*;

@@ -9,19 +9,19 @@
 //            delta: rowsum(dO ∘ O) straight from the [B, T, H, D] tensors (no permute).
 // Layout:    scores / dP: f32 [rows, ld] row-major with rows = (batch, head, query) and the
 //            query position i = row % seq; only columns [0, seq) are used (ld >= seq pads rows
-//            for aligned GEMMs). probs / dS: [rows, ld] of f32 or bf16; every column j in
+//            for aligned GEMMs). probs / dS: [rows, ld] of f32, bf16 or f16; every column j in
 //            [0, seq) is written: keys j <= i get their value, keys j > i an exact 0 (the GEMMs
 //            that consume P run over all seq columns). lse / delta: f32 [rows].
 //            swap_axes: [outer, x, y, inner] -> [outer, y, x, inner] on raw bytes (the permute
 //            between the projections' [B, T, H, D] and the per-head [B, H, T, D]).
 // Precision: scores, dP, lse, delta and all arithmetic in f32 (expf / logf, not the fast
 //            intrinsics, so the f32 path meets 1e-5 against the reference); P and dS are
-//            rounded once to their storage type (bf16 in the mixed-precision path).
+//            rounded once to their storage type, the launcher's dtype: f32, bf16 or f16 (P is
+//            in [0, 1], which f16 holds; tiny dS values become f16 subnormals).
 // Gradients: dS and delta are written (`=`); there are no parameters.
 // Determinism: one warp per row, butterfly shuffles in a fixed pattern, no atomics.
 
-#include <cuda_bf16.h>
-
+#include "tilearn_dtype.cuh"
 #include "tilearn_kernels.h"
 
 namespace {
@@ -30,18 +30,6 @@ constexpr int kWarp = 32;
 constexpr int kRowsPerBlock = 8;  // one warp per row, 256 threads
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr unsigned kMaxGridX = 0x7fffffffu;
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -100,7 +88,7 @@ __global__ void softmax_kernel(const float* __restrict__ scores, size_t ld, size
     const float row_lse = m_all + logf(l_all);
     TP* p = probs + r * ld;
     for (size_t j = lane; j < seq; j += kWarp)
-        p[j] = from_f32<TP>(j <= i ? expf(s[j] - row_lse) : 0.0f);
+        p[j] = tilearn::from_f32<TP>(j <= i ? expf(s[j] - row_lse) : 0.0f);
     if (lane == 0) lse[r] = row_lse;
 }
 
@@ -116,7 +104,7 @@ __global__ void probs_kernel(const float* __restrict__ scores, size_t ld, size_t
     const float* s = scores + r * ld;
     TP* p = probs + r * ld;
     for (size_t j = lane; j < seq; j += kWarp)
-        p[j] = from_f32<TP>(j <= i ? expf(s[j] - row_lse) : 0.0f);
+        p[j] = tilearn::from_f32<TP>(j <= i ? expf(s[j] - row_lse) : 0.0f);
 }
 
 // ---- dscores: dS = P * (dP - delta) * scale, in place over P, with the causal mask ----
@@ -133,8 +121,8 @@ __global__ void dscores_kernel(TP* __restrict__ probs_ds, const float* __restric
     const float* dp = dprobs + r * ld;
     for (size_t j = lane; j < seq; j += kWarp) {
         // Each element is read and written by the same thread, so in place is race-free.
-        const float v = j <= i ? to_f32(p[j]) * (dp[j] - row_delta) * scale : 0.0f;
-        p[j] = from_f32<TP>(v);
+        const float v = j <= i ? tilearn::to_f32(p[j]) * (dp[j] - row_delta) * scale : 0.0f;
+        p[j] = tilearn::from_f32<TP>(v);
     }
 }
 
@@ -152,7 +140,8 @@ __global__ void delta_kernel(const T* __restrict__ dout, const T* __restrict__ o
     const size_t b = bh / heads;
     const size_t base = ((b * seq + t) * heads + h) * head_dim;
     float acc = 0.0f;
-    for (size_t d = lane; d < head_dim; d += kWarp) acc += to_f32(dout[base + d]) * to_f32(out[base + d]);
+    for (size_t d = lane; d < head_dim; d += kWarp)
+        acc += tilearn::to_f32(dout[base + d]) * tilearn::to_f32(out[base + d]);
     acc = warp_sum(acc);
     if (lane == 0) delta[r] = acc;
 }
@@ -263,51 +252,35 @@ extern "C" int tilearn_attention_swap_axes(const void* src, void* dst, size_t ou
     return static_cast<int>(cudaGetLastError());
 }
 
-extern "C" int tilearn_attention_softmax_f32(const float* scores, size_t ld, size_t rows,
-                                             size_t seq, float* probs, float* lse,
-                                             cudaStream_t stream) {
-    return launch_softmax<float>(scores, ld, rows, seq, probs, lse, stream);
+extern "C" int tilearn_attention_softmax(int dtype, const float* scores, size_t ld, size_t rows,
+                                         size_t seq, void* probs, float* lse,
+                                         cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_softmax<decltype(tag)>(scores, ld, rows, seq, probs, lse, stream);
+    });
 }
 
-extern "C" int tilearn_attention_softmax_bf16(const float* scores, size_t ld, size_t rows,
-                                              size_t seq, tilearn_bf16* probs, float* lse,
-                                              cudaStream_t stream) {
-    return launch_softmax<__nv_bfloat16>(scores, ld, rows, seq, probs, lse, stream);
+extern "C" int tilearn_attention_probs(int dtype, const float* scores, size_t ld, size_t rows,
+                                       size_t seq, const float* lse, void* probs,
+                                       cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_probs<decltype(tag)>(scores, ld, rows, seq, lse, probs, stream);
+    });
 }
 
-extern "C" int tilearn_attention_probs_f32(const float* scores, size_t ld, size_t rows,
-                                           size_t seq, const float* lse, float* probs,
-                                           cudaStream_t stream) {
-    return launch_probs<float>(scores, ld, rows, seq, lse, probs, stream);
+extern "C" int tilearn_attention_dscores(int dtype, void* probs_ds, const float* dprobs, size_t ld,
+                                         size_t rows, size_t seq, const float* delta, float scale,
+                                         cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_dscores<decltype(tag)>(probs_ds, dprobs, ld, rows, seq, delta, scale,
+                                             stream);
+    });
 }
 
-extern "C" int tilearn_attention_probs_bf16(const float* scores, size_t ld, size_t rows,
-                                            size_t seq, const float* lse, tilearn_bf16* probs,
-                                            cudaStream_t stream) {
-    return launch_probs<__nv_bfloat16>(scores, ld, rows, seq, lse, probs, stream);
-}
-
-extern "C" int tilearn_attention_dscores_f32(float* probs_ds, const float* dprobs, size_t ld,
-                                             size_t rows, size_t seq, const float* delta,
-                                             float scale, cudaStream_t stream) {
-    return launch_dscores<float>(probs_ds, dprobs, ld, rows, seq, delta, scale, stream);
-}
-
-extern "C" int tilearn_attention_dscores_bf16(tilearn_bf16* probs_ds, const float* dprobs,
-                                              size_t ld, size_t rows, size_t seq,
-                                              const float* delta, float scale,
-                                              cudaStream_t stream) {
-    return launch_dscores<__nv_bfloat16>(probs_ds, dprobs, ld, rows, seq, delta, scale, stream);
-}
-
-extern "C" int tilearn_attention_delta_f32(const float* dout, const float* out, size_t batch,
-                                           size_t seq, size_t heads, size_t head_dim,
-                                           float* delta, cudaStream_t stream) {
-    return launch_delta<float>(dout, out, batch, seq, heads, head_dim, delta, stream);
-}
-
-extern "C" int tilearn_attention_delta_bf16(const tilearn_bf16* dout, const tilearn_bf16* out,
-                                            size_t batch, size_t seq, size_t heads,
-                                            size_t head_dim, float* delta, cudaStream_t stream) {
-    return launch_delta<__nv_bfloat16>(dout, out, batch, seq, heads, head_dim, delta, stream);
+extern "C" int tilearn_attention_delta(int dtype, const void* dout, const void* out, size_t batch,
+                                       size_t seq, size_t heads, size_t head_dim, float* delta,
+                                       cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_delta<decltype(tag)>(dout, out, batch, seq, heads, head_dim, delta, stream);
+    });
 }

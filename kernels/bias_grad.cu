@@ -3,7 +3,7 @@
 // Fused:     nothing beyond the column sum; the f32 accumulation and the `+=` into db happen in
 //            the same pass (no separate zero-and-add).
 // Layout:    dout [rows, cols] row-major (cols = out_features), db [cols].
-// Precision: dout f32 or bf16; every sum in f32; db f32.
+// Precision: dout f32, bf16 or f16 (the launcher's dtype); every sum in f32; db f32.
 // Gradients: db is accumulated (`+=`), the parameter-gradient convention.
 // Determinism: no atomics. Pass 1 cuts the rows into `chunks` contiguous ranges (a function of
 //            `rows` only); each block sums 32 columns of one range, every thread a fixed stride
@@ -11,8 +11,7 @@
 //            block adds straight into db; otherwise pass 2 adds the per-range partials (scratch)
 //            in range order. The result is bit-identical from run to run.
 
-#include <cuda_bf16.h>
-
+#include "tilearn_dtype.cuh"
 #include "tilearn_kernels.h"
 
 namespace {
@@ -21,9 +20,6 @@ constexpr int kCols = 32;          // columns per block (one warp-wide row segme
 constexpr int kLanes = 8;          // row lanes per block
 constexpr size_t kRowsPerChunk = 256;
 constexpr size_t kMaxChunks = 64;
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 size_t chunks_for(size_t rows) {
     size_t c = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
@@ -44,7 +40,8 @@ __global__ void column_sum_kernel(const T* __restrict__ dout, size_t rows, size_
     if (r1 > rows) r1 = rows;
     float sum = 0.0f;
     if (col < cols) {
-        for (size_t r = r0 + threadIdx.y; r < r1; r += kLanes) sum += to_f32(dout[r * cols + col]);
+        for (size_t r = r0 + threadIdx.y; r < r1; r += kLanes)
+            sum += tilearn::to_f32(dout[r * cols + col]);
     }
     lane_sums[threadIdx.y][threadIdx.x] = sum;
     __syncthreads();
@@ -104,13 +101,9 @@ extern "C" size_t tilearn_bias_grad_scratch_len(size_t rows, size_t cols) {
     return chunks * cols;
 }
 
-extern "C" int tilearn_bias_grad_f32(const float* dout, size_t rows, size_t cols, float* db,
-                                     float* scratch, size_t scratch_len, cudaStream_t stream) {
-    return launch<float>(dout, rows, cols, db, scratch, scratch_len, stream);
-}
-
-extern "C" int tilearn_bias_grad_bf16(const tilearn_bf16* dout, size_t rows, size_t cols,
-                                      float* db, float* scratch, size_t scratch_len,
-                                      cudaStream_t stream) {
-    return launch<__nv_bfloat16>(dout, rows, cols, db, scratch, scratch_len, stream);
+extern "C" int tilearn_bias_grad(int dtype, const void* dout, size_t rows, size_t cols, float* db,
+                                 float* scratch, size_t scratch_len, cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch<decltype(tag)>(dout, rows, cols, db, scratch, scratch_len, stream);
+    });
 }

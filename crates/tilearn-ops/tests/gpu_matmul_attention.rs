@@ -3,14 +3,28 @@
 //! zeros) at awkward shapes, with every output poisoned with NaN before the launch. Every test
 //! prints its measured errors, on success too, so the GPU log shows the margins.
 //!
+//! Every test body is generic over the element type and runs in f32, bf16 and f16.
+//!
 //! Tolerances (‖got − want‖₂ / ‖want‖₂, DESIGN.md's bounds):
 //! * f32: 1e-5. cuBLASLt runs with `CUBLAS_COMPUTE_32F` (TF32 off, which would give ~1e-3);
 //!   f32 sums over up to 32003 terms have relative error ~ 2^-24 · sqrt(k) ≈ 1e-5 at worst.
 //! * bf16 outputs: 1e-2. The references use the same bf16-rounded inputs, so the error is the
-//!   rounding of the output (≤ 2^-9 ≈ 2e-3 per element) plus, in attention, of P and dS
-//!   before their GEMMs; 1e-2 leaves room for those few roundings in sequence.
-//! * f32 outputs of bf16 GEMMs (dW, attention's lse): 1e-3. The products of bf16 numbers are
-//!   exact, but tensor cores' f32 accumulation does not round to nearest at every add.
+//!   rounding of the output (unit roundoff 2^-8 ≈ 3.9e-3 per element, ~2.3e-3 rms) plus, in
+//!   attention, of P and dS before their GEMMs; 1e-2 leaves room for those few roundings in
+//!   sequence.
+//! * f16 outputs: 2e-3. Same reasoning with f16's 11-bit significand: unit roundoff
+//!   2^-11 ≈ 4.9e-4 per rounding (~2.8e-4 rms); the longest chain (attention's dq/dk: P, dS,
+//!   then the output rounded) gives ~5e-4 rms, and 2e-3 keeps a 4x margin — the bf16 bound
+//!   scaled by the 8x finer rounding, rounded up. Inputs are drawn in ±[0.05, 2): every value
+//!   and every product sum of the cases (at most ~|300| for the 32003-term dx) is far inside
+//!   f16's range (65504); P lies in [0, 1]; the smallest dS values of the T = 1000 case fall
+//!   into f16's subnormals (< 6.1e-5, absolute spacing 6e-8), which changes the norm-relative
+//!   error by far less than the bound.
+//! * f32 outputs of bf16 / f16 GEMMs (dW, attention's lse): 1e-3. The products of 16-bit
+//!   numbers are exact in f32, but tensor cores' f32 accumulation does not round to nearest at
+//!   every add.
+//! * db (f32 column sums of exactly representable values, in the reduction kernel): 1e-5 for
+//!   every type.
 //!
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes. With a
 //! GPU but no libcublasLt the tests fail with the loader's message (the GPU path needs it).
@@ -19,14 +33,14 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use half::bf16;
+use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tilearn_ops::OpsError;
 use tilearn_ops::cpu::{self, AttnShape};
 use tilearn_ops::cuda::{
-    self, AttentionWorkspace, AttnElement, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, Gemm,
-    GemmElement, GpuDevice, MatmulSpec, Operand, Transpose,
+    self, AttentionWorkspace, CudaSlice, CudaStream, DeviceFloat, DevicePtr, Gemm, GpuDevice,
+    MatmulSpec, Operand, Transpose,
 };
 
 /// Writes to the process's stderr directly: libtest captures `eprintln!` of passing tests, and
@@ -63,159 +77,36 @@ fn uniform(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
         .collect()
 }
 
-/// An element type under test (f32 or bf16): host conversions and the typed wrappers, so one
-/// test body serves both precisions.
-trait Elem: GemmElement + AttnElement + cudarc::driver::DeviceRepr + Copy + std::fmt::Debug {
+/// An element type under test (f32, bf16 or f16): what the tests need beyond [`DeviceFloat`],
+/// so one generic test body serves every precision.
+trait Elem: DeviceFloat + std::fmt::Debug {
     const NAN: Self;
-    fn from_f32(x: f32) -> Self;
-    fn to_f64(self) -> f64;
     fn bits(self) -> u32;
-    #[allow(clippy::too_many_arguments)]
-    fn linear_forward(
-        gemm: &Gemm,
-        x: &CudaSlice<Self>,
-        w: &CudaSlice<Self>,
-        bias: Option<&dyn DevicePtr<Self>>,
-        rows: usize,
-        in_f: usize,
-        out_f: usize,
-        out: &mut CudaSlice<Self>,
-    ) -> tilearn_ops::Result<()>;
-    #[allow(clippy::too_many_arguments)]
-    fn linear_backward(
-        gemm: &Gemm,
-        dout: &CudaSlice<Self>,
-        x: &CudaSlice<Self>,
-        w: &CudaSlice<Self>,
-        rows: usize,
-        in_f: usize,
-        out_f: usize,
-        dx: Option<&mut dyn DevicePtrMut<Self>>,
-        dw: &mut CudaSlice<f32>,
-        db: Option<&mut dyn DevicePtrMut<f32>>,
-    ) -> tilearn_ops::Result<()>;
-    #[allow(clippy::too_many_arguments)]
-    fn attention_forward(
-        gemm: &Gemm,
-        ws: &mut AttentionWorkspace<Self>,
-        s: AttnShape,
-        q: &CudaSlice<Self>,
-        k: &CudaSlice<Self>,
-        v: &CudaSlice<Self>,
-        out: &mut CudaSlice<Self>,
-        lse: &mut CudaSlice<f32>,
-    ) -> tilearn_ops::Result<()>;
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward(
-        gemm: &Gemm,
-        ws: &mut AttentionWorkspace<Self>,
-        s: AttnShape,
-        dout: &CudaSlice<Self>,
-        q: &CudaSlice<Self>,
-        k: &CudaSlice<Self>,
-        v: &CudaSlice<Self>,
-        out: &CudaSlice<Self>,
-        lse: &CudaSlice<f32>,
-        dq: &mut CudaSlice<Self>,
-        dk: &mut CudaSlice<Self>,
-        dv: &mut CudaSlice<Self>,
-    ) -> tilearn_ops::Result<()>;
+    fn to_f64(self) -> f64 {
+        self.to_f32() as f64
+    }
 }
 
-macro_rules! impl_elem {
-    ($t:ty, $nan:expr, $from:expr, $to:expr, $bits:expr,
-     $lf:path, $lb:path, $af:path, $ab:path) => {
-        impl Elem for $t {
-            const NAN: $t = $nan;
-            fn from_f32(x: f32) -> $t {
-                $from(x)
-            }
-            fn to_f64(self) -> f64 {
-                $to(self)
-            }
-            fn bits(self) -> u32 {
-                $bits(self)
-            }
-            fn linear_forward(
-                gemm: &Gemm,
-                x: &CudaSlice<$t>,
-                w: &CudaSlice<$t>,
-                bias: Option<&dyn DevicePtr<$t>>,
-                rows: usize,
-                in_f: usize,
-                out_f: usize,
-                out: &mut CudaSlice<$t>,
-            ) -> tilearn_ops::Result<()> {
-                $lf(gemm, x, w, bias, rows, in_f, out_f, out)
-            }
-            fn linear_backward(
-                gemm: &Gemm,
-                dout: &CudaSlice<$t>,
-                x: &CudaSlice<$t>,
-                w: &CudaSlice<$t>,
-                rows: usize,
-                in_f: usize,
-                out_f: usize,
-                dx: Option<&mut dyn DevicePtrMut<$t>>,
-                dw: &mut CudaSlice<f32>,
-                db: Option<&mut dyn DevicePtrMut<f32>>,
-            ) -> tilearn_ops::Result<()> {
-                $lb(gemm, dout, x, w, rows, in_f, out_f, dx, dw, db)
-            }
-            fn attention_forward(
-                gemm: &Gemm,
-                ws: &mut AttentionWorkspace<$t>,
-                s: AttnShape,
-                q: &CudaSlice<$t>,
-                k: &CudaSlice<$t>,
-                v: &CudaSlice<$t>,
-                out: &mut CudaSlice<$t>,
-                lse: &mut CudaSlice<f32>,
-            ) -> tilearn_ops::Result<()> {
-                $af(gemm, ws, s, q, k, v, out, lse)
-            }
-            fn attention_backward(
-                gemm: &Gemm,
-                ws: &mut AttentionWorkspace<$t>,
-                s: AttnShape,
-                dout: &CudaSlice<$t>,
-                q: &CudaSlice<$t>,
-                k: &CudaSlice<$t>,
-                v: &CudaSlice<$t>,
-                out: &CudaSlice<$t>,
-                lse: &CudaSlice<f32>,
-                dq: &mut CudaSlice<$t>,
-                dk: &mut CudaSlice<$t>,
-                dv: &mut CudaSlice<$t>,
-            ) -> tilearn_ops::Result<()> {
-                $ab(gemm, ws, s, dout, q, k, v, out, lse, dq, dk, dv)
-            }
-        }
-    };
+impl Elem for f32 {
+    const NAN: f32 = f32::NAN;
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
 }
 
-impl_elem!(
-    f32,
-    f32::NAN,
-    |x: f32| x,
-    |x: f32| x as f64,
-    |x: f32| x.to_bits(),
-    cuda::linear_forward_f32,
-    cuda::linear_backward_f32,
-    cuda::attention_forward_f32,
-    cuda::attention_backward_f32
-);
-impl_elem!(
-    bf16,
-    bf16::NAN,
-    bf16::from_f32,
-    bf16::to_f64,
-    |x: bf16| x.to_bits() as u32,
-    cuda::linear_forward_bf16,
-    cuda::linear_backward_bf16,
-    cuda::attention_forward_bf16,
-    cuda::attention_backward_bf16
-);
+impl Elem for bf16 {
+    const NAN: bf16 = bf16::NAN;
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
+}
+
+impl Elem for f16 {
+    const NAN: f16 = f16::NAN;
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
+}
 
 /// Random values of `T` (drawn in f32, rounded once) and their exact f64 values.
 fn random<T: Elem>(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> (Vec<T>, Vec<f64>) {
@@ -394,6 +285,8 @@ fn matmul_strided_batched_matches_naive_reference() {
     matmul_case::<f32, f32>(TEST, &dev, &gemm, 1e-5, 1);
     matmul_case::<bf16, bf16>(TEST, &dev, &gemm, 1e-2, 2);
     matmul_case::<bf16, f32>(TEST, &dev, &gemm, 1e-3, 3);
+    matmul_case::<f16, f16>(TEST, &dev, &gemm, 2e-3, 4);
+    matmul_case::<f16, f32>(TEST, &dev, &gemm, 1e-3, 5);
 }
 
 #[test]
@@ -407,7 +300,7 @@ fn matmul_rejects_bad_specs() {
     let b = upload(s, &[1.0f32; 6]);
     let mut c = poisoned::<f32>(s, 4);
     // A 2x3 · B 3x2 fits; a short C, an ld below the column count, overlapping batch entries
-    // and f32 -> bf16 do not.
+    // and the type pairs f32 -> bf16, f32 -> f16, bf16 -> f16, f16 -> bf16 do not.
     let ok = MatmulSpec::new(2, 2, 3, Operand::plain(3), Operand::plain(2));
     gemm.matmul::<f32, f32>(&ok, &a, &b, &mut c).unwrap();
     let mut short = poisoned::<f32>(s, 3);
@@ -425,6 +318,14 @@ fn matmul_rejects_bad_specs() {
     );
     let mut c16 = poisoned::<bf16>(s, 4);
     assert!(gemm.matmul::<f32, bf16>(&ok, &a, &b, &mut c16).is_err());
+    let mut ch = poisoned::<f16>(s, 4);
+    assert!(gemm.matmul::<f32, f16>(&ok, &a, &b, &mut ch).is_err());
+    let (a16, b16) = (upload(s, &[bf16::ONE; 6]), upload(s, &[bf16::ONE; 6]));
+    assert!(gemm.matmul::<bf16, f16>(&ok, &a16, &b16, &mut ch).is_err());
+    let (ah, bh) = (upload(s, &[f16::ONE; 6]), upload(s, &[f16::ONE; 6]));
+    assert!(gemm.matmul::<f16, bf16>(&ok, &ah, &bh, &mut c16).is_err());
+    assert!(download(&dev, &c16).iter().all(|v| v.is_nan()));
+    assert!(download(&dev, &ch).iter().all(|v| v.is_nan()));
     let got = download(&dev, &c);
     assert_eq!(got, vec![3.0f32; 4]);
 }
@@ -496,12 +397,12 @@ fn linear_case<T: Elem>(
     let dbias = upload(s, &b);
     let mut out = poisoned::<T>(s, rows * out_f);
     let bias_arg: Option<&dyn DevicePtr<T>> = if with_bias { Some(&dbias) } else { None };
-    T::linear_forward(gemm, &dx_, &dw_, bias_arg, rows, in_f, out_f, &mut out).unwrap();
+    cuda::linear_forward(gemm, &dx_, &dw_, bias_arg, rows, in_f, out_f, &mut out).unwrap();
     let ddout = upload(s, &dout);
     let mut dx = poisoned::<T>(s, rows * in_f);
     let mut dw = upload(s, &dw0);
     let mut db = upload(s, &db0);
-    T::linear_backward(
+    cuda::linear_backward(
         gemm,
         &ddout,
         &dx_,
@@ -629,24 +530,35 @@ fn linear_bf16_matches_cpu_reference() {
     }
 }
 
+/// f16: out and dx (f16) 2e-3 (one rounding of 2^-11 after an f32 sum, see the file header);
+/// dW (f32 accumulation of exact f16 products) 1e-3; db 1e-5. The largest values (dx of the
+/// 32003-feature LM head, ~|300|) stay far below f16's 65504.
 #[test]
-fn linear_backward_is_deterministic() {
-    const TEST: &str = "linear_backward_is_deterministic";
+fn linear_f16_matches_cpu_reference() {
+    const TEST: &str = "linear_f16_matches_cpu_reference";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
         return;
     };
+    for (i, &case) in LINEAR_CASES.iter().enumerate() {
+        linear_case::<f16>(TEST, &dev, &gemm, case, 25 + i as u64, 2e-3, 1e-3);
+    }
+}
+
+/// Two identical linear backwards in type `T` give bit-identical dW and db (1000 rows: the
+/// bias gradient takes its two-pass path).
+fn linear_determinism_case<T: Elem>(test: &str, dev: &GpuDevice, gemm: &Gemm, seed: u64) {
     let s = dev.stream();
     let (rows, in_f, out_f) = (1000, 96, 301);
-    let mut rng = rng(30);
-    let (x, _) = random::<bf16>(&mut rng, rows * in_f, 0.05, 1.0);
-    let (w, _) = random::<bf16>(&mut rng, out_f * in_f, 0.05, 1.0);
-    let (dout, _) = random::<bf16>(&mut rng, rows * out_f, 0.05, 1.0);
+    let mut rng = rng(seed);
+    let (x, _) = random::<T>(&mut rng, rows * in_f, 0.05, 1.0);
+    let (w, _) = random::<T>(&mut rng, out_f * in_f, 0.05, 1.0);
+    let (dout, _) = random::<T>(&mut rng, rows * out_f, 0.05, 1.0);
     let (x, w, dout) = (upload(s, &x), upload(s, &w), upload(s, &dout));
     let run = || {
         let mut dw = upload(s, &vec![0.25f32; out_f * in_f]);
         let mut db = upload(s, &vec![0.25f32; out_f]);
-        cuda::linear_backward_bf16(
-            &gemm,
+        cuda::linear_backward(
+            gemm,
             &dout,
             &x,
             &w,
@@ -658,13 +570,35 @@ fn linear_backward_is_deterministic() {
             Some(&mut db),
         )
         .unwrap();
-        (download(&dev, &dw), download(&dev, &db))
+        (download(dev, &dw), download(dev, &db))
     };
     let (a, b) = (run(), run());
     let same = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
-    assert!(same(&a.0, &b.0), "dW differs between two identical runs");
-    assert!(same(&a.1, &b.1), "db differs between two identical runs");
-    report(&format!("{TEST}: dW and db bit-identical over two runs"));
+    assert!(
+        same(&a.0, &b.0),
+        "{}: dW differs between two identical runs",
+        T::NAME
+    );
+    assert!(
+        same(&a.1, &b.1),
+        "{}: db differs between two identical runs",
+        T::NAME
+    );
+    report(&format!(
+        "{test}: {}: dW and db bit-identical over two runs",
+        T::NAME
+    ));
+}
+
+#[test]
+fn linear_backward_is_deterministic() {
+    const TEST: &str = "linear_backward_is_deterministic";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    linear_determinism_case::<f32>(TEST, &dev, &gemm, 30);
+    linear_determinism_case::<bf16>(TEST, &dev, &gemm, 31);
+    linear_determinism_case::<f16>(TEST, &dev, &gemm, 32);
 }
 
 #[test]
@@ -679,12 +613,12 @@ fn linear_rejects_bad_lengths() {
     let w = upload(s, &vec![1.0f32; out_f * in_f]);
     let short_bias = upload(s, &vec![1.0f32; out_f - 1]);
     let mut out = poisoned::<f32>(s, rows * out_f);
-    let err = cuda::linear_forward_f32(&gemm, &x, &w, None, rows, in_f + 1, out_f, &mut out);
+    let err = cuda::linear_forward(&gemm, &x, &w, None, rows, in_f + 1, out_f, &mut out);
     assert!(
         matches!(err, Err(OpsError::ShapeMismatch { .. })),
         "{err:?}"
     );
-    let err = cuda::linear_forward_f32(
+    let err = cuda::linear_forward(
         &gemm,
         &x,
         &w,
@@ -699,7 +633,7 @@ fn linear_rejects_bad_lengths() {
         "{err:?}"
     );
     let mut dw_short = upload(s, &vec![0.0f32; out_f * in_f - 1]);
-    let err = cuda::linear_backward_f32(
+    let err = cuda::linear_backward(
         &gemm,
         &out,
         &x,
@@ -745,7 +679,7 @@ struct AttnRun {
 fn attn_gpu<T: Elem>(
     dev: &GpuDevice,
     gemm: &Gemm,
-    ws: &mut AttentionWorkspace<T>,
+    ws: &mut AttentionWorkspace,
     s: AttnShape,
     q: &CudaSlice<T>,
     k: &CudaSlice<T>,
@@ -756,13 +690,13 @@ fn attn_gpu<T: Elem>(
     let (ql, kvl, rl) = (q.len(), k.len(), s.batch * s.q_heads * s.seq);
     let mut out = poisoned::<T>(st, ql);
     let mut lse = poisoned::<f32>(st, rl);
-    T::attention_forward(gemm, ws, s, q, k, v, &mut out, &mut lse).unwrap();
+    cuda::attention_forward(gemm, ws, s, q, k, v, &mut out, &mut lse).unwrap();
     let (mut dq, mut dk, mut dv) = (
         poisoned::<T>(st, ql),
         poisoned::<T>(st, kvl),
         poisoned::<T>(st, kvl),
     );
-    T::attention_backward(
+    cuda::attention_backward(
         gemm, ws, s, dout, q, k, v, &out, &lse, &mut dq, &mut dk, &mut dv,
     )
     .unwrap();
@@ -784,6 +718,116 @@ fn attn_gpu<T: Elem>(
     }
 }
 
+fn attn_shape(case: (usize, usize, usize, usize, usize)) -> AttnShape {
+    let (batch, seq, q_heads, kv_heads, head_dim) = case;
+    AttnShape {
+        batch,
+        seq,
+        q_heads,
+        kv_heads,
+        head_dim,
+    }
+}
+
+/// Fresh random inputs of one attention case in type `T`, on the device, with the f64 CPU
+/// reference computed from their exact values.
+struct AttnProblem<T: Elem> {
+    s: AttnShape,
+    tag: String,
+    q: CudaSlice<T>,
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    dout: CudaSlice<T>,
+    out_ref: Vec<f64>,
+    lse_ref: Vec<f64>,
+    dq_ref: Vec<f64>,
+    dk_ref: Vec<f64>,
+    dv_ref: Vec<f64>,
+}
+
+impl<T: Elem> AttnProblem<T> {
+    fn new(dev: &GpuDevice, s: AttnShape, seed: u64) -> Self {
+        let tag = format!(
+            "{}: B={} T={} Hq={} Hkv={} D={}",
+            T::NAME,
+            s.batch,
+            s.seq,
+            s.q_heads,
+            s.kv_heads,
+            s.head_dim
+        );
+        let st = dev.stream();
+        let mut rng = rng(seed);
+        let ql = s.batch * s.seq * s.q_heads * s.head_dim;
+        let kvl = s.batch * s.seq * s.kv_heads * s.head_dim;
+        // |q|, |k| up to 2: scores of std ~1.3, so the softmax is neither uniform nor one-hot.
+        let (q, q64) = random::<T>(&mut rng, ql, 0.05, 2.0);
+        let (k, k64) = random::<T>(&mut rng, kvl, 0.05, 2.0);
+        let (v, v64) = random::<T>(&mut rng, kvl, 0.05, 1.0);
+        let (dout, dout64) = random::<T>(&mut rng, ql, 0.05, 1.0);
+        let mut out_ref = vec![f64::NAN; ql];
+        let mut lse_ref = vec![f64::NAN; s.batch * s.q_heads * s.seq];
+        cpu::attention_forward(s, &q64, &k64, &v64, &mut out_ref, &mut lse_ref);
+        let (mut dq_ref, mut dk_ref, mut dv_ref) =
+            (vec![f64::NAN; ql], vec![f64::NAN; kvl], vec![f64::NAN; kvl]);
+        cpu::attention_backward(
+            s,
+            &dout64,
+            &q64,
+            &k64,
+            &v64,
+            &out_ref,
+            &lse_ref,
+            &mut dq_ref,
+            &mut dk_ref,
+            &mut dv_ref,
+        );
+        AttnProblem {
+            s,
+            tag,
+            q: upload(st, &q),
+            k: upload(st, &k),
+            v: upload(st, &v),
+            dout: upload(st, &dout),
+            out_ref,
+            lse_ref,
+            dq_ref,
+            dk_ref,
+            dv_ref,
+        }
+    }
+
+    fn run(&self, dev: &GpuDevice, gemm: &Gemm, ws: &mut AttentionWorkspace) -> AttnRun {
+        attn_gpu(dev, gemm, ws, self.s, &self.q, &self.k, &self.v, &self.dout)
+    }
+
+    /// Every output of `run` against the reference: `tol_t` for the `T` outputs, `tol_lse`
+    /// for the f32 log-sum-exp.
+    fn check(&self, test: &str, run: &AttnRun, label: &str, tol_t: f64, tol_lse: f64) {
+        let tag = &self.tag;
+        let t_outputs = [
+            ("out", &run.out, &self.out_ref),
+            ("dq", &run.dq, &self.dq_ref),
+            ("dk", &run.dk, &self.dk_ref),
+            ("dv", &run.dv, &self.dv_ref),
+        ];
+        for (what, got, want) in t_outputs {
+            expect_within(
+                test,
+                &format!("{tag}{label}: {what}"),
+                rel_err(what, got, want),
+                tol_t,
+            );
+        }
+        expect_within(
+            test,
+            &format!("{tag}{label}: lse"),
+            rel_err("lse", &run.lse, &self.lse_ref),
+            tol_lse,
+        );
+    }
+}
+
 /// One attention case in type `T`: vs the f64 CPU reference, twice for bit-identity, and once
 /// more through a workspace of one sequence (the multi-pass path).
 fn attention_case<T: Elem>(
@@ -795,103 +839,48 @@ fn attention_case<T: Elem>(
     tol_t: f64,
     tol_lse: f64,
 ) {
-    let (batch, seq, q_heads, kv_heads, head_dim) = case;
-    let s = AttnShape {
-        batch,
-        seq,
-        q_heads,
-        kv_heads,
-        head_dim,
-    };
-    let tag = format!(
-        "{}: B={batch} T={seq} Hq={q_heads} Hkv={kv_heads} D={head_dim}",
-        T::NAME
-    );
+    let s = attn_shape(case);
     let st = dev.stream();
-    let mut rng = rng(seed);
-    let (ql, kvl) = (
-        batch * seq * q_heads * head_dim,
-        batch * seq * kv_heads * head_dim,
+    let problem = AttnProblem::<T>::new(dev, s, seed);
+    let mut ws = AttentionWorkspace::new(st, s, size_of::<T>()).unwrap();
+    assert_eq!(
+        ws.bytes(),
+        AttentionWorkspace::bytes_for(s, size_of::<T>()).unwrap()
     );
-    // |q|, |k| up to 2: scores of std ~1.3, so the softmax is neither uniform nor one-hot.
-    let (q, q64) = random::<T>(&mut rng, ql, 0.05, 2.0);
-    let (k, k64) = random::<T>(&mut rng, kvl, 0.05, 2.0);
-    let (v, v64) = random::<T>(&mut rng, kvl, 0.05, 1.0);
-    let (dout, dout64) = random::<T>(&mut rng, ql, 0.05, 1.0);
-    let (q, k, v, dout) = (
-        upload(st, &q),
-        upload(st, &k),
-        upload(st, &v),
-        upload(st, &dout),
-    );
-
-    let mut ws = AttentionWorkspace::<T>::new(st, s).unwrap();
-    let a = attn_gpu(dev, gemm, &mut ws, s, &q, &k, &v, &dout);
-    let b = attn_gpu(dev, gemm, &mut ws, s, &q, &k, &v, &dout);
+    assert_eq!(ws.batch_chunk::<T>(s).unwrap(), s.batch);
+    let a = problem.run(dev, gemm, &mut ws);
+    let b = problem.run(dev, gemm, &mut ws);
     assert!(
         a.bits == b.bits,
-        "{tag}: two identical runs differ (forward or backward)"
+        "{}: two identical runs differ (forward or backward)",
+        problem.tag
     );
-
-    let mut out_ref = vec![f64::NAN; ql];
-    let mut lse_ref = vec![f64::NAN; batch * q_heads * seq];
-    cpu::attention_forward(s, &q64, &k64, &v64, &mut out_ref, &mut lse_ref);
-    let (mut dq_ref, mut dk_ref, mut dv_ref) =
-        (vec![f64::NAN; ql], vec![f64::NAN; kvl], vec![f64::NAN; kvl]);
-    cpu::attention_backward(
-        s,
-        &dout64,
-        &q64,
-        &k64,
-        &v64,
-        &out_ref,
-        &lse_ref,
-        &mut dq_ref,
-        &mut dk_ref,
-        &mut dv_ref,
-    );
-    let check = |run: &AttnRun, label: &str| {
-        expect_within(
+    problem.check(test, &a, "", tol_t, tol_lse);
+    report(&format!(
+        "{test}: {}: forward and backward bit-identical over two runs",
+        problem.tag
+    ));
+    if s.batch > 1 {
+        let one = AttnShape { batch: 1, ..s };
+        let mut small = AttentionWorkspace::new(st, one, size_of::<T>()).unwrap();
+        let chunk = small.batch_chunk::<T>(s).unwrap();
+        // Regions are rounded up to 256 bytes, so a tiny sequence (T = 1) may fit twice in a
+        // workspace built for one; every real shape fits exactly once.
+        if s.seq > 1 {
+            assert_eq!(
+                chunk, 1,
+                "{}: chunk of a one-sequence workspace",
+                problem.tag
+            );
+        }
+        let c = problem.run(dev, gemm, &mut small);
+        problem.check(
             test,
-            &format!("{tag}{label}: out"),
-            rel_err("out", &run.out, &out_ref),
+            &c,
+            &format!(" ({chunk} sequence(s) per pass)"),
             tol_t,
-        );
-        expect_within(
-            test,
-            &format!("{tag}{label}: lse"),
-            rel_err("lse", &run.lse, &lse_ref),
             tol_lse,
         );
-        expect_within(
-            test,
-            &format!("{tag}{label}: dq"),
-            rel_err("dq", &run.dq, &dq_ref),
-            tol_t,
-        );
-        expect_within(
-            test,
-            &format!("{tag}{label}: dk"),
-            rel_err("dk", &run.dk, &dk_ref),
-            tol_t,
-        );
-        expect_within(
-            test,
-            &format!("{tag}{label}: dv"),
-            rel_err("dv", &run.dv, &dv_ref),
-            tol_t,
-        );
-    };
-    check(&a, "");
-    report(&format!(
-        "{test}: {tag}: forward and backward bit-identical over two runs"
-    ));
-    if batch > 1 {
-        let one = AttnShape { batch: 1, ..s };
-        let mut small = AttentionWorkspace::<T>::new(st, one).unwrap();
-        assert_eq!(small.batch_chunk(s).unwrap(), 1);
-        let c = attn_gpu(dev, gemm, &mut small, s, &q, &k, &v, &dout);
-        check(&c, " (one sequence per pass)");
     }
 }
 
@@ -920,6 +909,149 @@ fn attention_bf16_matches_cpu_reference() {
     }
 }
 
+/// f16: out, dq, dk, dv (f16, after P and dS are rounded to f16) 2e-3 — three roundings of
+/// 2^-11 in sequence at most, see the file header; lse (f32 from exact f16 products) 1e-3.
+#[test]
+fn attention_f16_matches_cpu_reference() {
+    const TEST: &str = "attention_f16_matches_cpu_reference";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    for (i, &case) in ATTN_CASES.iter().enumerate() {
+        attention_case::<f16>(TEST, &dev, &gemm, case, 55 + i as u64, 2e-3, 1e-3);
+    }
+}
+
+/// One step of `attention_workspace_serves_every_precision`: a fresh problem in `T` through
+/// the shared workspace, checked against its reference.
+#[allow(clippy::too_many_arguments)]
+fn shared_workspace_step<T: Elem>(
+    test: &str,
+    dev: &GpuDevice,
+    gemm: &Gemm,
+    ws: &mut AttentionWorkspace,
+    s: AttnShape,
+    seed: u64,
+    tol_t: f64,
+    tol_lse: f64,
+) {
+    let problem = AttnProblem::<T>::new(dev, s, seed);
+    let run = problem.run(dev, gemm, ws);
+    problem.check(test, &run, " (shared f32-sized workspace)", tol_t, tol_lse);
+}
+
+/// One workspace sized for f32 serves f32, bf16 and f16 calls in sequence (the engine switches
+/// precision between periods without reallocating), each as exact as with its own workspace,
+/// and f32 again after the 16-bit calls left their data in it. A 16-bit call fits more
+/// sequences per pass than the f32 one.
+#[test]
+fn attention_workspace_serves_every_precision() {
+    const TEST: &str = "attention_workspace_serves_every_precision";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    let s = attn_shape((3, 37, 6, 2, 80));
+    let mut ws = AttentionWorkspace::new(dev.stream(), s, size_of::<f32>()).unwrap();
+    assert_eq!(ws.max_elem_bytes(), 4);
+    for chunk in [
+        ws.batch_chunk::<f32>(s).unwrap(),
+        ws.batch_chunk::<bf16>(s).unwrap(),
+        ws.batch_chunk::<f16>(s).unwrap(),
+    ] {
+        assert_eq!(chunk, s.batch);
+    }
+    // Twice the batch: f32 needs two passes, the 16-bit types fit more per pass.
+    let wide = AttnShape { batch: 6, ..s };
+    let f32_chunk = ws.batch_chunk::<f32>(wide).unwrap();
+    let f16_chunk = ws.batch_chunk::<f16>(wide).unwrap();
+    assert_eq!(f32_chunk, 3);
+    assert!(f16_chunk > f32_chunk, "f16 chunk {f16_chunk}");
+    assert_eq!(ws.batch_chunk::<bf16>(wide).unwrap(), f16_chunk);
+    shared_workspace_step::<f32>(TEST, &dev, &gemm, &mut ws, s, 60, 1e-5, 1e-5);
+    shared_workspace_step::<bf16>(TEST, &dev, &gemm, &mut ws, s, 61, 1e-2, 1e-3);
+    shared_workspace_step::<f16>(TEST, &dev, &gemm, &mut ws, wide, 62, 2e-3, 1e-3);
+    shared_workspace_step::<f32>(TEST, &dev, &gemm, &mut ws, wide, 63, 1e-5, 1e-5);
+}
+
+/// A workspace built for 2-byte elements serves bf16 and f16 but refuses f32 with an error
+/// naming the element size, before launching anything.
+#[test]
+fn attention_workspace_refuses_wider_elements() {
+    const TEST: &str = "attention_workspace_refuses_wider_elements";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    let st = dev.stream();
+    let s = attn_shape((2, 5, 4, 2, 8));
+    let mut ws = AttentionWorkspace::new(st, s, 2).unwrap();
+    assert_eq!(ws.max_elem_bytes(), 2);
+    let refused = |r: tilearn_ops::Result<usize>| match r {
+        Err(OpsError::Cuda { message, .. }) => {
+            assert!(message.contains("at most 2 bytes"), "{message}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    refused(ws.batch_chunk::<f32>(s));
+    let q = upload(st, &vec![0.5f32; 2 * 5 * 4 * 8]);
+    let kv = upload(st, &vec![0.5f32; 2 * 5 * 2 * 8]);
+    let mut out = poisoned::<f32>(st, q.len());
+    let mut lse = poisoned::<f32>(st, 2 * 4 * 5);
+    let err = cuda::attention_forward(&gemm, &mut ws, s, &q, &kv, &kv, &mut out, &mut lse);
+    refused(err.map(|()| 0));
+    let (mut dq, mut dk, mut dv) = (
+        poisoned::<f32>(st, q.len()),
+        poisoned::<f32>(st, kv.len()),
+        poisoned::<f32>(st, kv.len()),
+    );
+    let err = cuda::attention_backward(
+        &gemm, &mut ws, s, &q, &q, &kv, &kv, &q, &lse, &mut dq, &mut dk, &mut dv,
+    );
+    refused(err.map(|()| 0));
+    assert!(
+        download(&dev, &out).iter().all(|v| v.is_nan()),
+        "a refused forward wrote out"
+    );
+    assert!(
+        download(&dev, &dq).iter().all(|v| v.is_nan()),
+        "a refused backward wrote dq"
+    );
+    // The same workspace serves the 16-bit types.
+    assert_eq!(ws.batch_chunk::<bf16>(s).unwrap(), 2);
+    let problem = AttnProblem::<f16>::new(&dev, s, 70);
+    let run = problem.run(&dev, &gemm, &mut ws);
+    problem.check(TEST, &run, " (2-byte workspace)", 2e-3, 1e-3);
+}
+
+/// Host only (runs without a GPU): the workspace size needs an element size of 2 or 4 bytes,
+/// grows with it, and is what `new` would allocate for the shape.
+#[test]
+fn attention_workspace_size_checks_element_size() {
+    let s = attn_shape((2, 37, 6, 2, 80));
+    for bad in [0, 1, 3, 8] {
+        match AttentionWorkspace::bytes_for(s, bad) {
+            Err(OpsError::Cuda { message, .. }) => {
+                assert!(message.contains("max_elem_bytes"), "{message}")
+            }
+            other => panic!("max_elem_bytes {bad}: expected an error, got {other:?}"),
+        }
+    }
+    let two = AttentionWorkspace::bytes_for(s, 2).unwrap();
+    let four = AttentionWorkspace::bytes_for(s, 4).unwrap();
+    // S and delta are f32 in both; P and the six per-head copies double.
+    let ld = 40; // 37 rounded up to 8
+    let elems = 2 * (6 * 37 * ld + 2 * 6 * 37 * 80 + 3 * 2 * 37 * 80);
+    let f32s = 2 * (6 * 37 * ld + 6 * 37);
+    assert!(two >= 4 * f32s + 2 * elems, "{two}");
+    assert!(four >= 4 * f32s + 4 * elems, "{four}");
+    // Padding: at most 256 bytes per region (8) plus the 256 of alignment slack.
+    assert!(two <= 4 * f32s + 2 * elems + 9 * 256, "{two}");
+    assert!(four <= 4 * f32s + 4 * elems + 9 * 256, "{four}");
+    assert!(
+        AttentionWorkspace::bytes_for(AttnShape { kv_heads: 4, ..s }, 2).is_err(),
+        "q_heads 6 is not a multiple of kv_heads 4"
+    );
+}
+
 #[test]
 fn attention_rejects_bad_shapes() {
     const TEST: &str = "attention_rejects_bad_shapes";
@@ -934,7 +1066,7 @@ fn attention_rejects_bad_shapes() {
         kv_heads: 2,
         head_dim: 8,
     };
-    let mut ws = AttentionWorkspace::<f32>::new(st, s).unwrap();
+    let mut ws = AttentionWorkspace::new(st, s, size_of::<f32>()).unwrap();
     let q = upload(st, &vec![0.5f32; 2 * 5 * 4 * 8]);
     let kv = upload(st, &vec![0.5f32; 2 * 5 * 2 * 8]);
     let mut out = poisoned::<f32>(st, q.len());
@@ -942,16 +1074,23 @@ fn attention_rejects_bad_shapes() {
     // q_heads not a multiple of kv_heads.
     let bad = AttnShape { kv_heads: 3, ..s };
     assert!(
-        cuda::attention_forward_f32(&gemm, &mut ws, bad, &q, &kv, &kv, &mut out, &mut lse).is_err()
+        cuda::attention_forward(&gemm, &mut ws, bad, &q, &kv, &kv, &mut out, &mut lse).is_err()
     );
     // k and v swapped for q-sized buffers.
-    assert!(
-        cuda::attention_forward_f32(&gemm, &mut ws, s, &q, &q, &q, &mut out, &mut lse).is_err()
+    assert!(cuda::attention_forward(&gemm, &mut ws, s, &q, &q, &q, &mut out, &mut lse).is_err());
+    // A sequence that exceeds the whole workspace. The check is by bytes over all regions
+    // (each rounded up to 256 bytes; score rows padded to 8): two f32 sequences of 5 take
+    // 7680 bytes of regions, one sequence of 8 needs 5888 and legitimately fits, one of 16
+    // needs 8192 for S and P alone and does not.
+    assert_eq!(
+        ws.batch_chunk::<f32>(AttnShape {
+            seq: 8,
+            batch: 1,
+            ..s
+        })
+        .unwrap(),
+        1
     );
-    // A sequence whose scores exceed the whole workspace. The check is by size, and score rows
-    // are padded (T=5 rows hold 8 scores), so two sequences of 5 leave room for 2·4·5·8 = 320
-    // scores: one sequence of 8 (4·8·8 = 256) legitimately fits, one of 16 (4·16·16 = 1024)
-    // does not.
     let long = AttnShape {
         seq: 16,
         batch: 1,
@@ -961,9 +1100,9 @@ fn attention_rejects_bad_shapes() {
     let kv6 = upload(st, &vec![0.5f32; 16 * 2 * 8]);
     let mut out6 = poisoned::<f32>(st, q6.len());
     let mut lse6 = poisoned::<f32>(st, 4 * 16);
-    assert!(ws.batch_chunk(long).is_err());
+    assert!(ws.batch_chunk::<f32>(long).is_err());
     assert!(
-        cuda::attention_forward_f32(&gemm, &mut ws, long, &q6, &kv6, &kv6, &mut out6, &mut lse6)
+        cuda::attention_forward(&gemm, &mut ws, long, &q6, &kv6, &kv6, &mut out6, &mut lse6)
             .is_err()
     );
     assert!(

@@ -1,5 +1,6 @@
-//! `gemm-bench [M [N [K]]] [--dtype bf16|f32]`: the device's measured matmul ceiling through the
-//! same cuBLASLt path the engine uses ([`Gemm::matmul`], f32 accumulation, TF32 off for f32).
+//! `gemm-bench [M [N [K]]] [--dtype bf16|f16|f32]`: the device's measured matmul ceiling
+//! through the same cuBLASLt path the engine uses ([`Gemm::matmul`], f32 accumulation, TF32 off
+//! for f32; the output has the input type).
 //!
 //! Random inputs (never zeros: zero operands can take faster paths), one warm-up product (which
 //! also runs cuBLASLt's algorithm search, cached afterwards), then 10 timed products, each
@@ -9,8 +10,8 @@
 
 use std::process::ExitCode;
 
-use half::bf16;
-use tilearn_ops::cuda::{CudaSlice, Gemm, GemmElement, GpuDevice, MatmulSpec, Operand};
+use half::{bf16, f16};
+use tilearn_ops::cuda::{CudaSlice, DeviceFloat, Gemm, GpuDevice, MatmulSpec, Operand};
 
 const RUNS: usize = 10;
 
@@ -33,10 +34,10 @@ fn run() -> Result<String, String> {
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         if arg == "--dtype" {
-            dtype = args.next().ok_or("--dtype needs bf16 or f32")?;
+            dtype = args.next().ok_or("--dtype needs bf16, f16 or f32")?;
         } else {
             let d: usize = arg.parse().map_err(|_| {
-                format!("usage: gemm-bench [M [N [K]]] [--dtype bf16|f32]; got {arg:?}")
+                format!("usage: gemm-bench [M [N [K]]] [--dtype bf16|f16|f32]; got {arg:?}")
             })?;
             if d == 0 {
                 return Err("dimensions must be positive".into());
@@ -50,9 +51,10 @@ fn run() -> Result<String, String> {
     let dev = GpuDevice::new(0).map_err(|e| e.to_string())?;
     let gemm = Gemm::new(dev.stream()).map_err(|e| e.to_string())?;
     let ms = match dtype.as_str() {
-        "bf16" => time::<bf16>(&dev, &gemm, m, n, k, bf16::from_f32)?,
-        "f32" => time::<f32>(&dev, &gemm, m, n, k, |x| x)?,
-        other => return Err(format!("unknown --dtype {other:?} (bf16 or f32)")),
+        "bf16" => time::<bf16>(&dev, &gemm, m, n, k)?,
+        "f16" => time::<f16>(&dev, &gemm, m, n, k)?,
+        "f32" => time::<f32>(&dev, &gemm, m, n, k)?,
+        other => return Err(format!("unknown --dtype {other:?} (bf16, f16 or f32)")),
     };
     let tflops = 2.0 * m as f64 * n as f64 * k as f64 / (ms / 1e3) / 1e12;
     let name = dev.name().unwrap_or_else(|_| "unknown".into());
@@ -62,13 +64,12 @@ fn run() -> Result<String, String> {
 }
 
 /// Median milliseconds of `C = A·Bᵀ` (the linear layer's "TN" layout) over [`RUNS`] products.
-fn time<T: GemmElement>(
+fn time<T: DeviceFloat>(
     dev: &GpuDevice,
     gemm: &Gemm,
     m: usize,
     n: usize,
     k: usize,
-    from_f32: fn(f32) -> T,
 ) -> Result<f64, String> {
     let s = dev.stream();
     let err = |e: cudarc::driver::DriverError| e.to_string();
@@ -82,7 +83,7 @@ fn time<T: GemmElement>(
                 state ^= state << 17;
                 let u = (state >> 40) as f32 / (1u64 << 24) as f32;
                 let v = 0.25 + 0.75 * u;
-                from_f32(if state & 1 == 0 { v } else { -v })
+                T::from_f32(if state & 1 == 0 { v } else { -v })
             })
             .collect()
     };

@@ -1,10 +1,11 @@
-//! Causal grouped-query attention on the GPU, forward and backward, f32 and bf16: cuBLASLt
-//! batched GEMMs for the six matrix products and the row kernels of `kernels/attention.cu`
-//! (causal softmax, probability recomputation, dS, delta, permutes). Same contract as
-//! [`crate::cpu::attention_forward`] / [`crate::cpu::attention_backward`]: `q`/`out`
-//! `[B, T, Hq, D]`, `k`/`v` `[B, T, Hkv, D]`, scale `1/sqrt(D)`, query head `h` reads kv head
-//! `h / (Hq/Hkv)`; the forward writes `out` and the log-sum-exp `lse` `[B, Hq, T]` (f32 in
-//! both precisions); the backward writes (`=`) `dq`, `dk`, `dv`.
+//! Causal grouped-query attention on the GPU, forward and backward, generic over the element
+//! type ([`DeviceFloat`]: f32, bf16 or f16): cuBLASLt batched GEMMs for the six matrix products
+//! and the row kernels of `kernels/attention.cu` (causal softmax, probability recomputation,
+//! dS, delta, permutes). Same contract as [`crate::cpu::attention_forward`] /
+//! [`crate::cpu::attention_backward`]: `q`/`out` `[B, T, Hq, D]`, `k`/`v` `[B, T, Hkv, D]`,
+//! scale `1/sqrt(D)`, query head `h` reads kv head `h / (Hq/Hkv)`; the forward writes `out` and
+//! the log-sum-exp `lse` `[B, Hq, T]` (f32 whatever the element type); the backward writes
+//! (`=`) `dq`, `dk`, `dv`.
 //!
 //! Algorithm (a first version; the FlashAttention-style fused kernel is a later issue):
 //! 1. Permute Q, K, V from `[B, T, H, D]` to per-head `[B, H, T, D]`. The query heads of one
@@ -25,98 +26,44 @@
 //! Work: the score GEMMs compute the full `T×T` square, so half of their flops (the masked
 //! upper triangle) are wasted; the fused kernel of the performance issue skips them.
 //!
-//! Memory: the workspace holds `S` (f32) and `P`/`dS` (f32 or bf16) for a chunk of the batch,
-//! `O(chunk · Hq · T²)` — e.g. 6 bytes · 12 · 1024² = 75 MB per sequence in bf16 — plus seven
-//! per-head copies of Q/K/V-sized tensors. Batches larger than the workspace's chunk run in
-//! several passes. Precision: f32 path all f32 (no TF32); bf16 path: bf16 Q/K/V/dO, f32 scores,
-//! dP, lse, delta and accumulators, P and dS rounded to bf16 before their GEMMs (as
-//! FlashAttention does), outputs rounded once to bf16.
+//! Memory: one [`AttentionWorkspace`], a single untyped device buffer, holds `S` (f32) and
+//! `P`/`dS` (element type) for a chunk of the batch, `O(chunk · Hq · T²)` — e.g. 6 bytes · 12 ·
+//! 1024² = 75 MB per sequence with 16-bit elements — plus seven per-head copies of Q/K/V-sized
+//! tensors. It is sized for a largest shape and a widest element size and carved into typed
+//! regions on every call, so one workspace serves f32, bf16 and f16 calls alike (the engine
+//! switches precision without reallocating). Batches larger than the chunk that fits run in
+//! several passes.
+//!
+//! Precision: all products accumulate in f32 (`CUBLAS_COMPUTE_32F`, no TF32); scores, dP, lse
+//! and delta are f32. f32 path: everything f32. bf16 / f16 paths: 16-bit Q/K/V/dO, P and dS
+//! rounded once to the element type before their GEMMs (as FlashAttention does; P lies in
+//! [0, 1], which f16 holds, and the smallest dS values become f16 subnormals, negligible in
+//! the sums), outputs rounded once to the element type.
 
-use std::ffi::c_int;
+use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, ValidAsZeroBits};
-use half::bf16;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
+use super::DeviceFloat;
 use super::ffi;
-use super::gemm::{Epilogue, Gemm, GemmElement, MatmulSpec, Operand};
+use super::gemm::{Epilogue, Gemm, MatmulSpec, Operand};
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::cpu::AttnShape;
 use crate::{OpsError, Result};
 
-type SoftmaxFn<F> = unsafe extern "C" fn(
-    *const f32,
-    usize,
-    usize,
-    usize,
-    *mut F,
-    *mut f32,
-    ffi::cudaStream_t,
-) -> c_int;
-type ProbsFn<F> = unsafe extern "C" fn(
-    *const f32,
-    usize,
-    usize,
-    usize,
-    *const f32,
-    *mut F,
-    ffi::cudaStream_t,
-) -> c_int;
-type DscoresFn<F> = unsafe extern "C" fn(
-    *mut F,
-    *const f32,
-    usize,
-    usize,
-    usize,
-    *const f32,
-    f32,
-    ffi::cudaStream_t,
-) -> c_int;
-type DeltaFn<F> = unsafe extern "C" fn(
-    *const F,
-    *const F,
-    usize,
-    usize,
-    usize,
-    usize,
-    *mut f32,
-    ffi::cudaStream_t,
-) -> c_int;
-
-/// An element type attention runs in (f32 or bf16), with its kernel launchers.
-pub trait AttnElement: GemmElement + ValidAsZeroBits {
-    /// The launchers' storage type.
-    type Ffi;
-    const SOFTMAX: SoftmaxFn<Self::Ffi>;
-    const PROBS: ProbsFn<Self::Ffi>;
-    const DSCORES: DscoresFn<Self::Ffi>;
-    const DELTA: DeltaFn<Self::Ffi>;
-}
-
-impl AttnElement for f32 {
-    type Ffi = f32;
-    const SOFTMAX: SoftmaxFn<f32> = ffi::tilearn_attention_softmax_f32;
-    const PROBS: ProbsFn<f32> = ffi::tilearn_attention_probs_f32;
-    const DSCORES: DscoresFn<f32> = ffi::tilearn_attention_dscores_f32;
-    const DELTA: DeltaFn<f32> = ffi::tilearn_attention_delta_f32;
-}
-
-impl AttnElement for bf16 {
-    type Ffi = ffi::tilearn_bf16;
-    const SOFTMAX: SoftmaxFn<ffi::tilearn_bf16> = ffi::tilearn_attention_softmax_bf16;
-    const PROBS: ProbsFn<ffi::tilearn_bf16> = ffi::tilearn_attention_probs_bf16;
-    const DSCORES: DscoresFn<ffi::tilearn_bf16> = ffi::tilearn_attention_dscores_bf16;
-    const DELTA: DeltaFn<ffi::tilearn_bf16> = ffi::tilearn_attention_delta_bf16;
-}
-
 /// Leading dimension of the score rows: `seq` rounded up to 8 elements (32 bytes of f32, 16 of
-/// bf16), so every row starts aligned for cuBLASLt's vectorised kernels.
+/// a 16-bit type), so every row starts aligned for cuBLASLt's vectorised kernels.
 fn score_ld(seq: usize) -> usize {
     seq.div_ceil(8) * 8
 }
 
-/// Element counts one batch entry needs in each workspace buffer.
+/// Byte alignment of every workspace region (cuBLASLt's and the kernels' widest access is 16
+/// bytes; 256 is what `cudaMalloc` guarantees and keeps every region on its own cache lines).
+const REGION_ALIGN: usize = 256;
+
+/// Element counts one batch entry needs in each workspace region.
 #[derive(Clone, Copy, Debug)]
 struct PerBatch {
     scores: usize,
@@ -157,71 +104,115 @@ fn check_shape(op: &'static str, s: &AttnShape) -> Result<()> {
     Ok(())
 }
 
-/// Device scratch of the attention passes, allocated once for the largest shape (its `batch` is
-/// the number of sequences one pass handles; larger batches run in several passes) and reused
-/// by every layer, forward and backward.
-#[derive(Debug)]
-pub struct AttentionWorkspace<T: AttnElement> {
-    /// `S` (and, in the backward, `dP`): f32 `[chunk, Hq, T, ld]`.
-    scores: CudaSlice<f32>,
-    /// `P` (and `dS`, in place): `[chunk, Hq, T, ld]`.
-    probs: CudaSlice<T>,
-    /// Per-head `Q` `[chunk, Hq, T, D]`; in the backward `dQ` once `dK` has read `Q`.
-    q: CudaSlice<T>,
-    /// Per-head `K` `[chunk, Hkv, T, D]`.
-    k: CudaSlice<T>,
-    /// Per-head `V`; in the backward `dV` once `dP` has read `V`.
-    v: CudaSlice<T>,
-    /// Per-head `O` (forward) or `dO` (backward) `[chunk, Hq, T, D]`.
-    o: CudaSlice<T>,
-    /// Per-head `dK` `[chunk, Hkv, T, D]`.
-    dk: CudaSlice<T>,
-    /// `delta` `[chunk, Hq, T]` f32.
-    delta: CudaSlice<f32>,
+/// Fails unless `bytes` is the size of a [`DeviceFloat`] type (2 or 4).
+fn check_elem_bytes(op: &'static str, bytes: usize) -> Result<()> {
+    if bytes == 2 || bytes == 4 {
+        Ok(())
+    } else {
+        Err(OpsError::Cuda {
+            context: op,
+            message: format!(
+                "max_elem_bytes must be the size of an element type (2 for bf16/f16, 4 for \
+                 f32), got {bytes}"
+            ),
+        })
+    }
 }
 
-impl<T: AttnElement> AttentionWorkspace<T> {
-    /// Allocates the workspace for shapes up to `max` on `stream`'s device (see
-    /// [`bytes_for`](Self::bytes_for) for the size).
-    pub fn new(stream: &Arc<CudaStream>, max: AttnShape) -> Result<Self> {
-        const OP: &str = "AttentionWorkspace::new";
-        check_shape(OP, &max)?;
-        let need = per_batch(OP, &max)?;
-        let chunk = max.batch.max(1);
-        let total = |x: usize| {
-            x.checked_mul(chunk).ok_or_else(|| OpsError::Cuda {
-                context: OP,
-                message: format!("attention workspace for {max:?} overflows usize"),
-            })
+/// Byte offsets (from the aligned start of the workspace) of the regions for `nb` sequences of
+/// one shape with elements of `elem` bytes; every region starts on a [`REGION_ALIGN`] boundary.
+#[derive(Clone, Copy, Debug)]
+struct Regions {
+    /// `S` (and, in the backward, `dP`): f32 `[nb, Hq, T, ld]`.
+    scores: usize,
+    /// `P` (and `dS`, in place): `[nb, Hq, T, ld]` elements.
+    probs: usize,
+    /// Per-head `Q` `[nb, Hq, T, D]`; in the backward `dQ` once `dK` has read `Q`.
+    q: usize,
+    /// Per-head `K` `[nb, Hkv, T, D]`.
+    k: usize,
+    /// Per-head `V`; in the backward `dV` once `dP` has read `V`.
+    v: usize,
+    /// Per-head `O` (forward) or `dO` (backward) `[nb, Hq, T, D]`.
+    o: usize,
+    /// Per-head `dK` `[nb, Hkv, T, D]`.
+    dk: usize,
+    /// `delta` `[nb, Hq, T]` f32.
+    delta: usize,
+    /// Bytes up to the end of the last region.
+    end: usize,
+}
+
+impl Regions {
+    /// `None` when the sizes overflow usize.
+    fn new(p: &PerBatch, elem: usize, nb: usize) -> Option<Regions> {
+        let mut at = 0usize;
+        let mut take = |count: usize, size: usize| -> Option<usize> {
+            let start = at;
+            let bytes = count.checked_mul(nb)?.checked_mul(size)?;
+            at = start
+                .checked_add(bytes)?
+                .checked_next_multiple_of(REGION_ALIGN)?;
+            Some(start)
         };
-        let alloc_err = |e: cudarc::driver::DriverError| OpsError::Cuda {
+        let f32_bytes = size_of::<f32>();
+        Some(Regions {
+            scores: take(p.scores, f32_bytes)?,
+            probs: take(p.scores, elem)?,
+            q: take(p.q, elem)?,
+            k: take(p.kv, elem)?,
+            v: take(p.kv, elem)?,
+            o: take(p.q, elem)?,
+            dk: take(p.kv, elem)?,
+            delta: take(p.rows, f32_bytes)?,
+            end: at,
+        })
+    }
+}
+
+/// Device scratch of the attention passes: one untyped buffer, allocated once for the largest
+/// shape and the widest element type it must serve, and reused by every layer, forward and
+/// backward, in any precision whose elements are at most `max_elem_bytes` wide. A call carves
+/// it into typed regions for its own shape and element size; the shape's `batch` at
+/// construction is the number of sequences one pass handles at that element size (a narrower
+/// type or a smaller shape may fit more; larger batches run in several passes).
+#[derive(Debug)]
+pub struct AttentionWorkspace {
+    buf: CudaSlice<u8>,
+    max_elem_bytes: usize,
+}
+
+impl AttentionWorkspace {
+    /// Allocates the workspace for shapes up to `max` and element types of at most
+    /// `max_elem_bytes` bytes (4 to serve f32 as well as bf16/f16, 2 for bf16/f16 only) on
+    /// `stream`'s device; [`bytes_for`](Self::bytes_for) gives its size.
+    pub fn new(stream: &Arc<CudaStream>, max: AttnShape, max_elem_bytes: usize) -> Result<Self> {
+        const OP: &str = "AttentionWorkspace::new";
+        let bytes = Self::bytes_for(max, max_elem_bytes)?;
+        // Zero-filled (safe allocation): every element a pass reads is written earlier in it.
+        let buf = stream.alloc_zeros::<u8>(bytes).map_err(|e| OpsError::Cuda {
             context: OP,
             message: format!(
-                "cannot allocate the attention workspace for {max:?} ({} bytes): {e}",
-                Self::bytes_for(max).unwrap_or(usize::MAX)
+                "cannot allocate the attention workspace for {max:?} with {max_elem_bytes}-byte \
+                 elements ({bytes} bytes): {e}"
             ),
-        };
-        // Zero-filled (safe allocation): every element a pass reads is written earlier in it.
+        })?;
         Ok(AttentionWorkspace {
-            scores: stream.alloc_zeros(total(need.scores)?).map_err(alloc_err)?,
-            probs: stream.alloc_zeros(total(need.scores)?).map_err(alloc_err)?,
-            q: stream.alloc_zeros(total(need.q)?).map_err(alloc_err)?,
-            k: stream.alloc_zeros(total(need.kv)?).map_err(alloc_err)?,
-            v: stream.alloc_zeros(total(need.kv)?).map_err(alloc_err)?,
-            o: stream.alloc_zeros(total(need.q)?).map_err(alloc_err)?,
-            dk: stream.alloc_zeros(total(need.kv)?).map_err(alloc_err)?,
-            delta: stream.alloc_zeros(total(need.rows)?).map_err(alloc_err)?,
+            buf,
+            max_elem_bytes,
         })
     }
 
-    /// Device bytes [`new`](Self::new) allocates for `max`.
-    pub fn bytes_for(max: AttnShape) -> Result<usize> {
+    /// Device bytes [`new`](Self::new) allocates for `max` and `max_elem_bytes`: the regions
+    /// for `max.batch` sequences (at least one), each rounded up to 256 bytes, plus 256 bytes
+    /// of slack to align the first region whatever the allocation's alignment.
+    pub fn bytes_for(max: AttnShape, max_elem_bytes: usize) -> Result<usize> {
         const OP: &str = "AttentionWorkspace::bytes_for";
         check_shape(OP, &max)?;
+        check_elem_bytes(OP, max_elem_bytes)?;
         let p = per_batch(OP, &max)?;
-        let t = size_of::<T>();
-        let per = p.scores * (4 + t) + (2 * p.q + 3 * p.kv) * t + p.rows * 4;
-        per.checked_mul(max.batch.max(1))
+        Regions::new(&p, max_elem_bytes, max.batch.max(1))
+            .and_then(|r| r.end.checked_add(REGION_ALIGN))
             .ok_or_else(|| OpsError::Cuda {
                 context: OP,
                 message: format!("attention workspace for {max:?} overflows usize"),
@@ -230,51 +221,76 @@ impl<T: AttnElement> AttentionWorkspace<T> {
 
     /// Device bytes this workspace holds.
     pub fn bytes(&self) -> usize {
-        self.scores.len() * 4
-            + (self.probs.len()
-                + self.q.len()
-                + self.k.len()
-                + self.v.len()
-                + self.o.len()
-                + self.dk.len())
-                * size_of::<T>()
-            + self.delta.len() * 4
+        self.buf.len()
     }
 
-    /// How many sequences of shape `s` one pass handles (at most `s.batch`); an error when not
-    /// even one fits.
-    pub fn batch_chunk(&self, s: AttnShape) -> Result<usize> {
+    /// The widest element (bytes) this workspace serves: calls with wider types are refused.
+    pub fn max_elem_bytes(&self) -> usize {
+        self.max_elem_bytes
+    }
+
+    /// Bytes usable for regions whatever the allocation's alignment (see `bytes_for`).
+    fn usable(&self) -> usize {
+        self.buf.len().saturating_sub(REGION_ALIGN)
+    }
+
+    /// Fails unless `T` is at most [`max_elem_bytes`](Self::max_elem_bytes) wide.
+    fn check_elem<T: DeviceFloat>(&self, op: &'static str) -> Result<()> {
+        if size_of::<T>() <= self.max_elem_bytes {
+            return Ok(());
+        }
+        Err(OpsError::Cuda {
+            context: op,
+            message: format!(
+                "this attention workspace was built for elements of at most {} bytes, but {} \
+                 elements have {}: build it with AttentionWorkspace::new(.., max_elem_bytes >= \
+                 {})",
+                self.max_elem_bytes,
+                T::NAME,
+                size_of::<T>(),
+                size_of::<T>()
+            ),
+        })
+    }
+
+    /// How many sequences of shape `s` in element type `T` one pass handles (at most
+    /// `s.batch`, at least 1); an error when `T` is wider than the workspace serves or not
+    /// even one sequence fits.
+    pub fn batch_chunk<T: DeviceFloat>(&self, s: AttnShape) -> Result<usize> {
         const OP: &str = "AttentionWorkspace::batch_chunk";
+        self.check_elem::<T>(OP)?;
         check_shape(OP, &s)?;
         let p = per_batch(OP, &s)?;
-        let fits = [
-            (self.scores.len(), p.scores),
-            (self.probs.len(), p.scores),
-            (self.q.len(), p.q),
-            (self.o.len(), p.q),
-            (self.k.len(), p.kv),
-            (self.v.len(), p.kv),
-            (self.dk.len(), p.kv),
-            (self.delta.len(), p.rows),
-        ]
-        .iter()
-        .map(|&(have, need)| have.checked_div(need).unwrap_or(usize::MAX))
-        .min()
-        .unwrap_or(0);
-        if fits == 0 {
+        let usable = self.usable();
+        let fits =
+            |nb: usize| Regions::new(&p, size_of::<T>(), nb).is_some_and(|r| r.end <= usable);
+        if !fits(1) {
             return Err(OpsError::Cuda {
                 context: OP,
                 message: format!(
-                    "the attention workspace is too small for one sequence of {s:?}: build it \
-                     with AttentionWorkspace::new for at least this seq, heads and head_dim"
+                    "the attention workspace ({} bytes) is too small for one sequence of {s:?} \
+                     in {}: build it with AttentionWorkspace::new for at least this seq, heads \
+                     and head_dim",
+                    self.bytes(),
+                    T::NAME
                 ),
             });
         }
-        Ok(fits.min(s.batch.max(1)))
+        // The largest nb in [1, batch] that fits (the region sizes grow with nb).
+        let (mut lo, mut hi) = (1usize, s.batch.max(1));
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if fits(mid) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        Ok(lo)
     }
 }
 
-/// Raw device addresses of the workspace buffers, valid while the guards of `lock` live.
+/// Raw device addresses of the workspace regions, valid while the guard of `ws_ptrs` lives.
 struct WsPtrs {
     scores: u64,
     probs: u64,
@@ -284,6 +300,43 @@ struct WsPtrs {
     o: u64,
     dk: u64,
     delta: u64,
+}
+
+/// The workspace's regions for `chunk` sequences of shape `p` in type `T`, and the guard that
+/// orders their use on `stream`. `chunk` must come from [`AttentionWorkspace::batch_chunk`]
+/// for this shape and type (so the regions fit).
+fn ws_ptrs<'a, T: DeviceFloat>(
+    op: &'static str,
+    ws: &'a mut AttentionWorkspace,
+    stream: &'a CudaStream,
+    p: &PerBatch,
+    chunk: usize,
+) -> Result<(WsPtrs, cudarc::driver::SyncOnDrop<'a>)> {
+    let usable = ws.usable();
+    let regions = Regions::new(p, size_of::<T>(), chunk)
+        .filter(|r| r.end <= usable)
+        .ok_or_else(|| OpsError::Cuda {
+            context: op,
+            message: format!("{chunk} sequences do not fit the attention workspace"),
+        })?;
+    let (base, guard) = ws.buf.device_ptr_mut(stream);
+    // The first aligned address; `bytes_for` reserved REGION_ALIGN bytes for this skew, so
+    // every region lies inside the buffer and starts aligned for any element type.
+    let start = base.next_multiple_of(REGION_ALIGN as u64);
+    let at = |offset: usize| start + offset as u64;
+    Ok((
+        WsPtrs {
+            scores: at(regions.scores),
+            probs: at(regions.probs),
+            q: at(regions.q),
+            k: at(regions.k),
+            v: at(regions.v),
+            o: at(regions.o),
+            dk: at(regions.dk),
+            delta: at(regions.delta),
+        },
+        guard,
+    ))
 }
 
 /// The per-call constants of one attention launch.
@@ -345,7 +398,7 @@ impl Plan {
     /// The pointers are live device buffers of the gemm's context of those sizes; `scores`
     /// overlaps neither input.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn scores_gemm<T: AttnElement>(
+    unsafe fn scores_gemm<T: DeviceFloat>(
         &self,
         op: &'static str,
         gemm: &Gemm,
@@ -379,11 +432,15 @@ fn row_count(plan: &Plan, nb: usize) -> usize {
     nb * plan.s.q_heads * plan.s.seq
 }
 
+/// Causal GQA forward in element type `T` (f32, bf16 or f16): writes `out` `[B, T, Hq, D]`
+/// (`=`, type `T`) and `lse` `[B, Hq, T]` (`=`, f32). `ws` must serve `T`
+/// ([`AttentionWorkspace::max_elem_bytes`] >= its size) and hold at least one sequence of `s`.
+/// Precision: see the module documentation (f32: no TF32, ~1e-5 of an f32 reference; 16-bit:
+/// f32 scores, softmax and accumulation, P and `out` rounded once to `T`).
 #[allow(clippy::too_many_arguments)]
-fn forward<T: AttnElement>(
-    op: &'static str,
+pub fn attention_forward<T: DeviceFloat>(
     gemm: &Gemm,
-    ws: &mut AttentionWorkspace<T>,
+    ws: &mut AttentionWorkspace,
     s: AttnShape,
     q: &impl DevicePtr<T>,
     k: &impl DevicePtr<T>,
@@ -391,6 +448,8 @@ fn forward<T: AttnElement>(
     out: &mut impl DevicePtrMut<T>,
     lse: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
+    let op = "attention_forward";
+    ws.check_elem::<T>(op)?;
     check_shape(op, &s)?;
     let p = per_batch(op, &s)?;
     let q_len = p.q.checked_mul(s.batch);
@@ -413,11 +472,11 @@ fn forward<T: AttnElement>(
     same_device(&stream, op, "v", v)?;
     same_device(&stream, op, "out", out)?;
     same_device(&stream, op, "lse", lse)?;
-    same_device(&stream, op, "workspace", &ws.scores)?;
+    same_device(&stream, op, "workspace", &ws.buf)?;
     if s.batch == 0 || s.seq == 0 || s.q_heads == 0 {
         return Ok(());
     }
-    let chunk = ws.batch_chunk(s)?;
+    let chunk = ws.batch_chunk::<T>(s)?;
     let plan = Plan::new::<T>(s);
     let (t, d, g, hq, hkv) = (s.seq, s.head_dim, plan.group, s.q_heads, s.kv_heads);
     let e = plan.elem as u64;
@@ -427,7 +486,7 @@ fn forward<T: AttnElement>(
     let (v0, _v) = v.device_ptr(&stream);
     let (o0, _o) = out.device_ptr_mut(&stream);
     let (l0, _l) = lse.device_ptr_mut(&stream);
-    let (w, _guards) = ws_ptrs(ws, &stream);
+    let (w, _ws_guard) = ws_ptrs::<T>(op, ws, &stream, &p, chunk)?;
 
     let mut b0 = 0;
     while b0 < s.batch {
@@ -438,20 +497,24 @@ fn forward<T: AttnElement>(
         // SAFETY (whole block): every pointer is a live buffer of the stream's context (checked
         // above); the user buffers hold `batch` sequences (lengths checked), so the offsets of
         // sequences [b0, b0 + nb) stay inside them; the workspace holds `chunk >= nb`
-        // sequences of this shape (`batch_chunk`); inputs and outputs of each step are
-        // distinct buffers (user inputs are shared borrows, outputs mutable ones, and the
-        // workspace buffers are separate allocations). The guards outlive the enqueues.
+        // sequences of this shape in type T (`batch_chunk`, `ws_ptrs`: disjoint regions, each
+        // aligned for any element type); inputs and outputs of each step are distinct buffers
+        // (user inputs are shared borrows, outputs mutable ones, and the workspace regions do
+        // not overlap each other or the user buffers); every pointer handed to a GEMM or a
+        // launcher holds elements of the type its call states (T, or f32 for S, dP, lse and
+        // delta). The guards outlive the enqueues.
         unsafe {
             plan.swap(op, &stream, q0 + q_off, w.q, nb, t, hq)?;
             plan.swap(op, &stream, k0 + kv_off, w.k, nb, t, hkv)?;
             plan.swap(op, &stream, v0 + kv_off, w.v, nb, t, hkv)?;
             plan.scores_gemm::<T>(op, gemm, nb, w.q, w.k, w.scores, plan.scale)?;
-            let status = (T::SOFTMAX)(
+            let status = ffi::tilearn_attention_softmax(
+                T::DTYPE,
                 w.scores as *const f32,
                 plan.ld,
                 rows,
                 t,
-                w.probs as *mut T::Ffi,
+                w.probs as *mut c_void,
                 (l0 + (b0 * p.rows * 4) as u64) as *mut f32,
                 raw_stream(&stream),
             );
@@ -476,11 +539,14 @@ fn forward<T: AttnElement>(
     Ok(())
 }
 
+/// Causal GQA backward in element type `T`: writes (`=`) `dq`, `dk`, `dv` (type `T`) from
+/// `dout`, the inputs and the forward's `out` and `lse`. Deterministic (bit-identical from run
+/// to run). Same workspace contract as [`attention_forward`]. Precision: f32 dP, delta and
+/// accumulation; P and dS rounded once to `T` before their GEMMs, outputs rounded once to `T`.
 #[allow(clippy::too_many_arguments)]
-fn backward<T: AttnElement>(
-    op: &'static str,
+pub fn attention_backward<T: DeviceFloat>(
     gemm: &Gemm,
-    ws: &mut AttentionWorkspace<T>,
+    ws: &mut AttentionWorkspace,
     s: AttnShape,
     dout: &impl DevicePtr<T>,
     q: &impl DevicePtr<T>,
@@ -492,6 +558,8 @@ fn backward<T: AttnElement>(
     dk: &mut impl DevicePtrMut<T>,
     dv: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
+    let op = "attention_backward";
+    ws.check_elem::<T>(op)?;
     check_shape(op, &s)?;
     let p = per_batch(op, &s)?;
     let q_len = p.q.checked_mul(s.batch);
@@ -534,11 +602,11 @@ fn backward<T: AttnElement>(
     same_device(&stream, op, "dq", dq)?;
     same_device(&stream, op, "dk", dk)?;
     same_device(&stream, op, "dv", dv)?;
-    same_device(&stream, op, "workspace", &ws.scores)?;
+    same_device(&stream, op, "workspace", &ws.buf)?;
     if s.batch == 0 || s.seq == 0 || s.q_heads == 0 {
         return Ok(());
     }
-    let chunk = ws.batch_chunk(s)?;
+    let chunk = ws.batch_chunk::<T>(s)?;
     let plan = Plan::new::<T>(s);
     let (t, d, g, hq, hkv) = (s.seq, s.head_dim, plan.group, s.q_heads, s.kv_heads);
     let e = plan.elem as u64;
@@ -552,7 +620,7 @@ fn backward<T: AttnElement>(
     let (dq0, _dq) = dq.device_ptr_mut(&stream);
     let (dk0, _dk) = dk.device_ptr_mut(&stream);
     let (dv0, _dv) = dv.device_ptr_mut(&stream);
-    let (w, _guards) = ws_ptrs(ws, &stream);
+    let (w, _ws_guard) = ws_ptrs::<T>(op, ws, &stream, &p, chunk)?;
 
     let mut b0 = 0;
     while b0 < s.batch {
@@ -561,7 +629,7 @@ fn backward<T: AttnElement>(
         let kv_off = (b0 * p.kv) as u64 * e;
         let row_off = (b0 * p.rows * 4) as u64;
         let rows = row_count(&plan, nb);
-        // SAFETY (whole block): as in `forward`: live buffers of the stream's context, offsets
+        // SAFETY (whole block): as in `attention_forward`: live buffers of the stream's context, offsets
         // inside the user buffers (lengths checked), the workspace holds `chunk >= nb`
         // sequences, and the inputs and output of every step are distinct buffers — the
         // workspace's reuse (dV into `v` after dP has read V, dQ into `q` after dK has read Q,
@@ -573,13 +641,14 @@ fn backward<T: AttnElement>(
             plan.swap(op, &stream, do0 + q_off, w.o, nb, t, hq)?;
             // P = exp(scale·Q·Kᵀ − lse), recomputed.
             plan.scores_gemm::<T>(op, gemm, nb, w.q, w.k, w.scores, plan.scale)?;
-            let status = (T::PROBS)(
+            let status = ffi::tilearn_attention_probs(
+                T::DTYPE,
                 w.scores as *const f32,
                 plan.ld,
                 rows,
                 t,
                 (l0 + row_off) as *const f32,
-                w.probs as *mut T::Ffi,
+                w.probs as *mut c_void,
                 raw_stream(&stream),
             );
             check(op, status)?;
@@ -599,9 +668,10 @@ fn backward<T: AttnElement>(
             spec.required_lens(op)?;
             gemm.launch::<T, T>(op, &spec, w.probs, w.o, w.v, Epilogue::None)?;
             // delta = rowsum(dO ∘ O), then dS = P ∘ (dP − delta) · scale over P.
-            let status = (T::DELTA)(
-                (do0 + q_off) as *const T::Ffi,
-                (o0 + q_off) as *const T::Ffi,
+            let status = ffi::tilearn_attention_delta(
+                T::DTYPE,
+                (do0 + q_off) as *const c_void,
+                (o0 + q_off) as *const c_void,
                 nb,
                 t,
                 hq,
@@ -610,8 +680,9 @@ fn backward<T: AttnElement>(
                 raw_stream(&stream),
             );
             check(op, status)?;
-            let status = (T::DSCORES)(
-                w.probs as *mut T::Ffi,
+            let status = ffi::tilearn_attention_dscores(
+                T::DTYPE,
+                w.probs as *mut c_void,
                 w.scores as *const f32,
                 plan.ld,
                 rows,
@@ -643,131 +714,4 @@ fn backward<T: AttnElement>(
         b0 += nb;
     }
     Ok(())
-}
-
-/// The workspace's device addresses and the guards that order their use on `stream`.
-fn ws_ptrs<'a, T: AttnElement>(
-    ws: &'a mut AttentionWorkspace<T>,
-    stream: &'a CudaStream,
-) -> (WsPtrs, Vec<cudarc::driver::SyncOnDrop<'a>>) {
-    let (scores, g0) = ws.scores.device_ptr_mut(stream);
-    let (probs, g1) = ws.probs.device_ptr_mut(stream);
-    let (q, g2) = ws.q.device_ptr_mut(stream);
-    let (k, g3) = ws.k.device_ptr_mut(stream);
-    let (v, g4) = ws.v.device_ptr_mut(stream);
-    let (o, g5) = ws.o.device_ptr_mut(stream);
-    let (dk, g6) = ws.dk.device_ptr_mut(stream);
-    let (delta, g7) = ws.delta.device_ptr_mut(stream);
-    (
-        WsPtrs {
-            scores,
-            probs,
-            q,
-            k,
-            v,
-            o,
-            dk,
-            delta,
-        },
-        vec![g0, g1, g2, g3, g4, g5, g6, g7],
-    )
-}
-
-/// Causal GQA forward in f32 (no TF32): writes `out` `[B, T, Hq, D]` and `lse` `[B, Hq, T]`.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_forward_f32(
-    gemm: &Gemm,
-    ws: &mut AttentionWorkspace<f32>,
-    s: AttnShape,
-    q: &impl DevicePtr<f32>,
-    k: &impl DevicePtr<f32>,
-    v: &impl DevicePtr<f32>,
-    out: &mut impl DevicePtrMut<f32>,
-    lse: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    forward("attention_forward_f32", gemm, ws, s, q, k, v, out, lse)
-}
-
-/// Causal GQA forward in bf16 (f32 scores, softmax and accumulation): writes `out` (bf16) and
-/// `lse` (f32).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_forward_bf16(
-    gemm: &Gemm,
-    ws: &mut AttentionWorkspace<bf16>,
-    s: AttnShape,
-    q: &impl DevicePtr<bf16>,
-    k: &impl DevicePtr<bf16>,
-    v: &impl DevicePtr<bf16>,
-    out: &mut impl DevicePtrMut<bf16>,
-    lse: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    forward("attention_forward_bf16", gemm, ws, s, q, k, v, out, lse)
-}
-
-/// Causal GQA backward in f32: writes (`=`) `dq`, `dk`, `dv` from `dout`, the inputs and the
-/// forward's `out` and `lse`. Deterministic (bit-identical from run to run).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward_f32(
-    gemm: &Gemm,
-    ws: &mut AttentionWorkspace<f32>,
-    s: AttnShape,
-    dout: &impl DevicePtr<f32>,
-    q: &impl DevicePtr<f32>,
-    k: &impl DevicePtr<f32>,
-    v: &impl DevicePtr<f32>,
-    out: &impl DevicePtr<f32>,
-    lse: &impl DevicePtr<f32>,
-    dq: &mut impl DevicePtrMut<f32>,
-    dk: &mut impl DevicePtrMut<f32>,
-    dv: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    backward(
-        "attention_backward_f32",
-        gemm,
-        ws,
-        s,
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dq,
-        dk,
-        dv,
-    )
-}
-
-/// Causal GQA backward in bf16 (f32 dP, delta and accumulation; P and dS rounded to bf16):
-/// writes (`=`) bf16 `dq`, `dk`, `dv`. Deterministic.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward_bf16(
-    gemm: &Gemm,
-    ws: &mut AttentionWorkspace<bf16>,
-    s: AttnShape,
-    dout: &impl DevicePtr<bf16>,
-    q: &impl DevicePtr<bf16>,
-    k: &impl DevicePtr<bf16>,
-    v: &impl DevicePtr<bf16>,
-    out: &impl DevicePtr<bf16>,
-    lse: &impl DevicePtr<f32>,
-    dq: &mut impl DevicePtrMut<bf16>,
-    dk: &mut impl DevicePtrMut<bf16>,
-    dv: &mut impl DevicePtrMut<bf16>,
-) -> Result<()> {
-    backward(
-        "attention_backward_bf16",
-        gemm,
-        ws,
-        s,
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dq,
-        dk,
-        dv,
-    )
 }

@@ -1,14 +1,15 @@
 //! Matrix products on cuBLASLt: the [`Gemm`] handle (one per stream), a safe strided-batched
-//! row-major matmul ([`Gemm::matmul`]) and the linear layer built on it
-//! ([`linear_forward_f32`], [`linear_backward_f32`] and their bf16 twins), with the contract of
-//! [`crate::cpu::linear_forward`] / [`crate::cpu::linear_backward`]: `out = x·Wᵀ + b`, `dx`
-//! written (`=`), `dW` and `db` accumulated (`+=`).
+//! row-major matmul ([`Gemm::matmul`]) and the linear layer built on it ([`linear_forward`],
+//! [`linear_backward`], generic over the element type [`DeviceFloat`]: f32, bf16 or f16), with
+//! the contract of [`crate::cpu::linear_forward`] / [`crate::cpu::linear_backward`]:
+//! `out = x·Wᵀ + b`, `dx` written (`=`), `dW` and `db` accumulated (`+=`, always f32).
 //!
-//! Precision: compute type `CUBLAS_COMPUTE_32F` everywhere (f32 accumulation). For f32 inputs
-//! that means *no TF32*: TF32 rounds the inputs to 10 mantissa bits (~1e-3 relative), which
-//! would break the 1e-5 parity of the f32 path with the CPU reference; cuBLASLt only uses TF32
-//! when asked for `CUBLAS_COMPUTE_32F_FAST_TF32`. bf16 inputs are multiplied exactly and summed
-//! in f32; the output is rounded once (bf16), or kept f32 (the weight gradient).
+//! Precision: compute type `CUBLAS_COMPUTE_32F` everywhere (f32 accumulation, f32 alpha/beta).
+//! For f32 inputs that means *no TF32*: TF32 rounds the inputs to 10 mantissa bits (~1e-3
+//! relative), which would break the 1e-5 parity of the f32 path with the CPU reference;
+//! cuBLASLt only uses TF32 when asked for `CUBLAS_COMPUTE_32F_FAST_TF32`. bf16 and f16 inputs
+//! (`CUDA_R_16BF` / `CUDA_R_16F`) are multiplied exactly and summed in f32; the output is
+//! rounded once to the input type, or kept f32 (the weight gradient).
 //!
 //! cuBLASLt is column-major; a row-major `C[m,n] = op(A)[m,k]·op(B)[k,n]` is the column-major
 //! `Cᵀ[n,m] = op(B)ᵀ·op(A)ᵀ`, so [`Gemm::matmul`] swaps the operands and keeps the transpose
@@ -29,9 +30,9 @@ use std::sync::Arc;
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
-use half::bf16;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
+use super::DeviceFloat;
 use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::{OpsError, Result};
@@ -39,30 +40,6 @@ use crate::{OpsError, Result};
 /// Bytes of the cuBLASLt workspace every [`Gemm`] allocates once: NVIDIA's recommendation for
 /// Hopper (enough for split-K and stream-K algorithms); older GPUs use part of it.
 pub const GEMM_WORKSPACE_BYTES: usize = 32 << 20;
-
-/// An element type cuBLASLt multiplies: f32 or bf16.
-pub trait GemmElement: DeviceRepr + Copy + sealed::Sealed {
-    /// cuBLASLt's name for the type.
-    const DATA_TYPE: sys::cudaDataType;
-    /// For messages.
-    const NAME: &'static str;
-}
-
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for half::bf16 {}
-}
-
-impl GemmElement for f32 {
-    const DATA_TYPE: sys::cudaDataType = sys::cudaDataType::CUDA_R_32F;
-    const NAME: &'static str = "f32";
-}
-
-impl GemmElement for bf16 {
-    const DATA_TYPE: sys::cudaDataType = sys::cudaDataType::CUDA_R_16BF;
-    const NAME: &'static str = "bf16";
-}
 
 /// Whether an operand enters the product as stored or transposed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -308,10 +285,10 @@ impl Gemm {
     }
 
     /// The strided-batched row-major matmul of `spec` (see [`MatmulSpec`]). Input and output
-    /// types: f32 → f32, bf16 → bf16 or bf16 → f32, all with f32 accumulation
-    /// (`CUBLAS_COMPUTE_32F`, no TF32). `c` must not overlap `a` or `b` (it is borrowed
-    /// mutably, so safe code cannot make it).
-    pub fn matmul<I: GemmElement, O: GemmElement>(
+    /// types: f32 → f32, bf16 → bf16 or f32, f16 → f16 or f32, all with f32 accumulation
+    /// (`CUBLAS_COMPUTE_32F`, no TF32); any other pair is an error. `c` must not overlap `a`
+    /// or `b` (it is borrowed mutably, so safe code cannot make it).
+    pub fn matmul<I: DeviceFloat, O: DeviceFloat>(
         &self,
         spec: &MatmulSpec,
         a: &impl DevicePtr<I>,
@@ -338,14 +315,15 @@ impl Gemm {
         unsafe { self.launch::<I, O>(OP, spec, a_ptr, b_ptr, c_ptr, Epilogue::None) }
     }
 
-    fn check_types<I: GemmElement, O: GemmElement>(&self, op: &'static str) -> Result<()> {
+    /// The (input, output) type pairs cuBLASLt supports with `CUBLAS_COMPUTE_32F` and an f32
+    /// scale type that the crate uses: a product keeps its input type or widens to f32.
+    fn check_types<I: DeviceFloat, O: DeviceFloat>(&self, op: &'static str) -> Result<()> {
+        use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
         let ok = matches!(
-            (I::DATA_TYPE, O::DATA_TYPE),
-            (sys::cudaDataType::CUDA_R_32F, sys::cudaDataType::CUDA_R_32F)
-                | (
-                    sys::cudaDataType::CUDA_R_16BF,
-                    sys::cudaDataType::CUDA_R_16BF | sys::cudaDataType::CUDA_R_32F
-                )
+            (I::CUDA_DATA_TYPE, O::CUDA_DATA_TYPE),
+            (CUDA_R_32F, CUDA_R_32F)
+                | (CUDA_R_16BF, CUDA_R_16BF | CUDA_R_32F)
+                | (CUDA_R_16F, CUDA_R_16F | CUDA_R_32F)
         );
         if ok {
             Ok(())
@@ -354,7 +332,7 @@ impl Gemm {
                 context: op,
                 message: format!(
                     "unsupported matmul types {} -> {} (supported: f32 -> f32, bf16 -> bf16, \
-                     bf16 -> f32)",
+                     bf16 -> f32, f16 -> f16, f16 -> f32)",
                     I::NAME,
                     O::NAME
                 ),
@@ -370,7 +348,7 @@ impl Gemm {
     /// element `spec` addresses (the bias: `spec.n` elements); `c` overlaps neither input; they
     /// stay allocated until the enqueued work has run (stream order); `spec` passed
     /// `required_lens`, and the context is current.
-    pub(super) unsafe fn launch<I: GemmElement, O: GemmElement>(
+    pub(super) unsafe fn launch<I: DeviceFloat, O: DeviceFloat>(
         &self,
         op: &'static str,
         spec: &MatmulSpec,
@@ -379,6 +357,7 @@ impl Gemm {
         c: u64,
         epilogue: Epilogue,
     ) -> Result<()> {
+        self.check_types::<I, O>(op)?;
         let (ia, ic) = (size_of::<I>() as u64, size_of::<O>() as u64);
         let batched = spec.batch > 1;
         let stride_bytes = |s: usize, elem: u64| if batched { s as u64 * elem } else { 0 };
@@ -392,8 +371,8 @@ impl Gemm {
             },
         ];
         let key = AlgoKey {
-            a_type: I::DATA_TYPE as u32,
-            c_type: O::DATA_TYPE as u32,
+            a_type: I::CUDA_DATA_TYPE as u32,
+            c_type: O::CUDA_DATA_TYPE as u32,
             m: spec.m,
             n: spec.n,
             k: spec.k,
@@ -410,9 +389,9 @@ impl Gemm {
         // our B, its second our A; a stored row-major R×C matrix is a column-major C×R one.
         let (br, bc) = spec.b.stored_dims(spec.k, spec.n);
         let (ar, ac) = spec.a.stored_dims(spec.m, spec.k);
-        let lay_first = Layout::new(op, I::DATA_TYPE, bc, br, spec.b.ld)?;
-        let lay_second = Layout::new(op, I::DATA_TYPE, ac, ar, spec.a.ld)?;
-        let lay_c = Layout::new(op, O::DATA_TYPE, spec.n, spec.m, spec.c_ld)?;
+        let lay_first = Layout::new(op, I::CUDA_DATA_TYPE, bc, br, spec.b.ld)?;
+        let lay_second = Layout::new(op, I::CUDA_DATA_TYPE, ac, ar, spec.a.ld)?;
+        let lay_c = Layout::new(op, O::CUDA_DATA_TYPE, spec.n, spec.m, spec.c_ld)?;
         if batched {
             lay_first.set_batch(op, spec.batch, spec.b.batch_stride)?;
             lay_second.set_batch(op, spec.batch, spec.a.batch_stride)?;
@@ -442,6 +421,15 @@ impl Gemm {
                 op,
                 sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                 &bias_ptr,
+            )?;
+            // The bias has the output's type (cuBLASLt's default for f32, bf16 and f16 outputs
+            // with compute 32F; set explicitly so the contract does not rest on the default).
+            // The attribute is an int32 cudaDataType.
+            let bias_type = O::CUDA_DATA_TYPE as i32;
+            desc.set(
+                op,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                &bias_type,
             )?;
         }
 
@@ -741,9 +729,14 @@ fn linear_dims(
     Ok(())
 }
 
+/// `out = x·Wᵀ (+ bias)`: `x` `[rows, in_f]`, `w` `[out_f, in_f]`, `bias` `[out_f]`, `out`
+/// `[rows, out_f]` written (`=`), all of one element type `T` (f32, bf16 or f16).
+///
+/// Precision: f32 accumulation (`CUBLAS_COMPUTE_32F`; for f32 inputs no TF32, so the f32 path
+/// matches an f32 reference to ~1e-5); the bias (of type `T`) is added in f32 by the GEMM's
+/// `BIAS` epilogue, and `out` is rounded once to `T`.
 #[allow(clippy::too_many_arguments)]
-fn linear_forward<T: GemmElement>(
-    op: &'static str,
+pub fn linear_forward<T: DeviceFloat>(
     gemm: &Gemm,
     x: &impl DevicePtr<T>,
     w: &impl DevicePtr<T>,
@@ -753,17 +746,18 @@ fn linear_forward<T: GemmElement>(
     out_f: usize,
     out: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
-    linear_dims(op, x.len(), w.len(), rows, in_f, out_f)?;
-    expect_len(op, rows * out_f, out.len())?;
+    const OP: &str = "linear_forward";
+    linear_dims(OP, x.len(), w.len(), rows, in_f, out_f)?;
+    expect_len(OP, rows * out_f, out.len())?;
     let stream = &gemm.stream;
-    same_device(stream, op, "x", x)?;
-    same_device(stream, op, "w", w)?;
-    same_device(stream, op, "out", out)?;
+    same_device(stream, OP, "x", x)?;
+    same_device(stream, OP, "w", w)?;
+    same_device(stream, OP, "out", out)?;
     if let Some(bias) = bias {
-        expect_len(op, out_f, bias.len())?;
+        expect_len(OP, out_f, bias.len())?;
         if **bias.stream().context() != **stream.context() {
             return Err(OpsError::Cuda {
-                context: op,
+                context: OP,
                 message: "`bias` lives on another device than the launch stream".into(),
             });
         }
@@ -779,9 +773,9 @@ fn linear_forward<T: GemmElement>(
         Operand::plain(in_f),
         Operand::transposed(in_f),
     );
-    spec.required_lens(op)?;
-    gemm.check_types::<T, T>(op)?;
-    bind(stream, op)?;
+    spec.required_lens(OP)?;
+    gemm.check_types::<T, T>(OP)?;
+    bind(stream, OP)?;
     let (x_ptr, _x) = x.device_ptr(stream);
     let (w_ptr, _w) = w.device_ptr(stream);
     let (o_ptr, _o) = out.device_ptr_mut(stream);
@@ -791,18 +785,23 @@ fn linear_forward<T: GemmElement>(
         None => Epilogue::None,
     };
     // SAFETY: x, w, out (and bias) live on the handle's device with exactly the lengths the
-    // product addresses (checked above: rows*in_f, out_f*in_f, rows*out_f, out_f); out is
-    // borrowed mutably so it overlaps no input; the guards (including `bias_guard`) are held
-    // until after the enqueue.
-    let result = unsafe { gemm.launch::<T, T>(op, &spec, x_ptr, w_ptr, o_ptr, epilogue) };
+    // product addresses (checked above: rows*in_f, out_f*in_f, rows*out_f, out_f), all of
+    // element type T; out is borrowed mutably so it overlaps no input; the guards (including
+    // `bias_guard`) are held until after the enqueue.
+    let result = unsafe { gemm.launch::<T, T>(OP, &spec, x_ptr, w_ptr, o_ptr, epilogue) };
     drop(bias_guard);
     result
 }
 
+/// Backward of [`linear_forward`]: `dx = dout·W` (written, `=`, rounded once to `T`; skipped
+/// when `dx` is `None`), `dw += doutᵀ·x` (f32, accumulated by the GEMM with beta = 1, so
+/// micro-batches add up without 16-bit rounding), `db += column sums of dout` (f32, accumulated
+/// by a deterministic reduction kernel, if given). `dout` `[rows, out_f]`, `x` `[rows, in_f]`,
+/// `w` `[out_f, in_f]` of type `T`; `dw` `[out_f, in_f]` and `db` `[out_f]` f32 whatever `T`.
+/// Every product accumulates in f32 (no TF32). Uses the handle's workspace as the reduction's
+/// scratch.
 #[allow(clippy::too_many_arguments)]
-fn linear_backward<T: GemmElement + BiasGradInput>(
-    op: &'static str,
-    bias_grad: BiasGradLauncher<T>,
+pub fn linear_backward<T: DeviceFloat>(
     gemm: &Gemm,
     dout: &impl DevicePtr<T>,
     x: &impl DevicePtr<T>,
@@ -814,26 +813,27 @@ fn linear_backward<T: GemmElement + BiasGradInput>(
     dw: &mut impl DevicePtrMut<f32>,
     db: Option<&mut dyn DevicePtrMut<f32>>,
 ) -> Result<()> {
-    linear_dims(op, x.len(), w.len(), rows, in_f, out_f)?;
-    expect_len(op, rows * out_f, dout.len())?;
-    expect_len(op, out_f * in_f, dw.len())?;
+    const OP: &str = "linear_backward";
+    linear_dims(OP, x.len(), w.len(), rows, in_f, out_f)?;
+    expect_len(OP, rows * out_f, dout.len())?;
+    expect_len(OP, out_f * in_f, dw.len())?;
     let stream = &gemm.stream;
-    same_device(stream, op, "dout", dout)?;
-    same_device(stream, op, "x", x)?;
-    same_device(stream, op, "w", w)?;
-    same_device(stream, op, "dw", dw)?;
+    same_device(stream, OP, "dout", dout)?;
+    same_device(stream, OP, "x", x)?;
+    same_device(stream, OP, "w", w)?;
+    same_device(stream, OP, "dw", dw)?;
     let other_device = |what: &str| OpsError::Cuda {
-        context: op,
+        context: OP,
         message: format!("`{what}` lives on another device than the launch stream"),
     };
     if let Some(dx) = &dx {
-        expect_len(op, rows * in_f, dx.len())?;
+        expect_len(OP, rows * in_f, dx.len())?;
         if **dx.stream().context() != **stream.context() {
             return Err(other_device("dx"));
         }
     }
     if let Some(db) = &db {
-        expect_len(op, out_f, db.len())?;
+        expect_len(OP, out_f, db.len())?;
         if **db.stream().context() != **stream.context() {
             return Err(other_device("db"));
         }
@@ -843,15 +843,15 @@ fn linear_backward<T: GemmElement + BiasGradInput>(
         // no layer has those, so it is refused rather than silently zero-filled.
         if dx.as_ref().is_some_and(|dx| dx.len() > 0) {
             return Err(OpsError::Cuda {
-                context: op,
+                context: OP,
                 message: "out_features must be positive when dx is requested".into(),
             });
         }
         return Ok(());
     }
-    gemm.check_types::<T, T>(op)?;
-    gemm.check_types::<T, f32>(op)?;
-    bind(stream, op)?;
+    gemm.check_types::<T, T>(OP)?;
+    gemm.check_types::<T, f32>(OP)?;
+    bind(stream, OP)?;
     let (dout_ptr, _dout) = dout.device_ptr(stream);
     if let Some(dx) = dx {
         // dx (rows×in_f) = dout (rows×out_f) · W (out_f×in_f).
@@ -862,12 +862,12 @@ fn linear_backward<T: GemmElement + BiasGradInput>(
             Operand::plain(out_f),
             Operand::plain(in_f),
         );
-        spec.required_lens(op)?;
+        spec.required_lens(OP)?;
         let (w_ptr, _w) = w.device_ptr(stream);
         let (dx_ptr, _dx) = dx.device_ptr_mut(stream);
-        // SAFETY: lengths checked above (rows*out_f, out_f*in_f, rows*in_f); dx is borrowed
-        // mutably; all on the handle's device; guards held past the enqueue.
-        unsafe { gemm.launch::<T, T>(op, &spec, dout_ptr, w_ptr, dx_ptr, Epilogue::None)? };
+        // SAFETY: lengths checked above (rows*out_f, out_f*in_f, rows*in_f), element type T;
+        // dx is borrowed mutably; all on the handle's device; guards held past the enqueue.
+        unsafe { gemm.launch::<T, T>(OP, &spec, dout_ptr, w_ptr, dx_ptr, Epilogue::None)? };
     }
     // dW (out_f×in_f) += doutᵀ (out_f×rows) · x (rows×in_f), accumulated in f32.
     let mut spec = MatmulSpec::new(
@@ -878,13 +878,13 @@ fn linear_backward<T: GemmElement + BiasGradInput>(
         Operand::plain(in_f),
     );
     spec.beta = 1.0;
-    spec.required_lens(op)?;
+    spec.required_lens(OP)?;
     {
         let (x_ptr, _x) = x.device_ptr(stream);
         let (dw_ptr, _dw) = dw.device_ptr_mut(stream);
         // SAFETY: lengths checked above (rows*out_f, rows*in_f, out_f*in_f); dw (f32) is
         // borrowed mutably; all on the handle's device; guards held past the enqueue.
-        unsafe { gemm.launch::<T, f32>(op, &spec, dout_ptr, x_ptr, dw_ptr, Epilogue::None)? };
+        unsafe { gemm.launch::<T, f32>(OP, &spec, dout_ptr, x_ptr, dw_ptr, Epilogue::None)? };
     }
     if let Some(db) = db {
         // SAFETY: a pure function of its arguments.
@@ -892,7 +892,7 @@ fn linear_backward<T: GemmElement + BiasGradInput>(
         let (scratch, scratch_len) = gemm.scratch_f32();
         if need > scratch_len {
             return Err(OpsError::Cuda {
-                context: op,
+                context: OP,
                 message: format!(
                     "the bias gradient of {out_f} features needs {need} f32 of scratch, more \
                      than the {scratch_len} of the cuBLASLt workspace"
@@ -900,13 +900,15 @@ fn linear_backward<T: GemmElement + BiasGradInput>(
             });
         }
         let (db_ptr, _db) = db.device_ptr_mut(stream);
-        // SAFETY: dout holds rows*out_f elements and db out_f (checked above), both on the
-        // stream's device, db borrowed mutably; the scratch is the handle's workspace, which
-        // only work on this same stream uses, so stream order keeps this kernel from
-        // overlapping a cuBLASLt product; it holds `scratch_len >= need` f32.
+        // SAFETY: dout holds rows*out_f elements of type T (T::DTYPE tells the launcher which)
+        // and db out_f f32 (checked above), both on the stream's device, db borrowed mutably;
+        // the scratch is the handle's workspace, which only work on this same stream uses, so
+        // stream order keeps this kernel from overlapping a cuBLASLt product; it holds
+        // `scratch_len >= need` f32.
         let status = unsafe {
-            bias_grad(
-                dout_ptr as *const _,
+            ffi::tilearn_bias_grad(
+                T::DTYPE,
+                dout_ptr as *const c_void,
                 rows,
                 out_f,
                 db_ptr as *mut f32,
@@ -915,144 +917,7 @@ fn linear_backward<T: GemmElement + BiasGradInput>(
                 raw_stream(stream),
             )
         };
-        check(op, status)?;
+        check(OP, status)?;
     }
     Ok(())
-}
-
-type BiasGradLauncher<T> = unsafe extern "C" fn(
-    *const <T as BiasGradInput>::Ffi,
-    usize,
-    usize,
-    *mut f32,
-    *mut f32,
-    usize,
-    ffi::cudaStream_t,
-) -> std::ffi::c_int;
-
-/// The FFI element type of the bias-gradient launcher for each element type.
-trait BiasGradInput {
-    type Ffi;
-}
-impl BiasGradInput for f32 {
-    type Ffi = f32;
-}
-impl BiasGradInput for bf16 {
-    type Ffi = ffi::tilearn_bf16;
-}
-
-/// `out = x·Wᵀ (+ bias)` in f32 (no TF32): `x` `[rows, in_f]`, `w` `[out_f, in_f]`,
-/// `bias` `[out_f]` (added by the GEMM's epilogue), `out` `[rows, out_f]` written.
-#[allow(clippy::too_many_arguments)]
-pub fn linear_forward_f32(
-    gemm: &Gemm,
-    x: &impl DevicePtr<f32>,
-    w: &impl DevicePtr<f32>,
-    bias: Option<&dyn DevicePtr<f32>>,
-    rows: usize,
-    in_f: usize,
-    out_f: usize,
-    out: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    linear_forward(
-        "linear_forward_f32",
-        gemm,
-        x,
-        w,
-        bias,
-        rows,
-        in_f,
-        out_f,
-        out,
-    )
-}
-
-/// [`linear_forward_f32`] in bf16: bf16 inputs, f32 accumulation (bias added in f32), `out`
-/// rounded once to bf16.
-#[allow(clippy::too_many_arguments)]
-pub fn linear_forward_bf16(
-    gemm: &Gemm,
-    x: &impl DevicePtr<bf16>,
-    w: &impl DevicePtr<bf16>,
-    bias: Option<&dyn DevicePtr<bf16>>,
-    rows: usize,
-    in_f: usize,
-    out_f: usize,
-    out: &mut impl DevicePtrMut<bf16>,
-) -> Result<()> {
-    linear_forward(
-        "linear_forward_bf16",
-        gemm,
-        x,
-        w,
-        bias,
-        rows,
-        in_f,
-        out_f,
-        out,
-    )
-}
-
-/// Backward of [`linear_forward_f32`]: `dx = dout·W` (written, if given), `dw += doutᵀ·x`
-/// (f32, accumulated by the GEMM with beta = 1), `db += column sums of dout` (f32,
-/// accumulated by a deterministic reduction kernel, if given). Uses the handle's workspace as
-/// the reduction's scratch.
-#[allow(clippy::too_many_arguments)]
-pub fn linear_backward_f32(
-    gemm: &Gemm,
-    dout: &impl DevicePtr<f32>,
-    x: &impl DevicePtr<f32>,
-    w: &impl DevicePtr<f32>,
-    rows: usize,
-    in_f: usize,
-    out_f: usize,
-    dx: Option<&mut dyn DevicePtrMut<f32>>,
-    dw: &mut impl DevicePtrMut<f32>,
-    db: Option<&mut dyn DevicePtrMut<f32>>,
-) -> Result<()> {
-    linear_backward(
-        "linear_backward_f32",
-        ffi::tilearn_bias_grad_f32,
-        gemm,
-        dout,
-        x,
-        w,
-        rows,
-        in_f,
-        out_f,
-        dx,
-        dw,
-        db,
-    )
-}
-
-/// Backward of [`linear_forward_bf16`]: bf16 `dout`, `x`, `w`; `dx` bf16 (written, rounded
-/// once); `dw` and `db` f32 (accumulated, so micro-batches add up without bf16 rounding).
-#[allow(clippy::too_many_arguments)]
-pub fn linear_backward_bf16(
-    gemm: &Gemm,
-    dout: &impl DevicePtr<bf16>,
-    x: &impl DevicePtr<bf16>,
-    w: &impl DevicePtr<bf16>,
-    rows: usize,
-    in_f: usize,
-    out_f: usize,
-    dx: Option<&mut dyn DevicePtrMut<bf16>>,
-    dw: &mut impl DevicePtrMut<f32>,
-    db: Option<&mut dyn DevicePtrMut<f32>>,
-) -> Result<()> {
-    linear_backward(
-        "linear_backward_bf16",
-        ffi::tilearn_bias_grad_bf16,
-        gemm,
-        dout,
-        x,
-        w,
-        rows,
-        in_f,
-        out_f,
-        dx,
-        dw,
-        db,
-    )
 }

@@ -7,36 +7,26 @@
 //              dup   = dout * silu(g)
 //              dgate = dout * up * s * (1 + g * (1 - s)),   s = sigmoid(g).
 // Layout:    flat contiguous arrays of `n` elements (the [rows, intermediate] activations), any
-//            n. When every pointer is 16-byte aligned a thread moves 16 bytes per operand (4 f32
-//            or 8 bf16) per access; the n % width tail and misaligned pointers take the scalar
-//            path.
-// Precision: inputs f32 or bf16; all arithmetic in f32 (expf, not the approximate __expf,
+//            n. When every pointer is 16-byte aligned a thread moves 16 bytes per operand (4 f32,
+//            or 8 bf16 / f16) per access; the n % width tail and misaligned pointers take the
+//            scalar path.
+// Precision: inputs f32, bf16 or f16; all arithmetic in f32 (expf, not the approximate __expf,
 //            and exp only of -|g|, so it never overflows and sigmoid keeps its subnormals;
 //            nothing is built with fast math); outputs are rounded once to the storage type.
 // Gradients: dgate and dup are written (`=`); no parameters.
 
-#include <cuda_bf16.h>
-
+#include "tilearn_dtype.cuh"
 #include "tilearn_kernels.h"
 
 namespace {
 
+using tilearn::from_f32;
+using tilearn::to_f32;
+
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 65535;  // grid-stride loops cover the rest
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
-
-// 16 bytes of T, moved with one vector load / store.
+// 16 bytes of T (4 f32, or 8 bf16 / f16), moved with one vector load / store.
 template <typename T>
 struct alignas(16) Vec16 {
     static constexpr int kLen = 16 / sizeof(T);
@@ -179,24 +169,17 @@ int launch_backward(const void* dout, const void* gate, const void* up, void* dg
 
 }  // namespace
 
-extern "C" int tilearn_swiglu_forward_f32(const float* gate, const float* up, float* out,
-                                          size_t n, cudaStream_t stream) {
-    return launch_forward<float>(gate, up, out, n, stream);
+extern "C" int tilearn_swiglu_forward(int dtype, const void* gate, const void* up, void* out,
+                                      size_t n, cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_forward<decltype(tag)>(gate, up, out, n, stream);
+    });
 }
 
-extern "C" int tilearn_swiglu_forward_bf16(const tilearn_bf16* gate, const tilearn_bf16* up,
-                                           tilearn_bf16* out, size_t n, cudaStream_t stream) {
-    return launch_forward<__nv_bfloat16>(gate, up, out, n, stream);
-}
-
-extern "C" int tilearn_swiglu_backward_f32(const float* dout, const float* gate, const float* up,
-                                           float* dgate, float* dup, size_t n,
-                                           cudaStream_t stream) {
-    return launch_backward<float>(dout, gate, up, dgate, dup, n, stream);
-}
-
-extern "C" int tilearn_swiglu_backward_bf16(const tilearn_bf16* dout, const tilearn_bf16* gate,
-                                            const tilearn_bf16* up, tilearn_bf16* dgate,
-                                            tilearn_bf16* dup, size_t n, cudaStream_t stream) {
-    return launch_backward<__nv_bfloat16>(dout, gate, up, dgate, dup, n, stream);
+extern "C" int tilearn_swiglu_backward(int dtype, const void* dout, const void* gate,
+                                       const void* up, void* dgate, void* dup, size_t n,
+                                       cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_backward<decltype(tag)>(dout, gate, up, dgate, dup, n, stream);
+    });
 }

@@ -9,10 +9,12 @@
 //            within an id); (3) one thread block per run of equal ids (and per column chunk)
 //            adds that run's dout rows into the table row, in position order.
 // Layout:    ids are [rows] u32; table / dtable [vocab, dim]; out / dout [rows, dim]; all
-//            row-major. A thread moves 16 bytes (4 f32 or 8 bf16) per access when dim is a
-//            multiple of that width and the pointers are 16-byte aligned; one element otherwise.
-// Precision: forward: a copy (f32 -> f32, bf16 -> bf16). Backward: dout f32 or bf16, dtable
-//            always f32 (the fp32 master gradient), sums in f32.
+//            row-major. A thread moves 16 bytes (4 f32, or 8 bf16 / f16) per access when dim is
+//            a multiple of that width and the pointers are 16-byte aligned; one element
+//            otherwise.
+// Precision: forward: a copy in the storage type (f32, bf16 or f16; no rounding). Backward:
+//            dout f32, bf16 or f16 (widened exactly to f32), dtable always f32 (the fp32 master
+//            gradient), sums in f32.
 // Gradients: dtable is accumulated (`+=`). Deterministic and order-exact: each dtable element is
 //            owned by one thread, which starts from the current value and adds the rows of its
 //            id in increasing position, the same f32 operations in the same order as
@@ -30,8 +32,8 @@
 //            instead of a host round trip inside every step.
 
 #include <cub/device/device_radix_sort.cuh>
-#include <cuda_bf16.h>
 
+#include "tilearn_dtype.cuh"
 #include "tilearn_kernels.h"
 
 namespace {
@@ -39,9 +41,9 @@ namespace {
 constexpr unsigned kMaxThreads = 256;
 constexpr size_t kScratchAlign = 256;
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+using tilearn::to_f32;
 
+// The quiet NaN that fills the output row of an out-of-range id.
 template <typename T>
 __device__ __forceinline__ T nan_of();
 template <>
@@ -49,6 +51,10 @@ __device__ __forceinline__ float nan_of<float>() { return __int_as_float(0x7fc00
 template <>
 __device__ __forceinline__ __nv_bfloat16 nan_of<__nv_bfloat16>() {
     return __ushort_as_bfloat16(static_cast<unsigned short>(0x7fc0));
+}
+template <>
+__device__ __forceinline__ __half nan_of<__half>() {
+    return __ushort_as_half(static_cast<unsigned short>(0x7e00));
 }
 
 // N consecutive elements moved together: 16-byte accesses when N * sizeof(T) is a multiple of
@@ -265,17 +271,12 @@ int launch_backward(const uint32_t* ids, const void* dout, size_t rows, size_t v
 
 }  // namespace
 
-extern "C" int tilearn_embedding_forward_f32(const uint32_t* ids, const float* table, size_t rows,
-                                             size_t vocab, size_t dim, float* out,
-                                             uint64_t* status, cudaStream_t stream) {
-    return launch_forward<float>(ids, table, rows, vocab, dim, out, status, stream);
-}
-
-extern "C" int tilearn_embedding_forward_bf16(const uint32_t* ids, const tilearn_bf16* table,
-                                              size_t rows, size_t vocab, size_t dim,
-                                              tilearn_bf16* out, uint64_t* status,
-                                              cudaStream_t stream) {
-    return launch_forward<__nv_bfloat16>(ids, table, rows, vocab, dim, out, status, stream);
+extern "C" int tilearn_embedding_forward(int dtype, const uint32_t* ids, const void* table,
+                                         size_t rows, size_t vocab, size_t dim, void* out,
+                                         uint64_t* status, cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_forward<decltype(tag)>(ids, table, rows, vocab, dim, out, status, stream);
+    });
 }
 
 extern "C" size_t tilearn_embedding_backward_scratch_bytes(size_t rows, size_t vocab) {
@@ -286,18 +287,12 @@ extern "C" size_t tilearn_embedding_backward_scratch_bytes(size_t rows, size_t v
     return layout.total;
 }
 
-extern "C" int tilearn_embedding_backward_f32(const uint32_t* ids, const float* dout, size_t rows,
-                                              size_t vocab, size_t dim, float* dtable,
-                                              uint64_t* status, void* scratch,
-                                              size_t scratch_bytes, cudaStream_t stream) {
-    return launch_backward<float>(ids, dout, rows, vocab, dim, dtable, status, scratch,
-                                  scratch_bytes, stream);
-}
-
-extern "C" int tilearn_embedding_backward_bf16(const uint32_t* ids, const tilearn_bf16* dout,
-                                               size_t rows, size_t vocab, size_t dim,
-                                               float* dtable, uint64_t* status, void* scratch,
-                                               size_t scratch_bytes, cudaStream_t stream) {
-    return launch_backward<__nv_bfloat16>(ids, dout, rows, vocab, dim, dtable, status, scratch,
-                                          scratch_bytes, stream);
+extern "C" int tilearn_embedding_backward(int dtype, const uint32_t* ids, const void* dout,
+                                          size_t rows, size_t vocab, size_t dim, float* dtable,
+                                          uint64_t* status, void* scratch, size_t scratch_bytes,
+                                          cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_backward<decltype(tag)>(ids, dout, rows, vocab, dim, dtable, status,
+                                              scratch, scratch_bytes, stream);
+    });
 }

@@ -4,36 +4,29 @@
 //            forward; `acc += x` adds a branch's input gradient into the stream's gradient in the
 //            backward (the gradient of a residual add is the identity).
 // Layout:    flat contiguous arrays of `n` elements, any n. When every pointer is 16-byte aligned
-//            a thread moves 16 bytes per operand (4 f32 or 8 bf16) per load/store; the n % width
-//            tail and misaligned pointers (e.g. views at odd offsets) take the scalar path.
-// Precision: f32: one f32 add. bf16: both operands widened to f32, added, rounded once to bf16
-//            (round to nearest even), which is what PyTorch's bf16 add does.
+//            a thread moves 16 bytes per operand (4 f32, or 8 bf16 / f16) per load/store; the
+//            n % width tail and misaligned pointers (e.g. views at odd offsets) take the scalar
+//            path.
+// Precision: f32: one f32 add. bf16 / f16: both operands widened to f32 (exactly), added, the
+//            sum rounded once to the storage type (round to nearest even; an f16 sum of magnitude
+//            65520 or more, past the largest f16 65504 by half an ulp, becomes +-inf), which is
+//            what PyTorch's bf16 / f16 add does.
 // Output:    `out` is written (`=`); the in-place form accumulates (`acc +=`). `out` may alias `a`
 //            (that is how the in-place form is launched): each element is read before the same
 //            thread writes it, so no pointer here is __restrict__.
 
-#include <cuda_bf16.h>
-
+#include "tilearn_dtype.cuh"
 #include "tilearn_kernels.h"
 
 namespace {
 
+using tilearn::from_f32;
+using tilearn::to_f32;
+
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 65535;  // grid-stride loops cover the rest
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
-
-// 16 bytes of T, moved with one vector load / store.
+// 16 bytes of T (4 f32, or 8 bf16 / f16), moved with one vector load / store.
 template <typename T>
 struct alignas(16) Vec16 {
     static constexpr int kLen = 16 / sizeof(T);
@@ -94,22 +87,17 @@ int launch_add(const void* a, const void* b, void* out, size_t n, cudaStream_t s
 
 }  // namespace
 
-extern "C" int tilearn_residual_add_f32(const float* a, const float* b, float* out, size_t n,
-                                        cudaStream_t stream) {
-    return launch_add<float>(a, b, out, n, stream);
+extern "C" int tilearn_residual_add(int dtype, const void* a, const void* b, void* out,
+                                    size_t n, cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_add<decltype(tag)>(a, b, out, n, stream);
+    });
 }
 
-extern "C" int tilearn_residual_add_bf16(const tilearn_bf16* a, const tilearn_bf16* b,
-                                         tilearn_bf16* out, size_t n, cudaStream_t stream) {
-    return launch_add<__nv_bfloat16>(a, b, out, n, stream);
-}
-
-extern "C" int tilearn_residual_add_inplace_f32(float* acc, const float* x, size_t n,
-                                                cudaStream_t stream) {
-    return launch_add<float>(acc, x, acc, n, stream);
-}
-
-extern "C" int tilearn_residual_add_inplace_bf16(tilearn_bf16* acc, const tilearn_bf16* x,
-                                                 size_t n, cudaStream_t stream) {
-    return launch_add<__nv_bfloat16>(acc, x, acc, n, stream);
+extern "C" int tilearn_residual_add_inplace(int dtype, void* acc, const void* x, size_t n,
+                                            cudaStream_t stream) {
+    // out == a == acc: the aliasing the kernel allows (see the header comment).
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_add<decltype(tag)>(acc, x, acc, n, stream);
+    });
 }

@@ -9,35 +9,25 @@
 //            uses row t of the tables. cos and sin are [table_seq, h] row-major f32
 //            (table_seq >= seq), computed on the host in f64 (tilearn_ops::cpu::RopeTable,
 //            which applies the rope_scaling variants) and uploaded rounded to f32. One thread
-//            rotates a group of pairs: 16 bytes of x from each half (4 f32 or 8 bf16 pairs) when
-//            h is a multiple of that width and x, cos, sin are 16-byte aligned; one pair per
-//            thread otherwise.
-// Precision: x f32 or bf16; arithmetic in f32 with f32 cos/sin; each output rounded once to
-//            the storage type. (transformers rounds cos/sin and both products to bf16 in a bf16
-//            model; this is at least as accurate.)
+//            rotates a group of pairs: 16 bytes of x from each half (4 f32, or 8 bf16 / f16
+//            pairs) when h is a multiple of that width and x, cos, sin are 16-byte aligned; one
+//            pair per thread otherwise.
+// Precision: x f32, bf16 or f16; arithmetic in f32 with f32 cos/sin; each output rounded once
+//            to the storage type. (transformers rounds cos/sin and both products to the model's
+//            half type; this is at least as accurate.)
 // Gradients: the backward rewrites the incoming gradient in place (`=`, dx replaces dy); no
 //            parameters.
 
-#include <cuda_bf16.h>
-
+#include "tilearn_dtype.cuh"
 #include "tilearn_kernels.h"
 
 namespace {
 
+using tilearn::from_f32;
+using tilearn::to_f32;
+
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 65535;  // grid-stride loops cover the rest
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
 
 // N consecutive elements moved together: one 16-byte access per 16 bytes when N * sizeof(T) is a
 // multiple of 16, a plain scalar access when N == 1.
@@ -123,33 +113,22 @@ int launch_rope(void* x, const float* cos_table, const float* sin_table, size_t 
 
 }  // namespace
 
-extern "C" int tilearn_rope_forward_f32(float* x, const float* cos_table, const float* sin_table,
-                                        size_t batch, size_t seq, size_t heads, size_t head_dim,
-                                        size_t table_seq, cudaStream_t stream) {
-    return launch_rope<float, false>(x, cos_table, sin_table, batch, seq, heads, head_dim,
-                                     table_seq, stream);
+extern "C" int tilearn_rope_forward(int dtype, void* x, const float* cos_table,
+                                    const float* sin_table, size_t batch, size_t seq,
+                                    size_t heads, size_t head_dim, size_t table_seq,
+                                    cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_rope<decltype(tag), false>(x, cos_table, sin_table, batch, seq, heads,
+                                                 head_dim, table_seq, stream);
+    });
 }
 
-extern "C" int tilearn_rope_forward_bf16(tilearn_bf16* x, const float* cos_table,
-                                         const float* sin_table, size_t batch, size_t seq,
-                                         size_t heads, size_t head_dim, size_t table_seq,
-                                         cudaStream_t stream) {
-    return launch_rope<__nv_bfloat16, false>(x, cos_table, sin_table, batch, seq, heads,
-                                             head_dim, table_seq, stream);
-}
-
-extern "C" int tilearn_rope_backward_f32(float* dx, const float* cos_table,
-                                         const float* sin_table, size_t batch, size_t seq,
-                                         size_t heads, size_t head_dim, size_t table_seq,
-                                         cudaStream_t stream) {
-    return launch_rope<float, true>(dx, cos_table, sin_table, batch, seq, heads, head_dim,
-                                    table_seq, stream);
-}
-
-extern "C" int tilearn_rope_backward_bf16(tilearn_bf16* dx, const float* cos_table,
-                                          const float* sin_table, size_t batch, size_t seq,
-                                          size_t heads, size_t head_dim, size_t table_seq,
-                                          cudaStream_t stream) {
-    return launch_rope<__nv_bfloat16, true>(dx, cos_table, sin_table, batch, seq, heads,
-                                            head_dim, table_seq, stream);
+extern "C" int tilearn_rope_backward(int dtype, void* dx, const float* cos_table,
+                                     const float* sin_table, size_t batch, size_t seq,
+                                     size_t heads, size_t head_dim, size_t table_seq,
+                                     cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_rope<decltype(tag), true>(dx, cos_table, sin_table, batch, seq, heads,
+                                                head_dim, table_seq, stream);
+    });
 }

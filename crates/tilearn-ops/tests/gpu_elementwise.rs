@@ -1,15 +1,18 @@
 //! CUDA kernels of embedding.cu, rope.cu, activation.cu (SwiGLU) and residual.cu against the CPU
-//! reference, on fresh seeded random inputs (never zeros), at shapes that are not multiples of
-//! the block or vector sizes (T = 1000, hidden 768, head_dim 64 and 80, vocab 32003, B·T =
-//! 4·1000), with output buffers poisoned with NaN and guarded by NaN cells on both sides (an
-//! element the kernel forgets, or one it writes past the end, fails the test).
+//! reference, in every device element type (f32, bf16, f16: one generic test body per op,
+//! instantiated per type by [`per_type!`] as `<test>::f32`, `<test>::bf16`, `<test>::f16`), on
+//! fresh seeded random inputs (never zeros), at shapes that are not multiples of the block or
+//! vector sizes (T = 1000, hidden 768, head_dim 64 and 80, vocab 32003, B·T = 4·1000), with
+//! output buffers poisoned with NaN and guarded by NaN cells on both sides (an element the kernel
+//! forgets, or one it writes past the end, fails the test). Views at an odd element offset take
+//! the kernels' misaligned (scalar) paths, lengths that are not a multiple of the vector width
+//! their tails.
 //!
 //! Tolerances (relative, ‖got − want‖₂ / ‖want‖₂ against the reference computed in f64 on the
-//! same, already rounded inputs): f32 ≤ 1e-5; bf16 ≤ 1e-2, because a bf16 output keeps 8
-//! significant bits (rounding error ≤ 2^-9 ≈ 2e-3 per element) and inputs of a backward may
-//! themselves be bf16-rounded activations. Where the kernel's arithmetic is exactly defined
-//! (residual adds, embedding copy and backward) the test also demands bit equality with the f32
-//! CPU reference, which is the stronger check. Every measured error is printed, pass or fail.
+//! same, already rounded inputs), see [`tol`]: f32 ≤ 1e-5; bf16 ≤ 1e-2; f16 ≤ 2e-3. Where the
+//! kernel's arithmetic is exactly defined (residual adds, embedding copy and backward) the test
+//! also demands bit equality with the f32 CPU reference, which is the stronger check. Every
+//! measured error is printed, pass or fail.
 //!
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]
@@ -17,19 +20,63 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use cudarc::driver::{DevicePtr, DeviceRepr};
-use half::bf16;
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tilearn_ops::OpsError;
 use tilearn_ops::cpu::{self, RopeScaling, RopeTable};
-use tilearn_ops::cuda::{self, CudaSlice, CudaStream, GpuDevice, GpuRopeTable, TokenIdCheck};
+use tilearn_ops::cuda::{
+    self, CudaSlice, CudaStream, DeviceFloat, GpuDevice, GpuRopeTable, TokenIdCheck,
+};
 
+/// Instantiates the generic test body `$body::<T>(name)` once per device type, as the tests
+/// `$name::f32`, `$name::bf16` and `$name::f16`.
+macro_rules! per_type {
+    ($name:ident, $body:ident) => {
+        mod $name {
+            #[test]
+            fn f32() {
+                super::$body::<f32>(concat!(stringify!($name), "::f32"));
+            }
+            #[test]
+            fn bf16() {
+                super::$body::<half::bf16>(concat!(stringify!($name), "::bf16"));
+            }
+            #[test]
+            fn f16() {
+                super::$body::<half::f16>(concat!(stringify!($name), "::f16"));
+            }
+        }
+    };
+}
+
+/// Bound on ‖got − want‖₂ / ‖want‖₂ for outputs stored in `T`, against the f64 reference on the
+/// same rounded inputs. Each op computes in f32 and rounds each stored value once; the round
+/// trip of RoPE (forward then backward) rounds twice, so each bound covers two roundings:
+/// - f32: 1e-5 (f32 arithmetic, ~6e-8 per operation, a handful of operations per element).
+/// - bf16 (8 significant bits, ≤ 2^-8 ≈ 3.9e-3 relative per rounding to nearest): 1e-2, which
+///   also covers the two roundings of the round trip (≤ 7.8e-3).
+/// - f16 (11 significant bits, ≤ 2^-11 ≈ 4.9e-4 relative per rounding): 2e-3, twice the two
+///   roundings of the round trip (≤ 9.8e-4), the rest for the f32 arithmetic (~1e-6). The
+///   per-rounding bound needs results in f16's normal range, which these inputs give: every
+///   input is in ±[0.05, 4) (SwiGLU's gate up to 30 and -100), so every output is below 70 in
+///   magnitude (SwiGLU: 30 · 2 = 60; RoPE: 2√2; adds: 8), far from 65504. Outputs that fall
+///   into f16's subnormals (below 6.1e-5: SwiGLU's saturated tail, e.g. silu(-12) · up) err by
+///   at most 3e-8 absolute, nothing next to norms of O(1) elements.
+fn tol<T: DeviceFloat>() -> f64 {
+    match T::NAME {
+        "f32" => 1e-5,
+        "bf16" => 1e-2,
+        "f16" => 2e-3,
+        other => panic!("no tolerance for {other}"),
+    }
+}
+
+/// f32 results of f32 arithmetic (the embedding's table gradient), whatever `T`.
 const F32_TOL: f64 = 1e-5;
-const BF16_TOL: f64 = 1e-2;
 
-/// Cells of NaN kept on each side of an output (8 elements: 16-byte aligned for bf16 and f32, so
-/// the view itself stays on the vectorised path).
+/// Cells of NaN kept on each side of an output (8 elements: 16-byte aligned for f32, bf16 and
+/// f16, so the view itself stays on the vectorised path).
 const GUARD: usize = 8;
 
 /// Writes to the process's stderr directly: libtest captures `eprintln!` of passing tests, and
@@ -49,8 +96,9 @@ fn gpu_or_skip(test: &str) -> Option<GpuDevice> {
     }
 }
 
-fn rng(seed: u64) -> ChaCha8Rng {
-    ChaCha8Rng::seed_from_u64(seed)
+/// A generator per (test case, type): each type gets its own fresh inputs.
+fn rng<T: DeviceFloat>(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed + 100_000 * T::DTYPE as u64)
 }
 
 /// Uniform in ±[lo, hi): bounded away from zero.
@@ -63,16 +111,27 @@ fn nonzero_f32(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
         .collect()
 }
 
-fn to_bf16(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|&x| bf16::from_f32(x)).collect()
+/// Rounds host f32 values to the device type (nearest even; the identity for f32).
+fn narrow<T: DeviceFloat>(v: &[f32]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f32(x)).collect()
 }
 
-fn f32_to_f64(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| x as f64).collect()
+/// Exact widening to f32.
+fn widen_f32<T: DeviceFloat>(v: &[T]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
 }
 
-fn bf16_to_f64(v: &[bf16]) -> Vec<f64> {
-    v.iter().map(|x| x.to_f64()).collect()
+/// Exact widening to f64, for the f64 reference.
+fn widen<T: DeviceFloat>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|x| f64::from(x.to_f32())).collect()
+}
+
+fn nan<T: DeviceFloat>() -> T {
+    T::from_f32(f32::NAN)
+}
+
+fn is_nan<T: DeviceFloat>(v: T) -> bool {
+    v.to_f32().is_nan()
 }
 
 fn upload<T: DeviceRepr>(stream: &Arc<CudaStream>, host: &[T]) -> CudaSlice<T> {
@@ -102,13 +161,13 @@ fn expect_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
     assert!(e <= tol, "{what}: rel err {e:e} > {tol:e}");
 }
 
+/// The bits of a device element, through the exact and injective widening to f32.
+fn bits<T: DeviceFloat>(v: T) -> u32 {
+    v.to_f32().to_bits()
+}
+
 /// Asserts bit equality, naming the first differing element.
-fn expect_bits<T: Copy + std::fmt::Debug>(
-    what: &str,
-    got: &[T],
-    want: &[T],
-    bits: impl Fn(T) -> u64,
-) {
+fn expect_bits<T: DeviceFloat>(what: &str, got: &[T], want: &[T]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let diffs = got
         .iter()
@@ -117,30 +176,22 @@ fn expect_bits<T: Copy + std::fmt::Debug>(
         .count();
     if let Some(i) = got.iter().zip(want).position(|(g, w)| bits(*g) != bits(*w)) {
         panic!(
-            "{what}: {diffs} of {} elements differ from the reference bits; first at {i}: got {:?}, want {:?}",
+            "{what}: {diffs} of {} elements differ from the reference bits; first at {i}: got {}, want {}",
             got.len(),
-            got[i],
-            want[i]
+            got[i].to_f32(),
+            want[i].to_f32()
         );
     }
     report(&format!("{what}: all {} elements bit-identical", got.len()));
 }
 
-fn f32_bits(v: f32) -> u64 {
-    v.to_bits() as u64
-}
-
-fn bf16_bits(v: bf16) -> u64 {
-    v.to_bits() as u64
-}
-
 /// A NaN buffer of `n + 2 * GUARD` elements; the output is its middle `n`.
-fn poisoned<T: DeviceRepr + Copy>(stream: &Arc<CudaStream>, n: usize, nan: T) -> CudaSlice<T> {
-    upload(stream, &vec![nan; n + 2 * GUARD])
+fn poisoned<T: DeviceFloat>(stream: &Arc<CudaStream>, n: usize) -> CudaSlice<T> {
+    upload(stream, &vec![nan::<T>(); n + 2 * GUARD])
 }
 
 /// The middle `n` elements of a [`poisoned`] buffer after checking both guards are still NaN.
-fn unguard<T: Copy>(what: &str, all: Vec<T>, is_nan: impl Fn(T) -> bool) -> Vec<T> {
+fn unguard<T: DeviceFloat>(what: &str, all: Vec<T>) -> Vec<T> {
     let n = all.len() - 2 * GUARD;
     assert!(
         all[..GUARD]
@@ -152,93 +203,94 @@ fn unguard<T: Copy>(what: &str, all: Vec<T>, is_nan: impl Fn(T) -> bool) -> Vec<
     all[GUARD..GUARD + n].to_vec()
 }
 
-// ---- residual adds: exact (one IEEE add, one rounding), checked bit for bit ----
+// ---- residual adds: exact (one f32 add, one rounding), checked bit for bit ----
 
 /// Lengths: shorter than one vector, odd, a hidden-768 stream of 4·1000 tokens, plus 3.
 const ADD_LENGTHS: &[usize] = &[1, 7, 1001, 4 * 1000 * 768 + 3];
 
-#[test]
-fn residual_add_f32_is_exact() {
-    let Some(dev) = gpu_or_skip("residual_add_f32_is_exact") else {
+per_type!(residual_add_is_exact, residual_add_is_exact);
+
+/// `out = a + b` and `acc += x` against the f32 CPU reference on the widened inputs, rounded once
+/// to `T` (what the kernel defines): bit-identical; and close to the f64 reference.
+fn residual_add_is_exact<T: DeviceFloat>(test: &str) {
+    let Some(dev) = gpu_or_skip(test) else {
         return;
     };
     let s = dev.stream();
-    let mut rng = rng(11);
+    let mut rng = rng::<T>(11);
     for &n in ADD_LENGTHS {
         // offset 0: the vector path; offset 1: misaligned views, the scalar path.
         for offset in [0usize, 1] {
-            let a = nonzero_f32(&mut rng, n + offset, 0.05, 4.0);
-            let b = nonzero_f32(&mut rng, n + offset, 0.05, 4.0);
-            let mut want = a[offset..].to_vec();
-            cpu::add_inplace(&mut want, &b[offset..]);
-            let mut want64 = f32_to_f64(&a[offset..]);
-            cpu::add_inplace(&mut want64, &f32_to_f64(&b[offset..]));
+            let a: Vec<T> = narrow(&nonzero_f32(&mut rng, n + offset, 0.05, 4.0));
+            let b: Vec<T> = narrow(&nonzero_f32(&mut rng, n + offset, 0.05, 4.0));
+            let mut sum = widen_f32(&a[offset..]);
+            cpu::add_inplace(&mut sum, &widen_f32(&b[offset..]));
+            let want: Vec<T> = narrow(&sum);
+            let mut want64 = widen(&a[offset..]);
+            cpu::add_inplace(&mut want64, &widen(&b[offset..]));
             let (da, db) = (upload(s, &a), upload(s, &b));
             let (va, vb) = (da.slice(offset..), db.slice(offset..));
 
-            let mut out = poisoned(s, n + offset, f32::NAN);
+            let mut out = poisoned::<T>(s, n + offset);
             let mut view = out.slice_mut(GUARD + offset..GUARD + offset + n);
-            cuda::residual_add_f32(s, &va, &vb, &mut view).unwrap();
-            let got = unguard("add f32", download(&dev, &out), f32::is_nan);
+            cuda::residual_add(s, &va, &vb, &mut view).unwrap();
+            let got = unguard("residual_add", download(&dev, &out));
+            assert!(
+                got[..offset].iter().all(|&v| is_nan(v)),
+                "residual_add wrote the element before its view"
+            );
             let got = &got[offset..];
-            let what = format!("residual_add_f32 n={n} offset={offset}");
-            expect_bits(&what, got, &want, f32_bits);
-            expect_close(&what, &f32_to_f64(got), &want64, F32_TOL);
+            let what = format!("residual_add::<{}> n={n} offset={offset}", T::NAME);
+            expect_bits(&what, got, &want);
+            expect_close(&what, &widen(got), &want64, tol::<T>());
 
             let mut acc = upload(s, &a);
             let mut acc_view = acc.slice_mut(offset..);
-            cuda::residual_add_inplace_f32(s, &mut acc_view, &vb).unwrap();
+            cuda::residual_add_inplace(s, &mut acc_view, &vb).unwrap();
             let got = download(&dev, &acc);
-            assert_eq!(
-                got[..offset],
-                a[..offset],
-                "in-place add touched the element before the view"
+            expect_bits(
+                "in-place add: the element before the view",
+                &got[..offset],
+                &a[..offset],
             );
-            let what = format!("residual_add_inplace_f32 n={n} offset={offset}");
-            expect_bits(&what, &got[offset..], &want, f32_bits);
+            let what = format!("residual_add_inplace::<{}> n={n} offset={offset}", T::NAME);
+            expect_bits(&what, &got[offset..], &want);
         }
     }
 }
 
+/// An f16 sum of magnitude 65520 or more (past the largest f16, 65504, by half an ulp) rounds to
+/// ±inf (no saturation), as `f16::from_f32` of the f32 sum does: the GradScaler's non-finite
+/// check relies on it. 30000 + 30000 stays finite.
 #[test]
-fn residual_add_bf16_is_exact() {
-    let Some(dev) = gpu_or_skip("residual_add_bf16_is_exact") else {
+fn residual_add_f16_overflows_to_inf() {
+    let Some(dev) = gpu_or_skip("residual_add_f16_overflows_to_inf") else {
         return;
     };
     let s = dev.stream();
-    let mut rng = rng(12);
-    for &n in ADD_LENGTHS {
-        for offset in [0usize, 1] {
-            let a = to_bf16(&nonzero_f32(&mut rng, n + offset, 0.05, 4.0));
-            let b = to_bf16(&nonzero_f32(&mut rng, n + offset, 0.05, 4.0));
-            // What the kernel defines: widen, add in f32, round once.
-            let want: Vec<bf16> = a[offset..]
-                .iter()
-                .zip(&b[offset..])
-                .map(|(x, y)| bf16::from_f32(x.to_f32() + y.to_f32()))
-                .collect();
-            let mut want64 = bf16_to_f64(&a[offset..]);
-            cpu::add_inplace(&mut want64, &bf16_to_f64(&b[offset..]));
-            let (da, db) = (upload(s, &a), upload(s, &b));
-            let (va, vb) = (da.slice(offset..), db.slice(offset..));
-
-            let mut out = poisoned(s, n + offset, bf16::NAN);
-            let mut view = out.slice_mut(GUARD + offset..GUARD + offset + n);
-            cuda::residual_add_bf16(s, &va, &vb, &mut view).unwrap();
-            let got = unguard("add bf16", download(&dev, &out), |v: bf16| v.is_nan());
-            let got = &got[offset..];
-            let what = format!("residual_add_bf16 n={n} offset={offset}");
-            expect_bits(&what, got, &want, bf16_bits);
-            expect_close(&what, &bf16_to_f64(got), &want64, BF16_TOL);
-
-            let mut acc = upload(s, &a);
-            let mut acc_view = acc.slice_mut(offset..);
-            cuda::residual_add_inplace_bf16(s, &mut acc_view, &vb).unwrap();
-            let got = download(&dev, &acc);
-            let what = format!("residual_add_inplace_bf16 n={n} offset={offset}");
-            expect_bits(&what, &got[offset..], &want, bf16_bits);
-        }
+    // 9 elements: one vector of 8 and a scalar tail, both overflowing; the middle ones do not.
+    let a: Vec<half::f16> = narrow(&[
+        60000.0, -60000.0, 1.5, 65504.0, 30000.0, -2.0, 0.25, 40000.0, -65504.0,
+    ]);
+    let b: Vec<half::f16> = narrow(&[
+        10000.0, -10000.0, 2.5, 32.0, 30000.0, 1.0, 0.5, 40000.0, -64.0,
+    ]);
+    let (da, db) = (upload(s, &a), upload(s, &b));
+    let mut out = upload(s, &vec![nan::<half::f16>(); a.len()]);
+    cuda::residual_add(s, &da, &db, &mut out).unwrap();
+    let got = download(&dev, &out);
+    let want: Vec<half::f16> = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| half::f16::from_f32(x.to_f32() + y.to_f32()))
+        .collect();
+    for i in [0, 3, 7] {
+        assert_eq!(want[i], half::f16::INFINITY, "reference at {i}");
     }
+    for i in [1, 8] {
+        assert_eq!(want[i], half::f16::NEG_INFINITY, "reference at {i}");
+    }
+    expect_bits("residual_add::<f16> overflow", &got, &want);
 }
 
 #[test]
@@ -250,7 +302,7 @@ fn residual_add_rejects_length_mismatch() {
     let a = upload(s, &[1.0f32; 8]);
     let b = upload(s, &[1.0f32; 7]);
     let mut out = upload(s, &[f32::NAN; 8]);
-    let err = cuda::residual_add_f32(s, &a, &b, &mut out).unwrap_err();
+    let err = cuda::residual_add(s, &a, &b, &mut out).unwrap_err();
     assert!(
         matches!(
             err,
@@ -263,11 +315,55 @@ fn residual_add_rejects_length_mismatch() {
         "{err}"
     );
     let mut acc = upload(s, &[1.0f32; 8]);
-    let err = cuda::residual_add_inplace_f32(s, &mut acc, &b).unwrap_err();
+    let err = cuda::residual_add_inplace(s, &mut acc, &b).unwrap_err();
     assert!(matches!(err, OpsError::ShapeMismatch { .. }), "{err}");
     assert!(
         download(&dev, &out).iter().all(|v| v.is_nan()),
         "a rejected call wrote output"
+    );
+    assert!(
+        download(&dev, &acc).iter().all(|&v| v == 1.0),
+        "a rejected call wrote acc"
+    );
+}
+
+/// The Rust wrappers can only pass `T::DTYPE`; the raw launchers must still refuse a code they
+/// do not know (cudaErrorInvalidValue) without touching memory.
+#[test]
+fn launchers_reject_unknown_dtype() {
+    let Some(dev) = gpu_or_skip("launchers_reject_unknown_dtype") else {
+        return;
+    };
+    let s = dev.stream();
+    let unknown = cuda::ffi::TILEARN_DTYPE_F16 as i32 + 1;
+    let a = upload(s, &[1.0f32; 8]);
+    let mut out = upload(s, &[f32::NAN; 8]);
+    let statuses = {
+        let (a_ptr, _a) = a.device_ptr(s);
+        let (out_ptr, _out) = out.device_ptr_mut(s);
+        let (a_ptr, out_ptr) = (
+            a_ptr as *const std::ffi::c_void,
+            out_ptr as *mut std::ffi::c_void,
+        );
+        let stream = s.cu_stream() as cuda::ffi::cudaStream_t;
+        // SAFETY: valid device pointers of 8 f32 each on the stream's device; with an unknown
+        // dtype the launchers return before reading or writing anything or launching.
+        unsafe {
+            [
+                cuda::ffi::tilearn_residual_add(unknown, a_ptr, a_ptr, out_ptr, 8, stream),
+                cuda::ffi::tilearn_residual_add_inplace(unknown, out_ptr, a_ptr, 8, stream),
+                cuda::ffi::tilearn_swiglu_forward(unknown, a_ptr, a_ptr, out_ptr, 8, stream),
+                cuda::ffi::tilearn_swiglu_backward(
+                    unknown, a_ptr, a_ptr, a_ptr, out_ptr, out_ptr, 8, stream,
+                ),
+            ]
+        }
+    };
+    // cudaErrorInvalidValue is 1 in every CUDA version.
+    assert_eq!(statuses, [1; 4], "launcher statuses for dtype {unknown}");
+    assert!(
+        download(&dev, &out).iter().all(|v| v.is_nan()),
+        "a refused launch wrote output"
     );
 }
 
@@ -277,10 +373,9 @@ fn residual_add_rejects_length_mismatch() {
 const SWIGLU_LENGTHS: &[usize] = &[1, 7, 1000 * 2048, 4 * 1000 * 768 + 5];
 
 /// gate spans the saturated tails of the sigmoid (|g| up to 12, plus ±30 and -100, where
-/// e^-g alone would overflow f32), up and dout are moderate.
-fn swiglu_inputs(seed: u64, n: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let mut rng = rng(seed);
-    let mut gate = nonzero_f32(&mut rng, n, 0.05, 12.0);
+/// e^-g alone would overflow f32), up and dout are moderate. All fit f16.
+fn swiglu_inputs(rng: &mut ChaCha8Rng, n: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut gate = nonzero_f32(rng, n, 0.05, 12.0);
     for (i, v) in [-100.0f32, 30.0, -30.0].into_iter().enumerate() {
         // Only in longer inputs: alone, silu(-100) ≈ -4e-42 (an f32 subnormal with ~11
         // significant bits) would be the whole norm.
@@ -290,8 +385,8 @@ fn swiglu_inputs(seed: u64, n: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     }
     (
         gate,
-        nonzero_f32(&mut rng, n, 0.05, 2.0),
-        nonzero_f32(&mut rng, n, 0.05, 2.0),
+        nonzero_f32(rng, n, 0.05, 2.0),
+        nonzero_f32(rng, n, 0.05, 2.0),
     )
 }
 
@@ -304,33 +399,40 @@ fn swiglu_reference(gate: &[f64], up: &[f64], dout: &[f64]) -> (Vec<f64>, Vec<f6
     (out, dgate, dup)
 }
 
-#[test]
-fn swiglu_f32_matches_cpu_reference() {
-    let Some(dev) = gpu_or_skip("swiglu_f32_matches_cpu_reference") else {
+per_type!(swiglu_matches_cpu_reference, swiglu_matches_cpu_reference);
+
+fn swiglu_matches_cpu_reference<T: DeviceFloat>(test: &str) {
+    let Some(dev) = gpu_or_skip(test) else {
         return;
     };
     let s = dev.stream();
+    let tol = tol::<T>();
+    let name = T::NAME;
     for (case, &n) in SWIGLU_LENGTHS.iter().enumerate() {
+        // offset 0: the vector path (with an n % width tail); offset 1: the scalar path.
         for offset in [0usize, 1] {
-            let (gate, up, dout) = swiglu_inputs(300 + 2 * case as u64 + offset as u64, n + offset);
+            let mut rng = rng::<T>(300 + 2 * case as u64 + offset as u64);
+            let (gate, up, dout) = swiglu_inputs(&mut rng, n + offset);
+            let (gate, up, dout): (Vec<T>, Vec<T>, Vec<T>) =
+                (narrow(&gate), narrow(&up), narrow(&dout));
             let (out_ref, dg_ref, du_ref) = swiglu_reference(
-                &f32_to_f64(&gate[offset..]),
-                &f32_to_f64(&up[offset..]),
-                &f32_to_f64(&dout[offset..]),
+                &widen(&gate[offset..]),
+                &widen(&up[offset..]),
+                &widen(&dout[offset..]),
             );
             let (g, u, dy) = (upload(s, &gate), upload(s, &up), upload(s, &dout));
             let (g, u, dy) = (g.slice(offset..), u.slice(offset..), dy.slice(offset..));
             let range = GUARD + offset..GUARD + offset + n;
 
-            let mut out = poisoned(s, n + offset, f32::NAN);
-            cuda::swiglu_forward_f32(s, &g, &u, &mut out.slice_mut(range.clone())).unwrap();
-            let got = unguard("swiglu out", download(&dev, &out), f32::is_nan);
-            let what = format!("swiglu_forward_f32 n={n} offset={offset}: out");
-            expect_close(&what, &f32_to_f64(&got[offset..]), &out_ref, F32_TOL);
+            let mut out = poisoned::<T>(s, n + offset);
+            cuda::swiglu_forward(s, &g, &u, &mut out.slice_mut(range.clone())).unwrap();
+            let got = unguard("swiglu out", download(&dev, &out));
+            let what = format!("swiglu_forward::<{name}> n={n} offset={offset}: out");
+            expect_close(&what, &widen(&got[offset..]), &out_ref, tol);
 
-            let mut dgate = poisoned(s, n + offset, f32::NAN);
-            let mut dup = poisoned(s, n + offset, f32::NAN);
-            cuda::swiglu_backward_f32(
+            let mut dgate = poisoned::<T>(s, n + offset);
+            let mut dup = poisoned::<T>(s, n + offset);
+            cuda::swiglu_backward(
                 s,
                 &dy,
                 &g,
@@ -339,59 +441,12 @@ fn swiglu_f32_matches_cpu_reference() {
                 &mut dup.slice_mut(range),
             )
             .unwrap();
-            let got = unguard("swiglu dgate", download(&dev, &dgate), f32::is_nan);
-            let what = format!("swiglu_backward_f32 n={n} offset={offset}: dgate");
-            expect_close(&what, &f32_to_f64(&got[offset..]), &dg_ref, F32_TOL);
-            let got = unguard("swiglu dup", download(&dev, &dup), f32::is_nan);
-            let what = format!("swiglu_backward_f32 n={n} offset={offset}: dup");
-            expect_close(&what, &f32_to_f64(&got[offset..]), &du_ref, F32_TOL);
-        }
-    }
-}
-
-#[test]
-fn swiglu_bf16_matches_cpu_reference() {
-    let Some(dev) = gpu_or_skip("swiglu_bf16_matches_cpu_reference") else {
-        return;
-    };
-    let s = dev.stream();
-    for (case, &n) in SWIGLU_LENGTHS.iter().enumerate() {
-        for offset in [0usize, 1] {
-            let (gate, up, dout) = swiglu_inputs(400 + 2 * case as u64 + offset as u64, n + offset);
-            let (gate, up, dout) = (to_bf16(&gate), to_bf16(&up), to_bf16(&dout));
-            let (out_ref, dg_ref, du_ref) = swiglu_reference(
-                &bf16_to_f64(&gate[offset..]),
-                &bf16_to_f64(&up[offset..]),
-                &bf16_to_f64(&dout[offset..]),
-            );
-            let (g, u, dy) = (upload(s, &gate), upload(s, &up), upload(s, &dout));
-            let (g, u, dy) = (g.slice(offset..), u.slice(offset..), dy.slice(offset..));
-            let range = GUARD + offset..GUARD + offset + n;
-            let is_nan = |v: bf16| v.is_nan();
-
-            let mut out = poisoned(s, n + offset, bf16::NAN);
-            cuda::swiglu_forward_bf16(s, &g, &u, &mut out.slice_mut(range.clone())).unwrap();
-            let got = unguard("swiglu out", download(&dev, &out), is_nan);
-            let what = format!("swiglu_forward_bf16 n={n} offset={offset}: out");
-            expect_close(&what, &bf16_to_f64(&got[offset..]), &out_ref, BF16_TOL);
-
-            let mut dgate = poisoned(s, n + offset, bf16::NAN);
-            let mut dup = poisoned(s, n + offset, bf16::NAN);
-            cuda::swiglu_backward_bf16(
-                s,
-                &dy,
-                &g,
-                &u,
-                &mut dgate.slice_mut(range.clone()),
-                &mut dup.slice_mut(range),
-            )
-            .unwrap();
-            let got = unguard("swiglu dgate", download(&dev, &dgate), is_nan);
-            let what = format!("swiglu_backward_bf16 n={n} offset={offset}: dgate");
-            expect_close(&what, &bf16_to_f64(&got[offset..]), &dg_ref, BF16_TOL);
-            let got = unguard("swiglu dup", download(&dev, &dup), is_nan);
-            let what = format!("swiglu_backward_bf16 n={n} offset={offset}: dup");
-            expect_close(&what, &bf16_to_f64(&got[offset..]), &du_ref, BF16_TOL);
+            let got = unguard("swiglu dgate", download(&dev, &dgate));
+            let what = format!("swiglu_backward::<{name}> n={n} offset={offset}: dgate");
+            expect_close(&what, &widen(&got[offset..]), &dg_ref, tol);
+            let got = unguard("swiglu dup", download(&dev, &dup));
+            let what = format!("swiglu_backward::<{name}> n={n} offset={offset}: dup");
+            expect_close(&what, &widen(&got[offset..]), &du_ref, tol);
         }
     }
 }
@@ -405,7 +460,7 @@ fn swiglu_rejects_length_mismatch() {
     let g = upload(s, &[1.0f32; 9]);
     let u = upload(s, &[1.0f32; 9]);
     let mut out = upload(s, &[f32::NAN; 8]);
-    let err = cuda::swiglu_forward_f32(s, &g, &u, &mut out).unwrap_err();
+    let err = cuda::swiglu_forward(s, &g, &u, &mut out).unwrap_err();
     assert!(
         matches!(
             err,
@@ -420,7 +475,7 @@ fn swiglu_rejects_length_mismatch() {
     let dy = upload(s, &[1.0f32; 9]);
     let mut dg = upload(s, &[f32::NAN; 9]);
     let mut du = upload(s, &[f32::NAN; 10]);
-    let err = cuda::swiglu_backward_f32(s, &dy, &g, &u, &mut dg, &mut du).unwrap_err();
+    let err = cuda::swiglu_backward(s, &dy, &g, &u, &mut dg, &mut du).unwrap_err();
     assert!(matches!(err, OpsError::ShapeMismatch { .. }), "{err}");
     assert!(
         download(&dev, &dg).iter().all(|v| v.is_nan()),
@@ -516,101 +571,55 @@ fn rope_reference(c: &RopeCase, table: &RopeTable, x: &[f64], dy: &[f64]) -> (Ve
     (y, dx)
 }
 
-#[test]
-fn rope_f32_matches_cpu_reference() {
-    let Some(dev) = gpu_or_skip("rope_f32_matches_cpu_reference") else {
+per_type!(rope_matches_cpu_reference, rope_matches_cpu_reference);
+
+/// Forward and backward against the f64 reference, and the round trip (the inverse rotation
+/// brings the forward's output back to x, within two roundings).
+fn rope_matches_cpu_reference<T: DeviceFloat>(test: &str) {
+    let Some(dev) = gpu_or_skip(test) else {
         return;
     };
     let s = dev.stream();
+    let (tol, name) = (tol::<T>(), T::NAME);
     for (i, c) in rope_cases().iter().enumerate() {
         let table = c.table();
         let gpu_table = GpuRopeTable::upload(s, &table).unwrap();
-        let mut rng = rng(500 + i as u64);
-        let x = nonzero_f32(&mut rng, c.len(), 0.05, 2.0);
-        let dy = nonzero_f32(&mut rng, c.len(), 0.05, 2.0);
-        let (y_ref, dx_ref) = rope_reference(c, &table, &f32_to_f64(&x), &f32_to_f64(&dy));
+        let mut rng = rng::<T>(500 + i as u64);
+        let x: Vec<T> = narrow(&nonzero_f32(&mut rng, c.len(), 0.05, 2.0));
+        let dy: Vec<T> = narrow(&nonzero_f32(&mut rng, c.len(), 0.05, 2.0));
+        let (y_ref, dx_ref) = rope_reference(c, &table, &widen(&x), &widen(&dy));
 
         let mut buf = upload(s, &x);
-        cuda::rope_forward_f32(s, &mut buf, c.batch, c.seq, c.heads, c.head_dim, &gpu_table)
-            .unwrap();
+        cuda::rope_forward(s, &mut buf, c.batch, c.seq, c.heads, c.head_dim, &gpu_table).unwrap();
         let y = download(&dev, &buf);
-        expect_close(
-            &format!("rope_forward_f32 {}", c.name()),
-            &f32_to_f64(&y),
-            &y_ref,
-            F32_TOL,
-        );
+        let what = format!("rope_forward::<{name}> {}", c.name());
+        expect_close(&what, &widen(&y), &y_ref, tol);
 
-        // The inverse rotation brings the forward's output back to x.
-        cuda::rope_backward_f32(s, &mut buf, c.batch, c.seq, c.heads, c.head_dim, &gpu_table)
-            .unwrap();
+        cuda::rope_backward(s, &mut buf, c.batch, c.seq, c.heads, c.head_dim, &gpu_table).unwrap();
         let back = download(&dev, &buf);
-        expect_close(
-            &format!("rope f32 round trip {}", c.name()),
-            &f32_to_f64(&back),
-            &f32_to_f64(&x),
-            F32_TOL,
-        );
+        let what = format!("rope::<{name}> round trip {}", c.name());
+        expect_close(&what, &widen(&back), &widen(&x), tol);
 
         let mut grad = upload(s, &dy);
-        cuda::rope_backward_f32(
+        cuda::rope_backward(
             s, &mut grad, c.batch, c.seq, c.heads, c.head_dim, &gpu_table,
         )
         .unwrap();
         let dx = download(&dev, &grad);
-        expect_close(
-            &format!("rope_backward_f32 {}", c.name()),
-            &f32_to_f64(&dx),
-            &dx_ref,
-            F32_TOL,
-        );
+        let what = format!("rope_backward::<{name}> {}", c.name());
+        expect_close(&what, &widen(&dx), &dx_ref, tol);
     }
 }
 
-#[test]
-fn rope_bf16_matches_cpu_reference() {
-    let Some(dev) = gpu_or_skip("rope_bf16_matches_cpu_reference") else {
-        return;
-    };
-    let s = dev.stream();
-    for (i, c) in rope_cases().iter().enumerate() {
-        let table = c.table();
-        let gpu_table = GpuRopeTable::upload(s, &table).unwrap();
-        let mut rng = rng(600 + i as u64);
-        let x = to_bf16(&nonzero_f32(&mut rng, c.len(), 0.05, 2.0));
-        let dy = to_bf16(&nonzero_f32(&mut rng, c.len(), 0.05, 2.0));
-        let (y_ref, dx_ref) = rope_reference(c, &table, &bf16_to_f64(&x), &bf16_to_f64(&dy));
+per_type!(
+    rope_misaligned_view_matches_cpu_reference,
+    rope_misaligned_view_matches_cpu_reference
+);
 
-        let mut buf = upload(s, &x);
-        cuda::rope_forward_bf16(s, &mut buf, c.batch, c.seq, c.heads, c.head_dim, &gpu_table)
-            .unwrap();
-        let y = download(&dev, &buf);
-        expect_close(
-            &format!("rope_forward_bf16 {}", c.name()),
-            &bf16_to_f64(&y),
-            &y_ref,
-            BF16_TOL,
-        );
-
-        let mut grad = upload(s, &dy);
-        cuda::rope_backward_bf16(
-            s, &mut grad, c.batch, c.seq, c.heads, c.head_dim, &gpu_table,
-        )
-        .unwrap();
-        let dx = download(&dev, &grad);
-        expect_close(
-            &format!("rope_backward_bf16 {}", c.name()),
-            &bf16_to_f64(&dx),
-            &dx_ref,
-            BF16_TOL,
-        );
-    }
-}
-
-/// A view at an odd element offset: the kernel must take its one-pair-per-thread path.
-#[test]
-fn rope_f32_misaligned_view_matches_cpu_reference() {
-    let Some(dev) = gpu_or_skip("rope_f32_misaligned_view_matches_cpu_reference") else {
+/// A view at an odd element offset: the kernel must take its one-pair-per-thread path, and
+/// touch nothing outside the view.
+fn rope_misaligned_view_matches_cpu_reference<T: DeviceFloat>(test: &str) {
+    let Some(dev) = gpu_or_skip(test) else {
         return;
     };
     let s = dev.stream();
@@ -624,33 +633,49 @@ fn rope_f32_misaligned_view_matches_cpu_reference() {
     };
     let table = c.table();
     let gpu_table = GpuRopeTable::upload(s, &table).unwrap();
-    let mut rng = rng(700);
-    let x = nonzero_f32(&mut rng, c.len() + 2, 0.05, 2.0);
-    let (y_ref, _) = rope_reference(
-        &c,
-        &table,
-        &f32_to_f64(&x[1..=c.len()]),
-        &f32_to_f64(&x[1..=c.len()]),
-    );
+    let mut rng = rng::<T>(700);
+    let x: Vec<T> = narrow(&nonzero_f32(&mut rng, c.len() + 2, 0.05, 2.0));
+    let inner = widen(&x[1..=c.len()]);
+    let (y_ref, dx_ref) = rope_reference(&c, &table, &inner, &inner);
     let mut buf = upload(s, &x);
     let mut view = buf.slice_mut(1..=c.len());
-    cuda::rope_forward_f32(
+    cuda::rope_forward(
         s, &mut view, c.batch, c.seq, c.heads, c.head_dim, &gpu_table,
     )
     .unwrap();
     let got = download(&dev, &buf);
-    assert_eq!(got[0], x[0], "element before the view was written");
-    assert_eq!(
-        got[c.len() + 1],
-        x[c.len() + 1],
-        "element after the view was written"
+    expect_bits(
+        "rope_forward: the element before the view",
+        &got[..1],
+        &x[..1],
     );
-    expect_close(
-        "rope_forward_f32 misaligned view",
-        &f32_to_f64(&got[1..=c.len()]),
-        &y_ref,
-        F32_TOL,
+    expect_bits(
+        "rope_forward: the element after the view",
+        &got[c.len() + 1..],
+        &x[c.len() + 1..],
     );
+    let what = format!("rope_forward::<{}> misaligned view", T::NAME);
+    expect_close(&what, &widen(&got[1..=c.len()]), &y_ref, tol::<T>());
+
+    let mut buf = upload(s, &x);
+    let mut view = buf.slice_mut(1..=c.len());
+    cuda::rope_backward(
+        s, &mut view, c.batch, c.seq, c.heads, c.head_dim, &gpu_table,
+    )
+    .unwrap();
+    let got = download(&dev, &buf);
+    expect_bits(
+        "rope_backward: the element before the view",
+        &got[..1],
+        &x[..1],
+    );
+    expect_bits(
+        "rope_backward: the element after the view",
+        &got[c.len() + 1..],
+        &x[c.len() + 1..],
+    );
+    let what = format!("rope_backward::<{}> misaligned view", T::NAME);
+    expect_close(&what, &widen(&got[1..=c.len()]), &dx_ref, tol::<T>());
 }
 
 #[test]
@@ -664,13 +689,13 @@ fn rope_rejects_bad_shapes() {
     let original = vec![1.5f32; 2 * 11 * 3 * 8];
     let mut x = upload(s, &original);
     // seq 11 > the table's 10 positions.
-    let err = cuda::rope_forward_f32(s, &mut x, 2, 11, 3, 8, &table).unwrap_err();
+    let err = cuda::rope_forward(s, &mut x, 2, 11, 3, 8, &table).unwrap_err();
     assert!(matches!(err, OpsError::Cuda { .. }), "{err}");
     // head_dim 4 does not match the table's 8.
-    let err = cuda::rope_forward_f32(s, &mut x, 2, 11, 6, 4, &table).unwrap_err();
+    let err = cuda::rope_forward(s, &mut x, 2, 11, 6, 4, &table).unwrap_err();
     assert!(matches!(err, OpsError::Cuda { .. }), "{err}");
     // x has 2·11·3·8 elements, not 2·10·3·8.
-    let err = cuda::rope_forward_f32(s, &mut x, 2, 10, 3, 8, &table).unwrap_err();
+    let err = cuda::rope_forward(s, &mut x, 2, 10, 3, 8, &table).unwrap_err();
     assert!(
         matches!(
             err,
@@ -682,6 +707,8 @@ fn rope_rejects_bad_shapes() {
         ),
         "{err}"
     );
+    let err = cuda::rope_backward(s, &mut x, 2, 10, 3, 8, &table).unwrap_err();
+    assert!(matches!(err, OpsError::ShapeMismatch { .. }), "{err}");
     assert_eq!(download(&dev, &x), original, "a rejected call modified x");
 }
 
@@ -702,8 +729,9 @@ fn token_ids(rng: &mut ChaCha8Rng, rows: usize, vocab: usize) -> Vec<u32> {
 }
 
 /// (rows, vocab, dim): B·T = 4·1000 tokens of hidden 768 over vocab 32003; a width that is not a
-/// multiple of the vector (13); TinyLlama's 2048; a single token; 3000 tokens all in a
-/// 3-row vocabulary (runs of ~1000 equal ids).
+/// multiple of the vector (13); TinyLlama's 2048; a single token (dim 4: one f32 vector, but
+/// the scalar path for bf16 / f16); 3000 tokens all in a 3-row vocabulary (runs of ~1000 equal
+/// ids).
 const EMB_SHAPES: &[(usize, usize, usize)] = &[
     (4000, 32003, 768),
     (1000, 32003, 13),
@@ -712,94 +740,83 @@ const EMB_SHAPES: &[(usize, usize, usize)] = &[
     (3000, 3, 80),
 ];
 
-#[test]
-fn embedding_forward_is_an_exact_gather() {
-    let Some(dev) = gpu_or_skip("embedding_forward_is_an_exact_gather") else {
+per_type!(
+    embedding_forward_is_an_exact_gather,
+    embedding_forward_is_an_exact_gather
+);
+
+fn embedding_forward_is_an_exact_gather<T: DeviceFloat>(test: &str) {
+    let Some(dev) = gpu_or_skip(test) else {
         return;
     };
     let s = dev.stream();
     for (i, &(rows, vocab, dim)) in EMB_SHAPES.iter().enumerate() {
-        let mut rng = rng(800 + i as u64);
+        let mut rng = rng::<T>(800 + i as u64);
         let ids = token_ids(&mut rng, rows, vocab);
-        let table = nonzero_f32(&mut rng, vocab * dim, 0.05, 2.0);
+        let table: Vec<T> = narrow(&nonzero_f32(&mut rng, vocab * dim, 0.05, 2.0));
+        // The f32 reference on the exactly widened table; narrowing back is exact.
         let mut want = vec![f32::NAN; rows * dim];
-        cpu::embedding_forward(&ids, &table, dim, &mut want).unwrap();
+        cpu::embedding_forward(&ids, &widen_f32(&table), dim, &mut want).unwrap();
+        let want: Vec<T> = narrow(&want);
         let d_ids = upload(s, &ids);
         let mut check = TokenIdCheck::new(s, vocab).unwrap();
-        let range = GUARD..GUARD + rows * dim;
 
         let d_table = upload(s, &table);
-        let mut out = poisoned(s, rows * dim, f32::NAN);
-        cuda::embedding_forward_f32(
+        let mut out = poisoned::<T>(s, rows * dim);
+        cuda::embedding_forward(
             s,
             &d_ids,
             &d_table,
             dim,
-            &mut out.slice_mut(range.clone()),
+            &mut out.slice_mut(GUARD..GUARD + rows * dim),
             &mut check,
         )
         .unwrap();
-        let got = unguard("embedding out f32", download(&dev, &out), f32::is_nan);
-        expect_bits(
-            &format!("embedding_forward_f32 rows={rows} vocab={vocab} dim={dim}"),
-            &got,
-            &want,
-            f32_bits,
+        let got = unguard("embedding out", download(&dev, &out));
+        let what = format!(
+            "embedding_forward::<{}> rows={rows} vocab={vocab} dim={dim}",
+            T::NAME
         );
-
-        let table16 = to_bf16(&table);
-        let want16: Vec<bf16> = to_bf16(&want);
-        let d_table16 = upload(s, &table16);
-        let mut out = poisoned(s, rows * dim, bf16::NAN);
-        cuda::embedding_forward_bf16(
-            s,
-            &d_ids,
-            &d_table16,
-            dim,
-            &mut out.slice_mut(range),
-            &mut check,
-        )
-        .unwrap();
-        let got = unguard("embedding out bf16", download(&dev, &out), |v: bf16| {
-            v.is_nan()
-        });
-        expect_bits(
-            &format!("embedding_forward_bf16 rows={rows} vocab={vocab} dim={dim}"),
-            &got,
-            &want16,
-            bf16_bits,
-        );
+        expect_bits(&what, &got, &want);
         check.take(s).expect("no out-of-range id was recorded");
     }
 }
 
-/// dtable += scatter of dout, from a random (non-zero) dtable: bit-identical to the serial f32
-/// CPU reference (same adds in the same order), close to the f64 one, and the same bits twice.
-#[test]
-fn embedding_backward_is_deterministic_and_exact() {
-    let Some(dev) = gpu_or_skip("embedding_backward_is_deterministic_and_exact") else {
+per_type!(
+    embedding_backward_is_deterministic_and_exact,
+    embedding_backward_is_deterministic_and_exact
+);
+
+/// dtable (f32) += scatter of dout (`T`), from a random (non-zero) dtable: bit-identical to the
+/// serial f32 CPU reference on the exactly widened dout (same adds in the same order), close to
+/// the f64 one, and the same bits on a second run.
+fn embedding_backward_is_deterministic_and_exact<T: DeviceFloat>(test: &str) {
+    let Some(dev) = gpu_or_skip(test) else {
         return;
     };
     let s = dev.stream();
     for (i, &(rows, vocab, dim)) in EMB_SHAPES.iter().enumerate() {
-        let mut rng = rng(900 + i as u64);
+        let mut rng = rng::<T>(900 + i as u64);
         let ids = token_ids(&mut rng, rows, vocab);
-        let dout = nonzero_f32(&mut rng, rows * dim, 0.05, 2.0);
+        let dout: Vec<T> = narrow(&nonzero_f32(&mut rng, rows * dim, 0.05, 2.0));
         let dtable0 = nonzero_f32(&mut rng, vocab * dim, 0.05, 2.0);
         let mut want = dtable0.clone();
-        cpu::embedding_backward(&ids, &dout, dim, &mut want);
-        let mut want64 = f32_to_f64(&dtable0);
-        cpu::embedding_backward(&ids, &f32_to_f64(&dout), dim, &mut want64);
+        cpu::embedding_backward(&ids, &widen_f32(&dout), dim, &mut want);
+        let mut want64 = f64_of(&dtable0);
+        cpu::embedding_backward(&ids, &widen(&dout), dim, &mut want64);
         let d_ids = upload(s, &ids);
         let mut check = TokenIdCheck::new(s, vocab).unwrap();
         let mut scratch = cuda::EmbeddingBackwardScratch::new(s, rows, vocab).unwrap();
-        let name = format!("rows={rows} vocab={vocab} dim={dim}");
+        let name = format!(
+            "embedding_backward::<{}> rows={rows} vocab={vocab} dim={dim}",
+            T::NAME
+        );
 
         let d_dout = upload(s, &dout);
         let mut first = None;
         for run in 0..2 {
             let mut dtable = upload(s, &dtable0);
-            cuda::embedding_backward_f32(
+            cuda::embedding_backward(
                 s,
                 &d_ids,
                 &d_dout,
@@ -810,97 +827,72 @@ fn embedding_backward_is_deterministic_and_exact() {
             )
             .unwrap();
             let got = download(&dev, &dtable);
-            expect_bits(
-                &format!("embedding_backward_f32 {name} run {run} vs cpu f32"),
-                &got,
-                &want,
-                f32_bits,
-            );
+            expect_bits(&format!("{name} run {run} vs cpu f32"), &got, &want);
             match &first {
                 None => {
-                    expect_close(
-                        &format!("embedding_backward_f32 {name}"),
-                        &f32_to_f64(&got),
-                        &want64,
-                        F32_TOL,
-                    );
+                    expect_close(&name, &f64_of(&got), &want64, F32_TOL);
                     first = Some(got);
                 }
-                Some(f) => expect_bits(
-                    &format!("embedding_backward_f32 {name} run 1 vs run 0"),
-                    &got,
-                    f,
-                    f32_bits,
-                ),
+                Some(f) => expect_bits(&format!("{name} run 1 vs run 0"), &got, f),
             }
         }
-
-        // bf16 dout, widened exactly: the f32 reference on the widened values is still exact.
-        let dout16 = to_bf16(&dout);
-        let widened: Vec<f32> = dout16.iter().map(|v| v.to_f32()).collect();
-        let mut want16 = dtable0.clone();
-        cpu::embedding_backward(&ids, &widened, dim, &mut want16);
-        let d_dout16 = upload(s, &dout16);
-        let mut dtable = upload(s, &dtable0);
-        cuda::embedding_backward_bf16(
-            s,
-            &d_ids,
-            &d_dout16,
-            dim,
-            &mut dtable,
-            &mut check,
-            &mut scratch,
-        )
-        .unwrap();
-        let got = download(&dev, &dtable);
-        expect_bits(
-            &format!("embedding_backward_bf16 {name} vs cpu f32"),
-            &got,
-            &want16,
-            f32_bits,
-        );
         check.take(s).expect("no out-of-range id was recorded");
     }
 }
 
+fn f64_of(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| f64::from(x)).collect()
+}
+
+per_type!(
+    embedding_out_of_range_ids_are_reported,
+    embedding_out_of_range_ids_are_reported
+);
+
 /// Out-of-range ids: recorded (first position), never read or written out of bounds; the
 /// forward's row becomes NaN, the backward skips the row; everything else is as without them.
-#[test]
-fn embedding_out_of_range_ids_are_reported() {
-    let Some(dev) = gpu_or_skip("embedding_out_of_range_ids_are_reported") else {
+fn embedding_out_of_range_ids_are_reported<T: DeviceFloat>(test: &str) {
+    let Some(dev) = gpu_or_skip(test) else {
         return;
     };
     let s = dev.stream();
     let (rows, vocab, dim) = (1000usize, 32003usize, 768usize);
-    let mut rng = rng(1000);
+    let mut rng = rng::<T>(1000);
     let mut ids = token_ids(&mut rng, rows, vocab);
     ids[17] = vocab as u32; // first bad position
     ids[300] = u32::MAX;
     ids[999] = vocab as u32 + 5;
     let bad = |r: usize| ids[r] as usize >= vocab;
-    let table = nonzero_f32(&mut rng, vocab * dim, 0.05, 2.0);
-    let dout = nonzero_f32(&mut rng, rows * dim, 0.05, 2.0);
+    let table: Vec<T> = narrow(&nonzero_f32(&mut rng, vocab * dim, 0.05, 2.0));
+    let dout: Vec<T> = narrow(&nonzero_f32(&mut rng, rows * dim, 0.05, 2.0));
     let d_ids = upload(s, &ids);
     let mut check = TokenIdCheck::new(s, vocab).unwrap();
 
     let d_table = upload(s, &table);
-    let mut out = upload(s, &vec![0.0f32; rows * dim]);
-    cuda::embedding_forward_f32(s, &d_ids, &d_table, dim, &mut out, &mut check).unwrap();
+    let mut out = upload(s, &vec![T::from_f32(0.0); rows * dim]);
+    cuda::embedding_forward(s, &d_ids, &d_table, dim, &mut out, &mut check).unwrap();
     let got = download(&dev, &out);
     for r in 0..rows {
         let row = &got[r * dim..(r + 1) * dim];
         if bad(r) {
             assert!(
-                row.iter().all(|v| v.is_nan()),
+                row.iter().all(|&v| is_nan(v)),
                 "row {r} of a bad id is not NaN"
             );
         } else {
             let id = ids[r] as usize;
-            assert_eq!(row, &table[id * dim..(id + 1) * dim], "row {r}");
+            let want = &table[id * dim..(id + 1) * dim];
+            assert!(
+                row.iter().zip(want).all(|(&g, &w)| bits(g) == bits(w)),
+                "row {r} is not table row {id}"
+            );
         }
     }
     let err = check.take(s).unwrap_err();
-    report(&format!("embedding forward with bad ids: {err}"));
+    report(&format!(
+        "embedding_forward::<{}> with bad ids: {err}",
+        T::NAME
+    ));
     assert!(
         matches!(err, OpsError::TokenOutOfRange { id, position: 17, vocab: v } if id == vocab as u32 && v == vocab),
         "{err}"
@@ -908,12 +900,13 @@ fn embedding_out_of_range_ids_are_reported() {
     check.take(s).expect("take clears the record");
 
     // Backward: the valid rows, in order, as the CPU reference adds them.
+    let dout32 = widen_f32(&dout);
     let (good_ids, good_dout): (Vec<u32>, Vec<f32>) =
         (0..rows)
             .filter(|&r| !bad(r))
             .fold((Vec::new(), Vec::new()), |(mut i, mut d), r| {
                 i.push(ids[r]);
-                d.extend_from_slice(&dout[r * dim..(r + 1) * dim]);
+                d.extend_from_slice(&dout32[r * dim..(r + 1) * dim]);
                 (i, d)
             });
     let dtable0 = nonzero_f32(&mut rng, vocab * dim, 0.05, 2.0);
@@ -922,7 +915,7 @@ fn embedding_out_of_range_ids_are_reported() {
     let mut dtable = upload(s, &dtable0);
     let d_dout = upload(s, &dout);
     let mut scratch = cuda::EmbeddingBackwardScratch::new(s, rows, vocab).unwrap();
-    cuda::embedding_backward_f32(
+    cuda::embedding_backward(
         s,
         &d_ids,
         &d_dout,
@@ -933,12 +926,8 @@ fn embedding_out_of_range_ids_are_reported() {
     )
     .unwrap();
     let got = download(&dev, &dtable);
-    expect_bits(
-        "embedding_backward_f32 with bad ids skipped",
-        &got,
-        &want,
-        f32_bits,
-    );
+    let what = format!("embedding_backward::<{}> with bad ids skipped", T::NAME);
+    expect_bits(&what, &got, &want);
     let err = check.take(s).unwrap_err();
     assert!(
         matches!(err, OpsError::TokenOutOfRange { position: 17, .. }),
@@ -957,7 +946,7 @@ fn embedding_rejects_bad_shapes() {
     let mut out = upload(s, &[f32::NAN; 3 * 4]);
     // The check was made for a vocabulary of 6, the table has 5 rows.
     let mut check6 = TokenIdCheck::new(s, 6).unwrap();
-    let err = cuda::embedding_forward_f32(s, &ids, &table, 4, &mut out, &mut check6).unwrap_err();
+    let err = cuda::embedding_forward(s, &ids, &table, 4, &mut out, &mut check6).unwrap_err();
     assert!(
         matches!(
             err,
@@ -971,21 +960,19 @@ fn embedding_rejects_bad_shapes() {
     );
     let mut check = TokenIdCheck::new(s, 5).unwrap();
     // dim 0.
-    let err = cuda::embedding_forward_f32(s, &ids, &table, 0, &mut out, &mut check).unwrap_err();
+    let err = cuda::embedding_forward(s, &ids, &table, 0, &mut out, &mut check).unwrap_err();
     assert!(matches!(err, OpsError::ShapeMismatch { .. }), "{err}");
     // out is [3, 4] but dim 4 with 3 ids needs 12: give it a dtable of the wrong size instead.
     let mut scratch = cuda::EmbeddingBackwardScratch::new(s, 3, 5).unwrap();
     let dout = upload(s, &[1.0f32; 3 * 4]);
     let mut dtable = upload(s, &[0.0f32; 4 * 4]);
-    let err =
-        cuda::embedding_backward_f32(s, &ids, &dout, 4, &mut dtable, &mut check, &mut scratch)
-            .unwrap_err();
+    let err = cuda::embedding_backward(s, &ids, &dout, 4, &mut dtable, &mut check, &mut scratch)
+        .unwrap_err();
     assert!(matches!(err, OpsError::ShapeMismatch { .. }), "{err}");
     let short = upload(s, &[1.0f32; 3 * 4 - 1]);
     let mut dtable = upload(s, &[0.0f32; 5 * 4]);
-    let err =
-        cuda::embedding_backward_f32(s, &ids, &short, 4, &mut dtable, &mut check, &mut scratch)
-            .unwrap_err();
+    let err = cuda::embedding_backward(s, &ids, &short, 4, &mut dtable, &mut check, &mut scratch)
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -1010,7 +997,7 @@ fn embedding_rejects_bad_shapes() {
     let mut small = cuda::EmbeddingBackwardScratch::new(s, 1, 5).unwrap();
     let many_ids = upload(s, &vec![1u32; 1000]);
     let many_dout = upload(s, &vec![1.0f32; 1000 * 4]);
-    let err = cuda::embedding_backward_f32(
+    let err = cuda::embedding_backward(
         s,
         &many_ids,
         &many_dout,

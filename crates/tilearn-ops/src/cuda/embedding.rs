@@ -1,5 +1,5 @@
-//! Wrappers of `kernels/embedding.cu`: token embedding lookup and its deterministic gradient, in
-//! f32 and bf16 (the table gradient is always f32). Same contract as
+//! Wrappers of `kernels/embedding.cu`: token embedding lookup and its deterministic gradient, for
+//! every [`DeviceFloat`] (f32, bf16, f16; the table gradient is always f32). Same contract as
 //! [`crate::cpu::embedding_forward`] / [`crate::cpu::embedding_backward`]: `dtable` is
 //! accumulated (`+=`), and the result is bit-identical to the f32 CPU reference.
 //!
@@ -12,12 +12,12 @@
 //! The backward's sort buffers live in a caller-owned [`EmbeddingBackwardScratch`], allocated
 //! once for the largest token count (a training step then allocates nothing).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use half::bf16;
 
+use super::dtype::DeviceFloat;
 use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::{OpsError, Result};
@@ -124,29 +124,6 @@ impl EmbeddingBackwardScratch {
     }
 }
 
-type ForwardLauncher<R> = unsafe extern "C" fn(
-    *const u32,
-    *const R,
-    usize,
-    usize,
-    usize,
-    *mut R,
-    *mut u64,
-    ffi::cudaStream_t,
-) -> c_int;
-type BackwardLauncher<R> = unsafe extern "C" fn(
-    *const u32,
-    *const R,
-    usize,
-    usize,
-    usize,
-    *mut f32,
-    *mut u64,
-    *mut c_void,
-    usize,
-    ffi::cudaStream_t,
-) -> c_int;
-
 /// The vocabulary of a `[vocab, dim]` table of `len` elements, which must match `check`.
 fn vocab_of(op: &'static str, len: usize, dim: usize, check: &TokenIdCheck) -> Result<usize> {
     if dim == 0 {
@@ -192,10 +169,12 @@ fn rows_in_range(op: &'static str, rows: usize, vocab: usize) -> Result<()> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn forward<T, R>(
-    op: &'static str,
-    launcher: ForwardLauncher<R>,
+/// `out[r, :] = table[ids[r], :]` (written, `=`). `table` is `[vocab, dim]` with `vocab =
+/// check_ids.vocab()`, `out` is `[ids.len(), dim]`. An id `>= vocab` is recorded in `check_ids`
+/// and its output row is filled with NaN; no out-of-bounds access happens.
+///
+/// Precision: a copy in `T` (no rounding), so bit-exact for every type.
+pub fn embedding_forward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     ids: &impl DevicePtr<u32>,
     table: &impl DevicePtr<T>,
@@ -203,7 +182,7 @@ fn forward<T, R>(
     out: &mut impl DevicePtrMut<T>,
     check_ids: &mut TokenIdCheck,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
+    let op = "tilearn_embedding_forward";
     let vocab = vocab_of(op, table.len(), dim, check_ids)?;
     let rows = ids.len();
     rows_len(op, rows, dim, out.len())?;
@@ -221,19 +200,20 @@ fn forward<T, R>(
     let (out_ptr, _out) = out.device_ptr_mut(stream);
     let (status_ptr, _status) = check_ids.word.device_ptr_mut(stream);
     // SAFETY: every pointer is a live allocation of the stream's context (checked above): ids
-    // holds `rows` u32, table vocab * dim and out rows * dim elements of the launcher's type,
-    // the status word one u64 (all checked above). The kernel reads table rows only for ids
-    // < vocab. out and the status word are borrowed mutably, so they overlap nothing else. Work
-    // is enqueued on `stream` only; the guards order it after earlier writers and before later
-    // users of these buffers.
+    // holds `rows` u32, table vocab * dim and out rows * dim elements of `T` (`T::DTYPE` names
+    // `T` to the launcher), the status word one u64 (all checked above). The kernel reads table
+    // rows only for ids < vocab. out and the status word are borrowed mutably, so they overlap
+    // nothing else. Work is enqueued on `stream` only; the guards order it after earlier writers
+    // and before later users of these buffers.
     let status = unsafe {
-        launcher(
+        ffi::tilearn_embedding_forward(
+            T::DTYPE,
             ids_ptr as *const u32,
-            table_ptr as *const R,
+            table_ptr as *const c_void,
             rows,
             vocab,
             dim,
-            out_ptr as *mut R,
+            out_ptr as *mut c_void,
             status_ptr as *mut u64,
             raw_stream(stream),
         )
@@ -241,10 +221,15 @@ fn forward<T, R>(
     check(op, status)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn backward<T, R>(
-    op: &'static str,
-    launcher: BackwardLauncher<R>,
+/// `dtable[ids[r], :] += dout[r, :]` for every row `r` in order (accumulates, `+=`). `dtable` is
+/// the f32 `[vocab, dim]` gradient with `vocab = check_ids.vocab()`, `dout` is `[ids.len(), dim]`
+/// in `T`. An id `>= vocab` is recorded in `check_ids` and its row skipped. `scratch` must cover
+/// `ids.len()` tokens of this table.
+///
+/// Precision: `dout` is widened exactly to f32 and each `dtable` element gets the same f32 adds
+/// in the same (position) order as [`crate::cpu::embedding_backward`]`::<f32>` on the widened
+/// values: deterministic and bit-identical to that reference, with no float atomics.
+pub fn embedding_backward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     ids: &impl DevicePtr<u32>,
     dout: &impl DevicePtr<T>,
@@ -253,7 +238,7 @@ fn backward<T, R>(
     check_ids: &mut TokenIdCheck,
     scratch: &mut EmbeddingBackwardScratch,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
+    let op = "tilearn_embedding_backward";
     let vocab = vocab_of(op, dtable.len(), dim, check_ids)?;
     let rows = ids.len();
     rows_len(op, rows, dim, dout.len())?;
@@ -291,16 +276,18 @@ fn backward<T, R>(
     let (status_ptr, _status) = check_ids.word.device_ptr_mut(stream);
     let (scratch_ptr, _scratch) = scratch.buf.device_ptr_mut(stream);
     // SAFETY: every pointer is a live allocation of the stream's context (checked above; the
-    // launcher aligns inside the scratch): ids holds `rows` u32, dout rows * dim elements of
-    // the launcher's type, dtable vocab * dim f32, the status word one u64, the scratch at least
-    // the size the launcher asks for (the launcher writes every scratch byte it later reads, so
-    // stale contents are never observed). dtable is written only at rows < vocab. The outputs
-    // (dtable, status, scratch) are borrowed mutably, so they overlap no other buffer. Work is
-    // enqueued on `stream` only; the guards order it after earlier users of these buffers.
+    // launcher aligns inside the scratch): ids holds `rows` u32, dout rows * dim elements of `T`
+    // (`T::DTYPE` names `T`), dtable vocab * dim f32, the status word one u64, the scratch at
+    // least the size the launcher asks for (the launcher writes every scratch byte it later
+    // reads, so stale contents are never observed). dtable is written only at rows < vocab. The
+    // outputs (dtable, status, scratch) are borrowed mutably, so they overlap no other buffer.
+    // Work is enqueued on `stream` only; the guards order it after earlier users of these
+    // buffers.
     let status = unsafe {
-        launcher(
+        ffi::tilearn_embedding_backward(
+            T::DTYPE,
             ids_ptr as *const u32,
-            dout_ptr as *const R,
+            dout_ptr as *const c_void,
             rows,
             vocab,
             dim,
@@ -312,96 +299,4 @@ fn backward<T, R>(
         )
     };
     check(op, status)
-}
-
-/// `out[r, :] = table[ids[r], :]` in f32. `table` is `[vocab, dim]` with `vocab =
-/// check.vocab()`, `out` is `[ids.len(), dim]`. An id `>= vocab` is recorded in `check` and its
-/// output row is filled with NaN.
-pub fn embedding_forward_f32(
-    stream: &Arc<CudaStream>,
-    ids: &impl DevicePtr<u32>,
-    table: &impl DevicePtr<f32>,
-    dim: usize,
-    out: &mut impl DevicePtrMut<f32>,
-    check: &mut TokenIdCheck,
-) -> Result<()> {
-    forward::<f32, f32>(
-        "tilearn_embedding_forward_f32",
-        ffi::tilearn_embedding_forward_f32,
-        stream,
-        ids,
-        table,
-        dim,
-        out,
-        check,
-    )
-}
-
-/// [`embedding_forward_f32`] for a bf16 table and output (a copy, no rounding).
-pub fn embedding_forward_bf16(
-    stream: &Arc<CudaStream>,
-    ids: &impl DevicePtr<u32>,
-    table: &impl DevicePtr<bf16>,
-    dim: usize,
-    out: &mut impl DevicePtrMut<bf16>,
-    check: &mut TokenIdCheck,
-) -> Result<()> {
-    forward::<bf16, ffi::tilearn_bf16>(
-        "tilearn_embedding_forward_bf16",
-        ffi::tilearn_embedding_forward_bf16,
-        stream,
-        ids,
-        table,
-        dim,
-        out,
-        check,
-    )
-}
-
-/// `dtable[ids[r], :] += dout[r, :]` for every row `r` in order, in f32: deterministic and
-/// bit-identical to [`crate::cpu::embedding_backward`]`::<f32>`. An id `>= vocab` is recorded in
-/// `check` and its row skipped. `scratch` must cover `ids.len()` tokens of this table.
-pub fn embedding_backward_f32(
-    stream: &Arc<CudaStream>,
-    ids: &impl DevicePtr<u32>,
-    dout: &impl DevicePtr<f32>,
-    dim: usize,
-    dtable: &mut impl DevicePtrMut<f32>,
-    check: &mut TokenIdCheck,
-    scratch: &mut EmbeddingBackwardScratch,
-) -> Result<()> {
-    backward::<f32, f32>(
-        "tilearn_embedding_backward_f32",
-        ffi::tilearn_embedding_backward_f32,
-        stream,
-        ids,
-        dout,
-        dim,
-        dtable,
-        check,
-        scratch,
-    )
-}
-
-/// [`embedding_backward_f32`] with a bf16 `dout`, widened to f32 (dtable stays f32).
-pub fn embedding_backward_bf16(
-    stream: &Arc<CudaStream>,
-    ids: &impl DevicePtr<u32>,
-    dout: &impl DevicePtr<bf16>,
-    dim: usize,
-    dtable: &mut impl DevicePtrMut<f32>,
-    check: &mut TokenIdCheck,
-    scratch: &mut EmbeddingBackwardScratch,
-) -> Result<()> {
-    backward::<bf16, ffi::tilearn_bf16>(
-        "tilearn_embedding_backward_bf16",
-        ffi::tilearn_embedding_backward_bf16,
-        stream,
-        ids,
-        dout,
-        dim,
-        dtable,
-        check,
-        scratch,
-    )
 }

@@ -1,33 +1,29 @@
 //! Wrappers of `kernels/residual.cu`: residual additions, `out = a + b` (forward, a branch joins
-//! the stream) and `acc += x` (backward, a branch's input gradient joins the stream's), in f32
-//! and in bf16 (f32 add, one rounding). Same contract as [`crate::cpu::add_inplace`].
+//! the stream) and `acc += x` (backward, a branch's input gradient joins the stream's), for every
+//! [`DeviceFloat`] (f32, bf16, f16). Same contract as [`crate::cpu::add_inplace`].
 
-use std::ffi::c_int;
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
-use half::bf16;
 
+use super::dtype::DeviceFloat;
 use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::Result;
 
-type AddLauncher<R> =
-    unsafe extern "C" fn(*const R, *const R, *mut R, usize, ffi::cudaStream_t) -> c_int;
-type AddInplaceLauncher<R> =
-    unsafe extern "C" fn(*mut R, *const R, usize, ffi::cudaStream_t) -> c_int;
-
-/// Shared body of the out-of-place adds. `T` is the Rust element type, `R` the FFI one of the
-/// same size and bit layout (`half::bf16` is `#[repr(transparent)]` over `u16`).
-fn add<T, R>(
-    op: &'static str,
-    launcher: AddLauncher<R>,
+/// `out = a + b`, element-wise; all lengths must match and `out` is written (`=`).
+///
+/// Precision: f32 is one f32 add. bf16 / f16 widen both operands to f32 (exactly), add, and round
+/// the sum once to nearest even (what PyTorch's bf16 / f16 add computes; an f16 sum of magnitude
+/// 65520 or more, past the largest f16 65504 by half an ulp, becomes ±inf).
+pub fn residual_add<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     a: &impl DevicePtr<T>,
     b: &impl DevicePtr<T>,
     out: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
+    let op = "tilearn_residual_add";
     expect_len(op, a.len(), b.len())?;
     expect_len(op, a.len(), out.len())?;
     same_device(stream, op, "a", a)?;
@@ -42,15 +38,16 @@ fn add<T, R>(
     let (b_ptr, _b) = b.device_ptr(stream);
     let (out_ptr, _out) = out.device_ptr_mut(stream);
     // SAFETY: the three pointers are live allocations of the stream's context (checked above),
-    // each holding exactly `n` elements of the launcher's type (lengths checked above; the FFI
-    // type has the Rust type's size). `out` is borrowed mutably, so it overlaps neither input.
-    // The launcher only enqueues work on `stream`; the `device_ptr*` guards order it after
-    // earlier writers and before later users of the buffers, which outlive the call.
+    // each holding exactly `n` elements of `T` (lengths checked above), and `T::DTYPE` names `T`
+    // to the launcher. `out` is borrowed mutably, so it overlaps neither input. The launcher only
+    // enqueues work on `stream`; the `device_ptr*` guards order it after earlier writers and
+    // before later users of the buffers, which outlive the call.
     let status = unsafe {
-        launcher(
-            a_ptr as *const R,
-            b_ptr as *const R,
-            out_ptr as *mut R,
+        ffi::tilearn_residual_add(
+            T::DTYPE,
+            a_ptr as *const c_void,
+            b_ptr as *const c_void,
+            out_ptr as *mut c_void,
             n,
             raw_stream(stream),
         )
@@ -58,15 +55,14 @@ fn add<T, R>(
     check(op, status)
 }
 
-/// Shared body of the in-place adds.
-fn add_inplace<T, R>(
-    op: &'static str,
-    launcher: AddInplaceLauncher<R>,
+/// `acc += x`, element-wise (accumulates); lengths must match. Same precision as
+/// [`residual_add`]: `acc = T(f32(acc) + f32(x))`.
+pub fn residual_add_inplace<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     acc: &mut impl DevicePtrMut<T>,
     x: &impl DevicePtr<T>,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
+    let op = "tilearn_residual_add_inplace";
     expect_len(op, acc.len(), x.len())?;
     same_device(stream, op, "acc", acc)?;
     same_device(stream, op, "x", x)?;
@@ -78,72 +74,17 @@ fn add_inplace<T, R>(
     let (x_ptr, _x) = x.device_ptr(stream);
     let (acc_ptr, _acc) = acc.device_ptr_mut(stream);
     // SAFETY: both pointers are live allocations of the stream's context (checked above) with
-    // exactly `n` elements (checked above). `acc` is borrowed mutably, so `x` cannot overlap it.
-    // The launcher only enqueues work on `stream`, ordered by the guards as above.
-    let status = unsafe { launcher(acc_ptr as *mut R, x_ptr as *const R, n, raw_stream(stream)) };
+    // exactly `n` elements of `T` (checked above; `T::DTYPE` names `T`). `acc` is borrowed
+    // mutably, so `x` cannot overlap it. The launcher only enqueues work on `stream`, ordered by
+    // the guards as above.
+    let status = unsafe {
+        ffi::tilearn_residual_add_inplace(
+            T::DTYPE,
+            acc_ptr as *mut c_void,
+            x_ptr as *const c_void,
+            n,
+            raw_stream(stream),
+        )
+    };
     check(op, status)
-}
-
-/// `out = a + b`, element-wise, in f32. All lengths must match.
-pub fn residual_add_f32(
-    stream: &Arc<CudaStream>,
-    a: &impl DevicePtr<f32>,
-    b: &impl DevicePtr<f32>,
-    out: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    add::<f32, f32>(
-        "tilearn_residual_add_f32",
-        ffi::tilearn_residual_add_f32,
-        stream,
-        a,
-        b,
-        out,
-    )
-}
-
-/// `out = bf16(f32(a) + f32(b))`, element-wise (what PyTorch's bf16 add computes).
-pub fn residual_add_bf16(
-    stream: &Arc<CudaStream>,
-    a: &impl DevicePtr<bf16>,
-    b: &impl DevicePtr<bf16>,
-    out: &mut impl DevicePtrMut<bf16>,
-) -> Result<()> {
-    add::<bf16, ffi::tilearn_bf16>(
-        "tilearn_residual_add_bf16",
-        ffi::tilearn_residual_add_bf16,
-        stream,
-        a,
-        b,
-        out,
-    )
-}
-
-/// `acc += x`, element-wise, in f32. Lengths must match.
-pub fn residual_add_inplace_f32(
-    stream: &Arc<CudaStream>,
-    acc: &mut impl DevicePtrMut<f32>,
-    x: &impl DevicePtr<f32>,
-) -> Result<()> {
-    add_inplace::<f32, f32>(
-        "tilearn_residual_add_inplace_f32",
-        ffi::tilearn_residual_add_inplace_f32,
-        stream,
-        acc,
-        x,
-    )
-}
-
-/// `acc = bf16(f32(acc) + f32(x))`, element-wise.
-pub fn residual_add_inplace_bf16(
-    stream: &Arc<CudaStream>,
-    acc: &mut impl DevicePtrMut<bf16>,
-    x: &impl DevicePtr<bf16>,
-) -> Result<()> {
-    add_inplace::<bf16, ffi::tilearn_bf16>(
-        "tilearn_residual_add_inplace_bf16",
-        ffi::tilearn_residual_add_inplace_bf16,
-        stream,
-        acc,
-        x,
-    )
 }

@@ -1,22 +1,25 @@
 //! Wrappers of `kernels/rope.cu`: rotary position embedding (Hugging Face `rotate_half`
 //! convention: element `i` of a head pairs with `i + head_dim/2`), in place on `[batch, seq,
-//! heads, head_dim]`, in f32 and in bf16 with f32 arithmetic. Same contract as
-//! [`crate::cpu::rope_forward`] / [`crate::cpu::rope_backward`]; the backward rewrites the
-//! gradient in place (`=`) with the inverse rotation.
+//! heads, head_dim]`, for every [`DeviceFloat`] (f32, bf16, f16) with f32 arithmetic and f32
+//! cos/sin tables. Same contract as [`crate::cpu::rope_forward`] / [`crate::cpu::rope_backward`];
+//! the backward rewrites the gradient in place (`=`) with the inverse rotation.
 
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use half::bf16;
 
+use super::dtype::DeviceFloat;
 use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::cpu::RopeTable;
 use crate::{OpsError, Result};
 
-type RopeLauncher<R> = unsafe extern "C" fn(
-    *mut R,
+/// The signature shared by `tilearn_rope_forward` (rotation by +angle) and
+/// `tilearn_rope_backward` (by -angle).
+type Launcher = unsafe extern "C" fn(
+    c_int,
+    *mut c_void,
     *const f32,
     *const f32,
     usize,
@@ -113,9 +116,9 @@ fn check_shape(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn rotate<T, R>(
+fn rotate<T: DeviceFloat>(
     op: &'static str,
-    launcher: RopeLauncher<R>,
+    launcher: Launcher,
     stream: &Arc<CudaStream>,
     x: &mut impl DevicePtrMut<T>,
     batch: usize,
@@ -124,7 +127,6 @@ fn rotate<T, R>(
     head_dim: usize,
     table: &GpuRopeTable,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
     same_device(stream, op, "x", x)?;
     same_device(stream, op, "table.cos", &table.cos)?;
     same_device(stream, op, "table.sin", &table.sin)?;
@@ -136,15 +138,16 @@ fn rotate<T, R>(
     let (sin_ptr, _sin) = table.sin.device_ptr(stream);
     let (x_ptr, _x) = x.device_ptr_mut(stream);
     // SAFETY: all pointers are live allocations of the stream's context (checked above). x holds
-    // exactly batch * seq * heads * head_dim elements of the launcher's type; cos and sin hold
-    // table.seq_len * head_dim / 2 f32 (built that way by `upload`), and seq <= table.seq_len and
-    // head_dim == 2 * half_dim were checked, so every table row the kernel reads exists. x is
-    // borrowed mutably and the table is private to `GpuRopeTable`, so they do not overlap. Work
-    // is enqueued on `stream` only; the guards order it after earlier writers of x and the table
-    // and before later users.
+    // exactly batch * seq * heads * head_dim elements of `T` (`T::DTYPE` names `T` to the
+    // launcher); cos and sin hold table.seq_len * head_dim / 2 f32 (built that way by `upload`),
+    // and seq <= table.seq_len and head_dim == 2 * half_dim were checked, so every table row the
+    // kernel reads exists. x is borrowed mutably and the table is private to `GpuRopeTable`, so
+    // they do not overlap. Work is enqueued on `stream` only; the guards order it after earlier
+    // writers of x and the table and before later users.
     let status = unsafe {
         launcher(
-            x_ptr as *mut R,
+            T::DTYPE,
+            x_ptr as *mut c_void,
             cos_ptr as *const f32,
             sin_ptr as *const f32,
             batch,
@@ -158,20 +161,22 @@ fn rotate<T, R>(
     check(op, status)
 }
 
-/// Rotates `x` (`[batch, seq, heads, head_dim]`, f32) in place; position `t` uses row `t` of
-/// `table`.
-pub fn rope_forward_f32(
+/// Rotates `x` (`[batch, seq, heads, head_dim]`) in place (`=`); position `t` uses row `t` of
+/// `table`, `head_dim` must be `2 * table.half_dim()` and `seq <= table.seq_len()`.
+///
+/// Precision: f32 arithmetic with the f32 tables; each element rounded once to `T`.
+pub fn rope_forward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
-    x: &mut impl DevicePtrMut<f32>,
+    x: &mut impl DevicePtrMut<T>,
     batch: usize,
     seq: usize,
     heads: usize,
     head_dim: usize,
     table: &GpuRopeTable,
 ) -> Result<()> {
-    rotate::<f32, f32>(
-        "tilearn_rope_forward_f32",
-        ffi::tilearn_rope_forward_f32,
+    rotate(
+        "tilearn_rope_forward",
+        ffi::tilearn_rope_forward,
         stream,
         x,
         batch,
@@ -182,65 +187,20 @@ pub fn rope_forward_f32(
     )
 }
 
-/// Rotates bf16 `x` in place (f32 arithmetic, one rounding per element).
-pub fn rope_forward_bf16(
+/// Backward of [`rope_forward`], in place (`dx` replaces `dy`): `dx = Rᵀ · dy`, the rotation by
+/// the opposite angle. Same shape rules and precision as the forward.
+pub fn rope_backward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
-    x: &mut impl DevicePtrMut<bf16>,
+    dx: &mut impl DevicePtrMut<T>,
     batch: usize,
     seq: usize,
     heads: usize,
     head_dim: usize,
     table: &GpuRopeTable,
 ) -> Result<()> {
-    rotate::<bf16, ffi::tilearn_bf16>(
-        "tilearn_rope_forward_bf16",
-        ffi::tilearn_rope_forward_bf16,
-        stream,
-        x,
-        batch,
-        seq,
-        heads,
-        head_dim,
-        table,
-    )
-}
-
-/// Backward of [`rope_forward_f32`], in place: `dx = Rᵀ · dy` (rotation by the opposite angle).
-pub fn rope_backward_f32(
-    stream: &Arc<CudaStream>,
-    dx: &mut impl DevicePtrMut<f32>,
-    batch: usize,
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
-    table: &GpuRopeTable,
-) -> Result<()> {
-    rotate::<f32, f32>(
-        "tilearn_rope_backward_f32",
-        ffi::tilearn_rope_backward_f32,
-        stream,
-        dx,
-        batch,
-        seq,
-        heads,
-        head_dim,
-        table,
-    )
-}
-
-/// Backward of [`rope_forward_bf16`], in place.
-pub fn rope_backward_bf16(
-    stream: &Arc<CudaStream>,
-    dx: &mut impl DevicePtrMut<bf16>,
-    batch: usize,
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
-    table: &GpuRopeTable,
-) -> Result<()> {
-    rotate::<bf16, ffi::tilearn_bf16>(
-        "tilearn_rope_backward_bf16",
-        ffi::tilearn_rope_backward_bf16,
+    rotate(
+        "tilearn_rope_backward",
+        ffi::tilearn_rope_backward,
         stream,
         dx,
         batch,

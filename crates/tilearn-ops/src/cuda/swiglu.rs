@@ -1,40 +1,30 @@
 //! Wrappers of `kernels/activation.cu`: the SwiGLU gate of the Llama MLP, `out = silu(gate) * up`,
-//! forward and backward, in f32 and in bf16 with f32 arithmetic. Same contract as
-//! [`crate::cpu::swiglu_forward`] / [`crate::cpu::swiglu_backward`]: `dgate` and `dup` are
-//! written (`=`).
+//! forward and backward, for every [`DeviceFloat`] (f32, bf16, f16), always with f32 arithmetic.
+//! Same contract as [`crate::cpu::swiglu_forward`] / [`crate::cpu::swiglu_backward`]: `out`,
+//! `dgate` and `dup` are written (`=`).
 
-use std::ffi::c_int;
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
-use half::bf16;
 
+use super::dtype::DeviceFloat;
 use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::Result;
 
-type ForwardLauncher<R> =
-    unsafe extern "C" fn(*const R, *const R, *mut R, usize, ffi::cudaStream_t) -> c_int;
-type BackwardLauncher<R> = unsafe extern "C" fn(
-    *const R,
-    *const R,
-    *const R,
-    *mut R,
-    *mut R,
-    usize,
-    ffi::cudaStream_t,
-) -> c_int;
-
-/// Shared body of the forwards. `T` is the Rust element type, `R` the FFI one of the same size.
-fn forward<T, R>(
-    op: &'static str,
-    launcher: ForwardLauncher<R>,
+/// `out = silu(gate) * up`, element-wise, with `silu(g) = g * sigmoid(g)`; all lengths must
+/// match and `out` is written (`=`).
+///
+/// Precision: the inputs are widened to f32, everything is computed in f32 (exact `expf`, no
+/// overflow for any finite `g`), and each output is rounded once to `T`.
+pub fn swiglu_forward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     gate: &impl DevicePtr<T>,
     up: &impl DevicePtr<T>,
     out: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
+    let op = "tilearn_swiglu_forward";
     expect_len(op, gate.len(), up.len())?;
     expect_len(op, gate.len(), out.len())?;
     same_device(stream, op, "gate", gate)?;
@@ -49,14 +39,16 @@ fn forward<T, R>(
     let (u_ptr, _u) = up.device_ptr(stream);
     let (out_ptr, _out) = out.device_ptr_mut(stream);
     // SAFETY: the pointers are live allocations of the stream's context (checked above), each
-    // with exactly `n` elements of the launcher's type (checked above). `out` is borrowed
-    // mutably, so it overlaps neither input. The launcher only enqueues work on `stream`; the
-    // guards order it after earlier writers and before later users of the buffers.
+    // with exactly `n` elements of `T` (checked above; `T::DTYPE` names `T` to the launcher).
+    // `out` is borrowed mutably, so it overlaps neither input. The launcher only enqueues work
+    // on `stream`; the guards order it after earlier writers and before later users of the
+    // buffers.
     let status = unsafe {
-        launcher(
-            g_ptr as *const R,
-            u_ptr as *const R,
-            out_ptr as *mut R,
+        ffi::tilearn_swiglu_forward(
+            T::DTYPE,
+            g_ptr as *const c_void,
+            u_ptr as *const c_void,
+            out_ptr as *mut c_void,
             n,
             raw_stream(stream),
         )
@@ -64,11 +56,13 @@ fn forward<T, R>(
     check(op, status)
 }
 
-/// Shared body of the backwards.
-#[allow(clippy::too_many_arguments)]
-fn backward<T, R>(
-    op: &'static str,
-    launcher: BackwardLauncher<R>,
+/// Backward of [`swiglu_forward`]: `dup = dout * silu(g)` and
+/// `dgate = dout * up * s * (1 + g * (1 - s))` with `s = sigmoid(g)`, both written (`=`); all
+/// lengths must match.
+///
+/// Precision: f32 arithmetic on the widened inputs (sigmoid recomputed, not saved), each output
+/// rounded once to `T`.
+pub fn swiglu_backward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     dout: &impl DevicePtr<T>,
     gate: &impl DevicePtr<T>,
@@ -76,7 +70,7 @@ fn backward<T, R>(
     dgate: &mut impl DevicePtrMut<T>,
     dup: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
+    let op = "tilearn_swiglu_backward";
     let n = dout.len();
     expect_len(op, n, gate.len())?;
     expect_len(op, n, up.len())?;
@@ -97,96 +91,20 @@ fn backward<T, R>(
     let (dg_ptr, _dg) = dgate.device_ptr_mut(stream);
     let (du_ptr, _du) = dup.device_ptr_mut(stream);
     // SAFETY: the pointers are live allocations of the stream's context (checked above), each
-    // with exactly `n` elements (checked above). dgate and dup are borrowed mutably, so they
-    // overlap neither each other nor the inputs. Work is enqueued on `stream` only, ordered by
-    // the guards.
+    // with exactly `n` elements of `T` (checked above; `T::DTYPE` names `T`). dgate and dup are
+    // borrowed mutably, so they overlap neither each other nor the inputs. Work is enqueued on
+    // `stream` only, ordered by the guards.
     let status = unsafe {
-        launcher(
-            dy_ptr as *const R,
-            g_ptr as *const R,
-            u_ptr as *const R,
-            dg_ptr as *mut R,
-            du_ptr as *mut R,
+        ffi::tilearn_swiglu_backward(
+            T::DTYPE,
+            dy_ptr as *const c_void,
+            g_ptr as *const c_void,
+            u_ptr as *const c_void,
+            dg_ptr as *mut c_void,
+            du_ptr as *mut c_void,
             n,
             raw_stream(stream),
         )
     };
     check(op, status)
-}
-
-/// `out = silu(gate) * up`, element-wise, in f32. All lengths must match.
-pub fn swiglu_forward_f32(
-    stream: &Arc<CudaStream>,
-    gate: &impl DevicePtr<f32>,
-    up: &impl DevicePtr<f32>,
-    out: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    forward::<f32, f32>(
-        "tilearn_swiglu_forward_f32",
-        ffi::tilearn_swiglu_forward_f32,
-        stream,
-        gate,
-        up,
-        out,
-    )
-}
-
-/// `out = bf16(silu(gate) * up)` with the arithmetic in f32 (one rounding).
-pub fn swiglu_forward_bf16(
-    stream: &Arc<CudaStream>,
-    gate: &impl DevicePtr<bf16>,
-    up: &impl DevicePtr<bf16>,
-    out: &mut impl DevicePtrMut<bf16>,
-) -> Result<()> {
-    forward::<bf16, ffi::tilearn_bf16>(
-        "tilearn_swiglu_forward_bf16",
-        ffi::tilearn_swiglu_forward_bf16,
-        stream,
-        gate,
-        up,
-        out,
-    )
-}
-
-/// Backward in f32: `dup = dout * silu(g)`, `dgate = dout * up * s * (1 + g * (1 - s))` with
-/// `s = sigmoid(g)`; both written (`=`).
-pub fn swiglu_backward_f32(
-    stream: &Arc<CudaStream>,
-    dout: &impl DevicePtr<f32>,
-    gate: &impl DevicePtr<f32>,
-    up: &impl DevicePtr<f32>,
-    dgate: &mut impl DevicePtrMut<f32>,
-    dup: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    backward::<f32, f32>(
-        "tilearn_swiglu_backward_f32",
-        ffi::tilearn_swiglu_backward_f32,
-        stream,
-        dout,
-        gate,
-        up,
-        dgate,
-        dup,
-    )
-}
-
-/// Backward with bf16 tensors and f32 arithmetic; `dgate`, `dup` written (`=`), rounded once.
-pub fn swiglu_backward_bf16(
-    stream: &Arc<CudaStream>,
-    dout: &impl DevicePtr<bf16>,
-    gate: &impl DevicePtr<bf16>,
-    up: &impl DevicePtr<bf16>,
-    dgate: &mut impl DevicePtrMut<bf16>,
-    dup: &mut impl DevicePtrMut<bf16>,
-) -> Result<()> {
-    backward::<bf16, ffi::tilearn_bf16>(
-        "tilearn_swiglu_backward_bf16",
-        ffi::tilearn_swiglu_backward_bf16,
-        stream,
-        dout,
-        gate,
-        up,
-        dgate,
-        dup,
-    )
 }

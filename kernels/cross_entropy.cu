@@ -10,10 +10,14 @@
 // Layout:    logits [rows, vocab] row-major (any vocab: no alignment or multiple is assumed);
 //            targets [rows] i32; row_loss [rows] f32; totals [4] f64 (layout below). One thread
 //            block per row.
-// Precision: logits f32 or bf16, read as f32; max, exp and the per-thread and block sums in f32
-//            (expf, not the fast-math __expf); the row loss is formed in f64 as
+// Precision: logits f32, bf16 or f16, read as f32; max, exp and the per-thread and block sums in
+//            f32 (expf, not the fast-math __expf); the row loss is formed in f64 as
 //            max + log(sum) - logit[target] and stored as f32. Gradients are computed in f32 and
-//            stored in the logits' type. The totals are summed in f64.
+//            rounded once, to nearest even, to the logits' type. In f16 a gradient of magnitude
+//            >= 65520 (it rounds past the largest finite f16, 65504; possible with a GradScaler's
+//            grad_scale = loss_scale / tokens, loss_scale up to 65536) becomes +-inf, never a
+//            clamped value, so the scaler's non-finite check sees the overflow and skips the
+//            step; the row loss is f32 and stays finite.
 // Output:    row_loss is written (`=`): 0 for ignored rows; the gradient is written (`=`, in
 //            place), all zeros for ignored rows. totals is written (`=`):
 //              totals[0] = sum of row losses over non-ignored rows, f64, in a fixed order
@@ -27,27 +31,18 @@
 // Determinism: no atomics; every reduction has a fixed shape that depends only on
 //            (rows, vocab), so results are bit-identical run to run.
 
-#include <cuda_bf16.h>
 #include <math.h>
 
+#include "tilearn_dtype.cuh"
 #include "tilearn_kernels.h"
 
 namespace {
 
+using tilearn::from_f32;
+using tilearn::to_f32;
+
 constexpr int32_t kIgnoreIndex = -100;
 constexpr unsigned kTotalsThreads = 512;  // one block; a power of two for the tree reduction
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
 
 __device__ __forceinline__ bool label_in_range(int32_t t, size_t vocab) {
     return t >= 0 && static_cast<size_t>(t) < vocab;
@@ -266,32 +261,22 @@ int launch_forward(const void* logits, const int32_t* targets, size_t rows, size
 
 }  // namespace
 
-extern "C" int tilearn_cross_entropy_fused_f32(float* logits, const int32_t* targets,
-                                               size_t rows, size_t vocab, float grad_scale,
-                                               float* row_loss, double* totals,
-                                               cudaStream_t stream) {
-    return launch_fused<float>(logits, targets, rows, vocab, grad_scale, row_loss, totals,
-                               stream);
+extern "C" int tilearn_cross_entropy_fused(int dtype, void* logits, const int32_t* targets,
+                                           size_t rows, size_t vocab, float grad_scale,
+                                           float* row_loss, double* totals,
+                                           cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_fused<decltype(tag)>(logits, targets, rows, vocab, grad_scale, row_loss,
+                                           totals, stream);
+    });
 }
 
-extern "C" int tilearn_cross_entropy_fused_bf16(tilearn_bf16* logits, const int32_t* targets,
-                                                size_t rows, size_t vocab, float grad_scale,
-                                                float* row_loss, double* totals,
-                                                cudaStream_t stream) {
-    return launch_fused<__nv_bfloat16>(logits, targets, rows, vocab, grad_scale, row_loss,
-                                       totals, stream);
-}
-
-extern "C" int tilearn_cross_entropy_forward_f32(const float* logits, const int32_t* targets,
-                                                 size_t rows, size_t vocab, float* row_loss,
-                                                 double* totals, cudaStream_t stream) {
-    return launch_forward<float>(logits, targets, rows, vocab, row_loss, totals, stream);
-}
-
-extern "C" int tilearn_cross_entropy_forward_bf16(const tilearn_bf16* logits,
-                                                  const int32_t* targets, size_t rows,
-                                                  size_t vocab, float* row_loss, double* totals,
-                                                  cudaStream_t stream) {
-    return launch_forward<__nv_bfloat16>(logits, targets, rows, vocab, row_loss, totals,
-                                         stream);
+extern "C" int tilearn_cross_entropy_forward(int dtype, const void* logits,
+                                             const int32_t* targets, size_t rows, size_t vocab,
+                                             float* row_loss, double* totals,
+                                             cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_forward<decltype(tag)>(logits, targets, rows, vocab, row_loss, totals,
+                                             stream);
+    });
 }

@@ -11,9 +11,9 @@
 //            pointer allows it (16-byte aligned f32, 8-byte aligned 16-bit) a thread moves 4
 //            elements with one vector access; the n % 4 tail and misaligned buffers take the
 //            scalar path. inv_scale and found_inf are single device f32 words.
-// Precision: norm: inputs f32 or bf16; every square and every sum in f64 (per thread, per block
-//            and across blocks). We chose f64 over f32-per-thread-plus-Kahan because the kernel
-//            is memory-bound either way (one f64 FMA per 2-4 bytes loaded is far below the
+// Precision: norm: inputs f32, bf16 or f16; every square and every sum in f64 (per thread, per
+//            block and across blocks). We chose f64 over f32-per-thread-plus-Kahan because the
+//            kernel is memory-bound either way (one f64 FMA per 2-4 bytes loaded is far below the
 //            FP64 rate of sm_80/sm_90), and f64 leaves no error that grows with n and no f32
 //            overflow of squares above 1.8e19. sum_sq is stored as f64, norm as f32.
 //            unscale: inputs f32, bf16 or f16; the product is formed in f32 and rounded once to
@@ -26,33 +26,20 @@
 //            the same buffer (the vector/scalar choice also depends on the pointer's alignment).
 //            The unscale has no reductions; concurrent stores of the same 1.0 are benign.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <math.h>
 
+#include "tilearn_dtype.cuh"
 #include "tilearn_kernels.h"
 
 namespace {
+
+using tilearn::from_f32;
+using tilearn::to_f32;
 
 constexpr unsigned kThreads = 256;            // both kernels; a power of two (tree reduction)
 constexpr size_t kElemsPerThread = 16;        // norm: target work per thread before capping
 constexpr size_t kMaxPartials = 1024;         // norm: most blocks, i.e. partial sums
 constexpr unsigned kMaxUnscaleBlocks = 65535; // grid-stride loops cover the rest
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 
 // Four elements moved as one aligned unit: 16 bytes of f32, 8 bytes of a 16-bit type.
 template <typename T>
@@ -208,29 +195,17 @@ int launch_unscale(void* data, size_t n, const float* inv_scale, float* found_in
 
 extern "C" size_t tilearn_global_norm_partials_len(size_t n) { return partial_count(n); }
 
-extern "C" int tilearn_global_norm_f32(const float* x, size_t n, double* partials,
-                                       size_t partials_len, double* sum_sq, float* norm,
-                                       cudaStream_t stream) {
-    return launch_norm<float>(x, n, partials, partials_len, sum_sq, norm, stream);
+extern "C" int tilearn_global_norm(int dtype, const void* x, size_t n, double* partials,
+                                   size_t partials_len, double* sum_sq, float* norm,
+                                   cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_norm<decltype(tag)>(x, n, partials, partials_len, sum_sq, norm, stream);
+    });
 }
 
-extern "C" int tilearn_global_norm_bf16(const tilearn_bf16* x, size_t n, double* partials,
-                                        size_t partials_len, double* sum_sq, float* norm,
-                                        cudaStream_t stream) {
-    return launch_norm<__nv_bfloat16>(x, n, partials, partials_len, sum_sq, norm, stream);
-}
-
-extern "C" int tilearn_unscale_check_f32(float* x, size_t n, const float* inv_scale,
-                                         float* found_inf, cudaStream_t stream) {
-    return launch_unscale<float>(x, n, inv_scale, found_inf, stream);
-}
-
-extern "C" int tilearn_unscale_check_bf16(tilearn_bf16* x, size_t n, const float* inv_scale,
-                                          float* found_inf, cudaStream_t stream) {
-    return launch_unscale<__nv_bfloat16>(x, n, inv_scale, found_inf, stream);
-}
-
-extern "C" int tilearn_unscale_check_f16(tilearn_f16* x, size_t n, const float* inv_scale,
-                                         float* found_inf, cudaStream_t stream) {
-    return launch_unscale<__half>(x, n, inv_scale, found_inf, stream);
+extern "C" int tilearn_unscale_check(int dtype, void* x, size_t n, const float* inv_scale,
+                                     float* found_inf, cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_unscale<decltype(tag)>(x, n, inv_scale, found_inf, stream);
+    });
 }

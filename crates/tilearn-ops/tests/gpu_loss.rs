@@ -1,11 +1,12 @@
 //! CUDA kernels of the loss and of the optimizer step's reductions against the CPU reference:
 //! fused softmax cross-entropy (`kernels/cross_entropy.cu`), the global gradient norm and the
-//! GradScaler's unscale + non-finite check (`kernels/reduce.cu`).
+//! GradScaler's unscale + non-finite check (`kernels/reduce.cu`), each for f32, bf16 and f16
+//! through one generic test body per check.
 //!
-//! Fresh seeded random inputs (logits ~ N(0, 3²), never all zeros), shapes that are not
-//! multiples of any block size (vocab 32003, 128256, small odd ones), every output poisoned with
-//! NaN before the launch. Each check prints its measured error, on success too, so the GPU log
-//! says how close the kernels are, not only that they passed.
+//! Fresh seeded random inputs (logits ~ N(0, 3²) clamped to ±20, never all zeros), shapes that
+//! are not multiples of any block size (vocab 32003, 128256, small odd ones), every output
+//! poisoned with NaN before the launch. Each check prints its measured error, on success too, so
+//! the GPU log says how close the kernels are, not only that they passed.
 //!
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]
@@ -18,7 +19,9 @@ use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
-use tilearn_ops::cuda::{self, CeTotals, CudaSlice, CudaStream, GpuDevice, NormWorkspace};
+use tilearn_ops::cuda::{
+    self, CeTotals, CudaSlice, CudaStream, DeviceFloat, GpuDevice, NormWorkspace,
+};
 use tilearn_ops::{OpsError, cpu};
 
 /// Writes to the process's stderr directly: libtest captures `eprintln!` of passing tests, and a
@@ -54,6 +57,22 @@ fn download<T: cudarc::driver::DeviceRepr>(
     dev.stream().clone_dtoh(buf).expect("device-to-host copy")
 }
 
+/// f32 values rounded (to nearest even) to the kernel's storage type.
+fn rounded<T: DeviceFloat>(x: &[f32]) -> Vec<T> {
+    x.par_iter().map(|&v| T::from_f32(v)).collect()
+}
+
+/// Exact widening, as a `fn` pointer for the comparison helpers.
+fn widen<T: DeviceFloat>(v: T) -> f64 {
+    f64::from(v.to_f32())
+}
+
+/// The bits of the exact f32 widening: equal iff the stored values are bit-identical (the
+/// widening is injective on every type here), so one comparison serves f32, bf16 and f16.
+fn bits<T: DeviceFloat>(v: T) -> u32 {
+    v.to_f32().to_bits()
+}
+
 // ---- cross-entropy ----
 
 const IGNORE: i32 = cpu::IGNORE_INDEX;
@@ -70,8 +89,16 @@ const CE_SHAPES: &[(usize, usize)] = &[
     (4000, 128256),
 ];
 
-/// Logits ~ N(0, sigma²) (Box-Muller), each row from its own seeded stream so that the big
-/// shapes generate in parallel yet reproducibly.
+/// The GradScaler's initial loss scale in PyTorch (2^16). The f16 tests fold it into
+/// grad_scale = loss_scale / valid targets, as f16 training does: it lifts the gradients out of
+/// f16's subnormal range (below 2^-14, absolute spacing 2^-24), where rounding would dominate
+/// the error.
+const F16_LOSS_SCALE: f64 = 65536.0;
+
+/// Logits ~ N(0, sigma²) (Box-Muller), clamped to ±20 (a realistic logit range, which f16
+/// holds with a spacing of at most 2^-6; with sigma = 3 the clamp is a guarantee, not a
+/// reshaping: |x| > 20 has probability 3e-11), each row from its own seeded stream so that the
+/// big shapes generate in parallel yet reproducibly.
 fn normal_logits(seed: u64, rows: usize, vocab: usize, sigma: f64) -> Vec<f32> {
     let mut out = vec![0.0f32; rows * vocab];
     if vocab == 0 {
@@ -84,9 +111,9 @@ fn normal_logits(seed: u64, rows: usize, vocab: usize, sigma: f64) -> Vec<f32> {
             let u2 = g.random::<f64>();
             let radius = (-2.0 * u1.ln()).sqrt() * sigma;
             let angle = std::f64::consts::TAU * u2;
-            pair[0] = (radius * angle.cos()) as f32;
+            pair[0] = (radius * angle.cos()).clamp(-20.0, 20.0) as f32;
             if let Some(second) = pair.get_mut(1) {
-                *second = (radius * angle.sin()) as f32;
+                *second = (radius * angle.sin()).clamp(-20.0, 20.0) as f32;
             }
         }
     });
@@ -241,28 +268,52 @@ fn grad_scale_for(targets: &[i32]) -> f64 {
     1.0 / targets.iter().filter(|&&t| t != IGNORE).count().max(1) as f64
 }
 
-/// f32 logits vs the f64 reference: ≤ 1e-5 relative (DESIGN's fp32 bound) on the row losses,
-/// their sum and the gradient. The kernel's sums of exp run in f32 over ≤ 256 terms per thread
-/// plus a 9-level tree (~1e-7 each); the loss is formed in f64 from them.
-#[test]
-fn cross_entropy_fused_f32_matches_cpu_reference() {
-    let Some(dev) = gpu_or_skip("cross_entropy_fused_f32_matches_cpu_reference") else {
+/// Bounds against the f64 reference on the f32 logits *before* their rounding to a 16-bit type.
+struct VsF32 {
+    /// Row-wise relative L2 error of the losses, checked for vocab ≥ `row_min_vocab`.
+    row_tol: f64,
+    row_min_vocab: usize,
+    /// Relative error of the loss sum, checked for vocab ≥ `sum_min_vocab`.
+    sum_tol: f64,
+    sum_min_vocab: usize,
+}
+
+/// What the element types differ in for the fused reference test.
+struct CeSpec {
+    /// Logits use `seed + case`, targets `seed + 100 + case`.
+    seed: u64,
+    /// grad_scale = loss_scale / (valid targets).
+    loss_scale: f64,
+    /// Relative L2 bound on the gradient against the reference on the same (stored) logits.
+    grad_tol: f64,
+    /// `None` for f32 (the stored logits are the f32 values).
+    vs_f32: Option<VsF32>,
+}
+
+/// The fused kernel on `T` logits against `cpu::cross_entropy_fused` in f64 on the same stored
+/// values: row losses, their sum and the valid count within 1e-5 relative for every type (the
+/// inputs are exact and the arithmetic is f32 as in the f32 kernel: sums of exp over ≤ 256 terms
+/// per thread plus a 9-level tree, ~1e-7 each, the loss formed in f64), the gradient within
+/// `spec.grad_tol`, and for 16-bit types the losses against the unrounded f32 logits.
+fn check_ce_fused<T: DeviceFloat>(test: &str, spec: &CeSpec) {
+    let Some(dev) = gpu_or_skip(test) else {
         return;
     };
     let s = dev.stream();
     let mut totals = CeTotals::new(s).unwrap();
     for (case_no, &(rows, vocab)) in CE_SHAPES.iter().enumerate() {
-        let what = format!("ce fused f32 {rows}x{vocab}");
-        let x = normal_logits(300 + case_no as u64, rows, vocab, 3.0);
-        let targets_h = random_targets(400 + case_no as u64, rows, vocab);
-        let grad_scale = grad_scale_for(&targets_h);
+        let what = format!("ce fused {} {rows}x{vocab}", T::NAME);
+        let x32 = normal_logits(spec.seed + case_no as u64, rows, vocab, 3.0);
+        let x: Vec<T> = rounded(&x32);
+        let targets_h = random_targets(spec.seed + 100 + case_no as u64, rows, vocab);
+        let grad_scale = spec.loss_scale * grad_scale_for(&targets_h);
 
         let mut logits = upload(s, &x);
         let targets = upload(s, &targets_h);
         let mut row_loss = upload(s, &vec![f32::NAN; rows]);
         dev.synchronize().unwrap();
         let t0 = Instant::now();
-        cuda::cross_entropy_fused_f32(
+        cuda::cross_entropy_fused(
             s,
             &mut logits,
             &targets,
@@ -273,31 +324,91 @@ fn cross_entropy_fused_f32_matches_cpu_reference() {
         )
         .unwrap();
         dev.synchronize().unwrap();
-        report_bandwidth(&what, rows * vocab * 4, t0.elapsed().as_secs_f64());
+        report_bandwidth(
+            &what,
+            rows * vocab * size_of::<T>(),
+            t0.elapsed().as_secs_f64(),
+        );
         let stats = totals.read(s).unwrap();
         let grad = download(&dev, &logits);
         let losses = download(&dev, &row_loss);
         let errs = compare_with_reference(
             &what,
             &x,
+            widen::<T>,
+            &targets_h,
+            vocab,
+            grad_scale,
+            &losses,
+            Some((&grad, widen::<T>)),
+        );
+        check_totals(&what, stats, &errs, 1e-5);
+        let e = errs.grad_rel();
+        report(&format!(
+            "{what}: grad_scale {grad_scale:.6e}, gradient rel err {e:.3e}"
+        ));
+        assert!(
+            e <= spec.grad_tol,
+            "{what}: gradient rel err {e:e} > {:e}",
+            spec.grad_tol
+        );
+
+        let Some(v) = &spec.vs_f32 else {
+            continue;
+        };
+        if vocab < v.row_min_vocab.min(v.sum_min_vocab) {
+            continue;
+        }
+        let vs_f32 = compare_with_reference::<f32, f32>(
+            &what,
+            &x32,
             f64::from,
             &targets_h,
             vocab,
             grad_scale,
             &losses,
-            Some((&grad, f64::from)),
+            None,
         );
-        check_totals(&what, stats, &errs, 1e-5);
-        let e = errs.grad_rel();
-        report(&format!("{what}: gradient rel err {e:.3e}"));
-        assert!(e <= 1e-5, "{what}: gradient rel err {e:e} > 1e-5");
+        let e = vs_f32.loss_rel();
+        let sum_rel = (stats.loss_sum - vs_f32.loss_sum_ref).abs() / vs_f32.loss_sum_ref.abs();
+        report(&format!(
+            "{what}: vs the unrounded f32 logits: row-loss rel err {e:.3e}, loss_sum rel err \
+             {sum_rel:.3e}"
+        ));
+        if vocab >= v.sum_min_vocab {
+            assert!(
+                sum_rel <= v.sum_tol,
+                "{what}: loss_sum rel err vs f32 logits {sum_rel:e} > {:e}",
+                v.sum_tol
+            );
+        }
+        if vocab >= v.row_min_vocab {
+            assert!(
+                e <= v.row_tol,
+                "{what}: row-loss rel err vs f32 logits {e:e} > {:e}",
+                v.row_tol
+            );
+        }
     }
 }
 
-/// bf16 logits. Against the f64 reference on the *same* bf16 values the kernel's losses keep
-/// the fp32 bound 1e-5 (exact inputs, f32 arithmetic as in the f32 kernel); the gradient is
-/// stored in bf16 (8 significant bits: ≤ 2^-8 relative per element, ~2^-9 on average) so its
-/// bound is DESIGN's bf16 1e-2.
+/// f32 logits: the gradient within 1e-5 relative too (DESIGN's fp32 bound; it is computed in
+/// f32 and stored unrounded).
+#[test]
+fn cross_entropy_fused_f32_matches_cpu_reference() {
+    check_ce_fused::<f32>(
+        "cross_entropy_fused_f32_matches_cpu_reference",
+        &CeSpec {
+            seed: 300,
+            loss_scale: 1.0,
+            grad_tol: 1e-5,
+            vs_f32: None,
+        },
+    );
+}
+
+/// bf16 logits. The gradient is stored in bf16 (8 significant bits: ≤ 2^-9 relative per
+/// element, 3.9e-3 per rounding as a bound), so its bound is DESIGN's bf16 1e-2.
 ///
 /// Against the reference on the original f32 logits the bound is 1e-3: rounding each logit to
 /// bf16 moves a row's loss by roughly the rounding error of x_target plus the softmax-weighted
@@ -308,24 +419,122 @@ fn cross_entropy_fused_f32_matches_cpu_reference() {
 /// check for vocab ≥ 1000.
 #[test]
 fn cross_entropy_fused_bf16_matches_cpu_reference() {
-    let Some(dev) = gpu_or_skip("cross_entropy_fused_bf16_matches_cpu_reference") else {
+    check_ce_fused::<bf16>(
+        "cross_entropy_fused_bf16_matches_cpu_reference",
+        &CeSpec {
+            seed: 500,
+            loss_scale: 1.0,
+            grad_tol: 1e-2,
+            vs_f32: Some(VsF32 {
+                row_tol: 1e-3,
+                row_min_vocab: 32000,
+                sum_tol: 1e-3,
+                sum_min_vocab: 1000,
+            }),
+        },
+    );
+}
+
+/// f16 logits, with grad_scale = 65536 / valid targets as under a GradScaler (≤ 32768 here:
+/// every shape has at least 2 valid targets, so no gradient reaches f16's overflow; that case
+/// has its own test). The gradient is stored in f16 (11 significant bits: ≤ 2^-11 ≈ 4.9e-4
+/// relative per normal element, plus ~1e-6 from the f32 arithmetic); elements in the subnormal
+/// range (< 6.1e-5, absolute error ≤ 3e-8) weigh nothing in the relative L2 norm, which is
+/// ≈ grad_scale ≥ 18 per row. The L2 error can come close to the per-element bound because it
+/// is dominated by the targets' elements ≈ -grad_scale, which all round the same way: an
+/// emulation (the f64 reference gradient rounded to f16, same seeds) measured 4.0e-4 at vocab
+/// 128256 (grad_scale 18.57 sits 0.0074 from an f16 value) and 1.1e-4 at 32003. Bound 1e-3:
+/// twice the per-element rounding bound.
+///
+/// Against the unrounded f32 logits: f16 rounds each logit 8x more finely than bf16 (2^-11 vs
+/// 2^-8 relative). The same emulation measured a row-wise relative L2 error of 8.7e-5 at vocab
+/// 1000, 7.4e-5 at 4099 and ≤ 5.0e-5 at 32003 and 128256, and loss-sum errors ≤ 3.4e-5.
+/// Bounds: 2.5e-4 row-wise and 1e-4 on the sum, both from vocab 1000 on.
+#[test]
+fn cross_entropy_fused_f16_matches_cpu_reference() {
+    check_ce_fused::<f16>(
+        "cross_entropy_fused_f16_matches_cpu_reference",
+        &CeSpec {
+            seed: 1800,
+            loss_scale: F16_LOSS_SCALE,
+            grad_tol: 1e-3,
+            vs_f32: Some(VsF32 {
+                row_tol: 2.5e-4,
+                row_min_vocab: 1000,
+                sum_tol: 1e-4,
+                sum_min_vocab: 1000,
+            }),
+        },
+    );
+}
+
+/// The largest finite f16, and the magnitude from which round-to-nearest gives ±inf (the
+/// midpoint between 65504 and 2^16; the tie rounds to the even 2^16, i.e. to inf).
+const F16_MAX: f64 = 65504.0;
+const F16_OVERFLOW: f64 = 65520.0;
+
+/// Checks one f16 gradient element against the f64 reference `want`: ±inf exactly where the
+/// reference rounds past f16's range, otherwise finite and within the f16 rounding (2^-11
+/// relative; 3e-8 absolute below 2^-14) plus the f32 arithmetic. The latter is relative to
+/// grad_scale, not to the element, for a target whose probability is ≈ 1: its gradient
+/// p·grad_scale - grad_scale cancels, and the f32 sum of exp (≈ 1 + small terms, ~10 merges of
+/// ≤ 6e-8 rounding each) errs by up to ~6e-7 relative, so 2e-6 · grad_scale absolute.
+fn check_f16_grad_element(what: &str, i: usize, got: f16, want: f64, grad_scale: f64) {
+    let got = widen(got);
+    assert!(
+        (want.abs() - F16_OVERFLOW).abs() > 1e-4 * F16_OVERFLOW
+            && (want.abs() - F16_MAX).abs() > 1e-4 * F16_MAX,
+        "{what}: [{i}] reference {want} too close to the f16 overflow boundary for this test"
+    );
+    if want.abs() > F16_OVERFLOW {
+        assert_eq!(
+            got,
+            want.signum() * f64::INFINITY,
+            "{what}: [{i}] reference {want} must overflow to ±inf"
+        );
+    } else {
+        let bound = 5e-4 * want.abs() + 2e-6 * grad_scale + 6e-8;
+        assert!(
+            got.is_finite() && (got - want).abs() <= bound,
+            "{what}: [{i}] got {got}, reference {want} (bound {bound:e})"
+        );
+    }
+}
+
+/// f16 gradient overflow under a GradScaler: with grad_scale = 65536 (loss scale 2^16 over a
+/// single counted token), a row whose target has probability ≈ 0 has the gradient
+/// (p - 1)·65536 ≈ -65536 at the target, and a non-target logit with probability ≈ 1 has
+/// ≈ +65536: both round past 65504 and must be stored as -inf / +inf (not clamped to ±65504 and
+/// not wrapped), while the row losses (f32) and the totals stay finite; the GradScaler's
+/// unscale_check then raises found_inf. A row whose target is the likely class stays finite at
+/// the same scale, and with grad_scale = 65536 / 4 no element overflows, every element matches
+/// the reference and found_inf stays 0.
+#[test]
+fn cross_entropy_f16_gradient_overflows_to_inf() {
+    let Some(dev) = gpu_or_skip("cross_entropy_f16_gradient_overflows_to_inf") else {
         return;
     };
     let s = dev.stream();
+    let (rows, vocab) = (4usize, 1000usize);
+    // Background logits ~ N(0, 1); then the planted ones (all exact in f16).
+    let mut x32 = normal_logits(1900, rows, vocab, 1.0);
+    // Row 0: the target (17) is very unlikely: p ≈ e^-20 / (1000·e^0.5) ≈ 1e-12.
+    x32[17] = -20.0;
+    // Row 1: a non-target (3) dominates (p ≈ 1 - 3e-6); the target (500) is ordinary.
+    x32[vocab + 3] = 20.0;
+    // Row 2: ignored. Row 3: the target (999) dominates, so |gradient| ≤ 65536 · 3e-6.
+    x32[3 * vocab + 999] = 20.0;
+    let targets_h = [17, 500, IGNORE, 999];
+    let x: Vec<f16> = rounded(&x32);
+    let targets = upload(s, &targets_h);
+    let inv_scale = upload(s, &[(1.0 / F16_LOSS_SCALE) as f32]);
     let mut totals = CeTotals::new(s).unwrap();
-    for (case_no, &(rows, vocab)) in CE_SHAPES.iter().enumerate() {
-        let what = format!("ce fused bf16 {rows}x{vocab}");
-        let x32 = normal_logits(500 + case_no as u64, rows, vocab, 3.0);
-        let x: Vec<bf16> = x32.par_iter().map(|&v| bf16::from_f32(v)).collect();
-        let targets_h = random_targets(600 + case_no as u64, rows, vocab);
-        let grad_scale = grad_scale_for(&targets_h);
 
+    for (grad_scale, overflow) in [(F16_LOSS_SCALE, true), (F16_LOSS_SCALE / 4.0, false)] {
+        let what = format!("ce f16 grad_scale {grad_scale}");
         let mut logits = upload(s, &x);
-        let targets = upload(s, &targets_h);
-        let mut row_loss = upload(s, &vec![f32::NAN; rows]);
-        dev.synchronize().unwrap();
-        let t0 = Instant::now();
-        cuda::cross_entropy_fused_bf16(
+        let mut row_loss = upload(s, &[f32::NAN; 4]);
+        cuda::cross_entropy_fused(
             s,
             &mut logits,
             &targets,
@@ -335,85 +544,88 @@ fn cross_entropy_fused_bf16_matches_cpu_reference() {
             &mut totals,
         )
         .unwrap();
-        dev.synchronize().unwrap();
-        report_bandwidth(&what, rows * vocab * 2, t0.elapsed().as_secs_f64());
         let stats = totals.read(s).unwrap();
         let grad = download(&dev, &logits);
         let losses = download(&dev, &row_loss);
-        let errs = compare_with_reference(
-            &what,
-            &x,
-            bf16::to_f64,
-            &targets_h,
-            vocab,
-            grad_scale,
-            &losses,
-            Some((&grad, bf16::to_f64)),
-        );
-        check_totals(&what, stats, &errs, 1e-5);
-        let e = errs.grad_rel();
-        report(&format!("{what}: gradient rel err {e:.3e}"));
-        assert!(e <= 1e-2, "{what}: gradient rel err {e:e} > 1e-2");
 
-        if vocab >= 1000 {
-            let vs_f32 = compare_with_reference::<f32, f32>(
-                &what,
-                &x32,
-                f64::from,
-                &targets_h,
-                vocab,
-                grad_scale,
-                &losses,
-                None,
-            );
-            let e = vs_f32.loss_rel();
-            let sum_rel = (stats.loss_sum - vs_f32.loss_sum_ref).abs() / vs_f32.loss_sum_ref.abs();
-            report(&format!(
-                "{what}: vs the unrounded f32 logits: row-loss rel err {e:.3e}, loss_sum rel \
-                 err {sum_rel:.3e}"
-            ));
-            assert!(
-                sum_rel <= 1e-3,
-                "{what}: loss_sum rel err vs f32 logits {sum_rel:e}"
-            );
-            if vocab >= 32000 {
-                assert!(
-                    e <= 1e-3,
-                    "{what}: row-loss rel err vs f32 logits {e:e} > 1e-3"
-                );
-            }
+        let mut reference: Vec<f64> = x.iter().map(|&v| widen(v)).collect();
+        let want = cpu::cross_entropy_fused(&mut reference, &targets_h, vocab, grad_scale)
+            .expect("reference accepts the targets");
+        let infs = grad.iter().filter(|g| g.is_infinite()).count();
+        let expected_infs = if overflow { 3 } else { 0 };
+        report(&format!(
+            "{what}: {infs} gradient elements ±inf (expected {expected_infs}), loss_sum {:.9e} \
+             (ref {:.9e}), row losses {losses:?}",
+            stats.loss_sum, want.loss_sum
+        ));
+        assert_eq!(stats.valid, 3, "{what}: valid count");
+        assert!(
+            losses.iter().all(|l| l.is_finite()),
+            "{what}: row losses {losses:?}"
+        );
+        assert_eq!(losses[2], 0.0, "{what}: ignored row loss");
+        let sum_rel = (stats.loss_sum - want.loss_sum).abs() / want.loss_sum.abs();
+        assert!(
+            stats.loss_sum.is_finite() && sum_rel <= 1e-5,
+            "{what}: loss_sum {} vs {} (rel err {sum_rel:e})",
+            stats.loss_sum,
+            want.loss_sum
+        );
+        for (i, (&g, &w)) in grad.iter().zip(&reference).enumerate() {
+            check_f16_grad_element(&what, i, g, w, grad_scale);
         }
+        if overflow {
+            assert_eq!(grad[17], f16::NEG_INFINITY, "{what}: row 0 target");
+            assert_eq!(
+                grad[vocab + 3],
+                f16::INFINITY,
+                "{what}: row 1 dominant logit"
+            );
+            assert_eq!(grad[vocab + 500], f16::NEG_INFINITY, "{what}: row 1 target");
+        }
+        assert_eq!(infs, expected_infs, "{what}: count of ±inf");
+        assert!(
+            grad[3 * vocab..].iter().all(|g| g.is_finite()),
+            "{what}: row 3 (likely target) must stay finite"
+        );
+        assert!(
+            grad[2 * vocab..3 * vocab].iter().all(|g| g.to_bits() == 0),
+            "{what}: ignored row not +0"
+        );
+
+        // The GradScaler's unscale + check sees exactly the overflow.
+        let mut found_inf = upload(s, &[0.0f32]);
+        cuda::unscale_check(s, &mut logits, &inv_scale, &mut found_inf).unwrap();
+        let flag = download(&dev, &found_inf)[0];
+        report(&format!("{what}: unscale_check found_inf {flag}"));
+        assert_eq!(flag, if overflow { 1.0 } else { 0.0 }, "{what}: found_inf");
     }
 }
 
-/// The loss-only kernels: same row losses (bit for bit) and totals as the fused ones, and the
-/// logits are left untouched.
-#[test]
-fn cross_entropy_forward_matches_fused_and_keeps_logits() {
-    let Some(dev) = gpu_or_skip("cross_entropy_forward_matches_fused_and_keeps_logits") else {
-        return;
-    };
+/// The loss-only kernel on `T`: the same row losses (bit for bit) and totals as the fused one,
+/// and the logits are left untouched.
+fn check_forward_matches_fused<T: DeviceFloat>(dev: &GpuDevice, seed: u64) {
     let s = dev.stream();
     let mut totals = CeTotals::new(s).unwrap();
     for (case_no, &(rows, vocab)) in [(5, 7), (33, 4099), (4000, 32003)].iter().enumerate() {
-        let x = normal_logits(700 + case_no as u64, rows, vocab, 3.0);
-        let targets_h = random_targets(800 + case_no as u64, rows, vocab);
+        let what = format!("ce forward {} {rows}x{vocab}", T::NAME);
+        let x: Vec<T> = rounded(&normal_logits(seed + case_no as u64, rows, vocab, 3.0));
+        let targets_h = random_targets(seed + 100 + case_no as u64, rows, vocab);
         let targets = upload(s, &targets_h);
 
-        // f32
         let logits = upload(s, &x);
         let mut loss_fwd = upload(s, &vec![f32::NAN; rows]);
-        cuda::cross_entropy_forward_f32(s, &logits, &targets, vocab, &mut loss_fwd, &mut totals)
+        cuda::cross_entropy_forward(s, &logits, &targets, vocab, &mut loss_fwd, &mut totals)
             .unwrap();
         let fwd_stats = totals.read(s).unwrap();
-        let kept = download(&dev, &logits);
+        let kept = download(dev, &logits);
         assert!(
-            kept.iter().zip(&x).all(|(a, b)| a.to_bits() == b.to_bits()),
-            "forward f32 {rows}x{vocab} modified the logits"
+            kept.iter().zip(&x).all(|(&a, &b)| bits(a) == bits(b)),
+            "{what}: modified the logits"
         );
         let mut fused_logits = upload(s, &x);
         let mut loss_fused = upload(s, &vec![f32::NAN; rows]);
-        cuda::cross_entropy_fused_f32(
+        cuda::cross_entropy_fused(
             s,
             &mut fused_logits,
             &targets,
@@ -424,80 +636,51 @@ fn cross_entropy_forward_matches_fused_and_keeps_logits() {
         )
         .unwrap();
         let fused_stats = totals.read(s).unwrap();
-        let (a, b) = (download(&dev, &loss_fwd), download(&dev, &loss_fused));
+        let (a, b) = (download(dev, &loss_fwd), download(dev, &loss_fused));
         let same = a
             .iter()
             .zip(&b)
             .filter(|(p, q)| p.to_bits() == q.to_bits())
             .count();
         report(&format!(
-            "ce forward f32 {rows}x{vocab}: {same}/{rows} row losses bit-identical to fused, \
-             loss_sum {:.9e} vs {:.9e}",
+            "{what}: {same}/{rows} row losses bit-identical to fused, loss_sum {:.9e} vs {:.9e}",
             fwd_stats.loss_sum, fused_stats.loss_sum
         ));
-        assert_eq!(
-            same, rows,
-            "forward f32 {rows}x{vocab}: row losses differ from fused"
-        );
+        assert_eq!(same, rows, "{what}: row losses differ from fused");
         assert_eq!(fwd_stats.loss_sum.to_bits(), fused_stats.loss_sum.to_bits());
         assert_eq!(fwd_stats.valid, fused_stats.valid);
-
-        // bf16
-        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-        let logits = upload(s, &xb);
-        let mut loss_fwd = upload(s, &vec![f32::NAN; rows]);
-        cuda::cross_entropy_forward_bf16(s, &logits, &targets, vocab, &mut loss_fwd, &mut totals)
-            .unwrap();
-        let fwd_stats = totals.read(s).unwrap();
-        let kept = download(&dev, &logits);
-        assert!(
-            kept.iter()
-                .zip(&xb)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "forward bf16 {rows}x{vocab} modified the logits"
-        );
-        let mut fused_logits = upload(s, &xb);
-        let mut loss_fused = upload(s, &vec![f32::NAN; rows]);
-        cuda::cross_entropy_fused_bf16(
-            s,
-            &mut fused_logits,
-            &targets,
-            vocab,
-            1.0,
-            &mut loss_fused,
-            &mut totals,
-        )
-        .unwrap();
-        let fused_stats = totals.read(s).unwrap();
-        let (a, b) = (download(&dev, &loss_fwd), download(&dev, &loss_fused));
-        assert!(
-            a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
-            "forward bf16 {rows}x{vocab}: row losses differ from fused"
-        );
-        assert_eq!(fwd_stats.loss_sum.to_bits(), fused_stats.loss_sum.to_bits());
     }
 }
 
-/// Two launches on the same input give the same bits: losses, totals and gradients.
+/// The loss-only kernels: same row losses (bit for bit) and totals as the fused ones, and the
+/// logits are left untouched; every type.
 #[test]
-fn cross_entropy_is_deterministic() {
-    let Some(dev) = gpu_or_skip("cross_entropy_is_deterministic") else {
+fn cross_entropy_forward_matches_fused_and_keeps_logits() {
+    let Some(dev) = gpu_or_skip("cross_entropy_forward_matches_fused_and_keeps_logits") else {
         return;
     };
+    check_forward_matches_fused::<f32>(&dev, 700);
+    check_forward_matches_fused::<bf16>(&dev, 710);
+    check_forward_matches_fused::<f16>(&dev, 720);
+}
+
+/// Two launches on the same `T` input give the same bits: losses, totals and gradients.
+fn check_deterministic<T: DeviceFloat>(dev: &GpuDevice, seed: u64, loss_scale: f64) {
     let s = dev.stream();
     for (case_no, &(rows, vocab)) in [(17, 1000), (4000, 32003), (4000, 128256)]
         .iter()
         .enumerate()
     {
-        let x = normal_logits(900 + case_no as u64, rows, vocab, 3.0);
-        let targets_h = random_targets(1000 + case_no as u64, rows, vocab);
+        let what = format!("ce determinism {} {rows}x{vocab}", T::NAME);
+        let x: Vec<T> = rounded(&normal_logits(seed + case_no as u64, rows, vocab, 3.0));
+        let targets_h = random_targets(seed + 100 + case_no as u64, rows, vocab);
         let targets = upload(s, &targets_h);
-        let grad_scale = grad_scale_for(&targets_h);
+        let grad_scale = loss_scale * grad_scale_for(&targets_h);
         let run = || {
             let mut totals = CeTotals::new(s).unwrap();
             let mut logits = upload(s, &x);
             let mut row_loss = upload(s, &vec![f32::NAN; rows]);
-            cuda::cross_entropy_fused_f32(
+            cuda::cross_entropy_fused(
                 s,
                 &mut logits,
                 &targets,
@@ -508,47 +691,49 @@ fn cross_entropy_is_deterministic() {
             )
             .unwrap();
             let stats = totals.read(s).unwrap();
-            (stats, download(&dev, &row_loss), download(&dev, &logits))
+            (stats, download(dev, &row_loss), download(dev, &logits))
         };
         let (s1, l1, g1) = run();
         let (s2, l2, g2) = run();
         let grad_diff = g1
             .iter()
             .zip(&g2)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .filter(|&(&a, &b)| bits(a) != bits(b))
             .count();
         report(&format!(
-            "ce determinism f32 {rows}x{vocab}: loss_sum {:.17e} / {:.17e}, gradient elements \
-             differing: {grad_diff}",
+            "{what}: loss_sum {:.17e} / {:.17e}, gradient elements differing: {grad_diff}",
             s1.loss_sum, s2.loss_sum
         ));
         assert_eq!(
             s1.loss_sum.to_bits(),
             s2.loss_sum.to_bits(),
-            "{rows}x{vocab}: loss_sum"
+            "{what}: loss_sum"
         );
         assert!(
             l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{rows}x{vocab}: row losses differ between runs"
+            "{what}: row losses differ between runs"
         );
-        assert_eq!(
-            grad_diff, 0,
-            "{rows}x{vocab}: gradients differ between runs"
-        );
+        assert_eq!(grad_diff, 0, "{what}: gradients differ between runs");
     }
 }
 
-/// Out-of-range labels: the totals name the lowest bad position and its label, `read` returns
-/// `LabelOutOfRange`, the bad rows get NaN losses and NaN gradients, and the good rows are
-/// still right.
 #[test]
-fn cross_entropy_reports_out_of_range_labels() {
-    let Some(dev) = gpu_or_skip("cross_entropy_reports_out_of_range_labels") else {
+fn cross_entropy_is_deterministic() {
+    let Some(dev) = gpu_or_skip("cross_entropy_is_deterministic") else {
         return;
     };
+    check_deterministic::<f32>(&dev, 900, 1.0);
+    check_deterministic::<bf16>(&dev, 910, 1.0);
+    check_deterministic::<f16>(&dev, 920, F16_LOSS_SCALE);
+}
+
+/// Out-of-range labels on `T` logits: the totals name the lowest bad position and its label,
+/// `read` returns `LabelOutOfRange`, the bad rows get NaN losses and NaN gradients, and the good
+/// rows are still right (losses within 1e-5, the gradient within `grad_tol`, at `grad_scale`).
+fn check_bad_labels<T: DeviceFloat>(dev: &GpuDevice, grad_scale: f64, grad_tol: f64) {
     let s = dev.stream();
     let (rows, vocab) = (12, 1001);
-    let x = normal_logits(1100, rows, vocab, 3.0);
+    let x: Vec<T> = rounded(&normal_logits(1100, rows, vocab, 3.0));
     let mut targets_h = random_targets(1101, rows, vocab);
     // Bad labels at positions 4 (= vocab), 7 (-1), 9 (i32::MAX), 10 (i32::MIN); 4 is reported.
     targets_h[4] = vocab as i32;
@@ -558,21 +743,22 @@ fn cross_entropy_reports_out_of_range_labels() {
     let bad = [4usize, 7, 9, 10];
     let targets = upload(s, &targets_h);
     let mut totals = CeTotals::new(s).unwrap();
+    let what = format!("ce bad labels {}", T::NAME);
 
     let mut logits = upload(s, &x);
     let mut row_loss = upload(s, &vec![f32::NAN; rows]);
-    cuda::cross_entropy_fused_f32(
+    cuda::cross_entropy_fused(
         s,
         &mut logits,
         &targets,
         vocab,
-        1.0,
+        grad_scale,
         &mut row_loss,
         &mut totals,
     )
     .unwrap();
     let err = totals.read(s).unwrap_err();
-    report(&format!("ce bad labels (fused): {err}"));
+    report(&format!("{what} (fused): {err}"));
     assert!(
         matches!(
             err,
@@ -582,19 +768,22 @@ fn cross_entropy_reports_out_of_range_labels() {
                 vocab: 1001
             } if label == vocab as i32
         ),
-        "{err}"
+        "{what}: {err}"
     );
-    let losses = download(&dev, &row_loss);
-    let grad = download(&dev, &logits);
-    for r in 0..rows {
-        let row = &grad[r * vocab..(r + 1) * vocab];
-        if bad.contains(&r) {
-            assert!(losses[r].is_nan(), "bad row {r}: loss {}", losses[r]);
-            assert!(
-                row.iter().all(|g| g.is_nan()),
-                "bad row {r}: gradient not NaN"
-            );
-        }
+    let losses = download(dev, &row_loss);
+    let grad = download(dev, &logits);
+    for &r in &bad {
+        assert!(
+            losses[r].is_nan(),
+            "{what}: bad row {r}: loss {}",
+            losses[r]
+        );
+        assert!(
+            grad[r * vocab..(r + 1) * vocab]
+                .iter()
+                .all(|g| g.to_f32().is_nan()),
+            "{what}: bad row {r}: gradient not NaN"
+        );
     }
     // The other rows match the reference as usual.
     let mut good_targets = targets_h.clone();
@@ -605,41 +794,56 @@ fn cross_entropy_reports_out_of_range_labels() {
     let mut masked_grad = grad.clone();
     for &r in &bad {
         masked_losses[r] = 0.0;
-        masked_grad[r * vocab..(r + 1) * vocab].fill(0.0);
+        masked_grad[r * vocab..(r + 1) * vocab].fill(T::from_f32(0.0));
     }
     let errs = compare_with_reference(
-        "ce bad labels (good rows)",
+        &what,
         &x,
-        f64::from,
+        widen::<T>,
         &good_targets,
         vocab,
-        1.0,
+        grad_scale,
         &masked_losses,
-        Some((&masked_grad, f64::from)),
+        Some((&masked_grad, widen::<T>)),
     );
     report(&format!(
-        "ce bad labels: good rows: row-loss rel err {:.3e}, gradient rel err {:.3e}",
+        "{what}: good rows: row-loss rel err {:.3e}, gradient rel err {:.3e}",
         errs.loss_rel(),
         errs.grad_rel()
     ));
     assert!(
-        errs.loss_rel() <= 1e-5 && errs.grad_rel() <= 1e-5,
-        "{errs:?}"
+        errs.loss_rel() <= 1e-5 && errs.grad_rel() <= grad_tol,
+        "{what}: {errs:?}"
     );
 
     // The loss-only kernel reports the same error, and a later clean launch clears it.
     let logits = upload(s, &x);
-    cuda::cross_entropy_forward_f32(s, &logits, &targets, vocab, &mut row_loss, &mut totals)
-        .unwrap();
+    cuda::cross_entropy_forward(s, &logits, &targets, vocab, &mut row_loss, &mut totals).unwrap();
     let err = totals.read(s).unwrap_err();
     assert!(
         matches!(err, OpsError::LabelOutOfRange { position: 4, .. }),
-        "{err}"
+        "{what} (forward): {err}"
     );
     let clean = upload(s, &good_targets);
-    cuda::cross_entropy_forward_f32(s, &logits, &clean, vocab, &mut row_loss, &mut totals).unwrap();
+    cuda::cross_entropy_forward(s, &logits, &clean, vocab, &mut row_loss, &mut totals).unwrap();
     let stats = totals.read(s).unwrap();
-    assert_eq!(stats.valid, errs.valid_ref);
+    assert_eq!(
+        stats.valid, errs.valid_ref,
+        "{what}: valid after a clean launch"
+    );
+}
+
+/// Out-of-range labels for every type; gradient bounds as in the reference tests (f16 at a
+/// loss-scaled grad_scale of 1024, which keeps |gradient| ≤ 1024 and the bulk of it out of the
+/// subnormals).
+#[test]
+fn cross_entropy_reports_out_of_range_labels() {
+    let Some(dev) = gpu_or_skip("cross_entropy_reports_out_of_range_labels") else {
+        return;
+    };
+    check_bad_labels::<f32>(&dev, 1.0, 1e-5);
+    check_bad_labels::<bf16>(&dev, 1.0, 1e-2);
+    check_bad_labels::<f16>(&dev, 1024.0, 1e-3);
 }
 
 #[test]
@@ -653,7 +857,7 @@ fn cross_entropy_rejects_bad_shapes() {
     let mut logits = upload(s, &[0.5f32; 3 * 7 + 1]);
     let mut row_loss = upload(s, &[f32::NAN; 3]);
     let err =
-        cuda::cross_entropy_fused_f32(s, &mut logits, &targets, 7, 1.0, &mut row_loss, &mut totals)
+        cuda::cross_entropy_fused(s, &mut logits, &targets, 7, 1.0, &mut row_loss, &mut totals)
             .unwrap_err();
     assert!(
         matches!(
@@ -668,7 +872,7 @@ fn cross_entropy_rejects_bad_shapes() {
     );
     let mut logits = upload(s, &[0.5f32; 21]);
     let mut short_loss = upload(s, &[f32::NAN; 2]);
-    let err = cuda::cross_entropy_fused_f32(
+    let err = cuda::cross_entropy_fused(
         s,
         &mut logits,
         &targets,
@@ -689,7 +893,7 @@ fn cross_entropy_rejects_bad_shapes() {
         ),
         "{err}"
     );
-    let err = cuda::cross_entropy_fused_f32(
+    let err = cuda::cross_entropy_fused(
         s,
         &mut logits,
         &targets,
@@ -727,111 +931,114 @@ fn wide_f32(g: &mut ChaCha8Rng, n: usize, exp: std::ops::RangeInclusive<i32>) ->
 /// (1024 blocks of 4096), where each thread takes many elements.
 const NORM_LENGTHS: &[usize] = &[1, 3, 4, 5, 1000, 4097, (1 << 22) + 3, 50_000_017];
 
-/// The f32 norm vs `cpu::global_norm` in f64: ≤ 1e-6 relative (the kernel accumulates in f64,
-/// so the only visible error is the final rounding of the norm to f32, ≤ 6e-8); the f64 sum of
-/// squares ≤ 1e-10 (summation-order differences of f64 sums of positive terms over ≤ 5e7
-/// elements: ≤ n·2^-53 in the worst case of the CPU's 65536-long serial chunks).
-#[test]
-fn global_norm_matches_cpu_reference() {
-    let Some(dev) = gpu_or_skip("global_norm_matches_cpu_reference") else {
-        return;
-    };
+/// The norm of `T` values ±(1 + u)·2^e, e in `exp`, against `cpu::global_norm` in f64 on the
+/// same stored values, at pointer offsets 0 and 1 (the vector and the scalar path): ≤ 1e-6
+/// relative on the norm (the kernel widens each element exactly and accumulates in f64, so the
+/// only visible error is the final rounding of the norm to f32, ≤ 6e-8) and ≤ 1e-10 on the f64
+/// sum of squares (summation-order differences of f64 sums of positive terms over ≤ 5e7
+/// elements: ≤ n·2^-53 in the worst case of the CPU's 65536-long serial chunks); a second
+/// launch gives the same bits. The bounds do not depend on the type: the inputs are exact.
+fn check_global_norm<T: DeviceFloat>(
+    dev: &GpuDevice,
+    seed: u64,
+    exp: std::ops::RangeInclusive<i32>,
+) {
     let s = dev.stream();
     let mut ws = NormWorkspace::new(s).unwrap();
-    let mut g = rng(1200);
+    let mut g = rng(seed);
     for &n in NORM_LENGTHS {
-        let host = wide_f32(&mut g, n + 1, -20..=20);
+        let host: Vec<T> = rounded(&wide_f32(&mut g, n + 1, exp.clone()));
         let input = upload(s, &host);
         for offset in [0usize, 1] {
-            let x = &host[offset..offset + n];
-            let want = cpu::global_norm(x);
+            let what = format!("global norm {} n={n} offset={offset}", T::NAME);
+            let x: Vec<f64> = host[offset..offset + n]
+                .par_iter()
+                .map(|&v| widen(v))
+                .collect();
+            let want = cpu::global_norm(&x);
             let view = input.slice(offset..offset + n);
-            cuda::global_norm_f32(s, &view, &mut ws).unwrap();
-            let norm = ws.read_norm(s).unwrap() as f64;
+            cuda::global_norm(s, &view, &mut ws).unwrap();
+            let norm = f64::from(ws.read_norm(s).unwrap());
             let sum_sq = ws.read_sum_sq(s).unwrap();
             let e_norm = (norm - want).abs() / want;
             let e_sq = (sum_sq - want * want).abs() / (want * want);
             report(&format!(
-                "global norm f32 n={n} offset={offset}: {norm:.9e} (ref {want:.9e}), norm rel \
-                 err {e_norm:.3e}, sum_sq rel err {e_sq:.3e}"
+                "{what}: {norm:.9e} (ref {want:.9e}), norm rel err {e_norm:.3e}, sum_sq rel err \
+                 {e_sq:.3e}"
             ));
-            assert!(
-                e_norm <= 1e-6,
-                "n={n} offset={offset}: norm rel err {e_norm:e}"
-            );
-            assert!(
-                e_sq <= 1e-10,
-                "n={n} offset={offset}: sum_sq rel err {e_sq:e}"
-            );
+            assert!(e_norm <= 1e-6, "{what}: norm rel err {e_norm:e}");
+            assert!(e_sq <= 1e-10, "{what}: sum_sq rel err {e_sq:e}");
             // Deterministic: again, same bits.
-            cuda::global_norm_f32(s, &view, &mut ws).unwrap();
+            cuda::global_norm(s, &view, &mut ws).unwrap();
             assert_eq!(
                 ws.read_sum_sq(s).unwrap().to_bits(),
                 sum_sq.to_bits(),
-                "n={n}"
+                "{what}: second launch"
             );
         }
     }
 }
 
-/// bf16 input, widened exactly: the same bounds as f32.
+#[test]
+fn global_norm_f32_matches_cpu_reference() {
+    let Some(dev) = gpu_or_skip("global_norm_f32_matches_cpu_reference") else {
+        return;
+    };
+    check_global_norm::<f32>(&dev, 1200, -20..=20);
+}
+
 #[test]
 fn global_norm_bf16_matches_cpu_reference() {
     let Some(dev) = gpu_or_skip("global_norm_bf16_matches_cpu_reference") else {
         return;
     };
-    let s = dev.stream();
-    let mut ws = NormWorkspace::new(s).unwrap();
-    let mut g = rng(1300);
-    for &n in NORM_LENGTHS {
-        let host: Vec<bf16> = wide_f32(&mut g, n + 1, -20..=20)
-            .into_iter()
-            .map(bf16::from_f32)
-            .collect();
-        let input = upload(s, &host);
-        for offset in [0usize, 1] {
-            let x: Vec<f64> = host[offset..offset + n]
-                .iter()
-                .map(|v| v.to_f64())
-                .collect();
-            let want = cpu::global_norm(&x);
-            cuda::global_norm_bf16(s, &input.slice(offset..offset + n), &mut ws).unwrap();
-            let norm = ws.read_norm(s).unwrap() as f64;
-            let e = (norm - want).abs() / want;
-            report(&format!(
-                "global norm bf16 n={n} offset={offset}: {norm:.9e} (ref {want:.9e}), rel err \
-                 {e:.3e}"
-            ));
-            assert!(e <= 1e-6, "bf16 n={n} offset={offset}: norm rel err {e:e}");
-        }
-    }
+    check_global_norm::<bf16>(&dev, 1300, -20..=20);
 }
 
-/// A NaN makes the norm NaN, an inf makes it inf (what clip_grad_norm_ sees in PyTorch); huge
-/// finite values whose f32 squares would overflow stay finite; an empty buffer gives 0.
+/// f16 values in its normal range: magnitudes 2^-14 ..= 2^15 (the largest finite is 65504).
+#[test]
+fn global_norm_f16_matches_cpu_reference() {
+    let Some(dev) = gpu_or_skip("global_norm_f16_matches_cpu_reference") else {
+        return;
+    };
+    check_global_norm::<f16>(&dev, 1310, -14..=14);
+}
+
+/// For `T`: a NaN makes the norm NaN, an inf makes it inf (what clip_grad_norm_ sees in
+/// PyTorch); an empty buffer gives 0.
+fn check_norm_non_finite<T: DeviceFloat>(dev: &GpuDevice, seed: u64) {
+    let s = dev.stream();
+    let mut ws = NormWorkspace::new(s).unwrap();
+    let mut host: Vec<T> = rounded(&wide_f32(&mut rng(seed), 10_007, -3..=3));
+    host[5000] = T::from_f32(f32::NAN);
+    cuda::global_norm(s, &upload(s, &host), &mut ws).unwrap();
+    assert!(ws.read_norm(s).unwrap().is_nan(), "{}: NaN", T::NAME);
+    host[5000] = T::from_f32(f32::NEG_INFINITY);
+    cuda::global_norm(s, &upload(s, &host), &mut ws).unwrap();
+    assert_eq!(ws.read_norm(s).unwrap(), f32::INFINITY, "{}: -inf", T::NAME);
+    let empty = s.alloc_zeros::<T>(1).unwrap();
+    cuda::global_norm(s, &empty.slice(0..0), &mut ws).unwrap();
+    assert_eq!(ws.read_norm(s).unwrap(), 0.0, "{}: empty", T::NAME);
+    assert_eq!(ws.read_sum_sq(s).unwrap(), 0.0, "{}: empty", T::NAME);
+}
+
+/// Non-finite and empty inputs for every type; and huge finite f32 values whose f32 squares
+/// would overflow stay finite (the squares are f64).
 #[test]
 fn global_norm_edge_cases() {
     let Some(dev) = gpu_or_skip("global_norm_edge_cases") else {
         return;
     };
+    check_norm_non_finite::<f32>(&dev, 1400);
+    check_norm_non_finite::<bf16>(&dev, 1401);
+    check_norm_non_finite::<f16>(&dev, 1402);
     let s = dev.stream();
     let mut ws = NormWorkspace::new(s).unwrap();
-    let mut host = wide_f32(&mut rng(1400), 10_007, -3..=3);
-    host[5000] = f32::NAN;
-    cuda::global_norm_f32(s, &upload(s, &host), &mut ws).unwrap();
-    assert!(ws.read_norm(s).unwrap().is_nan());
-    host[5000] = f32::NEG_INFINITY;
-    cuda::global_norm_f32(s, &upload(s, &host), &mut ws).unwrap();
-    assert_eq!(ws.read_norm(s).unwrap(), f32::INFINITY);
     let huge = vec![3e19f32; 9];
-    cuda::global_norm_f32(s, &upload(s, &huge), &mut ws).unwrap();
-    let got = ws.read_norm(s).unwrap() as f64;
+    cuda::global_norm(s, &upload(s, &huge), &mut ws).unwrap();
+    let got = f64::from(ws.read_norm(s).unwrap());
     let want = cpu::global_norm(&huge);
     assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
-    let empty = s.alloc_zeros::<f32>(1).unwrap();
-    cuda::global_norm_f32(s, &empty.slice(0..0), &mut ws).unwrap();
-    assert_eq!(ws.read_norm(s).unwrap(), 0.0);
-    assert_eq!(ws.read_sum_sq(s).unwrap(), 0.0);
 }
 
 // ---- GradScaler unscale + non-finite check ----
@@ -851,28 +1058,27 @@ fn plant_positions(g: &mut ChaCha8Rng, n: usize) -> Vec<usize> {
     at
 }
 
-/// Runs the unscale of one dtype on clean and on planted inputs, comparing bit for bit with the
-/// CPU reference (f32 product rounded to the dtype, which `from_f32` does to nearest even).
-/// `make` draws finite values whose products with `inv_scale` stay normal; `plant` writes the
-/// k-th non-finite value (+inf, -inf, NaN).
-#[allow(clippy::too_many_arguments)]
-fn check_unscale<T>(
+/// The k-th planted non-finite value: +inf, -inf, NaN.
+fn plant<T: DeviceFloat>(k: usize) -> T {
+    T::from_f32([f32::INFINITY, f32::NEG_INFINITY, f32::NAN][k % 3])
+}
+
+/// Runs the unscale of `T` on clean and on planted inputs (+inf, -inf, NaN at random
+/// positions), at pointer offsets 0 and 1, comparing bit for bit with the CPU reference (f32
+/// product rounded to `T` to nearest even, which `from_f32` does) and checking found_inf: 1.0
+/// exactly when something was planted, and never cleared by a later clean launch. `make` draws
+/// finite values whose products with `inv_scale` stay normal.
+fn check_unscale<T: DeviceFloat>(
     dev: &GpuDevice,
-    what: &str,
     seed: u64,
     inv_scale: f32,
     make: impl Fn(&mut ChaCha8Rng, usize) -> Vec<T>,
-    to_f32: fn(T) -> f32,
-    from_f32: fn(f32) -> T,
-    plant: fn(usize) -> T,
-    launch: impl Fn(&mut CudaSlice<T>, std::ops::Range<usize>, &CudaSlice<f32>, &mut CudaSlice<f32>),
-) where
-    T: cudarc::driver::DeviceRepr + Copy + PartialEq + std::fmt::Debug,
-    T: bytemuck::Pod,
-{
+) {
+    let what = format!("{} inv_scale={inv_scale:e}", T::NAME);
     let s = dev.stream();
     let mut g = rng(seed);
     let scale = upload(s, &[inv_scale]);
+    let same = |a: T, b: T| bits(a) == bits(b) || (a.to_f32().is_nan() && b.to_f32().is_nan());
     for &n in UNSCALE_LENGTHS {
         for planted in [false, true] {
             for offset in [0usize, 1] {
@@ -887,23 +1093,21 @@ fn check_unscale<T>(
                 }
                 let mut want32: Vec<f32> = host[offset..offset + n]
                     .iter()
-                    .map(|&v| to_f32(v))
+                    .map(|v| v.to_f32())
                     .collect();
                 let want_flag = cpu::unscale_and_check(&mut want32, inv_scale);
                 assert_eq!(want_flag, planted, "reference flag");
-                let want: Vec<T> = want32.iter().map(|&v| from_f32(v)).collect();
+                let want: Vec<T> = want32.iter().map(|&v| T::from_f32(v)).collect();
 
                 let mut buf = upload(s, &host);
                 let mut found_inf = upload(s, &[0.0f32]);
-                launch(&mut buf, offset..offset + n, &scale, &mut found_inf);
+                {
+                    let mut view = buf.slice_mut(offset..offset + n);
+                    cuda::unscale_check(s, &mut view, &scale, &mut found_inf).unwrap();
+                }
                 let flag = download(dev, &found_inf)[0];
                 let got = download(dev, &buf);
-                let mismatches = (0..n)
-                    .filter(|&i| {
-                        bytemuck::bytes_of(&got[offset + i]) != bytemuck::bytes_of(&want[i])
-                            && !(to_f32(got[offset + i]).is_nan() && to_f32(want[i]).is_nan())
-                    })
-                    .count();
+                let mismatches = (0..n).filter(|&i| !same(got[offset + i], want[i])).count();
                 report(&format!(
                     "unscale {what} n={n} offset={offset} planted={planted}: found_inf {flag}, \
                      {mismatches} elements differ from the reference"
@@ -918,16 +1122,16 @@ fn check_unscale<T>(
                 // is untouched.
                 let outside = if offset == 0 { n } else { 0 };
                 assert_eq!(
-                    bytemuck::bytes_of(&got[outside]),
-                    bytemuck::bytes_of(&host[outside]),
+                    bits(got[outside]),
+                    bits(host[outside]),
                     "{what} n={n} offset={offset}: element outside the view was written"
                 );
                 // Exact for a power-of-two scale: the stored result equals x·s in f64.
                 if inv_scale.log2().fract() == 0.0 && !planted {
                     for i in 0..n {
-                        let exact = to_f32(host[offset + i]) as f64 * inv_scale as f64;
+                        let exact = widen(host[offset + i]) * f64::from(inv_scale);
                         assert_eq!(
-                            to_f32(got[offset + i]) as f64,
+                            widen(got[offset + i]),
                             exact,
                             "{what} n={n}: element {i} not exact"
                         );
@@ -942,17 +1146,13 @@ fn check_unscale<T>(
     let mut host = make(&mut g, 100);
     host[42] = plant(2);
     let mut flagged = upload(s, &host);
-    launch(&mut flagged, 0..100, &scale, &mut found_inf);
-    launch(&mut clean, 0..100, &scale, &mut found_inf);
+    cuda::unscale_check(s, &mut flagged, &scale, &mut found_inf).unwrap();
+    cuda::unscale_check(s, &mut clean, &scale, &mut found_inf).unwrap();
     assert_eq!(
         download(dev, &found_inf)[0],
         1.0,
         "{what}: found_inf was cleared"
     );
-}
-
-fn plant_f32(k: usize) -> f32 {
-    [f32::INFINITY, f32::NEG_INFINITY, f32::NAN][k % 3]
 }
 
 /// Bit-exact against the CPU reference (both are one IEEE f32 multiply, rounded to nearest
@@ -964,79 +1164,35 @@ fn unscale_check_f32_matches_cpu_reference() {
         return;
     };
     for (seed, inv_scale) in [(1500u64, 1.0f32 / 65536.0), (1501, 1.0 / 3.0)] {
-        check_unscale(
-            &dev,
-            &format!("f32 inv_scale={inv_scale:e}"),
-            seed,
-            inv_scale,
-            // 2^±100 · 2^-16 stays far from f32's subnormals and overflow.
-            |g, n| wide_f32(g, n, -100..=100),
-            |v| v,
-            |v| v,
-            plant_f32,
-            |buf, range, scale, found| {
-                let s = dev.stream();
-                let mut view = buf.slice_mut(range);
-                cuda::unscale_check_f32(s, &mut view, scale, found).unwrap();
-            },
-        );
+        // 2^±100 · 2^-16 stays far from f32's subnormals and overflow.
+        check_unscale::<f32>(&dev, seed, inv_scale, |g, n| wide_f32(g, n, -100..=100));
     }
 }
 
+/// bf16 (f32's exponent range): 2^±60 · 2^-16 stays far from the subnormals and overflow.
 #[test]
 fn unscale_check_bf16_matches_cpu_reference() {
     let Some(dev) = gpu_or_skip("unscale_check_bf16_matches_cpu_reference") else {
         return;
     };
-    check_unscale(
-        &dev,
-        "bf16",
-        1600,
-        1.0 / 65536.0,
-        |g, n| {
-            wide_f32(g, n, -60..=60)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect()
-        },
-        bf16::to_f32,
-        bf16::from_f32,
-        |k| [bf16::INFINITY, bf16::NEG_INFINITY, bf16::NAN][k % 3],
-        |buf, range, scale, found| {
-            let s = dev.stream();
-            let mut view = buf.slice_mut(range);
-            cuda::unscale_check_bf16(s, &mut view, scale, found).unwrap();
-        },
-    );
+    check_unscale::<bf16>(&dev, 1600, 1.0 / 65536.0, |g, n| {
+        rounded(&wide_f32(g, n, -60..=60))
+    });
 }
 
 /// f16 gradients as the GradScaler produces them: scaled by 2^16 into [4, 65504), unscaled by
-/// 2^-16 into f16's normal range (≥ 2^-14), where the result is exact.
+/// 2^-16 into f16's normal range (≥ 2^-14), where the result is exact; and a non-power-of-two
+/// scale (1/3), where the f32 product is rounded to f16 (bit-exact with the reference).
 #[test]
 fn unscale_check_f16_matches_cpu_reference() {
     let Some(dev) = gpu_or_skip("unscale_check_f16_matches_cpu_reference") else {
         return;
     };
-    check_unscale(
-        &dev,
-        "f16",
-        1700,
-        1.0 / 65536.0,
-        |g, n| {
-            wide_f32(g, n, 2..=14)
-                .into_iter()
-                .map(f16::from_f32)
-                .collect()
-        },
-        f16::to_f32,
-        f16::from_f32,
-        |k| [f16::INFINITY, f16::NEG_INFINITY, f16::NAN][k % 3],
-        |buf, range, scale, found| {
-            let s = dev.stream();
-            let mut view = buf.slice_mut(range);
-            cuda::unscale_check_f16(s, &mut view, scale, found).unwrap();
-        },
-    );
+    for (seed, inv_scale) in [(1700u64, 1.0f32 / 65536.0), (1701, 1.0 / 3.0)] {
+        check_unscale::<f16>(&dev, seed, inv_scale, |g, n| {
+            rounded(&wide_f32(g, n, 2..=14))
+        });
+    }
 }
 
 #[test]
@@ -1048,7 +1204,7 @@ fn unscale_rejects_bad_scalars() {
     let mut grads = upload(s, &[1.0f32; 8]);
     let two = upload(s, &[0.5f32, 0.5]);
     let mut found = upload(s, &[0.0f32]);
-    let err = cuda::unscale_check_f32(s, &mut grads, &two, &mut found).unwrap_err();
+    let err = cuda::unscale_check(s, &mut grads, &two, &mut found).unwrap_err();
     assert!(
         matches!(
             err,

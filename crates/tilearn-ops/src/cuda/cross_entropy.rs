@@ -1,6 +1,7 @@
 //! Wrappers of `kernels/cross_entropy.cu`: token softmax cross-entropy over the vocabulary,
 //! Hugging Face semantics (targets already shifted, `-100` ignored), same contract as
-//! [`crate::cpu::cross_entropy_fused`] / [`crate::cpu::cross_entropy_forward`]:
+//! [`crate::cpu::cross_entropy_fused`] / [`crate::cpu::cross_entropy_forward`], one generic
+//! function per variant for logits of any [`DeviceFloat`] type (f32, bf16, f16):
 //!
 //! * the fused variant overwrites the logits in place with
 //!   `(softmax(row) - onehot(target)) * grad_scale` (`=`; all zeros for ignored rows): no f32
@@ -15,12 +16,12 @@
 //! Reading is the only synchronising step, so a training loop can launch every micro-batch
 //! without waiting and check once, when it reads the loss for logging.
 
-use std::ffi::c_int;
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceSlice};
-use half::bf16;
 
+use super::DeviceFloat;
 use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::cpu::CeStats;
@@ -112,26 +113,6 @@ fn decode_totals(words: &[f64], vocab: usize) -> Result<CeStats> {
     })
 }
 
-type FusedLauncher<R> = unsafe extern "C" fn(
-    *mut R,
-    *const i32,
-    usize,
-    usize,
-    f32,
-    *mut f32,
-    *mut f64,
-    ffi::cudaStream_t,
-) -> c_int;
-type ForwardLauncher<R> = unsafe extern "C" fn(
-    *const R,
-    *const i32,
-    usize,
-    usize,
-    *mut f32,
-    *mut f64,
-    ffi::cudaStream_t,
-) -> c_int;
-
 /// Checks what both variants share: `logits` is `[targets.len(), vocab]`, `row_loss` is
 /// `[targets.len()]`, the row count fits the kernel's grid, and every buffer is on the stream's
 /// device. Returns the row count.
@@ -177,10 +158,18 @@ fn grad_scale_f32(op: &'static str, grad_scale: f64) -> Result<f32> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn fused<T, R>(
-    op: &'static str,
-    launcher: FusedLauncher<R>,
+/// Fused cross-entropy forward + backward on logits `[targets.len(), vocab]` of any
+/// [`DeviceFloat`] type: writes the per-row losses into `row_loss` (`[targets.len()]`, `=`, 0
+/// for ignored rows), the totals into `totals` (`=`), and overwrites `logits` in place (`=`) with
+/// `(softmax - onehot) * grad_scale` (all zeros for ignored rows). `grad_scale` is typically
+/// `1 / (valid targets of the accumulated batch)`, times the GradScaler's loss scale when one is
+/// used, and must be finite in f32. Labels are checked by [`CeTotals::read`].
+///
+/// Precision: softmax sums in f32, the row loss formed in f64 and stored as f32, each gradient
+/// element computed in f32 and rounded once (to nearest even) to `T`. For f16 a gradient of
+/// magnitude >= 65520 becomes ±inf (IEEE overflow, never clamped), which the GradScaler's
+/// [`unscale_check`](super::unscale_check) then reports; the row losses and totals stay finite.
+pub fn cross_entropy_fused<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     logits: &mut impl DevicePtrMut<T>,
     targets: &impl DevicePtr<i32>,
@@ -189,23 +178,25 @@ fn fused<T, R>(
     row_loss: &mut impl DevicePtrMut<f32>,
     totals: &mut CeTotals,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
-    let rows = validate(op, stream, logits, targets, vocab, row_loss, totals)?;
-    let grad_scale = grad_scale_f32(op, grad_scale)?;
-    bind(stream, op)?;
+    const OP: &str = "tilearn_cross_entropy_fused";
+    let rows = validate(OP, stream, logits, targets, vocab, row_loss, totals)?;
+    let grad_scale = grad_scale_f32(OP, grad_scale)?;
+    bind(stream, OP)?;
     let (logits_ptr, _logits) = logits.device_ptr_mut(stream);
     let (targets_ptr, _targets) = targets.device_ptr(stream);
     let (loss_ptr, _loss) = row_loss.device_ptr_mut(stream);
     let (totals_ptr, _totals) = totals.buf.device_ptr_mut(stream);
     // SAFETY: every pointer is a live allocation of the stream's context (checked above) with
-    // the length the launcher uses: logits rows * vocab elements of the FFI type's size, targets
-    // and row_loss rows, totals TOTALS_LEN (its private buffer is allocated with exactly that).
-    // logits, row_loss and totals are borrowed mutably, so the outputs overlap no other buffer.
-    // The kernel never indexes a row with an out-of-range target. The work is only enqueued on
-    // `stream`; the guards order it after earlier writers and before later users.
+    // the length the launcher uses: logits rows * vocab elements of T, whose layout is the one
+    // T::DTYPE names (DeviceFloat is sealed to f32, bf16 and f16), targets and row_loss rows,
+    // totals TOTALS_LEN (its private buffer is allocated with exactly that). logits, row_loss
+    // and totals are borrowed mutably, so the outputs overlap no other buffer. The kernel never
+    // indexes a row with an out-of-range target. The work is only enqueued on `stream`; the
+    // guards order it after earlier writers and before later users.
     let status = unsafe {
-        launcher(
-            logits_ptr as *mut R,
+        ffi::tilearn_cross_entropy_fused(
+            T::DTYPE,
+            logits_ptr as *mut c_void,
             targets_ptr as *const i32,
             rows,
             vocab,
@@ -215,15 +206,16 @@ fn fused<T, R>(
             raw_stream(stream),
         )
     };
-    check(op, status)?;
+    check(OP, status)?;
     totals.vocab = vocab;
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn forward<T, R>(
-    op: &'static str,
-    launcher: ForwardLauncher<R>,
+/// Loss only (evaluation) on logits of any [`DeviceFloat`] type: writes `row_loss` and `totals`
+/// (`=`) as [`cross_entropy_fused`] does, and leaves `logits` unchanged. The row losses and
+/// totals are bit-identical to the fused variant's on the same input (both run the same row
+/// reduction and loss formula).
+pub fn cross_entropy_forward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     logits: &impl DevicePtr<T>,
     targets: &impl DevicePtr<i32>,
@@ -231,19 +223,21 @@ fn forward<T, R>(
     row_loss: &mut impl DevicePtrMut<f32>,
     totals: &mut CeTotals,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
-    let rows = validate(op, stream, logits, targets, vocab, row_loss, totals)?;
-    bind(stream, op)?;
+    const OP: &str = "tilearn_cross_entropy_forward";
+    let rows = validate(OP, stream, logits, targets, vocab, row_loss, totals)?;
+    bind(stream, OP)?;
     let (logits_ptr, _logits) = logits.device_ptr(stream);
     let (targets_ptr, _targets) = targets.device_ptr(stream);
     let (loss_ptr, _loss) = row_loss.device_ptr_mut(stream);
     let (totals_ptr, _totals) = totals.buf.device_ptr_mut(stream);
-    // SAFETY: as in `fused`, except that logits are only read: live allocations of the stream's
-    // context with the lengths the launcher uses (checked above), mutable outputs that overlap
-    // nothing else, work enqueued on `stream` only and ordered by the guards.
+    // SAFETY: as in `cross_entropy_fused`, except that logits are only read: live allocations
+    // of the stream's context with the lengths the launcher uses (checked above; T's layout is
+    // the one T::DTYPE names), mutable outputs that overlap nothing else, work enqueued on
+    // `stream` only and ordered by the guards.
     let status = unsafe {
-        launcher(
-            logits_ptr as *const R,
+        ffi::tilearn_cross_entropy_forward(
+            T::DTYPE,
+            logits_ptr as *const c_void,
             targets_ptr as *const i32,
             rows,
             vocab,
@@ -252,105 +246,9 @@ fn forward<T, R>(
             raw_stream(stream),
         )
     };
-    check(op, status)?;
+    check(OP, status)?;
     totals.vocab = vocab;
     Ok(())
-}
-
-/// Fused cross-entropy forward + backward on f32 logits `[targets.len(), vocab]`: writes the
-/// per-row losses into `row_loss` (`[targets.len()]`, 0 for ignored rows), the totals into
-/// `totals`, and overwrites `logits` with `(softmax - onehot) * grad_scale` (0 for ignored
-/// rows). `grad_scale` is typically `1 / (valid targets of the accumulated batch)`, and must be
-/// finite in f32. Labels are checked by [`CeTotals::read`].
-#[allow(clippy::too_many_arguments)]
-pub fn cross_entropy_fused_f32(
-    stream: &Arc<CudaStream>,
-    logits: &mut impl DevicePtrMut<f32>,
-    targets: &impl DevicePtr<i32>,
-    vocab: usize,
-    grad_scale: f64,
-    row_loss: &mut impl DevicePtrMut<f32>,
-    totals: &mut CeTotals,
-) -> Result<()> {
-    fused::<f32, f32>(
-        "tilearn_cross_entropy_fused_f32",
-        ffi::tilearn_cross_entropy_fused_f32,
-        stream,
-        logits,
-        targets,
-        vocab,
-        grad_scale,
-        row_loss,
-        totals,
-    )
-}
-
-/// [`cross_entropy_fused_f32`] on bf16 logits: f32 arithmetic, the gradient rounded to bf16 in
-/// place; losses and totals as in the f32 variant.
-#[allow(clippy::too_many_arguments)]
-pub fn cross_entropy_fused_bf16(
-    stream: &Arc<CudaStream>,
-    logits: &mut impl DevicePtrMut<bf16>,
-    targets: &impl DevicePtr<i32>,
-    vocab: usize,
-    grad_scale: f64,
-    row_loss: &mut impl DevicePtrMut<f32>,
-    totals: &mut CeTotals,
-) -> Result<()> {
-    fused::<bf16, ffi::tilearn_bf16>(
-        "tilearn_cross_entropy_fused_bf16",
-        ffi::tilearn_cross_entropy_fused_bf16,
-        stream,
-        logits,
-        targets,
-        vocab,
-        grad_scale,
-        row_loss,
-        totals,
-    )
-}
-
-/// Loss only (evaluation) on f32 logits: writes `row_loss` and `totals`, leaves `logits`
-/// unchanged. The row losses are bit-identical to the fused variant's.
-pub fn cross_entropy_forward_f32(
-    stream: &Arc<CudaStream>,
-    logits: &impl DevicePtr<f32>,
-    targets: &impl DevicePtr<i32>,
-    vocab: usize,
-    row_loss: &mut impl DevicePtrMut<f32>,
-    totals: &mut CeTotals,
-) -> Result<()> {
-    forward::<f32, f32>(
-        "tilearn_cross_entropy_forward_f32",
-        ffi::tilearn_cross_entropy_forward_f32,
-        stream,
-        logits,
-        targets,
-        vocab,
-        row_loss,
-        totals,
-    )
-}
-
-/// Loss only (evaluation) on bf16 logits, f32 arithmetic; see [`cross_entropy_forward_f32`].
-pub fn cross_entropy_forward_bf16(
-    stream: &Arc<CudaStream>,
-    logits: &impl DevicePtr<bf16>,
-    targets: &impl DevicePtr<i32>,
-    vocab: usize,
-    row_loss: &mut impl DevicePtrMut<f32>,
-    totals: &mut CeTotals,
-) -> Result<()> {
-    forward::<bf16, ffi::tilearn_bf16>(
-        "tilearn_cross_entropy_forward_bf16",
-        ffi::tilearn_cross_entropy_forward_bf16,
-        stream,
-        logits,
-        targets,
-        vocab,
-        row_loss,
-        totals,
-    )
 }
 
 #[cfg(test)]

@@ -1,21 +1,22 @@
 //! Wrappers of `kernels/reduce.cu`: the global L2 norm of a flat gradient buffer (same result
 //! as [`crate::cpu::global_norm`], every square and sum in f64, deterministic) and the
 //! GradScaler's fused unscale + non-finite check (same as [`crate::cpu::unscale_and_check`],
-//! with the scale and the flag in device memory so the step needs no host round trip).
+//! with the scale and the flag in device memory so the step needs no host round trip). Both are
+//! generic over the buffer's [`DeviceFloat`] type (f32, bf16, f16).
 
-use std::ffi::c_int;
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use half::{bf16, f16};
 
+use super::DeviceFloat;
 use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::{OpsError, Result};
 
-/// Scratch and results of [`global_norm_f32`] / [`global_norm_bf16`], allocated once (for any
-/// buffer length) and reused every step: the per-block partial sums, the f64 sum of squares
-/// and the f32 norm, all in device memory.
+/// Scratch and results of [`global_norm`], allocated once (for any buffer length and element
+/// type) and reused every step: the per-block partial sums, the f64 sum of squares and the f32
+/// norm, all in device memory.
 #[derive(Debug)]
 pub struct NormWorkspace {
     partials: CudaSlice<f64>,
@@ -93,30 +94,21 @@ fn read_one<T: cudarc::driver::DeviceRepr + Copy>(
     })
 }
 
-type NormLauncher<R> = unsafe extern "C" fn(
-    *const R,
-    usize,
-    *mut f64,
-    usize,
-    *mut f64,
-    *mut f32,
-    ffi::cudaStream_t,
-) -> c_int;
-type UnscaleLauncher<R> =
-    unsafe extern "C" fn(*mut R, usize, *const f32, *mut f32, ffi::cudaStream_t) -> c_int;
-
-fn global_norm<T, R>(
-    op: &'static str,
-    launcher: NormLauncher<R>,
+/// Global L2 norm of a flat buffer of any [`DeviceFloat`] type: writes (`=`) `sum x²` (f64)
+/// and its square root (f32) into `ws` (see [`NormWorkspace::norm`] /
+/// [`NormWorkspace::sum_sq`]). Each element is widened exactly, and every square and sum is
+/// formed in f64 in a fixed order: deterministic, no error growing with the length and no
+/// overflow of the squares. An empty buffer gives 0; an inf/NaN element gives inf/NaN.
+pub fn global_norm<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     x: &impl DevicePtr<T>,
     ws: &mut NormWorkspace,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
-    same_device(stream, op, "x", x)?;
-    same_device(stream, op, "workspace", &ws.partials)?;
+    const OP: &str = "tilearn_global_norm";
+    same_device(stream, OP, "x", x)?;
+    same_device(stream, OP, "workspace", &ws.partials)?;
     let n = x.len();
-    bind(stream, op)?;
+    bind(stream, OP)?;
     let (x_ptr, _x) = x.device_ptr(stream);
     let partials_len = ws.partials.len();
     let (partials_ptr, _partials) = ws.partials.device_ptr_mut(stream);
@@ -124,14 +116,16 @@ fn global_norm<T, R>(
     let (norm_ptr, _norm) = ws.norm.device_ptr_mut(stream);
     // SAFETY: every pointer is a live allocation of the stream's context (checked above; the
     // workspace's three buffers were allocated together on one stream). x holds n elements of
-    // the FFI type's size; partials holds partials_len f64, which the launcher checks against
-    // what n needs (it returns an error rather than overrun); sum_sq and norm hold one element
-    // each. The workspace is borrowed mutably, so its buffers overlap neither x nor each other.
-    // Work is enqueued on `stream` only; the guards order it after earlier writers and before
-    // later users of these buffers.
+    // T, whose layout is the one T::DTYPE names (DeviceFloat is sealed to f32, bf16 and f16);
+    // partials holds partials_len f64, which the launcher checks against what n needs (it
+    // returns an error rather than overrun); sum_sq and norm hold one element each. The
+    // workspace is borrowed mutably, so its buffers overlap neither x nor each other. Work is
+    // enqueued on `stream` only; the guards order it after earlier writers and before later
+    // users of these buffers.
     let status = unsafe {
-        launcher(
-            x_ptr as *const R,
+        ffi::tilearn_global_norm(
+            T::DTYPE,
+            x_ptr as *const c_void,
             n,
             partials_ptr as *mut f64,
             partials_len,
@@ -140,128 +134,49 @@ fn global_norm<T, R>(
             raw_stream(stream),
         )
     };
-    check(op, status)
+    check(OP, status)
 }
 
-fn unscale_check<T, R>(
-    op: &'static str,
-    launcher: UnscaleLauncher<R>,
+/// GradScaler unscale of gradients of any [`DeviceFloat`] type, in place (`=`):
+/// `grads[i] *= inv_scale[0]`, the product formed in f32 and rounded once (to nearest even) to
+/// `T` (exact when `inv_scale` is a power of two and the result is normal), and
+/// `found_inf[0] = 1.0` if any gradient was inf or NaN before the multiply. `found_inf` is only
+/// ever set, never cleared (zero it once per step, before the first buffer), as
+/// `torch._amp_foreach_non_finite_check_and_unscale_` does; both scalars are one-element device
+/// buffers, so the step needs no host round trip. An empty `grads` launches nothing.
+pub fn unscale_check<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     grads: &mut impl DevicePtrMut<T>,
     inv_scale: &impl DevicePtr<f32>,
     found_inf: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
-    expect_len(op, 1, inv_scale.len())?;
-    expect_len(op, 1, found_inf.len())?;
-    same_device(stream, op, "grads", grads)?;
-    same_device(stream, op, "inv_scale", inv_scale)?;
-    same_device(stream, op, "found_inf", found_inf)?;
+    const OP: &str = "tilearn_unscale_check";
+    expect_len(OP, 1, inv_scale.len())?;
+    expect_len(OP, 1, found_inf.len())?;
+    same_device(stream, OP, "grads", grads)?;
+    same_device(stream, OP, "inv_scale", inv_scale)?;
+    same_device(stream, OP, "found_inf", found_inf)?;
     if grads.is_empty() {
         return Ok(());
     }
-    bind(stream, op)?;
+    bind(stream, OP)?;
     let n = grads.len();
     let (grads_ptr, _grads) = grads.device_ptr_mut(stream);
     let (scale_ptr, _scale) = inv_scale.device_ptr(stream);
     let (found_ptr, _found) = found_inf.device_ptr_mut(stream);
     // SAFETY: every pointer is a live allocation of the stream's context (checked above): grads
-    // holds n elements of the FFI type's size, inv_scale and found_inf one f32 each (checked
-    // above). grads and found_inf are borrowed mutably, so they overlap neither each other nor
-    // inv_scale. Work is enqueued on `stream` only and ordered by the guards.
+    // holds n elements of T (layout as T::DTYPE names), inv_scale and found_inf one f32 each
+    // (checked above). grads and found_inf are borrowed mutably, so they overlap neither each
+    // other nor inv_scale. Work is enqueued on `stream` only and ordered by the guards.
     let status = unsafe {
-        launcher(
-            grads_ptr as *mut R,
+        ffi::tilearn_unscale_check(
+            T::DTYPE,
+            grads_ptr as *mut c_void,
             n,
             scale_ptr as *const f32,
             found_ptr as *mut f32,
             raw_stream(stream),
         )
     };
-    check(op, status)
-}
-
-/// Global L2 norm of a flat f32 buffer: writes `sum x²` (f64) and `sqrt` of it (f32) into
-/// `ws` (see [`NormWorkspace::norm`] / [`NormWorkspace::sum_sq`]); deterministic, f64
-/// accumulation throughout. An empty buffer gives 0; an inf/NaN element gives inf/NaN.
-pub fn global_norm_f32(
-    stream: &Arc<CudaStream>,
-    x: &impl DevicePtr<f32>,
-    ws: &mut NormWorkspace,
-) -> Result<()> {
-    global_norm::<f32, f32>(
-        "tilearn_global_norm_f32",
-        ffi::tilearn_global_norm_f32,
-        stream,
-        x,
-        ws,
-    )
-}
-
-/// [`global_norm_f32`] of a bf16 buffer (each element widened exactly to f64).
-pub fn global_norm_bf16(
-    stream: &Arc<CudaStream>,
-    x: &impl DevicePtr<bf16>,
-    ws: &mut NormWorkspace,
-) -> Result<()> {
-    global_norm::<bf16, ffi::tilearn_bf16>(
-        "tilearn_global_norm_bf16",
-        ffi::tilearn_global_norm_bf16,
-        stream,
-        x,
-        ws,
-    )
-}
-
-/// GradScaler unscale of f32 gradients, in place: `grads[i] *= inv_scale[0]`, and
-/// `found_inf[0] = 1.0` if any gradient was inf or NaN. `found_inf` is never cleared (zero it
-/// once per step, before the first buffer); both scalars are one-element device buffers.
-pub fn unscale_check_f32(
-    stream: &Arc<CudaStream>,
-    grads: &mut impl DevicePtrMut<f32>,
-    inv_scale: &impl DevicePtr<f32>,
-    found_inf: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    unscale_check::<f32, f32>(
-        "tilearn_unscale_check_f32",
-        ffi::tilearn_unscale_check_f32,
-        stream,
-        grads,
-        inv_scale,
-        found_inf,
-    )
-}
-
-/// [`unscale_check_f32`] for bf16 gradients (f32 product, rounded to nearest even bf16).
-pub fn unscale_check_bf16(
-    stream: &Arc<CudaStream>,
-    grads: &mut impl DevicePtrMut<bf16>,
-    inv_scale: &impl DevicePtr<f32>,
-    found_inf: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    unscale_check::<bf16, ffi::tilearn_bf16>(
-        "tilearn_unscale_check_bf16",
-        ffi::tilearn_unscale_check_bf16,
-        stream,
-        grads,
-        inv_scale,
-        found_inf,
-    )
-}
-
-/// [`unscale_check_f32`] for f16 gradients (f32 product, rounded to nearest even f16).
-pub fn unscale_check_f16(
-    stream: &Arc<CudaStream>,
-    grads: &mut impl DevicePtrMut<f16>,
-    inv_scale: &impl DevicePtr<f32>,
-    found_inf: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    unscale_check::<f16, ffi::tilearn_f16>(
-        "tilearn_unscale_check_f16",
-        ffi::tilearn_unscale_check_f16,
-        stream,
-        grads,
-        inv_scale,
-        found_inf,
-    )
+    check(OP, status)
 }

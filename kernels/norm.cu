@@ -7,9 +7,11 @@
 // Layout:    x, out, dout, dx are row-major [rows, dim]; weight and dweight are [dim]; rstd is
 //            [rows]. One thread block per row in the forward; one block per chunk of consecutive
 //            rows in the backward.
-// Precision: inputs f32 or bf16; all arithmetic and accumulation in f32; rstd and dweight are
-//            always f32; out / dx are stored in the input type. The bf16 forward rounds like
-//            PyTorch's LlamaRMSNorm: out = bf16(w * bf16(x * rstd)).
+// Precision: inputs f32, bf16 or f16 (one launcher per op, `dtype` picks the kernel template);
+//            all arithmetic and accumulation in f32; rstd and dweight are always f32; out / dx are
+//            stored in the input type. The 16-bit forwards round like PyTorch's LlamaRMSNorm
+//            (x * rstd cast back to the input dtype, then times the weight):
+//            out = T(w * T(x * rstd)) for T = bf16 or f16 (for f32 the inner cast is exact).
 // Gradients: dx is written (`=`); dweight is accumulated (`+=`), deterministically: each block
 //            sums its rows' dy * x * rstd into its own partial (shared memory, or its own slice
 //            of scratch for very wide rows), then one thread per column adds the partials in
@@ -19,13 +21,12 @@
 //   add_rmsnorm_forward:   resid += y (in place: the residual stream update h = x + y), then
 //                          out = RMSNorm(resid) from the stored (rounded) resid, so the result
 //                          is bit-identical to residual_add_inplace followed by rmsnorm_forward.
-//                          bf16: resid = bf16(resid + y) (one rounding, like the add kernel).
-//   rmsnorm_backward_add:  dresid += dx (`+=`) instead of dx `=`; dweight as above. bf16: the
-//                          f32 dx is added to the widened dresid and rounded once (one rounding
-//                          fewer than rmsnorm_backward + residual_add_inplace).
+//                          bf16/f16: resid = T(resid + y) (one rounding, like the add kernel).
+//   rmsnorm_backward_add:  dresid += dx (`+=`) instead of dx `=`; dweight as above. bf16/f16:
+//                          the f32 dx is added to the widened dresid and rounded once (one
+//                          rounding fewer than rmsnorm_backward + residual_add_inplace).
 
-#include <cuda_bf16.h>
-
+#include "tilearn_dtype.cuh"
 #include "tilearn_kernels.h"
 
 namespace {
@@ -35,17 +36,8 @@ constexpr size_t kMaxChunks = 512;          // dweight partials: at most this ma
 // with block_sum's 128 static bytes a block stays under the 48 KiB that needs no opt-in.
 constexpr size_t kMaxSharedDweight = 12032;
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
+using tilearn::from_f32;
+using tilearn::to_f32;
 
 // Sum over the block in a fixed order (warp butterflies, then the warp sums in warp order).
 // blockDim.x must be a multiple of 32. Every thread gets the total.
@@ -256,62 +248,40 @@ extern "C" size_t tilearn_rmsnorm_backward_scratch_len_max(size_t max_rows, size
     return chunks * dim;
 }
 
-extern "C" int tilearn_rmsnorm_forward_f32(const float* x, const float* weight, size_t rows,
-                                           size_t dim, float eps, float* out, float* rstd,
-                                           cudaStream_t stream) {
-    return launch_forward<float>(x, weight, rows, dim, eps, out, rstd, stream);
+extern "C" int tilearn_rmsnorm_forward(int dtype, const void* x, const void* weight, size_t rows,
+                                       size_t dim, float eps, void* out, float* rstd,
+                                       cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_forward<decltype(tag)>(x, weight, rows, dim, eps, out, rstd, stream);
+    });
 }
 
-extern "C" int tilearn_rmsnorm_forward_bf16(const tilearn_bf16* x, const tilearn_bf16* weight,
-                                            size_t rows, size_t dim, float eps, tilearn_bf16* out,
-                                            float* rstd, cudaStream_t stream) {
-    return launch_forward<__nv_bfloat16>(x, weight, rows, dim, eps, out, rstd, stream);
+extern "C" int tilearn_rmsnorm_backward(int dtype, const void* dout, const void* x,
+                                        const void* weight, const float* rstd, size_t rows,
+                                        size_t dim, void* dx, float* dweight, float* scratch,
+                                        size_t scratch_len, cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_backward<decltype(tag), false>(dout, x, weight, rstd, rows, dim, dx,
+                                                     dweight, scratch, scratch_len, stream);
+    });
 }
 
-extern "C" int tilearn_rmsnorm_backward_f32(const float* dout, const float* x,
-                                            const float* weight, const float* rstd, size_t rows,
-                                            size_t dim, float* dx, float* dweight, float* scratch,
-                                            size_t scratch_len, cudaStream_t stream) {
-    return launch_backward<float, false>(dout, x, weight, rstd, rows, dim, dx, dweight, scratch,
-                                  scratch_len, stream);
+extern "C" int tilearn_add_rmsnorm_forward(int dtype, void* resid, const void* y,
+                                           const void* weight, size_t rows, size_t dim, float eps,
+                                           void* out, float* rstd, cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_add_forward<decltype(tag)>(resid, y, weight, rows, dim, eps, out, rstd,
+                                                 stream);
+    });
 }
 
-extern "C" int tilearn_rmsnorm_backward_bf16(const tilearn_bf16* dout, const tilearn_bf16* x,
-                                             const tilearn_bf16* weight, const float* rstd,
-                                             size_t rows, size_t dim, tilearn_bf16* dx,
-                                             float* dweight, float* scratch, size_t scratch_len,
-                                             cudaStream_t stream) {
-    return launch_backward<__nv_bfloat16, false>(dout, x, weight, rstd, rows, dim, dx, dweight,
-                                                 scratch, scratch_len, stream);
-}
-
-extern "C" int tilearn_add_rmsnorm_forward_f32(float* resid, const float* y, const float* weight,
-                                               size_t rows, size_t dim, float eps, float* out,
-                                               float* rstd, cudaStream_t stream) {
-    return launch_add_forward<float>(resid, y, weight, rows, dim, eps, out, rstd, stream);
-}
-
-extern "C" int tilearn_add_rmsnorm_forward_bf16(tilearn_bf16* resid, const tilearn_bf16* y,
-                                                const tilearn_bf16* weight, size_t rows,
-                                                size_t dim, float eps, tilearn_bf16* out,
-                                                float* rstd, cudaStream_t stream) {
-    return launch_add_forward<__nv_bfloat16>(resid, y, weight, rows, dim, eps, out, rstd, stream);
-}
-
-extern "C" int tilearn_rmsnorm_backward_add_f32(const float* dout, const float* x,
-                                                const float* weight, const float* rstd,
-                                                size_t rows, size_t dim, float* dresid,
-                                                float* dweight, float* scratch,
-                                                size_t scratch_len, cudaStream_t stream) {
-    return launch_backward<float, true>(dout, x, weight, rstd, rows, dim, dresid, dweight,
-                                        scratch, scratch_len, stream);
-}
-
-extern "C" int tilearn_rmsnorm_backward_add_bf16(const tilearn_bf16* dout, const tilearn_bf16* x,
-                                                 const tilearn_bf16* weight, const float* rstd,
-                                                 size_t rows, size_t dim, tilearn_bf16* dresid,
-                                                 float* dweight, float* scratch,
-                                                 size_t scratch_len, cudaStream_t stream) {
-    return launch_backward<__nv_bfloat16, true>(dout, x, weight, rstd, rows, dim, dresid, dweight,
-                                                scratch, scratch_len, stream);
+extern "C" int tilearn_rmsnorm_backward_add(int dtype, const void* dout, const void* x,
+                                            const void* weight, const float* rstd, size_t rows,
+                                            size_t dim, void* dresid, float* dweight,
+                                            float* scratch, size_t scratch_len,
+                                            cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_backward<decltype(tag), true>(dout, x, weight, rstd, rows, dim, dresid,
+                                                    dweight, scratch, scratch_len, stream);
+    });
 }

@@ -1,59 +1,26 @@
-//! Wrappers of `kernels/norm.cu`: RMSNorm (Hugging Face LlamaRMSNorm) forward and backward, in
-//! f32 and in bf16 with f32 accumulation. Same contract as [`crate::cpu::rmsnorm_forward`] /
+//! Wrappers of `kernels/norm.cu`: RMSNorm (Hugging Face LlamaRMSNorm) forward and backward,
+//! generic over the storage type ([`DeviceFloat`]: f32, bf16, f16) with f32 arithmetic and
+//! accumulation inside. Same contract as [`crate::cpu::rmsnorm_forward`] /
 //! [`crate::cpu::rmsnorm_backward`]: `dx` is written (`=`), `dweight` accumulated (`+=`).
 //!
 //! Residual-fused variants remove the Llama block's separate residual-add launches:
-//! [`add_rmsnorm_forward_f32`] updates the residual stream in place (`resid += y`) and
-//! normalises it in the same pass; [`rmsnorm_backward_add_f32`] adds the input gradient into the
-//! residual-stream gradient (`dresid +=`) instead of writing it.
+//! [`add_rmsnorm_forward`] updates the residual stream in place (`resid += y`) and normalises it
+//! in the same pass; [`rmsnorm_backward_add`] adds the input gradient into the residual-stream
+//! gradient (`dresid +=`) instead of writing it.
 //!
-//! The backward's dweight partials live in a caller-owned [`RmsNormScratch`], allocated once
-//! (a training step then allocates nothing).
+//! `rstd`, `dweight` and the backward's scratch are f32 whatever the element type. The
+//! backward's dweight partials live in a caller-owned [`RmsNormScratch`], allocated once (a
+//! training step then allocates nothing).
 
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use half::bf16;
 
+use super::DeviceFloat;
 use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::{OpsError, Result};
-
-type ForwardLauncher<R> = unsafe extern "C" fn(
-    *const R,
-    *const R,
-    usize,
-    usize,
-    f32,
-    *mut R,
-    *mut f32,
-    ffi::cudaStream_t,
-) -> c_int;
-type AddForwardLauncher<R> = unsafe extern "C" fn(
-    *mut R,
-    *const R,
-    *const R,
-    usize,
-    usize,
-    f32,
-    *mut R,
-    *mut f32,
-    ffi::cudaStream_t,
-) -> c_int;
-type BackwardLauncher<R> = unsafe extern "C" fn(
-    *const R,
-    *const R,
-    *const R,
-    *const f32,
-    usize,
-    usize,
-    *mut R,
-    *mut f32,
-    *mut f32,
-    usize,
-    ffi::cudaStream_t,
-) -> c_int;
 
 /// Rows of `[rows, dim]` data of `len` elements, checking `dim > 0` and divisibility.
 fn rows_of(op: &'static str, len: usize, dim: usize) -> Result<usize> {
@@ -130,10 +97,14 @@ impl RmsNormScratch {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn forward<T, R>(
-    op: &'static str,
-    launcher: ForwardLauncher<R>,
+/// RMSNorm forward: `x`, `out` are `[rows, dim]` (rows = `x.len() / dim`), `weight` is `[dim]`;
+/// `out = weight * x * rstd` (written, `=`) and `rstd` (`[rows]`, f32, written) receives
+/// `1 / sqrt(mean(x²) + eps)` for the backward. `eps` must be finite and `>= 0` in f32.
+///
+/// Precision: f32 arithmetic and accumulation. For bf16 and f16 the output rounds like
+/// PyTorch's LlamaRMSNorm in that dtype (`hidden_states.to(input_dtype)`, then times the
+/// weight): `out = T(weight * T(x * rstd))`, two roundings; f32 has no inner rounding.
+pub fn rmsnorm_forward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     x: &impl DevicePtr<T>,
     weight: &impl DevicePtr<T>,
@@ -142,49 +113,55 @@ fn forward<T, R>(
     out: &mut impl DevicePtrMut<T>,
     rstd: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
-    let rows = rows_of(op, x.len(), dim)?;
-    expect_len(op, dim, weight.len())?;
-    expect_len(op, x.len(), out.len())?;
-    expect_len(op, rows, rstd.len())?;
-    let eps = eps_f32(op, eps)?;
-    same_device(stream, op, "x", x)?;
-    same_device(stream, op, "weight", weight)?;
-    same_device(stream, op, "out", out)?;
-    same_device(stream, op, "rstd", rstd)?;
+    const OP: &str = "tilearn_rmsnorm_forward";
+    let rows = rows_of(OP, x.len(), dim)?;
+    expect_len(OP, dim, weight.len())?;
+    expect_len(OP, x.len(), out.len())?;
+    expect_len(OP, rows, rstd.len())?;
+    let eps = eps_f32(OP, eps)?;
+    same_device(stream, OP, "x", x)?;
+    same_device(stream, OP, "weight", weight)?;
+    same_device(stream, OP, "out", out)?;
+    same_device(stream, OP, "rstd", rstd)?;
     if rows == 0 {
         return Ok(());
     }
-    bind(stream, op)?;
+    bind(stream, OP)?;
     let (x_ptr, _x) = x.device_ptr(stream);
     let (w_ptr, _w) = weight.device_ptr(stream);
     let (out_ptr, _out) = out.device_ptr_mut(stream);
     let (rstd_ptr, _rstd) = rstd.device_ptr_mut(stream);
     // SAFETY: every pointer is a live allocation of the stream's context (checked above) with
-    // the length the launcher reads or writes: x and out hold rows * dim elements, weight dim,
-    // rstd rows (all checked above; the FFI element type has the Rust type's size). out and rstd
-    // are borrowed mutably, so they overlap neither each other nor the inputs. The launcher only
-    // enqueues work on `stream`; the `device_ptr*` guards order it after earlier writers and
-    // before later users of these buffers, which outlive the call.
+    // the length the launcher reads or writes: x and out hold rows * dim elements of T, weight
+    // dim, rstd rows f32 (all checked above), and T::DTYPE names T's layout to the launcher. out
+    // and rstd are borrowed mutably, so they overlap neither each other nor the inputs. The
+    // launcher only enqueues work on `stream`; the `device_ptr*` guards order it after earlier
+    // writers and before later users of these buffers, which outlive the call.
     let status = unsafe {
-        launcher(
-            x_ptr as *const R,
-            w_ptr as *const R,
+        ffi::tilearn_rmsnorm_forward(
+            T::DTYPE,
+            x_ptr as *const c_void,
+            w_ptr as *const c_void,
             rows,
             dim,
             eps,
-            out_ptr as *mut R,
+            out_ptr as *mut c_void,
             rstd_ptr as *mut f32,
             raw_stream(stream),
         )
     };
-    check(op, status)
+    check(OP, status)
 }
 
+/// Fused residual update and RMSNorm: `resid += y` in place (the residual stream `h = x + y`,
+/// all `[rows, dim]`), then `out = RMSNorm(resid)` (written) and `rstd` (f32, written), in one
+/// launch. The norm reads the stored (rounded) `resid`, so the result is bit-identical to
+/// [`super::residual_add_inplace`] followed by [`rmsnorm_forward`].
+///
+/// Precision: f32 arithmetic; for bf16 and f16 `resid = T(resid + y)` (one rounding), then the
+/// rounding of [`rmsnorm_forward`].
 #[allow(clippy::too_many_arguments)]
-fn add_forward<T, R>(
-    op: &'static str,
-    launcher: AddForwardLauncher<R>,
+pub fn add_rmsnorm_forward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     resid: &mut impl DevicePtrMut<T>,
     y: &impl DevicePtr<T>,
@@ -194,53 +171,70 @@ fn add_forward<T, R>(
     out: &mut impl DevicePtrMut<T>,
     rstd: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
-    let rows = rows_of(op, resid.len(), dim)?;
-    expect_len(op, resid.len(), y.len())?;
-    expect_len(op, dim, weight.len())?;
-    expect_len(op, resid.len(), out.len())?;
-    expect_len(op, rows, rstd.len())?;
-    let eps = eps_f32(op, eps)?;
-    same_device(stream, op, "resid", resid)?;
-    same_device(stream, op, "y", y)?;
-    same_device(stream, op, "weight", weight)?;
-    same_device(stream, op, "out", out)?;
-    same_device(stream, op, "rstd", rstd)?;
+    const OP: &str = "tilearn_add_rmsnorm_forward";
+    let rows = rows_of(OP, resid.len(), dim)?;
+    expect_len(OP, resid.len(), y.len())?;
+    expect_len(OP, dim, weight.len())?;
+    expect_len(OP, resid.len(), out.len())?;
+    expect_len(OP, rows, rstd.len())?;
+    let eps = eps_f32(OP, eps)?;
+    same_device(stream, OP, "resid", resid)?;
+    same_device(stream, OP, "y", y)?;
+    same_device(stream, OP, "weight", weight)?;
+    same_device(stream, OP, "out", out)?;
+    same_device(stream, OP, "rstd", rstd)?;
     if rows == 0 {
         return Ok(());
     }
-    bind(stream, op)?;
+    bind(stream, OP)?;
     let (resid_ptr, _resid) = resid.device_ptr_mut(stream);
     let (y_ptr, _y) = y.device_ptr(stream);
     let (w_ptr, _w) = weight.device_ptr(stream);
     let (out_ptr, _out) = out.device_ptr_mut(stream);
     let (rstd_ptr, _rstd) = rstd.device_ptr_mut(stream);
     // SAFETY: every pointer is a live allocation of the stream's context (checked above) with
-    // the length the launcher reads or writes: resid, y and out hold rows * dim elements, weight
-    // dim, rstd rows (all checked above; the FFI element type has the Rust type's size). resid,
-    // out and rstd are borrowed mutably, so none of them overlaps another buffer (the kernel's
-    // in-place update touches resid only). The launcher only enqueues work on `stream`; the
-    // guards order it after earlier writers and before later users of these buffers.
+    // the length the launcher reads or writes: resid, y and out hold rows * dim elements of T,
+    // weight dim, rstd rows f32 (all checked above), and T::DTYPE names T's layout to the
+    // launcher. resid, out and rstd are borrowed mutably, so none of them overlaps another
+    // buffer (the kernel's in-place update touches resid only). The launcher only enqueues work
+    // on `stream`; the guards order it after earlier writers and before later users.
     let status = unsafe {
-        launcher(
-            resid_ptr as *mut R,
-            y_ptr as *const R,
-            w_ptr as *const R,
+        ffi::tilearn_add_rmsnorm_forward(
+            T::DTYPE,
+            resid_ptr as *mut c_void,
+            y_ptr as *const c_void,
+            w_ptr as *const c_void,
             rows,
             dim,
             eps,
-            out_ptr as *mut R,
+            out_ptr as *mut c_void,
             rstd_ptr as *mut f32,
             raw_stream(stream),
         )
     };
-    check(op, status)
+    check(OP, status)
 }
 
+/// The signature shared by `tilearn_rmsnorm_backward` and `tilearn_rmsnorm_backward_add`.
+type BackwardLauncher = unsafe extern "C" fn(
+    c_int,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *const f32,
+    usize,
+    usize,
+    *mut c_void,
+    *mut f32,
+    *mut f32,
+    usize,
+    ffi::cudaStream_t,
+) -> c_int;
+
 #[allow(clippy::too_many_arguments)]
-fn backward<T, R>(
+fn backward<T: DeviceFloat>(
     op: &'static str,
-    launcher: BackwardLauncher<R>,
+    launcher: BackwardLauncher,
     stream: &Arc<CudaStream>,
     dout: &impl DevicePtr<T>,
     x: &impl DevicePtr<T>,
@@ -251,7 +245,6 @@ fn backward<T, R>(
     dweight: &mut impl DevicePtrMut<f32>,
     scratch: &mut RmsNormScratch,
 ) -> Result<()> {
-    const { assert!(size_of::<T>() == size_of::<R>()) };
     let rows = rows_of(op, x.len(), dim)?;
     expect_len(op, x.len(), dout.len())?;
     expect_len(op, x.len(), dx.len())?;
@@ -288,21 +281,23 @@ fn backward<T, R>(
     let (dw_ptr, _dw) = dweight.device_ptr_mut(stream);
     let (scratch_ptr, _scratch) = scratch.buf.device_ptr_mut(stream);
     // SAFETY: every pointer is a live allocation of the stream's context (checked above) with
-    // the length the launcher uses: dout, x, dx rows * dim; weight and dweight dim; rstd rows;
-    // scratch at least the length the launcher asks for (all checked above; the kernel writes
-    // every scratch element it later reads, so stale contents are never observed). dx, dweight
-    // and scratch are borrowed mutably, so the outputs overlap no other buffer (dx is read as
-    // well as written by the accumulating launchers, still only by itself). The work is enqueued
-    // on `stream` only; the guards order it after earlier writers and before later users.
+    // the length the launcher uses: dout, x, dx rows * dim elements of T; weight dim of T;
+    // dweight dim f32; rstd rows f32; scratch at least the length the launcher asks for (all
+    // checked above; the kernel writes every scratch element it later reads, so stale contents
+    // are never observed). T::DTYPE names T's layout to the launcher. dx, dweight and scratch
+    // are borrowed mutably, so the outputs overlap no other buffer (dx is read as well as
+    // written by the accumulating launcher, still only by itself). The work is enqueued on
+    // `stream` only; the guards order it after earlier writers and before later users.
     let status = unsafe {
         launcher(
-            dout_ptr as *const R,
-            x_ptr as *const R,
-            w_ptr as *const R,
+            T::DTYPE,
+            dout_ptr as *const c_void,
+            x_ptr as *const c_void,
+            w_ptr as *const c_void,
             rstd_ptr as *const f32,
             rows,
             dim,
-            dx_ptr as *mut R,
+            dx_ptr as *mut c_void,
             dw_ptr as *mut f32,
             scratch_ptr as *mut f32,
             have,
@@ -312,72 +307,28 @@ fn backward<T, R>(
     check(op, status)
 }
 
-/// RMSNorm forward in f32: `x`, `out` are `[rows, dim]` (rows = `x.len() / dim`), `weight` is
-/// `[dim]`; `rstd` (`[rows]`) receives `1 / sqrt(mean(x²) + eps)` for the backward.
-pub fn rmsnorm_forward_f32(
-    stream: &Arc<CudaStream>,
-    x: &impl DevicePtr<f32>,
-    weight: &impl DevicePtr<f32>,
-    dim: usize,
-    eps: f64,
-    out: &mut impl DevicePtrMut<f32>,
-    rstd: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    forward::<f32, f32>(
-        "tilearn_rmsnorm_forward_f32",
-        ffi::tilearn_rmsnorm_forward_f32,
-        stream,
-        x,
-        weight,
-        dim,
-        eps,
-        out,
-        rstd,
-    )
-}
-
-/// RMSNorm forward with bf16 `x`, `weight`, `out` and f32 arithmetic; rounds like PyTorch's
-/// LlamaRMSNorm in bf16: `out = bf16(weight * bf16(x * rstd))`. `rstd` is f32.
-pub fn rmsnorm_forward_bf16(
-    stream: &Arc<CudaStream>,
-    x: &impl DevicePtr<bf16>,
-    weight: &impl DevicePtr<bf16>,
-    dim: usize,
-    eps: f64,
-    out: &mut impl DevicePtrMut<bf16>,
-    rstd: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    forward::<bf16, ffi::tilearn_bf16>(
-        "tilearn_rmsnorm_forward_bf16",
-        ffi::tilearn_rmsnorm_forward_bf16,
-        stream,
-        x,
-        weight,
-        dim,
-        eps,
-        out,
-        rstd,
-    )
-}
-
-/// RMSNorm backward in f32: writes `dx` (`=`), accumulates `dweight` (`+=`, deterministic: the
-/// same inputs give bit-identical results). `rstd` is the forward's; `scratch` must cover
-/// `x.len() / dim` rows of width `dim`.
+/// RMSNorm backward: from `dout`, the forward's input `x` (`[rows, dim]`), `weight` (`[dim]`)
+/// and the forward's `rstd` (`[rows]`, f32), writes `dx` (`=`, `[rows, dim]`) and accumulates
+/// the f32 `dweight` (`+=`, `[dim]`) deterministically: the same inputs give bit-identical
+/// results (no atomics). `scratch` must cover `x.len() / dim` rows of width `dim`; its contents
+/// are clobbered.
+///
+/// Precision: f32 arithmetic and accumulation; `dx` is rounded once to `T`.
 #[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_backward_f32(
+pub fn rmsnorm_backward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
-    dout: &impl DevicePtr<f32>,
-    x: &impl DevicePtr<f32>,
-    weight: &impl DevicePtr<f32>,
+    dout: &impl DevicePtr<T>,
+    x: &impl DevicePtr<T>,
+    weight: &impl DevicePtr<T>,
     rstd: &impl DevicePtr<f32>,
     dim: usize,
-    dx: &mut impl DevicePtrMut<f32>,
+    dx: &mut impl DevicePtrMut<T>,
     dweight: &mut impl DevicePtrMut<f32>,
     scratch: &mut RmsNormScratch,
 ) -> Result<()> {
-    backward::<f32, f32>(
-        "tilearn_rmsnorm_backward_f32",
-        ffi::tilearn_rmsnorm_backward_f32,
+    backward(
+        "tilearn_rmsnorm_backward",
+        ffi::tilearn_rmsnorm_backward,
         stream,
         dout,
         x,
@@ -390,136 +341,28 @@ pub fn rmsnorm_backward_f32(
     )
 }
 
-/// RMSNorm backward with bf16 `dout`, `x`, `weight`, `dx` and f32 arithmetic: writes `dx`
-/// (`=`, rounded to bf16), accumulates the f32 `dweight` (`+=`, deterministic).
+/// [`rmsnorm_backward`] that adds the input gradient into the residual-stream gradient:
+/// `dresid += dx` (where [`rmsnorm_backward`] writes `dx =`); `dweight +=` as there, with the
+/// same bits.
+///
+/// Precision: for bf16 and f16 the f32 `dx` is added to the widened `dresid` and rounded once,
+/// `dresid = T(dresid + dx)` (one rounding fewer than the backward followed by a residual add);
+/// in f32 the result is bit-identical to that unfused pair.
 #[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_backward_bf16(
+pub fn rmsnorm_backward_add<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
-    dout: &impl DevicePtr<bf16>,
-    x: &impl DevicePtr<bf16>,
-    weight: &impl DevicePtr<bf16>,
+    dout: &impl DevicePtr<T>,
+    x: &impl DevicePtr<T>,
+    weight: &impl DevicePtr<T>,
     rstd: &impl DevicePtr<f32>,
     dim: usize,
-    dx: &mut impl DevicePtrMut<bf16>,
+    dresid: &mut impl DevicePtrMut<T>,
     dweight: &mut impl DevicePtrMut<f32>,
     scratch: &mut RmsNormScratch,
 ) -> Result<()> {
-    backward::<bf16, ffi::tilearn_bf16>(
-        "tilearn_rmsnorm_backward_bf16",
-        ffi::tilearn_rmsnorm_backward_bf16,
-        stream,
-        dout,
-        x,
-        weight,
-        rstd,
-        dim,
-        dx,
-        dweight,
-        scratch,
-    )
-}
-
-/// Fused residual update and RMSNorm in f32: `resid += y` in place (the residual stream
-/// `h = x + y`), then `out = RMSNorm(resid)` and `rstd`, bit-identical to
-/// [`super::residual_add_inplace_f32`] followed by [`rmsnorm_forward_f32`], in one launch.
-#[allow(clippy::too_many_arguments)]
-pub fn add_rmsnorm_forward_f32(
-    stream: &Arc<CudaStream>,
-    resid: &mut impl DevicePtrMut<f32>,
-    y: &impl DevicePtr<f32>,
-    weight: &impl DevicePtr<f32>,
-    dim: usize,
-    eps: f64,
-    out: &mut impl DevicePtrMut<f32>,
-    rstd: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    add_forward::<f32, f32>(
-        "tilearn_add_rmsnorm_forward_f32",
-        ffi::tilearn_add_rmsnorm_forward_f32,
-        stream,
-        resid,
-        y,
-        weight,
-        dim,
-        eps,
-        out,
-        rstd,
-    )
-}
-
-/// [`add_rmsnorm_forward_f32`] in bf16: `resid = bf16(resid + y)` (f32 add, one rounding), then
-/// the bf16 RMSNorm of the stored `resid` (rounding as [`rmsnorm_forward_bf16`]).
-#[allow(clippy::too_many_arguments)]
-pub fn add_rmsnorm_forward_bf16(
-    stream: &Arc<CudaStream>,
-    resid: &mut impl DevicePtrMut<bf16>,
-    y: &impl DevicePtr<bf16>,
-    weight: &impl DevicePtr<bf16>,
-    dim: usize,
-    eps: f64,
-    out: &mut impl DevicePtrMut<bf16>,
-    rstd: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    add_forward::<bf16, ffi::tilearn_bf16>(
-        "tilearn_add_rmsnorm_forward_bf16",
-        ffi::tilearn_add_rmsnorm_forward_bf16,
-        stream,
-        resid,
-        y,
-        weight,
-        dim,
-        eps,
-        out,
-        rstd,
-    )
-}
-
-/// RMSNorm backward in f32 that adds the input gradient into the residual-stream gradient:
-/// `dresid += dx` (where [`rmsnorm_backward_f32`] writes `dx =`), `dweight +=` deterministic.
-#[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_backward_add_f32(
-    stream: &Arc<CudaStream>,
-    dout: &impl DevicePtr<f32>,
-    x: &impl DevicePtr<f32>,
-    weight: &impl DevicePtr<f32>,
-    rstd: &impl DevicePtr<f32>,
-    dim: usize,
-    dresid: &mut impl DevicePtrMut<f32>,
-    dweight: &mut impl DevicePtrMut<f32>,
-    scratch: &mut RmsNormScratch,
-) -> Result<()> {
-    backward::<f32, f32>(
-        "tilearn_rmsnorm_backward_add_f32",
-        ffi::tilearn_rmsnorm_backward_add_f32,
-        stream,
-        dout,
-        x,
-        weight,
-        rstd,
-        dim,
-        dresid,
-        dweight,
-        scratch,
-    )
-}
-
-/// [`rmsnorm_backward_add_f32`] in bf16: `dresid = bf16(dresid + dx)` with the f32 `dx` (one
-/// rounding), f32 `dweight +=`.
-#[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_backward_add_bf16(
-    stream: &Arc<CudaStream>,
-    dout: &impl DevicePtr<bf16>,
-    x: &impl DevicePtr<bf16>,
-    weight: &impl DevicePtr<bf16>,
-    rstd: &impl DevicePtr<f32>,
-    dim: usize,
-    dresid: &mut impl DevicePtrMut<bf16>,
-    dweight: &mut impl DevicePtrMut<f32>,
-    scratch: &mut RmsNormScratch,
-) -> Result<()> {
-    backward::<bf16, ffi::tilearn_bf16>(
-        "tilearn_rmsnorm_backward_add_bf16",
-        ffi::tilearn_rmsnorm_backward_add_bf16,
+    backward(
+        "tilearn_rmsnorm_backward_add",
+        ffi::tilearn_rmsnorm_backward_add,
         stream,
         dout,
         x,

@@ -3,8 +3,8 @@
 // `dtype` argument (TILEARN_DTYPE_*, tilearn_kernels.h) to a kernel template.
 //
 // Every model kernel computes in f32 whatever the storage type: loads go through to_f32, and a
-// result is rounded once, to nearest even, by from_f32<T> (f16: values beyond 65504 become
-// +-inf, which the GradScaler's non-finite check then sees).
+// result is rounded once, to nearest even, by from_f32<T> (f16: values of magnitude 65520 and
+// above, 65504 plus half a step, become +-inf, which the GradScaler's non-finite check then sees).
 #ifndef TILEARN_DTYPE_CUH
 #define TILEARN_DTYPE_CUH
 

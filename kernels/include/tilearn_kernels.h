@@ -32,8 +32,9 @@ typedef uint16_t tilearn_f16;
 /* Element type of a model kernel's tensors: the `dtype` argument of the launchers below that take
  * `void *` tensors (activations, weights and their gradients). Every such kernel computes in f32
  * and rounds each stored result once, to nearest even, to this type. Parameter gradients
- * (dweight, dtable, db), rstd, lse, row losses and totals stay f32 / f64 whatever the dtype. An
- * unknown dtype launches nothing and returns cudaErrorInvalidValue. */
+ * (dweight, dtable, db), rstd, lse, row losses and totals stay f32 / f64 whatever the dtype.
+ * f16 results of magnitude >= 65520 (65504 plus half a step) round to +-inf. An unknown dtype
+ * launches nothing and returns cudaErrorInvalidValue. */
 #define TILEARN_DTYPE_F32 0
 #define TILEARN_DTYPE_BF16 1
 #define TILEARN_DTYPE_F16 2
@@ -66,56 +67,26 @@ int tilearn_cast_f16_to_f32(const tilearn_f16 *input, float *output, size_t n,
 /* ---- norm.cu: RMSNorm (Hugging Face LlamaRMSNorm), y = w * x / sqrt(mean(x^2) + eps) ---- */
 
 /* x, out: [rows, dim]; weight: [dim]; rstd: [rows] (written, f32). */
-int tilearn_rmsnorm_forward_f32(const float *x, const float *weight, size_t rows, size_t dim,
-                                float eps, float *out, float *rstd, cudaStream_t stream);
-int tilearn_rmsnorm_forward_bf16(const tilearn_bf16 *x, const tilearn_bf16 *weight, size_t rows,
-                                 size_t dim, float eps, tilearn_bf16 *out, float *rstd,
-                                 cudaStream_t stream);
-
 int tilearn_rmsnorm_forward(int dtype, const void *x, const void *weight, size_t rows,
                             size_t dim, float eps, void *out, float *rstd, cudaStream_t stream);
 
-/* Number of f32 elements of scratch that tilearn_rmsnorm_backward_* needs for (rows, dim). */
+/* Number of f32 elements of scratch that tilearn_rmsnorm_backward(_add) needs for (rows, dim). */
 size_t tilearn_rmsnorm_backward_scratch_len(size_t rows, size_t dim);
 
 /* dout, x, dx: [rows, dim]; weight: [dim]; rstd: [rows] from the forward;
  * dx is written (=), dweight (f32, [dim]) is accumulated (+=) deterministically;
  * scratch: at least tilearn_rmsnorm_backward_scratch_len(rows, dim) f32 elements, clobbered. */
-int tilearn_rmsnorm_backward_f32(const float *dout, const float *x, const float *weight,
-                                 const float *rstd, size_t rows, size_t dim, float *dx,
-                                 float *dweight, float *scratch, size_t scratch_len,
-                                 cudaStream_t stream);
-int tilearn_rmsnorm_backward_bf16(const tilearn_bf16 *dout, const tilearn_bf16 *x,
-                                  const tilearn_bf16 *weight, const float *rstd, size_t rows,
-                                  size_t dim, tilearn_bf16 *dx, float *dweight, float *scratch,
-                                  size_t scratch_len, cudaStream_t stream);
-
 int tilearn_rmsnorm_backward(int dtype, const void *dout, const void *x, const void *weight,
                              const float *rstd, size_t rows, size_t dim, void *dx, float *dweight,
                              float *scratch, size_t scratch_len, cudaStream_t stream);
 
 /* norm.cu, residual-fused: resid += y (in place; resid, y: [rows, dim]), then out = RMSNorm(resid)
  * with rstd written, exactly as residual_add_inplace followed by rmsnorm_forward. */
-int tilearn_add_rmsnorm_forward_f32(float *resid, const float *y, const float *weight, size_t rows,
-                                    size_t dim, float eps, float *out, float *rstd,
-                                    cudaStream_t stream);
-int tilearn_add_rmsnorm_forward_bf16(tilearn_bf16 *resid, const tilearn_bf16 *y,
-                                     const tilearn_bf16 *weight, size_t rows, size_t dim,
-                                     float eps, tilearn_bf16 *out, float *rstd,
-                                     cudaStream_t stream);
 int tilearn_add_rmsnorm_forward(int dtype, void *resid, const void *y, const void *weight,
                                 size_t rows, size_t dim, float eps, void *out, float *rstd,
                                 cudaStream_t stream);
-/* Like tilearn_rmsnorm_backward_*, but the input gradient is added into dresid (+=) rather than
+/* Like tilearn_rmsnorm_backward, but the input gradient is added into dresid (+=) rather than
  * written; same scratch, same deterministic dweight (+=). */
-int tilearn_rmsnorm_backward_add_f32(const float *dout, const float *x, const float *weight,
-                                     const float *rstd, size_t rows, size_t dim, float *dresid,
-                                     float *dweight, float *scratch, size_t scratch_len,
-                                     cudaStream_t stream);
-int tilearn_rmsnorm_backward_add_bf16(const tilearn_bf16 *dout, const tilearn_bf16 *x,
-                                      const tilearn_bf16 *weight, const float *rstd, size_t rows,
-                                      size_t dim, tilearn_bf16 *dresid, float *dweight,
-                                      float *scratch, size_t scratch_len, cudaStream_t stream);
 int tilearn_rmsnorm_backward_add(int dtype, const void *dout, const void *x, const void *weight,
                                  const float *rstd, size_t rows, size_t dim, void *dresid,
                                  float *dweight, float *scratch, size_t scratch_len,
@@ -284,23 +255,10 @@ int tilearn_optim_lamb(const tilearn_optim_launch *launch, const tilearn_optim_l
 
 /* Overwrites each logits row (in place) with (softmax(row) - onehot(target)) * grad_scale,
  * all zeros for ignored rows. grad_scale must be finite. */
-int tilearn_cross_entropy_fused_f32(float *logits, const int32_t *targets, size_t rows,
-                                    size_t vocab, float grad_scale, float *row_loss,
-                                    double *totals, cudaStream_t stream);
-int tilearn_cross_entropy_fused_bf16(tilearn_bf16 *logits, const int32_t *targets, size_t rows,
-                                     size_t vocab, float grad_scale, float *row_loss,
-                                     double *totals, cudaStream_t stream);
 int tilearn_cross_entropy_fused(int dtype, void *logits, const int32_t *targets, size_t rows,
                                 size_t vocab, float grad_scale, float *row_loss, double *totals,
                                 cudaStream_t stream);
 /* Loss only (evaluation): logits are not modified. */
-int tilearn_cross_entropy_forward_f32(const float *logits, const int32_t *targets, size_t rows,
-                                      size_t vocab, float *row_loss, double *totals,
-                                      cudaStream_t stream);
-int tilearn_cross_entropy_forward_bf16(const tilearn_bf16 *logits, const int32_t *targets,
-                                       size_t rows, size_t vocab, float *row_loss,
-                                       double *totals, cudaStream_t stream);
-
 int tilearn_cross_entropy_forward(int dtype, const void *logits, const int32_t *targets,
                                   size_t rows, size_t vocab, float *row_loss, double *totals,
                                   cudaStream_t stream);
@@ -310,31 +268,17 @@ int tilearn_cross_entropy_forward(int dtype, const void *logits, const int32_t *
  * status: one u64 device word, initialised by the caller to UINT64_MAX ("no error"); a launch
  * that meets an id >= vocab lowers it (atomic min) to (position << 32) | id. Such a row is never
  * read out of bounds: the forward fills it with NaN, the backward skips it. */
-int tilearn_embedding_forward_f32(const uint32_t *ids, const float *table, size_t rows,
-                                  size_t vocab, size_t dim, float *out, uint64_t *status,
-                                  cudaStream_t stream);
-int tilearn_embedding_forward_bf16(const uint32_t *ids, const tilearn_bf16 *table, size_t rows,
-                                   size_t vocab, size_t dim, tilearn_bf16 *out, uint64_t *status,
-                                   cudaStream_t stream);
-
 int tilearn_embedding_forward(int dtype, const uint32_t *ids, const void *table, size_t rows,
                               size_t vocab, size_t dim, void *out, uint64_t *status,
                               cudaStream_t stream);
 
-/* Bytes of scratch (any alignment) that tilearn_embedding_backward_* needs for (rows, vocab);
+/* Bytes of scratch (any alignment) that tilearn_embedding_backward needs for (rows, vocab);
  * SIZE_MAX if the shape is out of range or the current device cannot be queried. */
 size_t tilearn_embedding_backward_scratch_bytes(size_t rows, size_t vocab);
 
 /* dtable (f32) is accumulated (+=), deterministically and in position order (bit-identical to
  * the f32 CPU reference); scratch: at least tilearn_embedding_backward_scratch_bytes(rows, vocab)
  * bytes, clobbered. */
-int tilearn_embedding_backward_f32(const uint32_t *ids, const float *dout, size_t rows,
-                                   size_t vocab, size_t dim, float *dtable, uint64_t *status,
-                                   void *scratch, size_t scratch_bytes, cudaStream_t stream);
-int tilearn_embedding_backward_bf16(const uint32_t *ids, const tilearn_bf16 *dout, size_t rows,
-                                    size_t vocab, size_t dim, float *dtable, uint64_t *status,
-                                    void *scratch, size_t scratch_bytes, cudaStream_t stream);
-
 int tilearn_embedding_backward(int dtype, const uint32_t *ids, const void *dout, size_t rows,
                                size_t vocab, size_t dim, float *dtable, uint64_t *status,
                                void *scratch, size_t scratch_bytes, cudaStream_t stream);
@@ -342,19 +286,6 @@ int tilearn_embedding_backward(int dtype, const uint32_t *ids, const void *dout,
 /* ---- rope.cu: rotary embedding (Hugging Face rotate_half: element i pairs with i + D/2),
  *      in place on x [batch, seq, heads, head_dim]; cos / sin: [table_seq, head_dim / 2] f32,
  *      row t for position t (seq <= table_seq). The backward rotates by -angle. ---- */
-int tilearn_rope_forward_f32(float *x, const float *cos_table, const float *sin_table,
-                             size_t batch, size_t seq, size_t heads, size_t head_dim,
-                             size_t table_seq, cudaStream_t stream);
-int tilearn_rope_forward_bf16(tilearn_bf16 *x, const float *cos_table, const float *sin_table,
-                              size_t batch, size_t seq, size_t heads, size_t head_dim,
-                              size_t table_seq, cudaStream_t stream);
-int tilearn_rope_backward_f32(float *dx, const float *cos_table, const float *sin_table,
-                              size_t batch, size_t seq, size_t heads, size_t head_dim,
-                              size_t table_seq, cudaStream_t stream);
-int tilearn_rope_backward_bf16(tilearn_bf16 *dx, const float *cos_table, const float *sin_table,
-                               size_t batch, size_t seq, size_t heads, size_t head_dim,
-                               size_t table_seq, cudaStream_t stream);
-
 int tilearn_rope_forward(int dtype, void *x, const float *cos_table, const float *sin_table,
                          size_t batch, size_t seq, size_t heads, size_t head_dim,
                          size_t table_seq, cudaStream_t stream);
@@ -364,30 +295,12 @@ int tilearn_rope_backward(int dtype, void *dx, const float *cos_table, const flo
 
 /* ---- activation.cu: SwiGLU, out = silu(gate) * up, element-wise over n elements;
  *      the backward writes (=) dgate and dup ---- */
-int tilearn_swiglu_forward_f32(const float *gate, const float *up, float *out, size_t n,
-                               cudaStream_t stream);
-int tilearn_swiglu_forward_bf16(const tilearn_bf16 *gate, const tilearn_bf16 *up,
-                                tilearn_bf16 *out, size_t n, cudaStream_t stream);
-int tilearn_swiglu_backward_f32(const float *dout, const float *gate, const float *up,
-                                float *dgate, float *dup, size_t n, cudaStream_t stream);
-int tilearn_swiglu_backward_bf16(const tilearn_bf16 *dout, const tilearn_bf16 *gate,
-                                 const tilearn_bf16 *up, tilearn_bf16 *dgate, tilearn_bf16 *dup,
-                                 size_t n, cudaStream_t stream);
-
 int tilearn_swiglu_forward(int dtype, const void *gate, const void *up, void *out, size_t n,
                            cudaStream_t stream);
 int tilearn_swiglu_backward(int dtype, const void *dout, const void *gate, const void *up,
                             void *dgate, void *dup, size_t n, cudaStream_t stream);
 
 /* ---- residual.cu: out = a + b (out may equal a), and acc += x, over n elements ---- */
-int tilearn_residual_add_f32(const float *a, const float *b, float *out, size_t n,
-                             cudaStream_t stream);
-int tilearn_residual_add_bf16(const tilearn_bf16 *a, const tilearn_bf16 *b, tilearn_bf16 *out,
-                              size_t n, cudaStream_t stream);
-int tilearn_residual_add_inplace_f32(float *acc, const float *x, size_t n, cudaStream_t stream);
-int tilearn_residual_add_inplace_bf16(tilearn_bf16 *acc, const tilearn_bf16 *x, size_t n,
-                                      cudaStream_t stream);
-
 int tilearn_residual_add(int dtype, const void *a, const void *b, void *out, size_t n,
                          cudaStream_t stream);
 int tilearn_residual_add_inplace(int dtype, void *acc, const void *x, size_t n,
@@ -395,31 +308,18 @@ int tilearn_residual_add_inplace(int dtype, void *acc, const void *x, size_t n,
 
 /* ---- reduce.cu: whole-buffer gradient reductions (global L2 norm; GradScaler unscale) ---- */
 
-/* Number of f64 partials tilearn_global_norm_* uses as scratch for n elements (at most 1024;
+/* Number of f64 partials tilearn_global_norm uses as scratch for n elements (at most 1024;
  * 0 for n == 0). */
 size_t tilearn_global_norm_partials_len(size_t n);
 /* sum_sq[0] = sum of x[i]^2 (f64) and norm[0] = sqrt(sum_sq) (f32), both written (=), also for
  * n == 0; every square and sum in f64, deterministic (grid fixed by n, fixed-order trees).
  * partials: at least tilearn_global_norm_partials_len(n) f64, clobbered. */
-int tilearn_global_norm_f32(const float *x, size_t n, double *partials, size_t partials_len,
-                            double *sum_sq, float *norm, cudaStream_t stream);
-int tilearn_global_norm_bf16(const tilearn_bf16 *x, size_t n, double *partials,
-                             size_t partials_len, double *sum_sq, float *norm,
-                             cudaStream_t stream);
-
 int tilearn_global_norm(int dtype, const void *x, size_t n, double *partials,
                         size_t partials_len, double *sum_sq, float *norm, cudaStream_t stream);
 
 /* In place x[i] = x[i] * inv_scale[0] (f32 product, rounded once to x's type), and
  * found_inf[0] = 1.0f if any x[i] was inf or NaN (never cleared: the caller zeroes it once per
  * step), like torch._amp_foreach_non_finite_check_and_unscale_. */
-int tilearn_unscale_check_f32(float *x, size_t n, const float *inv_scale, float *found_inf,
-                              cudaStream_t stream);
-int tilearn_unscale_check_bf16(tilearn_bf16 *x, size_t n, const float *inv_scale,
-                               float *found_inf, cudaStream_t stream);
-int tilearn_unscale_check_f16(tilearn_f16 *x, size_t n, const float *inv_scale, float *found_inf,
-                              cudaStream_t stream);
-
 int tilearn_unscale_check(int dtype, void *x, size_t n, const float *inv_scale,
                           float *found_inf, cudaStream_t stream);
 
@@ -428,17 +328,13 @@ int tilearn_unscale_check(int dtype, void *x, size_t n, const float *inv_scale,
  * dout: [rows, cols]; db: [cols] f32, accumulated (+=). scratch: at least
  * tilearn_bias_grad_scratch_len(rows, cols) f32 elements (0 for rows <= 256), clobbered. */
 size_t tilearn_bias_grad_scratch_len(size_t rows, size_t cols);
-int tilearn_bias_grad_f32(const float *dout, size_t rows, size_t cols, float *db, float *scratch,
-                          size_t scratch_len, cudaStream_t stream);
-int tilearn_bias_grad_bf16(const tilearn_bf16 *dout, size_t rows, size_t cols, float *db,
-                           float *scratch, size_t scratch_len, cudaStream_t stream);
 
 int tilearn_bias_grad(int dtype, const void *dout, size_t rows, size_t cols, float *db,
                       float *scratch, size_t scratch_len, cudaStream_t stream);
 
 /* ---- attention.cu: the row-wise kernels of causal grouped-query attention (the matrix
  *      products run on cuBLASLt; see crates/tilearn-ops/src/cuda/attention.rs) ----
- * scores / dprobs: f32 [rows, ld]; probs (P, or dS in place): [rows, ld] f32 or bf16; rows are
+ * scores / dprobs: f32 [rows, ld]; probs (P, or dS in place): [rows, ld] of the dtype; rows are
  * (batch, head, query) with query position i = row % seq; columns [0, seq) are used, ld >= seq;
  * every probs column < seq is written, keys j > i as exact zeros. lse, delta: f32 [rows]. */
 
@@ -446,36 +342,17 @@ int tilearn_bias_grad(int dtype, const void *dout, size_t rows, size_t cols, flo
 int tilearn_attention_swap_axes(const void *src, void *dst, size_t outer, size_t x, size_t y,
                                 size_t inner_bytes, cudaStream_t stream);
 /* Causal softmax of each row: probs = exp(scores - lse), lse = log sum_{j <= i} exp(scores). */
-int tilearn_attention_softmax_f32(const float *scores, size_t ld, size_t rows, size_t seq,
-                                  float *probs, float *lse, cudaStream_t stream);
-int tilearn_attention_softmax_bf16(const float *scores, size_t ld, size_t rows, size_t seq,
-                                   tilearn_bf16 *probs, float *lse, cudaStream_t stream);
 int tilearn_attention_softmax(int dtype, const float *scores, size_t ld, size_t rows, size_t seq,
                               void *probs, float *lse, cudaStream_t stream);
 /* Backward recomputation: probs = exp(scores - lse) (causal), lse from the forward. */
-int tilearn_attention_probs_f32(const float *scores, size_t ld, size_t rows, size_t seq,
-                                const float *lse, float *probs, cudaStream_t stream);
-int tilearn_attention_probs_bf16(const float *scores, size_t ld, size_t rows, size_t seq,
-                                 const float *lse, tilearn_bf16 *probs, cudaStream_t stream);
 int tilearn_attention_probs(int dtype, const float *scores, size_t ld, size_t rows, size_t seq,
                             const float *lse, void *probs, cudaStream_t stream);
 /* In place: probs_ds = probs * (dprobs - delta[row]) * scale for keys j <= i, 0 above. */
-int tilearn_attention_dscores_f32(float *probs_ds, const float *dprobs, size_t ld, size_t rows,
-                                  size_t seq, const float *delta, float scale,
-                                  cudaStream_t stream);
-int tilearn_attention_dscores_bf16(tilearn_bf16 *probs_ds, const float *dprobs, size_t ld,
-                                   size_t rows, size_t seq, const float *delta, float scale,
-                                   cudaStream_t stream);
 int tilearn_attention_dscores(int dtype, void *probs_ds, const float *dprobs, size_t ld,
                               size_t rows, size_t seq, const float *delta, float scale,
                               cudaStream_t stream);
 /* delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d] (f32, written); dout, out:
  * [batch, seq, heads, head_dim]; delta: [batch, heads, seq]. */
-int tilearn_attention_delta_f32(const float *dout, const float *out, size_t batch, size_t seq,
-                                size_t heads, size_t head_dim, float *delta, cudaStream_t stream);
-int tilearn_attention_delta_bf16(const tilearn_bf16 *dout, const tilearn_bf16 *out, size_t batch,
-                                 size_t seq, size_t heads, size_t head_dim, float *delta,
-                                 cudaStream_t stream);
 int tilearn_attention_delta(int dtype, const void *dout, const void *out, size_t batch,
                             size_t seq, size_t heads, size_t head_dim, float *delta,
                             cudaStream_t stream);

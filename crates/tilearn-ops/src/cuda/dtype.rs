@@ -36,7 +36,8 @@ pub trait DeviceFloat:
 
     /// Exact widening.
     fn to_f32(self) -> f32;
-    /// Rounding to nearest even (f16: beyond ±65504 becomes ±inf).
+    /// Rounding to nearest even (f16: magnitudes from 65520, 65504 plus half a step, become
+    /// ±inf).
     fn from_f32(value: f32) -> Self;
 }
 

@@ -124,26 +124,6 @@ unsafe extern "C" {
         n: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
-    pub fn tilearn_rmsnorm_forward_f32(
-        x: *const f32,
-        weight: *const f32,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: *mut f32,
-        rstd: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_rmsnorm_forward_bf16(
-        x: *const tilearn_bf16,
-        weight: *const tilearn_bf16,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: *mut tilearn_bf16,
-        rstd: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_rmsnorm_forward(
         dtype: ::std::os::raw::c_int,
         x: *const ::std::os::raw::c_void,
@@ -156,32 +136,6 @@ unsafe extern "C" {
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_rmsnorm_backward_scratch_len(rows: usize, dim: usize) -> usize;
-    pub fn tilearn_rmsnorm_backward_f32(
-        dout: *const f32,
-        x: *const f32,
-        weight: *const f32,
-        rstd: *const f32,
-        rows: usize,
-        dim: usize,
-        dx: *mut f32,
-        dweight: *mut f32,
-        scratch: *mut f32,
-        scratch_len: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_rmsnorm_backward_bf16(
-        dout: *const tilearn_bf16,
-        x: *const tilearn_bf16,
-        weight: *const tilearn_bf16,
-        rstd: *const f32,
-        rows: usize,
-        dim: usize,
-        dx: *mut tilearn_bf16,
-        dweight: *mut f32,
-        scratch: *mut f32,
-        scratch_len: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_rmsnorm_backward(
         dtype: ::std::os::raw::c_int,
         dout: *const ::std::os::raw::c_void,
@@ -196,28 +150,6 @@ unsafe extern "C" {
         scratch_len: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
-    pub fn tilearn_add_rmsnorm_forward_f32(
-        resid: *mut f32,
-        y: *const f32,
-        weight: *const f32,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: *mut f32,
-        rstd: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_add_rmsnorm_forward_bf16(
-        resid: *mut tilearn_bf16,
-        y: *const tilearn_bf16,
-        weight: *const tilearn_bf16,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: *mut tilearn_bf16,
-        rstd: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_add_rmsnorm_forward(
         dtype: ::std::os::raw::c_int,
         resid: *mut ::std::os::raw::c_void,
@@ -228,32 +160,6 @@ unsafe extern "C" {
         eps: f32,
         out: *mut ::std::os::raw::c_void,
         rstd: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_rmsnorm_backward_add_f32(
-        dout: *const f32,
-        x: *const f32,
-        weight: *const f32,
-        rstd: *const f32,
-        rows: usize,
-        dim: usize,
-        dresid: *mut f32,
-        dweight: *mut f32,
-        scratch: *mut f32,
-        scratch_len: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_rmsnorm_backward_add_bf16(
-        dout: *const tilearn_bf16,
-        x: *const tilearn_bf16,
-        weight: *const tilearn_bf16,
-        rstd: *const f32,
-        rows: usize,
-        dim: usize,
-        dresid: *mut tilearn_bf16,
-        dweight: *mut f32,
-        scratch: *mut f32,
-        scratch_len: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_rmsnorm_backward_add(
@@ -329,26 +235,6 @@ unsafe extern "C" {
         ratios_len: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
-    pub fn tilearn_cross_entropy_fused_f32(
-        logits: *mut f32,
-        targets: *const i32,
-        rows: usize,
-        vocab: usize,
-        grad_scale: f32,
-        row_loss: *mut f32,
-        totals: *mut f64,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_cross_entropy_fused_bf16(
-        logits: *mut tilearn_bf16,
-        targets: *const i32,
-        rows: usize,
-        vocab: usize,
-        grad_scale: f32,
-        row_loss: *mut f32,
-        totals: *mut f64,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_cross_entropy_fused(
         dtype: ::std::os::raw::c_int,
         logits: *mut ::std::os::raw::c_void,
@@ -356,24 +242,6 @@ unsafe extern "C" {
         rows: usize,
         vocab: usize,
         grad_scale: f32,
-        row_loss: *mut f32,
-        totals: *mut f64,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_cross_entropy_forward_f32(
-        logits: *const f32,
-        targets: *const i32,
-        rows: usize,
-        vocab: usize,
-        row_loss: *mut f32,
-        totals: *mut f64,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_cross_entropy_forward_bf16(
-        logits: *const tilearn_bf16,
-        targets: *const i32,
-        rows: usize,
-        vocab: usize,
         row_loss: *mut f32,
         totals: *mut f64,
         stream: cudaStream_t,
@@ -388,26 +256,6 @@ unsafe extern "C" {
         totals: *mut f64,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
-    pub fn tilearn_embedding_forward_f32(
-        ids: *const u32,
-        table: *const f32,
-        rows: usize,
-        vocab: usize,
-        dim: usize,
-        out: *mut f32,
-        status: *mut u64,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_embedding_forward_bf16(
-        ids: *const u32,
-        table: *const tilearn_bf16,
-        rows: usize,
-        vocab: usize,
-        dim: usize,
-        out: *mut tilearn_bf16,
-        status: *mut u64,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_embedding_forward(
         dtype: ::std::os::raw::c_int,
         ids: *const u32,
@@ -420,30 +268,6 @@ unsafe extern "C" {
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_embedding_backward_scratch_bytes(rows: usize, vocab: usize) -> usize;
-    pub fn tilearn_embedding_backward_f32(
-        ids: *const u32,
-        dout: *const f32,
-        rows: usize,
-        vocab: usize,
-        dim: usize,
-        dtable: *mut f32,
-        status: *mut u64,
-        scratch: *mut ::std::os::raw::c_void,
-        scratch_bytes: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_embedding_backward_bf16(
-        ids: *const u32,
-        dout: *const tilearn_bf16,
-        rows: usize,
-        vocab: usize,
-        dim: usize,
-        dtable: *mut f32,
-        status: *mut u64,
-        scratch: *mut ::std::os::raw::c_void,
-        scratch_bytes: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_embedding_backward(
         dtype: ::std::os::raw::c_int,
         ids: *const u32,
@@ -455,50 +279,6 @@ unsafe extern "C" {
         status: *mut u64,
         scratch: *mut ::std::os::raw::c_void,
         scratch_bytes: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_rope_forward_f32(
-        x: *mut f32,
-        cos_table: *const f32,
-        sin_table: *const f32,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        table_seq: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_rope_forward_bf16(
-        x: *mut tilearn_bf16,
-        cos_table: *const f32,
-        sin_table: *const f32,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        table_seq: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_rope_backward_f32(
-        dx: *mut f32,
-        cos_table: *const f32,
-        sin_table: *const f32,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        table_seq: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_rope_backward_bf16(
-        dx: *mut tilearn_bf16,
-        cos_table: *const f32,
-        sin_table: *const f32,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        table_seq: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_rope_forward(
@@ -525,38 +305,6 @@ unsafe extern "C" {
         table_seq: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
-    pub fn tilearn_swiglu_forward_f32(
-        gate: *const f32,
-        up: *const f32,
-        out: *mut f32,
-        n: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_swiglu_forward_bf16(
-        gate: *const tilearn_bf16,
-        up: *const tilearn_bf16,
-        out: *mut tilearn_bf16,
-        n: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_swiglu_backward_f32(
-        dout: *const f32,
-        gate: *const f32,
-        up: *const f32,
-        dgate: *mut f32,
-        dup: *mut f32,
-        n: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_swiglu_backward_bf16(
-        dout: *const tilearn_bf16,
-        gate: *const tilearn_bf16,
-        up: *const tilearn_bf16,
-        dgate: *mut tilearn_bf16,
-        dup: *mut tilearn_bf16,
-        n: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_swiglu_forward(
         dtype: ::std::os::raw::c_int,
         gate: *const ::std::os::raw::c_void,
@@ -572,32 +320,6 @@ unsafe extern "C" {
         up: *const ::std::os::raw::c_void,
         dgate: *mut ::std::os::raw::c_void,
         dup: *mut ::std::os::raw::c_void,
-        n: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_residual_add_f32(
-        a: *const f32,
-        b: *const f32,
-        out: *mut f32,
-        n: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_residual_add_bf16(
-        a: *const tilearn_bf16,
-        b: *const tilearn_bf16,
-        out: *mut tilearn_bf16,
-        n: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_residual_add_inplace_f32(
-        acc: *mut f32,
-        x: *const f32,
-        n: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_residual_add_inplace_bf16(
-        acc: *mut tilearn_bf16,
-        x: *const tilearn_bf16,
         n: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
@@ -617,24 +339,6 @@ unsafe extern "C" {
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_global_norm_partials_len(n: usize) -> usize;
-    pub fn tilearn_global_norm_f32(
-        x: *const f32,
-        n: usize,
-        partials: *mut f64,
-        partials_len: usize,
-        sum_sq: *mut f64,
-        norm: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_global_norm_bf16(
-        x: *const tilearn_bf16,
-        n: usize,
-        partials: *mut f64,
-        partials_len: usize,
-        sum_sq: *mut f64,
-        norm: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_global_norm(
         dtype: ::std::os::raw::c_int,
         x: *const ::std::os::raw::c_void,
@@ -643,27 +347,6 @@ unsafe extern "C" {
         partials_len: usize,
         sum_sq: *mut f64,
         norm: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_unscale_check_f32(
-        x: *mut f32,
-        n: usize,
-        inv_scale: *const f32,
-        found_inf: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_unscale_check_bf16(
-        x: *mut tilearn_bf16,
-        n: usize,
-        inv_scale: *const f32,
-        found_inf: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_unscale_check_f16(
-        x: *mut tilearn_f16,
-        n: usize,
-        inv_scale: *const f32,
-        found_inf: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_unscale_check(
@@ -675,24 +358,6 @@ unsafe extern "C" {
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_bias_grad_scratch_len(rows: usize, cols: usize) -> usize;
-    pub fn tilearn_bias_grad_f32(
-        dout: *const f32,
-        rows: usize,
-        cols: usize,
-        db: *mut f32,
-        scratch: *mut f32,
-        scratch_len: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_bias_grad_bf16(
-        dout: *const tilearn_bf16,
-        rows: usize,
-        cols: usize,
-        db: *mut f32,
-        scratch: *mut f32,
-        scratch_len: usize,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_bias_grad(
         dtype: ::std::os::raw::c_int,
         dout: *const ::std::os::raw::c_void,
@@ -712,24 +377,6 @@ unsafe extern "C" {
         inner_bytes: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
-    pub fn tilearn_attention_softmax_f32(
-        scores: *const f32,
-        ld: usize,
-        rows: usize,
-        seq: usize,
-        probs: *mut f32,
-        lse: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_attention_softmax_bf16(
-        scores: *const f32,
-        ld: usize,
-        rows: usize,
-        seq: usize,
-        probs: *mut tilearn_bf16,
-        lse: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_attention_softmax(
         dtype: ::std::os::raw::c_int,
         scores: *const f32,
@@ -738,24 +385,6 @@ unsafe extern "C" {
         seq: usize,
         probs: *mut ::std::os::raw::c_void,
         lse: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_attention_probs_f32(
-        scores: *const f32,
-        ld: usize,
-        rows: usize,
-        seq: usize,
-        lse: *const f32,
-        probs: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_attention_probs_bf16(
-        scores: *const f32,
-        ld: usize,
-        rows: usize,
-        seq: usize,
-        lse: *const f32,
-        probs: *mut tilearn_bf16,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_attention_probs(
@@ -768,26 +397,6 @@ unsafe extern "C" {
         probs: *mut ::std::os::raw::c_void,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
-    pub fn tilearn_attention_dscores_f32(
-        probs_ds: *mut f32,
-        dprobs: *const f32,
-        ld: usize,
-        rows: usize,
-        seq: usize,
-        delta: *const f32,
-        scale: f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_attention_dscores_bf16(
-        probs_ds: *mut tilearn_bf16,
-        dprobs: *const f32,
-        ld: usize,
-        rows: usize,
-        seq: usize,
-        delta: *const f32,
-        scale: f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
     pub fn tilearn_attention_dscores(
         dtype: ::std::os::raw::c_int,
         probs_ds: *mut ::std::os::raw::c_void,
@@ -797,26 +406,6 @@ unsafe extern "C" {
         seq: usize,
         delta: *const f32,
         scale: f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_attention_delta_f32(
-        dout: *const f32,
-        out: *const f32,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        delta: *mut f32,
-        stream: cudaStream_t,
-    ) -> ::std::os::raw::c_int;
-    pub fn tilearn_attention_delta_bf16(
-        dout: *const tilearn_bf16,
-        out: *const tilearn_bf16,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        delta: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_attention_delta(

@@ -1,15 +1,15 @@
 //! The device activation arena: every buffer the forward and backward need, in two
-//! allocations made once at model build (one of the activation type `T`, one of f32 for the
-//! per-row statistics), carved into named views for each call.
+//! allocations made once at model build (one untyped, viewed as the activation type `T` of the
+//! call, one of f32 for the per-row statistics), carved into named views for each call.
 //!
 //! Each call carves views sized for its own `n = batch * seq` rows from the start of the arena
 //! (a shorter batch uses a prefix of the space), so layouts such as the attention's `[B, Hq, T]`
 //! log-sum-exp are contiguous for the call's shape. Every buffer starts on a multiple of
-//! [`ALIGN_ELEMS`] elements (256 bytes for f32, 128 for bf16) so vectorised kernels and
+//! [`ALIGN_ELEMS`] elements (256 bytes for f32, 128 for bf16 and f16) so vectorised kernels and
 //! cuBLASLt see aligned pointers.
 
-use cudarc::driver::{CudaSlice, CudaViewMut, DeviceRepr, ValidAsZeroBits};
-use tilearn_ops::cuda::CudaStream;
+use cudarc::driver::{CudaSlice, CudaViewMut};
+use tilearn_ops::cuda::{CudaStream, DeviceFloat};
 
 use super::views::{Carver, sub_mut};
 use crate::config::LlamaConfig;
@@ -117,18 +117,26 @@ impl Dims {
     }
 }
 
-/// The two allocations, sized for the largest call (the build's batch and sequence).
+/// The two allocations, sized for the largest call (the build's batch and sequence). The main
+/// one is untyped: it holds `main_len` elements of the widest type the model may run in, and
+/// each call carves it as the type of its period, so switching precision between periods
+/// needs no new allocation.
 #[derive(Debug)]
-pub(crate) struct Arena<T> {
-    main: CudaSlice<T>,
+pub(crate) struct Arena {
+    main: CudaSlice<u8>,
     stats: CudaSlice<f32>,
 }
 
-impl<T: DeviceRepr + ValidAsZeroBits> Arena<T> {
-    /// Allocates (zero-filled, so nothing uninitialised is ever read) for `capacity`.
-    pub(crate) fn new(stream: &Arc<CudaStream>, capacity: &Dims) -> Result<Self> {
+impl Arena {
+    /// Allocates (zero-filled, so nothing uninitialised is ever read) for `capacity` in
+    /// elements of up to `max_elem_bytes` bytes.
+    pub(crate) fn new(
+        stream: &Arc<CudaStream>,
+        capacity: &Dims,
+        max_elem_bytes: usize,
+    ) -> Result<Self> {
         let main = stream
-            .alloc_zeros::<T>(capacity.main_len())
+            .alloc_zeros::<u8>(capacity.main_len() * max_elem_bytes)
             .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
         let stats = stream
             .alloc_zeros::<f32>(capacity.stats_len())
@@ -143,8 +151,16 @@ impl<T: DeviceRepr + ValidAsZeroBits> Arena<T> {
 
     /// The named views for a call of shape `d` (which must not exceed the capacity; the
     /// carving fails with an error rather than overrun).
-    pub(crate) fn carve(&mut self, d: &Dims) -> Result<Bufs<'_, T>> {
-        let mut m = Carver::new(self.main.as_view_mut());
+    pub(crate) fn carve<T: DeviceFloat>(&mut self, d: &Dims) -> Result<Bufs<'_, T>> {
+        let elems = self.main.len() / size_of::<T>();
+        // SAFETY: every `T` is a plain float type for which any bit pattern is a valid value,
+        // and the allocation (device memory, 256-byte aligned) holds at least `elems` of them.
+        // The view borrows `self.main` mutably, so no other view of the bytes exists while it
+        // lives.
+        let main = unsafe { self.main.transmute_mut::<T>(elems) }.ok_or_else(|| {
+            super::views::arena_error(format!("cannot view the arena as {}", T::NAME))
+        })?;
+        let mut m = Carver::new(main);
         let mut s = Carver::new(self.stats.as_view_mut());
         let resid = (0..=d.layers)
             .map(|_| aligned(&mut m, d.n * d.c))

@@ -19,11 +19,12 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use tilearn_ops::cuda::{
-    CeTotals, CudaStream, EmbeddingBackwardScratch, GpuRopeTable, RmsNormScratch, TokenIdCheck,
+    self as k, CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuRopeTable,
+    RmsNormScratch, TokenIdCheck,
 };
 
 use super::arena::{Bufs, Dims, LayerBufs};
-use super::linalg::{GpuLinalg, Matmul};
+use super::linalg::Matmul;
 use super::views::{sub_mut, two_mut};
 use crate::error::Result;
 use crate::model::{LayerLayout, LinearLayout, ModelLayout};
@@ -50,7 +51,7 @@ struct NextNorm<'b, 'a, T> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn linear_fwd<T: GpuLinalg>(
+fn linear_fwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     w: &CudaView<'_, T>,
     l: &LinearLayout,
@@ -61,8 +62,7 @@ fn linear_fwd<T: GpuLinalg>(
     out: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
     let bias = l.bias.as_ref().map(|b| w.slice(b.clone()));
-    T::linear_forward(
-        cx.mm,
+    cx.mm.linear_forward(
         cx.stream,
         x,
         &w.slice(l.weight.clone()),
@@ -78,7 +78,7 @@ fn linear_fwd<T: GpuLinalg>(
 /// Backward of one linear layer: `dx =` (when asked), weight and bias gradients `+=` into
 /// their ranges of the flat f32 gradient buffer.
 #[allow(clippy::too_many_arguments)]
-fn linear_bwd<T: GpuLinalg>(
+fn linear_bwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     w: &CudaView<'_, T>,
     g: &mut CudaSlice<f32>,
@@ -95,8 +95,7 @@ fn linear_bwd<T: GpuLinalg>(
     match &l.bias {
         Some(b) => {
             let (mut dw, mut db) = two_mut(gv, l.weight.clone(), b.clone())?;
-            T::linear_backward(
-                cx.mm,
+            cx.mm.linear_backward(
                 cx.stream,
                 dout,
                 x,
@@ -112,8 +111,8 @@ fn linear_bwd<T: GpuLinalg>(
         }
         None => {
             let mut dw = sub_mut(gv, l.weight.clone())?;
-            T::linear_backward(
-                cx.mm, cx.stream, dout, x, &weight, rows, in_f, out_f, dx, &mut dw, None,
+            cx.mm.linear_backward(
+                cx.stream, dout, x, &weight, rows, in_f, out_f, dx, &mut dw, None,
             )?;
             Ok(())
         }
@@ -121,7 +120,7 @@ fn linear_bwd<T: GpuLinalg>(
 }
 
 /// Forward through the final norm and `lm_head` into `b.logits`.
-pub(crate) fn forward<T: GpuLinalg>(
+pub(crate) fn forward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     w: &CudaView<'_, T>,
@@ -130,7 +129,7 @@ pub(crate) fn forward<T: GpuLinalg>(
 ) -> Result<()> {
     let layout = cx.layout;
     let (n, c) = (d.n, d.c);
-    T::embedding_forward(
+    k::embedding_forward(
         cx.stream,
         ids,
         &w.slice(layout.embed.clone()),
@@ -148,7 +147,7 @@ pub(crate) fn forward<T: GpuLinalg>(
         ),
         None => (layout.norm.clone(), &mut b.final_xn, &mut b.final_rstd),
     };
-    T::rmsnorm_forward(
+    k::rmsnorm_forward(
         cx.stream,
         &b.resid[0],
         &w.slice(first_w),
@@ -183,8 +182,7 @@ pub(crate) fn forward<T: GpuLinalg>(
             next,
         )?;
     }
-    T::linear_forward(
-        cx.mm,
+    cx.mm.linear_forward(
         cx.stream,
         &b.final_xn.as_view(),
         &w.slice(layout.lm_head.clone()),
@@ -201,7 +199,7 @@ pub(crate) fn forward<T: GpuLinalg>(
 /// forward's logits; they are overwritten with d(loss)/d(logits) (`grad_scale` = 1 / the loss
 /// denominator). Parameter gradients are added into `g`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward<T: GpuLinalg>(
+pub(crate) fn backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     w: &CudaView<'_, T>,
@@ -214,7 +212,7 @@ pub(crate) fn backward<T: GpuLinalg>(
 ) -> Result<()> {
     let layout = cx.layout;
     let (n, c) = (d.n, d.c);
-    T::cross_entropy_fused(
+    k::cross_entropy_fused(
         cx.stream,
         &mut b.logits,
         targets,
@@ -242,7 +240,7 @@ pub(crate) fn backward<T: GpuLinalg>(
     )?;
     {
         let mut dnorm = sub_mut(g.as_view_mut(), layout.norm.clone())?;
-        T::rmsnorm_backward(
+        k::rmsnorm_backward(
             cx.stream,
             &b.grad.dxn,
             &b.resid[d.layers],
@@ -267,7 +265,7 @@ pub(crate) fn backward<T: GpuLinalg>(
         )?;
     }
     let mut dembed = sub_mut(g.as_view_mut(), layout.embed.clone())?;
-    T::embedding_backward(
+    k::embedding_backward(
         cx.stream,
         ids,
         &b.grad.dres,
@@ -282,7 +280,7 @@ pub(crate) fn backward<T: GpuLinalg>(
 /// Forward of one block from `x` (whose `input_layernorm` is already in `a.xn1`/`a.rstd1`)
 /// into `a`; `out` receives the block output and `next` its norm.
 #[allow(clippy::too_many_arguments)]
-fn block_forward<T: GpuLinalg>(
+fn block_forward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     lay: &LayerLayout,
@@ -298,10 +296,9 @@ fn block_forward<T: GpuLinalg>(
     linear_fwd(cx, w, &lay.q, &xn1, n, c, q, &mut a.q)?;
     linear_fwd(cx, w, &lay.k, &xn1, n, c, kv, &mut a.k)?;
     linear_fwd(cx, w, &lay.v, &xn1, n, c, kv, &mut a.v)?;
-    T::rope_forward(s, &mut a.q, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope)?;
-    T::rope_forward(s, &mut a.k, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope)?;
-    T::attention_forward(
-        cx.mm,
+    k::rope_forward(s, &mut a.q, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope)?;
+    k::rope_forward(s, &mut a.k, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope)?;
+    cx.mm.attention_forward(
         s,
         d,
         &a.q.as_view(),
@@ -312,7 +309,7 @@ fn block_forward<T: GpuLinalg>(
     )?;
     linear_fwd(cx, w, &lay.o, &a.att.as_view(), n, q, c, &mut a.h)?;
     // h = o + x in place, and post_attention_layernorm(h), in one launch.
-    T::add_rmsnorm_forward(
+    k::add_rmsnorm_forward(
         s,
         &mut a.h,
         x,
@@ -325,10 +322,10 @@ fn block_forward<T: GpuLinalg>(
     let xn2 = a.xn2.as_view();
     linear_fwd(cx, w, &lay.gate, &xn2, n, c, inter, &mut a.gate)?;
     linear_fwd(cx, w, &lay.up, &xn2, n, c, inter, &mut a.up)?;
-    T::swiglu_forward(s, &a.gate, &a.up, &mut a.act)?;
+    k::swiglu_forward(s, &a.gate, &a.up, &mut a.act)?;
     linear_fwd(cx, w, &lay.down, &a.act.as_view(), n, inter, c, out)?;
     // out = down + h in place, and the next norm of out, in one launch.
-    T::add_rmsnorm_forward(
+    k::add_rmsnorm_forward(
         s,
         out,
         &a.h,
@@ -343,7 +340,7 @@ fn block_forward<T: GpuLinalg>(
 
 /// Backward of one block: `gb.dres` holds d/d(out) on entry and d/d(x) on return.
 #[allow(clippy::too_many_arguments)]
-fn block_backward<T: GpuLinalg>(
+fn block_backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     lay: &LayerLayout,
@@ -371,7 +368,7 @@ fn block_backward<T: GpuLinalg>(
         c,
         Some(&mut gb.dact),
     )?;
-    T::swiglu_backward(s, &gb.dact, &a.gate, &a.up, &mut gb.dgate, &mut gb.dup)?;
+    k::swiglu_backward(s, &gb.dact, &a.gate, &a.up, &mut gb.dgate, &mut gb.dup)?;
     linear_bwd(
         cx,
         w,
@@ -396,11 +393,11 @@ fn block_backward<T: GpuLinalg>(
         inter,
         Some(&mut gb.dtmp),
     )?;
-    T::add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+    k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     {
         let mut dpost = sub_mut(g.as_view_mut(), lay.post_attention_norm.clone())?;
         // dres += the norm's input gradient: dres becomes d/dh.
-        T::rmsnorm_backward_add(
+        k::rmsnorm_backward_add(
             s,
             &gb.dxn,
             &a.h,
@@ -426,8 +423,7 @@ fn block_backward<T: GpuLinalg>(
         c,
         Some(&mut gb.datt),
     )?;
-    T::attention_backward(
-        cx.mm,
+    cx.mm.attention_backward(
         s,
         d,
         &gb.datt.as_view(),
@@ -440,10 +436,10 @@ fn block_backward<T: GpuLinalg>(
         &mut gb.dk,
         &mut gb.dv,
     )?;
-    T::rope_backward(
+    k::rope_backward(
         s, &mut gb.dq, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope,
     )?;
-    T::rope_backward(
+    k::rope_backward(
         s, &mut gb.dk, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope,
     )?;
     linear_bwd(
@@ -470,7 +466,7 @@ fn block_backward<T: GpuLinalg>(
         kv,
         Some(&mut gb.dtmp),
     )?;
-    T::add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+    k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     linear_bwd(
         cx,
         w,
@@ -483,11 +479,11 @@ fn block_backward<T: GpuLinalg>(
         kv,
         Some(&mut gb.dtmp),
     )?;
-    T::add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+    k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     {
         let mut dinp = sub_mut(g.as_view_mut(), lay.input_norm.clone())?;
         // dres += the norm's input gradient: dres becomes d/dx.
-        T::rmsnorm_backward_add(
+        k::rmsnorm_backward_add(
             s,
             &gb.dxn,
             x,

@@ -5,33 +5,42 @@
 //! `tilearn_ops::cuda`:
 //!
 //! * **Parameters**: the fp32 master weights in one flat device buffer laid out exactly as
-//!   [`ParamStore`] (Hugging Face order), and in [`Precision::Bf16`] a bf16 working copy in a
-//!   second flat buffer, which the forward and backward read and the fused AdamW rewrites.
+//!   [`ParamStore`] (Hugging Face order), and when a 16-bit precision may run, a working copy
+//!   in a second flat buffer (bf16 or f16, the current period's type), which the forward and
+//!   backward read and the fused AdamW rewrites.
 //! * **Gradients**: one flat f32 buffer with the same layout; every call of
 //!   [`GpuLlama::forward_backward`] adds (`+=`) into it, so gradient accumulation over
 //!   micro-batches is a sequence of calls followed by one [`GpuLlama::step`]
 //!   ([`GpuLlama::zero_grad`] clears it).
-//! * **Activations** and their gradients: one arena of the activation type plus one f32 arena
-//!   for per-row statistics, allocated at build for (batch, seq) and carved per call; a step
+//! * **Activations** and their gradients: one arena sized for the widest activation type the
+//!   model may run in plus one f32 arena for per-row statistics, allocated at build for
+//!   (batch, seq) and carved per call as the current type; a step
 //!   allocates no device memory of its own (the RMSNorm backward's dweight partials and the
 //!   embedding backward's sort buffers are scratch allocated at build too, see [`GpuMemory`]).
 //!
 //! Precision: [`Precision::F32`] runs everything in f32 (the exactness tests compare it with the
-//! CPU engine and transformers); [`Precision::Bf16`] keeps activations and the working weights in
-//! bf16 with f32 accumulation inside every kernel, f32 parameter gradients, f32 master weights
-//! and f32 optimizer moments (mixed precision as `torch.autocast` + fp32 master weights).
+//! CPU engine and transformers); [`Precision::Bf16`] and [`Precision::F16`] keep activations and
+//! the working weights in 16 bits with f32 accumulation inside every kernel, f32 parameter
+//! gradients, f32 master weights and f32 optimizer moments (mixed precision as
+//! `torch.autocast` + fp32 master weights). A model built with
+//! [`GpuLlama::with_precisions`] switches between its precisions per call
+//! ([`GpuLlama::set_precision`]) without allocating: adaptive mixed precision changes the mode
+//! between periods. f16 needs loss scaling: [`GpuLlama::forward_backward_scaled`] multiplies
+//! the loss by the GradScaler's scale, [`GpuLlama::unscale_and_check`] is its unscale and
+//! non-finite check, and [`GpuLlama::step`] then applies `1/scale` inside the fused kernel.
 //!
 //! Synchronisation: everything is queued on the device's one stream. The only host wait of a
 //! training step is [`GpuLlama::forward_backward`] reading back the loss sum (a 32-byte copy of
-//! the cross-entropy totals, which also reports out-of-range labels); [`GpuLlama::step`] never
-//! waits. Token ids and labels are validated on the host before upload, so a bad id is a typed
+//! the cross-entropy totals, which also reports out-of-range labels), plus, in a loss-scaled
+//! step, [`GpuLlama::unscale_and_check`] reading the unscaled gradient norm; [`GpuLlama::step`]
+//! never waits. Token ids and labels are validated on the host before upload, so a bad id is a typed
 //! error before any launch.
 
 mod arena;
 mod compute;
-mod elem;
 mod linalg;
 mod optim;
+mod precision;
 mod views;
 
 use std::sync::Arc;
@@ -39,42 +48,34 @@ use std::sync::Arc;
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaView, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
 };
-use half::bf16;
 use tilearn_ops::OpsError;
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
-    CeTotals, CudaStream, EmbeddingBackwardScratch, GpuDevice, GpuRopeTable, RmsNormScratch,
-    TokenIdCheck, cast_f32_to_bf16,
+    self as k, CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuDevice,
+    GpuRopeTable, RmsNormScratch, TokenIdCheck,
 };
+use tilearn_optim::cuda::ParamCopy;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
 pub use optim::GpuAdamW;
+pub use precision::Precision;
 
 use arena::{Arena, Dims};
 use compute::Cx;
-use linalg::{GpuLinalg, Matmul};
+use linalg::Matmul;
+use precision::{WorkingCopy, weights, with_elem};
 
 use crate::config::{LlamaConfig, RopeScalingConfig};
 use crate::error::{EngineError, Result};
 use crate::model::{LlamaForCausalLM, LossStats, ModelLayout, count_valid_targets};
 use crate::params::{ParamSpec, ParamStore};
 
-/// Numeric mode of a [`GpuLlama`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Precision {
-    /// Weights, activations and gradients in f32 (TF32 off): the reference mode.
-    F32,
-    /// bf16 activations and working weights, f32 accumulation, f32 master weights and
-    /// gradients.
-    Bf16,
-}
-
 /// Device memory of a [`GpuLlama`], in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GpuMemory {
     /// fp32 master weights.
     pub master_bytes: usize,
-    /// bf16 working copy (0 in f32 mode).
+    /// 16-bit working copy (0 when built for f32 only).
     pub working_copy_bytes: usize,
     /// fp32 gradient buffer.
     pub grad_bytes: usize,
@@ -104,18 +105,6 @@ impl GpuMemory {
     }
 }
 
-/// The activation arena and, in bf16 mode, the working copy of the weights.
-#[derive(Debug)]
-enum Engine {
-    F32 {
-        arena: Arena<f32>,
-    },
-    Bf16 {
-        arena: Arena<bf16>,
-        work: CudaSlice<bf16>,
-    },
-}
-
 /// A Llama causal LM on one GPU: parameters, gradients, activations and (once configured)
 /// AdamW state in device memory.
 #[derive(Debug)]
@@ -124,6 +113,8 @@ pub struct GpuLlama {
     config: LlamaConfig,
     layout: ModelLayout,
     specs: Vec<ParamSpec>,
+    /// The precisions it was built for, and the one the next call runs in.
+    precisions: Vec<Precision>,
     precision: Precision,
     /// Capacity of the arena.
     batch: usize,
@@ -133,7 +124,9 @@ pub struct GpuLlama {
     rope_prefix_ok: bool,
     master: CudaSlice<f32>,
     grads: CudaSlice<f32>,
-    engine: Engine,
+    arena: Arena,
+    /// Present when a 16-bit precision is among `precisions`.
+    work: Option<WorkingCopy>,
     rope: GpuRopeTable,
     ids: CudaSlice<u32>,
     targets: CudaSlice<i32>,
@@ -187,7 +180,7 @@ fn invalid(argument: &str, message: String) -> EngineError {
 
 impl GpuLlama {
     /// Uploads `model`'s parameters to `device` and allocates gradients and the activation
-    /// arena for calls of up to `batch` sequences of `seq` tokens.
+    /// arena for calls of up to `batch` sequences of `seq` tokens, in one fixed `precision`.
     pub fn new(
         device: &GpuDevice,
         model: &LlamaForCausalLM,
@@ -195,9 +188,34 @@ impl GpuLlama {
         seq: usize,
         precision: Precision,
     ) -> Result<GpuLlama> {
+        Self::with_precisions(device, model, batch, seq, &[precision])
+    }
+
+    /// As [`GpuLlama::new`], for a model that may run any of `precisions` (switched with
+    /// [`GpuLlama::set_precision`]; it starts in the first). Buffers are sized for the widest.
+    pub fn with_precisions(
+        device: &GpuDevice,
+        model: &LlamaForCausalLM,
+        batch: usize,
+        seq: usize,
+        precisions: &[Precision],
+    ) -> Result<GpuLlama> {
         if batch == 0 || seq == 0 {
             return Err(invalid("batch/seq", "must both be positive".into()));
         }
+        let mut allowed: Vec<Precision> = Vec::new();
+        for &p in precisions {
+            if !allowed.contains(&p) {
+                allowed.push(p);
+            }
+        }
+        let Some(&precision) = allowed.first() else {
+            return Err(invalid(
+                "precisions",
+                "is empty; name at least one precision".into(),
+            ));
+        };
+        let widest = allowed.iter().map(|p| p.elem_bytes()).max().unwrap_or(4);
         let config = model.config.clone();
         let layout = model.layout();
         if model.params.numel() != layout.numel {
@@ -227,26 +245,17 @@ impl GpuLlama {
         let grads = stream
             .alloc_zeros::<f32>(numel.max(1))
             .map_err(|e| cuda_err("allocating the gradient buffer", e))?;
-        let (engine, work_bytes, arena_bytes) = match precision {
-            Precision::F32 => {
-                let arena = Arena::<f32>::new(&stream, &cap)?;
-                let bytes = arena.bytes();
-                (Engine::F32 { arena }, 0, bytes)
-            }
-            Precision::Bf16 => {
-                let arena = Arena::<bf16>::new(&stream, &cap)?;
-                let bytes = arena.bytes();
-                let mut work = stream
-                    .alloc_zeros::<bf16>(numel.max(1))
-                    .map_err(|e| cuda_err("allocating the bf16 working copy", e))?;
-                cast_f32_to_bf16(
-                    &stream,
-                    &master.slice(..numel),
-                    &mut work.slice_mut(..numel),
-                )?;
-                (Engine::Bf16 { arena, work }, numel.max(1) * 2, bytes)
-            }
+        let arena = Arena::new(&stream, &cap, widest)?;
+        let arena_bytes = arena.bytes();
+        let mut work = if allowed.iter().any(|p| p.uses_working_copy()) {
+            Some(WorkingCopy::new(&stream, numel)?)
+        } else {
+            None
         };
+        if let Some(w) = work.as_mut() {
+            w.refresh(&stream, &master, precision)?;
+        }
+        let work_bytes = work.as_ref().map_or(0, WorkingCopy::bytes);
         let rope_table = RopeTable::new(
             config.head_dim,
             config.rope_theta,
@@ -272,7 +281,7 @@ impl GpuLlama {
         let host_targets = pinned(ctx, n, IGNORE_INDEX)?;
         let check = TokenIdCheck::new(&stream, config.vocab_size)?;
         let totals = CeTotals::new(&stream)?;
-        let mm = Matmul::new(&stream, &cap, precision)?;
+        let mm = Matmul::new(&stream, &cap, widest)?;
         let norm_scratch = RmsNormScratch::new(&stream, n, config.hidden_size)?;
         let embed_scratch = EmbeddingBackwardScratch::new(&stream, n, config.vocab_size)?;
 
@@ -284,13 +293,15 @@ impl GpuLlama {
             device: device.clone(),
             specs: model.params.specs.clone(),
             layout,
+            precisions: allowed,
             precision,
             batch,
             seq,
             rope_prefix_ok,
             master,
             grads,
-            engine,
+            arena,
+            work,
             rope,
             ids,
             targets,
@@ -331,9 +342,36 @@ impl GpuLlama {
         &self.config
     }
 
-    /// The numeric mode.
+    /// The numeric mode the next call runs in.
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    /// The precisions this model was built for.
+    pub fn precisions(&self) -> &[Precision] {
+        &self.precisions
+    }
+
+    /// Runs the following calls in `precision`, which must be one the model was built for.
+    /// Allocates nothing; entering a 16-bit precision casts the master weights into the
+    /// working copy (queued) unless it already holds them in that type.
+    pub fn set_precision(&mut self, precision: Precision) -> Result<()> {
+        if !self.precisions.contains(&precision) {
+            let built: Vec<String> = self.precisions.iter().map(|p| p.to_string()).collect();
+            return Err(invalid(
+                "precision",
+                format!(
+                    "{precision} was not among the precisions this device model was built for \
+                     ({}); build it with GpuLlama::with_precisions including {precision}",
+                    built.join(", ")
+                ),
+            ));
+        }
+        if let Some(w) = self.work.as_mut() {
+            w.refresh(self.device.stream(), &self.master, precision)?;
+        }
+        self.precision = precision;
+        Ok(())
     }
 
     /// Largest batch and the sequence length the arena was built for.
@@ -484,6 +522,28 @@ impl GpuLlama {
         seq: usize,
         loss_denominator: Option<f64>,
     ) -> Result<LossStats> {
+        self.forward_backward_scaled(ids, labels, batch, seq, loss_denominator, 1.0)
+    }
+
+    /// [`forward_backward`](Self::forward_backward) of `loss * loss_scale` (the GradScaler's
+    /// `scale(loss)`): the gradients added are `loss_scale` times the loss's. The returned loss
+    /// is unscaled. In f16 a large scale can overflow activation gradients to inf;
+    /// [`unscale_and_check`](Self::unscale_and_check) reports it.
+    pub fn forward_backward_scaled(
+        &mut self,
+        ids: &[u32],
+        labels: &[i32],
+        batch: usize,
+        seq: usize,
+        loss_denominator: Option<f64>,
+        loss_scale: f32,
+    ) -> Result<LossStats> {
+        if !(loss_scale.is_finite() && loss_scale > 0.0) {
+            return Err(invalid(
+                "loss_scale",
+                format!("is {loss_scale}; use a finite value > 0 (1 = no scaling)"),
+            ));
+        }
         let d = self.prepare(ids, batch, seq)?;
         let valid = self.upload_targets(labels, &d)?;
         let denominator = match loss_denominator {
@@ -497,16 +557,18 @@ impl GpuLlama {
             }
         };
         let grad_scale = if denominator > 0.0 {
-            1.0 / denominator
+            f64::from(loss_scale) / denominator
         } else {
             0.0
         };
+        let numel = self.layout.numel;
         let GpuLlama {
             device,
             layout,
             master,
             grads,
-            engine,
+            arena,
+            work,
             rope,
             ids: ids_dev,
             targets,
@@ -515,114 +577,7 @@ impl GpuLlama {
             mm,
             norm_scratch,
             embed_scratch,
-            ..
-        } = self;
-        let stream = device.stream();
-        let mut cx = Cx {
-            stream,
-            layout,
-            rope,
-            mm,
-            check,
-            norm_scratch,
-            embed_scratch,
-        };
-        let n = d.n;
-        let ids_v = ids_dev.slice(..n);
-        let targets_v = targets.slice(..n);
-        match engine {
-            Engine::F32 { arena } => train_pass(
-                &mut cx,
-                &d,
-                &master.slice(..layout.numel),
-                grads,
-                &ids_v,
-                &targets_v,
-                grad_scale,
-                totals,
-                arena,
-            )?,
-            Engine::Bf16 { arena, work } => train_pass(
-                &mut cx,
-                &d,
-                &work.slice(..layout.numel),
-                grads,
-                &ids_v,
-                &targets_v,
-                grad_scale,
-                totals,
-                arena,
-            )?,
-        }
-        let stats = self.totals.read(self.device.stream())?;
-        self.sample_memory()?;
-        Ok(LossStats {
-            loss_sum: stats.loss_sum,
-            valid_tokens: stats.valid,
-        })
-    }
-
-    /// Logits `[batch * seq * vocab]` (widened to f32) of `ids`, for evaluation and tests.
-    pub fn forward_logits(&mut self, ids: &[u32], batch: usize, seq: usize) -> Result<Vec<f32>> {
-        let d = self.prepare(ids, batch, seq)?;
-        let GpuLlama {
-            device,
-            layout,
-            master,
-            engine,
-            rope,
-            ids: ids_dev,
-            check,
-            mm,
-            norm_scratch,
-            embed_scratch,
-            ..
-        } = self;
-        let stream = device.stream();
-        let mut cx = Cx {
-            stream,
-            layout,
-            rope,
-            mm,
-            check,
-            norm_scratch,
-            embed_scratch,
-        };
-        let ids_v = ids_dev.slice(..d.n);
-        match engine {
-            Engine::F32 { arena } => {
-                logits_pass(&mut cx, &d, &master.slice(..layout.numel), &ids_v, arena)
-            }
-            Engine::Bf16 { arena, work } => {
-                logits_pass(&mut cx, &d, &work.slice(..layout.numel), &ids_v, arena)
-            }
-        }
-    }
-
-    /// Loss of `ids` against unshifted `labels` without gradients (evaluation); synchronises
-    /// once to read it.
-    pub fn forward_loss(
-        &mut self,
-        ids: &[u32],
-        labels: &[i32],
-        batch: usize,
-        seq: usize,
-    ) -> Result<LossStats> {
-        let d = self.prepare(ids, batch, seq)?;
-        self.upload_targets(labels, &d)?;
-        let GpuLlama {
-            device,
-            layout,
-            master,
-            engine,
-            rope,
-            ids: ids_dev,
-            targets,
-            check,
-            totals,
-            mm,
-            norm_scratch,
-            embed_scratch,
+            precision,
             ..
         } = self;
         let stream = device.stream();
@@ -637,26 +592,114 @@ impl GpuLlama {
         };
         let ids_v = ids_dev.slice(..d.n);
         let targets_v = targets.slice(..d.n);
-        match engine {
-            Engine::F32 { arena } => loss_pass(
-                &mut cx,
-                &d,
-                &master.slice(..layout.numel),
-                &ids_v,
-                &targets_v,
-                totals,
-                arena,
-            )?,
-            Engine::Bf16 { arena, work } => loss_pass(
-                &mut cx,
-                &d,
-                &work.slice(..layout.numel),
-                &ids_v,
-                &targets_v,
-                totals,
-                arena,
-            )?,
-        }
+        with_elem!(*precision, T => train_pass::<T>(
+            &mut cx,
+            &d,
+            &weights::<T>(master, work.as_ref(), numel)?,
+            grads,
+            &ids_v,
+            &targets_v,
+            grad_scale,
+            totals,
+            arena,
+        ))?;
+        let stats = self.totals.read(self.device.stream())?;
+        self.sample_memory()?;
+        Ok(LossStats {
+            loss_sum: stats.loss_sum,
+            valid_tokens: stats.valid,
+        })
+    }
+
+    /// Logits `[batch * seq * vocab]` (widened to f32) of `ids`, for evaluation and tests.
+    pub fn forward_logits(&mut self, ids: &[u32], batch: usize, seq: usize) -> Result<Vec<f32>> {
+        let d = self.prepare(ids, batch, seq)?;
+        let numel = self.layout.numel;
+        let GpuLlama {
+            device,
+            layout,
+            master,
+            arena,
+            work,
+            rope,
+            ids: ids_dev,
+            check,
+            mm,
+            norm_scratch,
+            embed_scratch,
+            precision,
+            ..
+        } = self;
+        let stream = device.stream();
+        let mut cx = Cx {
+            stream,
+            layout,
+            rope,
+            mm,
+            check,
+            norm_scratch,
+            embed_scratch,
+        };
+        let ids_v = ids_dev.slice(..d.n);
+        with_elem!(*precision, T => logits_pass::<T>(
+            &mut cx,
+            &d,
+            &weights::<T>(master, work.as_ref(), numel)?,
+            &ids_v,
+            arena,
+        ))
+    }
+
+    /// Loss of `ids` against unshifted `labels` without gradients (evaluation); synchronises
+    /// once to read it.
+    pub fn forward_loss(
+        &mut self,
+        ids: &[u32],
+        labels: &[i32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<LossStats> {
+        let d = self.prepare(ids, batch, seq)?;
+        self.upload_targets(labels, &d)?;
+        let numel = self.layout.numel;
+        let GpuLlama {
+            device,
+            layout,
+            master,
+            arena,
+            work,
+            rope,
+            ids: ids_dev,
+            targets,
+            check,
+            totals,
+            mm,
+            norm_scratch,
+            embed_scratch,
+            precision,
+            ..
+        } = self;
+        let stream = device.stream();
+        let mut cx = Cx {
+            stream,
+            layout,
+            rope,
+            mm,
+            check,
+            norm_scratch,
+            embed_scratch,
+        };
+        let ids_v = ids_dev.slice(..d.n);
+        let targets_v = targets.slice(..d.n);
+        with_elem!(*precision, T => loss_pass::<T>(
+            &mut cx,
+            &d,
+            &weights::<T>(master, work.as_ref(), numel)?,
+            &ids_v,
+            &targets_v,
+            totals,
+            arena,
+        ))?;
         let stats = self.totals.read(self.device.stream())?;
         Ok(LossStats {
             loss_sum: stats.loss_sum,
@@ -722,16 +765,40 @@ impl GpuLlama {
         ]
     }
 
-    /// One AdamW step at learning rate `lr` with the accumulated gradients (clipped to the
-    /// configured norm inside the kernel), updating the master weights and, in bf16 mode, the
+    /// The GradScaler's unscale and non-finite check of the accumulated gradients, which
+    /// hold `scale` times the true ones: computes the global norm of `grads * inv_scale` and
+    /// reads it back (one synchronisation). Returns whether any gradient is inf or NaN; if not,
+    /// the next [`step`](Self::step) unscales inside the fused kernel (the gradient buffer is
+    /// never rewritten) and clips with this norm. After a `true`, skip the step and call
+    /// [`zero_grad`](Self::zero_grad) as usual.
+    pub fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {
+        let stream = self.device.stream().clone();
+        let Some(opt) = self.optimizer.as_mut() else {
+            return Err(invalid(
+                "GpuLlama::unscale_and_check",
+                "no optimizer: call configure_optimizer first".into(),
+            ));
+        };
+        let norm = opt.unscaled_norm(&stream, &self.grads, inv_scale)?;
+        let found_inf = !norm.is_finite();
+        if found_inf {
+            opt.discard_prepared();
+        }
+        Ok(found_inf)
+    }
+
+    /// One AdamW step at learning rate `lr` with the accumulated gradients (unscaled when
+    /// [`unscale_and_check`](Self::unscale_and_check) prepared it, clipped to the configured
+    /// norm inside the kernel), updating the master weights and, in a 16-bit precision, the
     /// working copy in the same launch. Queued; does not wait. Does not zero the gradients.
     pub fn step(&mut self, lr: f32) -> Result<()> {
         let GpuLlama {
             device,
             master,
             grads,
-            engine,
+            work,
             optimizer,
+            precision,
             ..
         } = self;
         let Some(opt) = optimizer.as_mut() else {
@@ -740,12 +807,28 @@ impl GpuLlama {
                 "no optimizer: call configure_optimizer first".into(),
             ));
         };
-        let work = match engine {
-            Engine::F32 { .. } => None,
-            Engine::Bf16 { work, .. } => Some(work),
-        };
-        opt.step(device.stream(), master, grads, work, lr)?;
+        match work.as_mut() {
+            Some(w) => {
+                opt.step(
+                    device.stream(),
+                    master,
+                    grads,
+                    w.param_copy(*precision)?,
+                    lr,
+                )?;
+                w.written_as(*precision);
+            }
+            None => opt.step(device.stream(), master, grads, ParamCopy::None, lr)?,
+        }
         self.sample_memory()
+    }
+
+    /// Sets one gradient to +inf (fault injection for tests of the loss-scaling path).
+    pub fn plant_infinite_gradient(&mut self) -> Result<()> {
+        let stream = self.device.stream().clone();
+        stream
+            .memcpy_htod(&[f32::INFINITY], &mut self.grads.slice_mut(..1))
+            .map_err(|e| cuda_err("planting an infinite gradient", e))
     }
 
     /// The global gradient norm (before clipping) of the last [`step`](Self::step).
@@ -775,8 +858,8 @@ impl GpuLlama {
         self.download_f32(&self.grads, "downloading the gradients")
     }
 
-    /// Replaces the device parameters with `params` (same layout), refreshing the bf16 working
-    /// copy; the optimizer state is kept.
+    /// Replaces the device parameters with `params` (same layout), refreshing the 16-bit
+    /// working copy; the optimizer state is kept.
     pub fn upload_params(&mut self, params: &ParamStore) -> Result<()> {
         let numel = self.layout.numel;
         if params.data.len() != numel || params.specs != self.specs {
@@ -792,12 +875,9 @@ impl GpuLlama {
         stream
             .memcpy_htod(&params.data, &mut self.master.slice_mut(..numel))
             .map_err(|e| cuda_err("uploading the parameters", e))?;
-        if let Engine::Bf16 { work, .. } = &mut self.engine {
-            cast_f32_to_bf16(
-                &stream,
-                &self.master.slice(..numel),
-                &mut work.slice_mut(..numel),
-            )?;
+        if let Some(w) = self.work.as_mut() {
+            w.invalidate();
+            w.refresh(&stream, &self.master, self.precision)?;
         }
         Ok(())
     }
@@ -862,7 +942,7 @@ impl GpuLlama {
 
 /// Forward, fused cross entropy and backward of one call.
 #[allow(clippy::too_many_arguments)]
-fn train_pass<T: GpuLinalg>(
+fn train_pass<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     w: &CudaView<'_, T>,
@@ -871,22 +951,22 @@ fn train_pass<T: GpuLinalg>(
     targets: &CudaView<'_, i32>,
     grad_scale: f64,
     totals: &mut CeTotals,
-    arena: &mut Arena<T>,
+    arena: &mut Arena,
 ) -> Result<()> {
-    let mut b = arena.carve(d)?;
+    let mut b = arena.carve::<T>(d)?;
     compute::forward(cx, d, w, ids, &mut b)?;
     compute::backward(cx, d, w, grads, ids, targets, grad_scale, totals, &mut b)
 }
 
 /// Forward only; downloads the logits (synchronises).
-fn logits_pass<T: GpuLinalg>(
+fn logits_pass<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     w: &CudaView<'_, T>,
     ids: &CudaView<'_, u32>,
-    arena: &mut Arena<T>,
+    arena: &mut Arena,
 ) -> Result<Vec<f32>> {
-    let mut b = arena.carve(d)?;
+    let mut b = arena.carve::<T>(d)?;
     compute::forward(cx, d, w, ids, &mut b)?;
     let host = cx
         .stream
@@ -895,22 +975,22 @@ fn logits_pass<T: GpuLinalg>(
     cx.stream
         .synchronize()
         .map_err(|e| cuda_err("downloading the logits", e))?;
-    Ok(T::host_to_f32(&host))
+    Ok(host.into_iter().map(T::to_f32).collect())
 }
 
 /// Forward and the loss-only cross entropy.
-fn loss_pass<T: GpuLinalg>(
+fn loss_pass<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     w: &CudaView<'_, T>,
     ids: &CudaView<'_, u32>,
     targets: &CudaView<'_, i32>,
     totals: &mut CeTotals,
-    arena: &mut Arena<T>,
+    arena: &mut Arena,
 ) -> Result<()> {
-    let mut b = arena.carve(d)?;
+    let mut b = arena.carve::<T>(d)?;
     compute::forward(cx, d, w, ids, &mut b)?;
-    T::cross_entropy_forward(
+    k::cross_entropy_forward(
         cx.stream,
         &b.logits,
         targets,

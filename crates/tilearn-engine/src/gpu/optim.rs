@@ -1,20 +1,25 @@
 //! [`GpuAdamW`]: torch AdamW on the device through tilearn-optim's fused multi-tensor kernel,
-//! with `clip_grad_norm_` folded into the same launch and the bf16 working copy written by it.
+//! with `clip_grad_norm_` folded into the same launch, the 16-bit working copy written by it,
+//! and the GradScaler's unscale applied inside it (the gradients are never rewritten).
 //!
 //! The step's scalars (bias corrections, step size, decay factor) are computed on the host
 //! exactly as [`tilearn_optim::AdamW`] computes them (f64, rounded to f32 once), so a device step
 //! follows the CPU optimizer's trajectory. The global gradient norm is computed on the device
 //! (f64 accumulation) and read by the kernel from device memory: a step queues two launches and
 //! never waits for the device.
+//!
+//! With loss scaling (fp16 periods), [`GpuAdamW::unscaled_norm`] computes the norm of the
+//! gradients times `inv_scale` first and reads it back: that one read is the GradScaler's
+//! non-finite check (an inf or NaN gradient makes the f64 sum of squares non-finite; no finite
+//! f32 gradient can overflow it), so the host knows whether to skip the step before queuing it.
+//! The step then reuses that norm and multiplies by the same device-side `inv_scale`.
 
 use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
-use half::bf16;
 use tilearn_ops::cuda::CudaStream;
 use tilearn_optim::cuda::{
-    AdamState, Clip, FusedError, GradNorm, Grads, ParamCopy, Rounding, SegmentPlan, StepIo,
-    adamw_step,
+    AdamState, Clip, FusedError, GradNorm, Grads, ParamCopy, SegmentPlan, StepIo, adamw_step,
 };
 use tilearn_optim::{
     AdamWConfig, AdamWStepScalars, OptimError, ParamGroup, decimal_f64, validate_groups,
@@ -35,6 +40,12 @@ pub struct GpuAdamW {
     norm: GradNorm,
     max_grad_norm: f64,
     step: u64,
+    /// The GradScaler's `1 / scale` on the device (one f32).
+    inv_scale: CudaSlice<f32>,
+    /// Set by [`GpuAdamW::unscaled_norm`]: the next step is unscaled and reuses that norm.
+    prepared: Option<f64>,
+    /// The pre-clip norm of the last step, when it was read on the host before the step.
+    last_norm: Option<f64>,
 }
 
 impl GpuAdamW {
@@ -78,6 +89,11 @@ impl GpuAdamW {
             norm: GradNorm::new(stream).map_err(fused)?,
             max_grad_norm,
             step: 0,
+            inv_scale: stream
+                .alloc_zeros::<f32>(1)
+                .map_err(|e| super::cuda_err("allocating inv_scale", e))?,
+            prepared: None,
+            last_norm: None,
         })
     }
 
@@ -93,16 +109,54 @@ impl GpuAdamW {
             + self.max_exp_avg_sq.as_ref().map_or(0, |m| m.num_bytes())
     }
 
-    /// One step at learning rate `lr` (times each group's `lr_scale`): global norm of `grads`,
-    /// then the fused update of `params` (and of the bf16 working copy `work`, rounded to
-    /// nearest) with the norm clip applied inside the kernel. `numel` of every buffer must be
-    /// the optimizer's. Queues the work; does not wait.
+    /// The GradScaler's unscale and non-finite check for the next step: the global norm of
+    /// `grads * inv_scale`, read back (one synchronisation). Returns it; it is infinite or NaN
+    /// exactly when some gradient is (or the sum overflowed f64, which finite f32 gradients
+    /// cannot do). The next [`step`](Self::step) unscales by the same factor and reuses it.
+    pub(crate) fn unscaled_norm(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        grads: &CudaSlice<f32>,
+        inv_scale: f32,
+    ) -> Result<f64> {
+        if !(inv_scale.is_finite() && inv_scale > 0.0) {
+            return Err(EngineError::InvalidArgument {
+                argument: "inv_scale".into(),
+                message: format!("is {inv_scale}; the GradScaler's 1/scale is finite and > 0"),
+            });
+        }
+        let numel = self.plan.len();
+        stream
+            .memcpy_htod(&[inv_scale], &mut self.inv_scale)
+            .map_err(|e| super::cuda_err("uploading inv_scale", e))?;
+        self.norm
+            .compute(
+                stream,
+                &Grads::F32(grads.slice(..numel)),
+                Some(&self.inv_scale.as_view()),
+            )
+            .map_err(fused)?;
+        let norm = self.norm.read(stream).map_err(fused)?[1];
+        self.prepared = Some(norm);
+        Ok(norm)
+    }
+
+    /// Drops a prepared unscale (the step it was for was skipped).
+    pub(crate) fn discard_prepared(&mut self) {
+        self.prepared = None;
+    }
+
+    /// One step at learning rate `lr` (times each group's `lr_scale`): global norm of `grads`
+    /// (unless [`unscaled_norm`](Self::unscaled_norm) prepared it), then the fused update of
+    /// `params` and of the working copy `param_copy`, with the unscale and the norm clip
+    /// applied inside the kernel. `numel` of every buffer must be the optimizer's. Queues the
+    /// work; does not wait.
     pub(crate) fn step(
         &mut self,
         stream: &Arc<CudaStream>,
         params: &mut CudaSlice<f32>,
         grads: &CudaSlice<f32>,
-        work: Option<&mut CudaSlice<bf16>>,
+        param_copy: ParamCopy<'_>,
         lr: f32,
     ) -> Result<()> {
         if !(lr.is_finite() && lr >= 0.0) {
@@ -114,12 +168,15 @@ impl GpuAdamW {
             .into());
         }
         let numel = self.plan.len();
-        let params_view = params.slice_mut(..numel);
-        let grads_view = grads.slice(..numel);
-        // The norm is always computed (for logging via `grad_norm`), clipping only when asked.
-        self.norm
-            .compute(stream, &Grads::F32(grads.slice(..numel)), None)
-            .map_err(fused)?;
+        let prepared = self.prepared.take();
+        if prepared.is_none() {
+            // The norm is always computed (for logging via `grad_norm`), clipping only when
+            // asked.
+            self.norm
+                .compute(stream, &Grads::F32(grads.slice(..numel)), None)
+                .map_err(fused)?;
+        }
+        self.last_norm = prepared;
         let next = self.step + 1;
         let scalars: Vec<AdamWStepScalars> = self
             .groups
@@ -133,14 +190,10 @@ impl GpuAdamW {
                 )
             })
             .collect();
-        let param_copy = match work {
-            Some(w) => ParamCopy::Bf16(w.slice_mut(..numel), Rounding::Nearest),
-            None => ParamCopy::None,
-        };
         let io = StepIo {
-            grads: Grads::F32(grads_view),
+            grads: Grads::F32(grads.slice(..numel)),
             param_copy,
-            inv_scale: None,
+            inv_scale: prepared.map(|_| self.inv_scale.as_view()),
             found_inf: None,
             clip: (self.max_grad_norm > 0.0).then(|| Clip {
                 grad_sumsq: self.norm.result(),
@@ -149,7 +202,7 @@ impl GpuAdamW {
             step: next,
         };
         let state = AdamState {
-            params: params_view,
+            params: params.slice_mut(..numel),
             exp_avg: self.exp_avg.slice_mut(..numel),
             exp_avg_sq: self.exp_avg_sq.slice_mut(..numel),
             max_exp_avg_sq: self.max_exp_avg_sq.as_mut().map(|m| m.slice_mut(..numel)),
@@ -161,8 +214,12 @@ impl GpuAdamW {
 
     /// The global gradient norm (before clipping) of the last step. Cost: a 16-byte
     /// device-to-host copy and a stream synchronisation.
+    /// Free when the step was unscaled (the norm was read before it).
     pub(crate) fn last_grad_norm(&self, stream: &Arc<CudaStream>) -> Result<f64> {
-        Ok(self.norm.read(stream).map_err(fused)?[1])
+        match self.last_norm {
+            Some(norm) => Ok(norm),
+            None => Ok(self.norm.read(stream).map_err(fused)?[1]),
+        }
     }
 
     /// Downloads `(exp_avg, exp_avg_sq)` (for saving the optimizer state).

@@ -97,7 +97,7 @@ impl<'a, T> Carver<'a, T> {
 
 /// A carving that does not fit: the arena was sized by a different formula than it is carved
 /// with (a bug in this module, reported instead of a panic).
-fn arena_error(message: String) -> EngineError {
+pub(crate) fn arena_error(message: String) -> EngineError {
     EngineError::Ops(OpsError::Cuda {
         context: "tilearn_engine::gpu arena",
         message,

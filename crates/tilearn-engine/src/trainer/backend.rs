@@ -15,7 +15,7 @@ pub trait StepBackend {
     fn describe(&self) -> String;
 
     /// Whether this backend can run a period in `precision` (the CPU emulates all three; the
-    /// CUDA engine runs the one it was built for).
+    /// CUDA engine runs those it was built for).
     fn supports(&self, precision: Precision) -> bool {
         let _ = precision;
         true
@@ -35,9 +35,10 @@ pub trait StepBackend {
         loss_scale: f32,
     ) -> Result<f64>;
 
-    /// The GradScaler's unscale: multiplies every gradient by `inv_scale` and reports whether
-    /// any is infinite or NaN.
-    fn unscale_and_check(&mut self, inv_scale: f32) -> bool;
+    /// The GradScaler's unscale: the gradients are to be multiplied by `inv_scale` before the
+    /// optimizer uses them (in place, or inside the optimizer step); reports whether any is
+    /// infinite or NaN.
+    fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool>;
 
     /// Clips the global gradient norm to `max_norm` (0 = no clipping); returns the norm before
     /// clipping. A backend that clips inside its optimizer kernel returns 0 here and reports
@@ -56,9 +57,9 @@ pub trait StepBackend {
     /// Replaces weights and optimizer state with a checkpoint's.
     fn restore(&mut self, model: LlamaForCausalLM, optimizer_file: &Path) -> Result<()>;
 
-    /// Makes every gradient infinite: fault injection for testing the fp16 overflow path
-    /// (`--debug-inject-overflow`).
-    fn poison_gradients(&mut self);
+    /// Makes the gradients non-finite (at least one infinite): fault injection for testing
+    /// the fp16 overflow path (`--debug-inject-overflow`).
+    fn poison_gradients(&mut self) -> Result<()>;
 
     /// Peak memory the backend holds for training (device memory on a GPU).
     fn peak_memory_bytes(&self) -> u64;

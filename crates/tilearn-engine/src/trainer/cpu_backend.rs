@@ -105,8 +105,11 @@ impl StepBackend for CpuBackend {
         Ok(stats.loss_sum)
     }
 
-    fn unscale_and_check(&mut self, inv_scale: f32) -> bool {
-        adaptfp16::unscale_and_check_slice(&mut self.grads, inv_scale)
+    fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {
+        Ok(adaptfp16::unscale_and_check_slice(
+            &mut self.grads,
+            inv_scale,
+        ))
     }
 
     fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
@@ -137,8 +140,9 @@ impl StepBackend for CpuBackend {
         Ok(())
     }
 
-    fn poison_gradients(&mut self) {
+    fn poison_gradients(&mut self) -> Result<()> {
         self.grads.iter_mut().for_each(|g| *g = f32::INFINITY);
+        Ok(())
     }
 
     fn peak_memory_bytes(&self) -> u64 {

@@ -1,9 +1,11 @@
 //! The CUDA engine ([`GpuLlama`]) as a [`StepBackend`].
 //!
-//! The precision is fixed when the engine is built (bf16 mixed precision with fp32 master
-//! weights, or fp32): the Trainer refuses adaptive or fp16 plans on this backend before the
-//! first step. Clipping happens inside the fused AdamW kernel, so `clip_grad_norm` only records
-//! the limit and `optimizer_step` reports the norm it measured. Checkpoints use the CPU
+//! The engine is built for every precision the run's AMP plan may choose (fp32, bf16, fp16) and
+//! switches between them per period without reallocating. fp16 periods run with the GradScaler:
+//! the loss is scaled in the fused cross entropy, `unscale_and_check` reads the unscaled
+//! gradient norm (the non-finite check), and the fused AdamW unscales and clips inside its
+//! kernel. Clipping happens inside that kernel, so `clip_grad_norm` only records the limit and
+//! `optimizer_step` reports the norm it measured. Checkpoints use the CPU
 //! formats: weights downloaded into a `LlamaForCausalLM`, moments into a CPU `AdamW`, so a run
 //! saved on the GPU resumes on either device.
 
@@ -15,14 +17,13 @@ use tilearn_optim::AdamW;
 
 use super::backend::StepBackend;
 use super::{TrainingArguments, adamw_for};
+use crate::Result;
 use crate::data::Batch;
 use crate::gpu::{self, GpuLlama};
 use crate::model::LlamaForCausalLM;
-use crate::{EngineError, Result};
 
 pub struct GpuBackend {
     gpu: GpuLlama,
-    precision: Precision,
     /// Host copy for saving, refreshed on demand.
     host: LlamaForCausalLM,
     /// Holds the optimizer's configuration and groups; its moments are filled from the device
@@ -33,30 +34,23 @@ pub struct GpuBackend {
 }
 
 impl GpuBackend {
-    /// Uploads `model` to GPU `ordinal` and sets up the fused AdamW as `args` say.
+    /// Uploads `model` to GPU `ordinal`, ready to run any of `precisions` (the AMP plan's
+    /// possible precisions; the first is the initial one), and sets up the fused AdamW as
+    /// `args` say.
     pub fn new(
         model: LlamaForCausalLM,
         args: &TrainingArguments,
         ordinal: usize,
-        precision: Precision,
+        precisions: &[Precision],
     ) -> Result<GpuBackend> {
-        let engine_precision = match precision {
-            Precision::Bf16 => gpu::Precision::Bf16,
-            Precision::Fp32 => gpu::Precision::F32,
-            Precision::Fp16 => {
-                return Err(EngineError::InvalidArgument {
-                    argument: "--fp16".into(),
-                    message: "the CUDA engine trains in bf16 or fp32; use --bf16 (no loss scaling needed) or --device cpu".into(),
-                });
-            }
-        };
+        let engine: Vec<gpu::Precision> = precisions.iter().map(|&p| engine_precision(p)).collect();
         let device = GpuDevice::new(ordinal)?;
-        let mut gpu = GpuLlama::new(
+        let mut gpu = GpuLlama::with_precisions(
             &device,
             &model,
             args.per_device_train_batch_size,
             args.seq_len,
-            engine_precision,
+            &engine,
         )?;
         let cpu_optimizer = adamw_for(args, &model.params)?;
         gpu.configure_optimizer(
@@ -64,13 +58,14 @@ impl GpuBackend {
             cpu_optimizer.groups().to_vec(),
             args.max_grad_norm,
         )?;
+        let modes: Vec<String> = precisions.iter().map(|p| p.to_string()).collect();
         let name = format!(
-            "cuda:{ordinal} {} ({precision})",
-            device.name().unwrap_or_else(|_| "GPU".into())
+            "cuda:{ordinal} {} ({})",
+            device.name().unwrap_or_else(|_| "GPU".into()),
+            modes.join(" / ")
         );
         Ok(GpuBackend {
             gpu,
-            precision,
             host: model,
             cpu_optimizer,
             max_grad_norm: args.max_grad_norm,
@@ -85,7 +80,7 @@ impl StepBackend for GpuBackend {
     }
 
     fn supports(&self, precision: Precision) -> bool {
-        precision == self.precision
+        self.gpu.precisions().contains(&engine_precision(precision))
     }
 
     fn zero_grads(&mut self) {
@@ -100,28 +95,23 @@ impl StepBackend for GpuBackend {
         precision: Precision,
         loss_scale: f32,
     ) -> Result<f64> {
-        if precision != self.precision || loss_scale != 1.0 {
-            return Err(EngineError::InvalidArgument {
-                argument: "precision".into(),
-                message: format!(
-                    "the CUDA engine was built for {}; it cannot run a {precision} period",
-                    self.precision
-                ),
-            });
+        let mode = engine_precision(precision);
+        if mode != self.gpu.precision() {
+            self.gpu.set_precision(mode)?;
         }
-        let stats = self.gpu.forward_backward(
+        let stats = self.gpu.forward_backward_scaled(
             &batch.input_ids,
             &batch.labels,
             batch.batch,
             batch.seq_len,
             Some(denominator),
+            loss_scale,
         )?;
         Ok(stats.loss_sum)
     }
 
-    fn unscale_and_check(&mut self, _inv_scale: f32) -> bool {
-        // Never called: the GPU engine has no fp16 mode, so no step goes through the scaler.
-        false
+    fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {
+        self.gpu.unscale_and_check(inv_scale)
     }
 
     fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
@@ -161,9 +151,20 @@ impl StepBackend for GpuBackend {
         Ok(())
     }
 
-    fn poison_gradients(&mut self) {}
+    fn poison_gradients(&mut self) -> Result<()> {
+        self.gpu.plant_infinite_gradient()
+    }
 
     fn peak_memory_bytes(&self) -> u64 {
         self.gpu.memory().peak_bytes() as u64
+    }
+}
+
+/// The device model's mode for a period's precision.
+fn engine_precision(p: Precision) -> gpu::Precision {
+    match p {
+        Precision::Fp32 => gpu::Precision::F32,
+        Precision::Bf16 => gpu::Precision::Bf16,
+        Precision::Fp16 => gpu::Precision::F16,
     }
 }

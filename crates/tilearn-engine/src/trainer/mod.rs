@@ -326,7 +326,7 @@ impl Trainer {
                     .forward_backward(b, denominator, precision, loss_scale)?;
             }
             if scaled && a.debug_inject_overflow.contains(&(state.global_step + 1)) {
-                self.backend.poison_gradients();
+                self.backend.poison_gradients()?;
             }
             let loss = loss_sum / denominator;
 
@@ -550,7 +550,10 @@ impl adaptfp16::UnscaleTarget for BackendGrads<'_> {
         &mut self,
         inv_scale: f32,
     ) -> std::result::Result<(), adaptfp16::BackendError> {
-        self.found_inf = self.backend.unscale_and_check(inv_scale);
+        self.found_inf = self
+            .backend
+            .unscale_and_check(inv_scale)
+            .map_err(|e| Box::new(e) as adaptfp16::BackendError)?;
         Ok(())
     }
 

@@ -287,17 +287,10 @@ fn gpu_trainer(
     amp: &adaptfp16::AmpPlan,
 ) -> Result<Trainer> {
     use tilearn_engine::trainer::gpu_backend::GpuBackend;
-    let precision = match amp {
-        adaptfp16::AmpPlan::Fixed(p) => *p,
-        adaptfp16::AmpPlan::Adaptive(_) => {
-            return Err(LlmError::Usage {
-                flag: "--amp-policy".into(),
-                message: "adaptive precision runs on the CPU engine in this version; on the GPU use --bf16 (default) or --fp32".into(),
-            });
-        }
-    };
     let config = model.config.clone();
-    let backend = GpuBackend::new(model, &training, local_gpu(), precision)?;
+    // Built for every precision the plan may choose, so periods switch without rebuilding.
+    let precisions = amp.possible_precisions();
+    let backend = GpuBackend::new(model, &training, local_gpu(), &precisions)?;
     Ok(Trainer::with_backend(
         training,
         config,

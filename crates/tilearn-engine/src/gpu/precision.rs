@@ -1,0 +1,206 @@
+//! The numeric modes of the device model and the 16-bit working copy of the weights that the
+//! bf16 and f16 modes compute with.
+//!
+//! A [`GpuLlama`](super::GpuLlama) is built for a set of precisions and runs one of them at a
+//! time ([`GpuLlama::set_precision`](super::GpuLlama::set_precision)): the activation arena and
+//! the attention workspace are sized for the widest, and one 2-byte working copy serves bf16
+//! and f16 alike, re-cast from the fp32 master weights whenever the period's type changes.
+//! Switching therefore allocates nothing and costs one cast of the weights.
+
+use std::ffi::c_int;
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaView};
+use half::{bf16, f16};
+use tilearn_ops::cuda::{CudaStream, DeviceFloat, cast_f32_to_bf16, cast_f32_to_f16, ffi};
+use tilearn_optim::cuda::{ParamCopy, Rounding};
+
+use super::cuda_err;
+use super::views::arena_error;
+use crate::error::Result;
+
+/// Numeric mode of a period of training on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Weights, activations and gradients in f32 (TF32 off): the reference mode.
+    F32,
+    /// bf16 activations and working weights, f32 accumulation, f32 master weights and
+    /// gradients.
+    Bf16,
+    /// As [`Precision::Bf16`] with IEEE f16: more mantissa, far less range, so it needs the
+    /// GradScaler's loss scaling (gradients overflow to inf instead of vanishing).
+    F16,
+}
+
+impl Precision {
+    /// Bytes of one activation element.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            Precision::F32 => 4,
+            Precision::Bf16 | Precision::F16 => 2,
+        }
+    }
+
+    /// Whether the weights used by the kernels are the 16-bit working copy.
+    pub fn uses_working_copy(self) -> bool {
+        self != Precision::F32
+    }
+
+    /// The precision whose activations are `T`.
+    fn of<T: DeviceFloat>() -> Precision {
+        if T::DTYPE == ffi::TILEARN_DTYPE_BF16 as c_int {
+            Precision::Bf16
+        } else if T::DTYPE == ffi::TILEARN_DTYPE_F16 as c_int {
+            Precision::F16
+        } else {
+            Precision::F32
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "fp16",
+        })
+    }
+}
+
+/// Runs `$body` with `$t` the element type of precision `$p` (a local type alias), so one
+/// generic pass serves every mode.
+macro_rules! with_elem {
+    ($p:expr, $t:ident => $body:expr) => {
+        match $p {
+            $crate::gpu::Precision::F32 => {
+                type $t = f32;
+                $body
+            }
+            $crate::gpu::Precision::Bf16 => {
+                type $t = ::half::bf16;
+                $body
+            }
+            $crate::gpu::Precision::F16 => {
+                type $t = ::half::f16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_elem;
+
+/// The 16-bit copy of the fp32 master weights that bf16 and f16 periods compute with; the
+/// fused optimizer rewrites it in the period's type after every step.
+#[derive(Debug)]
+pub(crate) struct WorkingCopy {
+    buf: CudaSlice<u16>,
+    numel: usize,
+    /// The type it currently mirrors the master weights in; `None` when stale (the master
+    /// weights changed without it, e.g. in an fp32 period).
+    holds: Option<Precision>,
+}
+
+impl WorkingCopy {
+    pub(crate) fn new(stream: &Arc<CudaStream>, numel: usize) -> Result<Self> {
+        let buf = stream
+            .alloc_zeros::<u16>(numel.max(1))
+            .map_err(|e| cuda_err("allocating the 16-bit working copy", e))?;
+        Ok(WorkingCopy {
+            buf,
+            numel,
+            holds: None,
+        })
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.buf.num_bytes()
+    }
+
+    /// Marks it stale: the master weights changed and it was not rewritten.
+    pub(crate) fn invalidate(&mut self) {
+        self.holds = None;
+    }
+
+    /// Makes it mirror `master` in `precision` (one cast unless it already does).
+    pub(crate) fn refresh(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        master: &CudaSlice<f32>,
+        precision: Precision,
+    ) -> Result<()> {
+        if self.holds == Some(precision) {
+            return Ok(());
+        }
+        let src = master.slice(..self.numel);
+        match precision {
+            Precision::F32 => return Ok(()),
+            Precision::Bf16 => cast_f32_to_bf16(stream, &src, &mut self.typed_mut::<bf16>()?)?,
+            Precision::F16 => cast_f32_to_f16(stream, &src, &mut self.typed_mut::<f16>()?)?,
+        }
+        self.holds = Some(precision);
+        Ok(())
+    }
+
+    /// The copy as `T` (which it must currently hold).
+    pub(crate) fn view<T: DeviceFloat>(&self) -> Result<CudaView<'_, T>> {
+        if self.holds != Some(Precision::of::<T>()) || size_of::<T>() != 2 {
+            return Err(arena_error(format!(
+                "the working copy holds {:?}, not {}: set_precision refreshes it",
+                self.holds,
+                T::NAME
+            )));
+        }
+        // SAFETY: T is a 2-byte float type (checked above) for which any bit pattern is a
+        // valid value; the buffer holds `numel` 2-byte elements and is borrowed for the
+        // view's lifetime.
+        unsafe { self.buf.transmute::<T>(self.numel) }
+            .ok_or_else(|| arena_error("cannot view the working copy".into()))
+    }
+
+    fn typed_mut<T: DeviceFloat>(&mut self) -> Result<cudarc::driver::CudaViewMut<'_, T>> {
+        let numel = self.numel;
+        // SAFETY: only called with bf16 / f16 (2 bytes, any bit pattern valid); the buffer
+        // holds `numel` of them and is borrowed mutably for the view's lifetime.
+        unsafe { self.buf.transmute_mut::<T>(numel) }
+            .ok_or_else(|| arena_error("cannot view the working copy".into()))
+    }
+
+    /// The optimizer's output for it in `precision` (round to nearest; none in f32); call
+    /// [`WorkingCopy::written_as`] once the step is queued.
+    pub(crate) fn param_copy(&mut self, precision: Precision) -> Result<ParamCopy<'_>> {
+        let copy = match precision {
+            Precision::F32 => ParamCopy::None,
+            Precision::Bf16 => ParamCopy::Bf16(self.typed_mut::<bf16>()?, Rounding::Nearest),
+            Precision::F16 => ParamCopy::F16(self.typed_mut::<f16>()?),
+        };
+        Ok(copy)
+    }
+
+    /// Records that the optimizer rewrote it in `precision`.
+    pub(crate) fn written_as(&mut self, precision: Precision) {
+        self.holds = precision.uses_working_copy().then_some(precision);
+    }
+}
+
+/// The weights a `T` period computes with: the master weights themselves in f32, the working
+/// copy otherwise.
+pub(crate) fn weights<'a, T: DeviceFloat>(
+    master: &'a CudaSlice<f32>,
+    work: Option<&'a WorkingCopy>,
+    numel: usize,
+) -> Result<CudaView<'a, T>> {
+    if size_of::<T>() == size_of::<f32>() {
+        // SAFETY: the only 4-byte DeviceFloat is f32 itself, so this is the identity view.
+        return unsafe { master.transmute::<T>(numel) }
+            .ok_or_else(|| arena_error("cannot view the master weights".into()));
+    }
+    match work {
+        Some(w) => w.view::<T>(),
+        None => Err(arena_error(format!(
+            "this model was built without a 16-bit working copy; it cannot run {}",
+            T::NAME
+        ))),
+    }
+}

@@ -22,7 +22,30 @@ for phase in "$@"; do
         [ -x "$B/tests/$t" ] && run "$t" "$B/tests/$t" --include-ignored --test-threads=1 --nocapture
       done;;
     model)
-      run gpu_model "$B/tests/gpu_model-test" --include-ignored --test-threads=1 --nocapture;;
+      run gpu_model "$B/tests/gpu_model-test" --include-ignored --test-threads=1 --nocapture
+      run gpu_precision "$B/tests/gpu_precision-test" --include-ignored --test-threads=1 --nocapture;;
+    amp)
+      # One GPU run of the embedded default per mixed-precision policy, next to plain bf16 and
+      # fp16; logs summarised by scripts/amp_timeline.py, kept in one tar (few files return).
+      D="$OUT/amp"; mkdir -p "$D"; sums=()
+      amp_run() { # name, flags...
+        local name=$1; shift
+        run "amp_$name" "$B/bin/tilearn" train --device cuda --output-dir "$D/$name" --save-steps 0 "$@"
+        cp "$D/$name/train_log.jsonl" "$D/$name.jsonl" 2>/dev/null; rm -rf "$D/$name"
+        sums+=("$name=$D/$name.jsonl")
+      }
+      amp_run bf16 --bf16
+      amp_run fp16 --fp16
+      amp_run policy0 --amp-policy 0 --amp-start 30 --amp-end 270
+      amp_run policy1 --amp-policy 1 --amp-start 30 --amp-end 300 --amp-hold 20
+      amp_run policy2 --amp-policy 2 --amp-start 10 --amp-interval 100 --amp-interval-hold 20
+      amp_run auto --amp-policy auto
+      amp_run auto_injected --amp-policy auto --amp-hold 30 --debug-inject-overflow "$(seq -s, 40 57)"
+      python3 scripts/amp_timeline.py "${sums[@]}" | tee "$OUT/amp_summary.jsonl"
+      for p in bf16 fp16; do
+        run "bench_134m_$p" "$B/bin/tilearn" bench --preset llama-134m --precision "$p" --steps 10 --json
+      done
+      (cd "$OUT" && tar -cf amp.tar amp amp_*.log && rm -rf amp amp_*.log);;
     goldens)
       run optim_golden python3 tests/optim_golden/make_optim_golden.py --device cuda --out "$OUT/optim_golden_cuda"
       TILEARN_OPTIM_GOLDEN_DIR="$OUT/optim_golden_cuda" run optim_replay "$B/tests/torch_trajectories-test" --nocapture

@@ -21,6 +21,13 @@ pub enum BenchDevice {
     Cuda,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchPrecision {
+    Bf16,
+    Fp16,
+    Fp32,
+}
+
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// llama-134m or tinyllama-1.1b.
@@ -44,6 +51,11 @@ pub struct BenchArgs {
     pub steps: usize,
     #[arg(long, value_enum, default_value_t = BenchDevice::Cuda)]
     pub device: BenchDevice,
+    /// Compute precision of the GPU steps: bf16 (default), fp16 (with the GradScaler: scaled
+    /// loss, unscale and non-finite check, skipped steps on overflow) or fp32. The CPU bench
+    /// always runs fp32.
+    #[arg(long, value_enum, default_value_t = BenchPrecision::Bf16)]
+    pub precision: BenchPrecision,
     /// Print only the JSON line.
     #[arg(long)]
     pub json: bool,
@@ -72,7 +84,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let config = preset.config(seq);
     let result = match args.device {
         BenchDevice::Cpu => bench_cpu(&config, batch, seq, args.steps)?,
-        BenchDevice::Cuda => super::bench_gpu::bench(&config, batch, seq, args.steps)?,
+        BenchDevice::Cuda => {
+            super::bench_gpu::bench(&config, batch, seq, args.steps, args.precision)?
+        }
     };
     let num_params = result.num_params;
     let tokens_per_sec = (batch * seq) as f64 / result.step_seconds;
@@ -90,6 +104,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "mfu": mfu,
         "peak_mem_gib": result.peak_memory_bytes as f64 / (1u64 << 30) as f64,
         "loss": result.last_loss,
+        "skipped_steps": result.skipped_steps,
         "version": env!("CARGO_PKG_VERSION"),
     });
     if !args.json {
@@ -113,6 +128,8 @@ pub struct BenchResult {
     pub step_seconds: f64,
     pub peak_memory_bytes: u64,
     pub last_loss: f64,
+    /// Steps the GradScaler skipped (fp16 only), warm-up included.
+    pub skipped_steps: u64,
 }
 
 /// Random token batches (never constant), seeded so runs are comparable.
@@ -165,5 +182,6 @@ fn bench_cpu(
         step_seconds: median(times),
         peak_memory_bytes: bytes,
         last_loss,
+        skipped_steps: 0,
     })
 }

@@ -1,15 +1,24 @@
-//! The CUDA side of `tilearn bench`: full training steps of the GPU engine in bf16 mixed
-//! precision (fp32 master weights, fused AdamW with clipping), timed after a device sync.
+//! The CUDA side of `tilearn bench`: full training steps of the GPU engine in bf16 or fp16
+//! mixed precision or fp32 (fp32 master weights, fused AdamW with clipping), timed after a
+//! device sync. fp16 steps go through the GradScaler exactly as training does: scaled loss,
+//! unscale with the non-finite check (one extra host read), skipped step on overflow.
 
 use tilearn_engine::config::LlamaConfig;
 
-use super::bench::BenchResult;
+use super::bench::{BenchPrecision, BenchResult};
 use crate::Result;
 
 #[cfg(feature = "cuda")]
-pub fn bench(config: &LlamaConfig, batch: usize, seq: usize, steps: usize) -> Result<BenchResult> {
+pub fn bench(
+    config: &LlamaConfig,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    precision: BenchPrecision,
+) -> Result<BenchResult> {
     use std::time::Instant;
 
+    use adaptfp16::GradScaler;
     use tilearn_engine::gpu::{GpuLlama, Precision};
     use tilearn_engine::model::LlamaForCausalLM;
     use tilearn_ops::cuda::GpuDevice;
@@ -20,7 +29,17 @@ pub fn bench(config: &LlamaConfig, batch: usize, seq: usize, steps: usize) -> Re
     let device = GpuDevice::new(0)?;
     let model = LlamaForCausalLM::from_config(config.clone(), 0);
     let num_params = model.params.numel();
-    let mut gpu = GpuLlama::new(&device, &model, batch, seq, Precision::Bf16)?;
+    let (mode, name) = match precision {
+        BenchPrecision::Bf16 => (Precision::Bf16, "bf16"),
+        BenchPrecision::Fp16 => (Precision::F16, "fp16"),
+        BenchPrecision::Fp32 => (Precision::F32, "f32"),
+    };
+    let mut scaler = if mode == Precision::F16 {
+        GradScaler::new()
+    } else {
+        GradScaler::disabled()
+    };
+    let mut gpu = GpuLlama::new(&device, &model, batch, seq, mode)?;
     drop(model);
     let groups = gpu.default_groups(0.0);
     gpu.configure_optimizer(
@@ -41,11 +60,27 @@ pub fn bench(config: &LlamaConfig, batch: usize, seq: usize, steps: usize) -> Re
         .collect();
     let mut times = Vec::with_capacity(steps);
     let mut last_loss = f64::NAN;
+    let mut skipped_steps = 0;
     for (i, (ids, labels)) in batches.iter().enumerate() {
         let start = Instant::now();
         gpu.zero_grad()?;
-        let stats = gpu.forward_backward(ids, labels, batch, seq, None)?;
-        gpu.step(1e-4)?;
+        let scale = if scaler.is_enabled() {
+            scaler.get_scale()
+        } else {
+            1.0
+        };
+        let stats = gpu.forward_backward_scaled(ids, labels, batch, seq, None, scale)?;
+        let found_inf = scaler.is_enabled() && gpu.unscale_and_check(scaler.inv_scale())?;
+        if scaler.is_enabled() {
+            scaler
+                .update_with_found_inf(found_inf)
+                .map_err(tilearn_engine::EngineError::from)?;
+        }
+        if found_inf {
+            skipped_steps += 1;
+        } else {
+            gpu.step(1e-4)?;
+        }
         device.synchronize()?;
         if i >= WARMUP {
             times.push(start.elapsed().as_secs_f64());
@@ -54,11 +89,12 @@ pub fn bench(config: &LlamaConfig, batch: usize, seq: usize, steps: usize) -> Re
     }
     Ok(BenchResult {
         device: format!("cuda:0 {}", device.name()?),
-        precision: "bf16",
+        precision: name,
         num_params,
         step_seconds: median(times),
         peak_memory_bytes: gpu.memory().peak_bytes() as u64,
         last_loss,
+        skipped_steps,
     })
 }
 
@@ -106,6 +142,7 @@ pub fn bench(
     _batch: usize,
     _seq: usize,
     _steps: usize,
+    _precision: BenchPrecision,
 ) -> Result<BenchResult> {
     Err(crate::LlmError::Usage {
         flag: "--device cuda".into(),

@@ -2,7 +2,8 @@
 """PyTorch + Hugging Face transformers baseline for `tilearn bench`.
 
 Runs the same presets as `tilearn bench` (LlamaForCausalLM from random weights, bf16 autocast
-over fp32 master weights, SDPA attention, fused AdamW) in eager mode and with torch.compile, and
+over fp32 master weights, or fp16 autocast with torch.amp.GradScaler for `--precision fp16`, SDPA
+attention, fused AdamW) in eager mode and with torch.compile, and
 prints one JSON line per run with the same fields tilearn prints: step time, tokens/s, MFU and
 peak device memory. Run it on the GPU machine in the same call as `tilearn bench`.
 
@@ -39,7 +40,7 @@ def flops_per_token(cfg, n_params, seq):
     return 6 * n_params + attn
 
 
-def run(preset, mode, batch, seq, steps, warmup):
+def run(preset, mode, batch, seq, steps, warmup, precision):
     p = dict(PRESETS[preset])
     batch = batch or p.pop("batch")
     seq = seq or p.pop("seq")
@@ -55,12 +56,17 @@ def run(preset, mode, batch, seq, steps, warmup):
     if mode == "compile":
         step_fn = torch.compile(model)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    # fp16 needs loss scaling; the scaler's unscale and inf check are part of the timed step,
+    # as they are in tilearn's fp16 step. Disabled, it passes everything through (bf16).
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype):
             out = step_fn(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
+        scaler.scale(out.loss).backward()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         return out.loss
 
@@ -82,7 +88,8 @@ def run(preset, mode, batch, seq, steps, warmup):
     tps = tokens / step_s
     mfu = tps * flops_per_token(cfg, n_params, seq) / PEAK_BF16_FLOPS
     return {
-        "impl": "pytorch", "preset": preset, "mode": mode, "batch": batch, "seq": seq,
+        "impl": "pytorch", "preset": preset, "mode": mode, "precision": precision,
+        "batch": batch, "seq": seq,
         "params": n_params, "step_ms": step_s * 1e3, "tokens_per_sec": tps, "mfu": mfu,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "loss": float(loss), "torch": torch.__version__,
@@ -99,11 +106,13 @@ def main():
     ap.add_argument("--seq", type=int)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--precision", choices=["bf16", "fp16"], default="bf16")
     args = ap.parse_args()
     for preset in args.preset:
         for mode in args.mode:
             t0 = time.time()
-            result = run(preset, mode, args.batch, args.seq, args.steps, args.warmup)
+            result = run(preset, mode, args.batch, args.seq, args.steps, args.warmup,
+                         args.precision)
             result["wall_s"] = time.time() - t0
             print(json.dumps(result), flush=True)
             torch.cuda.empty_cache()

@@ -12,13 +12,18 @@ import sys
 
 
 def timeline(records):
+    """Runs of one precision as "fp32 1-30, fp16 31-270, ...". A record covers the steps since
+    the previous record and names the precision of its last step, so with --logging-steps N > 1
+    a boundary is only known to the window."""
     runs = []
+    previous = 0
     for r in records:
         p = r.get("precision", "?")
-        if runs and runs[-1][0] == p and runs[-1][2] == r["step"] - 1:
+        if runs and runs[-1][0] == p:
             runs[-1][2] = r["step"]
         else:
-            runs.append([p, r["step"], r["step"]])
+            runs.append([p, previous + 1, r["step"]])
+        previous = r["step"]
     return ", ".join(f"{p} {a}-{b}" if a != b else f"{p} {a}" for p, a, b in runs)
 
 

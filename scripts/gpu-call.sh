@@ -30,7 +30,8 @@ for phase in "$@"; do
       D="$OUT/amp"; mkdir -p "$D"; sums=()
       amp_run() { # name, flags...
         local name=$1; shift
-        run "amp_$name" "$B/bin/tilearn" train --device cuda --output-dir "$D/$name" --save-steps 0 "$@"
+        run "amp_$name" "$B/bin/tilearn" train --device cuda --output-dir "$D/$name" --save-steps 0 \
+          --logging-steps 1 "$@"
         cp "$D/$name/train_log.jsonl" "$D/$name.jsonl" 2>/dev/null; rm -rf "$D/$name"
         sums+=("$name=$D/$name.jsonl")
       }
@@ -42,10 +43,14 @@ for phase in "$@"; do
       amp_run auto --amp-policy auto
       amp_run auto_injected --amp-policy auto --amp-hold 30 --debug-inject-overflow "$(seq -s, 40 57)"
       python3 scripts/amp_timeline.py "${sums[@]}" | tee "$OUT/amp_summary.jsonl"
+      # Throughput of fp16 (GradScaler included) against bf16, ours and PyTorch's, same call.
       for p in bf16 fp16; do
-        run "bench_134m_$p" "$B/bin/tilearn" bench --preset llama-134m --precision "$p" --steps 10 --json
+        for preset in llama-134m tinyllama-1.1b; do
+          run "bench_${preset}_$p" "$B/bin/tilearn" bench --preset "$preset" --precision "$p" --steps 10 --json
+        done
+        run "torch_eager_$p" timeout 200 python3 benches/pytorch_baseline.py --mode eager --steps 10 --precision "$p"
       done
-      (cd "$OUT" && tar -cf amp.tar amp amp_*.log && rm -rf amp amp_*.log);;
+      (cd "$OUT" && tar -cf amp.tar amp && rm -rf amp);;
     goldens)
       run optim_golden python3 tests/optim_golden/make_optim_golden.py --device cuda --out "$OUT/optim_golden_cuda"
       TILEARN_OPTIM_GOLDEN_DIR="$OUT/optim_golden_cuda" run optim_replay "$B/tests/torch_trajectories-test" --nocapture
@@ -74,4 +79,6 @@ for phase in "$@"; do
       run torch_optim timeout 300 python3 benches/pytorch_optim_baseline.py --steps 20;;
   esac
 done
+# Only a few files come back from the device: every log travels in one tar.
+(cd "$OUT" && ls *.log > /dev/null 2>&1 && tar -cf logs.tar *.log && rm -f *.log)
 exit $status

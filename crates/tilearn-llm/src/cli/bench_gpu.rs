@@ -70,11 +70,17 @@ pub fn bench(
             1.0
         };
         let stats = gpu.forward_backward_scaled(ids, labels, batch, seq, None, scale)?;
-        let found_inf = scaler.is_enabled() && gpu.unscale_and_check(scaler.inv_scale())?;
+        let mut found_inf = false;
         if scaler.is_enabled() {
+            let mut grads = ScaledGrads {
+                gpu: &mut gpu,
+                found_inf: false,
+            };
             scaler
-                .update_with_found_inf(found_inf)
+                .unscale(&mut grads)
+                .and_then(|()| scaler.update(&mut grads))
                 .map_err(tilearn_engine::EngineError::from)?;
+            found_inf = grads.found_inf;
         }
         if found_inf {
             skipped_steps += 1;
@@ -96,6 +102,26 @@ pub fn bench(
         last_loss,
         skipped_steps,
     })
+}
+
+/// The device gradients as the GradScaler's unscale target: the check reads the unscaled norm
+/// (the optimizer step then unscales inside its kernel), as the Trainer's GPU backend does.
+#[cfg(feature = "cuda")]
+struct ScaledGrads<'a> {
+    gpu: &'a mut tilearn_engine::gpu::GpuLlama,
+    found_inf: bool,
+}
+
+#[cfg(feature = "cuda")]
+impl adaptfp16::UnscaleTarget for ScaledGrads<'_> {
+    fn unscale_and_check(&mut self, inv_scale: f32) -> std::result::Result<(), adaptfp16::BackendError> {
+        self.found_inf = self.gpu.unscale_and_check(inv_scale)?;
+        Ok(())
+    }
+
+    fn found_inf(&mut self) -> std::result::Result<bool, adaptfp16::BackendError> {
+        Ok(self.found_inf)
+    }
 }
 
 /// Fused optimizer steps over `params` parameters: one JSON line per optimizer with GB/s

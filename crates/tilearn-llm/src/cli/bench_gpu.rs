@@ -114,7 +114,10 @@ struct ScaledGrads<'a> {
 
 #[cfg(feature = "cuda")]
 impl adaptfp16::UnscaleTarget for ScaledGrads<'_> {
-    fn unscale_and_check(&mut self, inv_scale: f32) -> std::result::Result<(), adaptfp16::BackendError> {
+    fn unscale_and_check(
+        &mut self,
+        inv_scale: f32,
+    ) -> std::result::Result<(), adaptfp16::BackendError> {
         self.found_inf = self.gpu.unscale_and_check(inv_scale)?;
         Ok(())
     }

@@ -4,9 +4,12 @@
 //! reference is ~1e-7 accurate). We load the checkpoint with our loader, run our f32 CPU
 //! forward and backward on the same inputs and compare relative errors ‖ours − ref‖ / ‖ref‖.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
+use support::rel_err;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
 use tilearn_ops::cpu::rope_inv_freq;
 
@@ -28,16 +31,6 @@ const GRAD_TOL: f64 = 1e-3;
 
 fn golden_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden")
-}
-
-fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
-    assert_eq!(ours.len(), reference.len(), "length mismatch");
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (&a, &b) in ours.iter().zip(reference) {
-        diff += (a as f64 - b as f64).powi(2);
-        norm += (b as f64).powi(2);
-    }
-    diff.sqrt() / norm.sqrt().max(f64::MIN_POSITIVE)
 }
 
 struct Golden {

@@ -6,12 +6,14 @@
 //! prints its measured errors, on success too, so the GPU machine's log records the margins.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
+mod support;
+
 use std::path::{Path, PathBuf};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::{Dtype, SafeTensors};
+use support::{gpu_or_skip, rel_err, report};
 use tilearn_engine::EngineError;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{DataLoader, LoaderState, TokenDataset, prepare_embedded_default};
@@ -20,37 +22,6 @@ use tilearn_engine::model::{Activations, LlamaForCausalLM, count_valid_targets};
 use tilearn_ops::OpsError;
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, SchedulerType};
-
-/// Writes to the process's stderr directly: libtest captures `eprintln!` of passing tests, and
-/// the measured errors must be visible in the log.
-fn report(line: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{line}");
-}
-
-/// Opens GPU 0, or prints why the test is skipped.
-fn gpu_or_skip(test: &str) -> Option<GpuDevice> {
-    match GpuDevice::new(0) {
-        Ok(dev) => Some(dev),
-        Err(e) => {
-            report(&format!("skipped: {test}: {e}"));
-            None
-        }
-    }
-}
-
-/// ‖ours − ref‖ / ‖ref‖ in f64.
-fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
-    assert_eq!(ours.len(), reference.len(), "length mismatch");
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (&a, &b) in ours.iter().zip(reference) {
-        diff += (a as f64 - b as f64).powi(2);
-        norm += (b as f64).powi(2);
-    }
-    if !diff.is_finite() {
-        return f64::INFINITY;
-    }
-    diff.sqrt() / norm.sqrt().max(f64::MIN_POSITIVE)
-}
 
 /// Relative error of every tensor of `ours` against `reference` (flat buffers in the model's
 /// layout): the worst one, and the list of those above `tol`.

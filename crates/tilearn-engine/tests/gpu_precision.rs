@@ -7,11 +7,12 @@
 //! prints its measured errors, on success too, so the GPU machine's log records the margins.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
+mod support;
 
 use adaptfp16::{AmpPlan, PolicyBuilder, PolicyId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use support::{gpu_or_skip, rel_err, report};
 use tilearn_engine::EngineError;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
@@ -21,34 +22,6 @@ use tilearn_engine::trainer::gpu_backend::GpuBackend;
 use tilearn_engine::trainer::{PrintLogs, TrainLength, Trainer, TrainingArguments, log};
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::AdamWConfig;
-
-fn report(line: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{line}");
-}
-
-fn gpu_or_skip(test: &str) -> Option<GpuDevice> {
-    match GpuDevice::new(0) {
-        Ok(dev) => Some(dev),
-        Err(e) => {
-            report(&format!("skipped: {test}: {e}"));
-            None
-        }
-    }
-}
-
-/// ‖ours − ref‖ / ‖ref‖ in f64 (infinite when anything is not finite).
-fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
-    assert_eq!(ours.len(), reference.len(), "length mismatch");
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (&a, &b) in ours.iter().zip(reference) {
-        diff += (a as f64 - b as f64).powi(2);
-        norm += (b as f64).powi(2);
-    }
-    if !diff.is_finite() {
-        return f64::INFINITY;
-    }
-    diff.sqrt() / norm.sqrt().max(f64::MIN_POSITIVE)
-}
 
 /// A small GQA model with awkward sizes (nothing a multiple of a block).
 fn config() -> LlamaConfig {

@@ -1,0 +1,38 @@
+//! Helpers shared by the engine's test binaries (each declares `mod support;`, so not every
+//! binary uses every helper).
+#![allow(dead_code)]
+
+use std::io::Write;
+
+/// ‖ours − ref‖ / ‖ref‖ in f64; infinite when anything is not finite (so a NaN can never pass a
+/// bound).
+pub fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
+    assert_eq!(ours.len(), reference.len(), "length mismatch");
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (&a, &b) in ours.iter().zip(reference) {
+        diff += (a as f64 - b as f64).powi(2);
+        norm += (b as f64).powi(2);
+    }
+    if !diff.is_finite() {
+        return f64::INFINITY;
+    }
+    diff.sqrt() / norm.sqrt().max(f64::MIN_POSITIVE)
+}
+
+/// Writes to the process's stderr directly: libtest captures `eprintln!` of passing tests, and
+/// the measured errors must be visible in the log.
+pub fn report(line: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+/// Opens GPU 0, or prints why the test is skipped.
+#[cfg(feature = "cuda")]
+pub fn gpu_or_skip(test: &str) -> Option<tilearn_ops::cuda::GpuDevice> {
+    match tilearn_ops::cuda::GpuDevice::new(0) {
+        Ok(dev) => Some(dev),
+        Err(e) => {
+            report(&format!("skipped: {test}: {e}"));
+            None
+        }
+    }
+}

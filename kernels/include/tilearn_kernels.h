@@ -357,6 +357,30 @@ int tilearn_attention_delta(int dtype, const void *dout, const void *out, size_t
                             size_t seq, size_t heads, size_t head_dim, float *delta,
                             cudaStream_t stream);
 
+/* ---- flash_attention.cu: fused causal grouped-query attention on tensor cores (FlashAttention-2
+ *      style; bf16 and f16 only, head_dim 64 or 128; S and P never reach device memory) ----
+ * q / out / dout / dq: [batch, seq, q_heads, head_dim]; k / v / dk / dv: [batch, seq, kv_heads,
+ * head_dim], all of the dtype and 16-byte aligned; lse / delta: f32 [batch, q_heads, seq]. Query
+ * head h reads kv head h / (q_heads / kv_heads); scale is 1/sqrt(head_dim) for the usual
+ * attention. Anything unsupported (f32, another head_dim, a misaligned pointer, q_heads not a
+ * multiple of kv_heads) launches nothing and returns cudaErrorInvalidValue. */
+
+/* 1 when the kernels serve this dtype and head_dim, else 0. */
+int tilearn_flash_attention_supported(int dtype, size_t head_dim);
+/* out = softmax(scale * q k^T, causal) v and lse = log sum_{j <= i} exp(scale * q_i . k_j)
+ * (natural log), both written (=). */
+int tilearn_flash_attention_forward(int dtype, const void *q, const void *k, const void *v,
+                                    void *out, float *lse, size_t batch, size_t seq,
+                                    size_t q_heads, size_t kv_heads, size_t head_dim, float scale,
+                                    cudaStream_t stream);
+/* dq, dk, dv written (=) from dout, the inputs, the forward's lse and delta = rowsum(dout * out)
+ * (tilearn_attention_delta). Deterministic: no atomics, fixed summation order. */
+int tilearn_flash_attention_backward(int dtype, const void *dout, const void *q, const void *k,
+                                     const void *v, const float *lse, const float *delta,
+                                     void *dq, void *dk, void *dv, size_t batch, size_t seq,
+                                     size_t q_heads, size_t kv_heads, size_t head_dim,
+                                     float scale, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

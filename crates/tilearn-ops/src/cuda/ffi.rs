@@ -419,4 +419,42 @@ unsafe extern "C" {
         delta: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_flash_attention_supported(
+        dtype: ::std::os::raw::c_int,
+        head_dim: usize,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_flash_attention_forward(
+        dtype: ::std::os::raw::c_int,
+        q: *const ::std::os::raw::c_void,
+        k: *const ::std::os::raw::c_void,
+        v: *const ::std::os::raw::c_void,
+        out: *mut ::std::os::raw::c_void,
+        lse: *mut f32,
+        batch: usize,
+        seq: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_flash_attention_backward(
+        dtype: ::std::os::raw::c_int,
+        dout: *const ::std::os::raw::c_void,
+        q: *const ::std::os::raw::c_void,
+        k: *const ::std::os::raw::c_void,
+        v: *const ::std::os::raw::c_void,
+        lse: *const f32,
+        delta: *const f32,
+        dq: *mut ::std::os::raw::c_void,
+        dk: *mut ::std::os::raw::c_void,
+        dv: *mut ::std::os::raw::c_void,
+        batch: usize,
+        seq: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
 }

@@ -1,0 +1,1006 @@
+// flash_attention.cu: fused causal grouped-query attention (FlashAttention-2 style), forward and
+// backward, for bf16 and f16 on tensor cores (mma.sync m16n8k16, sm_80 and later). Used by
+// crates/tilearn-ops/src/cuda/attention.rs in place of the cuBLASLt path where it applies (16-bit
+// types, head_dim 64 or 128, 16-byte aligned tensors); f32 keeps that exact path.
+//
+// Fused:     forward: one CTA per (query block, batch, query head) loads its Q tile once, walks
+//            the key blocks up to the diagonal (blocks above it are never loaded or scored),
+//            computes S = Q·Kᵀ, the causal mask, an online softmax (running row max and sum) and
+//            O += P·V in registers, and writes O and lse once; S and P never leave the chip.
+//            Backward, two kernels, both recomputing P = exp(scale·S − lse) from the forward's
+//            lse: dkdv: one CTA per (key block, batch, kv head) walks the GQA group's query heads
+//            and, per head, the query blocks from the diagonal on, accumulating
+//            dV += Pᵀ·dO and dK += dSᵀ·Q in registers (dP = dO·Vᵀ, dS = P ∘ (dP − delta) ·
+//            scale), and writes dK, dV once; dq: one CTA per (query block, batch, query head)
+//            walks the key blocks up to the diagonal and accumulates dQ += dS·K. delta =
+//            rowsum(dO ∘ O) comes from attention.cu's delta kernel.
+// Layout:    q / out / dout / dq [batch, seq, q_heads, head_dim], k / v / dk / dv [batch, seq,
+//            kv_heads, head_dim] (the projections' layout: no permutes), lse / delta f32
+//            [batch, q_heads, seq]; query head h reads kv head h / (q_heads / kv_heads). Every
+//            tensor of the element type starts on a 16-byte boundary (cp.async of 16 bytes).
+//            Tiles live in shared memory with 16-byte chunks XOR-swizzled by row (chunk c of row
+//            r at c ^ (r & 7)), so ldmatrix and cp.async are free of bank conflicts.
+// Precision: bf16 / f16 operands, every product accumulated in f32 on the tensor cores; scores,
+//            the softmax (max, sum, exponentials through ex2.approx, relative error ~2^-22),
+//            lse, dP and delta in f32. P (forward: for P·V; backward: for Pᵀ·dO) and dS are
+//            rounded once to the element type as the A operand of their product, as
+//            FlashAttention does (P lies in [0, 1], which f16 holds); out, dq, dk, dv rounded
+//            once to the element type; lse = scale·max + log(sum) in f32 (logf).
+// Gradients: dq, dk, dv are written (`=`), every element of rows < seq; there are no parameters.
+// Determinism: no atomics; every CTA owns its output rows and sums in a fixed order (key blocks
+//            ascending; for dK / dV the group's query heads, then query blocks, ascending), so
+//            results are bit-identical from run to run.
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "tilearn_dtype.cuh"
+#include "tilearn_kernels.h"
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---- PTX wrappers ----
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
+                 : "memory");
+}
+
+// 4 bytes global -> shared, asynchronously; zero-filled when !valid.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+    const int n = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and register i
+// receives matrix i (lane l: row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1).
+__device__ __forceinline__ void ldsm4(uint32_t addr, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// The same, each matrix transposed (lane l: column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1).
+__device__ __forceinline__ void ldsm4_t(uint32_t addr, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// c (16x8 f32) += a (16x16, row-major) · b (16x8, column-major). Fragments (g = lane / 4,
+// t = lane % 4): a {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)}; b {(k 2t..2t+1,
+// n g), (k 2t+8.., n g)}; c {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}.
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                   uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                            uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 rounded (to nearest even) into one register, `lo` in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &v, sizeof(u));
+    return u;
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &v, sizeof(u));
+    return u;
+}
+
+// 2^x (ex2.approx: relative error ~2^-22; 2^-inf = 0; results below 2^-126 flush to 0).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The A fragment of a 16x16 block whose two 16x8 halves are the accumulators c0 (columns 0-7)
+// and c1 (columns 8-15), rounded to T.
+template <typename T>
+__device__ __forceinline__ void to_a_frag(const float (&c0)[4], const float (&c1)[4],
+                                          uint32_t (&a)[4]) {
+    a[0] = pack2<T>(c0[0], c0[1]);
+    a[1] = pack2<T>(c0[2], c0[3]);
+    a[2] = pack2<T>(c1[0], c1[1]);
+    a[3] = pack2<T>(c1[2], c1[3]);
+}
+
+// ---- shared-memory tiles: [rows][D] of T, 16-byte chunks swizzled by row ----
+
+// Element offset of chunk `c` (8 elements) of row `r`.
+template <int D>
+__device__ __forceinline__ int swz(int r, int c) {
+    return r * D + ((c ^ (r & 7)) << 3);
+}
+
+// Rows [row0, row0 + ROWS) of a [seq, stride] matrix whose row 0 starts at `g` into the tile
+// `s`; rows at or past `seq` are zero-filled.
+template <typename T, int ROWS, int D, int THREADS>
+__device__ __forceinline__ void load_tile(T* s, const T* g, size_t stride, int row0, int seq,
+                                          int tid) {
+    constexpr int kChunks = D / 8;
+    static_assert((ROWS * kChunks) % THREADS == 0, "tile chunks must divide among the threads");
+#pragma unroll
+    for (int i = 0; i < ROWS * kChunks / THREADS; ++i) {
+        const int idx = tid + i * THREADS;
+        const int r = idx / kChunks;
+        const int c = idx % kChunks;
+        const int t = row0 + r;
+        const bool valid = t < seq;
+        const T* src = g + static_cast<size_t>(valid ? t : 0) * stride + c * 8;
+        cp_async16(smem_addr(s + swz<D>(r, c)), src, valid);
+    }
+}
+
+// A fragment (16x16) at rows [r0, r0 + 16), columns [16 kk, 16 kk + 16) of a tile.
+template <typename T, int D>
+__device__ __forceinline__ void load_a(const T* s, int r0, int kk, int lane, uint32_t (&a)[4]) {
+    ldsm4(smem_addr(s + swz<D>(r0 + (lane & 15), 2 * kk + (lane >> 4))), a);
+}
+
+// B fragments of two n-tiles for a product with the tile's transpose (tile rows = n, columns =
+// k: K in Q·Kᵀ): n rows [n0, n0 + 16), k columns [16 kk, 16 kk + 16). b[0], b[1]: n-tile n0;
+// b[2], b[3]: n-tile n0 + 8.
+template <typename T, int D>
+__device__ __forceinline__ void load_b_nk(const T* s, int n0, int kk, int lane,
+                                          uint32_t (&b)[4]) {
+    const int mi = lane >> 3;
+    ldsm4(smem_addr(s + swz<D>(n0 + ((mi >> 1) << 3) + (lane & 7), 2 * kk + (mi & 1))), b);
+}
+
+// B fragments of two n-tiles for a product with the tile itself (tile rows = k, columns = n:
+// V in P·V): k rows [k0, k0 + 16), n columns [16 np, 16 np + 16). b[0], b[1]: n-tile 16 np;
+// b[2], b[3]: n-tile 16 np + 8.
+template <typename T, int D>
+__device__ __forceinline__ void load_b_kn(const T* s, int k0, int np, int lane,
+                                          uint32_t (&b)[4]) {
+    const int mi = lane >> 3;
+    ldsm4_t(smem_addr(s + swz<D>(k0 + ((mi & 1) << 3) + (lane & 7), 2 * np + (mi >> 1))), b);
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 1));
+    return fmaxf(v, __shfl_xor_sync(kFullMask, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(kFullMask, v, 1);
+    return v + __shfl_xor_sync(kFullMask, v, 2);
+}
+
+// The launch arguments of all three kernels (each reads the fields it needs).
+struct Args {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* dout;      // backward
+    float* lse_out;        // forward
+    const float* lse_in;   // backward
+    const float* delta;    // backward
+    void* o_or_dq;         // forward: out; backward: dq
+    void* dk;              // backward
+    void* dv;              // backward
+    int batch;
+    int seq;
+    int q_heads;
+    int kv_heads;
+    float scale;
+};
+
+// ---- forward: one CTA per (query block, batch, query head) ----
+// WARPS warps of MT m-tiles (16 query rows each): BR = 16 WARPS MT query rows; key blocks of BC.
+template <typename T, int D, int WARPS, int MT, int BC>
+__global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
+    constexpr int kThreads = WARPS * 32;
+    constexpr int BR = WARPS * MT * 16;
+    constexpr int KD = D / 16;  // k-steps over head_dim
+    constexpr int NS = BC / 8;  // n-tiles of a score row block
+    constexpr int ND = D / 8;   // n-tiles of an output row block
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sQ = reinterpret_cast<T*>(smem);
+    T* sK = sQ + BR * D;      // two buffers of BC x D
+    T* sV = sK + 2 * BC * D;  // two buffers of BC x D
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int g = lane >> 2;
+    const int tq = lane & 3;
+    const int seq = a.seq;
+    const int heads_total = a.batch * a.q_heads;
+    const int nqb = (seq + BR - 1) / BR;
+    // The heaviest query blocks (the last ones: most keys) are scheduled first.
+    const int qb = nqb - 1 - static_cast<int>(blockIdx.x / static_cast<unsigned>(heads_total));
+    const int bh = static_cast<int>(blockIdx.x % static_cast<unsigned>(heads_total));
+    const int b = bh / a.q_heads;
+    const int h = bh % a.q_heads;
+    const int hk = h / (a.q_heads / a.kv_heads);
+    const int q0 = qb * BR;
+    const size_t q_stride = static_cast<size_t>(a.q_heads) * D;
+    const size_t kv_stride = static_cast<size_t>(a.kv_heads) * D;
+    const size_t q_base = (static_cast<size_t>(b) * seq * a.q_heads + h) * D;
+    const size_t kv_base = (static_cast<size_t>(b) * seq * a.kv_heads + hk) * D;
+    const T* qg = static_cast<const T*>(a.q) + q_base;
+    const T* kg = static_cast<const T*>(a.k) + kv_base;
+    const T* vg = static_cast<const T*>(a.v) + kv_base;
+
+    const int kv_end = min(seq, q0 + BR);  // causal: no key past the block's last query
+    const int nkb = (kv_end + BC - 1) / BC;
+
+    load_tile<T, BR, D, kThreads>(sQ, qg, q_stride, q0, seq, tid);
+    load_tile<T, BC, D, kThreads>(sK, kg, kv_stride, 0, seq, tid);
+    load_tile<T, BC, D, kThreads>(sV, vg, kv_stride, 0, seq, tid);
+    cp_async_commit();
+
+    const int row_w = warp * MT * 16;  // this warp's first row in the block
+    const float sl2 = a.scale * kLog2e;
+    float o[MT][ND][4];
+    float row_max[MT][2];
+    float row_sum[MT][2];
+    uint32_t qf[MT][KD][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < ND; ++dt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.0f;
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_max[mt][r] = -INFINITY;
+            row_sum[mt][r] = 0.0f;
+        }
+    }
+
+    for (int kb = 0; kb < nkb; ++kb) {
+        if (kb + 1 < nkb) {
+            const int nb = (kb + 1) & 1;
+            load_tile<T, BC, D, kThreads>(sK + nb * BC * D, kg, kv_stride, (kb + 1) * BC, seq,
+                                          tid);
+            load_tile<T, BC, D, kThreads>(sV + nb * BC * D, vg, kv_stride, (kb + 1) * BC, seq,
+                                          tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        if (kb == 0) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int kk = 0; kk < KD; ++kk) load_a<T, D>(sQ, row_w + mt * 16, kk, lane, qf[mt][kk]);
+            }
+        }
+        const T* k_s = sK + (kb & 1) * BC * D;
+        const T* v_s = sV + (kb & 1) * BC * D;
+        const int k0 = kb * BC;
+        // A warp whose rows all precede the block's first key has nothing to add.
+        if (k0 <= q0 + row_w + MT * 16 - 1) {
+            float s[MT][NS][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+#pragma unroll
+                for (int np = 0; np < NS / 2; ++np) {
+                    uint32_t bf[4];
+                    load_b_nk<T, D>(k_s, np * 16, kk, lane, bf);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma<T>(s[mt][2 * np], qf[mt][kk], bf[0], bf[1]);
+                        mma<T>(s[mt][2 * np + 1], qf[mt][kk], bf[2], bf[3]);
+                    }
+                }
+            }
+            // Causal mask and the sequence end, only where some key can pass a row or seq.
+            if (k0 + BC - 1 > q0 + row_w || k0 + BC > seq) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                    for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int col = k0 + nt * 8 + 2 * tq + (e & 1);
+                            const int row = q0 + row_w + mt * 16 + g + 8 * (e >> 1);
+                            if (col > row || col >= seq) s[mt][nt][e] = -INFINITY;
+                        }
+                    }
+                }
+            }
+            // Online softmax: rescale the running sum and output by exp(scale (m_old - m_new)).
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float mx = -INFINITY;
+#pragma unroll
+                    for (int nt = 0; nt < NS; ++nt)
+                        mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                    mx = quad_max(mx);
+                    const float m_new = fmaxf(row_max[mt][r], mx);
+                    // Key 0 is valid for every row, so m_new is finite from the first block on;
+                    // the guard keeps a fully masked row at p = 0 instead of NaN regardless.
+                    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+                    const float corr = exp2_approx((row_max[mt][r] - m_use) * sl2);
+                    row_max[mt][r] = m_new;
+                    const float off = m_use * sl2;
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                            const float p = exp2_approx(fmaf(s[mt][nt][e], sl2, -off));
+                            s[mt][nt][e] = p;
+                            sum += p;
+                        }
+                    }
+                    row_sum[mt][r] = row_sum[mt][r] * corr + sum;
+#pragma unroll
+                    for (int dt = 0; dt < ND; ++dt) {
+                        o[mt][dt][2 * r] *= corr;
+                        o[mt][dt][2 * r + 1] *= corr;
+                    }
+                }
+            }
+            // O += P·V, P rounded to T as the A operand.
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                uint32_t pa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    to_a_frag<T>(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
+#pragma unroll
+                for (int np = 0; np < D / 16; ++np) {
+                    uint32_t bf[4];
+                    load_b_kn<T, D>(v_s, kk * 16, np, lane, bf);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma<T>(o[mt][2 * np], pa[mt], bf[0], bf[1]);
+                        mma<T>(o[mt][2 * np + 1], pa[mt], bf[2], bf[3]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the next iteration refills the other buffer, then this one
+    }
+
+    T* og = static_cast<T*>(a.o_or_dq) + q_base;
+    float* lse_g = a.lse_out + (static_cast<size_t>(b) * a.q_heads + h) * seq;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(row_sum[mt][r]);
+            const int row = q0 + row_w + mt * 16 + g + 8 * r;
+            if (row < seq) {
+                const float inv = 1.0f / l;
+                T* orow = og + static_cast<size_t>(row) * q_stride + 2 * tq;
+#pragma unroll
+                for (int dt = 0; dt < ND; ++dt) {
+                    *reinterpret_cast<uint32_t*>(orow + dt * 8) =
+                        pack2<T>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+                }
+                if (tq == 0) lse_g[row] = row_max[mt][r] * a.scale + logf(l);
+            }
+        }
+    }
+}
+
+// ---- backward dK, dV: one CTA per (key block, batch, kv head) ----
+// WARPS warps of 16 keys each (BC = 16 WARPS keys); query blocks of BR rows. KV_REGS keeps the
+// warp's K and V A-fragments in registers for the whole loop (else reloaded per query block).
+template <typename T, int D, int WARPS, int BR, bool KV_REGS>
+__global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
+    constexpr int kThreads = WARPS * 32;
+    constexpr int BC = WARPS * 16;
+    constexpr int KD = D / 16;
+    constexpr int NS = BR / 8;
+    constexpr int ND = D / 8;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sK = reinterpret_cast<T*>(smem);
+    T* sV = sK + BC * D;
+    T* sQ = sV + BC * D;       // two buffers of BR x D
+    T* sdO = sQ + 2 * BR * D;  // two buffers of BR x D
+    float* sL = reinterpret_cast<float*>(sdO + 2 * BR * D);  // two buffers of BR lse
+    float* sDelta = sL + 2 * BR;                              // two buffers of BR delta
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int g = lane >> 2;
+    const int tq = lane & 3;
+    const int seq = a.seq;
+    const int kv_total = a.batch * a.kv_heads;
+    // The heaviest key blocks (the first ones: most queries) are scheduled first.
+    const int kb = static_cast<int>(blockIdx.x / static_cast<unsigned>(kv_total));
+    const int bhk = static_cast<int>(blockIdx.x % static_cast<unsigned>(kv_total));
+    const int b = bhk / a.kv_heads;
+    const int hk = bhk % a.kv_heads;
+    const int group = a.q_heads / a.kv_heads;
+    const int k0 = kb * BC;
+    const int qb_first = k0 / BR;  // the first query block holding a query >= k0
+    const int nq = (seq + BR - 1) / BR - qb_first;
+    const int n_it = group * nq;
+    const size_t q_stride = static_cast<size_t>(a.q_heads) * D;
+    const size_t kv_stride = static_cast<size_t>(a.kv_heads) * D;
+    const size_t kv_base = (static_cast<size_t>(b) * seq * a.kv_heads + hk) * D;
+    const T* q_all = static_cast<const T*>(a.q);
+    const T* do_all = static_cast<const T*>(a.dout);
+
+    // Iteration `it`: query head hk·group + it / nq, query block qb_first + it % nq.
+    auto load_it = [&](int it, int buf) {
+        const int hh = hk * group + it / nq;
+        const int q0 = (qb_first + it % nq) * BR;
+        const size_t q_base = (static_cast<size_t>(b) * seq * a.q_heads + hh) * D;
+        load_tile<T, BR, D, kThreads>(sQ + buf * BR * D, q_all + q_base, q_stride, q0, seq, tid);
+        load_tile<T, BR, D, kThreads>(sdO + buf * BR * D, do_all + q_base, q_stride, q0, seq,
+                                      tid);
+        const size_t row_base = (static_cast<size_t>(b) * a.q_heads + hh) * seq;
+        for (int i = tid; i < 2 * BR; i += kThreads) {
+            const int r = i % BR;
+            const int t = q0 + r;
+            const bool valid = t < seq;
+            const float* src = (i < BR ? a.lse_in : a.delta) + row_base + (valid ? t : 0);
+            float* dst = (i < BR ? sL : sDelta) + buf * BR + r;
+            cp_async4(smem_addr(dst), src, valid);
+        }
+    };
+
+    load_tile<T, BC, D, kThreads>(sK, static_cast<const T*>(a.k) + kv_base, kv_stride, k0, seq,
+                                  tid);
+    load_tile<T, BC, D, kThreads>(sV, static_cast<const T*>(a.v) + kv_base, kv_stride, k0, seq,
+                                  tid);
+    load_it(0, 0);
+    cp_async_commit();
+
+    const float sl2 = a.scale * kLog2e;
+    const int kw = k0 + warp * 16;  // this warp's first key
+    float dk[ND][4];
+    float dv[ND][4];
+#pragma unroll
+    for (int dt = 0; dt < ND; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            dk[dt][e] = 0.0f;
+            dv[dt][e] = 0.0f;
+        }
+    }
+    uint32_t kf[KV_REGS ? KD : 1][4];
+    uint32_t vf[KV_REGS ? KD : 1][4];
+
+    for (int it = 0; it < n_it; ++it) {
+        if (it + 1 < n_it) load_it(it + 1, (it + 1) & 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        if constexpr (KV_REGS) {
+            if (it == 0) {
+#pragma unroll
+                for (int kk = 0; kk < KD; ++kk) {
+                    load_a<T, D>(sK, warp * 16, kk, lane, kf[kk]);
+                    load_a<T, D>(sV, warp * 16, kk, lane, vf[kk]);
+                }
+            }
+        }
+        const int buf = it & 1;
+        const int q0 = (qb_first + it % nq) * BR;
+        const T* q_s = sQ + buf * BR * D;
+        const T* do_s = sdO + buf * BR * D;
+        const float* l_s = sL + buf * BR;
+        const float* d_s = sDelta + buf * BR;
+        // A warp whose keys all follow the block's last query has nothing to add.
+        if (q0 + BR - 1 >= kw) {
+            // Sᵀ = K·Qᵀ (rows: this warp's 16 keys; columns: the block's BR queries).
+            float st[NS][4];
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[nt][e] = 0.0f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                uint32_t af[4];
+                if constexpr (KV_REGS) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) af[e] = kf[kk][e];
+                } else {
+                    load_a<T, D>(sK, warp * 16, kk, lane, af);
+                }
+#pragma unroll
+                for (int np = 0; np < NS / 2; ++np) {
+                    uint32_t bf[4];
+                    load_b_nk<T, D>(q_s, np * 16, kk, lane, bf);
+                    mma<T>(st[2 * np], af, bf[0], bf[1]);
+                    mma<T>(st[2 * np + 1], af, bf[2], bf[3]);
+                }
+            }
+            // Pᵀ = exp(scale·Sᵀ − lse[query]), zero for key > query and for queries >= seq.
+            const bool need_mask = q0 < kw + 15 || q0 + BR > seq;
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int il = nt * 8 + 2 * tq + (e & 1);
+                    float p = exp2_approx(fmaf(st[nt][e], sl2, -l_s[il] * kLog2e));
+                    if (need_mask) {
+                        const int i = q0 + il;
+                        const int j = kw + g + 8 * (e >> 1);
+                        if (j > i || i >= seq) p = 0.0f;
+                    }
+                    st[nt][e] = p;
+                }
+            }
+            // dV += Pᵀ·dO.
+#pragma unroll
+            for (int kk = 0; kk < BR / 16; ++kk) {
+                uint32_t pa[4];
+                to_a_frag<T>(st[2 * kk], st[2 * kk + 1], pa);
+#pragma unroll
+                for (int np = 0; np < D / 16; ++np) {
+                    uint32_t bf[4];
+                    load_b_kn<T, D>(do_s, kk * 16, np, lane, bf);
+                    mma<T>(dv[2 * np], pa, bf[0], bf[1]);
+                    mma<T>(dv[2 * np + 1], pa, bf[2], bf[3]);
+                }
+            }
+            // dPᵀ = V·dOᵀ.
+            float dpt[NS][4];
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dpt[nt][e] = 0.0f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                uint32_t af[4];
+                if constexpr (KV_REGS) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) af[e] = vf[kk][e];
+                } else {
+                    load_a<T, D>(sV, warp * 16, kk, lane, af);
+                }
+#pragma unroll
+                for (int np = 0; np < NS / 2; ++np) {
+                    uint32_t bf[4];
+                    load_b_nk<T, D>(do_s, np * 16, kk, lane, bf);
+                    mma<T>(dpt[2 * np], af, bf[0], bf[1]);
+                    mma<T>(dpt[2 * np + 1], af, bf[2], bf[3]);
+                }
+            }
+            // dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]) · scale (zero wherever P is).
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int il = nt * 8 + 2 * tq + (e & 1);
+                    dpt[nt][e] = st[nt][e] * (dpt[nt][e] - d_s[il]) * a.scale;
+                }
+            }
+            // dK += dSᵀ·Q.
+#pragma unroll
+            for (int kk = 0; kk < BR / 16; ++kk) {
+                uint32_t pa[4];
+                to_a_frag<T>(dpt[2 * kk], dpt[2 * kk + 1], pa);
+#pragma unroll
+                for (int np = 0; np < D / 16; ++np) {
+                    uint32_t bf[4];
+                    load_b_kn<T, D>(q_s, kk * 16, np, lane, bf);
+                    mma<T>(dk[2 * np], pa, bf[0], bf[1]);
+                    mma<T>(dk[2 * np + 1], pa, bf[2], bf[3]);
+                }
+            }
+        }
+        __syncthreads();  // the next iteration refills the other buffer, then this one
+    }
+
+    T* dkg = static_cast<T*>(a.dk) + kv_base;
+    T* dvg = static_cast<T*>(a.dv) + kv_base;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = kw + g + 8 * r;
+        if (j < seq) {
+            T* dkrow = dkg + static_cast<size_t>(j) * kv_stride + 2 * tq;
+            T* dvrow = dvg + static_cast<size_t>(j) * kv_stride + 2 * tq;
+#pragma unroll
+            for (int dt = 0; dt < ND; ++dt) {
+                *reinterpret_cast<uint32_t*>(dkrow + dt * 8) =
+                    pack2<T>(dk[dt][2 * r], dk[dt][2 * r + 1]);
+                *reinterpret_cast<uint32_t*>(dvrow + dt * 8) =
+                    pack2<T>(dv[dt][2 * r], dv[dt][2 * r + 1]);
+            }
+        }
+    }
+}
+
+// ---- backward dQ: one CTA per (query block, batch, query head) ----
+// WARPS warps of 16 queries (BR = 16 WARPS); key blocks of BC.
+template <typename T, int D, int WARPS, int BC>
+__global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
+    constexpr int kThreads = WARPS * 32;
+    constexpr int BR = WARPS * 16;
+    constexpr int KD = D / 16;
+    constexpr int NS = BC / 8;
+    constexpr int ND = D / 8;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sQ = reinterpret_cast<T*>(smem);
+    T* sdO = sQ + BR * D;
+    T* sK = sdO + BR * D;     // two buffers of BC x D
+    T* sV = sK + 2 * BC * D;  // two buffers of BC x D
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int g = lane >> 2;
+    const int tq = lane & 3;
+    const int seq = a.seq;
+    const int heads_total = a.batch * a.q_heads;
+    const int nqb = (seq + BR - 1) / BR;
+    const int qb = nqb - 1 - static_cast<int>(blockIdx.x / static_cast<unsigned>(heads_total));
+    const int bh = static_cast<int>(blockIdx.x % static_cast<unsigned>(heads_total));
+    const int b = bh / a.q_heads;
+    const int h = bh % a.q_heads;
+    const int hk = h / (a.q_heads / a.kv_heads);
+    const int q0 = qb * BR;
+    const size_t q_stride = static_cast<size_t>(a.q_heads) * D;
+    const size_t kv_stride = static_cast<size_t>(a.kv_heads) * D;
+    const size_t q_base = (static_cast<size_t>(b) * seq * a.q_heads + h) * D;
+    const size_t kv_base = (static_cast<size_t>(b) * seq * a.kv_heads + hk) * D;
+    const T* kg = static_cast<const T*>(a.k) + kv_base;
+    const T* vg = static_cast<const T*>(a.v) + kv_base;
+
+    const int kv_end = min(seq, q0 + BR);
+    const int nkb = (kv_end + BC - 1) / BC;
+
+    load_tile<T, BR, D, kThreads>(sQ, static_cast<const T*>(a.q) + q_base, q_stride, q0, seq,
+                                  tid);
+    load_tile<T, BR, D, kThreads>(sdO, static_cast<const T*>(a.dout) + q_base, q_stride, q0, seq,
+                                  tid);
+    load_tile<T, BC, D, kThreads>(sK, kg, kv_stride, 0, seq, tid);
+    load_tile<T, BC, D, kThreads>(sV, vg, kv_stride, 0, seq, tid);
+    cp_async_commit();
+
+    const float sl2 = a.scale * kLog2e;
+    const int row_w = q0 + warp * 16;  // this warp's first query
+    const size_t row_base = (static_cast<size_t>(b) * a.q_heads + h) * seq;
+    float lse2[2];
+    float delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row_w + g + 8 * r;
+        lse2[r] = row < seq ? a.lse_in[row_base + row] * kLog2e : 0.0f;
+        delta[r] = row < seq ? a.delta[row_base + row] : 0.0f;
+    }
+    float dq[ND][4];
+#pragma unroll
+    for (int dt = 0; dt < ND; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[dt][e] = 0.0f;
+    }
+    uint32_t qf[KD][4];
+    uint32_t dof[KD][4];
+
+    for (int kb = 0; kb < nkb; ++kb) {
+        if (kb + 1 < nkb) {
+            const int nb = (kb + 1) & 1;
+            load_tile<T, BC, D, kThreads>(sK + nb * BC * D, kg, kv_stride, (kb + 1) * BC, seq,
+                                          tid);
+            load_tile<T, BC, D, kThreads>(sV + nb * BC * D, vg, kv_stride, (kb + 1) * BC, seq,
+                                          tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        if (kb == 0) {
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                load_a<T, D>(sQ, warp * 16, kk, lane, qf[kk]);
+                load_a<T, D>(sdO, warp * 16, kk, lane, dof[kk]);
+            }
+        }
+        const T* k_s = sK + (kb & 1) * BC * D;
+        const T* v_s = sV + (kb & 1) * BC * D;
+        const int k0 = kb * BC;
+        if (k0 <= row_w + 15) {
+            // S = Q·Kᵀ, then P = exp(scale·S − lse), masked.
+            float s[NS][4];
+            float dp[NS][4];
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[nt][e] = 0.0f;
+                    dp[nt][e] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+#pragma unroll
+                for (int np = 0; np < NS / 2; ++np) {
+                    uint32_t bf[4];
+                    load_b_nk<T, D>(k_s, np * 16, kk, lane, bf);
+                    mma<T>(s[2 * np], qf[kk], bf[0], bf[1]);
+                    mma<T>(s[2 * np + 1], qf[kk], bf[2], bf[3]);
+                }
+            }
+            const bool need_mask = k0 + BC - 1 > row_w || k0 + BC > seq;
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float p = exp2_approx(fmaf(s[nt][e], sl2, -lse2[e >> 1]));
+                    if (need_mask) {
+                        const int col = k0 + nt * 8 + 2 * tq + (e & 1);
+                        const int row = row_w + g + 8 * (e >> 1);
+                        if (col > row || col >= seq) p = 0.0f;
+                    }
+                    s[nt][e] = p;
+                }
+            }
+            // dP = dO·Vᵀ.
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+#pragma unroll
+                for (int np = 0; np < NS / 2; ++np) {
+                    uint32_t bf[4];
+                    load_b_nk<T, D>(v_s, np * 16, kk, lane, bf);
+                    mma<T>(dp[2 * np], dof[kk], bf[0], bf[1]);
+                    mma<T>(dp[2 * np + 1], dof[kk], bf[2], bf[3]);
+                }
+            }
+            // dS = P ∘ (dP − delta) · scale.
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    dp[nt][e] = s[nt][e] * (dp[nt][e] - delta[e >> 1]) * a.scale;
+            }
+            // dQ += dS·K.
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                uint32_t pa[4];
+                to_a_frag<T>(dp[2 * kk], dp[2 * kk + 1], pa);
+#pragma unroll
+                for (int np = 0; np < D / 16; ++np) {
+                    uint32_t bf[4];
+                    load_b_kn<T, D>(k_s, kk * 16, np, lane, bf);
+                    mma<T>(dq[2 * np], pa, bf[0], bf[1]);
+                    mma<T>(dq[2 * np + 1], pa, bf[2], bf[3]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    T* dqg = static_cast<T*>(a.o_or_dq) + q_base;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row_w + g + 8 * r;
+        if (row < seq) {
+            T* dqrow = dqg + static_cast<size_t>(row) * q_stride + 2 * tq;
+#pragma unroll
+            for (int dt = 0; dt < ND; ++dt) {
+                *reinterpret_cast<uint32_t*>(dqrow + dt * 8) =
+                    pack2<T>(dq[dt][2 * r], dq[dt][2 * r + 1]);
+            }
+        }
+    }
+}
+
+// ---- launch ----
+
+bool aligned16(const void* p) { return p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+bool aligned4(const void* p) { return p != nullptr && reinterpret_cast<uintptr_t>(p) % 4 == 0; }
+
+// Validates the sizes and fills the int fields of `a`; false when they are out of range.
+bool shape_ok(size_t batch, size_t seq, size_t q_heads, size_t kv_heads, float scale, Args* a) {
+    constexpr size_t kMax = 0x3fffffff;  // far below INT_MAX: q0 + block sizes stay in int
+    if (kv_heads == 0 || q_heads % kv_heads != 0) return false;
+    if (batch > kMax || seq > kMax || q_heads > kMax) return false;
+    if (batch * q_heads > kMax) return false;
+    if (!(scale > 0.0f)) return false;
+    a->batch = static_cast<int>(batch);
+    a->seq = static_cast<int>(seq);
+    a->q_heads = static_cast<int>(q_heads);
+    a->kv_heads = static_cast<int>(kv_heads);
+    a->scale = scale;
+    return true;
+}
+
+// The grid of `blocks` CTAs, or false past the grid's x limit.
+bool grid_ok(size_t blocks_per_head, size_t heads, unsigned* grid) {
+    if (blocks_per_head == 0 || blocks_per_head > 0x7fffffffu / heads) return false;
+    *grid = static_cast<unsigned>(blocks_per_head * heads);
+    return true;
+}
+
+template <typename K>
+cudaError_t launch(K kernel, unsigned grid, int threads, size_t smem, const Args& a,
+                   cudaStream_t stream) {
+    if (smem > 48 * 1024) {
+        const cudaError_t e = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+        if (e != cudaSuccess) return e;
+    }
+    kernel<<<grid, threads, smem, stream>>>(a);
+    return cudaGetLastError();
+}
+
+template <typename T, int D, int WARPS, int MT, int BC>
+int run_forward(const Args& a, cudaStream_t stream) {
+    constexpr int BR = WARPS * MT * 16;
+    const size_t smem = static_cast<size_t>(BR + 4 * BC) * D * sizeof(T);
+    unsigned grid;
+    if (!grid_ok((a.seq + BR - 1) / BR, static_cast<size_t>(a.batch) * a.q_heads, &grid))
+        return static_cast<int>(cudaErrorInvalidValue);
+    return static_cast<int>(
+        launch(flash_fwd_kernel<T, D, WARPS, MT, BC>, grid, WARPS * 32, smem, a, stream));
+}
+
+template <typename T, int D, int KV_WARPS, int KV_BR, bool KV_REGS, int Q_WARPS, int Q_BC>
+int run_backward(const Args& a, cudaStream_t stream) {
+    constexpr int KV_BC = KV_WARPS * 16;
+    constexpr int Q_BR = Q_WARPS * 16;
+    unsigned grid_kv, grid_q;
+    if (!grid_ok((a.seq + KV_BC - 1) / KV_BC, static_cast<size_t>(a.batch) * a.kv_heads,
+                 &grid_kv) ||
+        !grid_ok((a.seq + Q_BR - 1) / Q_BR, static_cast<size_t>(a.batch) * a.q_heads, &grid_q))
+        return static_cast<int>(cudaErrorInvalidValue);
+    const size_t smem_kv =
+        static_cast<size_t>(2 * KV_BC + 4 * KV_BR) * D * sizeof(T) + 4 * KV_BR * sizeof(float);
+    cudaError_t e = launch(flash_bwd_dkdv_kernel<T, D, KV_WARPS, KV_BR, KV_REGS>, grid_kv,
+                           KV_WARPS * 32, smem_kv, a, stream);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    const size_t smem_q = static_cast<size_t>(2 * Q_BR + 4 * Q_BC) * D * sizeof(T);
+    e = launch(flash_bwd_dq_kernel<T, D, Q_WARPS, Q_BC>, grid_q, Q_WARPS * 32, smem_q, a,
+               stream);
+    return static_cast<int>(e);
+}
+
+// Tile configurations (registers without spills at -O3 for sm_80 and sm_90a):
+//   head_dim 64:  forward 4 warps x 2 m-tiles (128 queries) x 64 keys, 48 KB;
+//                 dK/dV 64 keys x 64 queries, K/V fragments in registers, 49 KB;
+//                 dQ 64 queries x 64 keys, 48 KB.
+//   head_dim 128: forward 64 queries x 64 keys, 80 KB; dK/dV 64 keys x 32 queries, 64.5 KB;
+//                 dQ 64 queries x 32 keys, 64 KB.
+template <typename T>
+int forward_for(size_t head_dim, const Args& a, cudaStream_t stream) {
+    if constexpr (std::is_same_v<T, float>) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    } else {
+        switch (head_dim) {
+            case 64:
+                return run_forward<T, 64, 4, 2, 64>(a, stream);
+            case 128:
+                return run_forward<T, 128, 4, 1, 64>(a, stream);
+            default:
+                return static_cast<int>(cudaErrorInvalidValue);
+        }
+    }
+}
+
+template <typename T>
+int backward_for(size_t head_dim, const Args& a, cudaStream_t stream) {
+    if constexpr (std::is_same_v<T, float>) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    } else {
+        switch (head_dim) {
+            case 64:
+                return run_backward<T, 64, 4, 64, true, 4, 64>(a, stream);
+            case 128:
+                return run_backward<T, 128, 4, 32, false, 4, 32>(a, stream);
+            default:
+                return static_cast<int>(cudaErrorInvalidValue);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" int tilearn_flash_attention_supported(int dtype, size_t head_dim) {
+    const bool type_ok = dtype == TILEARN_DTYPE_BF16 || dtype == TILEARN_DTYPE_F16;
+    return type_ok && (head_dim == 64 || head_dim == 128) ? 1 : 0;
+}
+
+extern "C" int tilearn_flash_attention_forward(int dtype, const void* q, const void* k,
+                                               const void* v, void* out, float* lse,
+                                               size_t batch, size_t seq, size_t q_heads,
+                                               size_t kv_heads, size_t head_dim, float scale,
+                                               cudaStream_t stream) {
+    if (!tilearn_flash_attention_supported(dtype, head_dim))
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (batch == 0 || seq == 0 || q_heads == 0) return static_cast<int>(cudaSuccess);
+    Args a{};
+    if (!shape_ok(batch, seq, q_heads, kv_heads, scale, &a))
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (!aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(out) || !aligned4(lse))
+        return static_cast<int>(cudaErrorInvalidValue);
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.o_or_dq = out;
+    a.lse_out = lse;
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return forward_for<decltype(tag)>(head_dim, a, stream);
+    });
+}
+
+extern "C" int tilearn_flash_attention_backward(int dtype, const void* dout, const void* q,
+                                                const void* k, const void* v, const float* lse,
+                                                const float* delta, void* dq, void* dk, void* dv,
+                                                size_t batch, size_t seq, size_t q_heads,
+                                                size_t kv_heads, size_t head_dim, float scale,
+                                                cudaStream_t stream) {
+    if (!tilearn_flash_attention_supported(dtype, head_dim))
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (batch == 0 || seq == 0 || q_heads == 0) return static_cast<int>(cudaSuccess);
+    Args a{};
+    if (!shape_ok(batch, seq, q_heads, kv_heads, scale, &a))
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (!aligned16(dout) || !aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(dq) ||
+        !aligned16(dk) || !aligned16(dv) || !aligned4(lse) || !aligned4(delta))
+        return static_cast<int>(cudaErrorInvalidValue);
+    a.dout = dout;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.lse_in = lse;
+    a.delta = delta;
+    a.o_or_dq = dq;
+    a.dk = dk;
+    a.dv = dv;
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return backward_for<decltype(tag)>(head_dim, a, stream);
+    });
+}

@@ -313,7 +313,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-                for (int kk = 0; kk < KD; ++kk) load_a<T, D>(sQ, row_w + mt * 16, kk, lane, qf[mt][kk]);
+                for (int kk = 0; kk < KD; ++kk)
+                    load_a<T, D>(sQ, row_w + mt * 16, kk, lane, qf[mt][kk]);
             }
         }
         const T* k_s = sK + (kb & 1) * BC * D;

@@ -3,7 +3,11 @@
 //! zeros) at awkward shapes, with every output poisoned with NaN before the launch. Every test
 //! prints its measured errors, on success too, so the GPU log shows the margins.
 //!
-//! Every test body is generic over the element type and runs in f32, bf16 and f16.
+//! Every test body is generic over the element type and runs in f32, bf16 and f16. Attention
+//! runs through both implementations: the cuBLASLt path (forced with `AttentionImpl::Gemm` in
+//! the `attention_*` tests) and the fused flash kernels (bf16 / f16, `flash_attention_*`: vs
+//! the reference at the same bounds as the GEMM path, vs the GEMM path, bit-identical reruns,
+//! and `Auto` equal to the path it resolves to).
 //!
 //! Tolerances (‖got − want‖₂ / ‖want‖₂, DESIGN.md's bounds):
 //! * f32: 1e-5. cuBLASLt runs with `CUBLAS_COMPUTE_32F` (TF32 off, which would give ~1e-3);
@@ -39,8 +43,8 @@ use rand_chacha::ChaCha8Rng;
 use tilearn_ops::OpsError;
 use tilearn_ops::cpu::{self, AttnShape};
 use tilearn_ops::cuda::{
-    self, AttentionWorkspace, CudaSlice, CudaStream, DeviceFloat, DevicePtr, Gemm, GpuDevice,
-    MatmulSpec, Operand, Transpose,
+    self, AttentionImpl, AttentionWorkspace, CudaSlice, CudaStream, DeviceFloat, DevicePtr, Gemm,
+    GpuDevice, MatmulSpec, Operand, Transpose,
 };
 
 /// Writes to the process's stderr directly: libtest captures `eprintln!` of passing tests, and
@@ -673,13 +677,14 @@ struct AttnRun {
     bits: Vec<u32>,
 }
 
-/// Forward then backward on the GPU with NaN-poisoned outputs; `bits` collects every output's
-/// bit pattern for the determinism check.
+/// Forward then backward on the GPU through `imp` with NaN-poisoned outputs; `bits` collects
+/// every output's bit pattern for the determinism check.
 #[allow(clippy::too_many_arguments)]
 fn attn_gpu<T: Elem>(
     dev: &GpuDevice,
     gemm: &Gemm,
     ws: &mut AttentionWorkspace,
+    imp: AttentionImpl,
     s: AttnShape,
     q: &CudaSlice<T>,
     k: &CudaSlice<T>,
@@ -690,14 +695,14 @@ fn attn_gpu<T: Elem>(
     let (ql, kvl, rl) = (q.len(), k.len(), s.batch * s.q_heads * s.seq);
     let mut out = poisoned::<T>(st, ql);
     let mut lse = poisoned::<f32>(st, rl);
-    cuda::attention_forward(gemm, ws, s, q, k, v, &mut out, &mut lse).unwrap();
+    cuda::attention_forward_with(imp, gemm, ws, s, q, k, v, &mut out, &mut lse).unwrap();
     let (mut dq, mut dk, mut dv) = (
         poisoned::<T>(st, ql),
         poisoned::<T>(st, kvl),
         poisoned::<T>(st, kvl),
     );
-    cuda::attention_backward(
-        gemm, ws, s, dout, q, k, v, &out, &lse, &mut dq, &mut dk, &mut dv,
+    cuda::attention_backward_with(
+        imp, gemm, ws, s, dout, q, k, v, &out, &lse, &mut dq, &mut dk, &mut dv,
     )
     .unwrap();
     let raw: Vec<Vec<T>> = [&out, &dq, &dk, &dv]
@@ -798,7 +803,19 @@ impl<T: Elem> AttnProblem<T> {
     }
 
     fn run(&self, dev: &GpuDevice, gemm: &Gemm, ws: &mut AttentionWorkspace) -> AttnRun {
-        attn_gpu(dev, gemm, ws, self.s, &self.q, &self.k, &self.v, &self.dout)
+        self.run_with(dev, gemm, ws, AttentionImpl::Auto)
+    }
+
+    fn run_with(
+        &self,
+        dev: &GpuDevice,
+        gemm: &Gemm,
+        ws: &mut AttentionWorkspace,
+        imp: AttentionImpl,
+    ) -> AttnRun {
+        attn_gpu(
+            dev, gemm, ws, imp, self.s, &self.q, &self.k, &self.v, &self.dout,
+        )
     }
 
     /// Every output of `run` against the reference: `tol_t` for the `T` outputs, `tol_lse`
@@ -828,8 +845,9 @@ impl<T: Elem> AttnProblem<T> {
     }
 }
 
-/// One attention case in type `T`: vs the f64 CPU reference, twice for bit-identity, and once
-/// more through a workspace of one sequence (the multi-pass path).
+/// One attention case in type `T` through the cuBLASLt path (forced: the flash kernels have
+/// their own tests below): vs the f64 CPU reference, twice for bit-identity, and once more
+/// through a workspace of one sequence (the multi-pass path).
 fn attention_case<T: Elem>(
     test: &str,
     dev: &GpuDevice,
@@ -839,6 +857,7 @@ fn attention_case<T: Elem>(
     tol_t: f64,
     tol_lse: f64,
 ) {
+    let gemm_path = AttentionImpl::Gemm;
     let s = attn_shape(case);
     let st = dev.stream();
     let problem = AttnProblem::<T>::new(dev, s, seed);
@@ -848,8 +867,8 @@ fn attention_case<T: Elem>(
         AttentionWorkspace::bytes_for(s, size_of::<T>()).unwrap()
     );
     assert_eq!(ws.batch_chunk::<T>(s).unwrap(), s.batch);
-    let a = problem.run(dev, gemm, &mut ws);
-    let b = problem.run(dev, gemm, &mut ws);
+    let a = problem.run_with(dev, gemm, &mut ws, gemm_path);
+    let b = problem.run_with(dev, gemm, &mut ws, gemm_path);
     assert!(
         a.bits == b.bits,
         "{}: two identical runs differ (forward or backward)",
@@ -873,7 +892,7 @@ fn attention_case<T: Elem>(
                 problem.tag
             );
         }
-        let c = problem.run(dev, gemm, &mut small);
+        let c = problem.run_with(dev, gemm, &mut small, gemm_path);
         problem.check(
             test,
             &c,
@@ -1109,6 +1128,314 @@ fn attention_rejects_bad_shapes() {
         download(&dev, &out).iter().all(|v| v.is_nan()),
         "a rejected call wrote out"
     );
+}
+
+// ---- flash attention (the fused kernels of kernels/flash_attention.cu) ----
+
+/// (batch, seq, q_heads, kv_heads, head_dim) for the flash kernels (bf16 / f16, head_dim 64 and
+/// 128): a single token; T = 2 with a batch of 200, whose delta (f32 [B, Hq, T]) outgrows the
+/// one-sequence workspace and goes to a temporary buffer; T = 17 and 200 (one partial tile);
+/// T = 129 (one row past two 64-row tiles); T = 1000 (not a multiple of any tile) with GQA
+/// groups of 4 at D = 64 and D = 128; plain multi-head; B > 1 throughout but one.
+const FLASH_CASES: &[(usize, usize, usize, usize, usize)] = &[
+    (2, 1, 4, 2, 64),
+    (200, 2, 4, 2, 64),
+    (3, 17, 8, 2, 64),
+    (2, 200, 4, 4, 128),
+    (2, 129, 6, 3, 128),
+    (2, 1000, 8, 2, 64),
+    (1, 1000, 4, 1, 128),
+];
+
+/// ‖a − b‖₂ / ‖reference‖₂ (the absolute norm where the reference is all zeros, as in
+/// [`rel_err`]): how far two GPU results lie apart, on the scale of the exact answer (for the
+/// T = 1 case both are ~0, so a relative difference between them would divide noise by noise).
+fn rel_diff(what: &str, a: &[f64], b: &[f64], reference: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "{what}: length");
+    all_finite(what, a);
+    all_finite(what, b);
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f64 = reference.iter().map(|w| w * w).sum();
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+/// One flash case in `T`: the fused kernels (forced) vs the f64 CPU reference, twice for
+/// bit-identity (forward and backward), the cuBLASLt path vs the same reference, the two paths
+/// against each other, and `Auto` bit-identical to the path it resolves to. The workspace holds
+/// one sequence (the engine's sizing; the flash path only keeps delta in it).
+#[allow(clippy::too_many_arguments)]
+fn flash_case<T: Elem>(
+    test: &str,
+    dev: &GpuDevice,
+    gemm: &Gemm,
+    case: (usize, usize, usize, usize, usize),
+    seed: u64,
+    tol_t: f64,
+    tol_lse: f64,
+) {
+    let s = attn_shape(case);
+    assert!(cuda::flash_attention_supports::<T>(s), "{s:?}");
+    let problem = AttnProblem::<T>::new(dev, s, seed);
+    let one = AttnShape { batch: 1, ..s };
+    let mut ws = AttentionWorkspace::new(dev.stream(), one, size_of::<T>()).unwrap();
+    let flash = problem.run_with(dev, gemm, &mut ws, AttentionImpl::Flash);
+    let again = problem.run_with(dev, gemm, &mut ws, AttentionImpl::Flash);
+    assert!(
+        flash.bits == again.bits,
+        "{}: two flash runs differ (forward or backward)",
+        problem.tag
+    );
+    problem.check(test, &flash, " (flash)", tol_t, tol_lse);
+    report(&format!(
+        "{test}: {}: flash forward and backward bit-identical over two runs",
+        problem.tag
+    ));
+    let gemm_run = problem.run_with(dev, gemm, &mut ws, AttentionImpl::Gemm);
+    problem.check(test, &gemm_run, " (gemm)", tol_t, tol_lse);
+    let pairs = [
+        ("out", &flash.out, &gemm_run.out, &problem.out_ref, tol_t),
+        ("dq", &flash.dq, &gemm_run.dq, &problem.dq_ref, tol_t),
+        ("dk", &flash.dk, &gemm_run.dk, &problem.dk_ref, tol_t),
+        ("dv", &flash.dv, &gemm_run.dv, &problem.dv_ref, tol_t),
+        ("lse", &flash.lse, &gemm_run.lse, &problem.lse_ref, tol_lse),
+    ];
+    for (what, a, b, reference, tol) in pairs {
+        expect_within(
+            test,
+            &format!("{}: flash vs gemm: {what}", problem.tag),
+            rel_diff(what, a, b, reference),
+            tol,
+        );
+    }
+    let auto = problem.run(dev, gemm, &mut ws);
+    let (resolved, bits) = match AttentionImpl::Auto.resolve::<T>(s) {
+        AttentionImpl::Flash => ("flash", &flash.bits),
+        _ => ("gemm", &gemm_run.bits),
+    };
+    assert!(
+        auto.bits == *bits,
+        "{}: Auto differs from the {resolved} path it resolves to",
+        problem.tag
+    );
+}
+
+/// bf16 through the flash kernels: out, dq, dk, dv 1e-2 and lse 1e-3, the bounds of the
+/// cuBLASLt path (same roundings: P and dS once each as 16-bit operands of their products,
+/// then the output; lse from exact bf16 products summed in f32); flash vs gemm within 1e-2 of
+/// the reference's norm (each path's error is ~2-4e-3 rms, independent between the paths).
+#[test]
+fn flash_attention_bf16_matches_cpu_reference() {
+    const TEST: &str = "flash_attention_bf16_matches_cpu_reference";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    for (i, &case) in FLASH_CASES.iter().enumerate() {
+        flash_case::<bf16>(TEST, &dev, &gemm, case, 80 + i as u64, 1e-2, 1e-3);
+    }
+}
+
+/// f16 through the flash kernels: out, dq, dk, dv 2e-3 and lse 1e-3 (the f16 bounds of the file
+/// header: at most three roundings of 2^-11 in sequence; the inputs' ±[0.05, 2) keep every
+/// value far inside f16's range); flash vs gemm within 2e-3.
+#[test]
+fn flash_attention_f16_matches_cpu_reference() {
+    const TEST: &str = "flash_attention_f16_matches_cpu_reference";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    for (i, &case) in FLASH_CASES.iter().enumerate() {
+        flash_case::<f16>(TEST, &dev, &gemm, case, 90 + i as u64, 2e-3, 1e-3);
+    }
+}
+
+/// The flash backward at a GQA shape with many query blocks per key block (group 8, as in
+/// TinyLlama): four runs of the backward from one forward, all bit-identical.
+#[test]
+fn flash_attention_backward_is_deterministic() {
+    const TEST: &str = "flash_attention_backward_is_deterministic";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    let st = dev.stream();
+    let s = attn_shape((2, 700, 16, 2, 64));
+    let problem = AttnProblem::<bf16>::new(&dev, s, 99);
+    let mut ws = AttentionWorkspace::new(st, AttnShape { batch: 1, ..s }, 2).unwrap();
+    let ql = problem.q.len();
+    let kvl = problem.k.len();
+    let mut out = poisoned::<bf16>(st, ql);
+    let mut lse = poisoned::<f32>(st, s.batch * s.q_heads * s.seq);
+    let flash = AttentionImpl::Flash;
+    let (q, k, v, dout) = (&problem.q, &problem.k, &problem.v, &problem.dout);
+    cuda::attention_forward_with(flash, &gemm, &mut ws, s, q, k, v, &mut out, &mut lse).unwrap();
+    let mut first: Option<Vec<u32>> = None;
+    for run in 0..4 {
+        let (mut dq, mut dk, mut dv) = (
+            poisoned::<bf16>(st, ql),
+            poisoned::<bf16>(st, kvl),
+            poisoned::<bf16>(st, kvl),
+        );
+        cuda::attention_backward_with(
+            flash, &gemm, &mut ws, s, dout, q, k, v, &out, &lse, &mut dq, &mut dk, &mut dv,
+        )
+        .unwrap();
+        let bits: Vec<u32> = [&dq, &dk, &dv]
+            .iter()
+            .flat_map(|b| download(&dev, b))
+            .map(|x| x.bits())
+            .collect();
+        match &first {
+            None => {
+                let dq64 = download_f64(&dev, &dq);
+                expect_within(TEST, "dq", rel_err("dq", &dq64, &problem.dq_ref), 1e-2);
+                first = Some(bits);
+            }
+            Some(want) => assert!(bits == *want, "{TEST}: backward run {run} differs"),
+        }
+    }
+    report(&format!("{TEST}: four backward runs bit-identical"));
+}
+
+/// `Flash` is refused, before anything is launched, for f32, for a head_dim the kernels lack
+/// and for a tensor off a 16-byte boundary; `Auto` takes the cuBLASLt path for all three and
+/// stays exact.
+#[test]
+fn flash_attention_refuses_what_it_does_not_serve() {
+    const TEST: &str = "flash_attention_refuses_what_it_does_not_serve";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    let st = dev.stream();
+    let refused = |r: tilearn_ops::Result<()>, needle: &str| match r {
+        Err(OpsError::Cuda { message, .. }) => {
+            assert!(message.contains(needle), "{message}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let flash = AttentionImpl::Flash;
+    // f32 and head_dim 80: refused by Flash, served by Auto through the GEMM path.
+    let s32 = attn_shape((2, 9, 4, 2, 64));
+    let p32 = AttnProblem::<f32>::new(&dev, s32, 100);
+    let mut ws = AttentionWorkspace::new(st, s32, 4).unwrap();
+    let mut out = poisoned::<f32>(st, p32.q.len());
+    let mut lse = poisoned::<f32>(st, 2 * 4 * 9);
+    let r = cuda::attention_forward_with(
+        flash, &gemm, &mut ws, s32, &p32.q, &p32.k, &p32.v, &mut out, &mut lse,
+    );
+    refused(r, "does not serve f32");
+    assert!(
+        download(&dev, &out).iter().all(|v| v.is_nan()),
+        "a refused call wrote out"
+    );
+    assert_eq!(AttentionImpl::Auto.resolve::<f32>(s32), AttentionImpl::Gemm);
+    let run = p32.run(&dev, &gemm, &mut ws);
+    p32.check(TEST, &run, " (f32 through Auto)", 1e-5, 1e-5);
+    let s80 = attn_shape((2, 9, 4, 2, 80));
+    let p80 = AttnProblem::<bf16>::new(&dev, s80, 101);
+    let mut ws80 = AttentionWorkspace::new(st, s80, 2).unwrap();
+    let mut out80 = poisoned::<bf16>(st, p80.q.len());
+    let r = cuda::attention_forward_with(
+        flash, &gemm, &mut ws80, s80, &p80.q, &p80.k, &p80.v, &mut out80, &mut lse,
+    );
+    refused(r, "head_dim 64 or 128");
+    assert_eq!(
+        AttentionImpl::Auto.resolve::<bf16>(s80),
+        AttentionImpl::Gemm
+    );
+    let run = p80.run(&dev, &gemm, &mut ws80);
+    p80.check(TEST, &run, " (D = 80 through Auto)", 1e-2, 1e-3);
+    // q one element (2 bytes) past a 16-byte boundary.
+    let s = attn_shape((2, 33, 4, 2, 64));
+    let p = AttnProblem::<bf16>::new(&dev, s, 102);
+    let mut ws = AttentionWorkspace::new(st, s, 2).unwrap();
+    let mut shifted = vec![bf16::from_f32(0.5)];
+    shifted.extend(download(&dev, &p.q));
+    let shifted = upload(st, &shifted);
+    let q_view = shifted.slice(1..);
+    let mut out = poisoned::<bf16>(st, p.q.len());
+    let mut lse = poisoned::<f32>(st, 2 * 4 * 33);
+    let r = cuda::attention_forward_with(
+        flash, &gemm, &mut ws, s, &q_view, &p.k, &p.v, &mut out, &mut lse,
+    );
+    refused(r, "16-byte boundary");
+    assert!(
+        download(&dev, &out).iter().all(|v| v.is_nan()),
+        "a refused call wrote out"
+    );
+    cuda::attention_forward(&gemm, &mut ws, s, &q_view, &p.k, &p.v, &mut out, &mut lse).unwrap();
+    let (mut dq, mut dk, mut dv) = (
+        poisoned::<bf16>(st, p.q.len()),
+        poisoned::<bf16>(st, p.k.len()),
+        poisoned::<bf16>(st, p.k.len()),
+    );
+    let r = cuda::attention_backward_with(
+        flash, &gemm, &mut ws, s, &p.dout, &q_view, &p.k, &p.v, &out, &lse, &mut dq, &mut dk,
+        &mut dv,
+    );
+    refused(r, "16-byte boundary");
+    cuda::attention_backward(
+        &gemm, &mut ws, s, &p.dout, &q_view, &p.k, &p.v, &out, &lse, &mut dq, &mut dk, &mut dv,
+    )
+    .unwrap();
+    for (what, got, want) in [
+        ("out", download_f64(&dev, &out), &p.out_ref),
+        ("dq", download_f64(&dev, &dq), &p.dq_ref),
+        ("dk", download_f64(&dev, &dk), &p.dk_ref),
+        ("dv", download_f64(&dev, &dv), &p.dv_ref),
+    ] {
+        expect_within(
+            TEST,
+            &format!("misaligned q through Auto: {what}"),
+            rel_err(what, &got, want),
+            1e-2,
+        );
+    }
+}
+
+/// Host only (runs without a GPU): which types and shapes the flash kernels serve, and what
+/// `Auto` resolves to.
+#[test]
+fn flash_attention_support_matrix() {
+    let s = attn_shape((8, 2048, 32, 4, 64));
+    assert_eq!(AttentionImpl::default(), AttentionImpl::Auto);
+    assert!(cuda::flash_attention_supports::<bf16>(s));
+    assert!(cuda::flash_attention_supports::<f16>(s));
+    assert!(!cuda::flash_attention_supports::<f32>(s));
+    for d in [64, 128] {
+        assert!(cuda::flash_attention_supports::<bf16>(AttnShape {
+            head_dim: d,
+            ..s
+        }));
+    }
+    for d in [0, 16, 32, 80, 96, 256] {
+        assert!(
+            !cuda::flash_attention_supports::<bf16>(AttnShape { head_dim: d, ..s }),
+            "{d}"
+        );
+    }
+    assert!(!cuda::flash_attention_supports::<bf16>(AttnShape {
+        kv_heads: 3,
+        ..s
+    }));
+    assert!(!cuda::flash_attention_supports::<bf16>(AttnShape {
+        kv_heads: 0,
+        ..s
+    }));
+    assert!(!cuda::flash_attention_supports::<bf16>(AttnShape {
+        seq: 1 << 30,
+        ..s
+    }));
+    for imp in [AttentionImpl::Gemm, AttentionImpl::Flash] {
+        assert_eq!(imp.resolve::<bf16>(s), imp);
+        assert_eq!(imp.resolve::<f32>(s), imp);
+    }
+    assert_eq!(AttentionImpl::Auto.resolve::<f32>(s), AttentionImpl::Gemm);
+    let auto = AttentionImpl::Auto.resolve::<bf16>(s);
+    assert!(auto == AttentionImpl::Flash || auto == AttentionImpl::Gemm);
+    assert_eq!(auto, AttentionImpl::Auto.resolve::<f16>(s));
 }
 
 /// Runs everywhere: asking whether cuBLASLt can be loaded never panics.

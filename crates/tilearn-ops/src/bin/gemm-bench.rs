@@ -7,11 +7,24 @@
 //! between two CUDA events; prints the median as one JSON line:
 //! `{"m":8192,"n":8192,"k":8192,"dtype":"bf16","ms":…,"tflops":…}` with
 //! tflops = 2·M·N·K / median seconds / 1e12. Default 8192×8192×8192 bf16.
+//!
+//! `gemm-bench attention [--dtype bf16|f16]`: causal GQA attention, forward and backward, through
+//! both implementations ([`AttentionImpl::Gemm`], cuBLASLt + row kernels, and
+//! [`AttentionImpl::Flash`], the fused kernels) at the two preset shapes: llama-134m (B=16,
+//! T=1024, Hq=Hkv=12, D=64) and TinyLlama (B=8, T=2048, Hq=32, Hkv=4, D=64). Random inputs, one
+//! warm-up forward + backward, then 10 timed forwards and 10 timed backwards (CUDA events), one
+//! JSON line per (shape, path) with the medians, then a table. FLOPs counted for causal
+//! attention: forward 2·2·B·Hq·T²·D/2 (the two products over the lower triangle), backward 2.5×
+//! that (five products), whatever the path actually computes.
 
 use std::process::ExitCode;
 
 use half::{bf16, f16};
-use tilearn_ops::cuda::{CudaSlice, DeviceFloat, Gemm, GpuDevice, MatmulSpec, Operand};
+use tilearn_ops::cpu::AttnShape;
+use tilearn_ops::cuda::{
+    self, AttentionImpl, AttentionWorkspace, CudaSlice, DeviceFloat, Gemm, GpuDevice, MatmulSpec,
+    Operand,
+};
 
 const RUNS: usize = 10;
 
@@ -31,9 +44,12 @@ fn main() -> ExitCode {
 fn run() -> Result<String, String> {
     let mut dims = Vec::new();
     let mut dtype = "bf16".to_string();
+    let mut attention = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
-        if arg == "--dtype" {
+        if arg == "attention" {
+            attention = true;
+        } else if arg == "--dtype" {
             dtype = args.next().ok_or("--dtype needs bf16, f16 or f32")?;
         } else {
             let d: usize = arg.parse().map_err(|_| {
@@ -44,6 +60,17 @@ fn run() -> Result<String, String> {
             }
             dims.push(d);
         }
+    }
+    if attention {
+        let dev = GpuDevice::new(0).map_err(|e| e.to_string())?;
+        let gemm = Gemm::new(dev.stream()).map_err(|e| e.to_string())?;
+        return match dtype.as_str() {
+            "bf16" => attention_bench::<bf16>(&dev, &gemm),
+            "f16" => attention_bench::<f16>(&dev, &gemm),
+            other => Err(format!(
+                "attention: unknown --dtype {other:?} (bf16 or f16: f32 has no flash path)"
+            )),
+        };
     }
     let m = dims.first().copied().unwrap_or(8192);
     let n = dims.get(1).copied().unwrap_or(m);
@@ -73,20 +100,7 @@ fn time<T: DeviceFloat>(
 ) -> Result<f64, String> {
     let s = dev.stream();
     let err = |e: cudarc::driver::DriverError| e.to_string();
-    // A small xorshift generator: uniform in ±[0.25, 1), enough to defeat any zero shortcut.
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut random = |len: usize| -> Vec<T> {
-        (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                let u = (state >> 40) as f32 / (1u64 << 24) as f32;
-                let v = 0.25 + 0.75 * u;
-                T::from_f32(if state & 1 == 0 { v } else { -v })
-            })
-            .collect()
-    };
+    let mut random = xorshift::<T>(0x9E37_79B9_7F4A_7C15);
     let a: CudaSlice<T> = s.clone_htod(&random(m * k)).map_err(err)?;
     let b: CudaSlice<T> = s.clone_htod(&random(n * k)).map_err(err)?;
     // beta = 0: C is only written.
@@ -106,4 +120,147 @@ fn time<T: DeviceFloat>(
     }
     times.sort_by(f64::total_cmp);
     Ok(times[RUNS / 2])
+}
+
+/// A small xorshift generator of `T` values uniform in ±[0.25, 1), enough to defeat any zero
+/// shortcut.
+fn xorshift<T: DeviceFloat>(seed: u64) -> impl FnMut(usize) -> Vec<T> {
+    let mut state = seed;
+    move |len: usize| -> Vec<T> {
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let u = (state >> 40) as f32 / (1u64 << 24) as f32;
+                let v = 0.25 + 0.75 * u;
+                T::from_f32(if state & 1 == 0 { v } else { -v })
+            })
+            .collect()
+    }
+}
+
+/// The attention bench's shapes: (name, shape).
+const ATTN_PRESETS: [(&str, AttnShape); 2] = [
+    (
+        "llama-134m",
+        AttnShape {
+            batch: 16,
+            seq: 1024,
+            q_heads: 12,
+            kv_heads: 12,
+            head_dim: 64,
+        },
+    ),
+    (
+        "tinyllama",
+        AttnShape {
+            batch: 8,
+            seq: 2048,
+            q_heads: 32,
+            kv_heads: 4,
+            head_dim: 64,
+        },
+    ),
+];
+
+/// Forward and backward medians (ms) of both paths at both presets; JSON lines, then a table.
+fn attention_bench<T: DeviceFloat>(dev: &GpuDevice, gemm: &Gemm) -> Result<String, String> {
+    let name = dev.name().unwrap_or_else(|_| "unknown".into());
+    let mut table = vec![format!(
+        "{:<11} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "shape", "path", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "total ms"
+    )];
+    for (preset, s) in ATTN_PRESETS {
+        let fwd_flops =
+            4.0 * (s.batch * s.q_heads * s.head_dim) as f64 * (s.seq as f64).powi(2) / 2.0;
+        let bwd_flops = 2.5 * fwd_flops;
+        for imp in [AttentionImpl::Gemm, AttentionImpl::Flash] {
+            let (fwd, bwd) = time_attention::<T>(dev, gemm, s, imp)?;
+            let (tf_f, tf_b) = (fwd_flops / fwd / 1e9, bwd_flops / bwd / 1e9);
+            let path = format!("{imp:?}").to_lowercase();
+            println!(
+                concat!(
+                    "{{\"bench\":\"attention\",\"shape\":\"{}\",\"batch\":{},\"seq\":{},",
+                    "\"q_heads\":{},\"kv_heads\":{},\"head_dim\":{},\"dtype\":\"{}\",",
+                    "\"path\":\"{}\",\"fwd_ms\":{:.4},\"fwd_tflops\":{:.1},\"bwd_ms\":{:.4},",
+                    "\"bwd_tflops\":{:.1},\"device\":{:?}}}"
+                ),
+                preset,
+                s.batch,
+                s.seq,
+                s.q_heads,
+                s.kv_heads,
+                s.head_dim,
+                T::NAME,
+                path,
+                fwd,
+                tf_f,
+                bwd,
+                tf_b,
+                name
+            );
+            table.push(format!(
+                "{preset:<11} {path:<6} {fwd:>9.3} {tf_f:>9.1} {bwd:>9.3} {tf_b:>9.1} {:>9.3}",
+                fwd + bwd
+            ));
+        }
+    }
+    Ok(table.join("\n"))
+}
+
+/// Median forward and backward milliseconds of one path at one shape.
+fn time_attention<T: DeviceFloat>(
+    dev: &GpuDevice,
+    gemm: &Gemm,
+    s: AttnShape,
+    imp: AttentionImpl,
+) -> Result<(f64, f64), String> {
+    let st = dev.stream();
+    let err = |e: cudarc::driver::DriverError| e.to_string();
+    let ops = |e: tilearn_ops::OpsError| e.to_string();
+    let ql = s.batch * s.seq * s.q_heads * s.head_dim;
+    let kvl = s.batch * s.seq * s.kv_heads * s.head_dim;
+    let mut random = xorshift::<T>(0x2545_F491_4F6C_DD1D);
+    let q: CudaSlice<T> = st.clone_htod(&random(ql)).map_err(err)?;
+    let k: CudaSlice<T> = st.clone_htod(&random(kvl)).map_err(err)?;
+    let v: CudaSlice<T> = st.clone_htod(&random(kvl)).map_err(err)?;
+    let dout: CudaSlice<T> = st.clone_htod(&random(ql)).map_err(err)?;
+    let mut out: CudaSlice<T> = st.alloc_zeros(ql).map_err(err)?;
+    let mut lse: CudaSlice<f32> = st.alloc_zeros(s.batch * s.q_heads * s.seq).map_err(err)?;
+    let mut dq: CudaSlice<T> = st.alloc_zeros(ql).map_err(err)?;
+    let mut dk: CudaSlice<T> = st.alloc_zeros(kvl).map_err(err)?;
+    let mut dv: CudaSlice<T> = st.alloc_zeros(kvl).map_err(err)?;
+    // The whole batch in one pass for the GEMM path (the flash path leaves it unused).
+    let mut ws = AttentionWorkspace::new(st, s, size_of::<T>()).map_err(ops)?;
+    let fwd = |ws: &mut AttentionWorkspace, out: &mut CudaSlice<T>, lse: &mut CudaSlice<f32>| {
+        cuda::attention_forward_with(imp, gemm, ws, s, &q, &k, &v, out, lse)
+    };
+    fwd(&mut ws, &mut out, &mut lse).map_err(ops)?;
+    cuda::attention_backward_with(
+        imp, gemm, &mut ws, s, &dout, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv,
+    )
+    .map_err(ops)?;
+    dev.synchronize().map_err(ops)?;
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut fwd_ms = Vec::with_capacity(RUNS);
+    let mut bwd_ms = Vec::with_capacity(RUNS);
+    for _ in 0..RUNS {
+        let start = st.record_event(flags).map_err(err)?;
+        fwd(&mut ws, &mut out, &mut lse).map_err(ops)?;
+        let end = st.record_event(flags).map_err(err)?;
+        fwd_ms.push(start.elapsed_ms(&end).map_err(err)? as f64);
+    }
+    for _ in 0..RUNS {
+        let start = st.record_event(flags).map_err(err)?;
+        cuda::attention_backward_with(
+            imp, gemm, &mut ws, s, &dout, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv,
+        )
+        .map_err(ops)?;
+        let end = st.record_event(flags).map_err(err)?;
+        bwd_ms.push(start.elapsed_ms(&end).map_err(err)? as f64);
+    }
+    fwd_ms.sort_by(f64::total_cmp);
+    bwd_ms.sort_by(f64::total_cmp);
+    Ok((fwd_ms[RUNS / 2], bwd_ms[RUNS / 2]))
 }

@@ -23,23 +23,28 @@ use tilearn_engine::trainer::{PrintLogs, TrainLength, Trainer, TrainingArguments
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::AdamWConfig;
 
-/// A small GQA model with awkward sizes (nothing a multiple of a block).
-fn config() -> LlamaConfig {
-    let json = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":80,
-        "intermediate_size":150,"num_hidden_layers":2,"num_attention_heads":5,
+/// A small GQA model with awkward sizes (nothing a multiple of a block). `flash`: head_dim 64,
+/// which the fused flash-attention kernels serve in bf16/f16; otherwise head_dim 16, which
+/// takes the GEMM attention path.
+fn config(flash: bool) -> LlamaConfig {
+    let (hidden, heads) = if flash { (128, 2) } else { (80, 5) };
+    let json = format!(
+        r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":{hidden},
+        "intermediate_size":150,"num_hidden_layers":2,"num_attention_heads":{heads},
         "num_key_value_heads":1,"vocab_size":301,"max_position_embeddings":128,
         "rms_norm_eps":1e-5,"tie_word_embeddings":false,"attention_bias":false,
         "mlp_bias":false,"initializer_range":0.2,
-        "rope_parameters":{"rope_type":"default","rope_theta":10000.0}}"#;
-    LlamaConfig::from_json_str(json, "config.json").unwrap()
+        "rope_parameters":{{"rope_type":"default","rope_theta":10000.0}}}}"#
+    );
+    LlamaConfig::from_json_str(&json, "config.json").unwrap()
 }
 
 const BATCH: usize = 3;
 const SEQ: usize = 45;
 
 /// A random model (norm weights randomised too) and a random batch with ~10% ignored labels.
-fn model_and_batch(seed: u64) -> (LlamaForCausalLM, Vec<u32>, Vec<i32>) {
-    let config = config();
+fn model_and_batch(seed: u64, flash: bool) -> (LlamaForCausalLM, Vec<u32>, Vec<i32>) {
+    let config = config(flash);
     let mut model = LlamaForCausalLM::from_config(config.clone(), seed);
     let mut rng = ChaCha8Rng::seed_from_u64(seed + 1);
     for spec in model.params.specs.clone() {
@@ -79,13 +84,21 @@ fn gpu_grads(
 }
 
 /// f16 keeps 11 significant bits against bf16's 8, so with activations well inside f16's
-/// range it must land closer to the f32 CPU engine than bf16 does; both must be close.
+/// range it must land closer to the f32 CPU engine than bf16 does; both must be close. Run
+/// with the GEMM attention path (head_dim 16) and the flash kernels (head_dim 64).
 #[test]
 fn f16_matches_the_cpu_engine_better_than_bf16() {
     let Some(dev) = gpu_or_skip("f16_matches_the_cpu_engine_better_than_bf16") else {
         return;
     };
-    let (model, ids, labels) = model_and_batch(21);
+    for flash in [false, true] {
+        f16_against_cpu(&dev, flash);
+    }
+}
+
+fn f16_against_cpu(dev: &GpuDevice, flash: bool) {
+    let dev = dev.clone();
+    let (model, ids, labels) = model_and_batch(21, flash);
     let mut acts = Activations::new(&model.config, BATCH, SEQ, false);
     let mut cpu_grads = vec![0.0f32; model.params.numel()];
     let cpu = model
@@ -97,8 +110,13 @@ fn f16_matches_the_cpu_engine_better_than_bf16() {
     let (loss16, lossb) = ((l16 - cpu).abs() / cpu, (lb - cpu).abs() / cpu);
     let (grad16, gradb) = (rel_err(&g16, &cpu_grads), rel_err(&gb, &cpu_grads));
     report(&format!(
-        "f16 vs cpu f32: loss rel err {loss16:.3e}, gradient rel err {grad16:.3e}; bf16: loss \
-         {lossb:.3e}, gradient {gradb:.3e} (cpu loss {cpu:.6})"
+        "attention {}: f16 vs cpu f32: loss rel err {loss16:.3e}, gradient rel err {grad16:.3e}; bf16: loss \
+         {lossb:.3e}, gradient {gradb:.3e} (cpu loss {cpu:.6})",
+        if flash {
+            "flash (head_dim 64)"
+        } else {
+            "gemm (head_dim 16)"
+        }
     ));
     // One 16-bit rounding per stored activation over two layers: a few 1e-3 for f16; the
     // whole gradient vector, dominated by the large-magnitude tensors, within 2e-2.
@@ -118,7 +136,14 @@ fn switching_precision_matches_single_precision_models() {
     let Some(dev) = gpu_or_skip("switching_precision_matches_single_precision_models") else {
         return;
     };
-    let (model, ids, labels) = model_and_batch(31);
+    for flash in [false, true] {
+        switching_case(&dev, flash);
+    }
+}
+
+fn switching_case(dev: &GpuDevice, flash: bool) {
+    let dev = dev.clone();
+    let (model, ids, labels) = model_and_batch(31, flash);
     let all = [Precision::F32, Precision::Bf16, Precision::F16];
     let mut multi = GpuLlama::with_precisions(&dev, &model, BATCH, SEQ, &all).unwrap();
     assert_eq!(multi.precision(), Precision::F32);
@@ -137,7 +162,7 @@ fn switching_precision_matches_single_precision_models() {
         let (loss, want) = gpu_grads(&dev, &model, &ids, &labels, p);
         let err = rel_err(&grads, &want);
         report(&format!(
-            "switched to {p}: loss {:.7} vs dedicated {loss:.7}, gradient rel err {err:.3e}",
+            "flash={flash} switched to {p}: loss {:.7} vs dedicated {loss:.7}, gradient rel err {err:.3e}",
             stats.mean()
         ));
         assert!(
@@ -163,7 +188,7 @@ fn loss_scaling_unscales_exactly_and_catches_overflow() {
     let Some(dev) = gpu_or_skip("loss_scaling_unscales_exactly_and_catches_overflow") else {
         return;
     };
-    let (model, ids, labels) = model_and_batch(41);
+    let (model, ids, labels) = model_and_batch(41, false);
     let opt = AdamWConfig {
         lr: 1e-3,
         weight_decay: 0.1,

@@ -1299,6 +1299,58 @@ fn flash_attention_backward_is_deterministic() {
     report(&format!("{TEST}: four backward runs bit-identical"));
 }
 
+/// The engine's workspace for 16-bit runs the flash kernels serve
+/// (`AttentionWorkspace::for_flash`, only the backward's delta rows): the flash path through it
+/// is bit-identical to the flash path through a full workspace, and a call that resolves to the
+/// GEMM path is refused as too small instead of overrunning it.
+#[test]
+fn flash_only_workspace_serves_the_flash_path() {
+    const TEST: &str = "flash_only_workspace_serves_the_flash_path";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    let s = attn_shape((3, 200, 8, 2, 64));
+    let problem = AttnProblem::<bf16>::new(&dev, s, 123);
+    let mut full = AttentionWorkspace::new(dev.stream(), AttnShape { batch: 1, ..s }, 2).unwrap();
+    let mut small = AttentionWorkspace::for_flash(dev.stream(), s).unwrap();
+    assert!(
+        small.bytes() < full.bytes() / 10,
+        "{} vs {}",
+        small.bytes(),
+        full.bytes()
+    );
+    let want = problem.run_with(&dev, &gemm, &mut full, AttentionImpl::Flash);
+    let got = problem.run_with(&dev, &gemm, &mut small, AttentionImpl::Auto);
+    assert!(
+        got.bits == want.bits,
+        "{TEST}: the delta-only workspace changed the result"
+    );
+    let st = dev.stream();
+    let mut out = poisoned::<bf16>(st, problem.q.len());
+    let mut lse = poisoned::<f32>(st, s.batch * s.q_heads * s.seq);
+    let refused = cuda::attention_forward_with(
+        AttentionImpl::Gemm,
+        &gemm,
+        &mut small,
+        s,
+        &problem.q,
+        &problem.k,
+        &problem.v,
+        &mut out,
+        &mut lse,
+    );
+    assert!(
+        refused.is_err(),
+        "{TEST}: the GEMM path ran in a delta-only workspace"
+    );
+    report(&format!(
+        "{TEST}: {} bytes instead of {}: same bits; the GEMM path refused ({})",
+        small.bytes(),
+        full.bytes(),
+        refused.unwrap_err()
+    ));
+}
+
 /// `Flash` is refused, before anything is launched, for f32, for a head_dim the kernels lack
 /// and for a tensor off a 16-byte boundary; `Auto` takes the cuBLASLt path for all three and
 /// stays exact.

@@ -1,6 +1,7 @@
 //! The matrix-product ops of the device model: linear layers (cuBLASLt through
 //! [`tilearn_ops::cuda::Gemm`]) and causal grouped-query attention (cuBLASLt batched GEMMs plus
-//! the row kernels, through [`AttentionWorkspace`]).
+//! the row kernels, or the fused flash kernels for 16-bit types at head_dim 64/128, through
+//! [`AttentionWorkspace`]).
 //!
 //! [`Matmul`] owns the cuBLASLt handle (bound to the model's stream, with its workspace) and
 //! the attention workspace, both allocated once at model build. The attention workspace is
@@ -10,8 +11,11 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use half::{bf16, f16};
 use tilearn_ops::cpu::AttnShape;
-use tilearn_ops::cuda::{self as k, AttentionWorkspace, CudaStream, DeviceFloat, Gemm};
+use tilearn_ops::cuda::{
+    self as k, AttentionWorkspace, CudaStream, DeviceFloat, Gemm, flash_attention_supports,
+};
 use tilearn_ops::{OpsError, Result};
 
 use super::arena::Dims;
@@ -41,18 +45,25 @@ fn attn_shape(d: &Dims) -> AttnShape {
 
 impl Matmul {
     /// A cuBLASLt handle on `stream` and the attention workspace for calls up to `capacity`
-    /// in element types of up to `max_elem_bytes` bytes, for as many whole sequences per pass
-    /// as fit the budget (at least one).
+    /// in element types of up to `max_elem_bytes` bytes. When every precision is 16-bit and the
+    /// flash kernels serve the shape, attention never takes the GEMM path and the workspace
+    /// holds only the backward's `delta` rows; otherwise it holds the GEMM path's scores for as
+    /// many whole sequences per pass as fit the budget (at least one).
     pub(crate) fn new(
         stream: &Arc<CudaStream>,
         capacity: &Dims,
         max_elem_bytes: usize,
     ) -> EngineResult<Matmul> {
         let gemm = Gemm::new(stream)?;
-        let one = AttnShape {
-            batch: 1,
-            ..attn_shape(capacity)
-        };
+        let shape = attn_shape(capacity);
+        if max_elem_bytes == 2
+            && flash_attention_supports::<bf16>(shape)
+            && flash_attention_supports::<f16>(shape)
+        {
+            let attn = AttentionWorkspace::for_flash(stream, shape)?;
+            return Ok(Matmul { gemm, attn });
+        }
+        let one = AttnShape { batch: 1, ..shape };
         let per_seq = AttentionWorkspace::bytes_for(one, max_elem_bytes)?.max(1);
         let chunk = (ATTENTION_WORKSPACE_BUDGET / per_seq).clamp(1, capacity.batch.max(1));
         let attn = AttentionWorkspace::new(

@@ -230,6 +230,37 @@ impl AttentionWorkspace {
         })
     }
 
+    /// A workspace for the flash path only (bf16 / f16 at shapes [`flash_attention_supports`]
+    /// accepts, up to `max`): just the backward's f32 `delta` rows, `B·Hq·T` floats instead of
+    /// the GEMM path's `Hq·T²` scores per sequence. A call that resolves to the GEMM path
+    /// (another type or shape, or a misaligned tensor) is refused by it as too small.
+    pub fn for_flash(stream: &Arc<CudaStream>, max: AttnShape) -> Result<Self> {
+        const OP: &str = "AttentionWorkspace::for_flash";
+        check_shape(OP, &max)?;
+        let bytes = max
+            .batch
+            .checked_mul(max.q_heads)
+            .and_then(|r| r.checked_mul(max.seq))
+            .and_then(|r| r.checked_mul(size_of::<f32>()))
+            .and_then(|b| b.checked_add(REGION_ALIGN))
+            .ok_or_else(|| OpsError::Cuda {
+                context: OP,
+                message: format!("flash attention workspace for {max:?} overflows usize"),
+            })?;
+        let buf = stream
+            .alloc_zeros::<u8>(bytes)
+            .map_err(|e| OpsError::Cuda {
+                context: OP,
+                message: format!(
+                    "cannot allocate the flash attention workspace ({bytes} bytes): {e}"
+                ),
+            })?;
+        Ok(AttentionWorkspace {
+            buf,
+            max_elem_bytes: 2,
+        })
+    }
+
     /// Device bytes [`new`](Self::new) allocates for `max` and `max_elem_bytes`: the regions
     /// for `max.batch` sequences (at least one), each rounded up to 256 bytes, plus 256 bytes
     /// of slack to align the first region whatever the allocation's alignment.
@@ -621,7 +652,6 @@ pub fn attention_forward_with<T: DeviceFloat>(
     if s.batch == 0 || s.seq == 0 || s.q_heads == 0 {
         return Ok(());
     }
-    let chunk = ws.batch_chunk::<T>(s)?;
     let plan = Plan::new::<T>(s);
     let (t, d, g, hq, hkv) = (s.seq, s.head_dim, plan.group, s.q_heads, s.kv_heads);
     let e = plan.elem as u64;
@@ -655,6 +685,8 @@ pub fn attention_forward_with<T: DeviceFloat>(
         };
         return check(op, status);
     }
+    // The GEMM path: the workspace must hold at least one sequence of this shape.
+    let chunk = ws.batch_chunk::<T>(s)?;
     let (w, _ws_guard) = ws_ptrs::<T>(op, ws, &stream, &p, chunk)?;
 
     let mut b0 = 0;
@@ -815,7 +847,6 @@ pub fn attention_backward_with<T: DeviceFloat>(
     if s.batch == 0 || s.seq == 0 || s.q_heads == 0 {
         return Ok(());
     }
-    let chunk = ws.batch_chunk::<T>(s)?;
     let plan = Plan::new::<T>(s);
     let (t, d, g, hq, hkv) = (s.seq, s.head_dim, plan.group, s.q_heads, s.kv_heads);
     let e = plan.elem as u64;
@@ -890,6 +921,8 @@ pub fn attention_backward_with<T: DeviceFloat>(
             return check(op, status);
         }
     }
+    // The GEMM path: the workspace must hold at least one sequence of this shape.
+    let chunk = ws.batch_chunk::<T>(s)?;
     let (w, _ws_guard) = ws_ptrs::<T>(op, ws, &stream, &p, chunk)?;
 
     let mut b0 = 0;

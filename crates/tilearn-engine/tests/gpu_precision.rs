@@ -119,9 +119,12 @@ fn f16_against_cpu(dev: &GpuDevice, flash: bool) {
         }
     ));
     // One 16-bit rounding per stored activation over two layers: a few 1e-3 for f16; the
-    // whole gradient vector, dominated by the large-magnitude tensors, within 2e-2.
+    // whole gradient vector, dominated by the large-magnitude tensors, within 3e-2. Measured
+    // on the H200: 7.2e-3 at head_dim 16 and 1.9e-2 at head_dim 64, where this init (range 0.2)
+    // gives attention logits of std ~5, a sharp softmax that amplifies the roundings of P and
+    // dS (bf16 on the same model: 6.0e-2 and 1.5e-1). A wrong op is off by O(1).
     assert!(loss16 <= 5e-3, "f16 loss rel err {loss16:.3e}");
-    assert!(grad16 <= 2e-2, "f16 gradient rel err {grad16:.3e}");
+    assert!(grad16 <= 3e-2, "f16 gradient rel err {grad16:.3e}");
     assert!(
         grad16 < gradb,
         "f16 ({grad16:.3e}) is not more accurate than bf16 ({gradb:.3e}): the f16 path may be \

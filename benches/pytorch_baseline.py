@@ -40,7 +40,7 @@ def flops_per_token(cfg, n_params, seq):
     return 6 * n_params + attn
 
 
-def run(preset, mode, batch, seq, steps, warmup, precision):
+def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing):
     p = dict(PRESETS[preset])
     batch = batch or p.pop("batch")
     seq = seq or p.pop("seq")
@@ -50,6 +50,9 @@ def run(preset, mode, batch, seq, steps, warmup, precision):
                       attn_implementation="sdpa")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).cuda()
+    if checkpointing:
+        # Non-reentrant checkpointing per decoder layer, as transformers recommends.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(t.numel() for t in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     step_fn = model
@@ -89,6 +92,7 @@ def run(preset, mode, batch, seq, steps, warmup, precision):
     mfu = tps * flops_per_token(cfg, n_params, seq) / PEAK_BF16_FLOPS
     return {
         "impl": "pytorch", "preset": preset, "mode": mode, "precision": precision,
+        "gradient_checkpointing": checkpointing,
         "batch": batch, "seq": seq,
         "params": n_params, "step_ms": step_s * 1e3, "tokens_per_sec": tps, "mfu": mfu,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -107,12 +111,13 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--precision", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--gradient-checkpointing", action="store_true")
     args = ap.parse_args()
     for preset in args.preset:
         for mode in args.mode:
             t0 = time.time()
             result = run(preset, mode, args.batch, args.seq, args.steps, args.warmup,
-                         args.precision)
+                         args.precision, args.gradient_checkpointing)
             result["wall_s"] = time.time() - t0
             print(json.dumps(result), flush=True)
             torch.cuda.empty_cache()

@@ -609,3 +609,60 @@ fn bf16_training_follows_the_cpu_loss_curve() {
     let params = gpu.download_params().unwrap();
     assert!(params.data.iter().all(|x| x.is_finite()));
 }
+
+/// Gradient checkpointing recomputes each block's forward in the backward with the same
+/// deterministic kernels, so a checkpointed model must give the plain model's logits, loss and
+/// gradients bit for bit (f32 and bf16, two accumulated micro-batches, the second shorter), in
+/// less activation memory.
+#[test]
+fn gradient_checkpointing_is_bit_identical_and_smaller() {
+    let Some(dev) = gpu_or_skip("gradient_checkpointing_is_bit_identical_and_smaller") else {
+        return;
+    };
+    let config = random_config(false, true);
+    let mut model = LlamaForCausalLM::from_config(config.clone(), 51);
+    perturb_norms_and_biases(&mut model, 52);
+    let (batch, seq) = (3, 45);
+    let mut rng = ChaCha8Rng::seed_from_u64(53);
+    let (ids1, labels1) = random_batch(&mut rng, config.vocab_size, batch, seq);
+    let (ids2, labels2) = random_batch(&mut rng, config.vocab_size, 2, seq);
+    for precision in [Precision::F32, Precision::Bf16] {
+        let run = |checkpointing: bool| {
+            let mut gpu =
+                GpuLlama::with_options(&dev, &model, batch, seq, &[precision], checkpointing)
+                    .unwrap();
+            assert_eq!(gpu.gradient_checkpointing(), checkpointing);
+            let logits = gpu.forward_logits(&ids1, batch, seq).unwrap();
+            let a = gpu
+                .forward_backward(&ids1, &labels1, batch, seq, Some(300.0))
+                .unwrap();
+            let b = gpu
+                .forward_backward(&ids2, &labels2, 2, seq, Some(300.0))
+                .unwrap();
+            let grads = gpu.download_grads().unwrap();
+            (logits, a.loss_sum, b.loss_sum, grads, gpu.memory())
+        };
+        let (logits, l1, l2, grads, plain_mem) = run(false);
+        let (logits_c, l1_c, l2_c, grads_c, ckpt_mem) = run(true);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let differing = grads
+            .iter()
+            .zip(&grads_c)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        report(&format!(
+            "checkpointing {precision}: loss sums {l1:.9}/{l2:.9} vs {l1_c:.9}/{l2_c:.9}, {differing} \
+             of {} gradients differ; activation memory {} -> {} bytes",
+            grads.len(),
+            plain_mem.activation_bytes,
+            ckpt_mem.activation_bytes
+        ));
+        assert_eq!(bits(&logits), bits(&logits_c), "{precision}: logits differ");
+        assert_eq!(
+            (l1.to_bits(), l2.to_bits()),
+            (l1_c.to_bits(), l2_c.to_bits())
+        );
+        assert_eq!(differing, 0, "{precision}: gradients differ");
+        assert!(ckpt_mem.activation_bytes < plain_mem.activation_bytes);
+    }
+}

@@ -101,19 +101,19 @@ impl Dims {
         [self.n, self.n * self.q_heads, self.n]
     }
 
-    /// Elements of `T` the arena needs for this call's shape (the carving below takes exactly
-    /// these, in the same order).
-    pub(crate) fn main_len(&self) -> usize {
+    /// Elements of `T` the arena needs for this call's shape with `sets` sets of per-layer
+    /// buffers (the carving below takes exactly these, in the same order).
+    pub(crate) fn main_len(&self, sets: usize) -> usize {
         let slab = padded(self.n * self.c);
         let layer: usize = self.layer_lens().iter().map(|&l| padded(l)).sum();
         let grad: usize = self.grad_lens().iter().map(|&l| padded(l)).sum();
-        (self.layers + 1) * slab + self.layers * layer + slab + padded(self.n * self.vocab) + grad
+        (self.layers + 1) * slab + sets * layer + slab + padded(self.n * self.vocab) + grad
     }
 
-    /// f32 elements of the statistics arena for this call's shape.
-    pub(crate) fn stats_len(&self) -> usize {
+    /// f32 elements of the statistics arena for this call's shape and `sets`.
+    pub(crate) fn stats_len(&self, sets: usize) -> usize {
         let layer: usize = self.layer_stat_lens().iter().map(|&l| padded(l)).sum();
-        self.layers * layer + 2 * padded(self.n)
+        sets * layer + 2 * padded(self.n)
     }
 }
 
@@ -121,27 +121,47 @@ impl Dims {
 /// one is untyped: it holds `main_len` elements of the widest type the model may run in, and
 /// each call carves it as the type of its period, so switching precision between periods
 /// needs no new allocation.
+///
+/// Without gradient checkpointing it holds one set of [`LayerBufs`] per layer (everything the
+/// backward reads); with it, one set shared by all layers, which the backward refills by
+/// recomputing each block's forward from its input (`resid[i]`, kept for every layer).
 #[derive(Debug)]
 pub(crate) struct Arena {
     main: CudaSlice<u8>,
     stats: CudaSlice<f32>,
+    checkpointing: bool,
 }
 
 impl Arena {
     /// Allocates (zero-filled, so nothing uninitialised is ever read) for `capacity` in
-    /// elements of up to `max_elem_bytes` bytes.
+    /// elements of up to `max_elem_bytes` bytes, with one set of layer buffers per layer or,
+    /// when `checkpointing`, one shared set.
     pub(crate) fn new(
         stream: &Arc<CudaStream>,
         capacity: &Dims,
         max_elem_bytes: usize,
+        checkpointing: bool,
     ) -> Result<Self> {
+        let sets = Self::sets(capacity, checkpointing);
         let main = stream
-            .alloc_zeros::<u8>(capacity.main_len() * max_elem_bytes)
+            .alloc_zeros::<u8>(capacity.main_len(sets) * max_elem_bytes)
             .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
         let stats = stream
-            .alloc_zeros::<f32>(capacity.stats_len())
+            .alloc_zeros::<f32>(capacity.stats_len(sets))
             .map_err(|e| super::cuda_err("allocating the statistics arena", e))?;
-        Ok(Arena { main, stats })
+        Ok(Arena {
+            main,
+            stats,
+            checkpointing,
+        })
+    }
+
+    fn sets(d: &Dims, checkpointing: bool) -> usize {
+        if checkpointing {
+            d.layers.min(1)
+        } else {
+            d.layers
+        }
     }
 
     /// Bytes held.
@@ -165,8 +185,9 @@ impl Arena {
         let resid = (0..=d.layers)
             .map(|_| aligned(&mut m, d.n * d.c))
             .collect::<Result<Vec<_>>>()?;
-        let mut layers = Vec::with_capacity(d.layers);
-        for _ in 0..d.layers {
+        let sets = Self::sets(d, self.checkpointing);
+        let mut layers = Vec::with_capacity(sets);
+        for _ in 0..sets {
             let [xn1, q, k, v, att, h, xn2, gate, up, act] = d.layer_lens();
             let [rstd1, lse, rstd2] = d.layer_stat_lens();
             layers.push(LayerBufs {
@@ -268,6 +289,7 @@ pub(crate) struct GradBufs<'a, T> {
 pub(crate) struct Bufs<'a, T> {
     /// `resid[i]` is the input of layer `i`, `resid[L]` the final norm's input; `[N, C]` each.
     pub resid: Vec<CudaViewMut<'a, T>>,
+    /// One set per layer, or a single shared set with gradient checkpointing.
     pub layers: Vec<LayerBufs<'a, T>>,
     /// `model.norm(resid[L])`, `[N, C]`.
     pub final_xn: CudaViewMut<'a, T>,

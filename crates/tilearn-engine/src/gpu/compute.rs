@@ -128,7 +128,7 @@ pub(crate) fn forward<T: DeviceFloat>(
     b: &mut Bufs<'_, T>,
 ) -> Result<()> {
     let layout = cx.layout;
-    let (n, c) = (d.n, d.c);
+    let c = d.c;
     k::embedding_forward(
         cx.stream,
         ids,
@@ -137,6 +137,12 @@ pub(crate) fn forward<T: DeviceFloat>(
         &mut b.resid[0],
         cx.check,
     )?;
+    if checkpointed(d, b) {
+        for i in 0..d.layers {
+            run_block_checkpointed(cx, d, w, b, i)?;
+        }
+        return lm_head_forward(cx, d, w, b);
+    }
     // The first norm has no residual add before it; every later one is fused into the block
     // that produces its input.
     let (first_w, first_xn, first_rstd) = match b.layers.first_mut() {
@@ -182,17 +188,80 @@ pub(crate) fn forward<T: DeviceFloat>(
             next,
         )?;
     }
+    lm_head_forward(cx, d, w, b)
+}
+
+fn lm_head_forward<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    w: &CudaView<'_, T>,
+    b: &mut Bufs<'_, T>,
+) -> Result<()> {
     cx.mm.linear_forward(
         cx.stream,
         &b.final_xn.as_view(),
-        &w.slice(layout.lm_head.clone()),
+        &w.slice(cx.layout.lm_head.clone()),
         None,
-        n,
-        c,
+        d.n,
+        d.c,
         d.vocab,
         &mut b.logits,
     )?;
     Ok(())
+}
+
+/// Whether the arena holds one shared set of layer buffers (gradient checkpointing) instead of
+/// one per layer.
+fn checkpointed<T>(d: &Dims, b: &Bufs<'_, T>) -> bool {
+    b.layers.len() < d.layers
+}
+
+/// Block `i`'s forward into the shared layer buffers, from its input `resid[i]` (gradient
+/// checkpointing): its own input norm first (the fused "next norm" of the previous block has
+/// no per-layer home here), then the block, whose output goes to `resid[i + 1]` and whose
+/// fused next norm to the final-norm buffers. After the last block those hold the model's
+/// final norm; before it they are scratch. Every kernel is deterministic, so the backward's
+/// recomputation reproduces the forward's values bit for bit (and rewrites `resid[i + 1]` and
+/// the final-norm buffers with the same bits, after their readers ran).
+fn run_block_checkpointed<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    w: &CudaView<'_, T>,
+    b: &mut Bufs<'_, T>,
+    i: usize,
+) -> Result<()> {
+    let layout = cx.layout;
+    let lay = &layout.layers[i];
+    let (before, after) = b.resid.split_at_mut(i + 1);
+    let shared = &mut b.layers[0];
+    k::rmsnorm_forward(
+        cx.stream,
+        &before[i],
+        &w.slice(lay.input_norm.clone()),
+        d.c,
+        d.eps,
+        &mut shared.xn1,
+        &mut shared.rstd1,
+    )?;
+    let weight = match layout.layers.get(i + 1) {
+        Some(next) => next.input_norm.clone(),
+        None => layout.norm.clone(),
+    };
+    let next = NextNorm {
+        weight,
+        xn: &mut b.final_xn,
+        rstd: &mut b.final_rstd,
+    };
+    block_forward(
+        cx,
+        d,
+        lay,
+        w,
+        &before[i].as_view(),
+        shared,
+        &mut after[0],
+        next,
+    )
 }
 
 /// Backward from the fused cross entropy down to the embedding: `b.logits` must hold the
@@ -252,7 +321,14 @@ pub(crate) fn backward<T: DeviceFloat>(
             cx.norm_scratch,
         )?;
     }
+    let checkpointing = checkpointed(d, b);
     for (i, lay) in layout.layers.iter().enumerate().rev() {
+        let set = if checkpointing {
+            run_block_checkpointed(cx, d, w, b, i)?;
+            0
+        } else {
+            i
+        };
         block_backward(
             cx,
             d,
@@ -260,7 +336,7 @@ pub(crate) fn backward<T: DeviceFloat>(
             w,
             g,
             &b.resid[i].as_view(),
-            &b.layers[i],
+            &b.layers[set],
             &mut b.grad,
         )?;
     }

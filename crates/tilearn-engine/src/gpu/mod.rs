@@ -116,6 +116,7 @@ pub struct GpuLlama {
     /// The precisions it was built for, and the one the next call runs in.
     precisions: Vec<Precision>,
     precision: Precision,
+    gradient_checkpointing: bool,
     /// Capacity of the arena.
     batch: usize,
     seq: usize,
@@ -200,6 +201,21 @@ impl GpuLlama {
         seq: usize,
         precisions: &[Precision],
     ) -> Result<GpuLlama> {
+        Self::with_options(device, model, batch, seq, precisions, false)
+    }
+
+    /// As [`GpuLlama::with_precisions`], optionally with gradient checkpointing: the arena
+    /// keeps every block's input but only one set of per-layer activations, and the backward
+    /// recomputes each block's forward before differentiating it (one more forward per step,
+    /// the same results bit for bit, a fraction of the activation memory).
+    pub fn with_options(
+        device: &GpuDevice,
+        model: &LlamaForCausalLM,
+        batch: usize,
+        seq: usize,
+        precisions: &[Precision],
+        gradient_checkpointing: bool,
+    ) -> Result<GpuLlama> {
         if batch == 0 || seq == 0 {
             return Err(invalid("batch/seq", "must both be positive".into()));
         }
@@ -245,7 +261,7 @@ impl GpuLlama {
         let grads = stream
             .alloc_zeros::<f32>(numel.max(1))
             .map_err(|e| cuda_err("allocating the gradient buffer", e))?;
-        let arena = Arena::new(&stream, &cap, widest)?;
+        let arena = Arena::new(&stream, &cap, widest, gradient_checkpointing)?;
         let arena_bytes = arena.bytes();
         let mut work = if allowed.iter().any(|p| p.uses_working_copy()) {
             Some(WorkingCopy::new(&stream, numel)?)
@@ -295,6 +311,7 @@ impl GpuLlama {
             layout,
             precisions: allowed,
             precision,
+            gradient_checkpointing,
             batch,
             seq,
             rope_prefix_ok,
@@ -350,6 +367,11 @@ impl GpuLlama {
     /// The precisions this model was built for.
     pub fn precisions(&self) -> &[Precision] {
         &self.precisions
+    }
+
+    /// Whether the backward recomputes each block's forward (see [`GpuLlama::with_options`]).
+    pub fn gradient_checkpointing(&self) -> bool {
+        self.gradient_checkpointing
     }
 
     /// Runs the following calls in `precision`, which must be one the model was built for.

@@ -45,12 +45,13 @@ impl GpuBackend {
     ) -> Result<GpuBackend> {
         let engine: Vec<gpu::Precision> = precisions.iter().map(|&p| engine_precision(p)).collect();
         let device = GpuDevice::new(ordinal)?;
-        let mut gpu = GpuLlama::with_precisions(
+        let mut gpu = GpuLlama::with_options(
             &device,
             &model,
             args.per_device_train_batch_size,
             args.seq_len,
             &engine,
+            args.gradient_checkpointing,
         )?;
         let cpu_optimizer = adamw_for(args, &model.params)?;
         gpu.configure_optimizer(

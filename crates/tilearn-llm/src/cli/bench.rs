@@ -56,6 +56,10 @@ pub struct BenchArgs {
     /// always runs fp32.
     #[arg(long, value_enum, default_value_t = BenchPrecision::Bf16)]
     pub precision: BenchPrecision,
+    /// Recompute each block's forward in the backward instead of keeping its activations
+    /// (as `tilearn train --gradient-checkpointing`).
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
     /// Print only the JSON line.
     #[arg(long)]
     pub json: bool,
@@ -83,10 +87,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let seq = args.seq.unwrap_or(preset.seq);
     let config = preset.config(seq);
     let result = match args.device {
-        BenchDevice::Cpu => bench_cpu(&config, batch, seq, args.steps)?,
-        BenchDevice::Cuda => {
-            super::bench_gpu::bench(&config, batch, seq, args.steps, args.precision)?
+        BenchDevice::Cpu => {
+            bench_cpu(&config, batch, seq, args.steps, args.gradient_checkpointing)?
         }
+        BenchDevice::Cuda => super::bench_gpu::bench(
+            &config,
+            batch,
+            seq,
+            args.steps,
+            args.precision,
+            args.gradient_checkpointing,
+        )?,
     };
     let num_params = result.num_params;
     let tokens_per_sec = (batch * seq) as f64 / result.step_seconds;
@@ -96,6 +107,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "preset": preset.name,
         "device": result.device,
         "precision": result.precision,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "batch": batch,
         "seq": seq,
         "params": num_params,
@@ -148,12 +160,13 @@ fn bench_cpu(
     batch: usize,
     seq: usize,
     steps: usize,
+    gradient_checkpointing: bool,
 ) -> Result<BenchResult> {
     let mut model = LlamaForCausalLM::from_config(config.clone(), 0);
     let numel = model.params.numel();
     let mut optimizer = AdamW::with_single_group(AdamWConfig::default(), numel)
         .map_err(tilearn_engine::EngineError::from)?;
-    let mut acts = Activations::new(config, batch, seq, false);
+    let mut acts = Activations::new(config, batch, seq, gradient_checkpointing);
     let mut grads = vec![0.0f32; numel];
     let mut times = Vec::with_capacity(steps);
     let mut last_loss = f64::NAN;

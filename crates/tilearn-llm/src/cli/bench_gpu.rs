@@ -15,6 +15,7 @@ pub fn bench(
     seq: usize,
     steps: usize,
     precision: BenchPrecision,
+    gradient_checkpointing: bool,
 ) -> Result<BenchResult> {
     use std::time::Instant;
 
@@ -39,7 +40,8 @@ pub fn bench(
     } else {
         GradScaler::disabled()
     };
-    let mut gpu = GpuLlama::new(&device, &model, batch, seq, mode)?;
+    let mut gpu =
+        GpuLlama::with_options(&device, &model, batch, seq, &[mode], gradient_checkpointing)?;
     drop(model);
     let groups = gpu.default_groups(0.0);
     gpu.configure_optimizer(
@@ -172,6 +174,7 @@ pub fn bench(
     _seq: usize,
     _steps: usize,
     _precision: BenchPrecision,
+    _gradient_checkpointing: bool,
 ) -> Result<BenchResult> {
     Err(crate::LlmError::Usage {
         flag: "--device cuda".into(),

@@ -38,9 +38,11 @@
 
 mod arena;
 mod compute;
+mod inputs;
 mod linalg;
 mod optim;
 mod precision;
+mod transfer;
 mod views;
 
 use std::sync::Arc;
@@ -67,7 +69,7 @@ use precision::{WorkingCopy, weights, with_elem};
 
 use crate::config::{LlamaConfig, RopeScalingConfig};
 use crate::error::{EngineError, Result};
-use crate::model::{LlamaForCausalLM, LossStats, ModelLayout, count_valid_targets};
+use crate::model::{LlamaForCausalLM, LossStats, ModelLayout};
 use crate::params::{ParamSpec, ParamStore};
 
 /// Device memory of a [`GpuLlama`], in bytes.
@@ -146,6 +148,21 @@ pub struct GpuLlama {
     embed_scratch: EmbeddingBackwardScratch,
     optimizer: Option<GpuAdamW>,
     memory: GpuMemory,
+}
+
+/// The model's buffers split for one forward (and backward) pass: what every op needs, and the
+/// buffers the pass reads and writes (disjoint borrows of one [`GpuLlama`]).
+struct Pass<'a> {
+    cx: Cx<'a>,
+    master: &'a CudaSlice<f32>,
+    work: Option<&'a WorkingCopy>,
+    numel: usize,
+    precision: Precision,
+    arena: &'a mut Arena,
+    grads: &'a mut CudaSlice<f32>,
+    totals: &'a mut CeTotals,
+    ids: &'a CudaSlice<u32>,
+    targets: &'a CudaSlice<i32>,
 }
 
 /// A page-locked host buffer of `len` elements filled with `fill`.
@@ -420,6 +437,48 @@ impl GpuLlama {
         self.device.stream()
     }
 
+    /// Splits the model into the borrows of one pass.
+    fn pass(&mut self) -> Pass<'_> {
+        let GpuLlama {
+            device,
+            layout,
+            master,
+            grads,
+            arena,
+            work,
+            rope,
+            ids,
+            targets,
+            check,
+            totals,
+            mm,
+            norm_scratch,
+            embed_scratch,
+            precision,
+            ..
+        } = self;
+        Pass {
+            cx: Cx {
+                stream: device.stream(),
+                layout,
+                rope,
+                mm,
+                check,
+                norm_scratch,
+                embed_scratch,
+            },
+            master,
+            work: work.as_ref(),
+            numel: layout.numel,
+            precision: *precision,
+            arena,
+            grads,
+            totals,
+            ids,
+            targets,
+        }
+    }
+
     /// Updates the observed peak with the device's current use (no synchronisation).
     fn sample_memory(&mut self) -> Result<()> {
         let (free, total) = self
@@ -432,108 +491,11 @@ impl GpuLlama {
         Ok(())
     }
 
-    /// Checks a call's shape against the arena and the token ids against the vocabulary,
-    /// uploads the ids (one host-to-device copy) and returns the call's dims.
-    fn prepare(&mut self, ids: &[u32], batch: usize, seq: usize) -> Result<Dims> {
-        if batch == 0 || seq == 0 {
-            return Err(invalid("batch/seq", "must both be positive".into()));
-        }
-        if ids.len() != batch * seq {
-            return Err(invalid(
-                "ids",
-                format!(
-                    "has {} entries but batch * seq = {}",
-                    ids.len(),
-                    batch * seq
-                ),
-            ));
-        }
-        let prefix_ok = seq == self.seq || (seq < self.seq && self.rope_prefix_ok);
-        if batch > self.batch || !prefix_ok {
-            return Err(invalid(
-                "batch/seq",
-                format!(
-                    "the device model was built for batch {} x seq {}, called with batch \
-                     {batch} x seq {seq}; build GpuLlama::new(.., {batch}, {seq}, ..)",
-                    self.batch, self.seq
-                ),
-            ));
-        }
-        let vocab = self.config.vocab_size;
-        if let Some((position, &id)) = ids
-            .iter()
-            .enumerate()
-            .find(|&(_, &id)| id as usize >= vocab)
-        {
-            return Err(OpsError::TokenOutOfRange {
-                id,
-                position,
-                vocab,
-            }
-            .into());
-        }
-        let n = batch * seq;
-        self.host_ids
-            .as_mut_slice()
-            .map_err(|e| cuda_err("staging the token ids", e))?[..n]
-            .copy_from_slice(ids);
-        // The whole (capacity-sized) staging buffer goes up in one copy; only the first `n`
-        // ids are read by this call.
-        let stream = self.device.stream().clone();
-        stream
-            .memcpy_htod(&self.host_ids, &mut self.ids)
-            .map_err(|e| cuda_err("uploading the token ids", e))?;
-        Ok(Dims::new(&self.config, batch, seq))
-    }
-
-    /// Shifts Hugging Face *unshifted* `labels` into targets (position `t` predicts
-    /// `labels[t + 1]`, the last position of a sequence nothing), checks them and uploads them
-    /// (one host-to-device copy). Returns the number of valid targets.
-    fn upload_targets(&mut self, labels: &[i32], d: &Dims) -> Result<usize> {
-        let (n, seq, vocab) = (d.n, d.seq, d.vocab);
-        if labels.len() != n {
-            return Err(invalid(
-                "labels",
-                format!("has {} entries but batch * seq = {n}", labels.len()),
-            ));
-        }
-        // Validate from `labels` (the staging buffer is write-combined: slow to read back).
-        // Target `t` of a row is the row's label `t + 1`; the first label is never a target.
-        for (r, row) in labels.chunks(seq).enumerate() {
-            if let Some((t, &label)) = row
-                .iter()
-                .enumerate()
-                .skip(1)
-                .find(|&(_, &l)| l != IGNORE_INDEX && (l < 0 || l as usize >= vocab))
-            {
-                return Err(OpsError::LabelOutOfRange {
-                    label,
-                    position: r * seq + t - 1,
-                    vocab,
-                }
-                .into());
-            }
-        }
-        let host = &mut self
-            .host_targets
-            .as_mut_slice()
-            .map_err(|e| cuda_err("staging the targets", e))?[..n];
-        for (trow, lrow) in host.chunks_mut(seq).zip(labels.chunks(seq)) {
-            trow[..seq - 1].copy_from_slice(&lrow[1..]);
-            trow[seq - 1] = IGNORE_INDEX;
-        }
-        let stream = self.device.stream().clone();
-        stream
-            .memcpy_htod(&self.host_targets, &mut self.targets)
-            .map_err(|e| cuda_err("uploading the targets", e))?;
-        Ok(count_valid_targets(labels, d.batch, seq))
-    }
-
     /// Forward and backward on the device with Hugging Face *unshifted* `labels` (`-100` =
     /// ignore): the same contract as [`LlamaForCausalLM::forward_backward`]. The loss is
     /// `loss_sum / loss_denominator` (default: this call's valid targets; pass the whole
-    /// accumulated batch's [`count_valid_targets`] when accumulating); parameter gradients are
-    /// added into the device gradient buffer.
+    /// accumulated batch's [`count_valid_targets`](crate::model::count_valid_targets) when
+    /// accumulating); parameter gradients are added into the device gradient buffer.
     ///
     /// Synchronises once: the loss sum is read back at the end (see the module docs).
     pub fn forward_backward(
@@ -583,47 +545,18 @@ impl GpuLlama {
         } else {
             0.0
         };
-        let numel = self.layout.numel;
-        let GpuLlama {
-            device,
-            layout,
-            master,
-            grads,
-            arena,
-            work,
-            rope,
-            ids: ids_dev,
-            targets,
-            check,
-            totals,
-            mm,
-            norm_scratch,
-            embed_scratch,
-            precision,
-            ..
-        } = self;
-        let stream = device.stream();
-        let mut cx = Cx {
-            stream,
-            layout,
-            rope,
-            mm,
-            check,
-            norm_scratch,
-            embed_scratch,
-        };
-        let ids_v = ids_dev.slice(..d.n);
-        let targets_v = targets.slice(..d.n);
-        with_elem!(*precision, T => train_pass::<T>(
+        let p = self.pass();
+        let mut cx = p.cx;
+        with_elem!(p.precision, T => train_pass::<T>(
             &mut cx,
             &d,
-            &weights::<T>(master, work.as_ref(), numel)?,
-            grads,
-            &ids_v,
-            &targets_v,
+            &weights::<T>(p.master, p.work, p.numel)?,
+            p.grads,
+            &p.ids.slice(..d.n),
+            &p.targets.slice(..d.n),
             grad_scale,
-            totals,
-            arena,
+            p.totals,
+            p.arena,
         ))?;
         let stats = self.totals.read(self.device.stream())?;
         self.sample_memory()?;
@@ -636,39 +569,14 @@ impl GpuLlama {
     /// Logits `[batch * seq * vocab]` (widened to f32) of `ids`, for evaluation and tests.
     pub fn forward_logits(&mut self, ids: &[u32], batch: usize, seq: usize) -> Result<Vec<f32>> {
         let d = self.prepare(ids, batch, seq)?;
-        let numel = self.layout.numel;
-        let GpuLlama {
-            device,
-            layout,
-            master,
-            arena,
-            work,
-            rope,
-            ids: ids_dev,
-            check,
-            mm,
-            norm_scratch,
-            embed_scratch,
-            precision,
-            ..
-        } = self;
-        let stream = device.stream();
-        let mut cx = Cx {
-            stream,
-            layout,
-            rope,
-            mm,
-            check,
-            norm_scratch,
-            embed_scratch,
-        };
-        let ids_v = ids_dev.slice(..d.n);
-        with_elem!(*precision, T => logits_pass::<T>(
+        let p = self.pass();
+        let mut cx = p.cx;
+        with_elem!(p.precision, T => logits_pass::<T>(
             &mut cx,
             &d,
-            &weights::<T>(master, work.as_ref(), numel)?,
-            &ids_v,
-            arena,
+            &weights::<T>(p.master, p.work, p.numel)?,
+            &p.ids.slice(..d.n),
+            p.arena,
         ))
     }
 
@@ -683,44 +591,16 @@ impl GpuLlama {
     ) -> Result<LossStats> {
         let d = self.prepare(ids, batch, seq)?;
         self.upload_targets(labels, &d)?;
-        let numel = self.layout.numel;
-        let GpuLlama {
-            device,
-            layout,
-            master,
-            arena,
-            work,
-            rope,
-            ids: ids_dev,
-            targets,
-            check,
-            totals,
-            mm,
-            norm_scratch,
-            embed_scratch,
-            precision,
-            ..
-        } = self;
-        let stream = device.stream();
-        let mut cx = Cx {
-            stream,
-            layout,
-            rope,
-            mm,
-            check,
-            norm_scratch,
-            embed_scratch,
-        };
-        let ids_v = ids_dev.slice(..d.n);
-        let targets_v = targets.slice(..d.n);
-        with_elem!(*precision, T => loss_pass::<T>(
+        let p = self.pass();
+        let mut cx = p.cx;
+        with_elem!(p.precision, T => loss_pass::<T>(
             &mut cx,
             &d,
-            &weights::<T>(master, work.as_ref(), numel)?,
-            &ids_v,
-            &targets_v,
-            totals,
-            arena,
+            &weights::<T>(p.master, p.work, p.numel)?,
+            &p.ids.slice(..d.n),
+            &p.targets.slice(..d.n),
+            p.totals,
+            p.arena,
         ))?;
         let stats = self.totals.read(self.device.stream())?;
         Ok(LossStats {
@@ -863,102 +743,6 @@ impl GpuLlama {
                 "no optimizer: call configure_optimizer first".into(),
             )),
         }
-    }
-
-    /// Downloads the fp32 master weights into a [`ParamStore`] (Hugging Face names and order),
-    /// e.g. to save a checkpoint. Synchronises.
-    pub fn download_params(&self) -> Result<ParamStore> {
-        let data = self.download_f32(&self.master, "downloading the parameters")?;
-        Ok(ParamStore {
-            specs: self.specs.clone(),
-            data,
-        })
-    }
-
-    /// Downloads the accumulated gradients (flat, the parameters' layout). Synchronises.
-    pub fn download_grads(&self) -> Result<Vec<f32>> {
-        self.download_f32(&self.grads, "downloading the gradients")
-    }
-
-    /// Replaces the device parameters with `params` (same layout), refreshing the 16-bit
-    /// working copy; the optimizer state is kept.
-    pub fn upload_params(&mut self, params: &ParamStore) -> Result<()> {
-        let numel = self.layout.numel;
-        if params.data.len() != numel || params.specs != self.specs {
-            return Err(invalid(
-                "params",
-                format!(
-                    "has {} entries / another layout; the device model has {numel}",
-                    params.data.len()
-                ),
-            ));
-        }
-        let stream = self.device.stream().clone();
-        stream
-            .memcpy_htod(&params.data, &mut self.master.slice_mut(..numel))
-            .map_err(|e| cuda_err("uploading the parameters", e))?;
-        if let Some(w) = self.work.as_mut() {
-            w.invalidate();
-            w.refresh(&stream, &self.master, self.precision)?;
-        }
-        Ok(())
-    }
-
-    /// Replaces the accumulated gradients with `grads` (flat, the parameters' layout), e.g. to
-    /// step on gradients computed elsewhere.
-    pub fn upload_grads(&mut self, grads: &[f32]) -> Result<()> {
-        let numel = self.layout.numel;
-        if grads.len() != numel {
-            return Err(invalid(
-                "grads",
-                format!(
-                    "has {} entries but the model has {numel} parameters",
-                    grads.len()
-                ),
-            ));
-        }
-        let stream = self.device.stream().clone();
-        stream
-            .memcpy_htod(grads, &mut self.grads.slice_mut(..numel))
-            .map_err(|e| cuda_err("uploading the gradients", e))
-    }
-
-    /// Downloads the optimizer moments `(exp_avg, exp_avg_sq)`. Synchronises.
-    pub fn download_optimizer_moments(&self) -> Result<(Vec<f32>, Vec<f32>)> {
-        match &self.optimizer {
-            Some(opt) => opt.download_moments(self.stream()),
-            None => Err(invalid(
-                "GpuLlama::download_optimizer_moments",
-                "no optimizer: call configure_optimizer first".into(),
-            )),
-        }
-    }
-
-    /// Replaces the optimizer's moments and step count, e.g. from a checkpoint's
-    /// `optimizer.safetensors` read by the CPU AdamW.
-    pub fn upload_optimizer_state(
-        &mut self,
-        exp_avg: &[f32],
-        exp_avg_sq: &[f32],
-        step: u64,
-    ) -> Result<()> {
-        let stream = self.device.stream().clone();
-        match &mut self.optimizer {
-            Some(opt) => opt.upload_moments(&stream, exp_avg, exp_avg_sq, step),
-            None => Err(invalid(
-                "GpuLlama::upload_optimizer_state",
-                "no optimizer: call configure_optimizer first".into(),
-            )),
-        }
-    }
-
-    fn download_f32(&self, buf: &CudaSlice<f32>, what: &str) -> Result<Vec<f32>> {
-        let stream = self.stream();
-        let host = stream
-            .clone_dtoh(&buf.slice(..self.layout.numel))
-            .map_err(|e| cuda_err(what, e))?;
-        stream.synchronize().map_err(|e| cuda_err(what, e))?;
-        Ok(host)
     }
 }
 

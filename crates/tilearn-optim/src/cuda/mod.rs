@@ -9,7 +9,7 @@
 //!   global-norm [`Clip`] input from [`GradNorm`].
 //! * Steps: [`adamw_step`] / [`adam_l2_step`] / [`adam_step`], [`sgd_step`], [`lion_step`],
 //!   [`lamb_step`] (three launches: moments and partial norms, per-tensor trust ratios, apply).
-//! * [`bench`]: the bandwidth benchmark shared by `benches/fused_optim.rs` and `optim-bench`.
+//! * [`mod@bench`]: the bandwidth benchmark shared by `benches/fused_optim.rs` and `optim-bench`.
 //!
 //! The kernels perform the CPU reference's f32 operations in the same order (no FMA
 //! contraction), so a fused step matches the CPU optimizer to the last bit or within an ulp.

@@ -1,0 +1,109 @@
+//! A call's inputs on their way to the device: shape and token-id checks, the label shift, and
+//! the uploads through the page-locked staging buffers.
+
+use tilearn_ops::OpsError;
+use tilearn_ops::cpu::IGNORE_INDEX;
+
+use super::arena::Dims;
+use super::{GpuLlama, cuda_err, invalid};
+use crate::error::Result;
+use crate::model::count_valid_targets;
+
+impl GpuLlama {
+    /// Checks a call's shape against the arena and the token ids against the vocabulary,
+    /// uploads the ids (one host-to-device copy) and returns the call's dims.
+    pub(super) fn prepare(&mut self, ids: &[u32], batch: usize, seq: usize) -> Result<Dims> {
+        if batch == 0 || seq == 0 {
+            return Err(invalid("batch/seq", "must both be positive".into()));
+        }
+        if ids.len() != batch * seq {
+            return Err(invalid(
+                "ids",
+                format!(
+                    "has {} entries but batch * seq = {}",
+                    ids.len(),
+                    batch * seq
+                ),
+            ));
+        }
+        let prefix_ok = seq == self.seq || (seq < self.seq && self.rope_prefix_ok);
+        if batch > self.batch || !prefix_ok {
+            return Err(invalid(
+                "batch/seq",
+                format!(
+                    "the device model was built for batch {} x seq {}, called with batch \
+                     {batch} x seq {seq}; build GpuLlama::new(.., {batch}, {seq}, ..)",
+                    self.batch, self.seq
+                ),
+            ));
+        }
+        let vocab = self.config.vocab_size;
+        if let Some((position, &id)) = ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= vocab)
+        {
+            return Err(OpsError::TokenOutOfRange {
+                id,
+                position,
+                vocab,
+            }
+            .into());
+        }
+        let n = batch * seq;
+        self.host_ids
+            .as_mut_slice()
+            .map_err(|e| cuda_err("staging the token ids", e))?[..n]
+            .copy_from_slice(ids);
+        // The whole (capacity-sized) staging buffer goes up in one copy; only the first `n`
+        // ids are read by this call.
+        let stream = self.device.stream().clone();
+        stream
+            .memcpy_htod(&self.host_ids, &mut self.ids)
+            .map_err(|e| cuda_err("uploading the token ids", e))?;
+        Ok(Dims::new(&self.config, batch, seq))
+    }
+
+    /// Shifts Hugging Face *unshifted* `labels` into targets (position `t` predicts
+    /// `labels[t + 1]`, the last position of a sequence nothing), checks them and uploads them
+    /// (one host-to-device copy). Returns the number of valid targets.
+    pub(super) fn upload_targets(&mut self, labels: &[i32], d: &Dims) -> Result<usize> {
+        let (n, seq, vocab) = (d.n, d.seq, d.vocab);
+        if labels.len() != n {
+            return Err(invalid(
+                "labels",
+                format!("has {} entries but batch * seq = {n}", labels.len()),
+            ));
+        }
+        // Validate from `labels` (the staging buffer is write-combined: slow to read back).
+        // Target `t` of a row is the row's label `t + 1`; the first label is never a target.
+        for (r, row) in labels.chunks(seq).enumerate() {
+            if let Some((t, &label)) = row
+                .iter()
+                .enumerate()
+                .skip(1)
+                .find(|&(_, &l)| l != IGNORE_INDEX && (l < 0 || l as usize >= vocab))
+            {
+                return Err(OpsError::LabelOutOfRange {
+                    label,
+                    position: r * seq + t - 1,
+                    vocab,
+                }
+                .into());
+            }
+        }
+        let host = &mut self
+            .host_targets
+            .as_mut_slice()
+            .map_err(|e| cuda_err("staging the targets", e))?[..n];
+        for (trow, lrow) in host.chunks_mut(seq).zip(labels.chunks(seq)) {
+            trow[..seq - 1].copy_from_slice(&lrow[1..]);
+            trow[seq - 1] = IGNORE_INDEX;
+        }
+        let stream = self.device.stream().clone();
+        stream
+            .memcpy_htod(&self.host_targets, &mut self.targets)
+            .map_err(|e| cuda_err("uploading the targets", e))?;
+        Ok(count_valid_targets(labels, d.batch, seq))
+    }
+}

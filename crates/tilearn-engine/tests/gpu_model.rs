@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::{Dtype, SafeTensors};
-use support::{gpu_or_skip, rel_err, report};
+use support::{gpu_or_skip, random_batch, rel_err, report};
 use tilearn_engine::EngineError;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{DataLoader, LoaderState, TokenDataset, prepare_embedded_default};
@@ -228,29 +228,6 @@ fn random_config(tied: bool, bias: bool) -> LlamaConfig {
            "rope_parameters":{{"rope_type":"default","rope_theta":10000.0}}}}"#
     );
     LlamaConfig::from_json_str(&json, "config.json").unwrap()
-}
-
-/// Random ids and labels (`labels == ids` with ~10% ignored), `[batch, seq]`.
-fn random_batch(
-    rng: &mut ChaCha8Rng,
-    vocab: usize,
-    batch: usize,
-    seq: usize,
-) -> (Vec<u32>, Vec<i32>) {
-    let ids: Vec<u32> = (0..batch * seq)
-        .map(|_| rng.random_range(0..vocab as u32))
-        .collect();
-    let labels = ids
-        .iter()
-        .map(|&t| {
-            if rng.random::<f64>() < 0.1 {
-                -100
-            } else {
-                t as i32
-            }
-        })
-        .collect();
-    (ids, labels)
 }
 
 /// Randomises the norm weights (init makes them all 1, which would hide a transposed or

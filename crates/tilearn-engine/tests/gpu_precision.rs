@@ -12,7 +12,7 @@ mod support;
 use adaptfp16::{AmpPlan, PolicyBuilder, PolicyId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use support::{gpu_or_skip, rel_err, report};
+use support::{gpu_or_skip, random_batch, rel_err, report};
 use tilearn_engine::EngineError;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
@@ -54,19 +54,7 @@ fn model_and_batch(seed: u64, flash: bool) -> (LlamaForCausalLM, Vec<u32>, Vec<i
             }
         }
     }
-    let ids: Vec<u32> = (0..BATCH * SEQ)
-        .map(|_| rng.random_range(0..config.vocab_size as u32))
-        .collect();
-    let labels = ids
-        .iter()
-        .map(|&t| {
-            if rng.random::<f64>() < 0.1 {
-                -100
-            } else {
-                t as i32
-            }
-        })
-        .collect();
+    let (ids, labels) = random_batch(&mut rng, config.vocab_size, BATCH, SEQ);
     (model, ids, labels)
 }
 

@@ -4,6 +4,9 @@
 
 use std::io::Write;
 
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
 /// ‖ours − ref‖ / ‖ref‖ in f64; infinite when anything is not finite (so a NaN can never pass a
 /// bound).
 pub fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
@@ -35,4 +38,27 @@ pub fn gpu_or_skip(test: &str) -> Option<tilearn_ops::cuda::GpuDevice> {
             None
         }
     }
+}
+
+/// Random ids and labels (`labels == ids` with ~10% ignored), `[batch, seq]`.
+pub fn random_batch(
+    rng: &mut ChaCha8Rng,
+    vocab: usize,
+    batch: usize,
+    seq: usize,
+) -> (Vec<u32>, Vec<i32>) {
+    let ids: Vec<u32> = (0..batch * seq)
+        .map(|_| rng.random_range(0..vocab as u32))
+        .collect();
+    let labels = ids
+        .iter()
+        .map(|&t| {
+            if rng.random::<f64>() < 0.1 {
+                -100
+            } else {
+                t as i32
+            }
+        })
+        .collect();
+    (ids, labels)
 }

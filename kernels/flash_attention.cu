@@ -115,21 +115,16 @@ __device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4
 
 // Two f32 rounded (to nearest even) into one register, `lo` in the low half.
 template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "16-bit types");
     uint32_t u;
-    memcpy(&u, &v, sizeof(u));
-    return u;
-}
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    uint32_t u;
-    memcpy(&u, &v, sizeof(u));
+    if constexpr (std::is_same_v<T, __half>) {
+        const __half2 v = __floats2half2_rn(lo, hi);
+        memcpy(&u, &v, sizeof(u));
+    } else {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        memcpy(&u, &v, sizeof(u));
+    }
     return u;
 }
 
@@ -214,16 +209,121 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(kFullMask, v, 2);
 }
 
+// Sets every element of an f32 array (any shape) to `v`.
+__device__ __forceinline__ void fill(float& x, float v) { x = v; }
+
+template <typename X, int N>
+__device__ __forceinline__ void fill(X (&x)[N], float v) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) fill(x[i], v);
+}
+
+// ---- warp-level products over one or several m-tiles ----
+// A warp's per-m-tile data (accumulators float[n][4] of a 16 x 8n block, A fragments
+// uint32_t[4]) stands alone for one m-tile or with a leading m-tile dimension; RANK is the rank
+// of one m-tile's data, kMTiles the count and m_tile the m-tile `mt` of either form.
+template <int RANK, typename X>
+constexpr int kMTiles = std::rank_v<X> == RANK ? 1 : static_cast<int>(std::extent_v<X, 0>);
+
+template <int RANK, typename X>
+__device__ __forceinline__ auto& m_tile(X& x, int mt) {
+    if constexpr (std::rank_v<X> == RANK) {
+        return x;
+    } else {
+        return x[mt];
+    }
+}
+
+// a[kk] = the A fragments of k-step kk of the m-tiles at rows r0 + 16 mt of a tile, for all
+// D / 16 k-steps.
+template <typename T, int D, typename A, int KD>
+__device__ __forceinline__ void load_a_frags(const T* s, int r0, int lane, A (&a)[KD]) {
+    static_assert(KD == D / 16, "one A fragment per k-step of head_dim");
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles<1, A>; ++mt)
+            load_a<T, D>(s, r0 + mt * 16, kk, lane, m_tile<1>(a[kk], mt));
+    }
+}
+
+// acc += a · Bᵀ at k-step kk: acc holds 8 NT columns per m-tile, a the m-tiles' A fragments at
+// k-step kk, B is rows [0, 8 NT), columns [16 kk, 16 kk + 16) of the tile `s` (K in Q·Kᵀ). Each
+// B fragment is loaded once for all m-tiles.
+template <typename T, int D, typename Acc, typename A>
+__device__ __forceinline__ void mma_bt_step(Acc& acc, const A& a, const T* s, int kk, int lane) {
+    constexpr int NT = static_cast<int>(std::extent_v<Acc, std::rank_v<Acc> - 2>);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bf[4];
+        load_b_nk<T, D>(s, np * 16, kk, lane, bf);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles<1, A>; ++mt) {
+            mma<T>(m_tile<2>(acc, mt)[2 * np], m_tile<1>(a, mt), bf[0], bf[1]);
+            mma<T>(m_tile<2>(acc, mt)[2 * np + 1], m_tile<1>(a, mt), bf[2], bf[3]);
+        }
+    }
+}
+
+// The same over all of head_dim: a[kk] are the A fragments of k-step kk (load_a_frags).
+template <typename T, int D, typename Acc, typename A, int KD>
+__device__ __forceinline__ void mma_bt(Acc& acc, const A (&a)[KD], const T* s, int lane) {
+    static_assert(KD == D / 16, "one A fragment per k-step of head_dim");
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) mma_bt_step<T, D>(acc, a[kk], s, kk, lane);
+}
+
+// acc += P · B: p holds 16 KT columns per m-tile (2 KT n-tiles), rounded to T as the A operand;
+// B is rows [0, 16 KT) of the tile `s` (V in P·V); acc holds D columns per m-tile.
+template <typename T, int D, typename Acc, typename P>
+__device__ __forceinline__ void mma_pb(Acc& acc, const P& p, const T* s, int lane) {
+    constexpr int MT = kMTiles<2, P>;
+    constexpr int KT = static_cast<int>(std::extent_v<P, std::rank_v<P> - 2>) / 2;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            to_a_frag<T>(m_tile<2>(p, mt)[2 * kk], m_tile<2>(p, mt)[2 * kk + 1], pa[mt]);
+#pragma unroll
+        for (int np = 0; np < D / 16; ++np) {
+            uint32_t bf[4];
+            load_b_kn<T, D>(s, kk * 16, np, lane, bf);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma<T>(m_tile<2>(acc, mt)[2 * np], pa[mt], bf[0], bf[1]);
+                mma<T>(m_tile<2>(acc, mt)[2 * np + 1], pa[mt], bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+// Row `row` of a [seq, stride] matrix starting at `base`, this thread's part (column pair tq of
+// each n-tile): fragment row half r (rows g + 8 r) of the 16 x D accumulator `acc`, times `mul`,
+// rounded to T.
+template <typename T, int ND>
+__device__ __forceinline__ void store_row(T* base, size_t stride, int row, int tq,
+                                          const float (&acc)[ND][4], int r, float mul = 1.0f) {
+    T* dst = base + static_cast<size_t>(row) * stride + 2 * tq;
+#pragma unroll
+    for (int dt = 0; dt < ND; ++dt) {
+        *reinterpret_cast<uint32_t*>(dst + dt * 8) =
+            pack2<T>(acc[dt][2 * r] * mul, acc[dt][2 * r + 1] * mul);
+    }
+}
+
+// ---- the CTA's work ----
+
 // The launch arguments of all three kernels (each reads the fields it needs).
 struct Args {
     const void* q;
     const void* k;
     const void* v;
-    const void* dout;      // backward
+    void* o_or_dq;         // forward: out; backward: dq
     float* lse_out;        // forward
+    const void* dout;      // backward
     const float* lse_in;   // backward
     const float* delta;    // backward
-    void* o_or_dq;         // forward: out; backward: dq
     void* dk;              // backward
     void* dv;              // backward
     int batch;
@@ -232,6 +332,93 @@ struct Args {
     int kv_heads;
     float scale;
 };
+
+// The thread's index, warp and lane, and its place in the mma fragments: row g = lane / 4 and
+// column pair tq = lane % 4.
+struct ThreadIds {
+    int tid, warp, lane, g, tq;
+};
+
+__device__ __forceinline__ ThreadIds thread_ids() {
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    return {tid, tid >> 5, lane, lane >> 2, lane & 3};
+}
+
+// What a forward or dQ CTA works on: one (query block, batch b, query head h), the heaviest
+// query blocks (the last ones: most keys) scheduled first.
+template <typename T>
+struct QueryBlock {
+    int q0;            // the block's first query
+    int nkb;           // key blocks up to the diagonal (causal: none past the block's last query)
+    size_t q_stride;   // elements from one token to the next in q / out / dout / dq
+    size_t kv_stride;  // the same in k / v
+    size_t q_base;     // (b, token 0, h) in q / out / dout / dq
+    const T* k;        // (b, token 0, h's kv head) of k
+    const T* v;        // the same of v
+    int b, h;          // batch entry and query head: rows (b, h, token) of lse / delta
+};
+
+template <typename T, int D, int BR, int BC>
+__device__ __forceinline__ QueryBlock<T> query_block(const Args& a) {
+    const int seq = a.seq;
+    const int heads_total = a.batch * a.q_heads;
+    const int nqb = (seq + BR - 1) / BR;
+    const int qb = nqb - 1 - static_cast<int>(blockIdx.x / static_cast<unsigned>(heads_total));
+    const int bh = static_cast<int>(blockIdx.x % static_cast<unsigned>(heads_total));
+    const int b = bh / a.q_heads;
+    const int h = bh % a.q_heads;
+    const int hk = h / (a.q_heads / a.kv_heads);
+    const int q0 = qb * BR;
+    const int kv_end = min(seq, q0 + BR);
+    const size_t kv_base = (static_cast<size_t>(b) * seq * a.kv_heads + hk) * D;
+    return {q0,
+            (kv_end + BC - 1) / BC,
+            static_cast<size_t>(a.q_heads) * D,
+            static_cast<size_t>(a.kv_heads) * D,
+            (static_cast<size_t>(b) * seq * a.q_heads + h) * D,
+            static_cast<const T*>(a.k) + kv_base,
+            static_cast<const T*>(a.v) + kv_base,
+            b, h};
+}
+
+// Commits this thread's loads of the next stage, then waits for the current stage's and syncs.
+__device__ __forceinline__ void cp_async_next_stage() {
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+}
+
+// K and V rows [row0, row0 + BC) into the tiles sK and sV.
+template <typename T, int BC, int D, int THREADS>
+__device__ __forceinline__ void load_kv(T* sK, T* sV, const T* kg, const T* vg, size_t stride,
+                                        int row0, int seq, int tid) {
+    load_tile<T, BC, D, THREADS>(sK, kg, stride, row0, seq, tid);
+    load_tile<T, BC, D, THREADS>(sV, vg, stride, row0, seq, tid);
+}
+
+// The K and V tiles of one key block in shared memory.
+template <typename T>
+struct KvTiles {
+    const T* k;
+    const T* v;
+};
+
+// Key block kb of a loop over nkb whose K and V tiles are double-buffered in sK and sV (two
+// BC x D tiles each; block 0 loaded and committed before the loop): starts loading block kb + 1
+// into the other buffers, waits for block kb and returns its tiles.
+template <typename T, int BC, int D, int THREADS>
+__device__ __forceinline__ KvTiles<T> next_kv_block(T* sK, T* sV, const T* kg, const T* vg,
+                                                    size_t stride, int kb, int nkb, int seq,
+                                                    int tid) {
+    if (kb + 1 < nkb) {
+        const int nb = (kb + 1) & 1;
+        load_kv<T, BC, D, THREADS>(sK + nb * BC * D, sV + nb * BC * D, kg, vg, stride,
+                                   (kb + 1) * BC, seq, tid);
+    }
+    cp_async_next_stage();
+    return {sK + (kb & 1) * BC * D, sV + (kb & 1) * BC * D};
+}
 
 // ---- forward: one CTA per (query block, batch, query head) ----
 // WARPS warps of MT m-tiles (16 query rows each): BR = 16 WARPS MT query rows; key blocks of BC.
@@ -247,35 +434,14 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
     T* sK = sQ + BR * D;      // two buffers of BC x D
     T* sV = sK + 2 * BC * D;  // two buffers of BC x D
 
-    const int tid = threadIdx.x;
-    const int warp = tid >> 5;
-    const int lane = tid & 31;
-    const int g = lane >> 2;
-    const int tq = lane & 3;
+    const auto [tid, warp, lane, g, tq] = thread_ids();
     const int seq = a.seq;
-    const int heads_total = a.batch * a.q_heads;
-    const int nqb = (seq + BR - 1) / BR;
-    // The heaviest query blocks (the last ones: most keys) are scheduled first.
-    const int qb = nqb - 1 - static_cast<int>(blockIdx.x / static_cast<unsigned>(heads_total));
-    const int bh = static_cast<int>(blockIdx.x % static_cast<unsigned>(heads_total));
-    const int b = bh / a.q_heads;
-    const int h = bh % a.q_heads;
-    const int hk = h / (a.q_heads / a.kv_heads);
-    const int q0 = qb * BR;
-    const size_t q_stride = static_cast<size_t>(a.q_heads) * D;
-    const size_t kv_stride = static_cast<size_t>(a.kv_heads) * D;
-    const size_t q_base = (static_cast<size_t>(b) * seq * a.q_heads + h) * D;
-    const size_t kv_base = (static_cast<size_t>(b) * seq * a.kv_heads + hk) * D;
-    const T* qg = static_cast<const T*>(a.q) + q_base;
-    const T* kg = static_cast<const T*>(a.k) + kv_base;
-    const T* vg = static_cast<const T*>(a.v) + kv_base;
+    const auto [q0, nkb, q_stride, kv_stride, q_base, kg, vg, b, h] =
+        query_block<T, D, BR, BC>(a);
 
-    const int kv_end = min(seq, q0 + BR);  // causal: no key past the block's last query
-    const int nkb = (kv_end + BC - 1) / BC;
-
-    load_tile<T, BR, D, kThreads>(sQ, qg, q_stride, q0, seq, tid);
-    load_tile<T, BC, D, kThreads>(sK, kg, kv_stride, 0, seq, tid);
-    load_tile<T, BC, D, kThreads>(sV, vg, kv_stride, 0, seq, tid);
+    load_tile<T, BR, D, kThreads>(sQ, static_cast<const T*>(a.q) + q_base, q_stride, q0, seq,
+                                  tid);
+    load_kv<T, BC, D, kThreads>(sK, sV, kg, vg, kv_stride, 0, seq, tid);
     cp_async_commit();
 
     const int row_w = warp * MT * 16;  // this warp's first row in the block
@@ -283,67 +449,21 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
     float o[MT][ND][4];
     float row_max[MT][2];
     float row_sum[MT][2];
-    uint32_t qf[MT][KD][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int dt = 0; dt < ND; ++dt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.0f;
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            row_max[mt][r] = -INFINITY;
-            row_sum[mt][r] = 0.0f;
-        }
-    }
+    uint32_t qf[KD][MT][4];
+    fill(o, 0.0f);
+    fill(row_max, -INFINITY);
+    fill(row_sum, 0.0f);
 
     for (int kb = 0; kb < nkb; ++kb) {
-        if (kb + 1 < nkb) {
-            const int nb = (kb + 1) & 1;
-            load_tile<T, BC, D, kThreads>(sK + nb * BC * D, kg, kv_stride, (kb + 1) * BC, seq,
-                                          tid);
-            load_tile<T, BC, D, kThreads>(sV + nb * BC * D, vg, kv_stride, (kb + 1) * BC, seq,
-                                          tid);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        if (kb == 0) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-                for (int kk = 0; kk < KD; ++kk)
-                    load_a<T, D>(sQ, row_w + mt * 16, kk, lane, qf[mt][kk]);
-            }
-        }
-        const T* k_s = sK + (kb & 1) * BC * D;
-        const T* v_s = sV + (kb & 1) * BC * D;
+        const auto [k_s, v_s] =
+            next_kv_block<T, BC, D, kThreads>(sK, sV, kg, vg, kv_stride, kb, nkb, seq, tid);
+        if (kb == 0) load_a_frags<T, D>(sQ, row_w, lane, qf);
         const int k0 = kb * BC;
         // A warp whose rows all precede the block's first key has nothing to add.
         if (k0 <= q0 + row_w + MT * 16 - 1) {
             float s[MT][NS][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-                for (int nt = 0; nt < NS; ++nt) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-#pragma unroll
-                for (int np = 0; np < NS / 2; ++np) {
-                    uint32_t bf[4];
-                    load_b_nk<T, D>(k_s, np * 16, kk, lane, bf);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma<T>(s[mt][2 * np], qf[mt][kk], bf[0], bf[1]);
-                        mma<T>(s[mt][2 * np + 1], qf[mt][kk], bf[2], bf[3]);
-                    }
-                }
-            }
+            fill(s, 0.0f);
+            mma_bt<T, D>(s, qf, k_s, lane);
             // Causal mask and the sequence end, only where some key can pass a row or seq.
             if (k0 + BC - 1 > q0 + row_w || k0 + BC > seq) {
 #pragma unroll
@@ -395,23 +515,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
                 }
             }
             // O += P·V, P rounded to T as the A operand.
-#pragma unroll
-            for (int kk = 0; kk < BC / 16; ++kk) {
-                uint32_t pa[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    to_a_frag<T>(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
-#pragma unroll
-                for (int np = 0; np < D / 16; ++np) {
-                    uint32_t bf[4];
-                    load_b_kn<T, D>(v_s, kk * 16, np, lane, bf);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma<T>(o[mt][2 * np], pa[mt], bf[0], bf[1]);
-                        mma<T>(o[mt][2 * np + 1], pa[mt], bf[2], bf[3]);
-                    }
-                }
-            }
+            mma_pb<T, D>(o, s, v_s, lane);
         }
         __syncthreads();  // the next iteration refills the other buffer, then this one
     }
@@ -425,13 +529,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
             const float l = quad_sum(row_sum[mt][r]);
             const int row = q0 + row_w + mt * 16 + g + 8 * r;
             if (row < seq) {
-                const float inv = 1.0f / l;
-                T* orow = og + static_cast<size_t>(row) * q_stride + 2 * tq;
-#pragma unroll
-                for (int dt = 0; dt < ND; ++dt) {
-                    *reinterpret_cast<uint32_t*>(orow + dt * 8) =
-                        pack2<T>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-                }
+                store_row<T>(og, q_stride, row, tq, o[mt], r, 1.0f / l);
                 if (tq == 0) lse_g[row] = row_max[mt][r] * a.scale + logf(l);
             }
         }
@@ -439,6 +537,24 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
 }
 
 // ---- backward dK, dV: one CTA per (key block, batch, kv head) ----
+
+// acc += X · Bᵀ for the warp's 16 rows r0.. of X (K or V): their A fragments are `regs` (REGS)
+// or reloaded from the tile `x` at each k-step; B as in mma_bt.
+template <typename T, int D, bool REGS, typename Acc, int R>
+__device__ __forceinline__ void mma_rows_bt(Acc& acc, const uint32_t (&regs)[R][4], const T* x,
+                                            int r0, const T* s, int lane) {
+    if constexpr (REGS) {
+        mma_bt<T, D>(acc, regs, s, lane);
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t af[4];
+            load_a<T, D>(x, r0, kk, lane, af);
+            mma_bt_step<T, D>(acc, af, s, kk, lane);
+        }
+    }
+}
+
 // WARPS warps of 16 keys each (BC = 16 WARPS keys); query blocks of BR rows. KV_REGS keeps the
 // warp's K and V A-fragments in registers for the whole loop (else reloaded per query block).
 template <typename T, int D, int WARPS, int BR, bool KV_REGS>
@@ -456,11 +572,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
     float* sL = reinterpret_cast<float*>(sdO + 2 * BR * D);  // two buffers of BR lse
     float* sDelta = sL + 2 * BR;                              // two buffers of BR delta
 
-    const int tid = threadIdx.x;
-    const int warp = tid >> 5;
-    const int lane = tid & 31;
-    const int g = lane >> 2;
-    const int tq = lane & 3;
+    const auto [tid, warp, lane, g, tq] = thread_ids();
     const int seq = a.seq;
     const int kv_total = a.batch * a.kv_heads;
     // The heaviest key blocks (the first ones: most queries) are scheduled first.
@@ -479,8 +591,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
     const T* q_all = static_cast<const T*>(a.q);
     const T* do_all = static_cast<const T*>(a.dout);
 
-    // Iteration `it`: query head hk·group + it / nq, query block qb_first + it % nq.
-    auto load_it = [&](int it, int buf) {
+    // Iteration `it`: query head hk·group + it / nq, query block qb_first + it % nq. (`tid` is
+    // copied: a C++17 lambda cannot capture a structured binding.)
+    auto load_it = [&, tid = tid](int it, int buf) {
         const int hh = hk * group + it / nq;
         const int q0 = (qb_first + it % nq) * BR;
         const size_t q_base = (static_cast<size_t>(b) * seq * a.q_heads + hh) * D;
@@ -498,10 +611,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
         }
     };
 
-    load_tile<T, BC, D, kThreads>(sK, static_cast<const T*>(a.k) + kv_base, kv_stride, k0, seq,
-                                  tid);
-    load_tile<T, BC, D, kThreads>(sV, static_cast<const T*>(a.v) + kv_base, kv_stride, k0, seq,
-                                  tid);
+    load_kv<T, BC, D, kThreads>(sK, sV, static_cast<const T*>(a.k) + kv_base,
+                                static_cast<const T*>(a.v) + kv_base, kv_stride, k0, seq, tid);
     load_it(0, 0);
     cp_async_commit();
 
@@ -509,29 +620,18 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
     const int kw = k0 + warp * 16;  // this warp's first key
     float dk[ND][4];
     float dv[ND][4];
-#pragma unroll
-    for (int dt = 0; dt < ND; ++dt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            dk[dt][e] = 0.0f;
-            dv[dt][e] = 0.0f;
-        }
-    }
+    fill(dk, 0.0f);
+    fill(dv, 0.0f);
     uint32_t kf[KV_REGS ? KD : 1][4];
     uint32_t vf[KV_REGS ? KD : 1][4];
 
     for (int it = 0; it < n_it; ++it) {
         if (it + 1 < n_it) load_it(it + 1, (it + 1) & 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+        cp_async_next_stage();
         if constexpr (KV_REGS) {
             if (it == 0) {
-#pragma unroll
-                for (int kk = 0; kk < KD; ++kk) {
-                    load_a<T, D>(sK, warp * 16, kk, lane, kf[kk]);
-                    load_a<T, D>(sV, warp * 16, kk, lane, vf[kk]);
-                }
+                load_a_frags<T, D>(sK, warp * 16, lane, kf);
+                load_a_frags<T, D>(sV, warp * 16, lane, vf);
             }
         }
         const int buf = it & 1;
@@ -544,28 +644,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
         if (q0 + BR - 1 >= kw) {
             // Sᵀ = K·Qᵀ (rows: this warp's 16 keys; columns: the block's BR queries).
             float st[NS][4];
-#pragma unroll
-            for (int nt = 0; nt < NS; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) st[nt][e] = 0.0f;
-            }
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-                uint32_t af[4];
-                if constexpr (KV_REGS) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) af[e] = kf[kk][e];
-                } else {
-                    load_a<T, D>(sK, warp * 16, kk, lane, af);
-                }
-#pragma unroll
-                for (int np = 0; np < NS / 2; ++np) {
-                    uint32_t bf[4];
-                    load_b_nk<T, D>(q_s, np * 16, kk, lane, bf);
-                    mma<T>(st[2 * np], af, bf[0], bf[1]);
-                    mma<T>(st[2 * np + 1], af, bf[2], bf[3]);
-                }
-            }
+            fill(st, 0.0f);
+            mma_rows_bt<T, D, KV_REGS>(st, kf, sK, warp * 16, q_s, lane);
             // Pᵀ = exp(scale·Sᵀ − lse[query]), zero for key > query and for queries >= seq.
             const bool need_mask = q0 < kw + 15 || q0 + BR > seq;
 #pragma unroll
@@ -583,42 +663,11 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
                 }
             }
             // dV += Pᵀ·dO.
-#pragma unroll
-            for (int kk = 0; kk < BR / 16; ++kk) {
-                uint32_t pa[4];
-                to_a_frag<T>(st[2 * kk], st[2 * kk + 1], pa);
-#pragma unroll
-                for (int np = 0; np < D / 16; ++np) {
-                    uint32_t bf[4];
-                    load_b_kn<T, D>(do_s, kk * 16, np, lane, bf);
-                    mma<T>(dv[2 * np], pa, bf[0], bf[1]);
-                    mma<T>(dv[2 * np + 1], pa, bf[2], bf[3]);
-                }
-            }
+            mma_pb<T, D>(dv, st, do_s, lane);
             // dPᵀ = V·dOᵀ.
             float dpt[NS][4];
-#pragma unroll
-            for (int nt = 0; nt < NS; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dpt[nt][e] = 0.0f;
-            }
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-                uint32_t af[4];
-                if constexpr (KV_REGS) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) af[e] = vf[kk][e];
-                } else {
-                    load_a<T, D>(sV, warp * 16, kk, lane, af);
-                }
-#pragma unroll
-                for (int np = 0; np < NS / 2; ++np) {
-                    uint32_t bf[4];
-                    load_b_nk<T, D>(do_s, np * 16, kk, lane, bf);
-                    mma<T>(dpt[2 * np], af, bf[0], bf[1]);
-                    mma<T>(dpt[2 * np + 1], af, bf[2], bf[3]);
-                }
-            }
+            fill(dpt, 0.0f);
+            mma_rows_bt<T, D, KV_REGS>(dpt, vf, sV, warp * 16, do_s, lane);
             // dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]) · scale (zero wherever P is).
 #pragma unroll
             for (int nt = 0; nt < NS; ++nt) {
@@ -629,18 +678,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
                 }
             }
             // dK += dSᵀ·Q.
-#pragma unroll
-            for (int kk = 0; kk < BR / 16; ++kk) {
-                uint32_t pa[4];
-                to_a_frag<T>(dpt[2 * kk], dpt[2 * kk + 1], pa);
-#pragma unroll
-                for (int np = 0; np < D / 16; ++np) {
-                    uint32_t bf[4];
-                    load_b_kn<T, D>(q_s, kk * 16, np, lane, bf);
-                    mma<T>(dk[2 * np], pa, bf[0], bf[1]);
-                    mma<T>(dk[2 * np + 1], pa, bf[2], bf[3]);
-                }
-            }
+            mma_pb<T, D>(dk, dpt, q_s, lane);
         }
         __syncthreads();  // the next iteration refills the other buffer, then this one
     }
@@ -651,15 +689,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
     for (int r = 0; r < 2; ++r) {
         const int j = kw + g + 8 * r;
         if (j < seq) {
-            T* dkrow = dkg + static_cast<size_t>(j) * kv_stride + 2 * tq;
-            T* dvrow = dvg + static_cast<size_t>(j) * kv_stride + 2 * tq;
-#pragma unroll
-            for (int dt = 0; dt < ND; ++dt) {
-                *reinterpret_cast<uint32_t*>(dkrow + dt * 8) =
-                    pack2<T>(dk[dt][2 * r], dk[dt][2 * r + 1]);
-                *reinterpret_cast<uint32_t*>(dvrow + dt * 8) =
-                    pack2<T>(dv[dt][2 * r], dv[dt][2 * r + 1]);
-            }
+            store_row<T>(dkg, kv_stride, j, tq, dk, r);
+            store_row<T>(dvg, kv_stride, j, tq, dv, r);
         }
     }
 }
@@ -679,36 +710,16 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
     T* sK = sdO + BR * D;     // two buffers of BC x D
     T* sV = sK + 2 * BC * D;  // two buffers of BC x D
 
-    const int tid = threadIdx.x;
-    const int warp = tid >> 5;
-    const int lane = tid & 31;
-    const int g = lane >> 2;
-    const int tq = lane & 3;
+    const auto [tid, warp, lane, g, tq] = thread_ids();
     const int seq = a.seq;
-    const int heads_total = a.batch * a.q_heads;
-    const int nqb = (seq + BR - 1) / BR;
-    const int qb = nqb - 1 - static_cast<int>(blockIdx.x / static_cast<unsigned>(heads_total));
-    const int bh = static_cast<int>(blockIdx.x % static_cast<unsigned>(heads_total));
-    const int b = bh / a.q_heads;
-    const int h = bh % a.q_heads;
-    const int hk = h / (a.q_heads / a.kv_heads);
-    const int q0 = qb * BR;
-    const size_t q_stride = static_cast<size_t>(a.q_heads) * D;
-    const size_t kv_stride = static_cast<size_t>(a.kv_heads) * D;
-    const size_t q_base = (static_cast<size_t>(b) * seq * a.q_heads + h) * D;
-    const size_t kv_base = (static_cast<size_t>(b) * seq * a.kv_heads + hk) * D;
-    const T* kg = static_cast<const T*>(a.k) + kv_base;
-    const T* vg = static_cast<const T*>(a.v) + kv_base;
-
-    const int kv_end = min(seq, q0 + BR);
-    const int nkb = (kv_end + BC - 1) / BC;
+    const auto [q0, nkb, q_stride, kv_stride, q_base, kg, vg, b, h] =
+        query_block<T, D, BR, BC>(a);
 
     load_tile<T, BR, D, kThreads>(sQ, static_cast<const T*>(a.q) + q_base, q_stride, q0, seq,
                                   tid);
     load_tile<T, BR, D, kThreads>(sdO, static_cast<const T*>(a.dout) + q_base, q_stride, q0, seq,
                                   tid);
-    load_tile<T, BC, D, kThreads>(sK, kg, kv_stride, 0, seq, tid);
-    load_tile<T, BC, D, kThreads>(sV, vg, kv_stride, 0, seq, tid);
+    load_kv<T, BC, D, kThreads>(sK, sV, kg, vg, kv_stride, 0, seq, tid);
     cp_async_commit();
 
     const float sl2 = a.scale * kLog2e;
@@ -723,57 +734,25 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
         delta[r] = row < seq ? a.delta[row_base + row] : 0.0f;
     }
     float dq[ND][4];
-#pragma unroll
-    for (int dt = 0; dt < ND; ++dt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq[dt][e] = 0.0f;
-    }
+    fill(dq, 0.0f);
     uint32_t qf[KD][4];
     uint32_t dof[KD][4];
 
     for (int kb = 0; kb < nkb; ++kb) {
-        if (kb + 1 < nkb) {
-            const int nb = (kb + 1) & 1;
-            load_tile<T, BC, D, kThreads>(sK + nb * BC * D, kg, kv_stride, (kb + 1) * BC, seq,
-                                          tid);
-            load_tile<T, BC, D, kThreads>(sV + nb * BC * D, vg, kv_stride, (kb + 1) * BC, seq,
-                                          tid);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+        const auto [k_s, v_s] =
+            next_kv_block<T, BC, D, kThreads>(sK, sV, kg, vg, kv_stride, kb, nkb, seq, tid);
         if (kb == 0) {
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-                load_a<T, D>(sQ, warp * 16, kk, lane, qf[kk]);
-                load_a<T, D>(sdO, warp * 16, kk, lane, dof[kk]);
-            }
+            load_a_frags<T, D>(sQ, warp * 16, lane, qf);
+            load_a_frags<T, D>(sdO, warp * 16, lane, dof);
         }
-        const T* k_s = sK + (kb & 1) * BC * D;
-        const T* v_s = sV + (kb & 1) * BC * D;
         const int k0 = kb * BC;
         if (k0 <= row_w + 15) {
             // S = Q·Kᵀ, then P = exp(scale·S − lse), masked.
             float s[NS][4];
             float dp[NS][4];
-#pragma unroll
-            for (int nt = 0; nt < NS; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[nt][e] = 0.0f;
-                    dp[nt][e] = 0.0f;
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-#pragma unroll
-                for (int np = 0; np < NS / 2; ++np) {
-                    uint32_t bf[4];
-                    load_b_nk<T, D>(k_s, np * 16, kk, lane, bf);
-                    mma<T>(s[2 * np], qf[kk], bf[0], bf[1]);
-                    mma<T>(s[2 * np + 1], qf[kk], bf[2], bf[3]);
-                }
-            }
+            fill(s, 0.0f);
+            fill(dp, 0.0f);
+            mma_bt<T, D>(s, qf, k_s, lane);
             const bool need_mask = k0 + BC - 1 > row_w || k0 + BC > seq;
 #pragma unroll
             for (int nt = 0; nt < NS; ++nt) {
@@ -789,16 +768,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
                 }
             }
             // dP = dO·Vᵀ.
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-#pragma unroll
-                for (int np = 0; np < NS / 2; ++np) {
-                    uint32_t bf[4];
-                    load_b_nk<T, D>(v_s, np * 16, kk, lane, bf);
-                    mma<T>(dp[2 * np], dof[kk], bf[0], bf[1]);
-                    mma<T>(dp[2 * np + 1], dof[kk], bf[2], bf[3]);
-                }
-            }
+            mma_bt<T, D>(dp, dof, v_s, lane);
             // dS = P ∘ (dP − delta) · scale.
 #pragma unroll
             for (int nt = 0; nt < NS; ++nt) {
@@ -807,18 +777,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
                     dp[nt][e] = s[nt][e] * (dp[nt][e] - delta[e >> 1]) * a.scale;
             }
             // dQ += dS·K.
-#pragma unroll
-            for (int kk = 0; kk < BC / 16; ++kk) {
-                uint32_t pa[4];
-                to_a_frag<T>(dp[2 * kk], dp[2 * kk + 1], pa);
-#pragma unroll
-                for (int np = 0; np < D / 16; ++np) {
-                    uint32_t bf[4];
-                    load_b_kn<T, D>(k_s, kk * 16, np, lane, bf);
-                    mma<T>(dq[2 * np], pa, bf[0], bf[1]);
-                    mma<T>(dq[2 * np + 1], pa, bf[2], bf[3]);
-                }
-            }
+            mma_pb<T, D>(dq, dp, k_s, lane);
         }
         __syncthreads();
     }
@@ -827,14 +786,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row_w + g + 8 * r;
-        if (row < seq) {
-            T* dqrow = dqg + static_cast<size_t>(row) * q_stride + 2 * tq;
-#pragma unroll
-            for (int dt = 0; dt < ND; ++dt) {
-                *reinterpret_cast<uint32_t*>(dqrow + dt * 8) =
-                    pack2<T>(dq[dt][2 * r], dq[dt][2 * r + 1]);
-            }
-        }
+        if (row < seq) store_row<T>(dqg, q_stride, row, tq, dq, r);
     }
 }
 
@@ -843,6 +795,15 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
 bool aligned16(const void* p) { return p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 bool aligned4(const void* p) { return p != nullptr && reinterpret_cast<uintptr_t>(p) % 4 == 0; }
+
+// Every tensor of the pass present and aligned: 16 bytes (cp.async of 16) for those of the
+// element type, 4 for the f32 lse and delta.
+bool pointers_ok(const Args& a, bool backward) {
+    const bool both = aligned16(a.q) && aligned16(a.k) && aligned16(a.v) && aligned16(a.o_or_dq);
+    if (!backward) return both && aligned4(a.lse_out);
+    return both && aligned16(a.dout) && aligned16(a.dk) && aligned16(a.dv) && aligned4(a.lse_in) &&
+           aligned4(a.delta);
+}
 
 // Validates the sizes and fills the int fields of `a`; false when they are out of range.
 bool shape_ok(size_t batch, size_t seq, size_t q_heads, size_t kv_heads, float scale, Args* a) {
@@ -909,42 +870,43 @@ int run_backward(const Args& a, cudaStream_t stream) {
     return static_cast<int>(e);
 }
 
-// Tile configurations (registers without spills at -O3 for sm_80 and sm_90a):
+// The forward or the backward in the tile configuration of head_dim (registers without spills
+// at -O3 for sm_80 and sm_90a); f32 and other head_dims launch nothing:
 //   head_dim 64:  forward 4 warps x 2 m-tiles (128 queries) x 64 keys, 48 KB;
 //                 dK/dV 64 keys x 64 queries, K/V fragments in registers, 49 KB;
 //                 dQ 64 queries x 64 keys, 48 KB.
 //   head_dim 128: forward 64 queries x 64 keys, 80 KB; dK/dV 64 keys x 32 queries, 64.5 KB;
 //                 dQ 64 queries x 32 keys, 64 KB.
 template <typename T>
-int forward_for(size_t head_dim, const Args& a, cudaStream_t stream) {
+int run(bool backward, size_t head_dim, const Args& a, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, float>) {
         return static_cast<int>(cudaErrorInvalidValue);
     } else {
         switch (head_dim) {
             case 64:
-                return run_forward<T, 64, 4, 2, 64>(a, stream);
+                return backward ? run_backward<T, 64, 4, 64, true, 4, 64>(a, stream)
+                                : run_forward<T, 64, 4, 2, 64>(a, stream);
             case 128:
-                return run_forward<T, 128, 4, 1, 64>(a, stream);
+                return backward ? run_backward<T, 128, 4, 32, false, 4, 32>(a, stream)
+                                : run_forward<T, 128, 4, 1, 64>(a, stream);
             default:
                 return static_cast<int>(cudaErrorInvalidValue);
         }
     }
 }
 
-template <typename T>
-int backward_for(size_t head_dim, const Args& a, cudaStream_t stream) {
-    if constexpr (std::is_same_v<T, float>) {
+// The entry points' checks, in this order: a supported dtype and head_dim; an empty problem is
+// done; valid sizes (filled into `a`); the pass's tensors aligned. Then the launch.
+int checked_run(int dtype, bool backward, Args a, size_t batch, size_t seq, size_t q_heads,
+                size_t kv_heads, size_t head_dim, float scale, cudaStream_t stream) {
+    if (!tilearn_flash_attention_supported(dtype, head_dim))
         return static_cast<int>(cudaErrorInvalidValue);
-    } else {
-        switch (head_dim) {
-            case 64:
-                return run_backward<T, 64, 4, 64, true, 4, 64>(a, stream);
-            case 128:
-                return run_backward<T, 128, 4, 32, false, 4, 32>(a, stream);
-            default:
-                return static_cast<int>(cudaErrorInvalidValue);
-        }
-    }
+    if (batch == 0 || seq == 0 || q_heads == 0) return static_cast<int>(cudaSuccess);
+    if (!shape_ok(batch, seq, q_heads, kv_heads, scale, &a) || !pointers_ok(a, backward))
+        return static_cast<int>(cudaErrorInvalidValue);
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return run<decltype(tag)>(backward, head_dim, a, stream);
+    });
 }
 
 }  // namespace
@@ -959,22 +921,8 @@ extern "C" int tilearn_flash_attention_forward(int dtype, const void* q, const v
                                                size_t batch, size_t seq, size_t q_heads,
                                                size_t kv_heads, size_t head_dim, float scale,
                                                cudaStream_t stream) {
-    if (!tilearn_flash_attention_supported(dtype, head_dim))
-        return static_cast<int>(cudaErrorInvalidValue);
-    if (batch == 0 || seq == 0 || q_heads == 0) return static_cast<int>(cudaSuccess);
-    Args a{};
-    if (!shape_ok(batch, seq, q_heads, kv_heads, scale, &a))
-        return static_cast<int>(cudaErrorInvalidValue);
-    if (!aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(out) || !aligned4(lse))
-        return static_cast<int>(cudaErrorInvalidValue);
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.o_or_dq = out;
-    a.lse_out = lse;
-    return tilearn::dispatch(dtype, [&](auto tag) {
-        return forward_for<decltype(tag)>(head_dim, a, stream);
-    });
+    const Args a{q, k, v, out, lse};
+    return checked_run(dtype, false, a, batch, seq, q_heads, kv_heads, head_dim, scale, stream);
 }
 
 extern "C" int tilearn_flash_attention_backward(int dtype, const void* dout, const void* q,
@@ -983,25 +931,6 @@ extern "C" int tilearn_flash_attention_backward(int dtype, const void* dout, con
                                                 size_t batch, size_t seq, size_t q_heads,
                                                 size_t kv_heads, size_t head_dim, float scale,
                                                 cudaStream_t stream) {
-    if (!tilearn_flash_attention_supported(dtype, head_dim))
-        return static_cast<int>(cudaErrorInvalidValue);
-    if (batch == 0 || seq == 0 || q_heads == 0) return static_cast<int>(cudaSuccess);
-    Args a{};
-    if (!shape_ok(batch, seq, q_heads, kv_heads, scale, &a))
-        return static_cast<int>(cudaErrorInvalidValue);
-    if (!aligned16(dout) || !aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(dq) ||
-        !aligned16(dk) || !aligned16(dv) || !aligned4(lse) || !aligned4(delta))
-        return static_cast<int>(cudaErrorInvalidValue);
-    a.dout = dout;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.lse_in = lse;
-    a.delta = delta;
-    a.o_or_dq = dq;
-    a.dk = dk;
-    a.dv = dv;
-    return tilearn::dispatch(dtype, [&](auto tag) {
-        return backward_for<decltype(tag)>(head_dim, a, stream);
-    });
+    const Args a{q, k, v, dq, nullptr, dout, lse, delta, dk, dv};
+    return checked_run(dtype, true, a, batch, seq, q_heads, kv_heads, head_dim, scale, stream);
 }

@@ -169,6 +169,30 @@ fn expect_within(test: &str, what: &str, err: f64, tol: f64) {
     assert!(err <= tol, "{test}: {what}: rel err {err:.3e} > {tol:.0e}");
 }
 
+/// Declares `#[test]`s that each run one generic case function in one element type over a
+/// table of cases: `name: case::<T>(CASES, seed S, tol A, B);` becomes the test `name`, which
+/// calls `case::<T>(TEST, &dev, &gemm, CASES[i], S + i, A, B)` for every i (TEST: the test's
+/// name), or prints `skipped:` and passes without a GPU. Attributes before a test (its doc
+/// comment, which states the tolerances) go to it.
+macro_rules! case_table_tests {
+    ($(
+        $(#[$attr:meta])*
+        $name:ident: $case:ident::<$t:ty>($cases:expr, seed $seed:literal, tol $($tol:expr),+);
+    )+) => {$(
+        $(#[$attr])*
+        #[test]
+        fn $name() {
+            const TEST: &str = stringify!($name);
+            let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+                return;
+            };
+            for (i, &case) in $cases.iter().enumerate() {
+                $case::<$t>(TEST, &dev, &gemm, case, $seed + i as u64, $($tol),+);
+            }
+        }
+    )+};
+}
+
 // ---- the raw strided-batched matmul ----
 
 /// `C_i = alpha op(A_i) op(B_i) + beta C_i` in f64, row-major, for every batch entry; entries of
@@ -509,43 +533,17 @@ fn linear_case<T: Elem>(
     }
 }
 
-/// f32: 1e-5 for every output (no TF32; see the file header).
-#[test]
-fn linear_f32_matches_cpu_reference() {
-    const TEST: &str = "linear_f32_matches_cpu_reference";
-    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
-        return;
-    };
-    for (i, &case) in LINEAR_CASES.iter().enumerate() {
-        linear_case::<f32>(TEST, &dev, &gemm, case, 10 + i as u64, 1e-5, 1e-5);
-    }
-}
-
-/// bf16: out and dx (bf16) 1e-2; dW (f32 accumulation of exact bf16 products) 1e-3; db (f32
-/// sums in the reduction kernel) 1e-5.
-#[test]
-fn linear_bf16_matches_cpu_reference() {
-    const TEST: &str = "linear_bf16_matches_cpu_reference";
-    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
-        return;
-    };
-    for (i, &case) in LINEAR_CASES.iter().enumerate() {
-        linear_case::<bf16>(TEST, &dev, &gemm, case, 20 + i as u64, 1e-2, 1e-3);
-    }
-}
-
-/// f16: out and dx (f16) 2e-3 (one rounding of 2^-11 after an f32 sum, see the file header);
-/// dW (f32 accumulation of exact f16 products) 1e-3; db 1e-5. The largest values (dx of the
-/// 32003-feature LM head, ~|300|) stay far below f16's 65504.
-#[test]
-fn linear_f16_matches_cpu_reference() {
-    const TEST: &str = "linear_f16_matches_cpu_reference";
-    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
-        return;
-    };
-    for (i, &case) in LINEAR_CASES.iter().enumerate() {
-        linear_case::<f16>(TEST, &dev, &gemm, case, 25 + i as u64, 2e-3, 1e-3);
-    }
+case_table_tests! {
+    /// f32: 1e-5 for every output (no TF32; see the file header).
+    linear_f32_matches_cpu_reference: linear_case::<f32>(LINEAR_CASES, seed 10, tol 1e-5, 1e-5);
+    /// bf16: out and dx (bf16) 1e-2; dW (f32 accumulation of exact bf16 products) 1e-3; db (f32
+    /// sums in the reduction kernel) 1e-5.
+    linear_bf16_matches_cpu_reference:
+        linear_case::<bf16>(LINEAR_CASES, seed 20, tol 1e-2, 1e-3);
+    /// f16: out and dx (f16) 2e-3 (one rounding of 2^-11 after an f32 sum, see the file
+    /// header); dW (f32 accumulation of exact f16 products) 1e-3; db 1e-5. The largest values
+    /// (dx of the 32003-feature LM head, ~|300|) stay far below f16's 65504.
+    linear_f16_matches_cpu_reference: linear_case::<f16>(LINEAR_CASES, seed 25, tol 2e-3, 1e-3);
 }
 
 /// Two identical linear backwards in type `T` give bit-identical dW and db (1000 rows: the
@@ -818,6 +816,34 @@ impl<T: Elem> AttnProblem<T> {
         )
     }
 
+    /// Two runs through `imp`, which must be bit-identical (forward and backward), the first
+    /// checked against the reference (as in `check`, `label` after the tag) and returned.
+    #[allow(clippy::too_many_arguments)]
+    fn run_twice_checked(
+        &self,
+        test: &str,
+        dev: &GpuDevice,
+        gemm: &Gemm,
+        ws: &mut AttentionWorkspace,
+        imp: AttentionImpl,
+        label: &str,
+        tol_t: f64,
+        tol_lse: f64,
+    ) -> AttnRun {
+        let tag = &self.tag;
+        let first = self.run_with(dev, gemm, ws, imp);
+        let second = self.run_with(dev, gemm, ws, imp);
+        assert!(
+            first.bits == second.bits,
+            "{tag}{label}: two runs differ (forward or backward)"
+        );
+        self.check(test, &first, label, tol_t, tol_lse);
+        report(&format!(
+            "{test}: {tag}{label}: forward and backward bit-identical over two runs"
+        ));
+        first
+    }
+
     /// Every output of `run` against the reference: `tol_t` for the `T` outputs, `tol_lse`
     /// for the f32 log-sum-exp.
     fn check(&self, test: &str, run: &AttnRun, label: &str, tol_t: f64, tol_lse: f64) {
@@ -867,18 +893,7 @@ fn attention_case<T: Elem>(
         AttentionWorkspace::bytes_for(s, size_of::<T>()).unwrap()
     );
     assert_eq!(ws.batch_chunk::<T>(s).unwrap(), s.batch);
-    let a = problem.run_with(dev, gemm, &mut ws, gemm_path);
-    let b = problem.run_with(dev, gemm, &mut ws, gemm_path);
-    assert!(
-        a.bits == b.bits,
-        "{}: two identical runs differ (forward or backward)",
-        problem.tag
-    );
-    problem.check(test, &a, "", tol_t, tol_lse);
-    report(&format!(
-        "{test}: {}: forward and backward bit-identical over two runs",
-        problem.tag
-    ));
+    problem.run_twice_checked(test, dev, gemm, &mut ws, gemm_path, "", tol_t, tol_lse);
     if s.batch > 1 {
         let one = AttnShape { batch: 1, ..s };
         let mut small = AttentionWorkspace::new(st, one, size_of::<T>()).unwrap();
@@ -903,42 +918,18 @@ fn attention_case<T: Elem>(
     }
 }
 
-/// f32: 1e-5 for out, lse, dq, dk, dv.
-#[test]
-fn attention_f32_matches_cpu_reference() {
-    const TEST: &str = "attention_f32_matches_cpu_reference";
-    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
-        return;
-    };
-    for (i, &case) in ATTN_CASES.iter().enumerate() {
-        attention_case::<f32>(TEST, &dev, &gemm, case, 40 + i as u64, 1e-5, 1e-5);
-    }
-}
-
-/// bf16: out, dq, dk, dv (bf16, after P and dS are rounded to bf16) 1e-2; lse (f32 from exact
-/// bf16 products) 1e-3.
-#[test]
-fn attention_bf16_matches_cpu_reference() {
-    const TEST: &str = "attention_bf16_matches_cpu_reference";
-    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
-        return;
-    };
-    for (i, &case) in ATTN_CASES.iter().enumerate() {
-        attention_case::<bf16>(TEST, &dev, &gemm, case, 50 + i as u64, 1e-2, 1e-3);
-    }
-}
-
-/// f16: out, dq, dk, dv (f16, after P and dS are rounded to f16) 2e-3 — three roundings of
-/// 2^-11 in sequence at most, see the file header; lse (f32 from exact f16 products) 1e-3.
-#[test]
-fn attention_f16_matches_cpu_reference() {
-    const TEST: &str = "attention_f16_matches_cpu_reference";
-    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
-        return;
-    };
-    for (i, &case) in ATTN_CASES.iter().enumerate() {
-        attention_case::<f16>(TEST, &dev, &gemm, case, 55 + i as u64, 2e-3, 1e-3);
-    }
+case_table_tests! {
+    /// f32: 1e-5 for out, lse, dq, dk, dv.
+    attention_f32_matches_cpu_reference:
+        attention_case::<f32>(ATTN_CASES, seed 40, tol 1e-5, 1e-5);
+    /// bf16: out, dq, dk, dv (bf16, after P and dS are rounded to bf16) 1e-2; lse (f32 from
+    /// exact bf16 products) 1e-3.
+    attention_bf16_matches_cpu_reference:
+        attention_case::<bf16>(ATTN_CASES, seed 50, tol 1e-2, 1e-3);
+    /// f16: out, dq, dk, dv (f16, after P and dS are rounded to f16) 2e-3 — three roundings of
+    /// 2^-11 in sequence at most, see the file header; lse (f32 from exact f16 products) 1e-3.
+    attention_f16_matches_cpu_reference:
+        attention_case::<f16>(ATTN_CASES, seed 55, tol 2e-3, 1e-3);
 }
 
 /// One step of `attention_workspace_serves_every_precision`: a fresh problem in `T` through
@@ -1182,18 +1173,8 @@ fn flash_case<T: Elem>(
     let problem = AttnProblem::<T>::new(dev, s, seed);
     let one = AttnShape { batch: 1, ..s };
     let mut ws = AttentionWorkspace::new(dev.stream(), one, size_of::<T>()).unwrap();
-    let flash = problem.run_with(dev, gemm, &mut ws, AttentionImpl::Flash);
-    let again = problem.run_with(dev, gemm, &mut ws, AttentionImpl::Flash);
-    assert!(
-        flash.bits == again.bits,
-        "{}: two flash runs differ (forward or backward)",
-        problem.tag
-    );
-    problem.check(test, &flash, " (flash)", tol_t, tol_lse);
-    report(&format!(
-        "{test}: {}: flash forward and backward bit-identical over two runs",
-        problem.tag
-    ));
+    let (imp, label) = (AttentionImpl::Flash, " (flash)");
+    let flash = problem.run_twice_checked(test, dev, gemm, &mut ws, imp, label, tol_t, tol_lse);
     let gemm_run = problem.run_with(dev, gemm, &mut ws, AttentionImpl::Gemm);
     problem.check(test, &gemm_run, " (gemm)", tol_t, tol_lse);
     let pairs = [
@@ -1223,33 +1204,19 @@ fn flash_case<T: Elem>(
     );
 }
 
-/// bf16 through the flash kernels: out, dq, dk, dv 1e-2 and lse 1e-3, the bounds of the
-/// cuBLASLt path (same roundings: P and dS once each as 16-bit operands of their products,
-/// then the output; lse from exact bf16 products summed in f32); flash vs gemm within 1e-2 of
-/// the reference's norm (each path's error is ~2-4e-3 rms, independent between the paths).
-#[test]
-fn flash_attention_bf16_matches_cpu_reference() {
-    const TEST: &str = "flash_attention_bf16_matches_cpu_reference";
-    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
-        return;
-    };
-    for (i, &case) in FLASH_CASES.iter().enumerate() {
-        flash_case::<bf16>(TEST, &dev, &gemm, case, 80 + i as u64, 1e-2, 1e-3);
-    }
-}
-
-/// f16 through the flash kernels: out, dq, dk, dv 2e-3 and lse 1e-3 (the f16 bounds of the file
-/// header: at most three roundings of 2^-11 in sequence; the inputs' ±[0.05, 2) keep every
-/// value far inside f16's range); flash vs gemm within 2e-3.
-#[test]
-fn flash_attention_f16_matches_cpu_reference() {
-    const TEST: &str = "flash_attention_f16_matches_cpu_reference";
-    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
-        return;
-    };
-    for (i, &case) in FLASH_CASES.iter().enumerate() {
-        flash_case::<f16>(TEST, &dev, &gemm, case, 90 + i as u64, 2e-3, 1e-3);
-    }
+case_table_tests! {
+    /// bf16 through the flash kernels: out, dq, dk, dv 1e-2 and lse 1e-3, the bounds of the
+    /// cuBLASLt path (same roundings: P and dS once each as 16-bit operands of their products,
+    /// then the output; lse from exact bf16 products summed in f32); flash vs gemm within 1e-2
+    /// of the reference's norm (each path's error is ~2-4e-3 rms, independent between the
+    /// paths).
+    flash_attention_bf16_matches_cpu_reference:
+        flash_case::<bf16>(FLASH_CASES, seed 80, tol 1e-2, 1e-3);
+    /// f16 through the flash kernels: out, dq, dk, dv 2e-3 and lse 1e-3 (the f16 bounds of the
+    /// file header: at most three roundings of 2^-11 in sequence; the inputs' ±[0.05, 2) keep
+    /// every value far inside f16's range); flash vs gemm within 2e-3.
+    flash_attention_f16_matches_cpu_reference:
+        flash_case::<f16>(FLASH_CASES, seed 90, tol 2e-3, 1e-3);
 }
 
 /// The flash backward at a GQA shape with many query blocks per key block (group 8, as in

@@ -360,16 +360,17 @@ struct WsPtrs {
     delta: u64,
 }
 
-/// The workspace's regions for `chunk` sequences of shape `p` in type `T`, and the guard that
-/// orders their use on `stream`. `chunk` must come from [`AttentionWorkspace::batch_chunk`]
-/// for this shape and type (so the regions fit).
+/// How many sequences of shape `s` (per-batch sizes `p`) one pass takes in type `T`
+/// ([`AttentionWorkspace::batch_chunk`]), the workspace's regions for them, and the guard that
+/// orders their use on `stream`.
 fn ws_ptrs<'a, T: DeviceFloat>(
     op: &'static str,
     ws: &'a mut AttentionWorkspace,
     stream: &'a CudaStream,
+    s: AttnShape,
     p: &PerBatch,
-    chunk: usize,
-) -> Result<(WsPtrs, cudarc::driver::SyncOnDrop<'a>)> {
+) -> Result<(usize, WsPtrs, cudarc::driver::SyncOnDrop<'a>)> {
+    let chunk = ws.batch_chunk::<T>(s)?;
     let usable = ws.usable();
     let regions = Regions::new(p, size_of::<T>(), chunk)
         .filter(|r| r.end <= usable)
@@ -383,6 +384,7 @@ fn ws_ptrs<'a, T: DeviceFloat>(
     let start = base.next_multiple_of(REGION_ALIGN as u64);
     let at = |offset: usize| start + offset as u64;
     Ok((
+        chunk,
         WsPtrs {
             scores: at(regions.scores),
             probs: at(regions.probs),
@@ -579,6 +581,45 @@ fn flash_aligned(op: &'static str, imp: AttentionImpl, ptrs: &[u64]) -> Result<b
     Ok(false)
 }
 
+/// The checks both passes start with: `ws` serves `T`, the shape is valid, and its sizes fit
+/// `usize`. Returns the per-sequence sizes and the element counts of the whole batch's q-like
+/// (q, out, dout, dq), kv-like (k, v, dk, dv) and row (lse, delta) tensors.
+fn checked_sizes<T: DeviceFloat>(
+    op: &'static str,
+    ws: &AttentionWorkspace,
+    s: &AttnShape,
+) -> Result<(PerBatch, [usize; 3])> {
+    ws.check_elem::<T>(op)?;
+    check_shape(op, s)?;
+    let p = per_batch(op, s)?;
+    let lens = [p.q, p.kv, p.rows].map(|n| n.checked_mul(s.batch));
+    let [Some(q_len), Some(kv_len), Some(rows_len)] = lens else {
+        return Err(OpsError::Cuda {
+            context: op,
+            message: format!("attention shape {s:?} overflows usize"),
+        });
+    };
+    Ok((p, [q_len, kv_len, rows_len]))
+}
+
+/// What both passes do once their tensors are checked: whether to try the flash kernels
+/// ([`wants_flash`]: an error when `imp` forces them where they do not serve), then `None` for an
+/// empty problem (nothing to launch), else the plan, with the stream's context bound.
+fn prepare<T: DeviceFloat>(
+    op: &'static str,
+    imp: AttentionImpl,
+    s: &AttnShape,
+    stream: &CudaStream,
+) -> Result<Option<(bool, Plan)>> {
+    let flash = wants_flash::<T>(op, imp, s)?;
+    if s.batch == 0 || s.seq == 0 || s.q_heads == 0 {
+        return Ok(None);
+    }
+    let plan = Plan::new::<T>(*s);
+    bind(stream, op)?;
+    Ok(Some((flash, plan)))
+}
+
 /// Rows of the `[rows, ld]` score buffers for `nb` sequences: one per (sequence, query head,
 /// query position).
 fn row_count(plan: &Plan, nb: usize) -> usize {
@@ -624,18 +665,7 @@ pub fn attention_forward_with<T: DeviceFloat>(
     lse: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
     let op = "attention_forward";
-    ws.check_elem::<T>(op)?;
-    check_shape(op, &s)?;
-    let p = per_batch(op, &s)?;
-    let q_len = p.q.checked_mul(s.batch);
-    let kv_len = p.kv.checked_mul(s.batch);
-    let rows_len = p.rows.checked_mul(s.batch);
-    let (Some(q_len), Some(kv_len), Some(rows_len)) = (q_len, kv_len, rows_len) else {
-        return Err(OpsError::Cuda {
-            context: op,
-            message: format!("attention shape {s:?} overflows usize"),
-        });
-    };
+    let (p, [q_len, kv_len, rows_len]) = checked_sizes::<T>(op, ws, &s)?;
     expect_len(op, q_len, q.len())?;
     expect_len(op, kv_len, k.len())?;
     expect_len(op, kv_len, v.len())?;
@@ -648,14 +678,11 @@ pub fn attention_forward_with<T: DeviceFloat>(
     same_device(&stream, op, "out", out)?;
     same_device(&stream, op, "lse", lse)?;
     same_device(&stream, op, "workspace", &ws.buf)?;
-    let flash = wants_flash::<T>(op, imp, &s)?;
-    if s.batch == 0 || s.seq == 0 || s.q_heads == 0 {
+    let Some((flash, plan)) = prepare::<T>(op, imp, &s, &stream)? else {
         return Ok(());
-    }
-    let plan = Plan::new::<T>(s);
+    };
     let (t, d, g, hq, hkv) = (s.seq, s.head_dim, plan.group, s.q_heads, s.kv_heads);
     let e = plan.elem as u64;
-    bind(&stream, op)?;
     let (q0, _q) = q.device_ptr(&stream);
     let (k0, _k) = k.device_ptr(&stream);
     let (v0, _v) = v.device_ptr(&stream);
@@ -686,8 +713,7 @@ pub fn attention_forward_with<T: DeviceFloat>(
         return check(op, status);
     }
     // The GEMM path: the workspace must hold at least one sequence of this shape.
-    let chunk = ws.batch_chunk::<T>(s)?;
-    let (w, _ws_guard) = ws_ptrs::<T>(op, ws, &stream, &p, chunk)?;
+    let (chunk, w, _ws_guard) = ws_ptrs::<T>(op, ws, &stream, s, &p)?;
 
     let mut b0 = 0;
     while b0 < s.batch {
@@ -799,18 +825,7 @@ pub fn attention_backward_with<T: DeviceFloat>(
     dv: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
     let op = "attention_backward";
-    ws.check_elem::<T>(op)?;
-    check_shape(op, &s)?;
-    let p = per_batch(op, &s)?;
-    let q_len = p.q.checked_mul(s.batch);
-    let kv_len = p.kv.checked_mul(s.batch);
-    let rows_len = p.rows.checked_mul(s.batch);
-    let (Some(q_len), Some(kv_len), Some(rows_len)) = (q_len, kv_len, rows_len) else {
-        return Err(OpsError::Cuda {
-            context: op,
-            message: format!("attention shape {s:?} overflows usize"),
-        });
-    };
+    let (p, [q_len, kv_len, rows_len]) = checked_sizes::<T>(op, ws, &s)?;
     for (what, want, have) in [
         ("dout", q_len, dout.len()),
         ("q", q_len, q.len()),
@@ -843,14 +858,11 @@ pub fn attention_backward_with<T: DeviceFloat>(
     same_device(&stream, op, "dk", dk)?;
     same_device(&stream, op, "dv", dv)?;
     same_device(&stream, op, "workspace", &ws.buf)?;
-    let flash = wants_flash::<T>(op, imp, &s)?;
-    if s.batch == 0 || s.seq == 0 || s.q_heads == 0 {
+    let Some((flash, plan)) = prepare::<T>(op, imp, &s, &stream)? else {
         return Ok(());
-    }
-    let plan = Plan::new::<T>(s);
+    };
     let (t, d, g, hq, hkv) = (s.seq, s.head_dim, plan.group, s.q_heads, s.kv_heads);
     let e = plan.elem as u64;
-    bind(&stream, op)?;
     let (do0, _do) = dout.device_ptr(&stream);
     let (q0, _q) = q.device_ptr(&stream);
     let (k0, _k) = k.device_ptr(&stream);
@@ -922,8 +934,7 @@ pub fn attention_backward_with<T: DeviceFloat>(
         }
     }
     // The GEMM path: the workspace must hold at least one sequence of this shape.
-    let chunk = ws.batch_chunk::<T>(s)?;
-    let (w, _ws_guard) = ws_ptrs::<T>(op, ws, &stream, &p, chunk)?;
+    let (chunk, w, _ws_guard) = ws_ptrs::<T>(op, ws, &stream, s, &p)?;
 
     let mut b0 = 0;
     while b0 < s.batch {

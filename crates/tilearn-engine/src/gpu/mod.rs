@@ -391,6 +391,20 @@ impl GpuLlama {
         self.gradient_checkpointing
     }
 
+    /// Whether 16-bit periods run attention through the fused flash kernels at this model's
+    /// shape (bf16/f16 at head_dim 64 or 128); f32 periods and other shapes use the cuBLASLt
+    /// path.
+    pub fn flash_attention(&self) -> bool {
+        let d = Dims::new(&self.config, self.batch, self.seq);
+        tilearn_ops::cuda::flash_attention_supports::<half::bf16>(tilearn_ops::cpu::AttnShape {
+            batch: d.batch,
+            seq: d.seq,
+            q_heads: d.q_heads,
+            kv_heads: d.kv_heads,
+            head_dim: d.head_dim,
+        })
+    }
+
     /// Runs the following calls in `precision`, which must be one the model was built for.
     /// Allocates nothing; entering a 16-bit precision casts the master weights into the
     /// working copy (queued) unless it already holds them in that type.

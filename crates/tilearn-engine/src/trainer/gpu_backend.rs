@@ -59,11 +59,23 @@ impl GpuBackend {
             cpu_optimizer.groups().to_vec(),
             args.max_grad_norm,
         )?;
-        let modes: Vec<String> = precisions.iter().map(|p| p.to_string()).collect();
+        let mut features: Vec<String> = vec![
+            precisions
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(" / "),
+        ];
+        if gpu.flash_attention() && engine.iter().any(|p| p.uses_working_copy()) {
+            features.push("flash attention".into());
+        }
+        if gpu.gradient_checkpointing() {
+            features.push("gradient checkpointing".into());
+        }
         let name = format!(
             "cuda:{ordinal} {} ({})",
             device.name().unwrap_or_else(|_| "GPU".into()),
-            modes.join(" / ")
+            features.join(", ")
         );
         Ok(GpuBackend {
             gpu,

@@ -467,15 +467,16 @@ const TRAIN_STEPS: u64 = 200;
 /// the CPU engine exactly by the parity tests above.
 const CURVE_TOL: f64 = 0.1;
 
-/// The embedded default model of `tilearn train` (crates/tilearn-llm/src/default_config.json).
-fn default_config() -> LlamaConfig {
+/// The embedded default model of `tilearn train` (crates/tilearn-llm/src/default_config.json):
+/// `heads` 4 (head_dim 32: the cuBLASLt attention path), or 2 (head_dim 64: the flash kernels).
+fn default_config(heads: usize) -> LlamaConfig {
     let json = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":128,
-        "intermediate_size":352,"num_hidden_layers":4,"num_attention_heads":4,
+        "intermediate_size":352,"num_hidden_layers":4,"num_attention_heads":HEADS,
         "num_key_value_heads":2,"vocab_size":257,"max_position_embeddings":512,
         "rms_norm_eps":1e-5,"rope_parameters":{"rope_type":"default","rope_theta":10000.0},
         "tie_word_embeddings":true,"attention_bias":false,"mlp_bias":false,
         "initializer_range":0.02,"eos_token_id":256,"dtype":"float32"}"#;
-    LlamaConfig::from_json_str(json, "config.json").unwrap()
+    LlamaConfig::from_json_str(&json.replace("HEADS", &heads.to_string()), "config.json").unwrap()
 }
 
 #[test]
@@ -483,13 +484,20 @@ fn bf16_training_follows_the_cpu_loss_curve() {
     let Some(dev) = gpu_or_skip("bf16_training_follows_the_cpu_loss_curve") else {
         return;
     };
+    // Both attention paths: head_dim 32 (cuBLASLt GEMMs) and head_dim 64 (flash kernels).
+    for heads in [4, 2] {
+        training_curve_case(&dev, heads);
+    }
+}
+
+fn training_curve_case(dev: &GpuDevice, heads: usize) {
     let tmp = tempfile::tempdir().unwrap();
     prepare_embedded_default(tmp.path(), 0, 4000).unwrap();
     let dataset = TokenDataset::open(tmp.path()).unwrap();
     let (batch, seq) = (8, 128);
     let mut loader = DataLoader::new(dataset, batch, seq, 42, LoaderState::default()).unwrap();
 
-    let config = default_config();
+    let config = default_config(heads);
     let mut cpu_model = LlamaForCausalLM::from_config(config.clone(), 42);
     let opt_config = AdamWConfig {
         lr: 3e-3,
@@ -502,7 +510,12 @@ fn bf16_training_follows_the_cpu_loss_curve() {
         warmup_steps: 20,
         total_steps: TRAIN_STEPS,
     };
-    let mut gpu = GpuLlama::new(&dev, &cpu_model, batch, seq, Precision::Bf16).unwrap();
+    let mut gpu = GpuLlama::new(dev, &cpu_model, batch, seq, Precision::Bf16).unwrap();
+    assert_eq!(
+        gpu.flash_attention(),
+        heads == 2,
+        "attention path of the {heads}-head model"
+    );
     let groups = gpu.default_groups(0.0);
     gpu.configure_optimizer(opt_config, groups.clone(), 1.0)
         .unwrap();
@@ -545,7 +558,7 @@ fn bf16_training_follows_the_cpu_loss_curve() {
         gpu_curve.push(g.mean());
         if step % 20 == 0 || step + 1 == TRAIN_STEPS {
             report(&format!(
-                "train step {step:3}: lr {lr:.2e} loss cpu {:.4} gpu-bf16 {:.4}",
+                "heads {heads}: train step {step:3}: lr {lr:.2e} loss cpu {:.4} gpu-bf16 {:.4}",
                 c.mean(),
                 g.mean()
             ));
@@ -562,10 +575,11 @@ fn bf16_training_follows_the_cpu_loss_curve() {
     let (end_cpu, end_gpu) = (last10(&cpu_curve), last10(&gpu_curve));
     let mem = gpu.memory();
     report(&format!(
-        "training: start loss cpu {start_cpu:.4} gpu {start_gpu:.4}; mean of last 10 cpu \
+        "heads {heads} (flash {}): training: start loss cpu {start_cpu:.4} gpu {start_gpu:.4}; mean of last 10 cpu \
          {end_cpu:.4} gpu {end_gpu:.4}; mean |diff| over the last 50 steps {mean_abs_diff:.4} \
          (tol {CURVE_TOL}); gpu {:.1} ms/step (incl. host sync); own device memory {:.1} MiB, \
          peak over the start {:.1} MiB",
+        gpu.flash_attention(),
         gpu_secs * 1e3 / TRAIN_STEPS as f64,
         mem.own_bytes as f64 / 1048576.0,
         mem.peak_bytes() as f64 / 1048576.0

@@ -2,30 +2,18 @@
 //! the uploads through the page-locked staging buffers.
 
 use tilearn_ops::OpsError;
-use tilearn_ops::cpu::IGNORE_INDEX;
+use tilearn_ops::cpu::{IGNORE_INDEX, check_token_ids};
 
 use super::arena::Dims;
 use super::{GpuLlama, cuda_err, invalid};
 use crate::error::Result;
-use crate::model::count_valid_targets;
+use crate::model::{check_call_shape, count_valid_targets};
 
 impl GpuLlama {
     /// Checks a call's shape against the arena and the token ids against the vocabulary,
     /// uploads the ids (one host-to-device copy) and returns the call's dims.
     pub(super) fn prepare(&mut self, ids: &[u32], batch: usize, seq: usize) -> Result<Dims> {
-        if batch == 0 || seq == 0 {
-            return Err(invalid("batch/seq", "must both be positive".into()));
-        }
-        if ids.len() != batch * seq {
-            return Err(invalid(
-                "ids",
-                format!(
-                    "has {} entries but batch * seq = {}",
-                    ids.len(),
-                    batch * seq
-                ),
-            ));
-        }
+        check_call_shape(ids, batch, seq)?;
         let prefix_ok = seq == self.seq || (seq < self.seq && self.rope_prefix_ok);
         if batch > self.batch || !prefix_ok {
             return Err(invalid(
@@ -37,19 +25,7 @@ impl GpuLlama {
                 ),
             ));
         }
-        let vocab = self.config.vocab_size;
-        if let Some((position, &id)) = ids
-            .iter()
-            .enumerate()
-            .find(|&(_, &id)| id as usize >= vocab)
-        {
-            return Err(OpsError::TokenOutOfRange {
-                id,
-                position,
-                vocab,
-            }
-            .into());
-        }
+        check_token_ids(ids, self.config.vocab_size)?;
         let n = batch * seq;
         self.host_ids
             .as_mut_slice()

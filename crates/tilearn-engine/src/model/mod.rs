@@ -297,19 +297,7 @@ impl LlamaForCausalLM {
                 ),
             ));
         }
-        if batch == 0 || seq == 0 {
-            return Err(invalid("batch/seq", "must both be positive".to_string()));
-        }
-        if ids.len() != batch * seq {
-            return Err(invalid(
-                "ids",
-                format!(
-                    "has {} entries but batch * seq = {}",
-                    ids.len(),
-                    batch * seq
-                ),
-            ));
-        }
+        check_call_shape(ids, batch, seq)?;
         let prefix_ok = seq == acts.seq || (seq < acts.seq && acts.rope_prefix_ok);
         if batch > acts.batch || !prefix_ok {
             return Err(invalid(
@@ -332,6 +320,25 @@ impl LlamaForCausalLM {
         }
         Ok(Dims::new(&self.config, batch, seq))
     }
+}
+
+/// The checks every forward makes before anything else, on the CPU and the GPU alike: a
+/// positive `batch` and `seq`, and `batch * seq` token ids.
+pub(crate) fn check_call_shape(ids: &[u32], batch: usize, seq: usize) -> Result<()> {
+    if batch == 0 || seq == 0 {
+        return Err(invalid("batch/seq", "must both be positive".to_string()));
+    }
+    if ids.len() != batch * seq {
+        return Err(invalid(
+            "ids",
+            format!(
+                "has {} entries but batch * seq = {}",
+                ids.len(),
+                batch * seq
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn invalid(argument: &str, message: String) -> EngineError {

@@ -8,6 +8,19 @@ use rayon::prelude::*;
 use super::Real;
 use crate::{OpsError, Result};
 
+/// Fails with [`OpsError::TokenOutOfRange`] naming the first id `>= vocab` (and its position).
+/// The CPU lookup and the GPU engine's upload both check with it before touching anything.
+pub fn check_token_ids(ids: &[u32], vocab: usize) -> Result<()> {
+    match ids.iter().position(|&id| id as usize >= vocab) {
+        Some(position) => Err(OpsError::TokenOutOfRange {
+            id: ids[position],
+            position,
+            vocab,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// `out[r, :] = table[ids[r], :]`. `table` is `[vocab, dim]`, `out` is `[ids.len(), dim]`.
 ///
 /// Every id is checked before anything is written: an id `>= vocab` returns
@@ -33,18 +46,7 @@ pub fn embedding_forward<R: Real>(
             actual: out.len(),
         });
     }
-    let vocab = table.len() / dim;
-    if let Some((position, &id)) = ids
-        .iter()
-        .enumerate()
-        .find(|&(_, &id)| id as usize >= vocab)
-    {
-        return Err(OpsError::TokenOutOfRange {
-            id,
-            position,
-            vocab,
-        });
-    }
+    check_token_ids(ids, table.len() / dim)?;
     out.par_chunks_mut(dim)
         .with_min_len(16)
         .zip(ids.par_iter())

@@ -22,7 +22,7 @@ pub mod swiglu;
 
 pub use attention::{AttnShape, attention_backward, attention_forward};
 pub use cross_entropy::{CeStats, IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
-pub use embedding::{embedding_backward, embedding_forward};
+pub use embedding::{check_token_ids, embedding_backward, embedding_forward};
 pub use linear::{linear_backward, linear_forward};
 pub use real::Real;
 pub use reduce::{global_norm, unscale_and_check};

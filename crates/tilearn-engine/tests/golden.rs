@@ -6,19 +6,10 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-
-use safetensors::{Dtype, SafeTensors};
+use support::golden::{CASES, golden_dir, read_golden};
 use support::rel_err;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
 use tilearn_ops::cpu::rope_inv_freq;
-
-const CASES: &[&str] = &[
-    "mha_untied",
-    "gqa_tied_llama3",
-    "gqa_linear_bias_v4config",
-    "dynamic_rope",
-];
 
 /// Logits and loss go through one f32 forward: ~1e-7 per op, amplified over two layers to
 /// ~1e-6..1e-5; 1e-4 leaves margin yet catches any real mistake (a wrong RoPE convention,
@@ -28,76 +19,6 @@ const LOGITS_LOSS_TOL: f64 = 1e-4;
 /// norms, sums over all tokens) and small-norm tensors (biases, norm weights) amplify it
 /// relatively; 1e-3 is still far below the error of any wrong term (>= 1e-2).
 const GRAD_TOL: f64 = 1e-3;
-
-fn golden_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden")
-}
-
-struct Golden {
-    batch: usize,
-    seq: usize,
-    input_ids: Vec<u32>,
-    labels: Vec<i32>,
-    logits: Vec<f32>,
-    loss: f32,
-    inv_freq: Option<Vec<f32>>,
-    grads: Vec<(String, Vec<usize>, Vec<f32>)>,
-}
-
-fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
-fn i64s(bytes: &[u8]) -> Vec<i64> {
-    bytes
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
-fn read_golden(path: &Path) -> Golden {
-    let bytes = std::fs::read(path)
-        .unwrap_or_else(|e| panic!("{}: {e}; regenerate with make_golden.py", path.display()));
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let get = |name: &str, dtype: Dtype| {
-        let t = st
-            .tensor(name)
-            .unwrap_or_else(|e| panic!("{}: {name}: {e}", path.display()));
-        assert_eq!(t.dtype(), dtype, "{}: {name} dtype", path.display());
-        t
-    };
-    let ids = get("input_ids", Dtype::I64);
-    let (batch, seq) = (ids.shape()[0], ids.shape()[1]);
-    let input_ids = i64s(ids.data()).into_iter().map(|x| x as u32).collect();
-    let labels = i64s(get("labels", Dtype::I64).data())
-        .into_iter()
-        .map(|x| x as i32)
-        .collect();
-    let logits = f32s(get("logits", Dtype::F32).data());
-    let loss = f32s(get("loss", Dtype::F32).data())[0];
-    let inv_freq = st.tensor("rope.inv_freq").ok().map(|t| f32s(t.data()));
-    let mut grads: Vec<_> = st
-        .iter()
-        .filter_map(|(name, t)| {
-            name.strip_prefix("grad.")
-                .map(|n| (n.to_string(), t.shape().to_vec(), f32s(t.data())))
-        })
-        .collect();
-    grads.sort_by(|a, b| a.0.cmp(&b.0));
-    Golden {
-        batch,
-        seq,
-        input_ids,
-        labels,
-        logits,
-        loss,
-        inv_freq,
-        grads,
-    }
-}
 
 fn run_case(case: &str) {
     let dir = golden_dir().join(case);

@@ -8,11 +8,9 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use safetensors::{Dtype, SafeTensors};
+use support::golden::{CASES, golden_dir, read_golden};
 use support::{gpu_or_skip, random_batch, rel_err, report};
 use tilearn_engine::EngineError;
 use tilearn_engine::config::LlamaConfig;
@@ -48,13 +46,6 @@ fn tensor_errors(
 // ---------------------------------------------------------------------------------------------
 // (a) golden transformers fixtures on the GPU
 
-const CASES: &[&str] = &[
-    "mha_untied",
-    "gqa_tied_llama3",
-    "gqa_linear_bias_v4config",
-    "dynamic_rope",
-];
-
 /// f32 on the GPU: the CPU engine's tolerances (see tests/golden.rs): one f32 forward is ~1e-6
 /// off a float64 reference, a wrong op 1e-2 or more.
 const GOLDEN_LOGITS_LOSS_TOL: f64 = 1e-4;
@@ -62,67 +53,6 @@ const GOLDEN_GRAD_TOL: f64 = 1e-3;
 /// bf16 activations and weights round every value to 8 bits of mantissa (~4e-3 relative); the
 /// loss, a mean over all tokens, stays within 1e-2 of the float64 reference.
 const GOLDEN_BF16_LOSS_TOL: f64 = 1e-2;
-
-fn golden_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden")
-}
-
-struct Golden {
-    batch: usize,
-    seq: usize,
-    input_ids: Vec<u32>,
-    labels: Vec<i32>,
-    logits: Vec<f32>,
-    loss: f32,
-    grads: Vec<(String, Vec<f32>)>,
-}
-
-fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
-fn i64s(bytes: &[u8]) -> Vec<i64> {
-    bytes
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
-fn read_golden(path: &Path) -> Golden {
-    let bytes = std::fs::read(path)
-        .unwrap_or_else(|e| panic!("{}: {e}; regenerate with make_golden.py", path.display()));
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let get = |name: &str, dtype: Dtype| {
-        let t = st
-            .tensor(name)
-            .unwrap_or_else(|e| panic!("{}: {name}: {e}", path.display()));
-        assert_eq!(t.dtype(), dtype, "{}: {name} dtype", path.display());
-        t
-    };
-    let ids = get("input_ids", Dtype::I64);
-    let (batch, seq) = (ids.shape()[0], ids.shape()[1]);
-    Golden {
-        batch,
-        seq,
-        input_ids: i64s(ids.data()).into_iter().map(|x| x as u32).collect(),
-        labels: i64s(get("labels", Dtype::I64).data())
-            .into_iter()
-            .map(|x| x as i32)
-            .collect(),
-        logits: f32s(get("logits", Dtype::F32).data()),
-        loss: f32s(get("loss", Dtype::F32).data())[0],
-        grads: st
-            .iter()
-            .filter_map(|(name, t)| {
-                name.strip_prefix("grad.")
-                    .map(|n| (n.to_string(), f32s(t.data())))
-            })
-            .collect(),
-    }
-}
 
 fn golden_case(dev: &GpuDevice, case: &str) {
     let dir = golden_dir().join(case);
@@ -147,7 +77,7 @@ fn golden_case(dev: &GpuDevice, case: &str) {
         model.params.specs.len(),
         "{case}: parameter count"
     );
-    for (name, want) in &g.grads {
+    for (name, _, want) in &g.grads {
         let spec = model
             .params
             .spec(name)

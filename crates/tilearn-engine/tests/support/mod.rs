@@ -2,6 +2,8 @@
 //! binary uses every helper).
 #![allow(dead_code)]
 
+pub mod golden;
+
 use std::io::Write;
 
 use rand::Rng;

@@ -1,0 +1,87 @@
+//! The transformers golden fixtures of `tests/golden/<case>/` (made by
+//! `tests/golden/make_golden.py`): where they are and how to read one case's
+//! `golden.safetensors`. Shared by the CPU parity test and the GPU engine's test.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors};
+
+/// The committed cases.
+pub const CASES: &[&str] = &[
+    "mha_untied",
+    "gqa_tied_llama3",
+    "gqa_linear_bias_v4config",
+    "dynamic_rope",
+];
+
+pub fn golden_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden")
+}
+
+/// One case's inputs and transformers' outputs (gradients sorted by parameter name, each with
+/// its shape).
+pub struct Golden {
+    pub batch: usize,
+    pub seq: usize,
+    pub input_ids: Vec<u32>,
+    pub labels: Vec<i32>,
+    pub logits: Vec<f32>,
+    pub loss: f32,
+    pub inv_freq: Option<Vec<f32>>,
+    pub grads: Vec<(String, Vec<usize>, Vec<f32>)>,
+}
+
+pub fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+pub fn i64s(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+pub fn read_golden(path: &Path) -> Golden {
+    let bytes = std::fs::read(path)
+        .unwrap_or_else(|e| panic!("{}: {e}; regenerate with make_golden.py", path.display()));
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let get = |name: &str, dtype: Dtype| {
+        let t = st
+            .tensor(name)
+            .unwrap_or_else(|e| panic!("{}: {name}: {e}", path.display()));
+        assert_eq!(t.dtype(), dtype, "{}: {name} dtype", path.display());
+        t
+    };
+    let ids = get("input_ids", Dtype::I64);
+    let (batch, seq) = (ids.shape()[0], ids.shape()[1]);
+    let input_ids = i64s(ids.data()).into_iter().map(|x| x as u32).collect();
+    let labels = i64s(get("labels", Dtype::I64).data())
+        .into_iter()
+        .map(|x| x as i32)
+        .collect();
+    let logits = f32s(get("logits", Dtype::F32).data());
+    let loss = f32s(get("loss", Dtype::F32).data())[0];
+    let inv_freq = st.tensor("rope.inv_freq").ok().map(|t| f32s(t.data()));
+    let mut grads: Vec<_> = st
+        .iter()
+        .filter_map(|(name, t)| {
+            name.strip_prefix("grad.")
+                .map(|n| (n.to_string(), t.shape().to_vec(), f32s(t.data())))
+        })
+        .collect();
+    grads.sort_by(|a, b| a.0.cmp(&b.0));
+    Golden {
+        batch,
+        seq,
+        input_ids,
+        labels,
+        logits,
+        loss,
+        inv_freq,
+        grads,
+    }
+}

@@ -13,6 +13,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
+pub mod fs;
 pub mod tensor;
 
 pub use dtype::DType;

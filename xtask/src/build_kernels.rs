@@ -1,7 +1,8 @@
-//! `cargo xtask build-kernels [--check]`: generates `crates/tilearn-ops/src/cuda/ffi.rs`, the
-//! Rust declarations of the `extern "C"` launchers in `kernels/include/tilearn_kernels.h`.
+//! `cargo xtask build-kernels [--check]`: generates `crates/tilearn-kernels/src/ffi.rs`, the
+//! Rust declarations of the `extern "C"` launchers in
+//! `crates/tilearn-kernels/kernels/include/tilearn_kernels.h`.
 //!
-//! The file is committed, so building tilearn-ops never needs libclang. `--check` regenerates it
+//! The file is committed, so building tilearn-kernels never needs libclang. `--check` regenerates it
 //! in memory and fails when the committed file differs (CI runs it). The header declares
 //! `cudaStream_t` itself when not compiled by nvcc, so bindgen needs no CUDA headers; the output
 //! is formatted with `rustfmt --edition 2024`, the same formatting `cargo fmt` applies.
@@ -12,8 +13,8 @@ use std::process::{Command, Stdio};
 
 use crate::cmd::workspace_root;
 
-const HEADER: &str = "kernels/include/tilearn_kernels.h";
-const OUTPUT: &str = "crates/tilearn-ops/src/cuda/ffi.rs";
+const HEADER: &str = "crates/tilearn-kernels/kernels/include/tilearn_kernels.h";
+const OUTPUT: &str = "crates/tilearn-kernels/src/ffi.rs";
 
 pub fn run(args: &[String]) -> Result<(), String> {
     let check = match args {

@@ -7,13 +7,12 @@
 //! and f16 alike, re-cast from the fp32 master weights whenever the period's type changes.
 //! Switching therefore allocates nothing and costs one cast of the weights.
 
-use std::ffi::c_int;
 use std::fmt;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaView};
 use half::{bf16, f16};
-use tilearn_ops::cuda::{CudaStream, DeviceFloat, cast_f32_to_bf16, cast_f32_to_f16, ffi};
+use tilearn_ops::cuda::{CudaStream, DeviceFloat, cast_f32_to_bf16, cast_f32_to_f16};
 use tilearn_optim::cuda::{ParamCopy, Rounding};
 
 use super::cuda_err;
@@ -49,9 +48,9 @@ impl Precision {
 
     /// The precision whose activations are `T`.
     fn of<T: DeviceFloat>() -> Precision {
-        if T::DTYPE == ffi::TILEARN_DTYPE_BF16 as c_int {
+        if T::DTYPE == bf16::DTYPE {
             Precision::Bf16
-        } else if T::DTYPE == ffi::TILEARN_DTYPE_F16 as c_int {
+        } else if T::DTYPE == f16::DTYPE {
             Precision::F16
         } else {
             Precision::F32

@@ -6,14 +6,15 @@
 //! (`=`) `dq`, `dk`, `dv`.
 //!
 //! Two implementations ([`AttentionImpl`]; the plain functions take `Auto`):
-//! * **Flash** (`kernels/flash_attention.cu`): fused FlashAttention-2-style kernels on tensor
-//!   cores for bf16 and f16 at head_dim 64 and 128 ([`flash_attention_supports`]) with 16-byte
-//!   aligned tensors. The forward keeps S and P on chip (online softmax) and scores only the
+//! * **Flash** (`crates/tilearn-kernels/kernels/flash_attention.cu`): fused
+//!   FlashAttention-2-style kernels on tensor cores for bf16 and f16 at head_dim 64 and 128
+//!   ([`flash_attention_supports`]) with 16-byte aligned tensors. The forward keeps S and P on chip (online softmax) and scores only the
 //!   key blocks up to the diagonal; the backward recomputes P from `lse` in two deterministic
 //!   kernels (dK/dV per key block, summing the GQA group's heads in a fixed order; dQ per
 //!   query block) after the `delta` kernel below. No workspace regions beyond `delta`.
 //! * **Gemm**: cuBLASLt batched GEMMs for the six matrix products and the row kernels of
-//!   `kernels/attention.cu` (causal softmax, probability recomputation, dS, delta, permutes);
+//!   `crates/tilearn-kernels/kernels/attention.cu` (causal softmax, probability recomputation,
+//!   dS, delta, permutes);
 //!   every type and shape, and the exact f32 path. Described below.
 //!
 //! `Auto` takes the flash kernels wherever they apply. Measured on an H200 (`gemm-bench
@@ -74,11 +75,11 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::DeviceFloat;
-use super::ffi;
 use super::gemm::{Epilogue, Gemm, MatmulSpec, Operand};
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::cpu::AttnShape;
 use crate::{OpsError, Result};
+use tilearn_kernels::ffi;
 
 /// Leading dimension of the score rows: `seq` rounded up to 8 elements (32 bytes of f32, 16 of
 /// a 16-bit type), so every row starts aligned for cuBLASLt's vectorised kernels.

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
 
-use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::Result;
+use tilearn_kernels::ffi;
 
 type CastLauncher<S, D> = unsafe extern "C" fn(*const S, *mut D, usize, ffi::cudaStream_t) -> c_int;
 

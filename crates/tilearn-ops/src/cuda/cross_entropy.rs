@@ -22,10 +22,10 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceSlice};
 
 use super::DeviceFloat;
-use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::cpu::CeStats;
 use crate::{OpsError, Result};
+use tilearn_kernels::ffi;
 
 /// Number of f64 words the launchers write into the totals (see `tilearn_kernels.h`):
 /// `[loss_sum, valid, first_bad_position or -1, first_bad_label]`.

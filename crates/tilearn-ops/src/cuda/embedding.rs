@@ -18,9 +18,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::dtype::DeviceFloat;
-use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::{OpsError, Result};
+use tilearn_kernels::ffi;
 
 /// "No out-of-range id seen": the value the status word starts from.
 const NO_ERROR: u64 = u64::MAX;

@@ -1,12 +1,12 @@
 //! What every launcher wrapper does before and after the FFI call: check that buffers live on
 //! the stream's device, make the context current, and turn the returned status into an error.
 
-use std::ffi::{CStr, c_int};
+use std::ffi::c_int;
 
 use cudarc::driver::{CudaStream, DeviceSlice};
 
-use super::ffi;
 use crate::{OpsError, Result};
+use tilearn_kernels::ffi;
 
 /// The runtime's stream handle for a cudarc stream. The driver's `CUstream` and the runtime's
 /// `cudaStream_t` are the same handle (CUDA documents them as interchangeable).
@@ -62,24 +62,11 @@ pub(super) fn expect_len(op: &'static str, expected: usize, actual: usize) -> Re
 
 /// Turns a launcher's return value (a `cudaError_t`) into a result.
 pub(super) fn check(op: &'static str, status: c_int) -> Result<()> {
-    if status == 0 {
-        return Ok(());
+    match tilearn_kernels::status_message(status) {
+        None => Ok(()),
+        Some(message) => Err(OpsError::Cuda {
+            context: op,
+            message,
+        }),
     }
-    // SAFETY: both functions only call cudaGetErrorName / cudaGetErrorString, which return
-    // pointers to static NUL-terminated strings for every input (an "unrecognized error code"
-    // string for unknown values), never NULL.
-    let (name, text) = unsafe {
-        (
-            CStr::from_ptr(ffi::tilearn_status_name(status)),
-            CStr::from_ptr(ffi::tilearn_status_string(status)),
-        )
-    };
-    Err(OpsError::Cuda {
-        context: op,
-        message: format!(
-            "{} ({status}): {}",
-            name.to_string_lossy(),
-            text.to_string_lossy()
-        ),
-    })
 }

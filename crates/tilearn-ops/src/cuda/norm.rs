@@ -18,9 +18,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::DeviceFloat;
-use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::{OpsError, Result};
+use tilearn_kernels::ffi;
 
 /// Rows of `[rows, dim]` data of `len` elements, checking `dim > 0` and divisibility.
 fn rows_of(op: &'static str, len: usize, dim: usize) -> Result<usize> {

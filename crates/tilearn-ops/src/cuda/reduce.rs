@@ -10,9 +10,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::DeviceFloat;
-use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::{OpsError, Result};
+use tilearn_kernels::ffi;
 
 /// Scratch and results of [`global_norm`], allocated once (for any buffer length and element
 /// type) and reused every step: the per-block partial sums, the f64 sum of squares and the f32

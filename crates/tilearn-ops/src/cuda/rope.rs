@@ -10,10 +10,10 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::dtype::DeviceFloat;
-use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::cpu::RopeTable;
 use crate::{OpsError, Result};
+use tilearn_kernels::ffi;
 
 /// The signature shared by `tilearn_rope_forward` (rotation by +angle) and
 /// `tilearn_rope_backward` (by -angle).

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
 use super::dtype::DeviceFloat;
-use super::ffi;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::Result;
+use tilearn_kernels::ffi;
 
 /// `out = silu(gate) * up`, element-wise, with `silu(g) = g * sigmoid(g)`; all lengths must
 /// match and `out` is written (`=`).

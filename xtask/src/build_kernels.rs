@@ -6,6 +6,10 @@
 //! in memory and fails when the committed file differs (CI runs it). The header declares
 //! `cudaStream_t` itself when not compiled by nvcc, so bindgen needs no CUDA headers; the output
 //! is formatted with `rustfmt --edition 2024`, the same formatting `cargo fmt` applies.
+//!
+//! Both modes first check that every kernel file opens with its header
+//! ([`kernel_header`](crate::kernel_header)) and fail, naming the file and the field, when one
+//! does not.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -13,6 +17,8 @@ use std::process::{Command, Stdio};
 
 use crate::cmd::workspace_root;
 
+/// The kernel sources (`*.cu`) of tilearn-kernels.
+pub const KERNELS: &str = "crates/tilearn-kernels/kernels";
 const HEADER: &str = "crates/tilearn-kernels/kernels/include/tilearn_kernels.h";
 const OUTPUT: &str = "crates/tilearn-kernels/src/ffi.rs";
 
@@ -27,6 +33,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     };
     let root = workspace_root();
+    crate::kernel_header::check_dir(&root.join(KERNELS))?;
     let generated = generate(&root.join(HEADER))?;
     let output = root.join(OUTPUT);
     if check {

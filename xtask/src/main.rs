@@ -5,10 +5,12 @@
 //! * `test`               what CI runs: install the pinned nvcc if none is found, fmt, clippy,
 //!   the bindings freshness check, and the whole test suite built with `--features cuda`.
 //! * `setup-cuda`         install the pinned CUDA 13.0 nvcc from PyPI wheels into `target/cuda`.
-//! * `build-kernels [--check]`  regenerate (or check) the bindgen FFI of tilearn-kernels' header.
+//! * `build-kernels [--check]`  check every kernel file's header, then regenerate (or
+//!   check) the bindgen FFI of tilearn-kernels' launcher header.
 
 mod build_kernels;
 mod cmd;
+mod kernel_header;
 mod setup_cuda;
 mod test;
 mod train;

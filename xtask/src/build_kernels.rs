@@ -2,8 +2,8 @@
 //! Rust declarations of the `extern "C"` launchers in
 //! `crates/tilearn-kernels/kernels/include/tilearn_kernels.h`.
 //!
-//! The file is committed, so building tilearn-kernels never needs libclang. `--check` regenerates it
-//! in memory and fails when the committed file differs (CI runs it). The header declares
+//! The file is committed, so building tilearn-kernels never needs libclang. `--check`
+//! regenerates it in memory and fails when the committed file differs (CI runs it). The header declares
 //! `cudaStream_t` itself when not compiled by nvcc, so bindgen needs no CUDA headers; the output
 //! is formatted with `rustfmt --edition 2024`, the same formatting `cargo fmt` applies.
 //!

@@ -7,12 +7,13 @@
 //! and f16 alike, re-cast from the fp32 master weights whenever the period's type changes.
 //! Switching therefore allocates nothing and costs one cast of the weights.
 
+use std::ffi::c_int;
 use std::fmt;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaView};
 use half::{bf16, f16};
-use tilearn_ops::cuda::{CudaStream, DeviceFloat, cast_f32_to_bf16, cast_f32_to_f16};
+use tilearn_ops::cuda::{CudaStream, DeviceFloat, cast_f32_to_bf16, cast_f32_to_f16, ffi};
 use tilearn_optim::cuda::{ParamCopy, Rounding};
 
 use super::cuda_err;
@@ -48,9 +49,9 @@ impl Precision {
 
     /// The precision whose activations are `T`.
     fn of<T: DeviceFloat>() -> Precision {
-        if T::DTYPE == bf16::DTYPE {
+        if T::DTYPE == ffi::TILEARN_DTYPE_BF16 as c_int {
             Precision::Bf16
-        } else if T::DTYPE == f16::DTYPE {
+        } else if T::DTYPE == ffi::TILEARN_DTYPE_F16 as c_int {
             Precision::F16
         } else {
             Precision::F32

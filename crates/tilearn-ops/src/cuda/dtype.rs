@@ -13,7 +13,6 @@ use std::ffi::c_int;
 use cudarc::cublaslt::sys::cudaDataType;
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
-
 use tilearn_kernels::ffi;
 
 mod sealed {

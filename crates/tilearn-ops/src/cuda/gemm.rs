@@ -31,11 +31,11 @@ use std::sync::Arc;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
 use super::launch::{bind, check, expect_len, raw_stream, same_device};
 use crate::{OpsError, Result};
-use tilearn_kernels::ffi;
 
 /// Bytes of the cuBLASLt workspace every [`Gemm`] allocates once: NVIDIA's recommendation for
 /// Hopper (enough for split-K and stream-K algorithms); older GPUs use part of it.

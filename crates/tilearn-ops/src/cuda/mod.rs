@@ -12,6 +12,11 @@
 //! Launches are asynchronous: results are visible to later work on the same stream, and to the
 //! host after [`GpuDevice::synchronize`] or a device-to-host copy on that stream.
 
+/// The raw `extern "C"` launchers, re-exported from tilearn-kernels for the tests that drive a
+/// launcher directly (invalid dtype codes, scratch sizes). New code depends on
+/// `tilearn_kernels::ffi` itself.
+pub use tilearn_kernels::ffi;
+
 mod attention;
 mod cast;
 mod cross_entropy;

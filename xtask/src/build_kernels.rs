@@ -17,8 +17,6 @@ use std::process::{Command, Stdio};
 
 use crate::cmd::workspace_root;
 
-/// The kernel sources (`*.cu`) of tilearn-kernels.
-pub const KERNELS: &str = "crates/tilearn-kernels/kernels";
 const HEADER: &str = "crates/tilearn-kernels/kernels/include/tilearn_kernels.h";
 const OUTPUT: &str = "crates/tilearn-kernels/src/ffi.rs";
 
@@ -33,7 +31,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     };
     let root = workspace_root();
-    crate::kernel_header::check_dir(&root.join(KERNELS))?;
+    crate::kernel_header::check_dir(&root.join(crate::kernel_header::KERNELS))?;
     let generated = generate(&root.join(HEADER))?;
     let output = root.join(OUTPUT);
     if check {

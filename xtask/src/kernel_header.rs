@@ -13,6 +13,9 @@
 
 use std::path::{Path, PathBuf};
 
+/// The kernel sources (`*.cu`) of tilearn-kernels.
+pub const KERNELS: &str = "crates/tilearn-kernels/kernels";
+
 /// The fields every header must have, with a non-empty value.
 const REQUIRED: [&str; 3] = ["Fused", "Layout", "Precision"];
 /// The write statement: one of these, whose value contains `=` (or is `n/a`).
@@ -278,7 +281,7 @@ mod tests {
 
     #[test]
     fn every_kernel_in_the_workspace_has_its_header() {
-        let dir = crate::cmd::workspace_root().join(crate::build_kernels::KERNELS);
+        let dir = crate::cmd::workspace_root().join(KERNELS);
         check_dir(&dir).unwrap();
     }
 

@@ -204,8 +204,21 @@ impl Mesh {
         Ok(())
     }
 
-    /// Receives one message with `tag` into `dst`, which must be exactly its length.
+    /// Receives one message with `tag` into `dst`, which must be exactly its length. A message
+    /// that does not match is answered with an error frame, so the peer fails with the reason
+    /// instead of waiting for a timeout.
     pub fn recv(&self, op: &'static str, peer: usize, tag: Tag, dst: &mut [u8]) -> Result<()> {
+        let result = self.recv_checked(op, peer, tag, dst);
+        if let Err(e @ (ParallelError::OutOfStep { .. } | ParallelError::Frame { .. })) = &result {
+            if let Ok((mut stream, _)) = self.link(op, peer) {
+                // Best effort: the peer learns why; our own error is returned either way.
+                let _ = write_frame(&mut stream, FrameKind::Error, &[e.to_string().as_bytes()]);
+            }
+        }
+        result
+    }
+
+    fn recv_checked(&self, op: &'static str, peer: usize, tag: Tag, dst: &mut [u8]) -> Result<()> {
         let (mut stream, ctx) = self.link(op, peer)?;
         let mut filled = 0;
         loop {

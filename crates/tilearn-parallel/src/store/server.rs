@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::io::ErrorKind;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -37,8 +37,10 @@ struct Shared {
     world_size: usize,
     max_connections: usize,
     live_connections: AtomicUsize,
-    /// Clones of the admitted sockets, shut down on drop to end their threads.
-    sockets: Mutex<Vec<TcpStream>>,
+    /// Clones of the admitted sockets by connection number, shut down on drop to end their
+    /// threads; each thread removes its own when it ends.
+    sockets: Mutex<HashMap<u64, TcpStream>>,
+    next_connection: AtomicU64,
 }
 
 impl Shared {
@@ -90,7 +92,8 @@ impl StoreServer {
             // the rest is headroom for restarts whose old sockets are still closing.
             max_connections: 4 * world_size + 64,
             live_connections: AtomicUsize::new(0),
-            sockets: Mutex::new(Vec::new()),
+            sockets: Mutex::new(HashMap::new()),
+            next_connection: AtomicU64::new(0),
         });
         let accept_shared = Arc::clone(&shared);
         let accept = std::thread::Builder::new()
@@ -119,7 +122,7 @@ impl Drop for StoreServer {
             .sockets
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .iter()
+            .values()
         {
             // Ends the connection thread's blocking read; an error means it is already closed.
             let _ = socket.shutdown(Shutdown::Both);
@@ -177,15 +180,28 @@ fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
     if set_timeouts(&stream, None).is_err() {
         return;
     }
+    let id = shared.next_connection.fetch_add(1, Ordering::SeqCst);
     if let Ok(clone) = stream.try_clone() {
         shared
             .sockets
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(clone);
+            .insert(id, clone);
     }
+    serve_requests(&mut stream, shared);
+    shared
+        .sockets
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id);
+    // Closes the connection for the peer even while the clone was alive.
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// Answers requests until the client leaves, the stream's framing is lost, or the store stops.
+fn serve_requests(stream: &mut TcpStream, shared: &Shared) {
     while !shared.stop.load(Ordering::SeqCst) {
-        let frame = match read_frame(&mut stream, MAX_STORE_FRAME) {
+        let frame = match read_frame(stream, MAX_STORE_FRAME) {
             Ok(frame) => frame,
             Err(FrameError::Io(_)) => return, // closed or shut down
             Err(e) => {
@@ -197,7 +213,7 @@ fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
                     }
                     FrameError::Io(_) => unreachable!("handled above"),
                 };
-                let _ = write_frame(&mut stream, FrameKind::Error, &[message.as_bytes()]);
+                let _ = write_frame(stream, FrameKind::Error, &[message.as_bytes()]);
                 return;
             }
         };
@@ -207,8 +223,8 @@ fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
             Request::decode(&frame.payload).and_then(|request| handle(shared, request))
         };
         let written = match reply {
-            Ok(response) => write_frame(&mut stream, FrameKind::Response, &[&response.encode()]),
-            Err(message) => write_frame(&mut stream, FrameKind::Error, &[message.as_bytes()]),
+            Ok(response) => write_frame(stream, FrameKind::Response, &[&response.encode()]),
+            Err(message) => write_frame(stream, FrameKind::Error, &[message.as_bytes()]),
         };
         if written.is_err() {
             return;

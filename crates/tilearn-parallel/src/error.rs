@@ -112,6 +112,12 @@ pub enum ParallelError {
     /// A launched rank failed; the launcher's one summary of a failed job.
     #[error("rank {rank} {cause}")]
     RankFailed { rank: usize, cause: String },
+    /// Another node's launcher stopped the job; this node's ranks were stopped with it.
+    #[error("node {node} stopped its ranks because the job failed elsewhere: {reason}")]
+    JobStopped { node: usize, reason: String },
+    /// The launcher was told to stop; it stopped every rank.
+    #[error("interrupted by {signal}; stopped every rank")]
+    Interrupted { signal: &'static str },
     /// The launcher could not start a rank.
     #[error("cannot start {program}: {source}")]
     Spawn {

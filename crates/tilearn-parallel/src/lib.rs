@@ -16,6 +16,8 @@ pub mod failure;
 pub mod heartbeat;
 pub mod host;
 pub mod launch;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod process_group;
 pub mod rank_env;
 pub mod reduce;

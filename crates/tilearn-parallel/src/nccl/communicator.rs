@@ -105,6 +105,14 @@ fn offset(ptr: u64, elements: usize, dtype: DType) -> *mut c_void {
 impl NcclCommunicator {
     /// The communicator of all ranks, on the GPU `LOCAL_RANK` among the visible devices.
     pub fn for_local_rank(group: &ProcessGroup) -> Result<NcclCommunicator> {
+        // SAFETY: only tries to dlopen the driver library; cudarc panics on use without it.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(ParallelError::Cuda {
+                context: "opening the GPU numbered LOCAL_RANK".into(),
+                message: "no CUDA driver (libcuda.so) found: is the NVIDIA driver installed?"
+                    .into(),
+            });
+        }
         let ctx = CudaContext::new(group.env().local_rank)
             .map_err(cuda("opening the GPU numbered LOCAL_RANK"))?;
         NcclCommunicator::new(group, &ctx)

@@ -69,7 +69,7 @@ pub fn shard_range(
     world_size: usize,
     rank: usize,
 ) -> Result<Range<usize>> {
-    if len % world_size != 0 {
+    if !len.is_multiple_of(world_size) {
         return Err(ParallelError::Buffer {
             op,
             dtype: buf_dtype,

@@ -39,16 +39,15 @@ impl Heartbeat {
                     // A store that cannot be reached means rank 0 or the launcher is gone, which
                     // the collectives and the launcher report; the beat just keeps trying.
                     let _ = store.heartbeat(rank);
-                    if watch {
-                        if let Ok(silent) = store.silent_ranks(timeout) {
-                            if let Some(first) = silent.first() {
-                                eprintln!(
-                                    "error: rank {first} stopped answering (no heartbeat for {} s)",
-                                    timeout.as_secs_f64()
-                                );
-                                std::process::exit(1);
-                            }
-                        }
+                    if watch
+                        && let Ok(silent) = store.silent_ranks(timeout)
+                        && let Some(first) = silent.first()
+                    {
+                        eprintln!(
+                            "error: rank {first} stopped answering (no heartbeat for {} s)",
+                            timeout.as_secs_f64()
+                        );
+                        std::process::exit(1);
                     }
                     match stopped.recv_timeout(interval) {
                         Err(RecvTimeoutError::Timeout) => continue,

@@ -209,11 +209,11 @@ impl Mesh {
     /// instead of waiting for a timeout.
     pub fn recv(&self, op: &'static str, peer: usize, tag: Tag, dst: &mut [u8]) -> Result<()> {
         let result = self.recv_checked(op, peer, tag, dst);
-        if let Err(e @ (ParallelError::OutOfStep { .. } | ParallelError::Frame { .. })) = &result {
-            if let Ok((mut stream, _)) = self.link(op, peer) {
-                // Best effort: the peer learns why; our own error is returned either way.
-                let _ = write_frame(&mut stream, FrameKind::Error, &[e.to_string().as_bytes()]);
-            }
+        if let Err(e @ (ParallelError::OutOfStep { .. } | ParallelError::Frame { .. })) = &result
+            && let Ok((mut stream, _)) = self.link(op, peer)
+        {
+            // Best effort: the peer learns why; our own error is returned either way.
+            let _ = write_frame(&mut stream, FrameKind::Error, &[e.to_string().as_bytes()]);
         }
         result
     }

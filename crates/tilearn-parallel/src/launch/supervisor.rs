@@ -220,10 +220,10 @@ fn detect(
     if ranks.iter().any(|r| r.failure().is_some()) {
         return Some(Trigger::Exit);
     }
-    if let Ok(silent) = store.client.silent_ranks(config.heartbeat_timeout) {
-        if let Some(&rank) = silent.first() {
-            return Some(Trigger::Silent(rank));
-        }
+    if let Ok(silent) = store.client.silent_ranks(config.heartbeat_timeout)
+        && let Some(&rank) = silent.first()
+    {
+        return Some(Trigger::Silent(rank));
     }
     if let Ok(Some(why)) = store.client.get(abort_key) {
         return Some(Trigger::Remote(String::from_utf8_lossy(&why).into_owned()));

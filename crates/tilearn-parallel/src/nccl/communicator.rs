@@ -270,21 +270,11 @@ impl NcclCommunicator {
         })
     }
 
+    /// Runs a reducing NCCL call over `(send, recv, count)` with `op` for `dtype`.
     fn reduce_call(
         &self,
-        call: &'static str,
-        f: unsafe extern "C" fn(
-            *const c_void,
-            *mut c_void,
-            usize,
-            library::DataType,
-            library::RedOp,
-            library::Comm,
-            library::Stream,
-        ) -> library::NcclResult,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
+        (call, f): (&'static str, library::ReduceFn),
+        (send, recv, count): (*const c_void, *mut c_void, usize),
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
@@ -333,15 +323,8 @@ impl Communicator for NcclCommunicator {
     fn all_reduce<'a>(&'a self, buf: BufferMut<'a>, op: ReduceOp) -> Result<Work<'a>> {
         self.enqueue_mut("all_reduce", buf, |ptr, dtype, len| {
             let p = ptr as *mut c_void;
-            self.reduce_call(
-                "ncclAllReduce",
-                self.handle.nccl.all_reduce,
-                p,
-                p,
-                len,
-                dtype,
-                op,
-            )
+            let call = ("ncclAllReduce", self.handle.nccl.all_reduce);
+            self.reduce_call(call, (p, p, len), dtype, op)
         })
     }
 
@@ -353,15 +336,8 @@ impl Communicator for NcclCommunicator {
             // In place as NCCL defines it: recvbuff = sendbuff + rank * recvcount.
             let recv = offset(ptr, rank * shard, dtype);
             let f = self.handle.nccl.reduce_scatter;
-            self.reduce_call(
-                "ncclReduceScatter",
-                f,
-                ptr as *const c_void,
-                recv,
-                shard,
-                dtype,
-                op,
-            )
+            let span = (ptr as *const c_void, recv, shard);
+            self.reduce_call(("ncclReduceScatter", f), span, dtype, op)
         })
     }
 

@@ -19,6 +19,16 @@ pub type Stream = *mut c_void;
 pub type NcclResult = c_int;
 pub type DataType = c_int;
 pub type RedOp = c_int;
+/// `ncclAllReduce` and `ncclReduceScatter`: (send, recv, count, type, op, comm, stream).
+pub type ReduceFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    DataType,
+    RedOp,
+    Comm,
+    Stream,
+) -> NcclResult;
 
 /// `ncclUniqueId`: 128 opaque bytes, passed by value.
 #[repr(C)]
@@ -53,24 +63,8 @@ pub struct Nccl {
     pub comm_split: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> NcclResult,
     pub comm_get_async_error: unsafe extern "C" fn(Comm, *mut NcclResult) -> NcclResult,
     pub get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
-    pub all_reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        DataType,
-        RedOp,
-        Comm,
-        Stream,
-    ) -> NcclResult,
-    pub reduce_scatter: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        DataType,
-        RedOp,
-        Comm,
-        Stream,
-    ) -> NcclResult,
+    pub all_reduce: ReduceFn,
+    pub reduce_scatter: ReduceFn,
     pub all_gather: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,

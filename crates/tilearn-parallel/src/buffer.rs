@@ -253,3 +253,41 @@ impl<'a> From<HostSliceMut<'a>> for BufferMut<'a> {
         BufferMut::Host(slice)
     }
 }
+
+#[cfg(feature = "cuda")]
+mod device_conversions {
+    use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+    use half::{bf16, f16};
+
+    use super::{Buffer, BufferMut, CommElement};
+
+    impl<'a, T: CommElement> From<CudaViewMut<'a, T>> for BufferMut<'a> {
+        fn from(view: CudaViewMut<'a, T>) -> Self {
+            BufferMut::Device(T::device_mut(view))
+        }
+    }
+
+    impl<'a, T: CommElement> From<&'a mut CudaSlice<T>> for BufferMut<'a> {
+        fn from(slice: &'a mut CudaSlice<T>) -> Self {
+            BufferMut::Device(T::device_mut(slice.as_view_mut()))
+        }
+    }
+
+    impl<'a> From<CudaView<'a, f32>> for Buffer<'a> {
+        fn from(view: CudaView<'a, f32>) -> Self {
+            Buffer::Device(crate::device::DeviceSlice::F32(view))
+        }
+    }
+
+    impl<'a> From<CudaView<'a, bf16>> for Buffer<'a> {
+        fn from(view: CudaView<'a, bf16>) -> Self {
+            Buffer::Device(crate::device::DeviceSlice::BF16(view))
+        }
+    }
+
+    impl<'a> From<CudaView<'a, f16>> for Buffer<'a> {
+        fn from(view: CudaView<'a, f16>) -> Self {
+            Buffer::Device(crate::device::DeviceSlice::F16(view))
+        }
+    }
+}

@@ -1,13 +1,12 @@
 //! Device buffers (feature `cuda`): views of cudarc slices. A bucket of a flat gradient buffer is
 //! `grads.slice_mut(range)`, so it is communicated without a copy. cudarc's event tracking orders
 //! the communication stream after the kernels that wrote the view and before the ones that read
-//! it next.
+//! it next. The conversions into [`crate::Buffer`]/[`crate::BufferMut`] live in `buffer.rs`, so
+//! this file depends on nothing else in the crate.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{CudaView, CudaViewMut};
 use half::{bf16, f16};
 use tilearn_ops::DType;
-
-use crate::buffer::{Buffer, BufferMut, CommElement};
 
 /// A read-only device view of one of the communicated dtypes.
 #[derive(Debug)]
@@ -66,35 +65,5 @@ impl DeviceSliceMut<'_> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-}
-
-impl<'a, T: CommElement> From<CudaViewMut<'a, T>> for BufferMut<'a> {
-    fn from(view: CudaViewMut<'a, T>) -> Self {
-        BufferMut::Device(T::device_mut(view))
-    }
-}
-
-impl<'a, T: CommElement> From<&'a mut CudaSlice<T>> for BufferMut<'a> {
-    fn from(slice: &'a mut CudaSlice<T>) -> Self {
-        BufferMut::Device(T::device_mut(slice.as_view_mut()))
-    }
-}
-
-impl<'a> From<CudaView<'a, f32>> for Buffer<'a> {
-    fn from(view: CudaView<'a, f32>) -> Self {
-        Buffer::Device(DeviceSlice::F32(view))
-    }
-}
-
-impl<'a> From<CudaView<'a, bf16>> for Buffer<'a> {
-    fn from(view: CudaView<'a, bf16>) -> Self {
-        Buffer::Device(DeviceSlice::BF16(view))
-    }
-}
-
-impl<'a> From<CudaView<'a, f16>> for Buffer<'a> {
-    fn from(view: CudaView<'a, f16>) -> Self {
-        Buffer::Device(DeviceSlice::F16(view))
     }
 }

@@ -13,45 +13,11 @@ use crate::buffer::{Buffer, BufferMut};
 use crate::communicator::{Communicator, check_group_ranks, shard_range};
 use crate::device::{DeviceSlice, DeviceSliceMut};
 use crate::error::{ParallelError, Result};
-use crate::nccl::library::{self, Nccl, UniqueId};
+use crate::nccl::library::{self, CommHandle, UniqueId};
 use crate::nccl::work::NcclWork;
 use crate::process_group::ProcessGroup;
 use crate::reduce::ReduceOp;
 use crate::work::Work;
-
-/// An NCCL communicator pointer shared by the communicator and its work handles.
-#[derive(Clone, Copy)]
-pub struct CommHandle {
-    comm: library::Comm,
-    nccl: &'static Nccl,
-}
-
-// SAFETY: an ncclComm_t may be used from any thread; tilearn serialises the calls that enqueue
-// work on it (the `enqueue` mutex), and abort/async-error queries are thread-safe in NCCL.
-unsafe impl Send for CommHandle {}
-// SAFETY: as above.
-unsafe impl Sync for CommHandle {}
-
-impl CommHandle {
-    pub fn async_error(&self) -> Result<()> {
-        let mut code = library::SUCCESS;
-        // SAFETY: `comm` is a live communicator; the status is written through a valid pointer.
-        self.nccl.check("ncclCommGetAsyncError", unsafe {
-            (self.nccl.comm_get_async_error)(self.comm, &mut code)
-        })?;
-        if code == library::IN_PROGRESS {
-            return Ok(());
-        }
-        self.nccl.check("NCCL (asynchronous error)", code)
-    }
-
-    pub fn abort(&self) {
-        // SAFETY: aborting a live communicator; later calls on it fail, which is the point.
-        unsafe {
-            (self.nccl.comm_abort)(self.comm);
-        }
-    }
-}
 
 fn cuda(context: &str) -> impl Fn(cudarc::driver::DriverError) -> ParallelError + '_ {
     move |e| ParallelError::Cuda {

@@ -196,3 +196,37 @@ impl Nccl {
         Ok(format!("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100))
     }
 }
+
+/// An NCCL communicator pointer shared by the communicator and its work handles.
+#[derive(Clone, Copy)]
+pub struct CommHandle {
+    pub(crate) comm: Comm,
+    pub(crate) nccl: &'static Nccl,
+}
+
+// SAFETY: an ncclComm_t may be used from any thread; tilearn serialises the calls that enqueue
+// work on it (the `enqueue` mutex), and abort/async-error queries are thread-safe in NCCL.
+unsafe impl Send for CommHandle {}
+// SAFETY: as above.
+unsafe impl Sync for CommHandle {}
+
+impl CommHandle {
+    pub fn async_error(&self) -> Result<()> {
+        let mut code = SUCCESS;
+        // SAFETY: `comm` is a live communicator; the status is written through a valid pointer.
+        self.nccl.check("ncclCommGetAsyncError", unsafe {
+            (self.nccl.comm_get_async_error)(self.comm, &mut code)
+        })?;
+        if code == IN_PROGRESS {
+            return Ok(());
+        }
+        self.nccl.check("NCCL (asynchronous error)", code)
+    }
+
+    pub fn abort(&self) {
+        // SAFETY: aborting a live communicator; later calls on it fail, which is the point.
+        unsafe {
+            (self.nccl.comm_abort)(self.comm);
+        }
+    }
+}

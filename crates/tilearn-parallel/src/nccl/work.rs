@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaEvent, CudaStream};
 
 use crate::error::{ParallelError, Result};
-use crate::nccl::communicator::CommHandle;
+use crate::nccl::library::CommHandle;
 use crate::work::PendingWork;
 
 pub struct NcclWork {

@@ -1,10 +1,11 @@
-//! The `tilearn` command line: `train`, `eval`, `prepare-data`, `info`.
+//! The `tilearn` command line: `train`, `eval`, `prepare-data`, `info`, `launch`.
 
 mod bench;
 mod bench_gpu;
 mod bench_loop;
 mod eval;
 mod info;
+mod launch;
 mod prepare;
 mod progress;
 mod topology;
@@ -15,6 +16,7 @@ use clap::{Parser, Subcommand};
 pub use bench::BenchArgs;
 pub use eval::EvalArgs;
 pub use info::InfoArgs;
+pub use launch::LaunchArgs;
 pub use prepare::PrepareArgs;
 pub use train::TrainArgs;
 
@@ -43,6 +45,9 @@ pub enum Command {
     PrepareData(PrepareArgs),
     /// Version, devices, and which CUDA/NCCL libraries were found (or why not).
     Info(InfoArgs),
+    /// Run a subcommand (`launch … train …`) or a program (`launch … -- PROGRAM`) as N ranks per
+    /// node, with torchrun's flags and environment.
+    Launch(LaunchArgs),
 }
 
 /// Runs one parsed command line.
@@ -53,5 +58,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => bench::run(args),
         Command::PrepareData(args) => prepare::run(args),
         Command::Info(args) => info::run(args),
+        Command::Launch(args) => launch::run(args),
     }
 }

@@ -1,0 +1,69 @@
+//! Device buffers (feature `cuda`): views of cudarc slices. A bucket of a flat gradient buffer is
+//! `grads.slice_mut(range)`, so it is communicated without a copy. cudarc's event tracking orders
+//! the communication stream after the kernels that wrote the view and before the ones that read
+//! it next. The conversions into [`crate::Buffer`]/[`crate::BufferMut`] live in `buffer.rs`, so
+//! this file depends on nothing else in the crate.
+
+use cudarc::driver::{CudaView, CudaViewMut};
+use half::{bf16, f16};
+use tilearn_ops::DType;
+
+/// A read-only device view of one of the communicated dtypes.
+#[derive(Debug)]
+pub enum DeviceSlice<'a> {
+    F32(CudaView<'a, f32>),
+    BF16(CudaView<'a, bf16>),
+    F16(CudaView<'a, f16>),
+}
+
+/// A mutable device view of one of the communicated dtypes.
+#[derive(Debug)]
+pub enum DeviceSliceMut<'a> {
+    F32(CudaViewMut<'a, f32>),
+    BF16(CudaViewMut<'a, bf16>),
+    F16(CudaViewMut<'a, f16>),
+}
+
+impl DeviceSlice<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            DeviceSlice::F32(_) => DType::F32,
+            DeviceSlice::BF16(_) => DType::BF16,
+            DeviceSlice::F16(_) => DType::F16,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceSlice::F32(v) => v.len(),
+            DeviceSlice::BF16(v) => v.len(),
+            DeviceSlice::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl DeviceSliceMut<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            DeviceSliceMut::F32(_) => DType::F32,
+            DeviceSliceMut::BF16(_) => DType::BF16,
+            DeviceSliceMut::F16(_) => DType::F16,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceSliceMut::F32(v) => v.len(),
+            DeviceSliceMut::BF16(v) => v.len(),
+            DeviceSliceMut::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,141 @@
+//! Device buffers on the host communicator (feature `cuda`): copied to page-locked host memory,
+//! reduced or exchanged there, and copied back. This is how several ranks share one GPU (NCCL
+//! refuses two ranks on one device); it is synchronous and meant for tests and small jobs.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    CudaStream, CudaView, CudaViewMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
+};
+
+use crate::buffer::{CommElement, HostSlice, HostSliceMut};
+use crate::device::{DeviceSlice, DeviceSliceMut};
+use crate::error::{ParallelError, Result};
+
+#[derive(Default)]
+struct State {
+    stream: Option<Arc<CudaStream>>,
+    f32: Option<PinnedHostSlice<f32>>,
+    bf16: Option<PinnedHostSlice<half::bf16>>,
+    f16: Option<PinnedHostSlice<half::f16>>,
+}
+
+/// The staging stream and the page-locked buffers, grown to the largest buffer seen.
+#[derive(Default)]
+pub struct Staging {
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Staging")
+    }
+}
+
+fn cuda(context: &str) -> impl Fn(cudarc::driver::DriverError) -> ParallelError + '_ {
+    move |e| ParallelError::Cuda {
+        context: context.to_string(),
+        message: e.to_string(),
+    }
+}
+
+/// A pinned buffer of at least `len` elements in `cache`, (re)allocated on `stream`'s context.
+fn pinned<'c, T: DeviceRepr + ValidAsZeroBits>(
+    cache: &'c mut Option<PinnedHostSlice<T>>,
+    stream: &Arc<CudaStream>,
+    len: usize,
+) -> Result<&'c mut [T]> {
+    if cache.as_ref().is_none_or(|p| p.len() < len) {
+        // SAFETY: flags 0 asks for ordinary (cached, not write-combined) page-locked memory,
+        // which the CPU reads fast; the slice is only used after a synchronised copy fills it.
+        let fresh = unsafe { stream.context().alloc_pinned_with_flags::<T>(len.max(1), 0) }
+            .map_err(cuda("allocating page-locked staging memory"))?;
+        *cache = Some(fresh);
+    }
+    let slice = cache
+        .as_mut()
+        .map(PinnedHostSlice::as_mut_slice)
+        .transpose()
+        .map_err(cuda("page-locked staging memory"))?
+        .unwrap_or_default();
+    Ok(&mut slice[..len])
+}
+
+fn round_trip_typed<T: CommElement + DeviceRepr + ValidAsZeroBits>(
+    cache: &mut Option<PinnedHostSlice<T>>,
+    stream: &Arc<CudaStream>,
+    mut view: CudaViewMut<'_, T>,
+    body: impl FnOnce(HostSliceMut<'_>) -> Result<()>,
+) -> Result<()> {
+    let host = pinned(cache, stream, view.len())?;
+    // Copies into a `[T]` synchronise the stream before returning.
+    stream
+        .memcpy_dtoh(&view, host)
+        .map_err(cuda("staging a device buffer to the host"))?;
+    body(T::host_mut(host))?;
+    stream
+        .memcpy_htod(&*host, &mut view)
+        .map_err(cuda("copying a staged buffer back to the device"))
+}
+
+fn download_typed<T: CommElement + DeviceRepr + ValidAsZeroBits>(
+    cache: &mut Option<PinnedHostSlice<T>>,
+    stream: &Arc<CudaStream>,
+    view: CudaView<'_, T>,
+    body: impl FnOnce(HostSlice<'_>) -> Result<()>,
+) -> Result<()> {
+    let host = pinned(cache, stream, view.len())?;
+    stream
+        .memcpy_dtoh(&view, host)
+        .map_err(cuda("staging a device buffer to the host"))?;
+    body(T::host(host))
+}
+
+impl Staging {
+    /// The stream the copies run on (the host communicator needs one for device buffers).
+    pub fn set_stream(&self, stream: Arc<CudaStream>) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).stream = Some(stream);
+    }
+
+    fn with_state<R>(
+        &self,
+        body: impl FnOnce(&mut State, &Arc<CudaStream>) -> Result<R>,
+    ) -> Result<R> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let stream = state
+            .stream
+            .clone()
+            .ok_or_else(|| ParallelError::Unsupported {
+                op: "a collective on a device buffer",
+                backend: "host",
+                reason: "no staging stream: call HostCommunicator::set_staging_stream first".into(),
+            })?;
+        body(&mut state, &stream)
+    }
+
+    /// Copies `device` to the host, runs `body` on the copy, and copies the result back.
+    pub fn round_trip(
+        &self,
+        device: DeviceSliceMut<'_>,
+        body: impl FnOnce(HostSliceMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.with_state(|state, stream| match device {
+            DeviceSliceMut::F32(v) => round_trip_typed(&mut state.f32, stream, v, body),
+            DeviceSliceMut::BF16(v) => round_trip_typed(&mut state.bf16, stream, v, body),
+            DeviceSliceMut::F16(v) => round_trip_typed(&mut state.f16, stream, v, body),
+        })
+    }
+
+    /// Copies `device` to the host and runs `body` on the copy.
+    pub fn download(
+        &self,
+        device: DeviceSlice<'_>,
+        body: impl FnOnce(HostSlice<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.with_state(|state, stream| match device {
+            DeviceSlice::F32(v) => download_typed(&mut state.f32, stream, v, body),
+            DeviceSlice::BF16(v) => download_typed(&mut state.bf16, stream, v, body),
+            DeviceSlice::F16(v) => download_typed(&mut state.f16, stream, v, body),
+        })
+    }
+}

@@ -1,0 +1,138 @@
+//! GPU tests (feature `cuda`, run on a machine with a CUDA GPU and NCCL):
+//! NCCL with world size 1 (in process and through the launcher), and two ranks sharing one GPU
+//! over the host communicator with device buffers staged through page-locked memory.
+
+#![cfg(feature = "cuda")]
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+use half::bf16;
+use tilearn_parallel::launch::{LaunchConfig, Program, launch};
+use tilearn_parallel::nccl::NcclCommunicator;
+use tilearn_parallel::{BufferMut, Communicator, GroupOptions, ProcessGroup, RankEnv, ReduceOp};
+
+/// The first GPU, or `None` (after printing why) when this machine has none.
+fn gpu() -> Option<Arc<CudaContext>> {
+    // SAFETY: only tries to dlopen the driver library (cudarc panics on use without it).
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        println!("skipped: no CUDA driver (libcuda.so) on this machine");
+        return None;
+    }
+    match CudaContext::new(0) {
+        Ok(ctx) => Some(ctx),
+        Err(e) => {
+            println!("skipped: no CUDA GPU ({e})");
+            None
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn nccl_with_one_rank_runs_every_collective() {
+    let Some(ctx) = gpu() else { return };
+    let group = ProcessGroup::init(RankEnv::single(), GroupOptions::default()).unwrap();
+    let comm = NcclCommunicator::new(&group, &ctx).unwrap();
+    let stream = ctx.default_stream();
+    let input: Vec<f32> = (0..1001).map(|i| i as f32 / 8.0).collect();
+    let mut dev = stream.clone_htod(&input).unwrap();
+    comm.all_reduce(BufferMut::from(&mut dev), ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap();
+    comm.all_reduce(BufferMut::from(&mut dev), ReduceOp::ScaledSum(0.5))
+        .unwrap()
+        .wait()
+        .unwrap();
+    comm.all_reduce(BufferMut::from(&mut dev), ReduceOp::Avg)
+        .unwrap()
+        .wait_on_stream(&stream)
+        .unwrap();
+    let back = stream.clone_dtoh(&dev).unwrap();
+    let want: Vec<f32> = input.iter().map(|x| x * 0.5).collect();
+    assert_eq!(back, want);
+
+    let halves: Vec<bf16> = input.iter().map(|&x| bf16::from_f32(x)).collect();
+    let mut dev = stream.clone_htod(&halves).unwrap();
+    comm.reduce_scatter(BufferMut::from(&mut dev), ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap();
+    comm.all_gather(BufferMut::from(&mut dev))
+        .unwrap()
+        .wait()
+        .unwrap();
+    comm.broadcast(BufferMut::from(&mut dev), 0)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(stream.clone_dtoh(&dev).unwrap(), halves);
+    comm.barrier().unwrap();
+    // Host memory is refused with a typed error, not a crash.
+    let mut host = vec![0f32; 4];
+    assert!(
+        comm.all_reduce(BufferMut::from(&mut host), ReduceOp::Sum)
+            .is_err()
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn nccl_through_the_launcher() {
+    if gpu().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let program = Program::External {
+        program: env!("CARGO_BIN_EXE_tilearn-comm-check").into(),
+        args: vec![
+            "--backend".into(),
+            "nccl".into(),
+            "--pid-dir".into(),
+            dir.path().into(),
+        ],
+    };
+    let config = LaunchConfig {
+        nproc_per_node: 1,
+        standalone: true,
+        comm_timeout: Duration::from_secs(120),
+        ..LaunchConfig::default()
+    };
+    launch(config, &program).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn two_ranks_share_one_gpu_over_the_host_communicator() {
+    let Some(ctx) = gpu() else { return };
+    let results = support::with_group(2, Duration::from_secs(60), |rank, comm| {
+        let stream = ctx.new_stream().unwrap();
+        comm.set_staging_stream(Arc::clone(&stream));
+        let input: Vec<f32> = (0..4097).map(|i| (i % 17) as f32 + rank as f32).collect();
+        let mut dev = stream.clone_htod(&input).unwrap();
+        comm.all_reduce(BufferMut::from(&mut dev), ReduceOp::Avg)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let mut halves = stream
+            .clone_htod(&vec![bf16::from_f32(rank as f32 + 1.0); 10])
+            .unwrap();
+        comm.all_reduce(BufferMut::from(&mut halves), ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap();
+        (
+            stream.clone_dtoh(&dev).unwrap(),
+            stream.clone_dtoh(&halves).unwrap(),
+        )
+    });
+    let want: Vec<f32> = (0..4097).map(|i| (i % 17) as f32 + 0.5).collect();
+    for (avg, sum) in results {
+        assert_eq!(avg, want);
+        assert!(sum.iter().all(|x| x.to_f32() == 3.0));
+    }
+}

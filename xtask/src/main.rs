@@ -10,6 +10,7 @@
 mod build_kernels;
 mod cmd;
 mod setup_cuda;
+mod setup_libclang;
 mod test;
 mod train;
 

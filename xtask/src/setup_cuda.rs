@@ -139,7 +139,8 @@ pub fn find_nvcc() -> Option<PathBuf> {
     pinned.is_file().then_some(pinned)
 }
 
-fn find_python() -> Result<PathBuf, String> {
+/// A Python with pip (`python3`, else `python`), to install wheels with.
+pub fn find_python() -> Result<PathBuf, String> {
     for candidate in ["python3", "python"] {
         let ok = Command::new(candidate)
             .args(["-m", "pip", "--version"])
@@ -153,11 +154,11 @@ fn find_python() -> Result<PathBuf, String> {
     let have_python = Command::new("python3").arg("--version").output().is_ok();
     Err(if have_python {
         "python3 has no pip: install python3-pip (e.g. `apt-get install python3-pip`), then rerun \
-         `cargo xtask setup-cuda`"
+         the command"
             .into()
     } else {
         "python3 not found: install python3 and python3-pip (e.g. `apt-get install python3-pip`), \
-         then rerun `cargo xtask setup-cuda`"
+         then rerun the command"
             .into()
     })
 }

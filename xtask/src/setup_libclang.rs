@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::cmd::{run_checked, workspace_root};
-use crate::setup_cuda::find_python;
+use crate::setup_cuda::pip_install_wheels;
 
 /// The pinned wheel; its `clang/native/libclang.so` is LLVM 18.
 const WHEEL: &str = "libclang==18.1.1";
@@ -160,25 +160,11 @@ fn quote(path: &Path) -> Result<String, String> {
 
 /// Installs the pinned wheel into `root` and loads its libclang.
 fn install_wheel(root: &Path) -> Result<String, String> {
-    let python = find_python()?;
     eprintln!("setup-libclang: installing {WHEEL} into {}", root.display());
     if root.exists() {
         fs::remove_dir_all(root).map_err(|e| format!("cannot remove {}: {e}", root.display()))?;
     }
-    let mut pip = Command::new(&python);
-    pip.args([
-        "-m",
-        "pip",
-        "install",
-        "--disable-pip-version-check",
-        "--no-deps",
-        "--no-compile",
-        "--only-binary=:all:",
-        "--target",
-    ])
-    .arg(root)
-    .arg(WHEEL);
-    run_checked(pip)?;
+    pip_install_wheels(root, &[WHEEL])?;
     let dir = wheel_lib_dir(root);
     let version = use_wheel(&dir)?.ok_or_else(|| {
         format!(

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use adaptfp16::Precision;
+use tilearn_ops::DType;
 
 use crate::Result;
 use crate::data::Batch;
@@ -16,7 +16,7 @@ pub trait StepBackend {
 
     /// Whether this backend can run a period in `precision` (the CPU emulates all three; the
     /// CUDA engine runs those it was built for).
-    fn supports(&self, precision: Precision) -> bool {
+    fn supports(&self, precision: DType) -> bool {
         let _ = precision;
         true
     }
@@ -31,7 +31,7 @@ pub trait StepBackend {
         &mut self,
         batch: &Batch,
         denominator: f64,
-        precision: Precision,
+        precision: DType,
         loss_scale: f32,
     ) -> Result<f64>;
 

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use adaptfp16::{AmpPlan, GradScaler, Precision, Signals, TimeUnit};
+use adaptfp16::{AmpPlan, GradScaler, Signals, TimeUnit};
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, ParamGroup, SchedulerType};
 
@@ -164,7 +164,7 @@ impl Trainer {
             backend,
             dataset: Arc::new(dataset),
             loader_hook: None,
-            amp: AmpPlan::Fixed(Precision::Fp32),
+            amp: AmpPlan::Fixed(DType::F32),
         })
     }
 
@@ -307,7 +307,7 @@ impl Trainer {
                 loss: last_loss,
             };
             let precision = self.amp.decide(period, signals, Some(&mut scaler))?;
-            let scaled = precision.needs_scaler() && scaler.is_enabled();
+            let scaled = precision.needs_loss_scaling() && scaler.is_enabled();
             let loss_scale = if scaled { scaler.get_scale() } else { 1.0 };
 
             let micro: Vec<_> = (0..accum)
@@ -379,7 +379,7 @@ impl Trainer {
                     state.global_step as f64 / steps_per_epoch as f64,
                     lr as f64,
                     precision,
-                    if precision.needs_scaler() {
+                    if precision.needs_loss_scaling() {
                         scaler.get_scale() as f64
                     } else {
                         1.0
@@ -513,7 +513,7 @@ impl LogWindow {
         step: u64,
         epoch: f64,
         lr: f64,
-        precision: Precision,
+        precision: DType,
         loss_scale: f64,
     ) -> LogRecord {
         let n = self.steps.max(1) as f64;

@@ -53,6 +53,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
 
 /// The full text of `ffi.rs` for `header`.
 fn generate(header: &Path) -> Result<String, String> {
+    crate::setup_libclang::ensure()?;
     let header_str = header
         .to_str()
         .ok_or_else(|| format!("non-UTF-8 path {}", header.display()))?;

@@ -15,6 +15,7 @@ mod kernel_header;
 mod module_cycles;
 mod rust_tokens;
 mod setup_cuda;
+mod setup_libclang;
 mod test;
 mod train;
 

@@ -68,7 +68,6 @@ pub fn run(args: &[String]) -> Result<PathBuf, String> {
         return Ok(nvcc);
     }
 
-    let python = find_python()?;
     eprintln!(
         "setup-cuda: installing {} into {}",
         WHEELS.join(" "),
@@ -81,20 +80,7 @@ pub fn run(args: &[String]) -> Result<PathBuf, String> {
     }
     fs::create_dir_all(&site).map_err(|e| format!("cannot create {}: {e}", site.display()))?;
 
-    let mut pip = Command::new(&python);
-    pip.args([
-        "-m",
-        "pip",
-        "install",
-        "--disable-pip-version-check",
-        "--no-deps",
-        "--no-compile",
-        "--only-binary=:all:",
-        "--target",
-    ])
-    .arg(&site)
-    .args(WHEELS);
-    run_checked(pip)?;
+    pip_install_wheels(&site, WHEELS)?;
 
     let prefix = site.join("nvidia").join("cu13");
     arrange_tree(&root, &prefix)?;
@@ -139,6 +125,26 @@ pub fn find_nvcc() -> Option<PathBuf> {
     pinned.is_file().then_some(pinned)
 }
 
+/// `pip install --target target` of the pinned `wheels` (binary wheels only, no dependencies),
+/// with the Python found by [`find_python`]. Also used for the libclang wheel.
+pub fn pip_install_wheels(target: &Path, wheels: &[&str]) -> Result<(), String> {
+    let mut pip = Command::new(find_python()?);
+    pip.args([
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--no-compile",
+        "--only-binary=:all:",
+        "--target",
+    ])
+    .arg(target)
+    .args(wheels);
+    run_checked(pip)
+}
+
+/// A Python with pip (`python3`, else `python`), to install wheels with.
 fn find_python() -> Result<PathBuf, String> {
     for candidate in ["python3", "python"] {
         let ok = Command::new(candidate)
@@ -153,11 +159,11 @@ fn find_python() -> Result<PathBuf, String> {
     let have_python = Command::new("python3").arg("--version").output().is_ok();
     Err(if have_python {
         "python3 has no pip: install python3-pip (e.g. `apt-get install python3-pip`), then rerun \
-         `cargo xtask setup-cuda`"
+         the command"
             .into()
     } else {
         "python3 not found: install python3 and python3-pip (e.g. `apt-get install python3-pip`), \
-         then rerun `cargo xtask setup-cuda`"
+         then rerun the command"
             .into()
     })
 }

@@ -1,13 +1,21 @@
-//! `cargo xtask test`: what CI runs. Installs the pinned nvcc when none is found, then checks
-//! formatting, lints (with the CUDA kernels compiled), the freshness of the generated kernel
-//! bindings, and runs every test with `--features cuda`. GPU tests print that they skipped when
-//! no GPU is present.
+//! `cargo xtask test`: what CI runs. Installs the pinned nvcc and libclang when none is found,
+//! then checks formatting, lints (with the CUDA kernels compiled), the freshness of the generated
+//! kernel bindings, and runs every test with `--features cuda`.
+//!
+//! Tests that need a GPU are `#[ignore = "needs a CUDA GPU (run with --include-ignored)"]`, so
+//! here they are listed as ignored, and the closing line counts them apart from any other ignored
+//! test. The GPU machine runs them with `--include-ignored`; there, without a GPU, each prints
+//! `skipped: <reason>` and returns.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
 use crate::cmd::{cargo, run_checked, workspace_root};
-use crate::setup_cuda;
+use crate::{setup_cuda, setup_libclang};
+
+/// The start of the ignore reason every GPU test carries (libtest prints `test NAME ... ignored,
+/// REASON`). The attribute needs a literal, so each test spells it out.
+const GPU_IGNORE_REASON: &str = "needs a CUDA GPU";
 
 pub fn run(args: &[String]) -> Result<(), String> {
     if let Some(unknown) = args.first() {
@@ -21,6 +29,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     };
     eprintln!("xtask test: using nvcc at {}", nvcc.display());
+    let libclang = setup_libclang::ensure()?;
+    eprintln!("xtask test: using {libclang} (for the bindings check)");
 
     let mut fmt = cargo();
     fmt.args(["fmt", "--all", "--", "--check"]);
@@ -48,10 +58,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let totals = run_counting_tests(test)?;
     // One closing line for the whole suite: cargo's own last line is a doctest summary that
     // often reads "0 passed" and would hide how many tests really ran.
-    println!(
-        "tests: {} passed, {} failed, {} skipped",
-        totals.passed, totals.failed, totals.ignored
-    );
+    println!("{}", totals.summary());
     if totals.failed > 0 {
         return Err(format!("{} tests failed", totals.failed));
     }
@@ -63,6 +70,44 @@ struct Totals {
     passed: u64,
     failed: u64,
     ignored: u64,
+    /// Of `ignored`, the tests ignored because they need a GPU.
+    gpu_ignored: u64,
+}
+
+impl Totals {
+    /// Adds one line of `cargo test` output: a binary's `test result:` summary or the line of
+    /// one ignored test.
+    fn add_line(&mut self, line: &str) {
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            self.passed += count_before(rest, " passed");
+            self.failed += count_before(rest, " failed");
+            self.ignored += count_before(rest, " ignored");
+        } else if line.starts_with("test ")
+            && line.contains(&format!(" ... ignored, {GPU_IGNORE_REASON}"))
+        {
+            self.gpu_ignored += 1;
+        }
+    }
+
+    /// The closing line, saying which skipped tests need a GPU.
+    fn summary(&self) -> String {
+        let mut line = format!(
+            "tests: {} passed, {} failed, {} skipped",
+            self.passed, self.failed, self.ignored
+        );
+        let other = self.ignored.saturating_sub(self.gpu_ignored);
+        let run_them = "run them on a GPU machine with `cargo test -- --include-ignored`";
+        match (self.gpu_ignored, other) {
+            (0, _) => {}
+            (gpu, 0) => line += &format!(" (all {gpu} need a CUDA GPU; {run_them})"),
+            (gpu, other) => {
+                line += &format!(
+                    " ({gpu} need a CUDA GPU, {run_them}; {other} ignored for other reasons)"
+                )
+            }
+        }
+        line
+    }
 }
 
 /// Runs `cargo test`, echoing its output, and adds up every `test result:` line.
@@ -77,11 +122,7 @@ fn run_counting_tests(mut cmd: Command) -> Result<Totals, String> {
     for line in BufReader::new(stdout).lines() {
         let line = line.map_err(|e| format!("reading cargo test output: {e}"))?;
         println!("{line}");
-        if let Some(rest) = line.strip_prefix("test result: ") {
-            totals.passed += count_before(rest, " passed");
-            totals.failed += count_before(rest, " failed");
-            totals.ignored += count_before(rest, " ignored");
-        }
+        totals.add_line(&line);
     }
     let status = child
         .wait()
@@ -102,7 +143,7 @@ fn count_before(summary: &str, label: &str) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::count_before;
+    use super::{Totals, count_before};
 
     #[test]
     fn reads_libtest_summary_counts() {
@@ -110,5 +151,38 @@ mod tests {
         assert_eq!(count_before(s, " passed"), 12);
         assert_eq!(count_before(s, " failed"), 3);
         assert_eq!(count_before(s, " ignored"), 1);
+    }
+
+    #[test]
+    fn counts_gpu_tests_among_the_skipped() {
+        let mut t = Totals::default();
+        for line in [
+            "test cast_is_exact ... ignored, needs a CUDA GPU (run with --include-ignored)",
+            "test step_time_of_the_default_model ... ignored",
+            "test adds ... ok",
+            "test result: ok. 1 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out",
+        ] {
+            t.add_line(line);
+        }
+        assert_eq!((t.passed, t.failed, t.ignored, t.gpu_ignored), (1, 0, 2, 1));
+        assert_eq!(
+            t.summary(),
+            "tests: 1 passed, 0 failed, 2 skipped (1 need a CUDA GPU, run them on a GPU machine with \
+             `cargo test -- --include-ignored`; 1 ignored for other reasons)"
+        );
+        let only_gpu = Totals {
+            ignored: 3,
+            gpu_ignored: 3,
+            ..Totals::default()
+        };
+        assert_eq!(
+            only_gpu.summary(),
+            "tests: 0 passed, 0 failed, 3 skipped (all 3 need a CUDA GPU; run them on a GPU machine \
+             with `cargo test -- --include-ignored`)"
+        );
+        assert_eq!(
+            Totals::default().summary(),
+            "tests: 0 passed, 0 failed, 0 skipped"
+        );
     }
 }

@@ -131,6 +131,7 @@ fn golden_case(dev: &GpuDevice, case: &str) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn golden_fixtures_on_the_gpu() {
     let Some(dev) = gpu_or_skip("golden_fixtures_on_the_gpu") else {
         return;
@@ -313,6 +314,7 @@ fn cpu_parity_case(dev: &GpuDevice, tied: bool, bias: bool) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn f32_matches_the_cpu_engine_untied_with_bias() {
     let Some(dev) = gpu_or_skip("f32_matches_the_cpu_engine_untied_with_bias") else {
         return;
@@ -321,6 +323,7 @@ fn f32_matches_the_cpu_engine_untied_with_bias() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn f32_matches_the_cpu_engine_tied_without_bias() {
     let Some(dev) = gpu_or_skip("f32_matches_the_cpu_engine_tied_without_bias") else {
         return;
@@ -329,6 +332,7 @@ fn f32_matches_the_cpu_engine_tied_without_bias() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn bad_inputs_are_typed_errors() {
     let Some(dev) = gpu_or_skip("bad_inputs_are_typed_errors") else {
         return;
@@ -411,6 +415,7 @@ fn default_config(heads: usize) -> LlamaConfig {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn bf16_training_follows_the_cpu_loss_curve() {
     let Some(dev) = gpu_or_skip("bf16_training_follows_the_cpu_loss_curve") else {
         return;
@@ -537,6 +542,7 @@ fn training_curve_case(dev: &GpuDevice, heads: usize) {
 /// gradients bit for bit (f32 and bf16, two accumulated micro-batches, the second shorter), in
 /// less activation memory.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn gradient_checkpointing_is_bit_identical_and_smaller() {
     let Some(dev) = gpu_or_skip("gradient_checkpointing_is_bit_identical_and_smaller") else {
         return;

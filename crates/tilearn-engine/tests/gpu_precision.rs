@@ -76,6 +76,7 @@ fn gpu_grads(
 /// range it must land closer to the f32 CPU engine than bf16 does; both must be close. Run
 /// with the GEMM attention path (head_dim 16) and the flash kernels (head_dim 64).
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn f16_matches_the_cpu_engine_better_than_bf16() {
     let Some(dev) = gpu_or_skip("f16_matches_the_cpu_engine_better_than_bf16") else {
         return;
@@ -124,6 +125,7 @@ fn f16_against_cpu(dev: &GpuDevice, flash: bool) {
 /// One model built for all three precisions, switched call by call, computes exactly what a
 /// model built for that precision alone computes (same kernels, same arena carving).
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn switching_precision_matches_single_precision_models() {
     let Some(dev) = gpu_or_skip("switching_precision_matches_single_precision_models") else {
         return;
@@ -171,6 +173,7 @@ fn switching_case(dev: &GpuDevice, flash: bool) {
 /// inside the fused kernel equals a step on the host-unscaled gradients bit for bit, and a
 /// scale that overflows f16 is reported without touching the weights.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn loss_scaling_unscales_exactly_and_catches_overflow() {
     let Some(dev) = gpu_or_skip("loss_scaling_unscales_exactly_and_catches_overflow") else {
         return;
@@ -261,6 +264,7 @@ const TINY: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
 /// run holds the bf16 fallback, returns to fp16, keeps learning, and ends with finite weights;
 /// the log records the precision timeline.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn trainer_runs_the_auto_policy_on_the_gpu() {
     if gpu_or_skip("trainer_runs_the_auto_policy_on_the_gpu").is_none() {
         return;

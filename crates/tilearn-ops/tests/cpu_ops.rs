@@ -136,7 +136,7 @@ fn embedding_backward_matches_finite_differences() {
     let c = rand_vec(&mut r, EMB_IDS.len() * EMB_DIM, -1.0, 1.0);
     let prefill = rand_vec(&mut r, table.len(), -1.0, 1.0);
     let mut dtable = prefill.clone();
-    embedding_backward(&EMB_IDS, &c, EMB_DIM, &mut dtable);
+    embedding_backward(&EMB_IDS, &c, EMB_DIM, &mut dtable).unwrap();
     let analytic: Vec<f64> = dtable.iter().zip(&prefill).map(|(a, p)| a - p).collect();
     let numeric = fd_grad(&table, |t| {
         let mut out = vec![0.0; c.len()];
@@ -203,7 +203,7 @@ fn rmsnorm_forward_matches_naive() {
     let w = rand_vec(&mut r, RMS_DIM, 0.5, 1.5);
     let mut out = garbage(x.len());
     let mut rstd = garbage(RMS_ROWS);
-    rmsnorm_forward(&x, &w, RMS_DIM, RMS_EPS, &mut out, &mut rstd);
+    rmsnorm_forward(&x, &w, RMS_DIM, RMS_EPS, &mut out, &mut rstd).unwrap();
     assert_close(
         "rmsnorm out",
         &out,
@@ -226,11 +226,11 @@ fn rmsnorm_backward_matches_finite_differences() {
     let loss = |x: &[f64], w: &[f64]| dotv(&rmsnorm_op(x, w), &c);
     let mut out = vec![0.0; x.len()];
     let mut rstd = vec![0.0; RMS_ROWS];
-    rmsnorm_forward(&x, &w, RMS_DIM, RMS_EPS, &mut out, &mut rstd);
+    rmsnorm_forward(&x, &w, RMS_DIM, RMS_EPS, &mut out, &mut rstd).unwrap();
     let mut dx = garbage(x.len());
     let prefill = rand_vec(&mut r, RMS_DIM, -1.0, 1.0);
     let mut dw = prefill.clone();
-    rmsnorm_backward(&c, &x, &w, &rstd, RMS_DIM, &mut dx, &mut dw);
+    rmsnorm_backward(&c, &x, &w, &rstd, RMS_DIM, &mut dx, &mut dw).unwrap();
     let dw: Vec<f64> = dw.iter().zip(&prefill).map(|(a, p)| a - p).collect();
     assert_close("rmsnorm dx", &dx, &fd_grad(&x, |x| loss(x, &w)), FD_TOL);
     assert_close(
@@ -244,7 +244,7 @@ fn rmsnorm_backward_matches_finite_differences() {
 fn rmsnorm_op(x: &[f64], w: &[f64]) -> Vec<f64> {
     let mut out = vec![0.0; x.len()];
     let mut rstd = vec![0.0; x.len() / RMS_DIM];
-    rmsnorm_forward(x, w, RMS_DIM, RMS_EPS, &mut out, &mut rstd);
+    rmsnorm_forward(x, w, RMS_DIM, RMS_EPS, &mut out, &mut rstd).unwrap();
     out
 }
 
@@ -279,7 +279,7 @@ fn linear_naive(
 
 fn linear_op(x: &[f64], w: &[f64], b: Option<&[f64]>) -> Vec<f64> {
     let mut out = garbage(LIN_ROWS * LIN_OUT);
-    linear_forward(x, w, b, LIN_ROWS, LIN_IN, LIN_OUT, &mut out);
+    linear_forward(x, w, b, LIN_ROWS, LIN_IN, LIN_OUT, &mut out).unwrap();
     out
 }
 
@@ -318,7 +318,8 @@ fn linear_backward_matches_finite_differences() {
         Some(&mut dx),
         &mut dw,
         Some(&mut db),
-    );
+    )
+    .unwrap();
     let dw: Vec<f64> = dw.iter().zip(&pw).map(|(a, p)| a - p).collect();
     let db: Vec<f64> = db.iter().zip(&pb).map(|(a, p)| a - p).collect();
     let loss = |x: &[f64], w: &[f64], b: &[f64]| dotv(&linear_op(x, w, Some(b)), &c);
@@ -328,7 +329,7 @@ fn linear_backward_matches_finite_differences() {
 
     // Without dx and db, dw is the same.
     let mut dw2 = vec![0.0; w.len()];
-    linear_backward(&c, &x, &w, LIN_ROWS, LIN_IN, LIN_OUT, None, &mut dw2, None);
+    linear_backward(&c, &x, &w, LIN_ROWS, LIN_IN, LIN_OUT, None, &mut dw2, None).unwrap();
     assert_close("linear dw (no dx/db)", &dw2, &dw, 1e-14);
 }
 
@@ -338,7 +339,7 @@ fn linear_backward_matches_finite_differences() {
 
 fn swiglu_op(g: &[f64], u: &[f64]) -> Vec<f64> {
     let mut out = garbage(g.len());
-    swiglu_forward(g, u, &mut out);
+    swiglu_forward(g, u, &mut out).unwrap();
     out
 }
 
@@ -366,7 +367,7 @@ fn swiglu_backward_matches_finite_differences() {
     let u = rand_vec(&mut r, 23, -2.0, 2.0);
     let c = rand_vec(&mut r, 23, -1.0, 1.0);
     let (mut dg, mut du) = (garbage(23), garbage(23));
-    swiglu_backward(&c, &g, &u, &mut dg, &mut du);
+    swiglu_backward(&c, &g, &u, &mut dg, &mut du).unwrap();
     assert_close(
         "swiglu dgate",
         &dg,
@@ -524,9 +525,9 @@ fn rope_forward_matches_naive_and_backward_inverts_it() {
         // Table longer than the sequence: rows 0..T are used.
         let table = RopeTable::new(ROPE_D, 100.0, &scaling, ROPE_T + 3, 64);
         let mut y = x.clone();
-        rope_forward(&mut y, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table);
+        rope_forward(&mut y, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table).unwrap();
         assert_close("rope out", &y, &rope_naive(&x, &table), 1e-14);
-        rope_backward(&mut y, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table);
+        rope_backward(&mut y, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table).unwrap();
         assert_close("rope inverse", &y, &x, 1e-14);
     }
 }
@@ -563,10 +564,10 @@ fn rope_backward_matches_finite_differences() {
             );
         }
         let mut dx = c.clone();
-        rope_backward(&mut dx, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table);
+        rope_backward(&mut dx, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table).unwrap();
         let numeric = fd_grad(&x, |x| {
             let mut y = x.to_vec();
-            rope_forward(&mut y, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table);
+            rope_forward(&mut y, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table).unwrap();
             dotv(&y, &c)
         });
         assert_close(&format!("rope dx ({scaling:?})"), &dx, &numeric, FD_TOL);
@@ -639,7 +640,7 @@ fn attn_inputs(s: AttnShape, seed: u64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
 fn attention_op(s: AttnShape, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
     let mut out = garbage(q.len());
     let mut lse = garbage(s.batch * s.q_heads * s.seq);
-    attention_forward(s, q, k, v, &mut out, &mut lse);
+    attention_forward(s, q, k, v, &mut out, &mut lse).unwrap();
     (out, lse)
 }
 
@@ -697,7 +698,7 @@ fn attention_backward_matches_finite_differences() {
         let c = rand_vec(&mut r, q.len(), -1.0, 1.0);
         let (out, lse) = attention_op(s, &q, &k, &v);
         let (mut dq, mut dk, mut dv) = (garbage(q.len()), garbage(k.len()), garbage(v.len()));
-        attention_backward(s, &c, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv);
+        attention_backward(s, &c, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv).unwrap();
         let loss = |q: &[f64], k: &[f64], v: &[f64]| dotv(&attention_op(s, q, k, v).0, &c);
         let tag = format!("({hq},{hkv})");
         assert_close(
@@ -741,7 +742,7 @@ fn attention_multi_block_matches_naive_and_finite_differences() {
     let mut r = rng(32);
     let c = rand_vec(&mut r, q.len(), -1.0, 1.0);
     let (mut dq, mut dk, mut dv) = (garbage(q.len()), garbage(k.len()), garbage(v.len()));
-    attention_backward(s, &c, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv);
+    attention_backward(s, &c, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv).unwrap();
     let loss = |q: &[f64], k: &[f64], v: &[f64]| dotv(&attention_op(s, q, k, v).0, &c);
     assert_close(
         "attention dq (T=37)",
@@ -902,7 +903,7 @@ fn add_inplace_adds() {
     let a = rand_vec(&mut r, 40_000, -1.0, 1.0);
     let b = rand_vec(&mut r, 40_000, -1.0, 1.0);
     let mut acc = a.clone();
-    add_inplace(&mut acc, &b);
+    add_inplace(&mut acc, &b).unwrap();
     for i in 0..a.len() {
         assert_eq!(acc[i], a[i] + b[i]);
     }
@@ -931,8 +932,8 @@ fn f32_agrees_with_f64() {
             vec![0.0; x.len()],
             vec![0.0; RMS_DIM],
         );
-        rmsnorm_forward(&x, &w, RMS_DIM, RMS_EPS, &mut o64, &mut r64);
-        rmsnorm_backward(&c, &x, &w, &r64, RMS_DIM, &mut dx64, &mut dw64);
+        rmsnorm_forward(&x, &w, RMS_DIM, RMS_EPS, &mut o64, &mut r64).unwrap();
+        rmsnorm_backward(&c, &x, &w, &r64, RMS_DIM, &mut dx64, &mut dw64).unwrap();
         let (x32, w32, c32) = (to_f32(&x), to_f32(&w), to_f32(&c));
         let (mut o32, mut r32, mut dx32, mut dw32) = (
             vec![0f32; x.len()],
@@ -940,8 +941,8 @@ fn f32_agrees_with_f64() {
             vec![0f32; x.len()],
             vec![0f32; RMS_DIM],
         );
-        rmsnorm_forward(&x32, &w32, RMS_DIM, RMS_EPS, &mut o32, &mut r32);
-        rmsnorm_backward(&c32, &x32, &w32, &r32, RMS_DIM, &mut dx32, &mut dw32);
+        rmsnorm_forward(&x32, &w32, RMS_DIM, RMS_EPS, &mut o32, &mut r32).unwrap();
+        rmsnorm_backward(&c32, &x32, &w32, &r32, RMS_DIM, &mut dx32, &mut dw32).unwrap();
         assert_close("f32 rmsnorm out", &widen(&o32), &o64, F32_TOL);
         assert_close("f32 rmsnorm dx", &widen(&dx32), &dx64, F32_TOL);
         assert_close("f32 rmsnorm dw", &widen(&dw32), &dw64, F32_TOL);
@@ -953,7 +954,7 @@ fn f32_agrees_with_f64() {
         let b = f32_exact(&rand_vec(&mut r, LIN_OUT, -1.0, 1.0));
         let c = f32_exact(&rand_vec(&mut r, LIN_ROWS * LIN_OUT, -1.0, 1.0));
         let mut o64 = vec![0.0; c.len()];
-        linear_forward(&x, &w, Some(&b), LIN_ROWS, LIN_IN, LIN_OUT, &mut o64);
+        linear_forward(&x, &w, Some(&b), LIN_ROWS, LIN_IN, LIN_OUT, &mut o64).unwrap();
         let (mut dx64, mut dw64, mut db64) =
             (vec![0.0; x.len()], vec![0.0; w.len()], vec![0.0; b.len()]);
         linear_backward(
@@ -966,10 +967,11 @@ fn f32_agrees_with_f64() {
             Some(&mut dx64),
             &mut dw64,
             Some(&mut db64),
-        );
+        )
+        .unwrap();
         let (x32, w32, b32, c32) = (to_f32(&x), to_f32(&w), to_f32(&b), to_f32(&c));
         let mut o32 = vec![0f32; c.len()];
-        linear_forward(&x32, &w32, Some(&b32), LIN_ROWS, LIN_IN, LIN_OUT, &mut o32);
+        linear_forward(&x32, &w32, Some(&b32), LIN_ROWS, LIN_IN, LIN_OUT, &mut o32).unwrap();
         let (mut dx32, mut dw32, mut db32) = (
             vec![0f32; x.len()],
             vec![0f32; w.len()],
@@ -985,7 +987,8 @@ fn f32_agrees_with_f64() {
             Some(&mut dx32),
             &mut dw32,
             Some(&mut db32),
-        );
+        )
+        .unwrap();
         assert_close("f32 linear out", &widen(&o32), &o64, F32_TOL);
         assert_close("f32 linear dx", &widen(&dx32), &dx64, F32_TOL);
         assert_close("f32 linear dw", &widen(&dw32), &dw64, F32_TOL);
@@ -997,12 +1000,12 @@ fn f32_agrees_with_f64() {
         let u = f32_exact(&rand_vec(&mut r, 50, -2.0, 2.0));
         let c = f32_exact(&rand_vec(&mut r, 50, -1.0, 1.0));
         let (mut o64, mut dg64, mut du64) = (vec![0.0; 50], vec![0.0; 50], vec![0.0; 50]);
-        swiglu_forward(&g, &u, &mut o64);
-        swiglu_backward(&c, &g, &u, &mut dg64, &mut du64);
+        swiglu_forward(&g, &u, &mut o64).unwrap();
+        swiglu_backward(&c, &g, &u, &mut dg64, &mut du64).unwrap();
         let (g32, u32_, c32) = (to_f32(&g), to_f32(&u), to_f32(&c));
         let (mut o32, mut dg32, mut du32) = (vec![0f32; 50], vec![0f32; 50], vec![0f32; 50]);
-        swiglu_forward(&g32, &u32_, &mut o32);
-        swiglu_backward(&c32, &g32, &u32_, &mut dg32, &mut du32);
+        swiglu_forward(&g32, &u32_, &mut o32).unwrap();
+        swiglu_backward(&c32, &g32, &u32_, &mut dg32, &mut du32).unwrap();
         assert_close("f32 swiglu out", &widen(&o32), &o64, F32_TOL);
         assert_close("f32 swiglu dgate", &widen(&dg32), &dg64, F32_TOL);
         assert_close("f32 swiglu dup", &widen(&du32), &du64, F32_TOL);
@@ -1017,9 +1020,9 @@ fn f32_agrees_with_f64() {
             1.0,
         ));
         let mut y64 = x.clone();
-        rope_forward(&mut y64, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table);
+        rope_forward(&mut y64, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table).unwrap();
         let mut y32 = to_f32(&x);
-        rope_forward(&mut y32, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table);
+        rope_forward(&mut y32, ROPE_B, ROPE_T, ROPE_H, ROPE_D, &table).unwrap();
         assert_close("f32 rope", &widen(&y32), &y64, F32_TOL);
     }
     // Attention forward + backward.
@@ -1033,10 +1036,11 @@ fn f32_agrees_with_f64() {
             (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
         attention_backward(
             s, &c, &q, &k, &v, &o64, &l64, &mut dq64, &mut dk64, &mut dv64,
-        );
+        )
+        .unwrap();
         let (q32, k32, v32, c32) = (to_f32(&q), to_f32(&k), to_f32(&v), to_f32(&c));
         let (mut o32, mut l32) = (vec![0f32; q.len()], vec![0f32; l64.len()]);
-        attention_forward(s, &q32, &k32, &v32, &mut o32, &mut l32);
+        attention_forward(s, &q32, &k32, &v32, &mut o32, &mut l32).unwrap();
         let (mut dq32, mut dk32, mut dv32) = (
             vec![0f32; q.len()],
             vec![0f32; k.len()],
@@ -1044,7 +1048,8 @@ fn f32_agrees_with_f64() {
         );
         attention_backward(
             s, &c32, &q32, &k32, &v32, &o32, &l32, &mut dq32, &mut dk32, &mut dv32,
-        );
+        )
+        .unwrap();
         assert_close("f32 attention out", &widen(&o32), &o64, F32_TOL);
         assert_close("f32 attention lse", &widen(&l32), &l64, F32_TOL);
         assert_close("f32 attention dq", &widen(&dq32), &dq64, F32_TOL);
@@ -1089,15 +1094,15 @@ fn run_all_ops_f32(seed: u64) -> Vec<u32> {
     embedding_forward(&ids, &table, dim, &mut emb).unwrap();
     let demb = rv(rows * dim, -1.0, 1.0);
     let mut dtable = vec![0f32; vocab * dim];
-    embedding_backward(&ids, &demb, dim, &mut dtable);
+    embedding_backward(&ids, &demb, dim, &mut dtable).unwrap();
     push(&dtable);
     // RMSNorm.
     let w = rv(dim, 0.5, 1.5);
     let (mut y, mut rstd) = (vec![0f32; rows * dim], vec![0f32; rows]);
-    rmsnorm_forward(&emb, &w, dim, 1e-6, &mut y, &mut rstd);
+    rmsnorm_forward(&emb, &w, dim, 1e-6, &mut y, &mut rstd).unwrap();
     let dy = rv(rows * dim, -1.0, 1.0);
     let (mut dx, mut dw) = (vec![0f32; rows * dim], vec![0f32; dim]);
-    rmsnorm_backward(&dy, &emb, &w, &rstd, dim, &mut dx, &mut dw);
+    rmsnorm_backward(&dy, &emb, &w, &rstd, dim, &mut dx, &mut dw).unwrap();
     push(&y);
     push(&dx);
     push(&dw);
@@ -1106,7 +1111,7 @@ fn run_all_ops_f32(seed: u64) -> Vec<u32> {
     let lw = rv(out_f * dim, -0.2, 0.2);
     let lb = rv(out_f, -0.2, 0.2);
     let mut lo = vec![0f32; rows * out_f];
-    linear_forward(&y, &lw, Some(&lb), rows, dim, out_f, &mut lo);
+    linear_forward(&y, &lw, Some(&lb), rows, dim, out_f, &mut lo).unwrap();
     let dlo = rv(rows * out_f, -1.0, 1.0);
     let (mut ldx, mut ldw, mut ldb) = (
         vec![0f32; rows * dim],
@@ -1123,7 +1128,8 @@ fn run_all_ops_f32(seed: u64) -> Vec<u32> {
         Some(&mut ldx),
         &mut ldw,
         Some(&mut ldb),
-    );
+    )
+    .unwrap();
     push(&lo);
     push(&ldx);
     push(&ldw);
@@ -1134,8 +1140,8 @@ fn run_all_ops_f32(seed: u64) -> Vec<u32> {
         vec![0f32; lo.len()],
         vec![0f32; lo.len()],
     );
-    swiglu_forward(&lo, &dlo, &mut so);
-    swiglu_backward(&dlo, &lo, &dlo, &mut sdg, &mut sdu);
+    swiglu_forward(&lo, &dlo, &mut so).unwrap();
+    swiglu_backward(&dlo, &lo, &dlo, &mut sdg, &mut sdu).unwrap();
     push(&so);
     push(&sdg);
     push(&sdu);
@@ -1153,14 +1159,14 @@ fn run_all_ops_f32(seed: u64) -> Vec<u32> {
     let mut q = rv(nq, -1.5, 1.5);
     let mut k = rv(nk, -1.5, 1.5);
     let v = rv(nk, -1.0, 1.0);
-    rope_forward(&mut q, s.batch, s.seq, s.q_heads, s.head_dim, &table);
-    rope_forward(&mut k, s.batch, s.seq, s.kv_heads, s.head_dim, &table);
+    rope_forward(&mut q, s.batch, s.seq, s.q_heads, s.head_dim, &table).unwrap();
+    rope_forward(&mut k, s.batch, s.seq, s.kv_heads, s.head_dim, &table).unwrap();
     let (mut ao, mut lse) = (vec![0f32; nq], vec![0f32; s.batch * s.q_heads * s.seq]);
-    attention_forward(s, &q, &k, &v, &mut ao, &mut lse);
+    attention_forward(s, &q, &k, &v, &mut ao, &mut lse).unwrap();
     let dao = rv(nq, -1.0, 1.0);
     let (mut dq, mut dk, mut dv) = (vec![0f32; nq], vec![0f32; nk], vec![0f32; nk]);
-    attention_backward(s, &dao, &q, &k, &v, &ao, &lse, &mut dq, &mut dk, &mut dv);
-    rope_backward(&mut dq, s.batch, s.seq, s.q_heads, s.head_dim, &table);
+    attention_backward(s, &dao, &q, &k, &v, &ao, &lse, &mut dq, &mut dk, &mut dv).unwrap();
+    rope_backward(&mut dq, s.batch, s.seq, s.q_heads, s.head_dim, &table).unwrap();
     push(&ao);
     push(&lse);
     push(&dq);
@@ -1181,7 +1187,7 @@ fn run_all_ops_f32(seed: u64) -> Vec<u32> {
     push(&logits);
     // Residual.
     let mut acc = dx.clone();
-    add_inplace(&mut acc, &ldx);
+    add_inplace(&mut acc, &ldx).unwrap();
     push(&acc);
     bits.extend_from_slice(&[
         st.loss_sum.to_bits() as u32,

@@ -35,14 +35,17 @@ macro_rules! per_type {
     ($name:ident, $body:ident) => {
         mod $name {
             #[test]
+            #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
             fn f32() {
                 super::$body::<f32>(concat!(stringify!($name), "::f32"));
             }
             #[test]
+            #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
             fn bf16() {
                 super::$body::<half::bf16>(concat!(stringify!($name), "::bf16"));
             }
             #[test]
+            #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
             fn f16() {
                 super::$body::<half::f16>(concat!(stringify!($name), "::f16"));
             }
@@ -224,10 +227,10 @@ fn residual_add_is_exact<T: DeviceFloat>(test: &str) {
             let a: Vec<T> = narrow(&nonzero_f32(&mut rng, n + offset, 0.05, 4.0));
             let b: Vec<T> = narrow(&nonzero_f32(&mut rng, n + offset, 0.05, 4.0));
             let mut sum = widen_f32(&a[offset..]);
-            cpu::add_inplace(&mut sum, &widen_f32(&b[offset..]));
+            cpu::add_inplace(&mut sum, &widen_f32(&b[offset..])).unwrap();
             let want: Vec<T> = narrow(&sum);
             let mut want64 = widen(&a[offset..]);
-            cpu::add_inplace(&mut want64, &widen(&b[offset..]));
+            cpu::add_inplace(&mut want64, &widen(&b[offset..])).unwrap();
             let (da, db) = (upload(s, &a), upload(s, &b));
             let (va, vb) = (da.slice(offset..), db.slice(offset..));
 
@@ -263,6 +266,7 @@ fn residual_add_is_exact<T: DeviceFloat>(test: &str) {
 /// ±inf (no saturation), as `f16::from_f32` of the f32 sum does: the GradScaler's non-finite
 /// check relies on it. 30000 + 30000 stays finite.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn residual_add_f16_overflows_to_inf() {
     let Some(dev) = gpu_or_skip("residual_add_f16_overflows_to_inf") else {
         return;
@@ -294,6 +298,7 @@ fn residual_add_f16_overflows_to_inf() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn residual_add_rejects_length_mismatch() {
     let Some(dev) = gpu_or_skip("residual_add_rejects_length_mismatch") else {
         return;
@@ -330,6 +335,7 @@ fn residual_add_rejects_length_mismatch() {
 /// The Rust wrappers can only pass `T::DTYPE`; the raw launchers must still refuse a code they
 /// do not know (cudaErrorInvalidValue) without touching memory.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn launchers_reject_unknown_dtype() {
     let Some(dev) = gpu_or_skip("launchers_reject_unknown_dtype") else {
         return;
@@ -393,9 +399,9 @@ fn swiglu_inputs(rng: &mut ChaCha8Rng, n: usize) -> (Vec<f32>, Vec<f32>, Vec<f32
 fn swiglu_reference(gate: &[f64], up: &[f64], dout: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let n = gate.len();
     let mut out = vec![f64::NAN; n];
-    cpu::swiglu_forward(gate, up, &mut out);
+    cpu::swiglu_forward(gate, up, &mut out).unwrap();
     let (mut dgate, mut dup) = (vec![f64::NAN; n], vec![f64::NAN; n]);
-    cpu::swiglu_backward(dout, gate, up, &mut dgate, &mut dup);
+    cpu::swiglu_backward(dout, gate, up, &mut dgate, &mut dup).unwrap();
     (out, dgate, dup)
 }
 
@@ -452,6 +458,7 @@ fn swiglu_matches_cpu_reference<T: DeviceFloat>(test: &str) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn swiglu_rejects_length_mismatch() {
     let Some(dev) = gpu_or_skip("swiglu_rejects_length_mismatch") else {
         return;
@@ -565,9 +572,9 @@ impl RopeCase {
 /// (forward of x, backward of dy) by the CPU reference in f64.
 fn rope_reference(c: &RopeCase, table: &RopeTable, x: &[f64], dy: &[f64]) -> (Vec<f64>, Vec<f64>) {
     let mut y = x.to_vec();
-    cpu::rope_forward(&mut y, c.batch, c.seq, c.heads, c.head_dim, table);
+    cpu::rope_forward(&mut y, c.batch, c.seq, c.heads, c.head_dim, table).unwrap();
     let mut dx = dy.to_vec();
-    cpu::rope_backward(&mut dx, c.batch, c.seq, c.heads, c.head_dim, table);
+    cpu::rope_backward(&mut dx, c.batch, c.seq, c.heads, c.head_dim, table).unwrap();
     (y, dx)
 }
 
@@ -679,6 +686,7 @@ fn rope_misaligned_view_matches_cpu_reference<T: DeviceFloat>(test: &str) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn rope_rejects_bad_shapes() {
     let Some(dev) = gpu_or_skip("rope_rejects_bad_shapes") else {
         return;
@@ -801,9 +809,9 @@ fn embedding_backward_is_deterministic_and_exact<T: DeviceFloat>(test: &str) {
         let dout: Vec<T> = narrow(&nonzero_f32(&mut rng, rows * dim, 0.05, 2.0));
         let dtable0 = nonzero_f32(&mut rng, vocab * dim, 0.05, 2.0);
         let mut want = dtable0.clone();
-        cpu::embedding_backward(&ids, &widen_f32(&dout), dim, &mut want);
+        cpu::embedding_backward(&ids, &widen_f32(&dout), dim, &mut want).unwrap();
         let mut want64 = f64_of(&dtable0);
-        cpu::embedding_backward(&ids, &widen(&dout), dim, &mut want64);
+        cpu::embedding_backward(&ids, &widen(&dout), dim, &mut want64).unwrap();
         let d_ids = upload(s, &ids);
         let mut check = TokenIdCheck::new(s, vocab).unwrap();
         let mut scratch = cuda::EmbeddingBackwardScratch::new(s, rows, vocab).unwrap();
@@ -911,7 +919,7 @@ fn embedding_out_of_range_ids_are_reported<T: DeviceFloat>(test: &str) {
             });
     let dtable0 = nonzero_f32(&mut rng, vocab * dim, 0.05, 2.0);
     let mut want = dtable0.clone();
-    cpu::embedding_backward(&good_ids, &good_dout, dim, &mut want);
+    cpu::embedding_backward(&good_ids, &good_dout, dim, &mut want).unwrap();
     let mut dtable = upload(s, &dtable0);
     let d_dout = upload(s, &dout);
     let mut scratch = cuda::EmbeddingBackwardScratch::new(s, rows, vocab).unwrap();
@@ -936,6 +944,7 @@ fn embedding_out_of_range_ids_are_reported<T: DeviceFloat>(test: &str) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn embedding_rejects_bad_shapes() {
     let Some(dev) = gpu_or_skip("embedding_rejects_bad_shapes") else {
         return;

@@ -395,6 +395,7 @@ fn check_ce_fused<T: DeviceFloat>(test: &str, spec: &CeSpec) {
 /// f32 logits: the gradient within 1e-5 relative too (DESIGN's fp32 bound; it is computed in
 /// f32 and stored unrounded).
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn cross_entropy_fused_f32_matches_cpu_reference() {
     check_ce_fused::<f32>(
         "cross_entropy_fused_f32_matches_cpu_reference",
@@ -418,6 +419,7 @@ fn cross_entropy_fused_f32_matches_cpu_reference() {
 /// (errors of different rows cancel). So the row-wise check runs for vocab ≥ 32000 and the sum
 /// check for vocab ≥ 1000.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn cross_entropy_fused_bf16_matches_cpu_reference() {
     check_ce_fused::<bf16>(
         "cross_entropy_fused_bf16_matches_cpu_reference",
@@ -451,6 +453,7 @@ fn cross_entropy_fused_bf16_matches_cpu_reference() {
 /// 1000, 7.4e-5 at 4099 and ≤ 5.0e-5 at 32003 and 128256, and loss-sum errors ≤ 3.4e-5.
 /// Bounds: 2.5e-4 row-wise and 1e-4 on the sum, both from vocab 1000 on.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn cross_entropy_fused_f16_matches_cpu_reference() {
     check_ce_fused::<f16>(
         "cross_entropy_fused_f16_matches_cpu_reference",
@@ -510,6 +513,7 @@ fn check_f16_grad_element(what: &str, i: usize, got: f16, want: f64, grad_scale:
 /// the same scale, and with grad_scale = 65536 / 4 no element overflows, every element matches
 /// the reference and found_inf stays 0.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn cross_entropy_f16_gradient_overflows_to_inf() {
     let Some(dev) = gpu_or_skip("cross_entropy_f16_gradient_overflows_to_inf") else {
         return;
@@ -655,6 +659,7 @@ fn check_forward_matches_fused<T: DeviceFloat>(dev: &GpuDevice, seed: u64) {
 /// The loss-only kernels: same row losses (bit for bit) and totals as the fused ones, and the
 /// logits are left untouched; every type.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn cross_entropy_forward_matches_fused_and_keeps_logits() {
     let Some(dev) = gpu_or_skip("cross_entropy_forward_matches_fused_and_keeps_logits") else {
         return;
@@ -718,6 +723,7 @@ fn check_deterministic<T: DeviceFloat>(dev: &GpuDevice, seed: u64, loss_scale: f
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn cross_entropy_is_deterministic() {
     let Some(dev) = gpu_or_skip("cross_entropy_is_deterministic") else {
         return;
@@ -837,6 +843,7 @@ fn check_bad_labels<T: DeviceFloat>(dev: &GpuDevice, grad_scale: f64, grad_tol: 
 /// loss-scaled grad_scale of 1024, which keeps |gradient| ≤ 1024 and the bulk of it out of the
 /// subnormals).
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn cross_entropy_reports_out_of_range_labels() {
     let Some(dev) = gpu_or_skip("cross_entropy_reports_out_of_range_labels") else {
         return;
@@ -847,6 +854,7 @@ fn cross_entropy_reports_out_of_range_labels() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn cross_entropy_rejects_bad_shapes() {
     let Some(dev) = gpu_or_skip("cross_entropy_rejects_bad_shapes") else {
         return;
@@ -980,6 +988,7 @@ fn check_global_norm<T: DeviceFloat>(
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn global_norm_f32_matches_cpu_reference() {
     let Some(dev) = gpu_or_skip("global_norm_f32_matches_cpu_reference") else {
         return;
@@ -988,6 +997,7 @@ fn global_norm_f32_matches_cpu_reference() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn global_norm_bf16_matches_cpu_reference() {
     let Some(dev) = gpu_or_skip("global_norm_bf16_matches_cpu_reference") else {
         return;
@@ -997,6 +1007,7 @@ fn global_norm_bf16_matches_cpu_reference() {
 
 /// f16 values in its normal range: magnitudes 2^-14 ..= 2^15 (the largest finite is 65504).
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn global_norm_f16_matches_cpu_reference() {
     let Some(dev) = gpu_or_skip("global_norm_f16_matches_cpu_reference") else {
         return;
@@ -1025,6 +1036,7 @@ fn check_norm_non_finite<T: DeviceFloat>(dev: &GpuDevice, seed: u64) {
 /// Non-finite and empty inputs for every type; and huge finite f32 values whose f32 squares
 /// would overflow stay finite (the squares are f64).
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn global_norm_edge_cases() {
     let Some(dev) = gpu_or_skip("global_norm_edge_cases") else {
         return;
@@ -1159,6 +1171,7 @@ fn check_unscale<T: DeviceFloat>(
 /// even); exact for the power-of-two scales (2^-16, PyTorch's initial 65536); also a
 /// non-power-of-two scale (1/3) where only the bit-exact match with the reference holds.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn unscale_check_f32_matches_cpu_reference() {
     let Some(dev) = gpu_or_skip("unscale_check_f32_matches_cpu_reference") else {
         return;
@@ -1171,6 +1184,7 @@ fn unscale_check_f32_matches_cpu_reference() {
 
 /// bf16 (f32's exponent range): 2^±60 · 2^-16 stays far from the subnormals and overflow.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn unscale_check_bf16_matches_cpu_reference() {
     let Some(dev) = gpu_or_skip("unscale_check_bf16_matches_cpu_reference") else {
         return;
@@ -1184,6 +1198,7 @@ fn unscale_check_bf16_matches_cpu_reference() {
 /// 2^-16 into f16's normal range (≥ 2^-14), where the result is exact; and a non-power-of-two
 /// scale (1/3), where the f32 product is rounded to f16 (bit-exact with the reference).
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn unscale_check_f16_matches_cpu_reference() {
     let Some(dev) = gpu_or_skip("unscale_check_f16_matches_cpu_reference") else {
         return;
@@ -1196,6 +1211,7 @@ fn unscale_check_f16_matches_cpu_reference() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn unscale_rejects_bad_scalars() {
     let Some(dev) = gpu_or_skip("unscale_rejects_bad_scalars") else {
         return;

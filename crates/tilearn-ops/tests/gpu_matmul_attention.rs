@@ -181,6 +181,7 @@ macro_rules! case_table_tests {
     )+) => {$(
         $(#[$attr])*
         #[test]
+        #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
         fn $name() {
             const TEST: &str = stringify!($name);
             let Some((dev, gemm)) = gpu_or_skip(TEST) else {
@@ -305,6 +306,7 @@ fn matmul_case<I: Elem, O: Elem>(test: &str, dev: &GpuDevice, gemm: &Gemm, tol: 
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn matmul_strided_batched_matches_naive_reference() {
     const TEST: &str = "matmul_strided_batched_matches_naive_reference";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
@@ -318,6 +320,7 @@ fn matmul_strided_batched_matches_naive_reference() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn matmul_rejects_bad_specs() {
     const TEST: &str = "matmul_rejects_bad_specs";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
@@ -467,7 +470,8 @@ fn linear_case<T: Elem>(
         in_f,
         out_f,
         &mut out_ref,
-    );
+    )
+    .unwrap();
     let dout_r = gather_rows(&dout64, out_f, &rs);
     let mut dx_ref = vec![f64::NAN; rs.len() * in_f];
     let mut scratch_dw = vec![0.0; out_f * in_f];
@@ -481,7 +485,8 @@ fn linear_case<T: Elem>(
         Some(&mut dx_ref),
         &mut scratch_dw,
         None,
-    );
+    )
+    .unwrap();
     let dout_j = gather_cols(&dout64, out_f, &js);
     let w_j = gather_rows(&w64, in_f, &js);
     let mut dw_ref = gather_rows(&dw064, in_f, &js);
@@ -495,7 +500,8 @@ fn linear_case<T: Elem>(
         None,
         &mut dw_ref,
         None,
-    );
+    )
+    .unwrap();
     expect_within(
         test,
         &format!("{tag}: out"),
@@ -593,6 +599,7 @@ fn linear_determinism_case<T: Elem>(test: &str, dev: &GpuDevice, gemm: &Gemm, se
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn linear_backward_is_deterministic() {
     const TEST: &str = "linear_backward_is_deterministic";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
@@ -604,6 +611,7 @@ fn linear_backward_is_deterministic() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn linear_rejects_bad_lengths() {
     const TEST: &str = "linear_rejects_bad_lengths";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
@@ -770,7 +778,7 @@ impl<T: Elem> AttnProblem<T> {
         let (dout, dout64) = random::<T>(&mut rng, ql, 0.05, 1.0);
         let mut out_ref = vec![f64::NAN; ql];
         let mut lse_ref = vec![f64::NAN; s.batch * s.q_heads * s.seq];
-        cpu::attention_forward(s, &q64, &k64, &v64, &mut out_ref, &mut lse_ref);
+        cpu::attention_forward(s, &q64, &k64, &v64, &mut out_ref, &mut lse_ref).unwrap();
         let (mut dq_ref, mut dk_ref, mut dv_ref) =
             (vec![f64::NAN; ql], vec![f64::NAN; kvl], vec![f64::NAN; kvl]);
         cpu::attention_backward(
@@ -784,7 +792,8 @@ impl<T: Elem> AttnProblem<T> {
             &mut dq_ref,
             &mut dk_ref,
             &mut dv_ref,
-        );
+        )
+        .unwrap();
         AttnProblem {
             s,
             tag,
@@ -955,6 +964,7 @@ fn shared_workspace_step<T: Elem>(
 /// and f32 again after the 16-bit calls left their data in it. A 16-bit call fits more
 /// sequences per pass than the f32 one.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn attention_workspace_serves_every_precision() {
     const TEST: &str = "attention_workspace_serves_every_precision";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
@@ -986,6 +996,7 @@ fn attention_workspace_serves_every_precision() {
 /// A workspace built for 2-byte elements serves bf16 and f16 but refuses f32 with an error
 /// naming the element size, before launching anything.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn attention_workspace_refuses_wider_elements() {
     const TEST: &str = "attention_workspace_refuses_wider_elements";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
@@ -1063,6 +1074,7 @@ fn attention_workspace_size_checks_element_size() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn attention_rejects_bad_shapes() {
     const TEST: &str = "attention_rejects_bad_shapes";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
@@ -1222,6 +1234,7 @@ case_table_tests! {
 /// The flash backward at a GQA shape with many query blocks per key block (group 8, as in
 /// TinyLlama): four runs of the backward from one forward, all bit-identical.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn flash_attention_backward_is_deterministic() {
     const TEST: &str = "flash_attention_backward_is_deterministic";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
@@ -1271,6 +1284,7 @@ fn flash_attention_backward_is_deterministic() {
 /// is bit-identical to the flash path through a full workspace, and a call that resolves to the
 /// GEMM path is refused as too small instead of overrunning it.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn flash_only_workspace_serves_the_flash_path() {
     const TEST: &str = "flash_only_workspace_serves_the_flash_path";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
@@ -1322,6 +1336,7 @@ fn flash_only_workspace_serves_the_flash_path() {
 /// and for a tensor off a 16-byte boundary; `Auto` takes the cuBLASLt path for all three and
 /// stays exact.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn flash_attention_refuses_what_it_does_not_serve() {
     const TEST: &str = "flash_attention_refuses_what_it_does_not_serve";
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {

@@ -475,6 +475,7 @@ fn run_adamw_case(dev: &GpuDevice, c: &AdamCase) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn adamw_bf16_grads_bf16_copy_matches_cpu() {
     let Some(dev) = gpu_or_skip("adamw_bf16_grads_bf16_copy_matches_cpu") else {
         return;
@@ -483,6 +484,7 @@ fn adamw_bf16_grads_bf16_copy_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn adamw_amsgrad_f32_grads_f16_copy_matches_cpu() {
     let Some(dev) = gpu_or_skip("adamw_amsgrad_f32_grads_f16_copy_matches_cpu") else {
         return;
@@ -495,6 +497,7 @@ fn adamw_amsgrad_f32_grads_f16_copy_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn adamw_misaligned_buffers_take_the_scalar_path_and_match_cpu() {
     let Some(dev) = gpu_or_skip("adamw_misaligned_buffers_take_the_scalar_path_and_match_cpu")
     else {
@@ -507,6 +510,7 @@ fn adamw_misaligned_buffers_take_the_scalar_path_and_match_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn adamw_inv_scale_is_applied_inside_the_kernel() {
     let Some(dev) = gpu_or_skip("adamw_inv_scale_is_applied_inside_the_kernel") else {
         return;
@@ -523,6 +527,7 @@ fn adamw_inv_scale_is_applied_inside_the_kernel() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn adamw_global_norm_clip_is_fused() {
     let Some(dev) = gpu_or_skip("adamw_global_norm_clip_is_fused") else {
         return;
@@ -543,6 +548,7 @@ fn adamw_global_norm_clip_is_fused() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn adamw_zero1_shards_update_only_their_range() {
     let Some(dev) = gpu_or_skip("adamw_zero1_shards_update_only_their_range") else {
         return;
@@ -577,6 +583,7 @@ fn snapshot(dev: &GpuDevice, bufs: &[&CudaSlice<f32>], copy: &CudaSlice<bf16>) -
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn adamw_found_inf_skips_the_step_bit_identically() {
     let test = "adamw_found_inf_skips_the_step_bit_identically";
     let Some(dev) = gpu_or_skip(test) else {
@@ -667,6 +674,7 @@ fn adamw_found_inf_skips_the_step_bit_identically() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn bf16_stochastic_rounding_brackets_the_master_and_is_unbiased() {
     let test = "bf16_stochastic_rounding_brackets_the_master_and_is_unbiased";
     let Some(dev) = gpu_or_skip(test) else {
@@ -757,6 +765,7 @@ fn bf16_stochastic_rounding_brackets_the_master_and_is_unbiased() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn grad_norm_matches_the_cpu_sum_of_squares_and_is_deterministic() {
     let test = "grad_norm_matches_the_cpu_sum_of_squares_and_is_deterministic";
     let Some(dev) = gpu_or_skip(test) else {
@@ -812,6 +821,7 @@ fn grad_norm_matches_the_cpu_sum_of_squares_and_is_deterministic() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn fused_step_rejects_bad_input_before_launching() {
     let test = "fused_step_rejects_bad_input_before_launching";
     let Some(dev) = gpu_or_skip(test) else {
@@ -1013,6 +1023,7 @@ fn io<'a>(g: &'a CudaSlice<bf16>, copy: &'a mut CudaSlice<bf16>, step: u64) -> S
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn adam_l2_matches_cpu() {
     use tilearn_optim::cuda::adam_l2_step;
     use tilearn_optim::{Adam, AdamConfig};
@@ -1077,6 +1088,7 @@ fn adam_l2_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn sgd_matches_cpu_for_momentum_dampening_nesterov_and_plain() {
     use tilearn_optim::cuda::sgd_step;
     use tilearn_optim::{Sgd, SgdConfig};
@@ -1138,6 +1150,7 @@ fn sgd_matches_cpu_for_momentum_dampening_nesterov_and_plain() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn lion_matches_cpu() {
     use tilearn_optim::cuda::lion_step;
     use tilearn_optim::{Lion, LionConfig};
@@ -1202,6 +1215,7 @@ fn lamb_tensors() -> Vec<Range<usize>> {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn lamb_matches_cpu_with_host_and_device_clip() {
     use tilearn_optim::cuda::{
         LambScratch, LambState, lamb_groups, lamb_max_norm, lamb_segments, lamb_step,
@@ -1537,6 +1551,7 @@ fn segments_of_n(groups: &[ParamGroup], n: usize) -> Vec<Segment> {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn torch_trajectories_replay_on_gpu() {
     use common::golden::{CASES, golden_dir, load_case, load_inputs, rel_err};
     let test = "torch_trajectories_replay_on_gpu";

@@ -18,6 +18,7 @@ use tilearn_ops::cpu::{
 use super::activations::{GradScratch, LayerActs};
 use super::layout::{LayerLayout, LinearLayout};
 use crate::config::LlamaConfig;
+use crate::error::Result;
 
 /// Sizes of one call: `n = batch * seq` rows plus the model widths.
 #[derive(Clone, Copy, Debug)]
@@ -73,9 +74,9 @@ fn linear_fwd<R: Real>(
     in_f: usize,
     out_f: usize,
     out: &mut [R],
-) {
+) -> tilearn_ops::Result<()> {
     let bias = l.bias.as_ref().map(|b| &p[b.clone()]);
-    linear_forward(x, &p[l.weight.clone()], bias, rows, in_f, out_f, out);
+    linear_forward(x, &p[l.weight.clone()], bias, rows, in_f, out_f, out)
 }
 
 /// Two disjoint mutable ranges of `g` (the weight before its bias, as in the layout).
@@ -99,12 +100,12 @@ fn linear_bwd<R: Real>(
     in_f: usize,
     out_f: usize,
     dx: Option<&mut [R]>,
-) {
+) -> tilearn_ops::Result<()> {
     let w = &p[l.weight.clone()];
     match &l.bias {
         Some(b) => {
             let (dw, db) = two_mut(g, l.weight.clone(), b.clone());
-            linear_backward(dout, x, w, rows, in_f, out_f, dx, dw, Some(db));
+            linear_backward(dout, x, w, rows, in_f, out_f, dx, dw, Some(db))
         }
         None => linear_backward(
             dout,
@@ -131,7 +132,7 @@ pub(crate) fn block_forward<R: Real>(
     x: &[R],
     a: &mut LayerActs<R>,
     out: Option<&mut [R]>,
-) {
+) -> Result<()> {
     let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
     let xn1 = &mut a.xn1[..n * c];
     rmsnorm_forward(
@@ -141,21 +142,21 @@ pub(crate) fn block_forward<R: Real>(
         d.eps,
         xn1,
         &mut a.rstd1[..n],
-    );
+    )?;
     let xn1 = &a.xn1[..n * c];
     let qb = &mut a.q[..n * q];
     let kb = &mut a.k[..n * kv];
     let vb = &mut a.v[..n * kv];
-    linear_fwd(p, &lay.q, xn1, n, c, q, qb);
-    linear_fwd(p, &lay.k, xn1, n, c, kv, kb);
-    linear_fwd(p, &lay.v, xn1, n, c, kv, vb);
-    rope_forward(qb, d.batch, d.seq, d.q_heads, d.head_dim, rope);
-    rope_forward(kb, d.batch, d.seq, d.kv_heads, d.head_dim, rope);
+    linear_fwd(p, &lay.q, xn1, n, c, q, qb)?;
+    linear_fwd(p, &lay.k, xn1, n, c, kv, kb)?;
+    linear_fwd(p, &lay.v, xn1, n, c, kv, vb)?;
+    rope_forward(qb, d.batch, d.seq, d.q_heads, d.head_dim, rope)?;
+    rope_forward(kb, d.batch, d.seq, d.kv_heads, d.head_dim, rope)?;
     let att = &mut a.att[..n * q];
-    attention_forward(d.attn(), qb, kb, vb, att, &mut a.lse[..n * d.q_heads]);
+    attention_forward(d.attn(), qb, kb, vb, att, &mut a.lse[..n * d.q_heads])?;
     let h = &mut a.h[..n * c];
-    linear_fwd(p, &lay.o, att, n, q, c, h);
-    add_inplace(h, x);
+    linear_fwd(p, &lay.o, att, n, q, c, h)?;
+    add_inplace(h, x)?;
     let xn2 = &mut a.xn2[..n * c];
     rmsnorm_forward(
         h,
@@ -164,19 +165,20 @@ pub(crate) fn block_forward<R: Real>(
         d.eps,
         xn2,
         &mut a.rstd2[..n],
-    );
+    )?;
     let (gate, up, act) = (
         &mut a.gate[..n * inter],
         &mut a.up[..n * inter],
         &mut a.act[..n * inter],
     );
-    linear_fwd(p, &lay.gate, xn2, n, c, inter, gate);
-    linear_fwd(p, &lay.up, xn2, n, c, inter, up);
-    swiglu_forward(gate, up, act);
+    linear_fwd(p, &lay.gate, xn2, n, c, inter, gate)?;
+    linear_fwd(p, &lay.up, xn2, n, c, inter, up)?;
+    swiglu_forward(gate, up, act)?;
     if let Some(out) = out {
-        linear_fwd(p, &lay.down, act, n, inter, c, out);
-        add_inplace(out, h);
+        linear_fwd(p, &lay.down, act, n, inter, c, out)?;
+        add_inplace(out, h)?;
     }
+    Ok(())
 }
 
 /// Backward of one block: `s.dres` holds d/d(out) on entry and d/d(x) on return; parameter
@@ -191,7 +193,7 @@ pub(crate) fn block_backward<R: Real>(
     x: &[R],
     a: &LayerActs<R>,
     s: &mut GradScratch<R>,
-) {
+) -> Result<()> {
     let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
     let dres = &mut s.dres[..n * c];
     let dxn = &mut s.dxn[..n * c];
@@ -216,11 +218,11 @@ pub(crate) fn block_backward<R: Real>(
         inter,
         c,
         Some(&mut *dact),
-    );
-    swiglu_backward(dact, &a.gate[..n * inter], &a.up[..n * inter], dgate, dup);
-    linear_bwd(p, g, &lay.gate, dgate, xn2, n, c, inter, Some(&mut *dxn));
-    linear_bwd(p, g, &lay.up, dup, xn2, n, c, inter, Some(&mut *dtmp));
-    add_inplace(dxn, dtmp);
+    )?;
+    swiglu_backward(dact, &a.gate[..n * inter], &a.up[..n * inter], dgate, dup)?;
+    linear_bwd(p, g, &lay.gate, dgate, xn2, n, c, inter, Some(&mut *dxn))?;
+    linear_bwd(p, g, &lay.up, dup, xn2, n, c, inter, Some(&mut *dtmp))?;
+    add_inplace(dxn, dtmp)?;
     let post = lay.post_attention_norm.clone();
     rmsnorm_backward(
         dxn,
@@ -230,14 +232,14 @@ pub(crate) fn block_backward<R: Real>(
         c,
         dtmp,
         &mut g[post],
-    );
-    add_inplace(dres, dtmp); // dres = d/dh
+    )?;
+    add_inplace(dres, dtmp)?; // dres = d/dh
 
     // Attention: h = x + o(attn(...)).
     let datt = &mut s.datt[..n * q];
     let (dq, dk, dv) = (&mut s.dq[..n * q], &mut s.dk[..n * kv], &mut s.dv[..n * kv]);
     let att = &a.att[..n * q];
-    linear_bwd(p, g, &lay.o, dres, att, n, q, c, Some(&mut *datt));
+    linear_bwd(p, g, &lay.o, dres, att, n, q, c, Some(&mut *datt))?;
     attention_backward(
         d.attn(),
         datt,
@@ -249,15 +251,16 @@ pub(crate) fn block_backward<R: Real>(
         dq,
         dk,
         dv,
-    );
-    rope_backward(dq, d.batch, d.seq, d.q_heads, d.head_dim, rope);
-    rope_backward(dk, d.batch, d.seq, d.kv_heads, d.head_dim, rope);
-    linear_bwd(p, g, &lay.q, dq, xn1, n, c, q, Some(&mut *dxn));
-    linear_bwd(p, g, &lay.k, dk, xn1, n, c, kv, Some(&mut *dtmp));
-    add_inplace(dxn, dtmp);
-    linear_bwd(p, g, &lay.v, dv, xn1, n, c, kv, Some(&mut *dtmp));
-    add_inplace(dxn, dtmp);
+    )?;
+    rope_backward(dq, d.batch, d.seq, d.q_heads, d.head_dim, rope)?;
+    rope_backward(dk, d.batch, d.seq, d.kv_heads, d.head_dim, rope)?;
+    linear_bwd(p, g, &lay.q, dq, xn1, n, c, q, Some(&mut *dxn))?;
+    linear_bwd(p, g, &lay.k, dk, xn1, n, c, kv, Some(&mut *dtmp))?;
+    add_inplace(dxn, dtmp)?;
+    linear_bwd(p, g, &lay.v, dv, xn1, n, c, kv, Some(&mut *dtmp))?;
+    add_inplace(dxn, dtmp)?;
     let inp = lay.input_norm.clone();
-    rmsnorm_backward(dxn, x, &p[inp.clone()], &a.rstd1[..n], c, dtmp, &mut g[inp]);
-    add_inplace(dres, dtmp); // dres = d/dx
+    rmsnorm_backward(dxn, x, &p[inp.clone()], &a.rstd1[..n], c, dtmp, &mut g[inp])?;
+    add_inplace(dres, dtmp)?; // dres = d/dx
+    Ok(())
 }

@@ -245,7 +245,7 @@ impl LlamaForCausalLM {
             Some(&mut grad.dxn[..slab]),
             &mut grads[layout.lm_head.clone()],
             None,
-        );
+        )?;
         rmsnorm_backward(
             &grad.dxn[..slab],
             &resid[nl * slab..(nl + 1) * slab],
@@ -254,22 +254,22 @@ impl LlamaForCausalLM {
             c,
             &mut grad.dres[..slab],
             &mut grads[layout.norm.clone()],
-        );
+        )?;
 
         for (i, lay) in layout.layers.iter().enumerate().rev() {
             let x = &resid[i * slab..(i + 1) * slab];
             let a = if *checkpointing {
                 // The scratch still holds the last layer from the forward.
                 if i + 1 != nl {
-                    block_forward(&d, lay, params, rope, x, &mut layers[0], None);
+                    block_forward(&d, lay, params, rope, x, &mut layers[0], None)?;
                 }
                 &layers[0]
             } else {
                 &layers[i]
             };
-            block_backward(&d, lay, params, grads, rope, x, a, grad);
+            block_backward(&d, lay, params, grads, rope, x, a, grad)?;
         }
-        embedding_backward(ids, &grad.dres[..slab], c, &mut grads[layout.embed.clone()]);
+        embedding_backward(ids, &grad.dres[..slab], c, &mut grads[layout.embed.clone()])?;
 
         debug_assert_eq!(ce.valid, valid);
         Ok(LossStats {
@@ -370,7 +370,7 @@ fn forward<R: Real>(d: &Dims, params: &[R], ids: &[u32], acts: &mut Activations<
         let x = &before[i * slab..];
         let out = &mut after[..slab];
         let a = &mut layers[if single { 0 } else { i }];
-        block_forward(d, lay, params, rope, x, a, Some(out));
+        block_forward(d, lay, params, rope, x, a, Some(out))?;
     }
     rmsnorm_forward(
         &resid[nl * slab..(nl + 1) * slab],
@@ -379,7 +379,7 @@ fn forward<R: Real>(d: &Dims, params: &[R], ids: &[u32], acts: &mut Activations<
         d.eps,
         &mut final_xn[..slab],
         &mut final_rstd[..n],
-    );
+    )?;
     linear_forward(
         &final_xn[..slab],
         &params[layout.lm_head.clone()],
@@ -388,6 +388,6 @@ fn forward<R: Real>(d: &Dims, params: &[R], ids: &[u32], acts: &mut Activations<
         c,
         d.vocab,
         &mut logits[..n * d.vocab],
-    );
+    )?;
     Ok(())
 }

@@ -23,6 +23,8 @@ use rayon::prelude::*;
 
 use super::Real;
 use super::real::dot;
+use super::shape::expect_product;
+use crate::{OpsError, Result};
 
 /// Shape of an attention call: `q`/`out` are `[batch, seq, q_heads, head_dim]`, `k`/`v`
 /// `[batch, seq, kv_heads, head_dim]`, `lse` `[batch, q_heads, seq]`.
@@ -36,20 +38,42 @@ pub struct AttnShape {
 }
 
 impl AttnShape {
-    fn check(&self) {
-        assert!(self.head_dim > 0, "attention: head_dim must be positive");
-        assert!(
-            self.kv_heads > 0 && self.q_heads.is_multiple_of(self.kv_heads),
-            "attention: q_heads ({}) must be a multiple of kv_heads ({})",
-            self.q_heads,
-            self.kv_heads
-        );
+    /// Fails unless `head_dim` and `kv_heads` are positive and `q_heads` is a multiple of
+    /// `kv_heads` (each kv head serves a whole group of query heads).
+    fn check(&self) -> Result<()> {
+        let positive = |op, n: usize| {
+            if n == 0 {
+                Err(OpsError::ShapeMismatch {
+                    op,
+                    expected: 1,
+                    actual: 0,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        positive("attention (head_dim)", self.head_dim)?;
+        positive("attention (kv_heads)", self.kv_heads)?;
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
+            return Err(OpsError::ShapeMismatch {
+                op: "attention (q_heads: a multiple of kv_heads)",
+                expected: self.q_heads.next_multiple_of(self.kv_heads),
+                actual: self.q_heads,
+            });
+        }
+        Ok(())
     }
-    fn q_len(&self) -> usize {
-        self.batch * self.seq * self.q_heads * self.head_dim
+    /// Dimensions of `q`, `out` and their gradients.
+    fn q_dims(&self) -> [usize; 4] {
+        [self.batch, self.seq, self.q_heads, self.head_dim]
     }
-    fn kv_len(&self) -> usize {
-        self.batch * self.seq * self.kv_heads * self.head_dim
+    /// Dimensions of `k`, `v` and their gradients.
+    fn kv_dims(&self) -> [usize; 4] {
+        [self.batch, self.seq, self.kv_heads, self.head_dim]
+    }
+    /// Dimensions of `lse`.
+    fn lse_dims(&self) -> [usize; 3] {
+        [self.batch, self.q_heads, self.seq]
     }
     fn group(&self) -> usize {
         self.q_heads / self.kv_heads
@@ -154,20 +178,16 @@ pub fn attention_forward<R: Real>(
     v: &[R],
     out: &mut [R],
     lse: &mut [R],
-) {
-    s.check();
-    assert_eq!(q.len(), s.q_len(), "attention_forward: q length");
-    assert_eq!(k.len(), s.kv_len(), "attention_forward: k length");
-    assert_eq!(v.len(), s.kv_len(), "attention_forward: v length");
-    assert_eq!(out.len(), s.q_len(), "attention_forward: out length");
-    assert_eq!(
-        lse.len(),
-        s.batch * s.q_heads * s.seq,
-        "attention_forward: lse length"
-    );
+) -> Result<()> {
+    s.check()?;
+    expect_product("attention_forward (q)", &s.q_dims(), q.len())?;
+    expect_product("attention_forward (k)", &s.kv_dims(), k.len())?;
+    expect_product("attention_forward (v)", &s.kv_dims(), v.len())?;
+    expect_product("attention_forward (out)", &s.q_dims(), out.len())?;
+    expect_product("attention_forward (lse)", &s.lse_dims(), lse.len())?;
     let (t_len, d) = (s.seq, s.head_dim);
     if t_len == 0 {
-        return;
+        return Ok(());
     }
     let scale = R::from_f64(1.0 / (d as f64).sqrt());
     let group = s.group();
@@ -223,7 +243,7 @@ pub fn attention_forward<R: Real>(
         })
         .collect();
     if s.q_heads == 0 {
-        return;
+        return Ok(());
     }
     out.par_chunks_mut(t_len * s.q_heads * d)
         .enumerate()
@@ -236,6 +256,7 @@ pub fn attention_forward<R: Real>(
                 }
             }
         });
+    Ok(())
 }
 
 /// Causal GQA backward. With `p_ij = exp(s_ij - lse_i)`, `delta_i = dout_i · out_i`,
@@ -254,24 +275,25 @@ pub fn attention_backward<R: Real>(
     dq: &mut [R],
     dk: &mut [R],
     dv: &mut [R],
-) {
-    s.check();
-    for (name, len, want) in [
-        ("dout", dout.len(), s.q_len()),
-        ("q", q.len(), s.q_len()),
-        ("out", out.len(), s.q_len()),
-        ("dq", dq.len(), s.q_len()),
-        ("k", k.len(), s.kv_len()),
-        ("v", v.len(), s.kv_len()),
-        ("dk", dk.len(), s.kv_len()),
-        ("dv", dv.len(), s.kv_len()),
-        ("lse", lse.len(), s.batch * s.q_heads * s.seq),
+) -> Result<()> {
+    s.check()?;
+    let (q_dims, kv_dims) = (&s.q_dims()[..], &s.kv_dims()[..]);
+    for (op, dims, len) in [
+        ("attention_backward (dout)", q_dims, dout.len()),
+        ("attention_backward (q)", q_dims, q.len()),
+        ("attention_backward (out)", q_dims, out.len()),
+        ("attention_backward (dq)", q_dims, dq.len()),
+        ("attention_backward (k)", kv_dims, k.len()),
+        ("attention_backward (v)", kv_dims, v.len()),
+        ("attention_backward (dk)", kv_dims, dk.len()),
+        ("attention_backward (dv)", kv_dims, dv.len()),
+        ("attention_backward (lse)", &s.lse_dims()[..], lse.len()),
     ] {
-        assert_eq!(len, want, "attention_backward: {name} length");
+        expect_product(op, dims, len)?;
     }
     let (t_len, d) = (s.seq, s.head_dim);
     if t_len == 0 {
-        return;
+        return Ok(());
     }
     let scale = R::from_f64(1.0 / (d as f64).sqrt());
     let group = s.group();
@@ -392,4 +414,5 @@ pub fn attention_backward<R: Real>(
                 }
             }
         });
+    Ok(())
 }

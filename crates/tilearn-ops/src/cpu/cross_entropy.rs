@@ -11,6 +11,7 @@
 use rayon::prelude::*;
 
 use super::Real;
+use super::shape::expect_product;
 use crate::{OpsError, Result};
 
 /// The target value meaning "no loss at this position" (PyTorch's default `ignore_index`).
@@ -24,13 +25,11 @@ pub struct CeStats {
 }
 
 fn validate<R>(logits: &[R], targets: &[i32], vocab: usize) -> Result<()> {
-    if logits.len() != targets.len() * vocab {
-        return Err(OpsError::ShapeMismatch {
-            op: "cross_entropy (logits = targets x vocab)",
-            expected: targets.len() * vocab,
-            actual: logits.len(),
-        });
-    }
+    expect_product(
+        "cross_entropy (logits = targets x vocab)",
+        &[targets.len(), vocab],
+        logits.len(),
+    )?;
     for (position, &label) in targets.iter().enumerate() {
         if label != IGNORE_INDEX && (label < 0 || label as usize >= vocab) {
             return Err(OpsError::LabelOutOfRange {

@@ -6,6 +6,7 @@
 use rayon::prelude::*;
 
 use super::Real;
+use super::shape::{expect_product, rows_of};
 use crate::{OpsError, Result};
 
 /// Fails with [`OpsError::TokenOutOfRange`] naming the first id `>= vocab` (and its position).
@@ -31,22 +32,9 @@ pub fn embedding_forward<R: Real>(
     dim: usize,
     out: &mut [R],
 ) -> Result<()> {
-    assert!(dim > 0, "embedding_forward: dim must be positive");
-    if !table.len().is_multiple_of(dim) {
-        return Err(OpsError::ShapeMismatch {
-            op: "embedding_forward (table)",
-            expected: table.len() / dim * dim,
-            actual: table.len(),
-        });
-    }
-    if out.len() != ids.len() * dim {
-        return Err(OpsError::ShapeMismatch {
-            op: "embedding_forward (out)",
-            expected: ids.len() * dim,
-            actual: out.len(),
-        });
-    }
-    check_token_ids(ids, table.len() / dim)?;
+    let vocab = rows_of("embedding_forward (table)", table.len(), dim)?;
+    expect_product("embedding_forward (out)", &[ids.len(), dim], out.len())?;
+    check_token_ids(ids, vocab)?;
     out.par_chunks_mut(dim)
         .with_min_len(16)
         .zip(ids.par_iter())
@@ -57,27 +45,26 @@ pub fn embedding_forward<R: Real>(
     Ok(())
 }
 
-/// `dtable[ids[r], :] += dout[r, :]` for every row `r`, in row order.
+/// `dtable[ids[r], :] += dout[r, :]` for every row `r`, in row order. `dtable` is
+/// `[vocab, dim]`, `dout` `[ids.len(), dim]`.
 ///
 /// Rows are added serially in order (two rows may hit the same id), so the result is
-/// bit-reproducible. Panics on an id outside the table (the forward has already rejected it).
-pub fn embedding_backward<R: Real>(ids: &[u32], dout: &[R], dim: usize, dtable: &mut [R]) {
-    assert!(dim > 0, "embedding_backward: dim must be positive");
-    assert_eq!(
-        dout.len(),
-        ids.len() * dim,
-        "embedding_backward: dout length"
-    );
-    let vocab = dtable.len() / dim;
+/// bit-reproducible. Lengths and ids are checked before anything is added, as in the forward.
+pub fn embedding_backward<R: Real>(
+    ids: &[u32],
+    dout: &[R],
+    dim: usize,
+    dtable: &mut [R],
+) -> Result<()> {
+    let vocab = rows_of("embedding_backward (dtable)", dtable.len(), dim)?;
+    expect_product("embedding_backward (dout)", &[ids.len(), dim], dout.len())?;
+    check_token_ids(ids, vocab)?;
     for (r, &id) in ids.iter().enumerate() {
         let id = id as usize;
-        assert!(
-            id < vocab,
-            "embedding_backward: token id {id} >= vocab {vocab}"
-        );
         let src = &dout[r * dim..(r + 1) * dim];
         for (d, s) in dtable[id * dim..(id + 1) * dim].iter_mut().zip(src) {
             *d += *s;
         }
     }
+    Ok(())
 }

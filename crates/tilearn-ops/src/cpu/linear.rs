@@ -10,6 +10,8 @@
 use rayon::prelude::*;
 
 use super::Real;
+use super::shape::{expect_len, expect_product};
+use crate::Result;
 
 /// `out = x·Wᵀ (+ bias)`; `x` is `[rows, in_f]`, `w` `[out_f, in_f]`, `out` `[rows, out_f]`.
 #[allow(clippy::too_many_arguments)]
@@ -21,13 +23,15 @@ pub fn linear_forward<R: Real>(
     in_f: usize,
     out_f: usize,
     out: &mut [R],
-) {
-    assert_eq!(x.len(), rows * in_f, "linear_forward: x length");
-    assert_eq!(w.len(), out_f * in_f, "linear_forward: w length");
-    assert_eq!(out.len(), rows * out_f, "linear_forward: out length");
+) -> Result<()> {
+    expect_product("linear_forward (x)", &[rows, in_f], x.len())?;
+    expect_product("linear_forward (w)", &[out_f, in_f], w.len())?;
+    expect_product("linear_forward (out)", &[rows, out_f], out.len())?;
+    if let Some(b) = bias {
+        expect_len("linear_forward (bias)", out_f, b.len())?;
+    }
     let beta = match bias {
         Some(b) => {
-            assert_eq!(b.len(), out_f, "linear_forward: bias length");
             if out_f > 0 {
                 out.par_chunks_mut(out_f)
                     .with_min_len(16)
@@ -54,6 +58,7 @@ pub fn linear_forward<R: Real>(
         out_f,
         1,
     );
+    Ok(())
 }
 
 /// `dx = dout·W` (if requested), `dw += doutᵀ·x`, `db += column sums of dout` (if requested).
@@ -68,13 +73,18 @@ pub fn linear_backward<R: Real>(
     dx: Option<&mut [R]>,
     dw: &mut [R],
     db: Option<&mut [R]>,
-) {
-    assert_eq!(dout.len(), rows * out_f, "linear_backward: dout length");
-    assert_eq!(x.len(), rows * in_f, "linear_backward: x length");
-    assert_eq!(w.len(), out_f * in_f, "linear_backward: w length");
-    assert_eq!(dw.len(), out_f * in_f, "linear_backward: dw length");
+) -> Result<()> {
+    expect_product("linear_backward (dout)", &[rows, out_f], dout.len())?;
+    expect_product("linear_backward (x)", &[rows, in_f], x.len())?;
+    expect_product("linear_backward (w)", &[out_f, in_f], w.len())?;
+    expect_product("linear_backward (dw)", &[out_f, in_f], dw.len())?;
+    if let Some(dx) = &dx {
+        expect_product("linear_backward (dx)", &[rows, in_f], dx.len())?;
+    }
+    if let Some(db) = &db {
+        expect_len("linear_backward (db)", out_f, db.len())?;
+    }
     if let Some(dx) = dx {
-        assert_eq!(dx.len(), rows * in_f, "linear_backward: dx length");
         // dx (rows×in_f) = dout (rows×out_f) · W (out_f×in_f).
         R::gemm(
             rows,
@@ -111,7 +121,6 @@ pub fn linear_backward<R: Real>(
         1,
     );
     if let Some(db) = db {
-        assert_eq!(db.len(), out_f, "linear_backward: db length");
         const COLS: usize = 64;
         db.par_chunks_mut(COLS).enumerate().for_each(|(ci, dbc)| {
             let j0 = ci * COLS;
@@ -123,4 +132,5 @@ pub fn linear_backward<R: Real>(
             }
         });
     }
+    Ok(())
 }

@@ -8,6 +8,10 @@
 //! count. Matmuls go through `matrixmultiply` (each output element is computed by one thread
 //! in a fixed order); other loops are parallel over rows or heads, and every reduction across
 //! rows is done in a fixed order (serially, or per fixed block and then blocks in order).
+//!
+//! Errors: every op checks its lengths before writing anything and returns
+//! [`OpsError::ShapeMismatch`](crate::OpsError::ShapeMismatch) naming the op and the argument, as
+//! the CUDA wrappers do; none panics on a caller's lengths.
 
 pub mod attention;
 pub mod cross_entropy;
@@ -18,6 +22,7 @@ pub mod reduce;
 pub mod residual;
 pub mod rmsnorm;
 pub mod rope;
+pub(crate) mod shape;
 pub mod swiglu;
 
 pub use attention::{AttnShape, attention_backward, attention_forward};

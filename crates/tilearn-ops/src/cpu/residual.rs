@@ -6,12 +6,14 @@
 use rayon::prelude::*;
 
 use super::Real;
+use super::shape::expect_len;
+use crate::Result;
 
 const CHUNK: usize = 1 << 14;
 
-/// `acc += x`, element-wise.
-pub fn add_inplace<R: Real>(acc: &mut [R], x: &[R]) {
-    assert_eq!(acc.len(), x.len(), "add_inplace: length mismatch");
+/// `acc += x`, element-wise; both have the same length.
+pub fn add_inplace<R: Real>(acc: &mut [R], x: &[R]) -> Result<()> {
+    expect_len("add_inplace (x)", acc.len(), x.len())?;
     acc.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .for_each(|(a, b)| {
@@ -19,4 +21,5 @@ pub fn add_inplace<R: Real>(acc: &mut [R], x: &[R]) {
                 *ai += *bi;
             }
         });
+    Ok(())
 }

@@ -10,6 +10,8 @@
 use rayon::prelude::*;
 
 use super::Real;
+use super::shape::{expect_len, rows_of};
+use crate::Result;
 
 const ROWS_PER_BLOCK: usize = 32;
 
@@ -22,12 +24,11 @@ pub fn rmsnorm_forward<R: Real>(
     eps: f64,
     out: &mut [R],
     rstd: &mut [R],
-) {
-    assert!(dim > 0, "rmsnorm_forward: dim must be positive");
-    assert_eq!(weight.len(), dim, "rmsnorm_forward: weight length");
-    assert!(x.len().is_multiple_of(dim), "rmsnorm_forward: x length");
-    assert_eq!(out.len(), x.len(), "rmsnorm_forward: out length");
-    assert_eq!(rstd.len(), x.len() / dim, "rmsnorm_forward: rstd length");
+) -> Result<()> {
+    let rows = rows_of("rmsnorm_forward (x)", x.len(), dim)?;
+    expect_len("rmsnorm_forward (weight)", dim, weight.len())?;
+    expect_len("rmsnorm_forward (out)", x.len(), out.len())?;
+    expect_len("rmsnorm_forward (rstd)", rows, rstd.len())?;
     let eps = R::from_f64(eps);
     let inv_dim = R::from_f64(1.0 / dim as f64);
     out.par_chunks_mut(dim)
@@ -42,6 +43,7 @@ pub fn rmsnorm_forward<R: Real>(
                 *oi = wi * (xi * rs);
             }
         });
+    Ok(())
 }
 
 /// With `g = dout * weight` and `r = rstd`:
@@ -55,14 +57,13 @@ pub fn rmsnorm_backward<R: Real>(
     dim: usize,
     dx: &mut [R],
     dweight: &mut [R],
-) {
-    assert!(dim > 0, "rmsnorm_backward: dim must be positive");
-    assert_eq!(weight.len(), dim, "rmsnorm_backward: weight length");
-    assert_eq!(dweight.len(), dim, "rmsnorm_backward: dweight length");
-    assert!(x.len().is_multiple_of(dim), "rmsnorm_backward: x length");
-    assert_eq!(dout.len(), x.len(), "rmsnorm_backward: dout length");
-    assert_eq!(dx.len(), x.len(), "rmsnorm_backward: dx length");
-    assert_eq!(rstd.len(), x.len() / dim, "rmsnorm_backward: rstd length");
+) -> Result<()> {
+    let rows = rows_of("rmsnorm_backward (x)", x.len(), dim)?;
+    expect_len("rmsnorm_backward (weight)", dim, weight.len())?;
+    expect_len("rmsnorm_backward (dweight)", dim, dweight.len())?;
+    expect_len("rmsnorm_backward (dout)", x.len(), dout.len())?;
+    expect_len("rmsnorm_backward (dx)", x.len(), dx.len())?;
+    expect_len("rmsnorm_backward (rstd)", rows, rstd.len())?;
     let inv_dim = R::from_f64(1.0 / dim as f64);
     let block = ROWS_PER_BLOCK * dim;
     let partials: Vec<Vec<R>> = dx
@@ -96,4 +97,5 @@ pub fn rmsnorm_backward<R: Real>(
             *d += v;
         }
     }
+    Ok(())
 }

@@ -15,6 +15,8 @@
 use rayon::prelude::*;
 
 use super::Real;
+use super::shape::{expect_len, expect_product};
+use crate::{OpsError, Result};
 
 /// `rope_scaling` of a Llama config.
 #[derive(Clone, Debug, PartialEq)]
@@ -144,6 +146,46 @@ impl RopeTable {
     }
 }
 
+/// Checks `x` (`[batch, seq, heads, head_dim]`) and `table` against each other: the table's
+/// rows are `head_dim / 2` wide, cover positions `0..seq`, and hold that many cos and sin.
+fn check_shape<R>(
+    x: &[R],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &RopeTable,
+) -> Result<()> {
+    expect_product(
+        "rope (x = batch x seq x heads x head_dim)",
+        &[batch, seq, heads, head_dim],
+        x.len(),
+    )?;
+    expect_len(
+        "rope (head_dim = 2 x table half_dim)",
+        2 * table.half_dim,
+        head_dim,
+    )?;
+    if seq > table.seq_len {
+        return Err(OpsError::ShapeMismatch {
+            op: "rope (table positions: at least seq; build the RopeTable for the longest sequence)",
+            expected: seq,
+            actual: table.seq_len,
+        });
+    }
+    let cells = table.seq_len.saturating_mul(table.half_dim);
+    expect_len(
+        "rope (table cos = seq_len x half_dim)",
+        cells,
+        table.cos.len(),
+    )?;
+    expect_len(
+        "rope (table sin = seq_len x half_dim)",
+        cells,
+        table.sin.len(),
+    )
+}
+
 /// Rotates `x` (`[batch, seq, heads, head_dim]`) by `sign * angle`.
 fn rotate<R: Real>(
     x: &mut [R],
@@ -153,22 +195,12 @@ fn rotate<R: Real>(
     head_dim: usize,
     table: &RopeTable,
     inverse: bool,
-) {
-    assert_eq!(x.len(), batch * seq * heads * head_dim, "rope: x length");
-    assert_eq!(
-        table.half_dim * 2,
-        head_dim,
-        "rope: table half_dim does not match head_dim"
-    );
-    assert!(
-        seq <= table.seq_len,
-        "rope: seq {seq} exceeds table length {}",
-        table.seq_len
-    );
+) -> Result<()> {
+    check_shape(x, batch, seq, heads, head_dim, table)?;
     let h = table.half_dim;
     let row = heads * head_dim;
     if row == 0 {
-        return;
+        return Ok(());
     }
     x.par_chunks_mut(row)
         .enumerate()
@@ -192,6 +224,7 @@ fn rotate<R: Real>(
                 }
             }
         });
+    Ok(())
 }
 
 /// Applies the rotation in place to `x` (`[batch, seq, heads, head_dim]`), position `t` using
@@ -203,8 +236,8 @@ pub fn rope_forward<R: Real>(
     heads: usize,
     head_dim: usize,
     table: &RopeTable,
-) {
-    rotate(x, batch, seq, heads, head_dim, table, false);
+) -> Result<()> {
+    rotate(x, batch, seq, heads, head_dim, table, false)
 }
 
 /// Backward of [`rope_forward`], in place: `dx = Rᵀ · dy` (rotation by the opposite angle).
@@ -215,6 +248,6 @@ pub fn rope_backward<R: Real>(
     heads: usize,
     head_dim: usize,
     table: &RopeTable,
-) {
-    rotate(dx, batch, seq, heads, head_dim, table, true);
+) -> Result<()> {
+    rotate(dx, batch, seq, heads, head_dim, table, true)
 }

@@ -6,6 +6,8 @@
 use rayon::prelude::*;
 
 use super::Real;
+use super::shape::expect_len;
+use crate::Result;
 
 const CHUNK: usize = 1 << 13;
 
@@ -16,9 +18,9 @@ fn sigmoid<R: Real>(g: R) -> R {
 }
 
 /// `out = silu(gate) * up`, element-wise; all three slices have the same length.
-pub fn swiglu_forward<R: Real>(gate: &[R], up: &[R], out: &mut [R]) {
-    assert_eq!(gate.len(), up.len(), "swiglu_forward: gate/up length");
-    assert_eq!(gate.len(), out.len(), "swiglu_forward: out length");
+pub fn swiglu_forward<R: Real>(gate: &[R], up: &[R], out: &mut [R]) -> Result<()> {
+    expect_len("swiglu_forward (up)", gate.len(), up.len())?;
+    expect_len("swiglu_forward (out)", gate.len(), out.len())?;
     out.par_chunks_mut(CHUNK)
         .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
         .for_each(|(o, (g, u))| {
@@ -26,15 +28,23 @@ pub fn swiglu_forward<R: Real>(gate: &[R], up: &[R], out: &mut [R]) {
                 *oi = gi * sigmoid(gi) * ui;
             }
         });
+    Ok(())
 }
 
-/// `dgate = dout * up * sigmoid(g) * (1 + g * (1 - sigmoid(g)))`, `dup = dout * silu(g)`.
-pub fn swiglu_backward<R: Real>(dout: &[R], gate: &[R], up: &[R], dgate: &mut [R], dup: &mut [R]) {
+/// `dgate = dout * up * sigmoid(g) * (1 + g * (1 - sigmoid(g)))`, `dup = dout * silu(g)`; all
+/// five slices have the same length.
+pub fn swiglu_backward<R: Real>(
+    dout: &[R],
+    gate: &[R],
+    up: &[R],
+    dgate: &mut [R],
+    dup: &mut [R],
+) -> Result<()> {
     let n = dout.len();
-    assert!(
-        gate.len() == n && up.len() == n && dgate.len() == n && dup.len() == n,
-        "swiglu_backward: all slices must have the same length"
-    );
+    expect_len("swiglu_backward (gate)", n, gate.len())?;
+    expect_len("swiglu_backward (up)", n, up.len())?;
+    expect_len("swiglu_backward (dgate)", n, dgate.len())?;
+    expect_len("swiglu_backward (dup)", n, dup.len())?;
     dgate
         .par_chunks_mut(CHUNK)
         .zip(dup.par_chunks_mut(CHUNK))
@@ -50,4 +60,5 @@ pub fn swiglu_backward<R: Real>(dout: &[R], gate: &[R], up: &[R], dgate: &mut [R
                 dg[i] = d[i] * u[i] * s * (R::one() + g[i] * (R::one() - s));
             }
         });
+    Ok(())
 }

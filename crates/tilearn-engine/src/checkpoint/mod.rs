@@ -18,6 +18,7 @@ mod save;
 pub mod stream;
 
 pub use load::{load_into, load_params, load_params_into};
+pub(crate) use safetensors_io::{MappedFile, decode_into};
 pub use safetensors_io::{NamedTensor, TensorRef, read_tensors_file, write_tensors_file};
 pub use save::{DEFAULT_MAX_SHARD_BYTES, save_pretrained, save_pretrained_from};
 pub use stream::{StreamedTensor, TensorDest, TensorSource, write_streamed};

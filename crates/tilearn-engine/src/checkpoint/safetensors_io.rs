@@ -145,6 +145,11 @@ impl MappedFile {
         })
     }
 
+    /// The whole file.
+    pub fn bytes(&self) -> &[u8] {
+        &self.mmap
+    }
+
     /// Tells the kernel the file will be read front to back (read-ahead).
     pub fn expect_sequential(&self) {
         // Only a hint: a kernel that ignores it reads on demand as usual.

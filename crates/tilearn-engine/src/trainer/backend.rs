@@ -4,10 +4,13 @@
 use std::path::Path;
 
 use adaptfp16::Precision;
+use tilearn_ops::DType;
 
 use crate::Result;
+use crate::config::LlamaConfig;
 use crate::data::Batch;
 use crate::model::LlamaForCausalLM;
+use crate::params::ParamSpec;
 
 /// One device's model, gradients and optimizer state.
 pub trait StepBackend {
@@ -49,13 +52,31 @@ pub trait StepBackend {
     /// the backend measured it inside the step.
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>>;
 
-    /// The model with the current weights (the CUDA engine copies them back first).
+    /// The model with the current weights (the CUDA engine downloads a host copy: for
+    /// evaluation and tests, never used by saves).
     fn model(&mut self) -> Result<&LlamaForCausalLM>;
 
+    /// The parameters' tensors (Hugging Face names, shapes, flat ranges).
+    fn specs(&self) -> &[ParamSpec];
+
+    /// Writes the current weights as a Hugging Face model directory (`config.json` from
+    /// `config`, weights in `dtype`, sharded above `max_shard_bytes`), streamed tensor by
+    /// tensor.
+    fn save_model(
+        &mut self,
+        dir: &Path,
+        config: &LlamaConfig,
+        dtype: DType,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<()>;
+
+    /// Writes the optimizer state (`optimizer.safetensors`, see
+    /// [`super::optimizer_file`]).
     fn save_optimizer(&mut self, path: &Path) -> Result<()>;
 
-    /// Replaces weights and optimizer state with a checkpoint's.
-    fn restore(&mut self, model: LlamaForCausalLM, optimizer_file: &Path) -> Result<()>;
+    /// Replaces the weights with those of checkpoint directory `dir` (whose config the Trainer
+    /// has checked) and the optimizer state with `optimizer_file`'s.
+    fn restore(&mut self, dir: &Path, optimizer_file: &Path) -> Result<()>;
 
     /// Makes the gradients non-finite (at least one infinite): fault injection for testing
     /// the fp16 overflow path (`--debug-inject-overflow`).

@@ -1,7 +1,7 @@
 //! What the Trainer needs from a device to run one optimizer step, so the same loop drives the
 //! CPU reference engine and the CUDA engine.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use adaptfp16::Precision;
 use tilearn_ops::DType;
@@ -11,6 +11,30 @@ use crate::config::LlamaConfig;
 use crate::data::Batch;
 use crate::model::LlamaForCausalLM;
 use crate::params::ParamSpec;
+
+/// Where a run's starting weights come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelInit {
+    /// Hugging Face's initialisation with this seed
+    /// ([`ParamStore::init_random_with_pad`](crate::params::ParamStore::init_random_with_pad)).
+    Random { seed: u64 },
+    /// A Hugging Face checkpoint directory's safetensors weights.
+    Pretrained(PathBuf),
+}
+
+impl ModelInit {
+    /// The model on the host (the CPU engine); the CUDA engine streams `self` into device
+    /// memory instead.
+    pub fn build_host(&self, config: LlamaConfig) -> Result<LlamaForCausalLM> {
+        match self {
+            ModelInit::Random { seed } => Ok(LlamaForCausalLM::from_config(config, *seed)),
+            ModelInit::Pretrained(dir) => {
+                let params = crate::checkpoint::load_params(dir, &config)?;
+                Ok(LlamaForCausalLM { config, params })
+            }
+        }
+    }
+}
 
 /// One device's model, gradients and optimizer state.
 pub trait StepBackend {

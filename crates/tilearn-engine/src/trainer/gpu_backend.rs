@@ -12,14 +12,14 @@
 //! counterparts) in the CPU engine's file formats, so a run saved on the GPU resumes on either
 //! device and host memory never holds the model or its optimizer state.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use adaptfp16::Precision;
 use tilearn_ops::DType;
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
-use super::backend::StepBackend;
+use super::backend::{ModelInit, StepBackend};
 use super::{TrainingArguments, adamw_setup, optimizer_file};
 use crate::Result;
 use crate::checkpoint::{load_into, save_pretrained_from};
@@ -28,15 +28,6 @@ use crate::data::Batch;
 use crate::gpu::{self, GpuLlama};
 use crate::model::LlamaForCausalLM;
 use crate::params::{ParamSpec, ParamStore, init_random_into};
-
-/// Where a GPU run's starting weights come from.
-#[derive(Clone, Debug, PartialEq)]
-pub enum ModelInit {
-    /// Hugging Face's initialisation with this seed ([`ParamStore::init_random_with_pad`]).
-    Random { seed: u64 },
-    /// A Hugging Face checkpoint directory, streamed from its safetensors files.
-    Pretrained(PathBuf),
-}
 
 pub struct GpuBackend {
     gpu: GpuLlama,

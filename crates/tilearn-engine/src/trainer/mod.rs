@@ -26,7 +26,7 @@ use adaptfp16::{AmpPlan, Precision, Signals, TimeUnit};
 use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, ParamGroup, SchedulerType};
 
 pub use args::{SaveStrategy, TrainLength, TrainingArguments};
-pub use backend::StepBackend;
+pub use backend::{ModelInit, StepBackend};
 pub use cpu_backend::CpuBackend;
 pub use disk::{FilesystemSpace, FreeSpace};
 pub use log::{LogRecord, TrainLog};

@@ -95,7 +95,25 @@ fn weight_files_bytes(specs: &[ParamSpec], dtype: DType) -> u64 {
 
 /// `bytes` as a short human number with the exact count, e.g. `13.48 GB (13476839424 bytes)`.
 pub fn show_bytes(bytes: u64) -> String {
-    format!("{:.2} GB ({bytes} bytes)", bytes as f64 / 1e9)
+    if bytes >= 1_000_000_000 {
+        format!("{:.2} GB ({bytes} bytes)", bytes as f64 / 1e9)
+    } else {
+        format!("{:.2} MB ({bytes} bytes)", bytes as f64 / 1e6)
+    }
+}
+
+/// Bytes of the files directly in `dir` whose names `keep` accepts (what a save wrote).
+pub fn files_bytes(dir: &Path, keep: impl Fn(&str) -> bool) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_str().is_some_and(&keep))
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum()
 }
 
 /// The flags that make saves smaller or go elsewhere.

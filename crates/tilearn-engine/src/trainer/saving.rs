@@ -75,11 +75,14 @@ impl Trainer {
             });
         }
         let secs = start.elapsed().as_secs_f64();
+        let written = disk::files_bytes(&dir, |name| {
+            name == CONFIG_FILE || (name.starts_with("model") && !name.ends_with(".tmp"))
+        });
         sink.note(&format!(
             "saved the final model ({} in {dtype}) to {} in {secs:.1} s ({:.2} GB/s)",
-            show_bytes(bytes),
+            show_bytes(written),
             dir.display(),
-            bytes as f64 / 1e9 / secs.max(1e-9)
+            written as f64 / 1e9 / secs.max(1e-9)
         ));
         Ok(secs)
     }
@@ -107,10 +110,11 @@ impl Trainer {
             return Err(line);
         }
         let secs = start.elapsed().as_secs_f64();
+        let written = disk::files_bytes(&dir, |_| true);
         sink.note(&format!(
             "saved {name} ({}) in {secs:.1} s ({:.2} GB/s)",
-            show_bytes(bytes),
-            bytes as f64 / 1e9 / secs.max(1e-9)
+            show_bytes(written),
+            written as f64 / 1e9 / secs.max(1e-9)
         ));
         if let Some(limit) = self.args.save_total_limit {
             match checkpoint::rotate_checkpoints(&self.args.output_dir, limit, &dir) {

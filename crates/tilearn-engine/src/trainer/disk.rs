@@ -45,7 +45,8 @@ impl FreeSpace for FilesystemSpace {
         }
         // SAFETY: statvfs returned 0, so it initialised the struct (and it was zeroed before).
         let stat = unsafe { stat.assume_init() };
-        Ok((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
+        // fsblkcnt_t and c_ulong are u64 on the 64-bit Linux targets tilearn builds for.
+        Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
     }
 }
 

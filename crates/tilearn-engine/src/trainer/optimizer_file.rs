@@ -214,13 +214,13 @@ mod tests {
         let groups = vec![
             ParamGroup {
                 name: "decay".into(),
-                ranges: vec![0..6],
+                ranges: std::iter::once(0..6).collect(),
                 weight_decay: 0.1,
                 lr_scale: 1.0,
             },
             ParamGroup {
                 name: "no_decay".into(),
-                ranges: vec![6..numel],
+                ranges: std::iter::once(6..numel).collect(),
                 weight_decay: 0.0,
                 lr_scale: 1.0,
             },

@@ -1,10 +1,15 @@
-//! `cargo xtask build-kernels [--check]`: generates `crates/tilearn-ops/src/cuda/ffi.rs`, the
-//! Rust declarations of the `extern "C"` launchers in `kernels/include/tilearn_kernels.h`.
+//! `cargo xtask build-kernels [--check]`: generates `crates/tilearn-kernels/src/ffi.rs`, the
+//! Rust declarations of the `extern "C"` launchers in
+//! `crates/tilearn-kernels/kernels/include/tilearn_kernels.h`.
 //!
-//! The file is committed, so building tilearn-ops never needs libclang. `--check` regenerates it
-//! in memory and fails when the committed file differs (CI runs it). The header declares
+//! The file is committed, so building tilearn-kernels never needs libclang. `--check`
+//! regenerates it in memory and fails when the committed file differs (CI runs it). The header declares
 //! `cudaStream_t` itself when not compiled by nvcc, so bindgen needs no CUDA headers; the output
 //! is formatted with `rustfmt --edition 2024`, the same formatting `cargo fmt` applies.
+//!
+//! Both modes first check that every kernel file opens with its header
+//! ([`kernel_header`](crate::kernel_header)) and fail, naming the file and the field, when one
+//! does not.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -12,8 +17,10 @@ use std::process::{Command, Stdio};
 
 use crate::cmd::workspace_root;
 
-const HEADER: &str = "kernels/include/tilearn_kernels.h";
-const OUTPUT: &str = "crates/tilearn-ops/src/cuda/ffi.rs";
+/// The kernel sources (`*.cu`) of tilearn-kernels.
+pub const KERNELS: &str = "crates/tilearn-kernels/kernels";
+const HEADER: &str = "crates/tilearn-kernels/kernels/include/tilearn_kernels.h";
+const OUTPUT: &str = "crates/tilearn-kernels/src/ffi.rs";
 
 pub fn run(args: &[String]) -> Result<(), String> {
     let check = match args {
@@ -26,6 +33,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     };
     let root = workspace_root();
+    crate::kernel_header::check_dir(&root.join(KERNELS))?;
     let generated = generate(&root.join(HEADER))?;
     let output = root.join(OUTPUT);
     if check {

@@ -5,10 +5,15 @@
 //! * `test`               what CI runs: install the pinned nvcc if none is found, fmt, clippy,
 //!   the bindings freshness check, and the whole test suite built with `--features cuda`.
 //! * `setup-cuda`         install the pinned CUDA 13.0 nvcc from PyPI wheels into `target/cuda`.
-//! * `build-kernels [--check]`  regenerate (or check) the bindgen FFI of `kernels/include`.
+//! * `build-kernels [--check]`  check every kernel file's header, then regenerate (or
+//!   check) the bindgen FFI of tilearn-kernels' launcher header.
+//! * `check-cycles`       fail on an import cycle between the modules of any workspace crate.
 
 mod build_kernels;
 mod cmd;
+mod kernel_header;
+mod module_cycles;
+mod rust_tokens;
 mod setup_cuda;
 mod test;
 mod train;
@@ -26,6 +31,7 @@ fn main() -> ExitCode {
         "test" => test::run(rest),
         "setup-cuda" => setup_cuda::run(rest).map(|_| ()),
         "build-kernels" => build_kernels::run(rest),
+        "check-cycles" => module_cycles::run(rest),
         "help" | "--help" | "-h" => {
             println!("{}", HELP);
             Ok(())
@@ -41,5 +47,4 @@ fn main() -> ExitCode {
     }
 }
 
-const HELP: &str =
-    "usage: cargo xtask <train [ARGS…] | test | setup-cuda | build-kernels [--check]>";
+const HELP: &str = "usage: cargo xtask <train [ARGS…] | test | setup-cuda | build-kernels [--check] | check-cycles>";

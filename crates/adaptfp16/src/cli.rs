@@ -10,12 +10,14 @@
 //!   `--amp-policy`, and each only where the policy uses it (see the crate docs' table).
 //! * No flag at all: fp32.
 
-use crate::error::Error;
-use crate::plan::AmpPlan;
-use crate::policy::{Param, PolicyBuilder, PolicyId};
-use crate::precision::{Precision, TimeUnit};
+use tilearn_ops::DType;
 
-/// The raw flag values (clap can parse `PolicyId`, `TimeUnit` and `Precision` with `FromStr`).
+use crate::error::Error;
+use crate::names::{Param, PolicyId, TimeUnit};
+use crate::plan::AmpPlan;
+use crate::policy::PolicyBuilder;
+
+/// The raw flag values (clap can parse `PolicyId`, `TimeUnit` and `DType` with `FromStr`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct AmpArgs {
     pub fp16: bool,
@@ -28,7 +30,7 @@ pub struct AmpArgs {
     pub interval: Option<u64>,
     pub interval_hold: Option<u64>,
     pub unit: Option<TimeUnit>,
-    pub fallback: Option<Precision>,
+    pub fallback: Option<DType>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -62,17 +64,17 @@ pub enum FlagError {
     #[error("--amp-interval-hold {interval_hold} is longer than --amp-interval {interval}")]
     IntervalHoldTooLong { interval_hold: u64, interval: u64 },
     #[error("--amp-fallback must be bf16 or fp32, not {0}")]
-    InvalidFallback(Precision),
+    InvalidFallback(DType),
     #[error("{0}")]
     Other(Error),
 }
 
 /// Build the plan the flags describe, or say which flag is wrong.
 pub fn plan_from_args(args: &AmpArgs) -> Result<AmpPlan, FlagError> {
-    let chosen: Vec<(&'static str, Precision)> = [
-        ("--fp16", args.fp16, Precision::Fp16),
-        ("--bf16", args.bf16, Precision::Bf16),
-        ("--fp32", args.fp32, Precision::Fp32),
+    let chosen: Vec<(&'static str, DType)> = [
+        ("--fp16", args.fp16, DType::F16),
+        ("--bf16", args.bf16, DType::BF16),
+        ("--fp32", args.fp32, DType::F32),
     ]
     .into_iter()
     .filter(|&(_, on, _)| on)
@@ -96,13 +98,13 @@ pub fn plan_from_args(args: &AmpArgs) -> Result<AmpPlan, FlagError> {
         if let Some(&(_, flag)) = stray.iter().find(|(set, _)| *set) {
             return Err(FlagError::NeedsPolicy(flag));
         }
-        return Ok(AmpPlan::Fixed(precision.unwrap_or(Precision::Fp32)));
+        return Ok(AmpPlan::Fixed(precision.unwrap_or(DType::F32)));
     };
 
     let mixed = match (id, precision) {
-        (_, Some(Precision::Fp32)) => return Err(FlagError::PolicyWithFp32),
-        (PolicyId::Auto, Some(Precision::Bf16)) => return Err(FlagError::AutoWithBf16),
-        (_, p) => p.unwrap_or(Precision::Fp16),
+        (_, Some(DType::F32)) => return Err(FlagError::PolicyWithFp32),
+        (PolicyId::Auto, Some(DType::BF16)) => return Err(FlagError::AutoWithBf16),
+        (_, p) => p.unwrap_or(DType::F16),
     };
     let mut b = PolicyBuilder::new(id)
         .mixed(mixed)

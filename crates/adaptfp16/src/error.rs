@@ -1,7 +1,8 @@
 //! The crate's one error type. Every variant names what was wrong and, where it helps, what to do.
 
-use crate::policy::{Param, PolicyId};
-use crate::precision::Precision;
+use tilearn_ops::DType;
+
+use crate::names::{Param, PolicyId};
 
 /// An error from a device backend behind [`crate::UnscaleTarget`] (e.g. a CUDA launch failure).
 pub type BackendError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -59,13 +60,13 @@ pub enum Error {
         requirement: &'static str,
     },
     #[error("mixed precision must be fp16 or bf16, got {0}")]
-    MixedNotMixed(Precision),
+    MixedNotMixed(DType),
     #[error(
         "policy auto watches the fp16 loss scale, so its mixed precision must be fp16, got {0}"
     )]
-    AutoNeedsFp16(Precision),
+    AutoNeedsFp16(DType),
     #[error("policy auto falls back to bf16 or fp32, not {0}")]
-    InvalidFallback(Precision),
+    InvalidFallback(DType),
     #[error("policy auto: max_overflows {max_overflows} must be in 1..=window ({window})")]
     InvalidOverflowLimit { max_overflows: u64, window: u64 },
     #[error("policy {policy} needs {signal} at every decision (period {period})")]

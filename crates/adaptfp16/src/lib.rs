@@ -7,8 +7,12 @@
 //! * [`AmpPolicy`]: the typed form of Tilearn-Angel's
 //!   `MixedPrecision_TrainingPolicy(policy, start_time, hold_time, end_time, interval_time,
 //!   interval_hold_time)` with `enable_mixed_precision(epoch, lr, loss, scaler) -> bool`
-//!   ([`AmpPolicy::enable_mixed_precision`]; [`AmpPolicy::decide`] returns the [`Precision`]).
+//!   ([`AmpPolicy::enable_mixed_precision`]; [`AmpPolicy::decide`] returns the precision, a
+//!   [`DType`]).
 //!   Built by [`PolicyBuilder`]; policies 0, 1, 2 and our `auto`.
+//! * [`DType`] (re-exported from `tilearn-ops`, the workspace's one precision type): what a
+//!   period computes in — `F32`, `BF16` or `F16`, named `fp32`, `bf16`, `fp16` in flags, logs
+//!   and saved policy state. Master weights and optimizer state stay fp32 in every case.
 //! * [`AmpPlan`]: a fixed precision or a policy, what the trainer holds; [`cli::plan_from_args`]
 //!   builds one from `tilearn train`'s flags.
 //!
@@ -16,7 +20,7 @@
 //!
 //! ```
 //! use adaptfp16::cli::{AmpArgs, plan_from_args};
-//! use adaptfp16::{CpuGrads, Precision, Signals};
+//! use adaptfp16::{CpuGrads, DType, Signals};
 //!
 //! // `tilearn train --amp-policy 0 --amp-start 2 --amp-end 5`
 //! let args = AmpArgs { policy: Some("0".parse()?), start: Some(2), end: Some(5), ..Default::default() };
@@ -27,7 +31,7 @@
 //!     let precision = plan.decide(step, Signals { lr: Some(1e-3), loss: None }, Some(&mut scaler))?;
 //!     timeline.push(precision);
 //!     let mut grads = vec![0.25f32; 4]; // the backward of loss * seed
-//!     if precision == Precision::Fp16 {
+//!     if precision == DType::F16 {
 //!         let _seed = scaler.scale(1.0); // multiplies the loss gradient
 //!         grads.iter_mut().for_each(|g| *g *= scaler.get_scale());
 //!         let mut target = CpuGrads::flat(&mut grads);
@@ -39,8 +43,8 @@
 //!         assert_eq!(grads, vec![0.25f32; 4]);
 //!     }
 //! }
-//! use Precision::{Fp16, Fp32};
-//! assert_eq!(timeline, [Fp32, Fp32, Fp16, Fp16, Fp16, Fp16, Fp32, Fp32]);
+//! use DType::{F16, F32};
+//! assert_eq!(timeline, [F32, F32, F16, F16, F16, F16, F32, F32]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
@@ -128,16 +132,17 @@
 
 pub mod cli;
 pub mod error;
+pub mod names;
 pub mod plan;
 pub mod policy;
-pub mod precision;
 pub mod scaler;
 
 pub use error::{BackendError, Error, Result};
+pub use names::{Param, ParseNameError, PolicyId, TimeUnit};
 pub use plan::AmpPlan;
-pub use policy::{AmpPolicy, Param, PolicyBuilder, PolicyId, Rule, Signals};
-pub use precision::{ParseNameError, Precision, TimeUnit};
+pub use policy::{AmpPolicy, PolicyBuilder, Rule, Signals};
 pub use scaler::{
     CpuGrads, GradScaler, ScalerConfig, ScalerState, StepOutcome, UnscaleTarget,
     unscale_and_check_slice,
 };
+pub use tilearn_ops::DType;

@@ -1,14 +1,16 @@
 //! What the trainer holds: a fixed precision, or a policy that decides per period.
 
+use tilearn_ops::DType;
+
 use crate::error::Result;
+use crate::names::TimeUnit;
 use crate::policy::{AmpPolicy, Signals};
-use crate::precision::{Precision, TimeUnit};
 use crate::scaler::GradScaler;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum AmpPlan {
     /// `--fp32`, `--bf16` or `--fp16` without a policy: every period the same.
-    Fixed(Precision),
+    Fixed(DType),
     Adaptive(AmpPolicy),
 }
 
@@ -19,7 +21,7 @@ impl AmpPlan {
         period: u64,
         signals: Signals,
         scaler: Option<&mut GradScaler>,
-    ) -> Result<Precision> {
+    ) -> Result<DType> {
         match self {
             AmpPlan::Fixed(p) => Ok(*p),
             AmpPlan::Adaptive(policy) => policy.decide(period, signals, scaler),
@@ -34,7 +36,7 @@ impl AmpPlan {
         }
     }
 
-    pub fn possible_precisions(&self) -> Vec<Precision> {
+    pub fn possible_precisions(&self) -> Vec<DType> {
         match self {
             AmpPlan::Fixed(p) => vec![*p],
             AmpPlan::Adaptive(p) => p.possible_precisions(),
@@ -43,7 +45,9 @@ impl AmpPlan {
 
     /// Whether any period can run fp16 and so needs the GradScaler.
     pub fn needs_scaler(&self) -> bool {
-        self.possible_precisions().iter().any(|p| p.needs_scaler())
+        self.possible_precisions()
+            .iter()
+            .any(|p| p.needs_loss_scaling())
     }
 
     /// A GradScaler for this plan: torch's defaults when fp16 can occur, disabled otherwise.

@@ -1,7 +1,7 @@
 //! `tilearn train` precision flags → AmpPlan, and the exact messages of invalid combinations.
 
 use adaptfp16::cli::{AmpArgs, plan_from_args};
-use adaptfp16::{AmpPlan, PolicyId, Precision, Rule, TimeUnit};
+use adaptfp16::{AmpPlan, DType, PolicyId, Rule, TimeUnit};
 
 fn err(args: AmpArgs) -> String {
     match plan_from_args(&args) {
@@ -17,26 +17,26 @@ fn policy(id: &str) -> Option<PolicyId> {
 #[test]
 fn fixed_precisions() {
     let plan = |a: AmpArgs| plan_from_args(&a).unwrap();
-    assert_eq!(plan(AmpArgs::default()), AmpPlan::Fixed(Precision::Fp32));
+    assert_eq!(plan(AmpArgs::default()), AmpPlan::Fixed(DType::F32));
     assert_eq!(
         plan(AmpArgs {
             fp32: true,
             ..Default::default()
         }),
-        AmpPlan::Fixed(Precision::Fp32)
+        AmpPlan::Fixed(DType::F32)
     );
     assert_eq!(
         plan(AmpArgs {
             bf16: true,
             ..Default::default()
         }),
-        AmpPlan::Fixed(Precision::Bf16)
+        AmpPlan::Fixed(DType::BF16)
     );
     let fp16 = plan(AmpArgs {
         fp16: true,
         ..Default::default()
     });
-    assert_eq!(fp16, AmpPlan::Fixed(Precision::Fp16));
+    assert_eq!(fp16, AmpPlan::Fixed(DType::F16));
     assert!(fp16.needs_scaler() && fp16.new_scaler().is_enabled());
     assert!(
         !plan(AmpArgs {
@@ -65,7 +65,7 @@ fn policies_from_flags() {
     };
     assert_eq!(
         (p.id(), p.mixed(), p.unit()),
-        (PolicyId::TimeLr, Precision::Bf16, TimeUnit::Epoch)
+        (PolicyId::TimeLr, DType::BF16, TimeUnit::Epoch)
     );
     match p.rule() {
         Rule::TimeLr(r) => assert_eq!((r.window().start(), r.window().end(), r.hold()), (5, 90, 7)),
@@ -79,10 +79,7 @@ fn policies_from_flags() {
         ..Default::default()
     })
     .unwrap();
-    assert_eq!(
-        p.possible_precisions(),
-        vec![Precision::Fp32, Precision::Fp16]
-    );
+    assert_eq!(p.possible_precisions(), vec![DType::F32, DType::F16]);
     assert_eq!(p.unit(), TimeUnit::Step);
     assert!(p.needs_scaler());
 
@@ -100,14 +97,11 @@ fn policies_from_flags() {
         policy: policy("auto"),
         fp16: true,
         hold: Some(50),
-        fallback: Some(Precision::Fp32),
+        fallback: Some(DType::F32),
         ..Default::default()
     })
     .unwrap();
-    assert_eq!(
-        p.possible_precisions(),
-        vec![Precision::Fp16, Precision::Fp32]
-    );
+    assert_eq!(p.possible_precisions(), vec![DType::F16, DType::F32]);
 }
 
 #[test]
@@ -216,7 +210,7 @@ fn invalid_combinations_name_the_flags() {
         (
             AmpArgs {
                 policy: policy("2"),
-                fallback: Some(Precision::Fp32),
+                fallback: Some(DType::F32),
                 ..d()
             },
             "--amp-fallback does not apply to --amp-policy 2",
@@ -251,7 +245,7 @@ fn invalid_combinations_name_the_flags() {
         (
             AmpArgs {
                 policy: policy("auto"),
-                fallback: Some(Precision::Fp16),
+                fallback: Some(DType::F16),
                 ..d()
             },
             "--amp-fallback must be bf16 or fp32, not fp16",
@@ -292,6 +286,6 @@ fn flag_values_parse_with_clear_errors() {
         "epochs".parse::<TimeUnit>().unwrap_err().to_string(),
         "unit `epochs` is not one of: step, epoch"
     );
-    assert_eq!("bf16".parse::<Precision>().unwrap(), Precision::Bf16);
-    assert!("half".parse::<Precision>().is_err());
+    assert_eq!("bf16".parse::<DType>().unwrap(), DType::BF16);
+    assert!("half".parse::<DType>().is_err());
 }

@@ -2,15 +2,15 @@
 //! compared with an expected timeline written by hand as segments (from the rules in the crate
 //! docs, not computed by the same code), with the first mismatch reported.
 
-use Precision::{Bf16, Fp16, Fp32};
+use DType::{BF16, F16, F32};
 use adaptfp16::policy::AutoMode;
 use adaptfp16::{
-    AmpPolicy, CpuGrads, Error, GradScaler, Param, PolicyBuilder, PolicyId, Precision, Signals,
+    AmpPolicy, CpuGrads, DType, Error, GradScaler, Param, PolicyBuilder, PolicyId, Signals,
     TimeUnit,
 };
 
 /// `[(end_exclusive, precision)]` → one precision per period from 0.
-fn timeline(segments: &[(u64, Precision)]) -> Vec<Precision> {
+fn timeline(segments: &[(u64, DType)]) -> Vec<DType> {
     let mut out = Vec::new();
     for &(end, p) in segments {
         assert!(end as usize > out.len(), "segments must increase");
@@ -19,7 +19,7 @@ fn timeline(segments: &[(u64, Precision)]) -> Vec<Precision> {
     out
 }
 
-fn assert_timeline(name: &str, got: &[Precision], want: &[Precision]) {
+fn assert_timeline(name: &str, got: &[DType], want: &[DType]) {
     assert_eq!(got.len(), want.len(), "{name}: length");
     if let Some(t) = (0..got.len()).find(|&t| got[t] != want[t]) {
         let ctx: Vec<String> = (t.saturating_sub(3)..(t + 4).min(got.len()))
@@ -36,7 +36,7 @@ fn assert_timeline(name: &str, got: &[Precision], want: &[Precision]) {
     eprintln!("{name}: {} periods match, {switches} switches", got.len());
 }
 
-fn run(policy: &mut AmpPolicy, n: u64, signals: impl Fn(u64) -> Signals) -> Vec<Precision> {
+fn run(policy: &mut AmpPolicy, n: u64, signals: impl Fn(u64) -> Signals) -> Vec<DType> {
     (0..n)
         .map(|t| policy.decide(t, signals(t), None).unwrap())
         .collect()
@@ -51,13 +51,13 @@ fn policy0_time_window_inclusive() {
         .build()
         .unwrap();
     let got = run(&mut p, 3000, |_| Signals::default());
-    let want = timeline(&[(10, Fp32), (2001, Fp16), (3000, Fp32)]);
+    let want = timeline(&[(10, F32), (2001, F16), (3000, F32)]);
     assert_timeline("policy 0 (default start 10, end 2000)", &got, &want);
 
     let mut p = PolicyBuilder::new(PolicyId::Time)
         .start(0)
         .end(0)
-        .mixed(Bf16)
+        .mixed(BF16)
         .unit(TimeUnit::Epoch)
         .build()
         .unwrap();
@@ -66,7 +66,7 @@ fn policy0_time_window_inclusive() {
     assert_timeline(
         "policy 0 one-period window",
         &got,
-        &timeline(&[(1, Bf16), (5, Fp32)]),
+        &timeline(&[(1, BF16), (5, F32)]),
     );
 }
 
@@ -103,15 +103,15 @@ fn policy1_holds_fp32_after_learning_rate_changes() {
         loss: None,
     });
     let want = timeline(&[
-        (130, Fp32), // before start, then the hold of the change at 80 runs into the window
-        (600, Fp16), // the 5% wiggle at 300 is below the 10% tolerance
-        (650, Fp32), // drop at 600
-        (1000, Fp16),
-        (1060, Fp32), // drop at 1000, restarted by the change at 1010
-        (1500, Fp16),
-        (1550, Fp32), // warm restart at 1500; the cosine after it never triggers
-        (2480, Fp16),
-        (3000, Fp32), // drop at 2480, held past end (2500), then after end
+        (130, F32), // before start, then the hold of the change at 80 runs into the window
+        (600, F16), // the 5% wiggle at 300 is below the 10% tolerance
+        (650, F32), // drop at 600
+        (1000, F16),
+        (1060, F32), // drop at 1000, restarted by the change at 1010
+        (1500, F16),
+        (1550, F32), // warm restart at 1500; the cosine after it never triggers
+        (2480, F16),
+        (3000, F32), // drop at 2480, held past end (2500), then after end
     ]);
     assert_timeline("policy 1", &got, &want);
 }
@@ -122,7 +122,7 @@ fn policy1_end_is_inclusive_and_lr_is_required() {
         .start(2)
         .end(4)
         .hold(1)
-        .mixed(Bf16)
+        .mixed(BF16)
         .build()
         .unwrap();
     let got = run(&mut p, 7, |_| Signals {
@@ -132,7 +132,7 @@ fn policy1_end_is_inclusive_and_lr_is_required() {
     assert_timeline(
         "policy 1 small",
         &got,
-        &timeline(&[(2, Fp32), (5, Bf16), (7, Fp32)]),
+        &timeline(&[(2, F32), (5, BF16), (7, F32)]),
     );
     let err = p.decide(7, Signals::default(), None).unwrap_err();
     assert!(
@@ -177,12 +177,12 @@ fn policy2_loss_trend_decides_inside_windows_only() {
         loss: loss(t),
     });
     let want = timeline(&[
-        (10, Fp32), // before the default start
-        (2050, Fp16),
-        (2070, Fp32),
-        (2090, Fp16),
-        (3000, Fp32), // the last decision of window 2 stands until window 3 opens
-        (3050, Fp16), // window 3 switches mixed precision back on
+        (10, F32), // before the default start
+        (2050, F16),
+        (2070, F32),
+        (2090, F16),
+        (3000, F32), // the last decision of window 2 stands until window 3 opens
+        (3050, F16), // window 3 switches mixed precision back on
     ]);
     assert_timeline("policy 2 defaults", &got, &want);
 }
@@ -194,7 +194,7 @@ fn policy2_non_finite_absent_loss_and_end() {
         .end(2600)
         .interval(500)
         .interval_hold(50)
-        .mixed(Bf16)
+        .mixed(BF16)
         .build()
         .unwrap();
     let r = base_loss(2001); // window 4's reference: its first given loss (2000 gives none)
@@ -211,12 +211,12 @@ fn policy2_non_finite_absent_loss_and_end() {
         loss: loss(t),
     });
     let want = timeline(&[
-        (1510, Bf16),
-        (1511, Fp32), // NaN loss inside window 3
-        (2020, Bf16), // recovers at once: the next loss is below the reference
-        (2030, Fp32),
-        (2601, Bf16), // window 5 (2500..2550) sees a falling loss
-        (3000, Fp32), // after end
+        (1510, BF16),
+        (1511, F32),  // NaN loss inside window 3
+        (2020, BF16), // recovers at once: the next loss is below the reference
+        (2030, F32),
+        (2601, BF16), // window 5 (2500..2550) sees a falling loss
+        (3000, F32),  // after end
     ]);
     assert_timeline("policy 2 interval 500/50, end 2600", &got, &want);
 }
@@ -239,7 +239,7 @@ fn auto_loss(t: u64) -> Option<f64> {
 
 /// Runs the auto policy with a real GradScaler; returns the timeline and the scale at each
 /// decision. `resume_at`: save and restore policy + scaler at that step.
-fn run_auto(n: u64, resume_at: Option<u64>) -> (Vec<Precision>, Vec<f32>) {
+fn run_auto(n: u64, resume_at: Option<u64>) -> (Vec<DType>, Vec<f32>) {
     let build = || PolicyBuilder::new(PolicyId::Auto).build().unwrap();
     let mut policy = build();
     let mut scaler = GradScaler::new();
@@ -262,7 +262,7 @@ fn run_auto(n: u64, resume_at: Option<u64>) -> (Vec<Precision>, Vec<f32>) {
         assert_eq!(policy.decide(t, signals, Some(&mut scaler)).unwrap(), p);
         got.push(p);
         scales.push(scaler.get_scale());
-        if p == Fp16 {
+        if p == F16 {
             let mut g = vec![
                 0.5f32,
                 if planted_overflow(t) {
@@ -279,16 +279,16 @@ fn run_auto(n: u64, resume_at: Option<u64>) -> (Vec<Precision>, Vec<f32>) {
     (got, scales)
 }
 
-fn auto_expected() -> Vec<Precision> {
+fn auto_expected() -> Vec<DType> {
     timeline(&[
-        (519, Fp16),  // 5 start-up overflows are not enough
-        (719, Bf16),  // the 10th overflow of 500..518 is counted at 519: hold 200
-        (1002, Fp16), // back; scale 2 is above the floor, no restart
-        (1202, Bf16), // 1000 and 1001 overflow: scale 0.5 < 1 at 1002 (collapse)
-        (1509, Fp16), // back with the scale restarted at 65536
-        (1709, Bf16), // 10 NaN losses 1500..1509
-        (2801, Fp16), // an overflow every 50 steps: only 2 per window of 100 ...
-        (3000, Bf16), // ... but the 17th (at 2800) takes 65536 below 1: collapse at 2801
+        (519, F16),   // 5 start-up overflows are not enough
+        (719, BF16),  // the 10th overflow of 500..518 is counted at 519: hold 200
+        (1002, F16),  // back; scale 2 is above the floor, no restart
+        (1202, BF16), // 1000 and 1001 overflow: scale 0.5 < 1 at 1002 (collapse)
+        (1509, F16),  // back with the scale restarted at 65536
+        (1709, BF16), // 10 NaN losses 1500..1509
+        (2801, F16),  // an overflow every 50 steps: only 2 per window of 100 ...
+        (3000, BF16), // ... but the 17th (at 2800) takes 65536 below 1: collapse at 2801
     ])
 }
 
@@ -341,7 +341,7 @@ fn policies_resume_from_saved_state_mid_schedule() {
     for (name, make, sig, at) in cases {
         let whole = run(&mut make(), 3000, sig);
         let mut p = make();
-        let mut got: Vec<Precision> = (0..at)
+        let mut got: Vec<DType> = (0..at)
             .map(|t| p.decide(t, sig(t), None).unwrap())
             .collect();
         let saved = p.state_json().unwrap();
@@ -366,19 +366,19 @@ fn policies_resume_from_saved_state_mid_schedule() {
 #[test]
 fn auto_with_fp32_fallback_and_its_requirements() {
     let mut p = PolicyBuilder::new(PolicyId::Auto)
-        .fallback(Fp32)
+        .fallback(F32)
         .hold(3)
         .overflow_window(4)
         .max_overflows(2)
         .build()
         .unwrap();
-    assert_eq!(p.possible_precisions(), vec![Fp16, Fp32]);
+    assert_eq!(p.possible_precisions(), vec![F16, F32]);
     let mut s = GradScaler::new();
     let mut got = Vec::new();
     for t in 0..12 {
         let prec = p.decide(t, Signals::default(), Some(&mut s)).unwrap();
         got.push(prec);
-        if prec == Fp16 {
+        if prec == F16 {
             let overflow = t == 1 || t == 4;
             let mut g = vec![if overflow { f32::NAN } else { 1.0 }];
             let mut target = CpuGrads::flat(&mut g);
@@ -388,7 +388,7 @@ fn auto_with_fp32_fallback_and_its_requirements() {
     }
     // Overflows at 1 and 4 are counted at 2 and 5, both inside the window (1, 5]: fall back at
     // 5 for 3 periods.
-    let want = timeline(&[(5, Fp16), (8, Fp32), (12, Fp16)]);
+    let want = timeline(&[(5, F16), (8, F32), (12, F16)]);
     assert_timeline("auto fp32 fallback", &got, &want);
     assert!(matches!(p.rule(), adaptfp16::Rule::Auto(a) if a.state().mode == AutoMode::Fp16));
 
@@ -414,9 +414,9 @@ fn decisions_are_asked_in_time_order() {
         .end(5)
         .build()
         .unwrap();
-    assert_eq!(p.decide(3, Signals::default(), None).unwrap(), Fp16);
-    assert_eq!(p.decide(3, Signals::default(), None).unwrap(), Fp16);
-    assert_eq!(p.decide(9, Signals::default(), None).unwrap(), Fp32); // gaps are fine
+    assert_eq!(p.decide(3, Signals::default(), None).unwrap(), F16);
+    assert_eq!(p.decide(3, Signals::default(), None).unwrap(), F16);
+    assert_eq!(p.decide(9, Signals::default(), None).unwrap(), F32); // gaps are fine
     assert!(matches!(
         p.decide(4, Signals::default(), None),
         Err(Error::PeriodWentBack { last: 9, got: 4 })
@@ -468,7 +468,7 @@ fn builder_validation() {
             "policy auto does not use start_time; leave it unset",
         ),
         (
-            PolicyBuilder::new(Loss).fallback(Fp32),
+            PolicyBuilder::new(Loss).fallback(F32),
             "policy 2 does not use fallback; leave it unset",
         ),
         (
@@ -488,15 +488,15 @@ fn builder_validation() {
             "interval_hold_time 101 is longer than interval_time 100: the loss windows would overlap",
         ),
         (
-            PolicyBuilder::new(Time).end(50).mixed(Fp32),
+            PolicyBuilder::new(Time).end(50).mixed(F32),
             "mixed precision must be fp16 or bf16, got fp32",
         ),
         (
-            PolicyBuilder::new(Auto).mixed(Bf16),
+            PolicyBuilder::new(Auto).mixed(BF16),
             "policy auto watches the fp16 loss scale, so its mixed precision must be fp16, got bf16",
         ),
         (
-            PolicyBuilder::new(Auto).fallback(Fp16),
+            PolicyBuilder::new(Auto).fallback(F16),
             "policy auto falls back to bf16 or fp32, not fp16",
         ),
         (
@@ -531,6 +531,6 @@ fn builder_validation() {
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(p.possible_precisions(), vec![Fp32, Fp16]);
+    assert_eq!(p.possible_precisions(), vec![F32, F16]);
     assert_eq!(PolicyBuilder::accepted(Time), &[Param::Start, Param::End]);
 }

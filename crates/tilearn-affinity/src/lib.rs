@@ -45,16 +45,18 @@ pub mod error;
 pub mod gpu;
 pub mod plan;
 pub mod sysfs;
+pub mod thread;
 pub mod topology;
 
-pub use apply::{
-    OPT_OUT_ENV, ThreadRole, current_thread_affinity, opt_out_from, opt_out_reason, page_nodes,
-    pin_current_thread, prefer_memory_node, reset_memory_policy,
-};
+pub use apply::{OPT_OUT_ENV, ThreadRole, opt_out_from, opt_out_reason};
 pub use cpuset::CpuSet;
 pub use env::LocalRank;
 pub use error::{AffinityError, Result};
 pub use gpu::{GpuDevice, normalize_bus_id};
 pub use plan::{BindMode, Binding, Plan, RankPlan};
 pub use sysfs::SysfsRoot;
+pub use thread::{
+    current_thread_affinity, page_nodes, pin_current_thread, prefer_memory_node,
+    reset_memory_policy,
+};
 pub use topology::{NumaNode, Topology};

@@ -45,7 +45,7 @@ impl Topology {
     /// The topology of this machine for the calling thread: sysfs under `/` and the thread's
     /// current affinity mask (so a launcher's `taskset`/`numactl` restriction is respected).
     pub fn detect() -> Topology {
-        let affinity = crate::apply::current_thread_affinity();
+        let affinity = crate::thread::current_thread_affinity();
         let mut topology = Topology::discover(&SysfsRoot::host(), affinity.as_ref().ok());
         if let Err(e) = affinity {
             topology

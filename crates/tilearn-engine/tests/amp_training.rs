@@ -2,11 +2,12 @@
 //! floor sends training to the fallback precision for the hold period, then back to fp16 with
 //! the scale restarted, and training goes on learning with finite weights.
 
-use adaptfp16::{AmpPlan, PolicyBuilder, PolicyId, Precision};
+use adaptfp16::{AmpPlan, PolicyBuilder, PolicyId};
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
 use tilearn_engine::model::LlamaForCausalLM;
 use tilearn_engine::trainer::{PrintLogs, TrainLength, Trainer, TrainingArguments, log};
+use tilearn_ops::DType;
 
 const CONFIG: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 32,
  "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -34,7 +35,7 @@ fn auto_recovers_from_a_forced_scale_collapse() {
     };
     let policy = PolicyBuilder::new(PolicyId::Auto)
         .hold(6)
-        .fallback(Precision::Bf16)
+        .fallback(DType::BF16)
         // Only the collapse rule should fire in this test.
         .overflow_window(1000)
         .max_overflows(1000)

@@ -15,8 +15,9 @@ use support::{gpu_or_skip, random_batch, rel_err, report};
 use tilearn_engine::EngineError;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{DataLoader, LoaderState, TokenDataset, prepare_embedded_default};
-use tilearn_engine::gpu::{GpuLlama, Precision};
+use tilearn_engine::gpu::GpuLlama;
 use tilearn_engine::model::{Activations, LlamaForCausalLM, count_valid_targets};
+use tilearn_ops::DType;
 use tilearn_ops::OpsError;
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, SchedulerType};
@@ -61,7 +62,7 @@ fn golden_case(dev: &GpuDevice, case: &str) {
     let g = read_golden(&dir.join("golden.safetensors"));
 
     // f32: logits, loss and every gradient.
-    let mut gpu = GpuLlama::new(dev, &model, g.batch, g.seq, Precision::F32).unwrap();
+    let mut gpu = GpuLlama::new(dev, &model, g.batch, g.seq, DType::F32).unwrap();
     let logits = gpu.forward_logits(&g.input_ids, g.batch, g.seq).unwrap();
     let logits_err = rel_err(&logits, &g.logits);
     let stats = gpu
@@ -92,7 +93,7 @@ fn golden_case(dev: &GpuDevice, case: &str) {
     }
 
     // bf16: the loss.
-    let mut gpu16 = GpuLlama::new(dev, &model, g.batch, g.seq, Precision::Bf16).unwrap();
+    let mut gpu16 = GpuLlama::new(dev, &model, g.batch, g.seq, DType::BF16).unwrap();
     let stats16 = gpu16
         .forward_backward(&g.input_ids, &g.labels, g.batch, g.seq, None)
         .unwrap();
@@ -221,7 +222,7 @@ fn cpu_parity_case(dev: &GpuDevice, tied: bool, bias: bool) {
         )
         .unwrap();
 
-    let mut gpu = GpuLlama::new(dev, &model, batch, seq, Precision::F32).unwrap();
+    let mut gpu = GpuLlama::new(dev, &model, batch, seq, DType::F32).unwrap();
     let gpu_logits = gpu.forward_logits(&ids1, batch, seq).unwrap();
     let g1 = gpu
         .forward_backward(&ids1, &labels1, batch, seq, Some(denominator))
@@ -334,7 +335,7 @@ fn bad_inputs_are_typed_errors() {
     };
     let config = random_config(true, false);
     let model = LlamaForCausalLM::from_config(config.clone(), 3);
-    let mut gpu = GpuLlama::new(&dev, &model, 2, 8, Precision::Bf16).unwrap();
+    let mut gpu = GpuLlama::new(&dev, &model, 2, 8, DType::BF16).unwrap();
     let mut ids = vec![1u32; 16];
     let labels = vec![1i32; 16];
     ids[9] = 301;
@@ -440,7 +441,7 @@ fn training_curve_case(dev: &GpuDevice, heads: usize) {
         warmup_steps: 20,
         total_steps: TRAIN_STEPS,
     };
-    let mut gpu = GpuLlama::new(dev, &cpu_model, batch, seq, Precision::Bf16).unwrap();
+    let mut gpu = GpuLlama::new(dev, &cpu_model, batch, seq, DType::BF16).unwrap();
     assert_eq!(
         gpu.flash_attention(),
         heads == 2,
@@ -547,7 +548,7 @@ fn gradient_checkpointing_is_bit_identical_and_smaller() {
     let mut rng = ChaCha8Rng::seed_from_u64(53);
     let (ids1, labels1) = random_batch(&mut rng, config.vocab_size, batch, seq);
     let (ids2, labels2) = random_batch(&mut rng, config.vocab_size, 2, seq);
-    for precision in [Precision::F32, Precision::Bf16] {
+    for precision in [DType::F32, DType::BF16] {
         let run = |checkpointing: bool| {
             let mut gpu =
                 GpuLlama::with_options(&dev, &model, batch, seq, &[precision], checkpointing)

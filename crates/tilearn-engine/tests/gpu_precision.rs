@@ -16,10 +16,11 @@ use support::{gpu_or_skip, random_batch, rel_err, report};
 use tilearn_engine::EngineError;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
-use tilearn_engine::gpu::{GpuLlama, Precision};
+use tilearn_engine::gpu::GpuLlama;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
 use tilearn_engine::trainer::gpu_backend::GpuBackend;
 use tilearn_engine::trainer::{PrintLogs, TrainLength, Trainer, TrainingArguments, log};
+use tilearn_ops::DType;
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::AdamWConfig;
 
@@ -64,7 +65,7 @@ fn gpu_grads(
     model: &LlamaForCausalLM,
     ids: &[u32],
     labels: &[i32],
-    precision: Precision,
+    precision: DType,
 ) -> (f64, Vec<f32>) {
     let mut gpu = GpuLlama::new(dev, model, BATCH, SEQ, precision).unwrap();
     let stats = gpu.forward_backward(ids, labels, BATCH, SEQ, None).unwrap();
@@ -93,8 +94,8 @@ fn f16_against_cpu(dev: &GpuDevice, flash: bool) {
         .forward_backward(&ids, &labels, BATCH, SEQ, None, &mut acts, &mut cpu_grads)
         .unwrap()
         .mean();
-    let (l16, g16) = gpu_grads(&dev, &model, &ids, &labels, Precision::F16);
-    let (lb, gb) = gpu_grads(&dev, &model, &ids, &labels, Precision::Bf16);
+    let (l16, g16) = gpu_grads(&dev, &model, &ids, &labels, DType::F16);
+    let (lb, gb) = gpu_grads(&dev, &model, &ids, &labels, DType::BF16);
     let (loss16, lossb) = ((l16 - cpu).abs() / cpu, (lb - cpu).abs() / cpu);
     let (grad16, gradb) = (rel_err(&g16, &cpu_grads), rel_err(&gb, &cpu_grads));
     report(&format!(
@@ -135,15 +136,10 @@ fn switching_precision_matches_single_precision_models() {
 fn switching_case(dev: &GpuDevice, flash: bool) {
     let dev = dev.clone();
     let (model, ids, labels) = model_and_batch(31, flash);
-    let all = [Precision::F32, Precision::Bf16, Precision::F16];
+    let all = [DType::F32, DType::BF16, DType::F16];
     let mut multi = GpuLlama::with_precisions(&dev, &model, BATCH, SEQ, &all).unwrap();
-    assert_eq!(multi.precision(), Precision::F32);
-    for p in [
-        Precision::F16,
-        Precision::F32,
-        Precision::Bf16,
-        Precision::F16,
-    ] {
+    assert_eq!(multi.precision(), DType::F32);
+    for p in [DType::F16, DType::F32, DType::BF16, DType::F16] {
         multi.set_precision(p).unwrap();
         multi.zero_grad().unwrap();
         let stats = multi
@@ -162,8 +158,8 @@ fn switching_case(dev: &GpuDevice, flash: bool) {
         );
     }
     // A precision the model was not built for is refused with the fix spelled out.
-    let mut only32 = GpuLlama::new(&dev, &model, BATCH, SEQ, Precision::F32).unwrap();
-    match only32.set_precision(Precision::F16) {
+    let mut only32 = GpuLlama::new(&dev, &model, BATCH, SEQ, DType::F32).unwrap();
+    match only32.set_precision(DType::F16) {
         Err(EngineError::InvalidArgument { message, .. }) => {
             assert!(message.contains("with_precisions"), "{message}")
         }
@@ -186,7 +182,7 @@ fn loss_scaling_unscales_exactly_and_catches_overflow() {
         ..AdamWConfig::default()
     };
     let build = || {
-        let mut g = GpuLlama::new(&dev, &model, BATCH, SEQ, Precision::F16).unwrap();
+        let mut g = GpuLlama::new(&dev, &model, BATCH, SEQ, DType::F16).unwrap();
         let groups = g.default_groups(0.1);
         g.configure_optimizer(opt, groups, 1.0).unwrap();
         g
@@ -287,7 +283,7 @@ fn trainer_runs_the_auto_policy_on_the_gpu() {
     };
     let policy = PolicyBuilder::new(PolicyId::Auto)
         .hold(6)
-        .fallback(adaptfp16::Precision::Bf16)
+        .fallback(DType::BF16)
         .overflow_window(1000)
         .max_overflows(1000)
         .build()

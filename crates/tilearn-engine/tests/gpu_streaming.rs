@@ -10,7 +10,6 @@ mod support;
 
 use std::path::Path;
 
-use adaptfp16::Precision;
 use tilearn_engine::checkpoint::load_params;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
@@ -42,7 +41,7 @@ fn args(out: &Path) -> TrainingArguments {
 }
 
 fn backend(config: &LlamaConfig, init: &ModelInit, out: &Path) -> GpuBackend {
-    GpuBackend::from_init(config, init, &args(out), 0, &[Precision::Bf16]).unwrap()
+    GpuBackend::from_init(config, init, &args(out), 0, &[DType::BF16]).unwrap()
 }
 
 #[test]

@@ -16,6 +16,6 @@ pub mod error;
 pub mod fs;
 pub mod tensor;
 
-pub use dtype::DType;
+pub use dtype::{DType, ParseDTypeError};
 pub use error::{OpsError, Result};
 pub use tensor::{Device, Tensor};

@@ -1,6 +1,6 @@
 //! CUDA kernels of the loss and of the optimizer step's reductions against the CPU reference:
-//! fused softmax cross-entropy (`kernels/cross_entropy.cu`), the global gradient norm and the
-//! GradScaler's unscale + non-finite check (`kernels/reduce.cu`), each for f32, bf16 and f16
+//! fused softmax cross-entropy (tilearn-kernels' `cross_entropy.cu`), the global gradient norm
+//! and the GradScaler's unscale + non-finite check (`reduce.cu`), each for f32, bf16 and f16
 //! through one generic test body per check.
 //!
 //! Fresh seeded random inputs (logits ~ N(0, 3²) clamped to ±20, never all zeros), shapes that

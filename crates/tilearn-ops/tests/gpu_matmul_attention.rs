@@ -1121,7 +1121,7 @@ fn attention_rejects_bad_shapes() {
     );
 }
 
-// ---- flash attention (the fused kernels of kernels/flash_attention.cu) ----
+// ---- flash attention (the fused kernels of tilearn-kernels' flash_attention.cu) ----
 
 /// (batch, seq, q_heads, kv_heads, head_dim) for the flash kernels (bf16 / f16, head_dim 64 and
 /// 128): a single token; T = 2 with a batch of 200, whose delta (f32 [B, Hq, T]) outgrows the

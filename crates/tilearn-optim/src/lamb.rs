@@ -34,14 +34,14 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::bookkeeping::{Bookkeeping, bookkeeping_accessors, group_lr};
 use crate::clip::sum_of_squares;
 use crate::common::{
     CHUNK, Chunk, check_beta, check_len, check_lr, check_non_negative, check_positive, decimal_f64,
     split, split_mut,
 };
 use crate::error::{OptimError, Result};
-use crate::group::{ParamGroup, Segment, validate_groups};
-use crate::state_file::{self, StateOut};
+use crate::group::{ParamGroup, Segment};
 
 const STATE_FORMAT: &str = "tilearn-lamb";
 
@@ -227,13 +227,9 @@ fn stage1(
 /// per-tensor trust ratios over `tensor_ranges`.
 #[derive(Debug, Clone)]
 pub struct Lamb {
-    config: LambConfig,
-    groups: Vec<ParamGroup>,
-    segments: Vec<Segment>,
+    base: Bookkeeping<LambConfig>,
     /// Non-empty tensors inside a group, sorted by start, each with its group index.
     tensors: Vec<(Range<usize>, usize)>,
-    numel: usize,
-    step: u64,
     exp_avg: Vec<f32>,
     exp_avg_sq: Vec<f32>,
     /// Scratch for the update `u` of the current step (Apex writes it into the gradient).
@@ -256,16 +252,12 @@ impl Lamb {
         tensor_ranges: Vec<Range<usize>>,
     ) -> Result<Self> {
         config.validate()?;
-        let segments = validate_groups(&groups, numel)?;
-        let tensors = assign_tensors(&segments, numel, tensor_ranges)?;
+        let base = Bookkeeping::new(config, groups, numel)?;
+        let tensors = assign_tensors(&base.segments, numel, tensor_ranges)?;
         let n_tensors = tensors.len();
         Ok(Lamb {
-            config,
-            groups,
-            segments,
+            base,
             tensors,
-            numel,
-            step: 0,
             exp_avg: vec![0.0; numel],
             exp_avg_sq: vec![0.0; numel],
             update: vec![0.0; numel],
@@ -283,31 +275,11 @@ impl Lamb {
         Self::new(config, vec![group], numel, tensor_ranges)
     }
 
-    pub fn config(&self) -> &LambConfig {
-        &self.config
-    }
-
-    pub fn groups(&self) -> &[ParamGroup] {
-        &self.groups
-    }
-
-    /// The non-empty ranges of all groups sorted by start.
-    pub fn segments(&self) -> &[Segment] {
-        &self.segments
-    }
+    bookkeeping_accessors!(LambConfig);
 
     /// The trust-ratio tensors inside groups, sorted by start, with their group index.
     pub fn tensors(&self) -> &[(Range<usize>, usize)] {
         &self.tensors
-    }
-
-    pub fn numel(&self) -> usize {
-        self.numel
-    }
-
-    /// Number of completed steps.
-    pub fn step_count(&self) -> u64 {
-        self.step
     }
 
     /// First moments, `numel` elements.
@@ -335,8 +307,9 @@ impl Lamb {
     /// The global gradient norm Apex clips with: L2 over every group element, f64,
     /// deterministic (fixed chunks summed in buffer order).
     pub fn global_grad_norm(&self, grads: &[f32]) -> Result<f64> {
-        check_len("Lamb::global_grad_norm grads", self.numel, grads.len())?;
+        check_len("Lamb::global_grad_norm grads", self.base.numel, grads.len())?;
         Ok(self
+            .base
             .segments
             .iter()
             .map(|s| sum_of_squares(&grads[s.range.clone()]))
@@ -353,16 +326,15 @@ impl Lamb {
         lr: f32,
         global_grad_norm: f64,
     ) -> Option<LambStepScalars> {
-        let g = self.groups.get(group)?;
-        let clip = lamb_clip_divisor(global_grad_norm, self.config.max_grad_norm);
-        Some(self.scalars_for(g, lr, self.step + 1, clip))
+        let g = self.base.groups.get(group)?;
+        let clip = lamb_clip_divisor(global_grad_norm, self.base.config.max_grad_norm);
+        Some(self.scalars_for(g, lr, self.base.step + 1, clip))
     }
 
     fn scalars_for(&self, g: &ParamGroup, lr: f32, step: u64, clip: f32) -> LambStepScalars {
-        let lr_group = decimal_f64(lr) * decimal_f64(g.lr_scale);
         LambStepScalars::new(
-            &self.config,
-            lr_group,
+            &self.base.config,
+            group_lr(g, lr),
             decimal_f64(g.weight_decay),
             step,
             clip,
@@ -393,15 +365,16 @@ impl Lamb {
     /// Errors (nothing is modified): `LengthMismatch`, or `InvalidHyperParameter` for a
     /// non-finite or negative `lr`.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<()> {
-        check_len("Lamb::step params", self.numel, params.len())?;
-        check_len("Lamb::step grads", self.numel, grads.len())?;
-        check_lr(lr)?;
-        let step = self.step + 1;
-        let clip = match self.config.max_grad_norm {
-            Some(_) => lamb_clip_divisor(self.global_grad_norm(grads)?, self.config.max_grad_norm),
+        let what = ["Lamb::step params", "Lamb::step grads"];
+        self.base.check_step(what, params, grads, lr)?;
+        let step = self.base.step + 1;
+        let max_grad_norm = self.base.config.max_grad_norm;
+        let clip = match max_grad_norm {
+            Some(_) => lamb_clip_divisor(self.global_grad_norm(grads)?, max_grad_norm),
             None => 1.0,
         };
         let scalars: Vec<LambStepScalars> = self
+            .base
             .groups
             .iter()
             .map(|g| self.scalars_for(g, lr, step, clip))
@@ -437,10 +410,8 @@ impl Lamb {
             .iter()
             .zip(&sums)
             .map(|((_, gi), &(pp, uu))| {
-                let s = &scalars[*gi];
-                let g = &self.groups[*gi];
-                let lr_group = decimal_f64(lr) * decimal_f64(g.lr_scale);
-                lamb_trust_ratio(lr_group, pp.sqrt(), uu.sqrt(), s.use_trust_ratio)
+                let lr_group = group_lr(&self.base.groups[*gi], lr);
+                lamb_trust_ratio(lr_group, pp.sqrt(), uu.sqrt(), scalars[*gi].use_trust_ratio)
             })
             .collect();
 
@@ -454,45 +425,29 @@ impl Lamb {
             }
         });
         self.last_ratios = ratios;
-        self.step = step;
+        self.base.step = step;
         Ok(())
     }
 
-    /// Writes the state atomically (format `tilearn-lamb`): tensors `exp_avg`, `exp_avg_sq`;
-    /// metadata `step`, `numel`, `config`, `groups`.
+    /// Writes the state atomically (format `tilearn-lamb`, see `state_file`): tensors
+    /// `exp_avg`, `exp_avg_sq`; metadata `step`, `numel`, `config`, `groups`.
     pub fn save_state(&self, path: &Path) -> Result<()> {
-        state_file::save(
-            path,
-            StateOut {
-                format: STATE_FORMAT,
-                step: self.step,
-                numel: self.numel,
-                config: &self.config,
-                groups: &self.groups,
-                tensors: vec![
-                    ("exp_avg", &self.exp_avg[..]),
-                    ("exp_avg_sq", &self.exp_avg_sq[..]),
-                ],
-            },
-        )
+        let tensors = vec![
+            ("exp_avg", &self.exp_avg[..]),
+            ("exp_avg_sq", &self.exp_avg_sq[..]),
+        ];
+        self.base.save_state(path, STATE_FORMAT, tensors)
     }
 
     /// Reads a state written by [`Lamb::save_state`] (must match `numel`). Any problem gives
     /// `OptimError::State` and leaves `self` unchanged.
     pub fn load_state(&mut self, path: &Path) -> Result<()> {
-        let loaded = state_file::load(path, STATE_FORMAT, self.numel, |_: &LambConfig| {
-            Ok(vec!["exp_avg", "exp_avg_sq"])
-        })?;
-        let mut t = loaded.tensors.into_iter();
-        let (Some(m), Some(v)) = (t.next(), t.next()) else {
-            return Err(OptimError::State {
-                file: path.to_path_buf(),
-                message: "moments missing".to_string(),
-            });
-        };
-        self.step = loaded.step;
-        self.exp_avg = m;
-        self.exp_avg_sq = v;
+        let mut loaded = self
+            .base
+            .load_state(path, STATE_FORMAT, |_| Ok(vec!["exp_avg", "exp_avg_sq"]))?;
+        self.base.step = loaded.step;
+        self.exp_avg = loaded.next_buffer();
+        self.exp_avg_sq = loaded.next_buffer();
         Ok(())
     }
 }

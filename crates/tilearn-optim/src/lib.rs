@@ -3,15 +3,21 @@
 //!
 //! * [`group`]: [`ParamGroup`] — named index ranges of one flat buffer with their own weight
 //!   decay and learning-rate scale.
-//! * [`adamw`]: [`AdamW`] with `torch.optim.AdamW` semantics, state save/load as safetensors.
-//! * [`adam`]: [`Adam`] (`torch.optim.Adam`, L2 decay), [`sgd`]: [`Sgd`] (`torch.optim.SGD`),
-//!   [`lamb`]: [`Lamb`] (Apex `FusedLAMB`), [`lion`]: [`Lion`] (lion-pytorch).
+//! * [`adam`]: [`Adam`], one Adam with a [`WeightDecayMode`] picked by its config type:
+//!   [`AdamConfig`] gives `torch.optim.Adam` (L2 decay), [`AdamWConfig`] gives
+//!   `torch.optim.AdamW` (decoupled decay; [`adamw`]: the alias [`AdamW`]).
+//! * [`sgd`]: [`Sgd`] (`torch.optim.SGD`), [`lamb`]: [`Lamb`] (Apex `FusedLAMB`), [`lion`]:
+//!   [`Lion`] (lion-pytorch).
 //! * [`optimizer`]: the [`Optimizer`] trait all five implement, and [`OptimizerConfig`].
+//!   Every optimizer saves and loads its state in one safetensors format (`state_file.rs`).
 //! * [`clip`]: deterministic global L2 gradient norm and `clip_grad_norm_`.
 //! * [`schedule`]: Hugging Face `get_scheduler` learning-rate curves.
 
 pub mod adam;
+mod adam_config;
+mod adam_update;
 pub mod adamw;
+mod bookkeeping;
 pub mod clip;
 mod common;
 #[cfg(feature = "cuda")]
@@ -25,7 +31,7 @@ pub mod schedule;
 pub mod sgd;
 mod state_file;
 
-pub use adam::{Adam, AdamConfig, AdamStepScalars};
+pub use adam::{Adam, AdamConfig, AdamStepScalars, AdamVariant, WeightDecayMode};
 pub use adamw::{AdamW, AdamWConfig, AdamWStepScalars};
 pub use clip::{clip_grad_norm, global_grad_norm};
 pub use common::decimal_f64;

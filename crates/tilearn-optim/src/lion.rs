@@ -20,13 +20,12 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::bookkeeping::{Bookkeeping, bookkeeping_accessors, group_lr};
 use crate::common::{
-    check_beta, check_len, check_lr, check_non_negative, chunks_of_segments, decimal_f64, split,
-    split_mut,
+    check_beta, check_lr, check_non_negative, chunks_of_segments, decimal_f64, split, split_mut,
 };
-use crate::error::{OptimError, Result};
-use crate::group::{ParamGroup, Segment, validate_groups};
-use crate::state_file::{self, StateOut};
+use crate::error::Result;
+use crate::group::ParamGroup;
 
 const STATE_FORMAT: &str = "tilearn-lion";
 
@@ -118,11 +117,7 @@ fn update_slice(s: &LionStepScalars, p: &mut [f32], g: &[f32], m: &mut [f32]) {
 /// Lion over one flat f32 buffer of `numel` elements split into groups.
 #[derive(Debug, Clone)]
 pub struct Lion {
-    config: LionConfig,
-    groups: Vec<ParamGroup>,
-    segments: Vec<Segment>,
-    numel: usize,
-    step: u64,
+    base: Bookkeeping<LionConfig>,
     exp_avg: Vec<f32>,
 }
 
@@ -130,13 +125,8 @@ impl Lion {
     /// Validates `config` and `groups` and allocates the zeroed momentum (`exp_avg`).
     pub fn new(config: LionConfig, groups: Vec<ParamGroup>, numel: usize) -> Result<Self> {
         config.validate()?;
-        let segments = validate_groups(&groups, numel)?;
         Ok(Lion {
-            config,
-            groups,
-            segments,
-            numel,
-            step: 0,
+            base: Bookkeeping::new(config, groups, numel)?,
             exp_avg: vec![0.0; numel],
         })
     }
@@ -147,27 +137,7 @@ impl Lion {
         Self::new(config, vec![group], numel)
     }
 
-    pub fn config(&self) -> &LionConfig {
-        &self.config
-    }
-
-    pub fn groups(&self) -> &[ParamGroup] {
-        &self.groups
-    }
-
-    /// The non-empty ranges of all groups sorted by start.
-    pub fn segments(&self) -> &[Segment] {
-        &self.segments
-    }
-
-    pub fn numel(&self) -> usize {
-        self.numel
-    }
-
-    /// Number of completed steps.
-    pub fn step_count(&self) -> u64 {
-        self.step
-    }
+    bookkeeping_accessors!(LionConfig);
 
     /// The momentum (lion-pytorch's `exp_avg`), `numel` elements.
     pub fn exp_avg(&self) -> &[f32] {
@@ -182,13 +152,16 @@ impl Lion {
     /// The scalars the next step would use for group `group` at `lr`; `None` if `group` is out
     /// of range.
     pub fn step_scalars(&self, group: usize, lr: f32) -> Option<LionStepScalars> {
-        let g = self.groups.get(group)?;
+        let g = self.base.groups.get(group)?;
         Some(self.scalars_for(g, lr))
     }
 
     fn scalars_for(&self, g: &ParamGroup, lr: f32) -> LionStepScalars {
-        let lr_group = decimal_f64(lr) * decimal_f64(g.lr_scale);
-        LionStepScalars::new(&self.config, lr_group, decimal_f64(g.weight_decay))
+        LionStepScalars::new(
+            &self.base.config,
+            group_lr(g, lr),
+            decimal_f64(g.weight_decay),
+        )
     }
 
     /// One Lion step with learning rate `lr` (times each group's `lr_scale`); `params` and
@@ -197,15 +170,15 @@ impl Lion {
     /// Errors (nothing is modified): `LengthMismatch`, or `InvalidHyperParameter` for a
     /// non-finite or negative `lr`.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<()> {
-        check_len("Lion::step params", self.numel, params.len())?;
-        check_len("Lion::step grads", self.numel, grads.len())?;
-        check_lr(lr)?;
+        let what = ["Lion::step params", "Lion::step grads"];
+        self.base.check_step(what, params, grads, lr)?;
         let scalars: Vec<LionStepScalars> = self
+            .base
             .groups
             .iter()
             .map(|g| self.scalars_for(g, lr))
             .collect();
-        let chunks = chunks_of_segments(&self.segments);
+        let chunks = chunks_of_segments(&self.base.segments);
         let p = split_mut(params, &chunks);
         let g = split(grads, &chunks);
         let m = split_mut(&mut self.exp_avg, &chunks);
@@ -215,40 +188,25 @@ impl Lion {
             .zip(g)
             .zip(m)
             .for_each(|(((c, p), g), m)| update_slice(&scalars[c.group], p, g, m));
-        self.step += 1;
+        self.base.step += 1;
         Ok(())
     }
 
-    /// Writes the state atomically (format `tilearn-lion`): tensor `exp_avg`; metadata `step`,
-    /// `numel`, `config`, `groups`.
+    /// Writes the state atomically (format `tilearn-lion`, see `state_file`): tensor
+    /// `exp_avg`; metadata `step`, `numel`, `config`, `groups`.
     pub fn save_state(&self, path: &Path) -> Result<()> {
-        state_file::save(
-            path,
-            StateOut {
-                format: STATE_FORMAT,
-                step: self.step,
-                numel: self.numel,
-                config: &self.config,
-                groups: &self.groups,
-                tensors: vec![("exp_avg", &self.exp_avg[..])],
-            },
-        )
+        self.base
+            .save_state(path, STATE_FORMAT, vec![("exp_avg", &self.exp_avg[..])])
     }
 
     /// Reads a state written by [`Lion::save_state`] (must match `numel`). Any problem gives
     /// `OptimError::State` and leaves `self` unchanged.
     pub fn load_state(&mut self, path: &Path) -> Result<()> {
-        let loaded = state_file::load(path, STATE_FORMAT, self.numel, |_: &LionConfig| {
-            Ok(vec!["exp_avg"])
-        })?;
-        let Some(m) = loaded.tensors.into_iter().next() else {
-            return Err(OptimError::State {
-                file: path.to_path_buf(),
-                message: "tensor `exp_avg` missing".to_string(),
-            });
-        };
-        self.step = loaded.step;
-        self.exp_avg = m;
+        let mut loaded = self
+            .base
+            .load_state(path, STATE_FORMAT, |_| Ok(vec!["exp_avg"]))?;
+        self.base.step = loaded.step;
+        self.exp_avg = loaded.next_buffer();
         Ok(())
     }
 }

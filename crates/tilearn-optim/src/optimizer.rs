@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::adam::{Adam, AdamConfig};
+use crate::adam::{Adam, AdamConfig, AdamVariant};
 use crate::adamw::{AdamW, AdamWConfig};
 use crate::error::Result;
 use crate::group::ParamGroup;
@@ -35,9 +35,11 @@ pub trait Optimizer: Send + std::fmt::Debug {
     fn load_state(&mut self, path: &Path) -> Result<()>;
 }
 
+/// Implements [`Optimizer`] for `$ty` (generic over `$param: $bound` when given) by its
+/// inherent methods; `|config| lr` reads the base learning rate from its config.
 macro_rules! impl_optimizer {
-    ($ty:ty, $name:literal) => {
-        impl Optimizer for $ty {
+    ($ty:ty, $name:expr, |$config:ident| $lr:expr $(, $param:ident: $bound:path)?) => {
+        impl $(<$param: $bound>)? Optimizer for $ty {
             fn name(&self) -> &'static str {
                 $name
             }
@@ -48,7 +50,8 @@ macro_rules! impl_optimizer {
                 <$ty>::groups(self)
             }
             fn base_lr(&self) -> f32 {
-                self.config().lr
+                let $config = self.config();
+                $lr
             }
             fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<()> {
                 <$ty>::step(self, params, grads, lr)
@@ -66,11 +69,11 @@ macro_rules! impl_optimizer {
     };
 }
 
-impl_optimizer!(AdamW, "adamw");
-impl_optimizer!(Adam, "adam");
-impl_optimizer!(Sgd, "sgd");
-impl_optimizer!(Lamb, "lamb");
-impl_optimizer!(Lion, "lion");
+// `Adam<AdamConfig>` is "adam", `Adam<AdamWConfig>` (AdamW) is "adamw".
+impl_optimizer!(Adam<C>, C::NAME, |c| c.hyper().lr, C: AdamVariant);
+impl_optimizer!(Sgd, "sgd", |c| c.lr);
+impl_optimizer!(Lamb, "lamb", |c| c.lr);
+impl_optimizer!(Lion, "lion", |c| c.lr);
 
 /// The config of any of the five optimizers, tagged by name (JSON: `{"optimizer": "sgd",
 /// "lr": 0.1, ...}`), e.g. for a trainer's config file.

@@ -24,13 +24,13 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::bookkeeping::{Bookkeeping, bookkeeping_accessors, group_lr};
 use crate::common::{
-    check_beta, check_len, check_lr, check_non_negative, check_unit_closed, chunks_of_segments,
-    decimal_f64, split, split_mut, split_mut_opt,
+    check_beta, check_lr, check_non_negative, check_unit_closed, chunks_of_segments, decimal_f64,
+    split, split_mut, split_mut_opt,
 };
 use crate::error::{OptimError, Result};
-use crate::group::{ParamGroup, Segment, validate_groups};
-use crate::state_file::{self, StateOut};
+use crate::group::ParamGroup;
 
 const STATE_FORMAT: &str = "tilearn-sgd";
 
@@ -153,14 +153,11 @@ fn update_slice(s: &SgdStepScalars, p: &mut [f32], g: &[f32], buf: Option<&mut [
     }
 }
 
-/// SGD (torch semantics) over one flat f32 buffer of `numel` elements split into groups.
+/// SGD (torch semantics) over one flat f32 buffer of `numel` elements split into groups. The
+/// momentum buffer is initialised by the first step (`step_count() == 0` until then).
 #[derive(Debug, Clone)]
 pub struct Sgd {
-    config: SgdConfig,
-    groups: Vec<ParamGroup>,
-    segments: Vec<Segment>,
-    numel: usize,
-    step: u64,
+    base: Bookkeeping<SgdConfig>,
     /// Empty unless momentum != 0.
     momentum_buffer: Vec<f32>,
 }
@@ -170,14 +167,9 @@ impl Sgd {
     /// with momentum).
     pub fn new(config: SgdConfig, groups: Vec<ParamGroup>, numel: usize) -> Result<Self> {
         config.validate()?;
-        let segments = validate_groups(&groups, numel)?;
         let buf_len = if config.uses_momentum() { numel } else { 0 };
         Ok(Sgd {
-            config,
-            groups,
-            segments,
-            numel,
-            step: 0,
+            base: Bookkeeping::new(config, groups, numel)?,
             momentum_buffer: vec![0.0; buf_len],
         })
     }
@@ -188,38 +180,20 @@ impl Sgd {
         Self::new(config, vec![group], numel)
     }
 
-    pub fn config(&self) -> &SgdConfig {
-        &self.config
-    }
-
-    pub fn groups(&self) -> &[ParamGroup] {
-        &self.groups
-    }
-
-    /// The non-empty ranges of all groups sorted by start.
-    pub fn segments(&self) -> &[Segment] {
-        &self.segments
-    }
-
-    pub fn numel(&self) -> usize {
-        self.numel
-    }
-
-    /// Number of completed steps (0 means the momentum buffer is not initialised yet).
-    pub fn step_count(&self) -> u64 {
-        self.step
-    }
+    bookkeeping_accessors!(SgdConfig);
 
     /// The momentum buffer; `Some` only with momentum != 0.
     pub fn momentum_buffer(&self) -> Option<&[f32]> {
-        self.config
+        self.base
+            .config
             .uses_momentum()
             .then_some(&self.momentum_buffer[..])
     }
 
     /// Mutable momentum buffer (for a device path that keeps the host copy in sync).
     pub fn momentum_buffer_mut(&mut self) -> Option<&mut [f32]> {
-        self.config
+        self.base
+            .config
             .uses_momentum()
             .then_some(&mut self.momentum_buffer[..])
     }
@@ -227,17 +201,16 @@ impl Sgd {
     /// The scalars the next step would use for group `group` at `lr`; `None` if `group` is out
     /// of range.
     pub fn step_scalars(&self, group: usize, lr: f32) -> Option<SgdStepScalars> {
-        let g = self.groups.get(group)?;
+        let g = self.base.groups.get(group)?;
         Some(self.scalars_for(g, lr))
     }
 
     fn scalars_for(&self, g: &ParamGroup, lr: f32) -> SgdStepScalars {
-        let lr_group = decimal_f64(lr) * decimal_f64(g.lr_scale);
         SgdStepScalars::new(
-            &self.config,
-            lr_group,
+            &self.base.config,
+            group_lr(g, lr),
             decimal_f64(g.weight_decay),
-            self.step == 0,
+            self.base.step == 0,
         )
     }
 
@@ -247,18 +220,18 @@ impl Sgd {
     /// Errors (nothing is modified): `LengthMismatch`, or `InvalidHyperParameter` for a
     /// non-finite or negative `lr`.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<()> {
-        check_len("Sgd::step params", self.numel, params.len())?;
-        check_len("Sgd::step grads", self.numel, grads.len())?;
-        check_lr(lr)?;
+        let what = ["Sgd::step params", "Sgd::step grads"];
+        self.base.check_step(what, params, grads, lr)?;
         let scalars: Vec<SgdStepScalars> = self
+            .base
             .groups
             .iter()
             .map(|g| self.scalars_for(g, lr))
             .collect();
-        let chunks = chunks_of_segments(&self.segments);
+        let chunks = chunks_of_segments(&self.base.segments);
         let p = split_mut(params, &chunks);
         let g = split(grads, &chunks);
-        let uses = self.config.uses_momentum();
+        let uses = self.base.config.uses_momentum();
         let b = split_mut_opt(&mut self.momentum_buffer, uses, &chunks);
         chunks
             .par_iter()
@@ -266,41 +239,32 @@ impl Sgd {
             .zip(g)
             .zip(b)
             .for_each(|(((c, p), g), b)| update_slice(&scalars[c.group], p, g, b));
-        self.step += 1;
+        self.base.step += 1;
         Ok(())
     }
 
-    /// Writes the state atomically (format `tilearn-sgd`): tensor `momentum_buffer` (only with
-    /// momentum); metadata `step`, `numel`, `config`, `groups`.
+    /// Writes the state atomically (format `tilearn-sgd`, see `state_file`): tensor
+    /// `momentum_buffer` (only with momentum); metadata `step`, `numel`, `config`, `groups`.
     pub fn save_state(&self, path: &Path) -> Result<()> {
         let mut tensors = Vec::new();
-        if self.config.uses_momentum() {
+        if self.base.config.uses_momentum() {
             tensors.push(("momentum_buffer", &self.momentum_buffer[..]));
         }
-        state_file::save(
-            path,
-            StateOut {
-                format: STATE_FORMAT,
-                step: self.step,
-                numel: self.numel,
-                config: &self.config,
-                groups: &self.groups,
-                tensors,
-            },
-        )
+        self.base.save_state(path, STATE_FORMAT, tensors)
     }
 
     /// Reads a state written by [`Sgd::save_state`]. The file must match `numel` and agree on
     /// whether a momentum buffer exists. Any problem gives `OptimError::State` and leaves
     /// `self` unchanged.
     pub fn load_state(&mut self, path: &Path) -> Result<()> {
-        let uses = self.config.uses_momentum();
-        let loaded = state_file::load(path, STATE_FORMAT, self.numel, |c: &SgdConfig| {
+        let momentum = self.base.config.momentum;
+        let uses = self.base.config.uses_momentum();
+        let mut loaded = self.base.load_state(path, STATE_FORMAT, |c| {
             if c.uses_momentum() != uses {
                 return Err(format!(
-                    "state was saved with momentum = {}, this optimizer has momentum = {} \
-                     (a momentum buffer exists only for momentum != 0)",
-                    c.momentum, self.config.momentum
+                    "state was saved with momentum = {}, this optimizer has momentum = \
+                     {momentum} (a momentum buffer exists only for momentum != 0)",
+                    c.momentum
                 ));
             }
             Ok(if uses {
@@ -309,8 +273,8 @@ impl Sgd {
                 Vec::new()
             })
         })?;
-        self.step = loaded.step;
-        self.momentum_buffer = loaded.tensors.into_iter().next().unwrap_or_default();
+        self.base.step = loaded.step;
+        self.momentum_buffer = loaded.next_buffer();
         Ok(())
     }
 }

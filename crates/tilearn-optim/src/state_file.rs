@@ -1,19 +1,23 @@
-//! Optimizer state files: named flat f32 buffers plus string metadata in one safetensors
-//! file, written atomically (`<path>.tmp`, fsync, rename) and read back with every field
+//! The one optimizer state-file format: named flat f32 buffers plus string metadata in one
+//! safetensors file, written atomically through `tilearn_ops::fs` and read back with every field
 //! checked, so a bad file is an error and never a silently wrong resume.
 //!
-//! Layout (shared by Adam, SGD, LAMB and Lion; AdamW keeps its own compatible writer):
-//! tensors are 1-D F32 of `numel` elements; metadata holds `format` (e.g. `tilearn-sgd`),
-//! `format_version`, `step`, `numel`, `config` (the optimizer's config as JSON) and `groups`
-//! (JSON list of `{name, ranges, weight_decay, lr_scale}`).
+//! Layout (every optimizer): tensors are 1-D F32 of `numel` elements, stored in name order;
+//! metadata holds `format` (`tilearn-<optimizer>`, e.g. `tilearn-sgd`: a file of one optimizer
+//! is refused by another), `format_version` (`1`), `step`, `numel`, `config` (the optimizer's
+//! config as JSON) and `groups` (JSON list of `{name, ranges, weight_decay, lr_scale}`).
+//! AdamW had its own writer until the Adam family was unified; it wrote this same layout, so its
+//! files load unchanged (`tests/state_compat.rs` loads files of the old writers). The metadata
+//! keys are written sorted, so equal states give byte-identical files.
 
-use std::borrow::Cow;
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
 
-use safetensors::{Dtype, SafeTensors, View};
+use safetensors::{Dtype, SafeTensors};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
 
 use crate::error::{OptimError, Result};
 use crate::group::ParamGroup;
@@ -58,17 +62,14 @@ pub(crate) fn save<C: Serialize>(path: &Path, state: StateOut<'_, C>) -> Result<
         .collect();
     let groups_json =
         serde_json::to_string(&groups).map_err(|e| err(format!("cannot encode groups: {e}")))?;
-    let metadata: HashMap<String, String> = [
+    let metadata: BTreeMap<&str, String> = BTreeMap::from([
         ("format", state.format.to_string()),
         ("format_version", FORMAT_VERSION.to_string()),
         ("step", state.step.to_string()),
         ("numel", state.numel.to_string()),
         ("config", config_json),
         ("groups", groups_json),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    ]);
     for (name, data) in &state.tensors {
         if data.len() != state.numel {
             return Err(err(format!(
@@ -78,45 +79,79 @@ pub(crate) fn save<C: Serialize>(path: &Path, state: StateOut<'_, C>) -> Result<
             )));
         }
     }
-    let tensors: Vec<(&str, F32View<'_>)> = state
-        .tensors
-        .iter()
-        .map(|&(name, data)| (name, F32View::new(data)))
-        .collect();
-
-    let tmp = tmp_path(path);
-    let write = || -> std::result::Result<(), String> {
-        safetensors::serialize_to_file(tensors, Some(metadata), &tmp)
-            .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-        std::fs::File::open(&tmp)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| format!("cannot sync {}: {e}", tmp.display()))?;
-        std::fs::rename(&tmp, path)
-            .map_err(|e| format!("cannot rename {} into place: {e}", tmp.display()))
-    };
-    write().map_err(|message| {
-        let _ = std::fs::remove_file(&tmp);
-        err(message)
+    let mut tensors = state.tensors;
+    tensors.sort_by_key(|&(name, _)| name);
+    let header = header(&metadata, &tensors);
+    tilearn_ops::fs::write_atomic(path, |f| {
+        f.write_all(&(header.len() as u64).to_le_bytes())?;
+        f.write_all(&header)?;
+        for (_, data) in &tensors {
+            write_f32_le(f, data)?;
+        }
+        Ok(())
+    })
+    .map_err(|e| {
+        err(format!(
+            "cannot write {}: {e}",
+            tilearn_ops::fs::tmp_path(path).display()
+        ))
     })
 }
 
-/// A state file read back and checked against the expected format and `numel`.
-pub(crate) struct StateIn {
-    pub step: u64,
-    /// The requested tensors, in the order they were asked for.
-    pub tensors: Vec<Vec<f32>>,
+/// The safetensors JSON header for 1-D F32 `tensors` (sorted by name, stored in that order),
+/// padded with spaces to a multiple of 8 bytes as the safetensors writer does.
+fn header(metadata: &BTreeMap<&str, String>, tensors: &[(&str, &[f32])]) -> Vec<u8> {
+    // Inserted in sorted order (`__metadata__` sorts before the lowercase tensor names), so the
+    // header is the same whether serde_json's map keeps sorted or insertion order.
+    let mut map = serde_json::Map::new();
+    map.insert("__metadata__".to_string(), json!(metadata));
+    let mut offset = 0usize;
+    for &(name, data) in tensors {
+        let end = offset + std::mem::size_of_val(data);
+        let info = json!({"dtype": "F32", "shape": [data.len()], "data_offsets": [offset, end]});
+        map.insert(name.to_string(), info);
+        offset = end;
+    }
+    let mut bytes = Value::Object(map).to_string().into_bytes();
+    bytes.resize(bytes.len().next_multiple_of(8), b' ');
+    bytes
 }
 
-/// Reads a state file of format `format` for `numel` parameters. `wanted` lists the tensors
-/// to read; `want_for(config)` is called with the file's config to pick them (a buffer that
-/// exists only for some configurations, e.g. amsgrad's maximum, is requested only then).
-/// Every failure is `OptimError::State` naming `path`.
+/// `data` as little-endian f32 bytes (borrowed without a copy on little-endian hosts).
+fn write_f32_le(w: &mut impl Write, data: &[f32]) -> std::io::Result<()> {
+    if cfg!(target_endian = "little") {
+        w.write_all(bytemuck::cast_slice(data))
+    } else {
+        data.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))
+    }
+}
+
+/// A state file read back and checked against the expected format and `numel`.
+pub(crate) struct LoadedState {
+    pub step: u64,
+    /// The requested tensors, in the order they were asked for.
+    tensors: std::vec::IntoIter<Vec<f32>>,
+}
+
+impl LoadedState {
+    /// The next requested tensor, in the order `want_for` named them; empty once all are taken
+    /// — the value of a buffer an optimizer keeps empty when its config does not use it (e.g.
+    /// amsgrad's maximum), which `want_for` then did not request.
+    pub fn next_buffer(&mut self) -> Vec<f32> {
+        self.tensors.next().unwrap_or_default()
+    }
+}
+
+/// Reads a state file of format `format` for `numel` parameters. `want_for(config)` is called
+/// with the file's config and lists the tensors to read (a buffer that exists only for some
+/// configurations is requested only then), or says why the file does not fit. Every failure is
+/// `OptimError::State` naming `path`.
 pub(crate) fn load<C: DeserializeOwned>(
     path: &Path,
     format: &str,
     numel: usize,
     want_for: impl FnOnce(&C) -> std::result::Result<Vec<&'static str>, String>,
-) -> Result<StateIn> {
+) -> Result<LoadedState> {
     read(path, format, numel, want_for).map_err(|message| OptimError::State {
         file: path.to_path_buf(),
         message,
@@ -128,7 +163,7 @@ fn read<C: DeserializeOwned>(
     format: &str,
     numel: usize,
     want_for: impl FnOnce(&C) -> std::result::Result<Vec<&'static str>, String>,
-) -> std::result::Result<StateIn, String> {
+) -> std::result::Result<LoadedState, String> {
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
     let (_, header) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| format!("not a valid safetensors file: {e}"))?;
@@ -193,50 +228,8 @@ fn read<C: DeserializeOwned>(
                 .collect(),
         );
     }
-    Ok(StateIn { step, tensors })
-}
-
-/// `<path>.tmp` (the suffix appended to the full file name).
-fn tmp_path(path: &Path) -> PathBuf {
-    let mut s = path.as_os_str().to_owned();
-    s.push(".tmp");
-    PathBuf::from(s)
-}
-
-/// A borrowed f32 buffer as a 1-D safetensors F32 tensor (little-endian bytes; borrowed
-/// without a copy on little-endian hosts).
-struct F32View<'a> {
-    data: &'a [f32],
-    shape: [usize; 1],
-}
-
-impl<'a> F32View<'a> {
-    fn new(data: &'a [f32]) -> Self {
-        F32View {
-            data,
-            shape: [data.len()],
-        }
-    }
-}
-
-impl View for F32View<'_> {
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    fn data(&self) -> Cow<'_, [u8]> {
-        if cfg!(target_endian = "little") {
-            Cow::Borrowed(bytemuck::cast_slice(self.data))
-        } else {
-            Cow::Owned(self.data.iter().flat_map(|x| x.to_le_bytes()).collect())
-        }
-    }
-
-    fn data_len(&self) -> usize {
-        std::mem::size_of_val(self.data)
-    }
+    Ok(LoadedState {
+        step,
+        tensors: tensors.into_iter(),
+    })
 }

@@ -5,9 +5,10 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
-use super::params::{Param, PolicyId};
+use tilearn_ops::DType;
+
 use crate::error::{Error, Result};
-use crate::precision::Precision;
+use crate::names::{Param, PolicyId};
 use crate::scaler::GradScaler;
 
 pub const DEFAULT_AUTO_HOLD: u64 = 200;
@@ -26,7 +27,7 @@ pub struct AutoPolicy {
     max_overflows: u64,
     scale_floor: f32,
     resume_scale: f32,
-    fallback: Precision,
+    fallback: DType,
     state: AutoState,
 }
 
@@ -75,7 +76,7 @@ impl AutoPolicy {
         max_overflows: u64,
         scale_floor: f32,
         resume_scale: f32,
-        fallback: Precision,
+        fallback: DType,
     ) -> Result<Self> {
         for (param, v) in [(Param::Hold, hold), (Param::OverflowWindow, window)] {
             if v == 0 {
@@ -102,7 +103,7 @@ impl AutoPolicy {
                 requirement: "finite, > 0 and >= scale_floor",
             });
         }
-        if fallback == Precision::Fp16 {
+        if fallback == DType::F16 {
             return Err(Error::InvalidFallback(fallback));
         }
         Ok(AutoPolicy {
@@ -136,7 +137,7 @@ impl AutoPolicy {
         self.resume_scale
     }
 
-    pub fn fallback(&self) -> Precision {
+    pub fn fallback(&self) -> DType {
         self.fallback
     }
 
@@ -154,7 +155,7 @@ impl AutoPolicy {
         period: u64,
         loss: Option<f64>,
         scaler: Option<&mut GradScaler>,
-    ) -> Result<Precision> {
+    ) -> Result<DType> {
         let scaler = scaler.ok_or(Error::MissingSignal {
             policy: PolicyId::Auto,
             signal: "the GradScaler",
@@ -175,7 +176,7 @@ impl AutoPolicy {
                 if scaler.get_scale() < self.scale_floor {
                     scaler.restart_at(self.resume_scale)?;
                 }
-                return Ok(Precision::Fp16);
+                return Ok(DType::F16);
             }
             AutoMode::Fp16 => {}
         }
@@ -206,7 +207,7 @@ impl AutoPolicy {
                 st.history.clear();
                 self.fallback
             }
-            None => Precision::Fp16,
+            None => DType::F16,
         })
     }
 }

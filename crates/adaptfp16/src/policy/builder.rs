@@ -1,5 +1,7 @@
 //! The builder: the seed's loose optional constructor arguments, validated into an [`AmpPolicy`].
 
+use tilearn_ops::DType;
+
 use super::auto::{
     AutoPolicy, DEFAULT_AUTO_HOLD, DEFAULT_MAX_OVERFLOWS, DEFAULT_OVERFLOW_WINDOW,
     DEFAULT_RESUME_SCALE, DEFAULT_SCALE_FLOOR,
@@ -7,12 +9,11 @@ use super::auto::{
 use super::loss::{
     DEFAULT_INTERVAL, DEFAULT_INTERVAL_HOLD, DEFAULT_LOSS_RISE_TOLERANCE, LossPolicy,
 };
-use super::params::{Param, PolicyId};
 use super::time::{DEFAULT_START, TimePolicy};
 use super::time_lr::{DEFAULT_LR_TOLERANCE, TimeLrPolicy};
 use super::{AmpPolicy, Rule};
 use crate::error::{Error, Result};
-use crate::precision::{Precision, TimeUnit};
+use crate::names::{Param, PolicyId, TimeUnit};
 
 /// `PolicyBuilder::new(PolicyId::Time).end(1000).build()`. Which parameters each policy takes,
 /// requires and defaults is in the crate docs; setting one the policy does not use is
@@ -20,14 +21,14 @@ use crate::precision::{Precision, TimeUnit};
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyBuilder {
     id: PolicyId,
-    mixed: Option<Precision>,
+    mixed: Option<DType>,
     unit: TimeUnit,
     start: Option<u64>,
     end: Option<u64>,
     hold: Option<u64>,
     interval: Option<u64>,
     interval_hold: Option<u64>,
-    fallback: Option<Precision>,
+    fallback: Option<DType>,
     lr_tolerance: Option<f64>,
     loss_rise_tolerance: Option<f64>,
     overflow_window: Option<u64>,
@@ -58,7 +59,7 @@ impl PolicyBuilder {
     }
 
     /// What "mixed precision on" computes in (default fp16, the seed's `autocast`).
-    pub fn mixed(mut self, p: Precision) -> Self {
+    pub fn mixed(mut self, p: DType) -> Self {
         self.mixed = Some(p);
         self
     }
@@ -86,7 +87,7 @@ impl PolicyBuilder {
         self.interval_hold = Some(v);
         self
     }
-    pub fn fallback(mut self, p: Precision) -> Self {
+    pub fn fallback(mut self, p: DType) -> Self {
         self.fallback = Some(p);
         self
     }
@@ -193,9 +194,9 @@ impl PolicyBuilder {
                 self.max_overflows.unwrap_or(DEFAULT_MAX_OVERFLOWS),
                 self.scale_floor.unwrap_or(DEFAULT_SCALE_FLOOR),
                 self.resume_scale.unwrap_or(DEFAULT_RESUME_SCALE),
-                self.fallback.unwrap_or(Precision::Bf16),
+                self.fallback.unwrap_or(DType::BF16),
             )?),
         };
-        AmpPolicy::new(rule, self.mixed.unwrap_or(Precision::Fp16), self.unit)
+        AmpPolicy::new(rule, self.mixed.unwrap_or(DType::F16), self.unit)
     }
 }

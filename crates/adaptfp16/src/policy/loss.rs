@@ -3,9 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::params::Param;
 use super::time::check_order;
 use crate::error::{Error, Result};
+use crate::names::Param;
 
 pub const DEFAULT_INTERVAL: u64 = 1000;
 pub const DEFAULT_INTERVAL_HOLD: u64 = 100;

@@ -4,7 +4,7 @@
 mod auto;
 mod builder;
 mod loss;
-mod params;
+mod signals;
 mod time;
 mod time_lr;
 
@@ -16,14 +16,15 @@ pub use builder::PolicyBuilder;
 pub use loss::{
     DEFAULT_INTERVAL, DEFAULT_INTERVAL_HOLD, DEFAULT_LOSS_RISE_TOLERANCE, LossPolicy, LossState,
 };
-pub use params::{Param, PolicyId, Signals};
+pub use signals::Signals;
 pub use time::{DEFAULT_START, TimePolicy};
 pub use time_lr::{DEFAULT_LR_TOLERANCE, TimeLrPolicy, TimeLrState};
 
 use serde::{Deserialize, Serialize};
+use tilearn_ops::DType;
 
 use crate::error::{Error, Result};
-use crate::precision::{Precision, TimeUnit};
+use crate::names::{PolicyId, TimeUnit};
 use crate::scaler::GradScaler;
 
 /// One policy's rule and parameters.
@@ -52,19 +53,19 @@ impl Rule {
 pub struct AmpPolicy {
     rule: Rule,
     /// What "mixed precision on" means for policies 0/1/2 (fp16 or bf16); fp16 for auto.
-    mixed: Precision,
+    mixed: DType,
     unit: TimeUnit,
     /// The last decision, so asking twice for one period gives one answer and counts once.
-    last: Option<(u64, Precision)>,
+    last: Option<(u64, DType)>,
 }
 
 impl AmpPolicy {
     /// Pair a rule with its mixed precision and unit. Policies 0/1/2 take fp16 or bf16; auto
     /// needs fp16 (it watches the fp16 loss scale).
-    pub fn new(rule: Rule, mixed: Precision, unit: TimeUnit) -> Result<Self> {
+    pub fn new(rule: Rule, mixed: DType, unit: TimeUnit) -> Result<Self> {
         match (&rule, mixed) {
-            (_, Precision::Fp32) => return Err(Error::MixedNotMixed(mixed)),
-            (Rule::Auto(_), Precision::Bf16) => return Err(Error::AutoNeedsFp16(mixed)),
+            (_, DType::F32) => return Err(Error::MixedNotMixed(mixed)),
+            (Rule::Auto(_), DType::BF16) => return Err(Error::AutoNeedsFp16(mixed)),
             _ => {}
         }
         Ok(AmpPolicy {
@@ -83,7 +84,7 @@ impl AmpPolicy {
         &self.rule
     }
 
-    pub fn mixed(&self) -> Precision {
+    pub fn mixed(&self) -> DType {
         self.mixed
     }
 
@@ -93,10 +94,10 @@ impl AmpPolicy {
     }
 
     /// Every precision this policy can ever return (so the trainer can prepare for them).
-    pub fn possible_precisions(&self) -> Vec<Precision> {
+    pub fn possible_precisions(&self) -> Vec<DType> {
         match &self.rule {
-            Rule::Auto(a) => vec![Precision::Fp16, a.fallback()],
-            _ => vec![Precision::Fp32, self.mixed],
+            Rule::Auto(a) => vec![DType::F16, a.fallback()],
+            _ => vec![DType::F32, self.mixed],
         }
     }
 
@@ -109,7 +110,7 @@ impl AmpPolicy {
         period: u64,
         signals: Signals,
         scaler: Option<&mut GradScaler>,
-    ) -> Result<Precision> {
+    ) -> Result<DType> {
         if let Some((last, precision)) = self.last {
             if period == last {
                 return Ok(precision);
@@ -118,7 +119,7 @@ impl AmpPolicy {
                 return Err(Error::PeriodWentBack { last, got: period });
             }
         }
-        let on = |b: bool| if b { self.mixed } else { Precision::Fp32 };
+        let on = |b: bool| if b { self.mixed } else { DType::F32 };
         let precision = match &mut self.rule {
             Rule::Time(p) => on(p.in_window(period)),
             Rule::TimeLr(p) => on(p.decide(period, signals.lr)?),
@@ -137,7 +138,7 @@ impl AmpPolicy {
         loss: Option<f64>,
         scaler: Option<&mut GradScaler>,
     ) -> Result<bool> {
-        Ok(self.decide(epoch, Signals { lr, loss }, scaler)?.is_mixed())
+        Ok(self.decide(epoch, Signals { lr, loss }, scaler)?.is_half())
     }
 
     /// The whole policy (parameters and runtime state) as JSON, for checkpoints.

@@ -3,9 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::params::PolicyId;
 use super::time::TimePolicy;
 use crate::error::{Error, Result};
+use crate::names::{Param, PolicyId};
 
 /// Default relative jump that counts as a learning-rate change (10%).
 pub const DEFAULT_LR_TOLERANCE: f64 = 0.1;
@@ -31,9 +31,7 @@ impl TimeLrPolicy {
     pub fn new(start: u64, end: u64, hold: u64, lr_tolerance: f64) -> Result<Self> {
         let window = TimePolicy::new(start, end)?;
         if hold == 0 {
-            return Err(Error::ZeroParameter {
-                param: super::Param::Hold,
-            });
+            return Err(Error::ZeroParameter { param: Param::Hold });
         }
         if !(lr_tolerance.is_finite() && lr_tolerance >= 0.0) {
             return Err(Error::InvalidTolerance {

@@ -1,5 +1,6 @@
-//! The on-disk format of a prepared token dataset: shard files, `meta.json`, the FNV-1a-64
-//! checksum and atomic file writes.
+//! The on-disk format of a prepared token dataset: shard files, `meta.json` and the FNV-1a-64
+//! checksum. Every file is written through `tilearn_ops::fs` (atomic: `<name>.tmp`, fsync,
+//! rename).
 //!
 //! A dataset directory holds `meta.json`, one or more `shard-NNNNN.bin` files and (normally) the
 //! `tokenizer.json` that produced the tokens. A shard is a 32-byte little-endian header followed
@@ -14,9 +15,8 @@
 //! |     24 |    8 | FNV-1a-64 of the payload bytes (u64)                    |
 //! |     32 |  n·w | token ids, little-endian unsigned integers of width `w` |
 
-use std::fs::{self, File};
-use std::io::{BufWriter, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::io::{Seek, SeekFrom, Write};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
@@ -200,8 +200,7 @@ pub(crate) fn encode_tokens(tokens: &[u32], width: u32, out: &mut Vec<u8>) {
 
 /// Write a shard file atomically. Every token must fit in `width` bytes.
 pub fn write_shard(path: &Path, tokens: &[u32], width: u32) -> Result<()> {
-    write_atomic(path, |file| {
-        let mut w = BufWriter::with_capacity(1 << 20, file);
+    tilearn_ops::fs::write_atomic(path, |w| {
         let mut header = ShardHeader {
             version: SHARD_VERSION,
             token_width: width,
@@ -217,56 +216,12 @@ pub fn write_shard(path: &Path, tokens: &[u32], width: u32) -> Result<()> {
             hash.update(&buf);
             w.write_all(&buf)?;
         }
+        // The checksum is known only now: patch it into the header.
         header.checksum = hash.finish();
-        let file = w.into_inner().map_err(|e| e.into_error())?;
+        let file = w.file_mut()?;
         file.seek(SeekFrom::Start(0))?;
         file.write_all(&header.to_bytes())?;
         Ok(())
     })
-}
-
-/// Write `path` atomically: the content goes to a temporary file in the same directory, which
-/// is flushed to disk and then renamed over `path`. On error the temporary file is removed and
-/// `path` is untouched.
-pub fn write_atomic(
-    path: &Path,
-    write: impl FnOnce(&mut File) -> std::io::Result<()>,
-) -> Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty());
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "file".to_string());
-    let tmp_name = format!(".{name}.tmp.{}", std::process::id());
-    let tmp: PathBuf = match dir {
-        Some(d) => d.join(tmp_name),
-        None => PathBuf::from(tmp_name),
-    };
-    let result = (|| -> std::io::Result<()> {
-        let mut file = File::create(&tmp)?;
-        write(&mut file)?;
-        file.sync_all()?;
-        drop(file);
-        fs::rename(&tmp, path)
-    })();
-    match result {
-        Ok(()) => {
-            // Make the rename durable where the platform allows it; failure here is harmless.
-            if let Some(d) = dir
-                && let Ok(f) = File::open(d)
-            {
-                let _ = f.sync_all();
-            }
-            Ok(())
-        }
-        Err(e) => {
-            let _ = fs::remove_file(&tmp);
-            Err(EngineError::io(path, "write file atomically", e))
-        }
-    }
-}
-
-/// Write `bytes` to `path` atomically.
-pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    write_atomic(path, |f| f.write_all(bytes))
+    .map_err(|e| EngineError::io(path, "write shard", e))
 }

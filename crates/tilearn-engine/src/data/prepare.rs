@@ -11,13 +11,14 @@ use std::path::{Path, PathBuf};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
+use tilearn_ops::fs::write_bytes_atomic;
 use tokenizers::Tokenizer;
 
 use super::byte_tokenizer::{BYTE_EOS_ID, BYTE_VOCAB_SIZE, byte_level_tokenizer};
 use super::documents::{InputKind, read_utf8, split_documents};
 use super::format::{
     DatasetMeta, META_FILE, META_FORMAT, META_VERSION, ShardMeta, shard_file_name,
-    token_width_for_vocab, write_bytes_atomic, write_shard,
+    token_width_for_vocab, write_shard,
 };
 use super::grammar::generate_corpus;
 use crate::error::{EngineError, Result};
@@ -199,7 +200,8 @@ pub fn prepare_embedded_default(
             file: tokenizer_path.clone(),
             message: format!("cannot serialize the byte-level tokenizer: {e}"),
         })?;
-    write_bytes_atomic(&tokenizer_path, json.as_bytes())?;
+    write_bytes_atomic(&tokenizer_path, json.as_bytes())
+        .map_err(|e| EngineError::io(&tokenizer_path, "write tokenizer", e))?;
     let docs = generate_corpus(seed, num_documents);
     encode_into(
         &mut writer,
@@ -284,7 +286,7 @@ fn copy_tokenizer(source: &Path, output_dir: &Path) -> Result<()> {
         return Ok(());
     }
     let bytes = fs::read(source).map_err(|e| EngineError::io(source, "read tokenizer", e))?;
-    write_bytes_atomic(&dest, &bytes)
+    write_bytes_atomic(&dest, &bytes).map_err(|e| EngineError::io(&dest, "write tokenizer", e))
 }
 
 /// A bar over input bytes, or a hidden one.
@@ -445,7 +447,9 @@ impl ShardWriter {
             tokenizer,
         };
         let json = serde_json::to_string_pretty(&meta).expect("DatasetMeta serializes");
-        write_bytes_atomic(&self.dir.join(META_FILE), json.as_bytes())?;
+        let meta_path = self.dir.join(META_FILE);
+        write_bytes_atomic(&meta_path, json.as_bytes())
+            .map_err(|e| EngineError::io(&meta_path, "write dataset metadata", e))?;
         self.remove_stale_shards();
         Ok(PrepareSummary {
             output_dir: self.dir,

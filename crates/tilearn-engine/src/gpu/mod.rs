@@ -18,12 +18,12 @@
 //!   allocates no device memory of its own (the RMSNorm backward's dweight partials and the
 //!   embedding backward's sort buffers are scratch allocated at build too, see [`GpuMemory`]).
 //!
-//! Precision: [`Precision::F32`] runs everything in f32 (the exactness tests compare it with the
-//! CPU engine and transformers); [`Precision::Bf16`] and [`Precision::F16`] keep activations and
-//! the working weights in 16 bits with f32 accumulation inside every kernel, f32 parameter
-//! gradients, f32 master weights and f32 optimizer moments (mixed precision as
-//! `torch.autocast` + fp32 master weights). A model built with
-//! [`GpuLlama::with_precisions`] switches between its precisions per call
+//! Precision (a [`DType`], the workspace's one precision type): [`DType::F32`] runs everything
+//! in f32 (the exactness tests compare it with the CPU engine and transformers); [`DType::BF16`]
+//! and [`DType::F16`] keep activations and the working weights in 16 bits with f32
+//! accumulation inside every kernel, f32 parameter gradients, f32 master weights and f32
+//! optimizer moments (mixed precision as `torch.autocast` + fp32 master weights). A model built
+//! with [`GpuLlama::with_precisions`] switches between its precisions per call
 //! ([`GpuLlama::set_precision`]) without allocating: adaptive mixed precision changes the mode
 //! between periods. f16 needs loss scaling: [`GpuLlama::forward_backward_scaled`] multiplies
 //! the loss by the GradScaler's scale, [`GpuLlama::unscale_and_check`] is its unscale and
@@ -51,17 +51,16 @@ use std::sync::Arc;
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaView, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
 };
-use tilearn_ops::OpsError;
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
     self as k, CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuDevice,
     GpuRopeTable, RmsNormScratch, TokenIdCheck,
 };
+use tilearn_ops::{DType, OpsError};
 use tilearn_optim::cuda::ParamCopy;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
 pub use optim::GpuAdamW;
-pub use precision::Precision;
 
 use arena::{Arena, Dims};
 use compute::Cx;
@@ -117,8 +116,8 @@ pub struct GpuLlama {
     layout: ModelLayout,
     specs: Vec<ParamSpec>,
     /// The precisions it was built for, and the one the next call runs in.
-    precisions: Vec<Precision>,
-    precision: Precision,
+    precisions: Vec<DType>,
+    precision: DType,
     gradient_checkpointing: bool,
     /// Capacity of the arena.
     batch: usize,
@@ -158,7 +157,7 @@ struct Pass<'a> {
     master: &'a CudaSlice<f32>,
     work: Option<&'a WorkingCopy>,
     numel: usize,
-    precision: Precision,
+    precision: DType,
     arena: &'a mut Arena,
     grads: &'a mut CudaSlice<f32>,
     totals: &'a mut CeTotals,
@@ -205,7 +204,7 @@ impl GpuLlama {
         model: &LlamaForCausalLM,
         batch: usize,
         seq: usize,
-        precision: Precision,
+        precision: DType,
     ) -> Result<GpuLlama> {
         Self::with_precisions(device, model, batch, seq, &[precision])
     }
@@ -217,7 +216,7 @@ impl GpuLlama {
         model: &LlamaForCausalLM,
         batch: usize,
         seq: usize,
-        precisions: &[Precision],
+        precisions: &[DType],
     ) -> Result<GpuLlama> {
         Self::with_options(device, model, batch, seq, precisions, false)
     }
@@ -231,7 +230,7 @@ impl GpuLlama {
         model: &LlamaForCausalLM,
         batch: usize,
         seq: usize,
-        precisions: &[Precision],
+        precisions: &[DType],
         gradient_checkpointing: bool,
     ) -> Result<GpuLlama> {
         let layout = model.layout();
@@ -266,13 +265,13 @@ impl GpuLlama {
         config: &LlamaConfig,
         batch: usize,
         seq: usize,
-        precisions: &[Precision],
+        precisions: &[DType],
         gradient_checkpointing: bool,
     ) -> Result<GpuLlama> {
         if batch == 0 || seq == 0 {
             return Err(invalid("batch/seq", "must both be positive".into()));
         }
-        let mut allowed: Vec<Precision> = Vec::new();
+        let mut allowed: Vec<DType> = Vec::new();
         for &p in precisions {
             if !allowed.contains(&p) {
                 allowed.push(p);
@@ -284,7 +283,7 @@ impl GpuLlama {
                 "is empty; name at least one precision".into(),
             ));
         };
-        let widest = allowed.iter().map(|p| p.elem_bytes()).max().unwrap_or(4);
+        let widest = allowed.iter().map(|p| p.size_in_bytes()).max().unwrap_or(4);
         let config = config.clone();
         let layout = ModelLayout::from_config(&config);
         let stream = device.stream().clone();
@@ -306,7 +305,7 @@ impl GpuLlama {
             .map_err(|e| cuda_err("allocating the gradient buffer", e))?;
         let arena = Arena::new(&stream, &cap, widest, gradient_checkpointing)?;
         let arena_bytes = arena.bytes();
-        let mut work = if allowed.iter().any(|p| p.uses_working_copy()) {
+        let mut work = if allowed.iter().any(|p| p.is_half()) {
             Some(WorkingCopy::new(&stream, numel)?)
         } else {
             None
@@ -403,12 +402,12 @@ impl GpuLlama {
     }
 
     /// The numeric mode the next call runs in.
-    pub fn precision(&self) -> Precision {
+    pub fn precision(&self) -> DType {
         self.precision
     }
 
     /// The precisions this model was built for.
-    pub fn precisions(&self) -> &[Precision] {
+    pub fn precisions(&self) -> &[DType] {
         &self.precisions
     }
 
@@ -434,7 +433,7 @@ impl GpuLlama {
     /// Runs the following calls in `precision`, which must be one the model was built for.
     /// Allocates nothing; entering a 16-bit precision casts the master weights into the
     /// working copy (queued) unless it already holds them in that type.
-    pub fn set_precision(&mut self, precision: Precision) -> Result<()> {
+    pub fn set_precision(&mut self, precision: DType) -> Result<()> {
         if !self.precisions.contains(&precision) {
             let built: Vec<String> = self.precisions.iter().map(|p| p.to_string()).collect();
             return Err(invalid(

@@ -1,6 +1,12 @@
 //! The numeric modes of the device model and the 16-bit working copy of the weights that the
 //! bf16 and f16 modes compute with.
 //!
+//! A mode is a [`DType`] (the workspace's one precision type): `F32` runs weights, activations
+//! and gradients in f32 (TF32 off), the reference mode; `BF16` and `F16` keep activations and
+//! the working weights in 16 bits with f32 accumulation, f32 master weights and f32 gradients
+//! (`F16` needs the GradScaler's loss scaling: its gradients overflow to inf instead of
+//! vanishing).
+//!
 //! A [`GpuLlama`](super::GpuLlama) is built for a set of precisions and runs one of them at a
 //! time ([`GpuLlama::set_precision`](super::GpuLlama::set_precision)): the activation arena and
 //! the attention workspace are sized for the widest, and one 2-byte working copy serves bf16
@@ -8,11 +14,11 @@
 //! Switching therefore allocates nothing and costs one cast of the weights.
 
 use std::ffi::c_int;
-use std::fmt;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaView};
 use half::{bf16, f16};
+use tilearn_ops::DType;
 use tilearn_ops::cuda::{CudaStream, DeviceFloat, cast_f32_to_bf16, cast_f32_to_f16, ffi};
 use tilearn_optim::cuda::{ParamCopy, Rounding};
 
@@ -20,52 +26,14 @@ use super::cuda_err;
 use super::views::arena_error;
 use crate::error::Result;
 
-/// Numeric mode of a period of training on the device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Precision {
-    /// Weights, activations and gradients in f32 (TF32 off): the reference mode.
-    F32,
-    /// bf16 activations and working weights, f32 accumulation, f32 master weights and
-    /// gradients.
-    Bf16,
-    /// As [`Precision::Bf16`] with IEEE f16: more mantissa, far less range, so it needs the
-    /// GradScaler's loss scaling (gradients overflow to inf instead of vanishing).
-    F16,
-}
-
-impl Precision {
-    /// Bytes of one activation element.
-    pub fn elem_bytes(self) -> usize {
-        match self {
-            Precision::F32 => 4,
-            Precision::Bf16 | Precision::F16 => 2,
-        }
-    }
-
-    /// Whether the weights used by the kernels are the 16-bit working copy.
-    pub fn uses_working_copy(self) -> bool {
-        self != Precision::F32
-    }
-
-    /// The precision whose activations are `T`.
-    fn of<T: DeviceFloat>() -> Precision {
-        if T::DTYPE == ffi::TILEARN_DTYPE_BF16 as c_int {
-            Precision::Bf16
-        } else if T::DTYPE == ffi::TILEARN_DTYPE_F16 as c_int {
-            Precision::F16
-        } else {
-            Precision::F32
-        }
-    }
-}
-
-impl fmt::Display for Precision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Precision::F32 => "fp32",
-            Precision::Bf16 => "bf16",
-            Precision::F16 => "fp16",
-        })
+/// The precision whose activations are `T`.
+fn dtype_of<T: DeviceFloat>() -> DType {
+    if T::DTYPE == ffi::TILEARN_DTYPE_BF16 as c_int {
+        DType::BF16
+    } else if T::DTYPE == ffi::TILEARN_DTYPE_F16 as c_int {
+        DType::F16
+    } else {
+        DType::F32
     }
 }
 
@@ -74,15 +42,15 @@ impl fmt::Display for Precision {
 macro_rules! with_elem {
     ($p:expr, $t:ident => $body:expr) => {
         match $p {
-            $crate::gpu::Precision::F32 => {
+            ::tilearn_ops::DType::F32 => {
                 type $t = f32;
                 $body
             }
-            $crate::gpu::Precision::Bf16 => {
+            ::tilearn_ops::DType::BF16 => {
                 type $t = ::half::bf16;
                 $body
             }
-            $crate::gpu::Precision::F16 => {
+            ::tilearn_ops::DType::F16 => {
                 type $t = ::half::f16;
                 $body
             }
@@ -99,7 +67,7 @@ pub(crate) struct WorkingCopy {
     numel: usize,
     /// The type it currently mirrors the master weights in; `None` when stale (the master
     /// weights changed without it, e.g. in an fp32 period).
-    holds: Option<Precision>,
+    holds: Option<DType>,
 }
 
 impl WorkingCopy {
@@ -128,16 +96,16 @@ impl WorkingCopy {
         &mut self,
         stream: &Arc<CudaStream>,
         master: &CudaSlice<f32>,
-        precision: Precision,
+        precision: DType,
     ) -> Result<()> {
         if self.holds == Some(precision) {
             return Ok(());
         }
         let src = master.slice(..self.numel);
         match precision {
-            Precision::F32 => return Ok(()),
-            Precision::Bf16 => cast_f32_to_bf16(stream, &src, &mut self.typed_mut::<bf16>()?)?,
-            Precision::F16 => cast_f32_to_f16(stream, &src, &mut self.typed_mut::<f16>()?)?,
+            DType::F32 => return Ok(()),
+            DType::BF16 => cast_f32_to_bf16(stream, &src, &mut self.typed_mut::<bf16>()?)?,
+            DType::F16 => cast_f32_to_f16(stream, &src, &mut self.typed_mut::<f16>()?)?,
         }
         self.holds = Some(precision);
         Ok(())
@@ -145,7 +113,7 @@ impl WorkingCopy {
 
     /// The copy as `T` (which it must currently hold).
     pub(crate) fn view<T: DeviceFloat>(&self) -> Result<CudaView<'_, T>> {
-        if self.holds != Some(Precision::of::<T>()) || size_of::<T>() != 2 {
+        if self.holds != Some(dtype_of::<T>()) || size_of::<T>() != 2 {
             return Err(arena_error(format!(
                 "the working copy holds {:?}, not {}: set_precision refreshes it",
                 self.holds,
@@ -169,18 +137,18 @@ impl WorkingCopy {
 
     /// The optimizer's output for it in `precision` (round to nearest; none in f32); call
     /// [`WorkingCopy::written_as`] once the step is queued.
-    pub(crate) fn param_copy(&mut self, precision: Precision) -> Result<ParamCopy<'_>> {
+    pub(crate) fn param_copy(&mut self, precision: DType) -> Result<ParamCopy<'_>> {
         let copy = match precision {
-            Precision::F32 => ParamCopy::None,
-            Precision::Bf16 => ParamCopy::Bf16(self.typed_mut::<bf16>()?, Rounding::Nearest),
-            Precision::F16 => ParamCopy::F16(self.typed_mut::<f16>()?),
+            DType::F32 => ParamCopy::None,
+            DType::BF16 => ParamCopy::Bf16(self.typed_mut::<bf16>()?, Rounding::Nearest),
+            DType::F16 => ParamCopy::F16(self.typed_mut::<f16>()?),
         };
         Ok(copy)
     }
 
     /// Records that the optimizer rewrote it in `precision`.
-    pub(crate) fn written_as(&mut self, precision: Precision) {
-        self.holds = precision.uses_working_copy().then_some(precision);
+    pub(crate) fn written_as(&mut self, precision: DType) {
+        self.holds = precision.is_half().then_some(precision);
     }
 }
 

@@ -3,7 +3,6 @@
 
 use std::path::{Path, PathBuf};
 
-use adaptfp16::Precision;
 use tilearn_ops::DType;
 
 use crate::Result;
@@ -43,7 +42,7 @@ pub trait StepBackend {
 
     /// Whether this backend can run a period in `precision` (the CPU emulates all three; the
     /// CUDA engine runs those it was built for).
-    fn supports(&self, precision: Precision) -> bool {
+    fn supports(&self, precision: DType) -> bool {
         let _ = precision;
         true
     }
@@ -58,7 +57,7 @@ pub trait StepBackend {
         &mut self,
         batch: &Batch,
         denominator: f64,
-        precision: Precision,
+        precision: DType,
         loss_scale: f32,
     ) -> Result<f64>;
 

@@ -9,7 +9,6 @@
 
 use std::path::Path;
 
-use adaptfp16::Precision;
 use half::{bf16, f16};
 use tilearn_ops::DType;
 use tilearn_optim::AdamW;
@@ -52,12 +51,12 @@ impl CpuBackend {
     }
 }
 
-fn round_into(master: &[f32], working: &mut Vec<f32>, precision: Precision) {
+fn round_into(master: &[f32], working: &mut Vec<f32>, precision: DType) {
     working.clear();
     match precision {
-        Precision::Bf16 => working.extend(master.iter().map(|&x| bf16::from_f32(x).to_f32())),
-        Precision::Fp16 => working.extend(master.iter().map(|&x| f16::from_f32(x).to_f32())),
-        Precision::Fp32 => working.extend_from_slice(master),
+        DType::BF16 => working.extend(master.iter().map(|&x| bf16::from_f32(x).to_f32())),
+        DType::F16 => working.extend(master.iter().map(|&x| f16::from_f32(x).to_f32())),
+        DType::F32 => working.extend_from_slice(master),
     }
 }
 
@@ -74,12 +73,12 @@ impl StepBackend for CpuBackend {
         &mut self,
         batch: &Batch,
         denominator: f64,
-        precision: Precision,
+        precision: DType,
         loss_scale: f32,
     ) -> Result<f64> {
         // Gradients of loss_sum * scale / denominator: fold the scale into the denominator.
         let denom = denominator / loss_scale as f64;
-        let stats = if precision == Precision::Fp32 {
+        let stats = if precision == DType::F32 {
             self.model.forward_backward(
                 &batch.input_ids,
                 &batch.labels,
@@ -102,7 +101,7 @@ impl StepBackend for CpuBackend {
                 &mut self.grads,
             )?
         };
-        if precision == Precision::Fp16 {
+        if precision == DType::F16 {
             for g in &mut self.grads {
                 *g = f16::from_f32(*g).to_f32();
             }

@@ -14,7 +14,6 @@
 
 use std::path::Path;
 
-use adaptfp16::Precision;
 use tilearn_ops::DType;
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamWConfig, ParamGroup};
@@ -25,7 +24,7 @@ use crate::Result;
 use crate::checkpoint::{load_into, save_pretrained_from};
 use crate::config::LlamaConfig;
 use crate::data::Batch;
-use crate::gpu::{self, GpuLlama};
+use crate::gpu::GpuLlama;
 use crate::model::LlamaForCausalLM;
 use crate::params::{ParamSpec, ParamStore, init_random_into};
 
@@ -50,7 +49,7 @@ impl GpuBackend {
         model: LlamaForCausalLM,
         args: &TrainingArguments,
         ordinal: usize,
-        precisions: &[Precision],
+        precisions: &[DType],
     ) -> Result<GpuBackend> {
         let mut backend = Self::build(&model.config, args, ordinal, precisions)?;
         backend.gpu.upload_params(&model.params)?;
@@ -64,7 +63,7 @@ impl GpuBackend {
         init: &ModelInit,
         args: &TrainingArguments,
         ordinal: usize,
-        precisions: &[Precision],
+        precisions: &[DType],
     ) -> Result<GpuBackend> {
         let mut backend = Self::build(config, args, ordinal, precisions)?;
         let specs = backend.specs.clone();
@@ -89,16 +88,15 @@ impl GpuBackend {
         config: &LlamaConfig,
         args: &TrainingArguments,
         ordinal: usize,
-        precisions: &[Precision],
+        precisions: &[DType],
     ) -> Result<GpuBackend> {
-        let engine: Vec<gpu::Precision> = precisions.iter().map(|&p| engine_precision(p)).collect();
         let device = GpuDevice::new(ordinal)?;
         let mut gpu = GpuLlama::for_config(
             &device,
             config,
             args.per_device_train_batch_size,
             args.seq_len,
-            &engine,
+            precisions,
             args.gradient_checkpointing,
         )?;
         let specs = ParamStore::specs_for(config);
@@ -115,7 +113,7 @@ impl GpuBackend {
                 .collect::<Vec<_>>()
                 .join(" / "),
         ];
-        if gpu.flash_attention() && engine.iter().any(|p| p.uses_working_copy()) {
+        if gpu.flash_attention() && precisions.iter().any(|p| p.is_half()) {
             features.push("flash attention".into());
         }
         if gpu.gradient_checkpointing() {
@@ -145,8 +143,8 @@ impl StepBackend for GpuBackend {
         self.name.clone()
     }
 
-    fn supports(&self, precision: Precision) -> bool {
-        self.gpu.precisions().contains(&engine_precision(precision))
+    fn supports(&self, precision: DType) -> bool {
+        self.gpu.precisions().contains(&precision)
     }
 
     fn zero_grads(&mut self) {
@@ -158,12 +156,11 @@ impl StepBackend for GpuBackend {
         &mut self,
         batch: &Batch,
         denominator: f64,
-        precision: Precision,
+        precision: DType,
         loss_scale: f32,
     ) -> Result<f64> {
-        let mode = engine_precision(precision);
-        if mode != self.gpu.precision() {
-            self.gpu.set_precision(mode)?;
+        if precision != self.gpu.precision() {
+            self.gpu.set_precision(precision)?;
         }
         let stats = self.gpu.forward_backward_scaled(
             &batch.input_ids,
@@ -244,14 +241,5 @@ impl StepBackend for GpuBackend {
 
     fn peak_memory_bytes(&self) -> u64 {
         self.gpu.memory().peak_bytes() as u64
-    }
-}
-
-/// The device model's mode for a period's precision.
-fn engine_precision(p: Precision) -> gpu::Precision {
-    match p {
-        Precision::Fp32 => gpu::Precision::F32,
-        Precision::Bf16 => gpu::Precision::Bf16,
-        Precision::Fp16 => gpu::Precision::F16,
     }
 }

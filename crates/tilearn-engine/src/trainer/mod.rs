@@ -22,7 +22,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use adaptfp16::{AmpPlan, Precision, Signals, TimeUnit};
+use adaptfp16::{AmpPlan, Signals, TimeUnit};
+use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, ParamGroup, SchedulerType};
 
 pub use args::{SaveStrategy, TrainLength, TrainingArguments};
@@ -202,7 +203,7 @@ impl Trainer {
             backend,
             dataset: Arc::new(dataset),
             loader_hook: None,
-            amp: AmpPlan::Fixed(Precision::Fp32),
+            amp: AmpPlan::Fixed(DType::F32),
             space: Arc::new(FilesystemSpace),
             started: Instant::now(),
         })
@@ -362,7 +363,7 @@ impl Trainer {
                 loss: last_loss,
             };
             let precision = self.amp.decide(period, signals, Some(&mut scaler))?;
-            let scaled = precision.needs_scaler() && scaler.is_enabled();
+            let scaled = precision.needs_loss_scaling() && scaler.is_enabled();
             let loss_scale = if scaled { scaler.get_scale() } else { 1.0 };
 
             let micro: Vec<_> = (0..accum)
@@ -442,7 +443,7 @@ impl Trainer {
                     state.global_step as f64 / steps_per_epoch as f64,
                     lr as f64,
                     precision,
-                    if precision.needs_scaler() {
+                    if precision.needs_loss_scaling() {
                         scaler.get_scale() as f64
                     } else {
                         1.0
@@ -517,7 +518,7 @@ impl LogWindow {
         step: u64,
         epoch: f64,
         lr: f64,
-        precision: Precision,
+        precision: DType,
         loss_scale: f64,
     ) -> LogRecord {
         let n = self.steps.max(1) as f64;

@@ -6,12 +6,13 @@
 
 use std::time::Instant;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
+use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig};
 
+use super::bench_loop::{BenchResult, median, random_tokens};
 use crate::presets::{PEAK_BF16_FLOPS, PRESETS, Preset, flops_per_token};
 use crate::{LlmError, Result};
 
@@ -19,13 +20,6 @@ use crate::{LlmError, Result};
 pub enum BenchDevice {
     Cpu,
     Cuda,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BenchPrecision {
-    Bf16,
-    Fp16,
-    Fp32,
 }
 
 #[derive(Debug, Args)]
@@ -54,8 +48,8 @@ pub struct BenchArgs {
     /// Compute precision of the GPU steps: bf16 (default), fp16 (with the GradScaler: scaled
     /// loss, unscale and non-finite check, skipped steps on overflow) or fp32. The CPU bench
     /// always runs fp32.
-    #[arg(long, value_enum, default_value_t = BenchPrecision::Bf16)]
-    pub precision: BenchPrecision,
+    #[arg(long, default_value_t = DType::BF16, value_parser = precision_names())]
+    pub precision: DType,
     /// Recompute each block's forward in the backward instead of keeping its activations
     /// (as `tilearn train --gradient-checkpointing`).
     #[arg(long)]
@@ -63,6 +57,11 @@ pub struct BenchArgs {
     /// Print only the JSON line.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--precision`'s parser: exactly the names `DType` parses, listed by `--help`.
+fn precision_names() -> impl TypedValueParser<Value = DType> {
+    PossibleValuesParser::new(DType::ALL.map(DType::as_str)).try_map(|name| name.parse::<DType>())
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -132,29 +131,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// What a device's bench loop measured.
-pub struct BenchResult {
-    pub device: String,
-    pub precision: &'static str,
-    pub num_params: usize,
-    pub step_seconds: f64,
-    pub peak_memory_bytes: u64,
-    pub last_loss: f64,
-    /// Steps the GradScaler skipped (fp16 only), warm-up included.
-    pub skipped_steps: u64,
-}
-
-/// Random token batches (never constant), seeded so runs are comparable.
-pub fn random_tokens(vocab: usize, n: usize, seed: u64) -> Vec<u32> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
-}
-
-pub fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
 fn bench_cpu(
     config: &tilearn_engine::config::LlamaConfig,
     batch: usize,
@@ -190,11 +166,44 @@ fn bench_cpu(
     let bytes = (numel * 4 * 4 + acts.bytes()) as u64; // params, grads, two moments, arena
     Ok(BenchResult {
         device: "cpu".into(),
-        precision: "f32",
+        precision: DType::F32,
         num_params: numel,
         step_seconds: median(times),
         peak_memory_bytes: bytes,
         last_loss,
         skipped_steps: 0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    fn precision(flags: &[&str]) -> std::result::Result<DType, clap::Error> {
+        let argv = ["bench", "--preset", "llama-134m"].iter().chain(flags);
+        Cli::try_parse_from(argv).map(|cli| cli.bench.precision)
+    }
+
+    #[test]
+    fn precision_flag_takes_the_dtype_names_and_defaults_to_bf16() {
+        assert_eq!(precision(&[]).unwrap(), DType::BF16);
+        for d in DType::ALL {
+            assert_eq!(precision(&["--precision", d.as_str()]).unwrap(), d);
+        }
+        for bad in ["f32", "f16", "half", "BF16"] {
+            let err = precision(&["--precision", bad]).unwrap_err().to_string();
+            assert!(
+                err.contains("possible values: fp32, bf16, fp16"),
+                "{bad}: {err}"
+            );
+        }
+    }
 }

@@ -4,8 +4,9 @@
 //! unscale with the non-finite check (one extra host read), skipped step on overflow.
 
 use tilearn_engine::config::LlamaConfig;
+use tilearn_ops::DType;
 
-use super::bench::{BenchPrecision, BenchResult};
+use super::bench_loop::BenchResult;
 use crate::Result;
 
 #[cfg(feature = "cuda")]
@@ -14,34 +15,35 @@ pub fn bench(
     batch: usize,
     seq: usize,
     steps: usize,
-    precision: BenchPrecision,
+    precision: DType,
     gradient_checkpointing: bool,
 ) -> Result<BenchResult> {
     use std::time::Instant;
 
     use adaptfp16::GradScaler;
-    use tilearn_engine::gpu::{GpuLlama, Precision};
+    use tilearn_engine::gpu::GpuLlama;
     use tilearn_engine::model::LlamaForCausalLM;
     use tilearn_ops::cuda::GpuDevice;
     use tilearn_optim::AdamWConfig;
 
-    use super::bench::{median, random_tokens};
+    use super::bench_loop::{median, random_tokens};
 
     let device = GpuDevice::new(0)?;
     let model = LlamaForCausalLM::from_config(config.clone(), 0);
     let num_params = model.params.numel();
-    let (mode, name) = match precision {
-        BenchPrecision::Bf16 => (Precision::Bf16, "bf16"),
-        BenchPrecision::Fp16 => (Precision::F16, "fp16"),
-        BenchPrecision::Fp32 => (Precision::F32, "f32"),
-    };
-    let mut scaler = if mode == Precision::F16 {
+    let mut scaler = if precision.needs_loss_scaling() {
         GradScaler::new()
     } else {
         GradScaler::disabled()
     };
-    let mut gpu =
-        GpuLlama::with_options(&device, &model, batch, seq, &[mode], gradient_checkpointing)?;
+    let mut gpu = GpuLlama::with_options(
+        &device,
+        &model,
+        batch,
+        seq,
+        &[precision],
+        gradient_checkpointing,
+    )?;
     drop(model);
     let groups = gpu.default_groups(0.0);
     gpu.configure_optimizer(
@@ -97,7 +99,7 @@ pub fn bench(
     }
     Ok(BenchResult {
         device: format!("cuda:0 {}", device.name()?),
-        precision: name,
+        precision,
         num_params,
         step_seconds: median(times),
         peak_memory_bytes: gpu.memory().peak_bytes() as u64,
@@ -173,7 +175,7 @@ pub fn bench(
     _batch: usize,
     _seq: usize,
     _steps: usize,
-    _precision: BenchPrecision,
+    _precision: DType,
     _gradient_checkpointing: bool,
 ) -> Result<BenchResult> {
     Err(crate::LlmError::Usage {

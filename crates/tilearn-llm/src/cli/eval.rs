@@ -124,13 +124,10 @@ fn write_logits(path: &Path, logits: &[(usize, Vec<f32>)], vocab: usize) -> Resu
             (name.clone(), view)
         })
         .collect();
-    let tmp = path.with_extension("safetensors.tmp");
-    safetensors::serialize_to_file(&views, None, &tmp).map_err(|e| LlmError::Input {
+    let err = |e: &dyn std::fmt::Display| LlmError::Input {
         file: path.to_path_buf(),
         message: format!("cannot write the logits: {e}"),
-    })?;
-    std::fs::rename(&tmp, path).map_err(|e| LlmError::Input {
-        file: path.to_path_buf(),
-        message: format!("cannot move the logits into place: {e}"),
-    })
+    };
+    let bytes = safetensors::serialize(&views, None).map_err(|e| err(&e))?;
+    tilearn_ops::fs::write_bytes_atomic(path, &bytes).map_err(|e| err(&e))
 }

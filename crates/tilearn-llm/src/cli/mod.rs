@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_gpu;
+mod bench_loop;
 mod eval;
 mod info;
 mod prepare;

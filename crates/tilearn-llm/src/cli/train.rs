@@ -154,7 +154,7 @@ pub struct TrainArgs {
     pub amp_unit: Option<adaptfp16::TimeUnit>,
     /// What auto falls back to: bf16 or fp32.
     #[arg(long)]
-    pub amp_fallback: Option<adaptfp16::Precision>,
+    pub amp_fallback: Option<tilearn_ops::DType>,
     /// Fault injection for testing the fp16 overflow path: make every gradient infinite at
     /// these optimizer steps (1-based, comma-separated).
     #[arg(long, value_delimiter = ',', hide = true)]
@@ -373,7 +373,7 @@ fn amp_plan(args: &TrainArgs, on_gpu: bool) -> Result<adaptfp16::AmpPlan> {
     let any_flag = args.fp16 || args.bf16 || args.fp32 || args.no_bf16 || args.amp_policy.is_some();
     if on_gpu && !any_flag {
         // The GPU default: bf16 mixed precision with fp32 master weights.
-        return Ok(adaptfp16::AmpPlan::Fixed(adaptfp16::Precision::Bf16));
+        return Ok(adaptfp16::AmpPlan::Fixed(tilearn_ops::DType::BF16));
     }
     let flags = adaptfp16::cli::AmpArgs {
         fp16: args.fp16,

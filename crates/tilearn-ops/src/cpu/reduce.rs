@@ -1,6 +1,7 @@
 //! Whole-buffer gradient reductions of the optimizer step: the global L2 norm (gradient
 //! clipping) and the GradScaler's unscale + non-finite check
-//! (`torch._amp_foreach_non_finite_check_and_unscale_`). The oracles of `kernels/reduce.cu`.
+//! (`torch._amp_foreach_non_finite_check_and_unscale_`). The oracles of
+//! `crates/tilearn-kernels/kernels/reduce.cu`.
 //!
 //! Deterministic: the norm sums fixed-size chunks in parallel and adds the chunk sums in order,
 //! so the result does not depend on the rayon thread count.

@@ -6,14 +6,16 @@
 //! (`=`) `dq`, `dk`, `dv`.
 //!
 //! Two implementations ([`AttentionImpl`]; the plain functions take `Auto`):
-//! * **Flash** (`kernels/flash_attention.cu`): fused FlashAttention-2-style kernels on tensor
-//!   cores for bf16 and f16 at head_dim 64 and 128 ([`flash_attention_supports`]) with 16-byte
-//!   aligned tensors. The forward keeps S and P on chip (online softmax) and scores only the
-//!   key blocks up to the diagonal; the backward recomputes P from `lse` in two deterministic
-//!   kernels (dK/dV per key block, summing the GQA group's heads in a fixed order; dQ per
-//!   query block) after the `delta` kernel below. No workspace regions beyond `delta`.
+//! * **Flash** (`crates/tilearn-kernels/kernels/flash_attention.cu`): fused
+//!   FlashAttention-2-style kernels on tensor cores for bf16 and f16 at head_dim 64 and 128
+//!   ([`flash_attention_supports`]) with 16-byte aligned tensors. The forward keeps S and P on
+//!   chip (online softmax) and scores only the key blocks up to the diagonal; the backward
+//!   recomputes P from `lse` in two deterministic kernels (dK/dV per key block, summing the GQA
+//!   group's heads in a fixed order; dQ per query block) after the `delta` kernel below. No
+//!   workspace regions beyond `delta`.
 //! * **Gemm**: cuBLASLt batched GEMMs for the six matrix products and the row kernels of
-//!   `kernels/attention.cu` (causal softmax, probability recomputation, dS, delta, permutes);
+//!   `crates/tilearn-kernels/kernels/attention.cu` (causal softmax, probability recomputation,
+//!   dS, delta, permutes);
 //!   every type and shape, and the exact f32 path. Described below.
 //!
 //! `Auto` takes the flash kernels wherever they apply. Measured on an H200 (`gemm-bench
@@ -72,11 +74,11 @@ use std::mem::size_of;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
-use super::ffi;
 use super::gemm::{Epilogue, Gemm, MatmulSpec, Operand};
-use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use super::launch::{Launch, check, expect_len, raw_stream};
 use crate::cpu::AttnShape;
 use crate::{OpsError, Result};
 
@@ -348,7 +350,7 @@ impl AttentionWorkspace {
     }
 }
 
-/// Raw device addresses of the workspace regions, valid while the guard of `ws_ptrs` lives.
+/// Raw device addresses of the workspace regions, valid while the workspace's guard lives.
 struct WsPtrs {
     scores: u64,
     probs: u64,
@@ -361,15 +363,14 @@ struct WsPtrs {
 }
 
 /// How many sequences of shape `s` (per-batch sizes `p`) one pass takes in type `T`
-/// ([`AttentionWorkspace::batch_chunk`]), the workspace's regions for them, and the guard that
-/// orders their use on `stream`.
-fn ws_ptrs<'a, T: DeviceFloat>(
+/// ([`AttentionWorkspace::batch_chunk`]) and the workspace's regions for them, each inside the
+/// usable bytes.
+fn ws_layout<T: DeviceFloat>(
     op: &'static str,
-    ws: &'a mut AttentionWorkspace,
-    stream: &'a CudaStream,
+    ws: &AttentionWorkspace,
     s: AttnShape,
     p: &PerBatch,
-) -> Result<(usize, WsPtrs, cudarc::driver::SyncOnDrop<'a>)> {
+) -> Result<(usize, Regions)> {
     let chunk = ws.batch_chunk::<T>(s)?;
     let usable = ws.usable();
     let regions = Regions::new(p, size_of::<T>(), chunk)
@@ -378,13 +379,16 @@ fn ws_ptrs<'a, T: DeviceFloat>(
             context: op,
             message: format!("{chunk} sequences do not fit the attention workspace"),
         })?;
-    let (base, guard) = ws.buf.device_ptr_mut(stream);
-    // The first aligned address; `bytes_for` reserved REGION_ALIGN bytes for this skew, so
-    // every region lies inside the buffer and starts aligned for any element type.
-    let start = base.next_multiple_of(REGION_ALIGN as u64);
-    let at = |offset: usize| start + offset as u64;
-    Ok((
-        chunk,
+    Ok((chunk, regions))
+}
+
+impl WsPtrs {
+    /// The regions' addresses in the workspace allocation at `base`: from its first aligned
+    /// address (`bytes_for` reserved REGION_ALIGN bytes for this skew, so every region lies
+    /// inside the buffer and starts aligned for any element type).
+    fn at(base: u64, regions: &Regions) -> WsPtrs {
+        let start = base.next_multiple_of(REGION_ALIGN as u64);
+        let at = |offset: usize| start + offset as u64;
         WsPtrs {
             scores: at(regions.scores),
             probs: at(regions.probs),
@@ -394,9 +398,8 @@ fn ws_ptrs<'a, T: DeviceFloat>(
             o: at(regions.o),
             dk: at(regions.dk),
             delta: at(regions.delta),
-        },
-        guard,
-    ))
+        }
+    }
 }
 
 /// The per-call constants of one attention launch.
@@ -602,22 +605,9 @@ fn checked_sizes<T: DeviceFloat>(
     Ok((p, [q_len, kv_len, rows_len]))
 }
 
-/// What both passes do once their tensors are checked: whether to try the flash kernels
-/// ([`wants_flash`]: an error when `imp` forces them where they do not serve), then `None` for an
-/// empty problem (nothing to launch), else the plan, with the stream's context bound.
-fn prepare<T: DeviceFloat>(
-    op: &'static str,
-    imp: AttentionImpl,
-    s: &AttnShape,
-    stream: &CudaStream,
-) -> Result<Option<(bool, Plan)>> {
-    let flash = wants_flash::<T>(op, imp, s)?;
-    if s.batch == 0 || s.seq == 0 || s.q_heads == 0 {
-        return Ok(None);
-    }
-    let plan = Plan::new::<T>(*s);
-    bind(stream, op)?;
-    Ok(Some((flash, plan)))
+/// Whether the problem is empty (nothing to launch).
+fn is_empty(s: &AttnShape) -> bool {
+    s.batch == 0 || s.seq == 0 || s.q_heads == 0
 }
 
 /// Rows of the `[rows, ld]` score buffers for `nb` sequences: one per (sequence, query head,
@@ -666,104 +656,100 @@ pub fn attention_forward_with<T: DeviceFloat>(
 ) -> Result<()> {
     let op = "attention_forward";
     let (p, [q_len, kv_len, rows_len]) = checked_sizes::<T>(op, ws, &s)?;
-    expect_len(op, q_len, q.len())?;
-    expect_len(op, kv_len, k.len())?;
-    expect_len(op, kv_len, v.len())?;
-    expect_len(op, q_len, out.len())?;
-    expect_len(op, rows_len, lse.len())?;
-    let stream = gemm.stream().clone();
-    same_device(&stream, op, "q", q)?;
-    same_device(&stream, op, "k", k)?;
-    same_device(&stream, op, "v", v)?;
-    same_device(&stream, op, "out", out)?;
-    same_device(&stream, op, "lse", lse)?;
-    same_device(&stream, op, "workspace", &ws.buf)?;
-    let Some((flash, plan)) = prepare::<T>(op, imp, &s, &stream)? else {
-        return Ok(());
-    };
+    let flash = wants_flash::<T>(op, imp, &s)?;
+    // Only the GEMM path carves the workspace, so only it reports a workspace too small.
+    let layout = ws_layout::<T>(op, ws, s, &p);
+    let plan = Plan::new::<T>(s);
     let (t, d, g, hq, hkv) = (s.seq, s.head_dim, plan.group, s.q_heads, s.kv_heads);
     let e = plan.elem as u64;
-    let (q0, _q) = q.device_ptr(&stream);
-    let (k0, _k) = k.device_ptr(&stream);
-    let (v0, _v) = v.device_ptr(&stream);
-    let (o0, _o) = out.device_ptr_mut(&stream);
-    let (l0, _l) = lse.device_ptr_mut(&stream);
-    if flash && flash_aligned(op, imp, &[q0, k0, v0, o0])? {
-        // SAFETY: every pointer is a live buffer of the stream's context holding the elements
-        // the launcher reads or writes for shape `s` (lengths checked above), of the types it
-        // is told (T via T::DTYPE, f32 lse); inputs and outputs are distinct buffers (shared
-        // versus mutable borrows); the guards outlive the enqueue.
-        let status = unsafe {
-            ffi::tilearn_flash_attention_forward(
-                T::DTYPE,
-                q0 as *const c_void,
-                k0 as *const c_void,
-                v0 as *const c_void,
-                o0 as *mut c_void,
-                l0 as *mut f32,
-                s.batch,
-                s.seq,
-                s.q_heads,
-                s.kv_heads,
-                s.head_dim,
-                plan.scale,
-                raw_stream(&stream),
-            )
-        };
-        return check(op, status);
-    }
-    // The GEMM path: the workspace must hold at least one sequence of this shape.
-    let (chunk, w, _ws_guard) = ws_ptrs::<T>(op, ws, &stream, s, &p)?;
+    let stream = gemm.stream().clone();
+    Launch::new(op, &stream)
+        .input("q", q, q_len)
+        .input("k", k, kv_len)
+        .input("v", v, kv_len)
+        .output("out", out, q_len)
+        .output("lse", lse, rows_len)
+        .workspace("workspace", &mut ws.buf)
+        .skip_launch_if(is_empty(&s))
+        .run_steps(|[q, k, v], [out, lse, ws_base], raw| {
+            let [q0, k0, v0] = [q, k, v].map(|ptr| ptr as u64);
+            let [o0, l0] = [out, lse].map(|ptr| ptr as u64);
+            if flash && flash_aligned(op, imp, &[q0, k0, v0, o0])? {
+                // SAFETY: the launcher reads q (`q_len` elements of T, `T::DTYPE`), k and v
+                // (`kv_len`) and writes out (`q_len`) and lse (`rows_len` f32) for shape `s`.
+                let status = unsafe {
+                    ffi::tilearn_flash_attention_forward(
+                        T::DTYPE,
+                        q,
+                        k,
+                        v,
+                        out,
+                        lse.cast(),
+                        s.batch,
+                        s.seq,
+                        s.q_heads,
+                        s.kv_heads,
+                        s.head_dim,
+                        plan.scale,
+                        raw,
+                    )
+                };
+                return check(op, status);
+            }
+            // The GEMM path: the workspace must hold at least one sequence of this shape.
+            let (chunk, regions) = layout?;
+            let w = WsPtrs::at(ws_base as u64, &regions);
 
-    let mut b0 = 0;
-    while b0 < s.batch {
-        let nb = chunk.min(s.batch - b0);
-        let q_off = (b0 * p.q) as u64 * e;
-        let kv_off = (b0 * p.kv) as u64 * e;
-        let rows = row_count(&plan, nb);
-        // SAFETY (whole block): every pointer is a live buffer of the stream's context (checked
-        // above); the user buffers hold `batch` sequences (lengths checked), so the offsets of
-        // sequences [b0, b0 + nb) stay inside them; the workspace holds `chunk >= nb`
-        // sequences of this shape in type T (`batch_chunk`, `ws_ptrs`: disjoint regions, each
-        // aligned for any element type); inputs and outputs of each step are distinct buffers
-        // (user inputs are shared borrows, outputs mutable ones, and the workspace regions do
-        // not overlap each other or the user buffers); every pointer handed to a GEMM or a
-        // launcher holds elements of the type its call states (T, or f32 for S, dP, lse and
-        // delta). The guards outlive the enqueues.
-        unsafe {
-            plan.swap(op, &stream, q0 + q_off, w.q, nb, t, hq)?;
-            plan.swap(op, &stream, k0 + kv_off, w.k, nb, t, hkv)?;
-            plan.swap(op, &stream, v0 + kv_off, w.v, nb, t, hkv)?;
-            plan.scores_gemm::<T>(op, gemm, nb, w.q, w.k, w.scores, plan.scale)?;
-            let status = ffi::tilearn_attention_softmax(
-                T::DTYPE,
-                w.scores as *const f32,
-                plan.ld,
-                rows,
-                t,
-                w.probs as *mut c_void,
-                (l0 + (b0 * p.rows * 4) as u64) as *mut f32,
-                raw_stream(&stream),
-            );
-            check(op, status)?;
-            // O_g [G·T, D] = P_g [G·T, T] · V_g [T, D].
-            let mut spec = MatmulSpec::new(
-                g * t,
-                d,
-                t,
-                Operand::plain(plan.ld).strided(g * t * plan.ld),
-                Operand::plain(d).strided(t * d),
-            );
-            spec.batch = nb * hkv;
-            spec.c_ld = d;
-            spec.c_batch_stride = g * t * d;
-            spec.required_lens(op)?;
-            gemm.launch::<T, T>(op, &spec, w.probs, w.v, w.o, Epilogue::None)?;
-            plan.swap(op, &stream, w.o, o0 + q_off, nb, hq, t)?;
-        }
-        b0 += nb;
-    }
-    Ok(())
+            let mut b0 = 0;
+            while b0 < s.batch {
+                let nb = chunk.min(s.batch - b0);
+                let q_off = (b0 * p.q) as u64 * e;
+                let kv_off = (b0 * p.kv) as u64 * e;
+                let rows = row_count(&plan, nb);
+                // SAFETY (whole block): the user buffers hold `batch` sequences (the builder
+                // checked their lengths), so the offsets of sequences [b0, b0 + nb) stay inside
+                // them; the workspace holds `chunk >= nb` sequences of this shape in type T
+                // (`batch_chunk`, `ws_layout`: disjoint regions, each aligned for any element
+                // type); inputs and outputs of each step are distinct buffers (user inputs are
+                // shared borrows, outputs mutable ones, and the workspace regions overlap neither
+                // each other nor the user buffers); every pointer handed to a GEMM or a launcher
+                // holds elements of the type its call states (T, or f32 for S, dP, lse and
+                // delta).
+                unsafe {
+                    plan.swap(op, &stream, q0 + q_off, w.q, nb, t, hq)?;
+                    plan.swap(op, &stream, k0 + kv_off, w.k, nb, t, hkv)?;
+                    plan.swap(op, &stream, v0 + kv_off, w.v, nb, t, hkv)?;
+                    plan.scores_gemm::<T>(op, gemm, nb, w.q, w.k, w.scores, plan.scale)?;
+                    let status = ffi::tilearn_attention_softmax(
+                        T::DTYPE,
+                        w.scores as *const f32,
+                        plan.ld,
+                        rows,
+                        t,
+                        w.probs as *mut c_void,
+                        (l0 + (b0 * p.rows * 4) as u64) as *mut f32,
+                        raw,
+                    );
+                    check(op, status)?;
+                    // O_g [G·T, D] = P_g [G·T, T] · V_g [T, D].
+                    let mut spec = MatmulSpec::new(
+                        g * t,
+                        d,
+                        t,
+                        Operand::plain(plan.ld).strided(g * t * plan.ld),
+                        Operand::plain(d).strided(t * d),
+                    );
+                    spec.batch = nb * hkv;
+                    spec.c_ld = d;
+                    spec.c_batch_stride = g * t * d;
+                    spec.required_lens(op)?;
+                    gemm.launch::<T, T>(op, &spec, w.probs, w.v, w.o, Epilogue::None)?;
+                    plan.swap(op, &stream, w.o, o0 + q_off, nb, hq, t)?;
+                }
+                b0 += nb;
+            }
+            Ok(())
+        })
 }
 
 /// Causal GQA backward in element type `T`: writes (`=`) `dq`, `dk`, `dv` (type `T`) from
@@ -847,185 +833,186 @@ pub fn attention_backward_with<T: DeviceFloat>(
             other => other,
         })?;
     }
-    let stream = gemm.stream().clone();
-    same_device(&stream, op, "dout", dout)?;
-    same_device(&stream, op, "q", q)?;
-    same_device(&stream, op, "k", k)?;
-    same_device(&stream, op, "v", v)?;
-    same_device(&stream, op, "out", out)?;
-    same_device(&stream, op, "lse", lse)?;
-    same_device(&stream, op, "dq", dq)?;
-    same_device(&stream, op, "dk", dk)?;
-    same_device(&stream, op, "dv", dv)?;
-    same_device(&stream, op, "workspace", &ws.buf)?;
-    let Some((flash, plan)) = prepare::<T>(op, imp, &s, &stream)? else {
-        return Ok(());
-    };
+    let flash = wants_flash::<T>(op, imp, &s)?;
+    // Only the GEMM path carves the workspace, so only it reports a workspace too small.
+    let layout = ws_layout::<T>(op, ws, s, &p);
+    let usable = ws.usable();
+    let plan = Plan::new::<T>(s);
     let (t, d, g, hq, hkv) = (s.seq, s.head_dim, plan.group, s.q_heads, s.kv_heads);
     let e = plan.elem as u64;
-    let (do0, _do) = dout.device_ptr(&stream);
-    let (q0, _q) = q.device_ptr(&stream);
-    let (k0, _k) = k.device_ptr(&stream);
-    let (v0, _v) = v.device_ptr(&stream);
-    let (o0, _o) = out.device_ptr(&stream);
-    let (l0, _l) = lse.device_ptr(&stream);
-    let (dq0, _dq) = dq.device_ptr_mut(&stream);
-    let (dk0, _dk) = dk.device_ptr_mut(&stream);
-    let (dv0, _dv) = dv.device_ptr_mut(&stream);
-    if flash && flash_aligned(op, imp, &[do0, q0, k0, v0, o0, dq0, dk0, dv0])? {
-        // delta: the workspace's first aligned bytes when they hold it (always for real shapes:
-        // one sequence's score region alone is Hq·T·ld f32), else a temporary buffer.
-        let delta_bytes = rows_len.checked_mul(size_of::<f32>());
-        let mut scratch = match delta_bytes {
-            Some(bytes) if bytes <= ws.usable() => None,
-            _ => Some(
-                stream
-                    .alloc_zeros::<f32>(rows_len)
-                    .map_err(|e| OpsError::Cuda {
-                        context: op,
-                        message: format!("cannot allocate the {rows_len} f32 of delta: {e}"),
-                    })?,
-            ),
-        };
-        let scratch_ptr = scratch.as_mut().map(|buf| buf.device_ptr_mut(&stream));
-        let (ws_base, _ws_guard) = ws.buf.device_ptr_mut(&stream);
-        let delta = match &scratch_ptr {
-            Some((ptr, _)) => *ptr,
-            None => ws_base.next_multiple_of(REGION_ALIGN as u64),
-        };
-        // SAFETY: every pointer is a live buffer of the stream's context holding the elements
-        // the launchers read or write for shape `s` (lengths checked above; delta holds
-        // rows_len f32: `usable` bytes from the aligned start, or its own allocation), of the
-        // types they are told; inputs and outputs are distinct buffers (shared versus mutable
-        // borrows, and the workspace or scratch is neither); the guards outlive the enqueues.
-        unsafe {
-            let status = ffi::tilearn_attention_delta(
-                T::DTYPE,
-                do0 as *const c_void,
-                o0 as *const c_void,
-                s.batch,
-                t,
-                hq,
-                d,
-                delta as *mut f32,
-                raw_stream(&stream),
-            );
-            check(op, status)?;
-            let status = ffi::tilearn_flash_attention_backward(
-                T::DTYPE,
-                do0 as *const c_void,
-                q0 as *const c_void,
-                k0 as *const c_void,
-                v0 as *const c_void,
-                l0 as *const f32,
-                delta as *const f32,
-                dq0 as *mut c_void,
-                dk0 as *mut c_void,
-                dv0 as *mut c_void,
-                s.batch,
-                s.seq,
-                s.q_heads,
-                s.kv_heads,
-                s.head_dim,
-                plan.scale,
-                raw_stream(&stream),
-            );
-            return check(op, status);
-        }
-    }
-    // The GEMM path: the workspace must hold at least one sequence of this shape.
-    let (chunk, w, _ws_guard) = ws_ptrs::<T>(op, ws, &stream, s, &p)?;
+    let stream = gemm.stream().clone();
+    Launch::new(op, &stream)
+        .input("dout", dout, q_len)
+        .input("q", q, q_len)
+        .input("k", k, kv_len)
+        .input("v", v, kv_len)
+        .input("out", out, q_len)
+        .input("lse", lse, rows_len)
+        .output("dq", dq, q_len)
+        .output("dk", dk, kv_len)
+        .output("dv", dv, kv_len)
+        .workspace("workspace", &mut ws.buf)
+        .skip_launch_if(is_empty(&s))
+        .run_steps(|inputs, outputs, raw| {
+            let [do0, q0, k0, v0, o0, l0] = inputs.map(|ptr| ptr as u64);
+            let [dq0, dk0, dv0, ws_base] = outputs.map(|ptr| ptr as u64);
+            if flash && flash_aligned(op, imp, &[do0, q0, k0, v0, o0, dq0, dk0, dv0])? {
+                // delta: the workspace's first aligned bytes when they hold it (always for real
+                // shapes: one sequence's score region alone is Hq·T·ld f32), else a temporary
+                // buffer.
+                let delta_bytes = rows_len.checked_mul(size_of::<f32>());
+                let mut scratch =
+                    match delta_bytes {
+                        Some(bytes) if bytes <= usable => None,
+                        _ => Some(stream.alloc_zeros::<f32>(rows_len).map_err(|e| {
+                            OpsError::Cuda {
+                                context: op,
+                                message: format!(
+                                    "cannot allocate the {rows_len} f32 of delta: {e}"
+                                ),
+                            }
+                        })?),
+                    };
+                let scratch_ptr = scratch.as_mut().map(|buf| buf.device_ptr_mut(&stream));
+                let delta = match &scratch_ptr {
+                    Some((ptr, _)) => *ptr,
+                    None => ws_base.next_multiple_of(REGION_ALIGN as u64),
+                };
+                // SAFETY: the launchers read dout, q and out (`q_len` elements of T, `T::DTYPE`),
+                // k and v (`kv_len`) and lse (`rows_len` f32) and write dq (`q_len`), dk and dv
+                // (`kv_len`) for shape `s`; delta holds rows_len f32 (`usable` bytes from the
+                // workspace's aligned start, or its own allocation, whose guard lives until
+                // after the enqueues) and is neither an input nor an output.
+                unsafe {
+                    let status = ffi::tilearn_attention_delta(
+                        T::DTYPE,
+                        do0 as *const c_void,
+                        o0 as *const c_void,
+                        s.batch,
+                        t,
+                        hq,
+                        d,
+                        delta as *mut f32,
+                        raw,
+                    );
+                    check(op, status)?;
+                    let status = ffi::tilearn_flash_attention_backward(
+                        T::DTYPE,
+                        do0 as *const c_void,
+                        q0 as *const c_void,
+                        k0 as *const c_void,
+                        v0 as *const c_void,
+                        l0 as *const f32,
+                        delta as *const f32,
+                        dq0 as *mut c_void,
+                        dk0 as *mut c_void,
+                        dv0 as *mut c_void,
+                        s.batch,
+                        s.seq,
+                        s.q_heads,
+                        s.kv_heads,
+                        s.head_dim,
+                        plan.scale,
+                        raw,
+                    );
+                    return check(op, status);
+                }
+            }
+            // The GEMM path: the workspace must hold at least one sequence of this shape.
+            let (chunk, regions) = layout?;
+            let w = WsPtrs::at(ws_base, &regions);
 
-    let mut b0 = 0;
-    while b0 < s.batch {
-        let nb = chunk.min(s.batch - b0);
-        let q_off = (b0 * p.q) as u64 * e;
-        let kv_off = (b0 * p.kv) as u64 * e;
-        let row_off = (b0 * p.rows * 4) as u64;
-        let rows = row_count(&plan, nb);
-        // SAFETY (whole block): as in `attention_forward`: live buffers of the stream's context, offsets
-        // inside the user buffers (lengths checked), the workspace holds `chunk >= nb`
-        // sequences, and the inputs and output of every step are distinct buffers — the
-        // workspace's reuse (dV into `v` after dP has read V, dQ into `q` after dK has read Q,
-        // dS over P after dV has read P) is ordered by the stream.
-        unsafe {
-            plan.swap(op, &stream, q0 + q_off, w.q, nb, t, hq)?;
-            plan.swap(op, &stream, k0 + kv_off, w.k, nb, t, hkv)?;
-            plan.swap(op, &stream, v0 + kv_off, w.v, nb, t, hkv)?;
-            plan.swap(op, &stream, do0 + q_off, w.o, nb, t, hq)?;
-            // P = exp(scale·Q·Kᵀ − lse), recomputed.
-            plan.scores_gemm::<T>(op, gemm, nb, w.q, w.k, w.scores, plan.scale)?;
-            let status = ffi::tilearn_attention_probs(
-                T::DTYPE,
-                w.scores as *const f32,
-                plan.ld,
-                rows,
-                t,
-                (l0 + row_off) as *const f32,
-                w.probs as *mut c_void,
-                raw_stream(&stream),
-            );
-            check(op, status)?;
-            // dP = dO·Vᵀ (f32, over S).
-            plan.scores_gemm::<T>(op, gemm, nb, w.o, w.v, w.scores, 1.0)?;
-            // dV_g [T, D] = P_gᵀ [T, G·T] · dO_g [G·T, D], into `v`.
-            let mut spec = MatmulSpec::new(
-                t,
-                d,
-                g * t,
-                Operand::transposed(plan.ld).strided(g * t * plan.ld),
-                Operand::plain(d).strided(g * t * d),
-            );
-            spec.batch = nb * hkv;
-            spec.c_ld = d;
-            spec.c_batch_stride = t * d;
-            spec.required_lens(op)?;
-            gemm.launch::<T, T>(op, &spec, w.probs, w.o, w.v, Epilogue::None)?;
-            // delta = rowsum(dO ∘ O), then dS = P ∘ (dP − delta) · scale over P.
-            let status = ffi::tilearn_attention_delta(
-                T::DTYPE,
-                (do0 + q_off) as *const c_void,
-                (o0 + q_off) as *const c_void,
-                nb,
-                t,
-                hq,
-                d,
-                w.delta as *mut f32,
-                raw_stream(&stream),
-            );
-            check(op, status)?;
-            let status = ffi::tilearn_attention_dscores(
-                T::DTYPE,
-                w.probs as *mut c_void,
-                w.scores as *const f32,
-                plan.ld,
-                rows,
-                t,
-                w.delta as *const f32,
-                plan.scale,
-                raw_stream(&stream),
-            );
-            check(op, status)?;
-            // dK_g [T, D] = dS_gᵀ [T, G·T] · Q_g [G·T, D] (same shapes as dV).
-            gemm.launch::<T, T>(op, &spec, w.probs, w.q, w.dk, Epilogue::None)?;
-            // dQ_g [G·T, D] = dS_g [G·T, T] · K_g [T, D], into `q` (Q was last read by dK).
-            let mut spec = MatmulSpec::new(
-                g * t,
-                d,
-                t,
-                Operand::plain(plan.ld).strided(g * t * plan.ld),
-                Operand::plain(d).strided(t * d),
-            );
-            spec.batch = nb * hkv;
-            spec.c_ld = d;
-            spec.c_batch_stride = g * t * d;
-            spec.required_lens(op)?;
-            gemm.launch::<T, T>(op, &spec, w.probs, w.k, w.q, Epilogue::None)?;
-            plan.swap(op, &stream, w.q, dq0 + q_off, nb, hq, t)?;
-            plan.swap(op, &stream, w.dk, dk0 + kv_off, nb, hkv, t)?;
-            plan.swap(op, &stream, w.v, dv0 + kv_off, nb, hkv, t)?;
-        }
-        b0 += nb;
-    }
-    Ok(())
+            let mut b0 = 0;
+            while b0 < s.batch {
+                let nb = chunk.min(s.batch - b0);
+                let q_off = (b0 * p.q) as u64 * e;
+                let kv_off = (b0 * p.kv) as u64 * e;
+                let row_off = (b0 * p.rows * 4) as u64;
+                let rows = row_count(&plan, nb);
+                // SAFETY (whole block): as in `attention_forward`: offsets inside the user buffers
+                // (lengths checked), the workspace holds `chunk >= nb` sequences, and the inputs
+                // and output of every step are distinct buffers — the workspace's reuse (dV into
+                // `v` after dP has read V, dQ into `q` after dK has read Q, dS over P after dV has
+                // read P) is ordered by the stream.
+                unsafe {
+                    plan.swap(op, &stream, q0 + q_off, w.q, nb, t, hq)?;
+                    plan.swap(op, &stream, k0 + kv_off, w.k, nb, t, hkv)?;
+                    plan.swap(op, &stream, v0 + kv_off, w.v, nb, t, hkv)?;
+                    plan.swap(op, &stream, do0 + q_off, w.o, nb, t, hq)?;
+                    // P = exp(scale·Q·Kᵀ − lse), recomputed.
+                    plan.scores_gemm::<T>(op, gemm, nb, w.q, w.k, w.scores, plan.scale)?;
+                    let status = ffi::tilearn_attention_probs(
+                        T::DTYPE,
+                        w.scores as *const f32,
+                        plan.ld,
+                        rows,
+                        t,
+                        (l0 + row_off) as *const f32,
+                        w.probs as *mut c_void,
+                        raw,
+                    );
+                    check(op, status)?;
+                    // dP = dO·Vᵀ (f32, over S).
+                    plan.scores_gemm::<T>(op, gemm, nb, w.o, w.v, w.scores, 1.0)?;
+                    // dV_g [T, D] = P_gᵀ [T, G·T] · dO_g [G·T, D], into `v`.
+                    let mut spec = MatmulSpec::new(
+                        t,
+                        d,
+                        g * t,
+                        Operand::transposed(plan.ld).strided(g * t * plan.ld),
+                        Operand::plain(d).strided(g * t * d),
+                    );
+                    spec.batch = nb * hkv;
+                    spec.c_ld = d;
+                    spec.c_batch_stride = t * d;
+                    spec.required_lens(op)?;
+                    gemm.launch::<T, T>(op, &spec, w.probs, w.o, w.v, Epilogue::None)?;
+                    // delta = rowsum(dO ∘ O), then dS = P ∘ (dP − delta) · scale over P.
+                    let status = ffi::tilearn_attention_delta(
+                        T::DTYPE,
+                        (do0 + q_off) as *const c_void,
+                        (o0 + q_off) as *const c_void,
+                        nb,
+                        t,
+                        hq,
+                        d,
+                        w.delta as *mut f32,
+                        raw,
+                    );
+                    check(op, status)?;
+                    let status = ffi::tilearn_attention_dscores(
+                        T::DTYPE,
+                        w.probs as *mut c_void,
+                        w.scores as *const f32,
+                        plan.ld,
+                        rows,
+                        t,
+                        w.delta as *const f32,
+                        plan.scale,
+                        raw,
+                    );
+                    check(op, status)?;
+                    // dK_g [T, D] = dS_gᵀ [T, G·T] · Q_g [G·T, D] (same shapes as dV).
+                    gemm.launch::<T, T>(op, &spec, w.probs, w.q, w.dk, Epilogue::None)?;
+                    // dQ_g [G·T, D] = dS_g [G·T, T] · K_g [T, D], into `q` (Q was last read by dK).
+                    let mut spec = MatmulSpec::new(
+                        g * t,
+                        d,
+                        t,
+                        Operand::plain(plan.ld).strided(g * t * plan.ld),
+                        Operand::plain(d).strided(t * d),
+                    );
+                    spec.batch = nb * hkv;
+                    spec.c_ld = d;
+                    spec.c_batch_stride = g * t * d;
+                    spec.required_lens(op)?;
+                    gemm.launch::<T, T>(op, &spec, w.probs, w.k, w.q, Epilogue::None)?;
+                    plan.swap(op, &stream, w.q, dq0 + q_off, nb, hq, t)?;
+                    plan.swap(op, &stream, w.dk, dk0 + kv_off, nb, hkv, t)?;
+                    plan.swap(op, &stream, w.v, dv0 + kv_off, nb, hkv, t)?;
+                }
+                b0 += nb;
+            }
+            Ok(())
+        })
 }

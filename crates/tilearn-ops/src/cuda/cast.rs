@@ -1,13 +1,14 @@
-//! Wrappers of `kernels/cast.cu`: f32 <-> bf16 / f16, element-wise, round to nearest even.
+//! Wrappers of tilearn-kernels' `cast.cu`: f32 <-> bf16 / f16, element-wise, round to nearest
+//! even.
 
 use std::ffi::c_int;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
+use tilearn_kernels::ffi;
 
-use super::ffi;
-use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use super::launch::Launch;
 use crate::Result;
 
 type CastLauncher<S, D> = unsafe extern "C" fn(*const S, *mut D, usize, ffi::cudaStream_t) -> c_int;
@@ -22,26 +23,16 @@ fn cast<S, D, SR, DR>(
     output: &mut impl DevicePtrMut<D>,
 ) -> Result<()> {
     const { assert!(size_of::<S>() == size_of::<SR>() && size_of::<D>() == size_of::<DR>()) };
-    expect_len(op, input.len(), output.len())?;
-    same_device(stream, op, "input", input)?;
-    same_device(stream, op, "output", output)?;
-    if input.is_empty() {
-        return Ok(());
-    }
-    bind(stream, op)?;
     let n = input.len();
-    // `device_ptr*` make `stream` wait for earlier work on these buffers; the guards record the
-    // launch on drop, so later users of the buffers wait for it.
-    let (src, _read) = input.device_ptr(stream);
-    let (dst, _write) = output.device_ptr_mut(stream);
-    // SAFETY: `src` and `dst` are live device allocations of the stream's context (checked
-    // above) holding exactly `n` elements of the launcher's types (equal lengths checked above;
-    // the FFI types have the same size as the Rust ones). They cannot overlap: `output` is
-    // borrowed mutably while `input` is borrowed shared. The launcher only enqueues work on
-    // `stream`, and the buffers stay alive until it has run: they are borrowed here, and cudarc
-    // frees device memory stream-ordered (or after synchronizing) on drop.
-    let status = unsafe { launcher(src as *const SR, dst as *mut DR, n, raw_stream(stream)) };
-    check(op, status)
+    Launch::new(op, stream)
+        .input("input", input, n)
+        .output("output", output, n)
+        .skip_launch_if(n == 0)
+        .run(|[input], [output], stream| {
+            // SAFETY: the launcher reads `n` elements of `SR` and writes `n` of `DR`, which have
+            // the size and bit layout of the buffers' `S` and `D` (asserted above).
+            unsafe { launcher(input.cast(), output.cast(), n, stream) }
+        })
 }
 
 /// `output[i] = bf16(input[i])`, round to nearest even. Lengths must match.

@@ -1,5 +1,5 @@
-//! Wrappers of `kernels/cross_entropy.cu`: token softmax cross-entropy over the vocabulary,
-//! Hugging Face semantics (targets already shifted, `-100` ignored), same contract as
+//! Wrappers of tilearn-kernels' `cross_entropy.cu`: token softmax cross-entropy over the
+//! vocabulary, Hugging Face semantics (targets already shifted, `-100` ignored), same contract as
 //! [`crate::cpu::cross_entropy_fused`] / [`crate::cpu::cross_entropy_forward`], one generic
 //! function per variant for logits of any [`DeviceFloat`] type (f32, bf16, f16):
 //!
@@ -16,14 +16,13 @@
 //! Reading is the only synchronising step, so a training loop can launch every micro-batch
 //! without waiting and check once, when it reads the loss for logging.
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
+use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
-use super::ffi;
-use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use super::launch::{Launch, same_device};
 use crate::cpu::CeStats;
 use crate::{OpsError, Result};
 
@@ -113,37 +112,21 @@ fn decode_totals(words: &[f64], vocab: usize) -> Result<CeStats> {
     })
 }
 
-/// Checks what both variants share: `logits` is `[targets.len(), vocab]`, `row_loss` is
-/// `[targets.len()]`, the row count fits the kernel's grid, and every buffer is on the stream's
-/// device. Returns the row count.
-fn validate<T>(
-    op: &'static str,
-    stream: &Arc<CudaStream>,
-    logits: &impl DeviceSlice<T>,
-    targets: &impl DeviceSlice<i32>,
-    vocab: usize,
-    row_loss: &impl DeviceSlice<f32>,
-    totals: &CeTotals,
-) -> Result<usize> {
-    let rows = targets.len();
+/// The shape both variants share: `logits` is `[rows, vocab]` for `rows` targets, and the row
+/// count fits the kernel's grid. Returns the length `logits` must have.
+fn logits_len(op: &'static str, rows: usize, vocab: usize, actual: usize) -> Result<usize> {
     let expected = rows.checked_mul(vocab).ok_or(OpsError::ShapeMismatch {
         op,
         expected: usize::MAX,
-        actual: logits.len(),
+        actual,
     })?;
-    expect_len(op, expected, logits.len())?;
-    expect_len(op, rows, row_loss.len())?;
     if rows > i32::MAX as usize {
         return Err(OpsError::Cuda {
             context: op,
             message: format!("{rows} rows exceed the kernel's limit of {} rows", i32::MAX),
         });
     }
-    same_device(stream, op, "logits", logits)?;
-    same_device(stream, op, "targets", targets)?;
-    same_device(stream, op, "row_loss", row_loss)?;
-    same_device(stream, op, "totals", &totals.buf)?;
-    Ok(rows)
+    Ok(expected)
 }
 
 fn grad_scale_f32(op: &'static str, grad_scale: f64) -> Result<f32> {
@@ -179,34 +162,32 @@ pub fn cross_entropy_fused<T: DeviceFloat>(
     totals: &mut CeTotals,
 ) -> Result<()> {
     const OP: &str = "tilearn_cross_entropy_fused";
-    let rows = validate(OP, stream, logits, targets, vocab, row_loss, totals)?;
+    let rows = targets.len();
+    let logits_len = logits_len(OP, rows, vocab, logits.len())?;
     let grad_scale = grad_scale_f32(OP, grad_scale)?;
-    bind(stream, OP)?;
-    let (logits_ptr, _logits) = logits.device_ptr_mut(stream);
-    let (targets_ptr, _targets) = targets.device_ptr(stream);
-    let (loss_ptr, _loss) = row_loss.device_ptr_mut(stream);
-    let (totals_ptr, _totals) = totals.buf.device_ptr_mut(stream);
-    // SAFETY: every pointer is a live allocation of the stream's context (checked above) with
-    // the length the launcher uses: logits rows * vocab elements of T, whose layout is the one
-    // T::DTYPE names (DeviceFloat is sealed to f32, bf16 and f16), targets and row_loss rows,
-    // totals TOTALS_LEN (its private buffer is allocated with exactly that). logits, row_loss
-    // and totals are borrowed mutably, so the outputs overlap no other buffer. The kernel never
-    // indexes a row with an out-of-range target. The work is only enqueued on `stream`; the
-    // guards order it after earlier writers and before later users.
-    let status = unsafe {
-        ffi::tilearn_cross_entropy_fused(
-            T::DTYPE,
-            logits_ptr as *mut c_void,
-            targets_ptr as *const i32,
-            rows,
-            vocab,
-            grad_scale,
-            loss_ptr as *mut f32,
-            totals_ptr as *mut f64,
-            raw_stream(stream),
-        )
-    };
-    check(OP, status)?;
+    Launch::new(OP, stream)
+        .output("logits", logits, logits_len)
+        .input("targets", targets, rows)
+        .output("row_loss", row_loss, rows)
+        .output("totals", &mut totals.buf, TOTALS_LEN)
+        .run(|[targets], [logits, row_loss, totals], stream| {
+            // SAFETY: the launcher reads rows i32 targets, rewrites rows * vocab elements of T
+            // (`T::DTYPE`) of logits in place (never indexing a row with an out-of-range
+            // target), and writes rows f32 of row_loss and TOTALS_LEN f64 of totals.
+            unsafe {
+                ffi::tilearn_cross_entropy_fused(
+                    T::DTYPE,
+                    logits,
+                    targets.cast(),
+                    rows,
+                    vocab,
+                    grad_scale,
+                    row_loss.cast(),
+                    totals.cast(),
+                    stream,
+                )
+            }
+        })?;
     totals.vocab = vocab;
     Ok(())
 }
@@ -224,29 +205,29 @@ pub fn cross_entropy_forward<T: DeviceFloat>(
     totals: &mut CeTotals,
 ) -> Result<()> {
     const OP: &str = "tilearn_cross_entropy_forward";
-    let rows = validate(OP, stream, logits, targets, vocab, row_loss, totals)?;
-    bind(stream, OP)?;
-    let (logits_ptr, _logits) = logits.device_ptr(stream);
-    let (targets_ptr, _targets) = targets.device_ptr(stream);
-    let (loss_ptr, _loss) = row_loss.device_ptr_mut(stream);
-    let (totals_ptr, _totals) = totals.buf.device_ptr_mut(stream);
-    // SAFETY: as in `cross_entropy_fused`, except that logits are only read: live allocations
-    // of the stream's context with the lengths the launcher uses (checked above; T's layout is
-    // the one T::DTYPE names), mutable outputs that overlap nothing else, work enqueued on
-    // `stream` only and ordered by the guards.
-    let status = unsafe {
-        ffi::tilearn_cross_entropy_forward(
-            T::DTYPE,
-            logits_ptr as *const c_void,
-            targets_ptr as *const i32,
-            rows,
-            vocab,
-            loss_ptr as *mut f32,
-            totals_ptr as *mut f64,
-            raw_stream(stream),
-        )
-    };
-    check(OP, status)?;
+    let rows = targets.len();
+    let logits_len = logits_len(OP, rows, vocab, logits.len())?;
+    Launch::new(OP, stream)
+        .input("logits", logits, logits_len)
+        .input("targets", targets, rows)
+        .output("row_loss", row_loss, rows)
+        .output("totals", &mut totals.buf, TOTALS_LEN)
+        .run(|[logits, targets], [row_loss, totals], stream| {
+            // SAFETY: as in `cross_entropy_fused`, except that the launcher only reads the
+            // rows * vocab elements of logits.
+            unsafe {
+                ffi::tilearn_cross_entropy_forward(
+                    T::DTYPE,
+                    logits,
+                    targets.cast(),
+                    rows,
+                    vocab,
+                    row_loss.cast(),
+                    totals.cast(),
+                    stream,
+                )
+            }
+        })?;
     totals.vocab = vocab;
     Ok(())
 }

@@ -1,19 +1,19 @@
 //! [`DeviceFloat`]: the element types of the model kernels' tensors (f32, bf16, f16), and what
 //! a launcher wrapper needs to know about each: the `TILEARN_DTYPE_*` code the dtype-generic
-//! `extern "C"` launchers take (see `kernels/include/tilearn_kernels.h`), cuBLASLt's name for
-//! it, and the host conversions the tests and the engine use.
+//! `extern "C"` launchers take (see tilearn-kernels' `kernels/include/tilearn_kernels.h`),
+//! cuBLASLt's name for it, and the host conversions the tests and the engine use.
 //!
 //! One trait instead of a wrapper per type: each op has one generic Rust wrapper and one C
-//! launcher that dispatches on the code to a kernel template (`kernels/include/tilearn_dtype.cuh`),
-//! so adding a type touches this file and the dispatch, not every op.
+//! launcher that dispatches on the code to a kernel template (tilearn-kernels'
+//! `kernels/include/tilearn_dtype.cuh`), so adding a type touches this file and the dispatch,
+//! not every op.
 
 use std::ffi::c_int;
 
 use cudarc::cublaslt::sys::cudaDataType;
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
-
-use super::ffi;
+use tilearn_kernels::ffi;
 
 mod sealed {
     pub trait Sealed {}

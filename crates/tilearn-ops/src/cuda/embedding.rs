@@ -1,7 +1,7 @@
-//! Wrappers of `kernels/embedding.cu`: token embedding lookup and its deterministic gradient, for
-//! every [`DeviceFloat`] (f32, bf16, f16; the table gradient is always f32). Same contract as
-//! [`crate::cpu::embedding_forward`] / [`crate::cpu::embedding_backward`]: `dtable` is
-//! accumulated (`+=`), and the result is bit-identical to the f32 CPU reference.
+//! Wrappers of tilearn-kernels' `embedding.cu`: token embedding lookup and its deterministic
+//! gradient, for every [`DeviceFloat`] (f32, bf16, f16; the table gradient is always f32). Same
+//! contract as [`crate::cpu::embedding_forward`] / [`crate::cpu::embedding_backward`]: `dtable`
+//! is accumulated (`+=`), and the result is bit-identical to the f32 CPU reference.
 //!
 //! Token ids live on the device, so the wrapper cannot check them without a host round trip.
 //! Instead every launch records the first out-of-range id in a [`TokenIdCheck`] (a device word
@@ -12,14 +12,13 @@
 //! The backward's sort buffers live in a caller-owned [`EmbeddingBackwardScratch`], allocated
 //! once for the largest token count (a training step then allocates nothing).
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use tilearn_kernels::ffi;
 
 use super::dtype::DeviceFloat;
-use super::ffi;
-use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use super::launch::{Launch, bind};
 use crate::{OpsError, Result};
 
 /// "No out-of-range id seen": the value the status word starts from.
@@ -89,18 +88,7 @@ impl EmbeddingBackwardScratch {
     /// Bytes the backward needs for `tokens` ids into `vocab` rows (CUB is asked on the
     /// stream's device, which is bound first).
     pub fn bytes_for(stream: &Arc<CudaStream>, tokens: usize, vocab: usize) -> Result<usize> {
-        let op = "EmbeddingBackwardScratch::bytes_for";
-        bind(stream, op)?;
-        // SAFETY: only asks CUB for its temporary-storage size on the current device (bound
-        // above); reads and writes no memory.
-        let bytes = unsafe { ffi::tilearn_embedding_backward_scratch_bytes(tokens, vocab) };
-        if bytes == usize::MAX {
-            return Err(OpsError::Cuda {
-                context: op,
-                message: format!("cannot size the sort scratch for {tokens} tokens"),
-            });
-        }
-        Ok(bytes)
+        sort_scratch_bytes("EmbeddingBackwardScratch::bytes_for", stream, tokens, vocab)
     }
 
     /// Allocates (zero-filled) scratch for backward calls of up to `max_tokens` ids into a
@@ -124,8 +112,29 @@ impl EmbeddingBackwardScratch {
     }
 }
 
-/// The vocabulary of a `[vocab, dim]` table of `len` elements, which must match `check`.
-fn vocab_of(op: &'static str, len: usize, dim: usize, check: &TokenIdCheck) -> Result<usize> {
+/// Bytes of sort scratch the backward needs for `tokens` ids into `vocab` rows (CUB is asked on
+/// the stream's device, which is bound first).
+fn sort_scratch_bytes(
+    op: &'static str,
+    stream: &CudaStream,
+    tokens: usize,
+    vocab: usize,
+) -> Result<usize> {
+    bind(stream, op)?;
+    // SAFETY: only asks CUB for its temporary-storage size on the current device (bound above);
+    // reads and writes no memory.
+    let bytes = unsafe { ffi::tilearn_embedding_backward_scratch_bytes(tokens, vocab) };
+    if bytes == usize::MAX {
+        return Err(OpsError::Cuda {
+            context: op,
+            message: format!("cannot size the sort scratch for {tokens} tokens"),
+        });
+    }
+    Ok(bytes)
+}
+
+/// The length of a `[vocab, dim]` table (`len` elements now), refusing `dim == 0`.
+fn table_len(op: &'static str, vocab: usize, dim: usize, len: usize) -> Result<usize> {
     if dim == 0 {
         return Err(OpsError::ShapeMismatch {
             op,
@@ -133,26 +142,20 @@ fn vocab_of(op: &'static str, len: usize, dim: usize, check: &TokenIdCheck) -> R
             actual: 0,
         });
     }
-    let expected = check
-        .vocab
-        .checked_mul(dim)
-        .ok_or(OpsError::ShapeMismatch {
-            op,
-            expected: usize::MAX,
-            actual: len,
-        })?;
-    expect_len(op, expected, len)?;
-    Ok(check.vocab)
-}
-
-/// Fails unless `rows * dim == len` (the `[rows, dim]` activation).
-fn rows_len(op: &'static str, rows: usize, dim: usize, len: usize) -> Result<()> {
-    let expected = rows.checked_mul(dim).ok_or(OpsError::ShapeMismatch {
+    vocab.checked_mul(dim).ok_or(OpsError::ShapeMismatch {
         op,
         expected: usize::MAX,
         actual: len,
-    })?;
-    expect_len(op, expected, len)
+    })
+}
+
+/// The length of the `[rows, dim]` activation (`len` elements now).
+fn rows_len(op: &'static str, rows: usize, dim: usize, len: usize) -> Result<usize> {
+    rows.checked_mul(dim).ok_or(OpsError::ShapeMismatch {
+        op,
+        expected: usize::MAX,
+        actual: len,
+    })
 }
 
 /// The kernels index rows and positions with u32 and launch one block per row (< 2^31).
@@ -183,42 +186,35 @@ pub fn embedding_forward<T: DeviceFloat>(
     check_ids: &mut TokenIdCheck,
 ) -> Result<()> {
     let op = "tilearn_embedding_forward";
-    let vocab = vocab_of(op, table.len(), dim, check_ids)?;
+    let vocab = check_ids.vocab;
+    let table_len = table_len(op, vocab, dim, table.len())?;
     let rows = ids.len();
-    rows_len(op, rows, dim, out.len())?;
+    let out_len = rows_len(op, rows, dim, out.len())?;
     rows_in_range(op, rows, vocab)?;
-    same_device(stream, op, "ids", ids)?;
-    same_device(stream, op, "table", table)?;
-    same_device(stream, op, "out", out)?;
-    same_device(stream, op, "check", &check_ids.word)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    bind(stream, op)?;
-    let (ids_ptr, _ids) = ids.device_ptr(stream);
-    let (table_ptr, _table) = table.device_ptr(stream);
-    let (out_ptr, _out) = out.device_ptr_mut(stream);
-    let (status_ptr, _status) = check_ids.word.device_ptr_mut(stream);
-    // SAFETY: every pointer is a live allocation of the stream's context (checked above): ids
-    // holds `rows` u32, table vocab * dim and out rows * dim elements of `T` (`T::DTYPE` names
-    // `T` to the launcher), the status word one u64 (all checked above). The kernel reads table
-    // rows only for ids < vocab. out and the status word are borrowed mutably, so they overlap
-    // nothing else. Work is enqueued on `stream` only; the guards order it after earlier writers
-    // and before later users of these buffers.
-    let status = unsafe {
-        ffi::tilearn_embedding_forward(
-            T::DTYPE,
-            ids_ptr as *const u32,
-            table_ptr as *const c_void,
-            rows,
-            vocab,
-            dim,
-            out_ptr as *mut c_void,
-            status_ptr as *mut u64,
-            raw_stream(stream),
-        )
-    };
-    check(op, status)
+    Launch::new(op, stream)
+        .input("table", table, table_len)
+        .output("out", out, out_len)
+        .input("ids", ids, rows)
+        .output("check", &mut check_ids.word, 1)
+        .skip_launch_if(rows == 0)
+        .run(|[table, ids], [out, status], stream| {
+            // SAFETY: the launcher reads `rows` u32 ids and, for ids < vocab only, rows of the
+            // vocab * dim elements of T (`T::DTYPE`) of table; it writes rows * dim to out and
+            // may lower the one u64 status word.
+            unsafe {
+                ffi::tilearn_embedding_forward(
+                    T::DTYPE,
+                    ids.cast(),
+                    table,
+                    rows,
+                    vocab,
+                    dim,
+                    out,
+                    status.cast(),
+                    stream,
+                )
+            }
+        })
 }
 
 /// `dtable[ids[r], :] += dout[r, :]` for every row `r` in order (accumulates, `+=`). `dtable` is
@@ -239,64 +235,49 @@ pub fn embedding_backward<T: DeviceFloat>(
     scratch: &mut EmbeddingBackwardScratch,
 ) -> Result<()> {
     let op = "tilearn_embedding_backward";
-    let vocab = vocab_of(op, dtable.len(), dim, check_ids)?;
+    let vocab = check_ids.vocab;
+    let dtable_len = table_len(op, vocab, dim, dtable.len())?;
     let rows = ids.len();
-    rows_len(op, rows, dim, dout.len())?;
+    let dout_len = rows_len(op, rows, dim, dout.len())?;
     rows_in_range(op, rows, vocab)?;
-    same_device(stream, op, "ids", ids)?;
-    same_device(stream, op, "dout", dout)?;
-    same_device(stream, op, "dtable", dtable)?;
-    same_device(stream, op, "check", &check_ids.word)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    bind(stream, op)?;
-    // SAFETY: only asks CUB for its temporary-storage size on the current device (bound above);
-    // reads and writes no memory.
-    let scratch_bytes = unsafe { ffi::tilearn_embedding_backward_scratch_bytes(rows, vocab) };
-    if scratch_bytes == usize::MAX {
-        return Err(OpsError::Cuda {
-            context: op,
-            message: format!("cannot size the sort scratch for {rows} tokens"),
-        });
-    }
     let have = scratch.buf.len();
-    if have < scratch_bytes {
-        return Err(OpsError::Cuda {
-            context: op,
-            message: format!(
-                "EmbeddingBackwardScratch holds {have} bytes, {rows} tokens need {scratch_bytes}"
-            ),
-        });
+    if rows > 0 {
+        let need = sort_scratch_bytes(op, stream, rows, vocab)?;
+        if have < need {
+            return Err(OpsError::Cuda {
+                context: op,
+                message: format!(
+                    "EmbeddingBackwardScratch holds {have} bytes, {rows} tokens need {need}"
+                ),
+            });
+        }
     }
-    same_device(stream, op, "scratch", &scratch.buf)?;
-    let (ids_ptr, _ids) = ids.device_ptr(stream);
-    let (dout_ptr, _dout) = dout.device_ptr(stream);
-    let (dtable_ptr, _dtable) = dtable.device_ptr_mut(stream);
-    let (status_ptr, _status) = check_ids.word.device_ptr_mut(stream);
-    let (scratch_ptr, _scratch) = scratch.buf.device_ptr_mut(stream);
-    // SAFETY: every pointer is a live allocation of the stream's context (checked above; the
-    // launcher aligns inside the scratch): ids holds `rows` u32, dout rows * dim elements of `T`
-    // (`T::DTYPE` names `T`), dtable vocab * dim f32, the status word one u64, the scratch at
-    // least the size the launcher asks for (the launcher writes every scratch byte it later
-    // reads, so stale contents are never observed). dtable is written only at rows < vocab. The
-    // outputs (dtable, status, scratch) are borrowed mutably, so they overlap no other buffer.
-    // Work is enqueued on `stream` only; the guards order it after earlier users of these
-    // buffers.
-    let status = unsafe {
-        ffi::tilearn_embedding_backward(
-            T::DTYPE,
-            ids_ptr as *const u32,
-            dout_ptr as *const c_void,
-            rows,
-            vocab,
-            dim,
-            dtable_ptr as *mut f32,
-            status_ptr as *mut u64,
-            scratch_ptr as *mut c_void,
-            have,
-            raw_stream(stream),
-        )
-    };
-    check(op, status)
+    Launch::new(op, stream)
+        .output("dtable", dtable, dtable_len)
+        .input("dout", dout, dout_len)
+        .input("ids", ids, rows)
+        .output("check", &mut check_ids.word, 1)
+        .workspace("scratch", &mut scratch.buf)
+        .skip_launch_if(rows == 0)
+        .run(|[dout, ids], [dtable, status, scratch], stream| {
+            // SAFETY: the launcher reads `rows` u32 ids and rows * dim elements of T
+            // (`T::DTYPE`) of dout, adds into rows < vocab of the vocab * dim f32 of dtable, may
+            // lower the one u64 status word, and uses at most `have` bytes of scratch (at least
+            // its need, checked above; it aligns inside and writes every byte it later reads).
+            unsafe {
+                ffi::tilearn_embedding_backward(
+                    T::DTYPE,
+                    ids.cast(),
+                    dout,
+                    rows,
+                    vocab,
+                    dim,
+                    dtable.cast(),
+                    status.cast(),
+                    scratch,
+                    have,
+                    stream,
+                )
+            }
+        })
 }

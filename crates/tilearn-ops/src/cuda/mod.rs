@@ -1,25 +1,21 @@
 //! The CUDA path (feature `cuda`): the device handle and one safe, typed wrapper per kernel
-//! launcher of `kernels/*.cu`, generic over the element type ([`DeviceFloat`]) where the kernel is.
+//! launcher of tilearn-kernels (`crates/tilearn-kernels/kernels/*.cu`), generic over the element
+//! type ([`DeviceFloat`]) where the kernel is.
 //!
 //! cudarc owns the context (the device's primary context), the stream and every buffer; the
 //! kernels are launched by their `extern "C"` launchers (declared in
-//! `kernels/include/tilearn_kernels.h`, bound in [`ffi`] by `cargo xtask build-kernels`) on
-//! cudarc's stream, which the statically linked CUDA runtime accepts as a `cudaStream_t`.
+//! `crates/tilearn-kernels/kernels/include/tilearn_kernels.h`, bound in `tilearn_kernels::ffi`
+//! by `cargo xtask build-kernels`) on cudarc's stream, which the statically linked CUDA runtime
+//! accepts as a `cudaStream_t`. Every wrapper goes through one launch builder (`launch.rs`).
 //! Every wrapper checks lengths and devices before the launch and returns
 //! [`OpsError::Cuda`](crate::OpsError::Cuda) with the runtime's error name when a launcher fails.
 //! Launches are asynchronous: results are visible to later work on the same stream, and to the
 //! host after [`GpuDevice::synchronize`] or a device-to-host copy on that stream.
 
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    dead_code,
-    clippy::all
-)]
-/// The raw `extern "C"` launchers of `kernels/*.cu` (generated from the header), public so that
-/// other crates (tilearn-optim's fused optimizers) can wrap their own kernels.
-pub mod ffi;
+/// The raw `extern "C"` launchers, re-exported from tilearn-kernels for the tests that drive a
+/// launcher directly (invalid dtype codes, scratch sizes). New code depends on
+/// `tilearn_kernels::ffi` itself.
+pub use tilearn_kernels::ffi;
 
 mod attention;
 mod cast;

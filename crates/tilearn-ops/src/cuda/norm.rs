@@ -1,6 +1,6 @@
-//! Wrappers of `kernels/norm.cu`: RMSNorm (Hugging Face LlamaRMSNorm) forward and backward,
-//! generic over the storage type ([`DeviceFloat`]: f32, bf16, f16) with f32 arithmetic and
-//! accumulation inside. Same contract as [`crate::cpu::rmsnorm_forward`] /
+//! Wrappers of tilearn-kernels' `norm.cu`: RMSNorm (Hugging Face LlamaRMSNorm) forward and
+//! backward, generic over the storage type ([`DeviceFloat`]: f32, bf16, f16) with f32
+//! arithmetic and accumulation inside. Same contract as [`crate::cpu::rmsnorm_forward`] /
 //! [`crate::cpu::rmsnorm_backward`]: `dx` is written (`=`), `dweight` accumulated (`+=`).
 //!
 //! Residual-fused variants remove the Llama block's separate residual-add launches:
@@ -16,10 +16,10 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
-use super::ffi;
-use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use super::launch::Launch;
 use crate::{OpsError, Result};
 
 /// Rows of `[rows, dim]` data of `len` elements, checking `dim > 0` and divisibility.
@@ -115,42 +115,30 @@ pub fn rmsnorm_forward<T: DeviceFloat>(
 ) -> Result<()> {
     const OP: &str = "tilearn_rmsnorm_forward";
     let rows = rows_of(OP, x.len(), dim)?;
-    expect_len(OP, dim, weight.len())?;
-    expect_len(OP, x.len(), out.len())?;
-    expect_len(OP, rows, rstd.len())?;
     let eps = eps_f32(OP, eps)?;
-    same_device(stream, OP, "x", x)?;
-    same_device(stream, OP, "weight", weight)?;
-    same_device(stream, OP, "out", out)?;
-    same_device(stream, OP, "rstd", rstd)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    bind(stream, OP)?;
-    let (x_ptr, _x) = x.device_ptr(stream);
-    let (w_ptr, _w) = weight.device_ptr(stream);
-    let (out_ptr, _out) = out.device_ptr_mut(stream);
-    let (rstd_ptr, _rstd) = rstd.device_ptr_mut(stream);
-    // SAFETY: every pointer is a live allocation of the stream's context (checked above) with
-    // the length the launcher reads or writes: x and out hold rows * dim elements of T, weight
-    // dim, rstd rows f32 (all checked above), and T::DTYPE names T's layout to the launcher. out
-    // and rstd are borrowed mutably, so they overlap neither each other nor the inputs. The
-    // launcher only enqueues work on `stream`; the `device_ptr*` guards order it after earlier
-    // writers and before later users of these buffers, which outlive the call.
-    let status = unsafe {
-        ffi::tilearn_rmsnorm_forward(
-            T::DTYPE,
-            x_ptr as *const c_void,
-            w_ptr as *const c_void,
-            rows,
-            dim,
-            eps,
-            out_ptr as *mut c_void,
-            rstd_ptr as *mut f32,
-            raw_stream(stream),
-        )
-    };
-    check(OP, status)
+    Launch::new(OP, stream)
+        .input("x", x, rows * dim)
+        .input("weight", weight, dim)
+        .output("out", out, rows * dim)
+        .output("rstd", rstd, rows)
+        .skip_launch_if(rows == 0)
+        .run(|[x, weight], [out, rstd], stream| {
+            // SAFETY: the launcher reads rows * dim elements of T (`T::DTYPE`) from x and dim
+            // from weight, and writes rows * dim to out and rows f32 to rstd.
+            unsafe {
+                ffi::tilearn_rmsnorm_forward(
+                    T::DTYPE,
+                    x,
+                    weight,
+                    rows,
+                    dim,
+                    eps,
+                    out,
+                    rstd.cast(),
+                    stream,
+                )
+            }
+        })
 }
 
 /// Fused residual update and RMSNorm: `resid += y` in place (the residual stream `h = x + y`,
@@ -173,46 +161,33 @@ pub fn add_rmsnorm_forward<T: DeviceFloat>(
 ) -> Result<()> {
     const OP: &str = "tilearn_add_rmsnorm_forward";
     let rows = rows_of(OP, resid.len(), dim)?;
-    expect_len(OP, resid.len(), y.len())?;
-    expect_len(OP, dim, weight.len())?;
-    expect_len(OP, resid.len(), out.len())?;
-    expect_len(OP, rows, rstd.len())?;
     let eps = eps_f32(OP, eps)?;
-    same_device(stream, OP, "resid", resid)?;
-    same_device(stream, OP, "y", y)?;
-    same_device(stream, OP, "weight", weight)?;
-    same_device(stream, OP, "out", out)?;
-    same_device(stream, OP, "rstd", rstd)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    bind(stream, OP)?;
-    let (resid_ptr, _resid) = resid.device_ptr_mut(stream);
-    let (y_ptr, _y) = y.device_ptr(stream);
-    let (w_ptr, _w) = weight.device_ptr(stream);
-    let (out_ptr, _out) = out.device_ptr_mut(stream);
-    let (rstd_ptr, _rstd) = rstd.device_ptr_mut(stream);
-    // SAFETY: every pointer is a live allocation of the stream's context (checked above) with
-    // the length the launcher reads or writes: resid, y and out hold rows * dim elements of T,
-    // weight dim, rstd rows f32 (all checked above), and T::DTYPE names T's layout to the
-    // launcher. resid, out and rstd are borrowed mutably, so none of them overlaps another
-    // buffer (the kernel's in-place update touches resid only). The launcher only enqueues work
-    // on `stream`; the guards order it after earlier writers and before later users.
-    let status = unsafe {
-        ffi::tilearn_add_rmsnorm_forward(
-            T::DTYPE,
-            resid_ptr as *mut c_void,
-            y_ptr as *const c_void,
-            w_ptr as *const c_void,
-            rows,
-            dim,
-            eps,
-            out_ptr as *mut c_void,
-            rstd_ptr as *mut f32,
-            raw_stream(stream),
-        )
-    };
-    check(OP, status)
+    Launch::new(OP, stream)
+        .output("resid", resid, rows * dim)
+        .input("y", y, rows * dim)
+        .input("weight", weight, dim)
+        .output("out", out, rows * dim)
+        .output("rstd", rstd, rows)
+        .skip_launch_if(rows == 0)
+        .run(|[y, weight], [resid, out, rstd], stream| {
+            // SAFETY: the launcher reads rows * dim elements of T (`T::DTYPE`) from y and resid
+            // and dim from weight, writes rows * dim to resid (in place) and out, and rows f32
+            // to rstd.
+            unsafe {
+                ffi::tilearn_add_rmsnorm_forward(
+                    T::DTYPE,
+                    resid,
+                    y,
+                    weight,
+                    rows,
+                    dim,
+                    eps,
+                    out,
+                    rstd.cast(),
+                    stream,
+                )
+            }
+        })
 }
 
 /// The signature shared by `tilearn_rmsnorm_backward` and `tilearn_rmsnorm_backward_add`.
@@ -246,25 +221,10 @@ fn backward<T: DeviceFloat>(
     scratch: &mut RmsNormScratch,
 ) -> Result<()> {
     let rows = rows_of(op, x.len(), dim)?;
-    expect_len(op, x.len(), dout.len())?;
-    expect_len(op, x.len(), dx.len())?;
-    expect_len(op, dim, weight.len())?;
-    expect_len(op, dim, dweight.len())?;
-    expect_len(op, rows, rstd.len())?;
-    same_device(stream, op, "dout", dout)?;
-    same_device(stream, op, "x", x)?;
-    same_device(stream, op, "weight", weight)?;
-    same_device(stream, op, "rstd", rstd)?;
-    same_device(stream, op, "dx", dx)?;
-    same_device(stream, op, "dweight", dweight)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    bind(stream, op)?;
     // SAFETY: a pure function of its arguments (no device access).
     let scratch_len = unsafe { ffi::tilearn_rmsnorm_backward_scratch_len(rows, dim) };
     let have = scratch.buf.len();
-    if have < scratch_len {
+    if rows > 0 && have < scratch_len {
         return Err(OpsError::Cuda {
             context: op,
             message: format!(
@@ -272,39 +232,37 @@ fn backward<T: DeviceFloat>(
             ),
         });
     }
-    same_device(stream, op, "scratch", &scratch.buf)?;
-    let (dout_ptr, _dout) = dout.device_ptr(stream);
-    let (x_ptr, _x) = x.device_ptr(stream);
-    let (w_ptr, _w) = weight.device_ptr(stream);
-    let (rstd_ptr, _rstd) = rstd.device_ptr(stream);
-    let (dx_ptr, _dx) = dx.device_ptr_mut(stream);
-    let (dw_ptr, _dw) = dweight.device_ptr_mut(stream);
-    let (scratch_ptr, _scratch) = scratch.buf.device_ptr_mut(stream);
-    // SAFETY: every pointer is a live allocation of the stream's context (checked above) with
-    // the length the launcher uses: dout, x, dx rows * dim elements of T; weight dim of T;
-    // dweight dim f32; rstd rows f32; scratch at least the length the launcher asks for (all
-    // checked above; the kernel writes every scratch element it later reads, so stale contents
-    // are never observed). T::DTYPE names T's layout to the launcher. dx, dweight and scratch
-    // are borrowed mutably, so the outputs overlap no other buffer (dx is read as well as
-    // written by the accumulating launcher, still only by itself). The work is enqueued on
-    // `stream` only; the guards order it after earlier writers and before later users.
-    let status = unsafe {
-        launcher(
-            T::DTYPE,
-            dout_ptr as *const c_void,
-            x_ptr as *const c_void,
-            w_ptr as *const c_void,
-            rstd_ptr as *const f32,
-            rows,
-            dim,
-            dx_ptr as *mut c_void,
-            dw_ptr as *mut f32,
-            scratch_ptr as *mut f32,
-            have,
-            raw_stream(stream),
-        )
-    };
-    check(op, status)
+    Launch::new(op, stream)
+        .input("dout", dout, rows * dim)
+        .input("x", x, rows * dim)
+        .output("dx", dx, rows * dim)
+        .input("weight", weight, dim)
+        .output("dweight", dweight, dim)
+        .input("rstd", rstd, rows)
+        .workspace("scratch", &mut scratch.buf)
+        .skip_launch_if(rows == 0)
+        .run(|[dout, x, weight, rstd], [dx, dweight, scratch], stream| {
+            // SAFETY: the launcher reads rows * dim elements of T (`T::DTYPE`) from dout and x
+            // (and from dx when it accumulates), dim from weight and rows f32 from rstd; it
+            // writes rows * dim to dx, dim f32 to dweight, and at most `have` f32 of scratch
+            // (checked above to cover its need), every scratch element before reading it.
+            unsafe {
+                launcher(
+                    T::DTYPE,
+                    dout,
+                    x,
+                    weight,
+                    rstd.cast(),
+                    rows,
+                    dim,
+                    dx,
+                    dweight.cast(),
+                    scratch.cast(),
+                    have,
+                    stream,
+                )
+            }
+        })
 }
 
 /// RMSNorm backward: from `dout`, the forward's input `x` (`[rows, dim]`), `weight` (`[dim]`)

@@ -1,17 +1,16 @@
-//! Wrappers of `kernels/reduce.cu`: the global L2 norm of a flat gradient buffer (same result
-//! as [`crate::cpu::global_norm`], every square and sum in f64, deterministic) and the
+//! Wrappers of tilearn-kernels' `reduce.cu`: the global L2 norm of a flat gradient buffer (same
+//! result as [`crate::cpu::global_norm`], every square and sum in f64, deterministic) and the
 //! GradScaler's fused unscale + non-finite check (same as [`crate::cpu::unscale_and_check`],
 //! with the scale and the flag in device memory so the step needs no host round trip). Both are
 //! generic over the buffer's [`DeviceFloat`] type (f32, bf16, f16).
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
-use super::ffi;
-use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use super::launch::{Launch, same_device};
 use crate::{OpsError, Result};
 
 /// Scratch and results of [`global_norm`], allocated once (for any buffer length and element
@@ -104,37 +103,31 @@ pub fn global_norm<T: DeviceFloat>(
     x: &impl DevicePtr<T>,
     ws: &mut NormWorkspace,
 ) -> Result<()> {
-    const OP: &str = "tilearn_global_norm";
-    same_device(stream, OP, "x", x)?;
-    same_device(stream, OP, "workspace", &ws.partials)?;
     let n = x.len();
-    bind(stream, OP)?;
-    let (x_ptr, _x) = x.device_ptr(stream);
+    // The workspace's three buffers were allocated together on one stream.
     let partials_len = ws.partials.len();
-    let (partials_ptr, _partials) = ws.partials.device_ptr_mut(stream);
-    let (sum_sq_ptr, _sum_sq) = ws.sum_sq.device_ptr_mut(stream);
-    let (norm_ptr, _norm) = ws.norm.device_ptr_mut(stream);
-    // SAFETY: every pointer is a live allocation of the stream's context (checked above; the
-    // workspace's three buffers were allocated together on one stream). x holds n elements of
-    // T, whose layout is the one T::DTYPE names (DeviceFloat is sealed to f32, bf16 and f16);
-    // partials holds partials_len f64, which the launcher checks against what n needs (it
-    // returns an error rather than overrun); sum_sq and norm hold one element each. The
-    // workspace is borrowed mutably, so its buffers overlap neither x nor each other. Work is
-    // enqueued on `stream` only; the guards order it after earlier writers and before later
-    // users of these buffers.
-    let status = unsafe {
-        ffi::tilearn_global_norm(
-            T::DTYPE,
-            x_ptr as *const c_void,
-            n,
-            partials_ptr as *mut f64,
-            partials_len,
-            sum_sq_ptr as *mut f64,
-            norm_ptr as *mut f32,
-            raw_stream(stream),
-        )
-    };
-    check(OP, status)
+    Launch::new("tilearn_global_norm", stream)
+        .input("x", x, n)
+        .workspace("workspace", &mut ws.partials)
+        .output("workspace", &mut ws.sum_sq, 1)
+        .output("workspace", &mut ws.norm, 1)
+        .run(|[x], [partials, sum_sq, norm], stream| {
+            // SAFETY: the launcher reads `n` elements of T (`T::DTYPE`) from x, writes one f64
+            // to sum_sq and one f32 to norm, and uses at most `partials_len` f64 of partials (it
+            // returns an error rather than overrun when `n` needs more).
+            unsafe {
+                ffi::tilearn_global_norm(
+                    T::DTYPE,
+                    x,
+                    n,
+                    partials.cast(),
+                    partials_len,
+                    sum_sq.cast(),
+                    norm.cast(),
+                    stream,
+                )
+            }
+        })
 }
 
 /// GradScaler unscale of gradients of any [`DeviceFloat`] type, in place (`=`):
@@ -150,33 +143,24 @@ pub fn unscale_check<T: DeviceFloat>(
     inv_scale: &impl DevicePtr<f32>,
     found_inf: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    const OP: &str = "tilearn_unscale_check";
-    expect_len(OP, 1, inv_scale.len())?;
-    expect_len(OP, 1, found_inf.len())?;
-    same_device(stream, OP, "grads", grads)?;
-    same_device(stream, OP, "inv_scale", inv_scale)?;
-    same_device(stream, OP, "found_inf", found_inf)?;
-    if grads.is_empty() {
-        return Ok(());
-    }
-    bind(stream, OP)?;
     let n = grads.len();
-    let (grads_ptr, _grads) = grads.device_ptr_mut(stream);
-    let (scale_ptr, _scale) = inv_scale.device_ptr(stream);
-    let (found_ptr, _found) = found_inf.device_ptr_mut(stream);
-    // SAFETY: every pointer is a live allocation of the stream's context (checked above): grads
-    // holds n elements of T (layout as T::DTYPE names), inv_scale and found_inf one f32 each
-    // (checked above). grads and found_inf are borrowed mutably, so they overlap neither each
-    // other nor inv_scale. Work is enqueued on `stream` only and ordered by the guards.
-    let status = unsafe {
-        ffi::tilearn_unscale_check(
-            T::DTYPE,
-            grads_ptr as *mut c_void,
-            n,
-            scale_ptr as *const f32,
-            found_ptr as *mut f32,
-            raw_stream(stream),
-        )
-    };
-    check(OP, status)
+    Launch::new("tilearn_unscale_check", stream)
+        .output("grads", grads, n)
+        .input("inv_scale", inv_scale, 1)
+        .output("found_inf", found_inf, 1)
+        .skip_launch_if(n == 0)
+        .run(|[inv_scale], [grads, found_inf], stream| {
+            // SAFETY: the launcher reads and writes `n` elements of T (`T::DTYPE`) of grads,
+            // reads one f32 of inv_scale and may write one f32 of found_inf.
+            unsafe {
+                ffi::tilearn_unscale_check(
+                    T::DTYPE,
+                    grads,
+                    n,
+                    inv_scale.cast(),
+                    found_inf.cast(),
+                    stream,
+                )
+            }
+        })
 }

@@ -1,15 +1,15 @@
-//! Wrappers of `kernels/residual.cu`: residual additions, `out = a + b` (forward, a branch joins
-//! the stream) and `acc += x` (backward, a branch's input gradient joins the stream's), for every
-//! [`DeviceFloat`] (f32, bf16, f16). Same contract as [`crate::cpu::add_inplace`].
+//! Wrappers of tilearn-kernels' `residual.cu`: residual additions, `out = a + b` (forward, a
+//! branch joins the stream) and `acc += x` (backward, a branch's input gradient joins the
+//! stream's), for every [`DeviceFloat`] (f32, bf16, f16). Same contract as
+//! [`crate::cpu::add_inplace`].
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use tilearn_kernels::ffi;
 
 use super::dtype::DeviceFloat;
-use super::ffi;
-use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use super::launch::Launch;
 use crate::Result;
 
 /// `out = a + b`, element-wise; all lengths must match and `out` is written (`=`).
@@ -23,36 +23,17 @@ pub fn residual_add<T: DeviceFloat>(
     b: &impl DevicePtr<T>,
     out: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
-    let op = "tilearn_residual_add";
-    expect_len(op, a.len(), b.len())?;
-    expect_len(op, a.len(), out.len())?;
-    same_device(stream, op, "a", a)?;
-    same_device(stream, op, "b", b)?;
-    same_device(stream, op, "out", out)?;
-    if a.is_empty() {
-        return Ok(());
-    }
-    bind(stream, op)?;
     let n = a.len();
-    let (a_ptr, _a) = a.device_ptr(stream);
-    let (b_ptr, _b) = b.device_ptr(stream);
-    let (out_ptr, _out) = out.device_ptr_mut(stream);
-    // SAFETY: the three pointers are live allocations of the stream's context (checked above),
-    // each holding exactly `n` elements of `T` (lengths checked above), and `T::DTYPE` names `T`
-    // to the launcher. `out` is borrowed mutably, so it overlaps neither input. The launcher only
-    // enqueues work on `stream`; the `device_ptr*` guards order it after earlier writers and
-    // before later users of the buffers, which outlive the call.
-    let status = unsafe {
-        ffi::tilearn_residual_add(
-            T::DTYPE,
-            a_ptr as *const c_void,
-            b_ptr as *const c_void,
-            out_ptr as *mut c_void,
-            n,
-            raw_stream(stream),
-        )
-    };
-    check(op, status)
+    Launch::new("tilearn_residual_add", stream)
+        .input("a", a, n)
+        .input("b", b, n)
+        .output("out", out, n)
+        .skip_launch_if(n == 0)
+        .run(|[a, b], [out], stream| {
+            // SAFETY: the launcher reads `n` elements of T (`T::DTYPE`) from a and b and writes
+            // `n` to out.
+            unsafe { ffi::tilearn_residual_add(T::DTYPE, a, b, out, n, stream) }
+        })
 }
 
 /// `acc += x`, element-wise (accumulates); lengths must match. Same precision as
@@ -62,29 +43,14 @@ pub fn residual_add_inplace<T: DeviceFloat>(
     acc: &mut impl DevicePtrMut<T>,
     x: &impl DevicePtr<T>,
 ) -> Result<()> {
-    let op = "tilearn_residual_add_inplace";
-    expect_len(op, acc.len(), x.len())?;
-    same_device(stream, op, "acc", acc)?;
-    same_device(stream, op, "x", x)?;
-    if x.is_empty() {
-        return Ok(());
-    }
-    bind(stream, op)?;
-    let n = x.len();
-    let (x_ptr, _x) = x.device_ptr(stream);
-    let (acc_ptr, _acc) = acc.device_ptr_mut(stream);
-    // SAFETY: both pointers are live allocations of the stream's context (checked above) with
-    // exactly `n` elements of `T` (checked above; `T::DTYPE` names `T`). `acc` is borrowed
-    // mutably, so `x` cannot overlap it. The launcher only enqueues work on `stream`, ordered by
-    // the guards as above.
-    let status = unsafe {
-        ffi::tilearn_residual_add_inplace(
-            T::DTYPE,
-            acc_ptr as *mut c_void,
-            x_ptr as *const c_void,
-            n,
-            raw_stream(stream),
-        )
-    };
-    check(op, status)
+    let n = acc.len();
+    Launch::new("tilearn_residual_add_inplace", stream)
+        .output("acc", acc, n)
+        .input("x", x, n)
+        .skip_launch_if(n == 0)
+        .run(|[x], [acc], stream| {
+            // SAFETY: the launcher reads `n` elements of T (`T::DTYPE`) from x and from acc and
+            // writes `n` to acc.
+            unsafe { ffi::tilearn_residual_add_inplace(T::DTYPE, acc, x, n, stream) }
+        })
 }

@@ -1,4 +1,4 @@
-//! Wrappers of `kernels/rope.cu`: rotary position embedding (Hugging Face `rotate_half`
+//! Wrappers of tilearn-kernels' `rope.cu`: rotary position embedding (Hugging Face `rotate_half`
 //! convention: element `i` of a head pairs with `i + head_dim/2`), in place on `[batch, seq,
 //! heads, head_dim]`, for every [`DeviceFloat`] (f32, bf16, f16) with f32 arithmetic and f32
 //! cos/sin tables. Same contract as [`crate::cpu::rope_forward`] / [`crate::cpu::rope_backward`];
@@ -7,11 +7,11 @@
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use tilearn_kernels::ffi;
 
 use super::dtype::DeviceFloat;
-use super::ffi;
-use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use super::launch::{Launch, expect_len};
 use crate::cpu::RopeTable;
 use crate::{OpsError, Result};
 
@@ -73,17 +73,15 @@ impl GpuRopeTable {
     }
 }
 
-/// Checks `(batch, seq, heads, head_dim)` against `x` and the table; returns nothing to launch
-/// (`Ok(false)`) for empty tensors.
+/// Checks `(batch, seq, heads, head_dim)` against the table; returns the element count of `x`.
 fn check_shape(
     op: &'static str,
-    x_len: usize,
     batch: usize,
     seq: usize,
     heads: usize,
     head_dim: usize,
     table: &GpuRopeTable,
-) -> Result<bool> {
+) -> Result<usize> {
     let invalid = |message: String| OpsError::Cuda {
         context: op,
         message,
@@ -102,7 +100,7 @@ fn check_shape(
             table.seq_len
         )));
     }
-    let elems = batch
+    batch
         .checked_mul(seq)
         .and_then(|v| v.checked_mul(heads))
         .and_then(|v| v.checked_mul(head_dim))
@@ -110,9 +108,7 @@ fn check_shape(
             invalid(format!(
                 "shape [{batch}, {seq}, {heads}, {head_dim}] overflows usize"
             ))
-        })?;
-    expect_len(op, elems, x_len)?;
-    Ok(elems > 0)
+        })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -127,38 +123,33 @@ fn rotate<T: DeviceFloat>(
     head_dim: usize,
     table: &GpuRopeTable,
 ) -> Result<()> {
-    same_device(stream, op, "x", x)?;
-    same_device(stream, op, "table.cos", &table.cos)?;
-    same_device(stream, op, "table.sin", &table.sin)?;
-    if !check_shape(op, x.len(), batch, seq, heads, head_dim, table)? {
-        return Ok(());
-    }
-    bind(stream, op)?;
-    let (cos_ptr, _cos) = table.cos.device_ptr(stream);
-    let (sin_ptr, _sin) = table.sin.device_ptr(stream);
-    let (x_ptr, _x) = x.device_ptr_mut(stream);
-    // SAFETY: all pointers are live allocations of the stream's context (checked above). x holds
-    // exactly batch * seq * heads * head_dim elements of `T` (`T::DTYPE` names `T` to the
-    // launcher); cos and sin hold table.seq_len * head_dim / 2 f32 (built that way by `upload`),
-    // and seq <= table.seq_len and head_dim == 2 * half_dim were checked, so every table row the
-    // kernel reads exists. x is borrowed mutably and the table is private to `GpuRopeTable`, so
-    // they do not overlap. Work is enqueued on `stream` only; the guards order it after earlier
-    // writers of x and the table and before later users.
-    let status = unsafe {
-        launcher(
-            T::DTYPE,
-            x_ptr as *mut c_void,
-            cos_ptr as *const f32,
-            sin_ptr as *const f32,
-            batch,
-            seq,
-            heads,
-            head_dim,
-            table.seq_len,
-            raw_stream(stream),
-        )
-    };
-    check(op, status)
+    let elems = check_shape(op, batch, seq, heads, head_dim, table)?;
+    // `upload` built both tables with exactly seq_len * half_dim elements.
+    let table_len = table.seq_len * table.half_dim;
+    Launch::new(op, stream)
+        .output("x", x, elems)
+        .input("table.cos", &table.cos, table_len)
+        .input("table.sin", &table.sin, table_len)
+        .skip_launch_if(elems == 0)
+        .run(|[cos, sin], [x], stream| {
+            // SAFETY: the launcher rewrites batch * seq * heads * head_dim elements of T
+            // (`T::DTYPE`) of x in place and reads rows t < seq <= table.seq_len of the
+            // [table.seq_len, head_dim / 2] f32 tables (head_dim == 2 * half_dim checked).
+            unsafe {
+                launcher(
+                    T::DTYPE,
+                    x,
+                    cos.cast(),
+                    sin.cast(),
+                    batch,
+                    seq,
+                    heads,
+                    head_dim,
+                    table.seq_len,
+                    stream,
+                )
+            }
+        })
 }
 
 /// Rotates `x` (`[batch, seq, heads, head_dim]`) in place (`=`); position `t` uses row `t` of

@@ -1,9 +1,9 @@
-//! Fused Adam / AdamW step (`kernels/optim_adam.cu`).
+//! Fused Adam / AdamW step (`crates/tilearn-kernels/kernels/optim_adam.cu`).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, CudaViewMut};
-use tilearn_ops::cuda::ffi;
+use tilearn_kernels::ffi;
 
 use super::error::{FusedError, Result};
 use super::io::{Prepared, StepIo, bind, check_status, finite, prepare, unit_interval};

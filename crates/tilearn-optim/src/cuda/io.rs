@@ -2,14 +2,13 @@
 //! parameters, the GradScaler's device scalars and the clip input; and the shared preparation
 //! of a launch (length, device and argument checks, raw pointers, stream-order guards).
 
-use std::ffi::CStr;
 use std::sync::Arc;
 
 use cudarc::driver::{
     CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 use half::{bf16, f16};
-use tilearn_ops::cuda::ffi;
+use tilearn_kernels::ffi;
 
 use super::error::{FusedError, Result};
 use super::plan::{CHUNK, SegmentPlan};
@@ -271,25 +270,10 @@ pub(super) fn bind(op: &'static str, stream: &CudaStream) -> Result<()> {
 
 /// Turns a launcher's `cudaError_t` into a result.
 pub(super) fn check_status(op: &'static str, status: std::ffi::c_int) -> Result<()> {
-    if status == 0 {
-        return Ok(());
+    match tilearn_kernels::status_message(status) {
+        None => Ok(()),
+        Some(message) => Err(FusedError::Cuda { op, message }),
     }
-    // SAFETY: both return pointers to static NUL-terminated strings for every input (an
-    // "unrecognized error code" text for unknown values), never NULL.
-    let (name, text) = unsafe {
-        (
-            CStr::from_ptr(ffi::tilearn_status_name(status)),
-            CStr::from_ptr(ffi::tilearn_status_string(status)),
-        )
-    };
-    Err(FusedError::Cuda {
-        op,
-        message: format!(
-            "{} ({status}): {}",
-            name.to_string_lossy(),
-            text.to_string_lossy()
-        ),
-    })
 }
 
 /// Fails unless `x` is finite.

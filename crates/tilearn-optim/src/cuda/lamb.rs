@@ -1,10 +1,11 @@
-//! Fused LAMB step (`kernels/optim_lamb.cu`): three launches per step for all tensors.
+//! Fused LAMB step (`crates/tilearn-kernels/kernels/optim_lamb.cu`): three launches per step
+//! for all tensors.
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtrMut};
-use tilearn_ops::cuda::ffi;
+use tilearn_kernels::ffi;
 
 use super::error::{FusedError, Result};
 use super::io::{StepIo, bind, check_status, finite, prepare, same_device, unit_interval};

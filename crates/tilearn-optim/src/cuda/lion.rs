@@ -1,9 +1,9 @@
-//! Fused Lion step (`kernels/optim_lion.cu`).
+//! Fused Lion step (`crates/tilearn-kernels/kernels/optim_lion.cu`).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, CudaViewMut};
-use tilearn_ops::cuda::ffi;
+use tilearn_kernels::ffi;
 
 use super::error::{FusedError, Result};
 use super::io::{StepIo, bind, check_status, finite, prepare, unit_interval};

@@ -1,9 +1,10 @@
-//! [`GradNorm`]: the global gradient sum of squares on the device (`kernels/optim_norm.cu`).
+//! [`GradNorm`]: the global gradient sum of squares on the device
+//! (`crates/tilearn-kernels/kernels/optim_norm.cu`).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceSlice};
-use tilearn_ops::cuda::ffi;
+use tilearn_kernels::ffi;
 
 use super::error::{FusedError, Result};
 use super::io::{Grads, bind, check_status, same_device};

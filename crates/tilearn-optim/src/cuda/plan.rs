@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use tilearn_ops::cuda::ffi;
+use tilearn_kernels::ffi;
 
 use super::error::{FusedError, Result};
 use crate::error::OptimError;

@@ -1,9 +1,9 @@
-//! Fused SGD step (`kernels/optim_sgd.cu`).
+//! Fused SGD step (`crates/tilearn-kernels/kernels/optim_sgd.cu`).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, CudaViewMut};
-use tilearn_ops::cuda::ffi;
+use tilearn_kernels::ffi;
 
 use super::error::{FusedError, Result};
 use super::io::{StepIo, bind, check_status, finite, prepare};

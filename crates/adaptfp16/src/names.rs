@@ -1,11 +1,13 @@
-//! Names of policies and of their parameters, shared by the builder, the errors and the CLI.
+//! The names of the policy vocabulary — which policy ([`PolicyId`]), its parameters ([`Param`]),
+//! what a period is ([`TimeUnit`]) — with their seed and command-line spellings, and the error
+//! for a name that is none of them. Shared by the policies, the errors and the CLI; a leaf that
+//! imports nothing from the crate, so [`crate::error`] can name policies without depending on
+//! [`crate::policy`].
 
 use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
-
-use crate::precision::ParseNameError;
 
 /// Which policy: Tilearn-Angel's 0/1/2, or our `auto`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -110,10 +112,52 @@ impl fmt::Display for Param {
     }
 }
 
-/// What the trainer knows at a decision: the learning rate of the period about to run and the
-/// loss of the previous period (the seed's `lr` and `loss` arguments).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Signals {
-    pub lr: Option<f64>,
-    pub loss: Option<f64>,
+/// A value that is not one of the accepted spellings; the message lists them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} `{got}` is not one of: {accepted}")]
+pub struct ParseNameError {
+    pub what: &'static str,
+    pub got: String,
+    pub accepted: &'static str,
+}
+
+/// What one "period" of a policy is. The trainer asks for a decision once per period, with the
+/// 0-based index of that period (the global step, or the epoch). LLM runs have few epochs, so
+/// the default is `Step`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TimeUnit {
+    #[default]
+    Step,
+    Epoch,
+}
+
+impl TimeUnit {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TimeUnit::Step => "step",
+            TimeUnit::Epoch => "epoch",
+        }
+    }
+}
+
+impl fmt::Display for TimeUnit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TimeUnit {
+    type Err = ParseNameError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "step" => Ok(TimeUnit::Step),
+            "epoch" => Ok(TimeUnit::Epoch),
+            _ => Err(ParseNameError {
+                what: "unit",
+                got: s.to_string(),
+                accepted: "step, epoch",
+            }),
+        }
+    }
 }

@@ -1,5 +1,5 @@
-//! Compiles `kernels/*.cu` with nvcc (through `cc`) when the `cuda` feature is on; does nothing
-//! otherwise, so a default build needs no CUDA toolchain.
+//! Compiles `kernels/*.cu` (this crate's own folder) with nvcc (through `cc`) when the `cuda`
+//! feature is on; does nothing otherwise, so a default build needs no CUDA toolchain.
 //!
 //! Finding nvcc, in order: `NVCC` (the compiler itself), `CUDA_HOME` / `CUDA_PATH` (`bin/nvcc`
 //! below them), `PATH`, then the pinned toolchain that `cargo xtask setup-cuda` installs at
@@ -33,9 +33,10 @@ fn main() {
         println!("cargo:rerun-if-env-changed={var}");
     }
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
+    // The pinned toolchain lives in the workspace's target/ (crates/tilearn-kernels/../..).
     let workspace = manifest_dir.join("..").join("..");
     let workspace = workspace.canonicalize().unwrap_or(workspace);
-    let kernels = workspace.join("kernels");
+    let kernels = manifest_dir.join("kernels");
     let include = kernels.join("include");
     println!("cargo:rerun-if-changed={}", kernels.display());
     println!("cargo:rerun-if-changed={}", include.display());
@@ -45,7 +46,7 @@ fn main() {
         None => {
             eprintln!(
                 "error: nvcc not found: run `cargo xtask setup-cuda` or set NVCC/CUDA_HOME \
-                 (the `cuda` feature of tilearn-ops compiles kernels/*.cu with nvcc; searched \
+                 (the `cuda` feature of tilearn-kernels compiles kernels/*.cu with nvcc; searched \
                  NVCC, CUDA_HOME, CUDA_PATH, PATH and {})",
                 workspace.join("target/cuda/bin/nvcc").display()
             );

@@ -1,6 +1,7 @@
 // status.cu: no kernels; turns the status code every launcher returns into text.
 //
-// Fused: n/a. Layout: n/a. Precision: n/a. Output: static strings owned by the CUDA runtime.
+// Fused: n/a. Layout: n/a. Precision: n/a. Output: n/a (returns static strings owned by the
+// CUDA runtime; writes no device memory).
 // The launchers return the cudaError_t of cudaGetLastError() as an int; the Rust wrappers call
 // these two functions to put "cudaErrorInvalidValue: invalid argument" into their errors.
 

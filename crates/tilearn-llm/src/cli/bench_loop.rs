@@ -1,0 +1,33 @@
+//! What both device loops of `tilearn bench` share: the seeded random batches they time, the
+//! median they report, and the result they hand back to the command. A leaf: the command
+//! (`bench.rs`) and the CUDA loop (`bench_gpu.rs`) both import it, neither imports the other's
+//! helpers.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tilearn_ops::DType;
+
+/// What a device's bench loop measured.
+pub struct BenchResult {
+    pub device: String,
+    /// What the timed steps computed in (`precision` in the JSON line).
+    pub precision: DType,
+    pub num_params: usize,
+    pub step_seconds: f64,
+    pub peak_memory_bytes: u64,
+    pub last_loss: f64,
+    /// Steps the GradScaler skipped (fp16 only), warm-up included.
+    pub skipped_steps: u64,
+}
+
+/// Random token batches (never constant), seeded so runs are comparable.
+pub fn random_tokens(vocab: usize, n: usize, seed: u64) -> Vec<u32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+/// The median of the timed steps (the upper middle one for an even count).
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}

@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repository root, with target/gpu-bundle carried (see
 # ../shared/gpu/bundle.sh). Phases are named on the command line; every phase writes its log
 # under $OUT and a failure in one phase does not stop the others.
-#   scripts/gpu-call.sh kernels goldens host
+#   scripts/gpu-call.sh kernels goldens host largemodel
 set -uo pipefail
 B=target/gpu-bundle
 . "$B/env.sh"
@@ -67,6 +67,10 @@ for phase in "$@"; do
         --data "$OUT/run/data" --max-steps 300 --resume-from-checkpoint "$OUT/run/checkpoint-150"
       cp "$OUT/run/train_log.jsonl" "$OUT/train_gpu_log.jsonl" 2>/dev/null
       rm -rf "$OUT/run" "$OUT/run-resumed";;
+    largemodel)
+      # Issue 18: a Llama-2-7B-shaped run around its steps (disk bandwidth, time to first
+      # step, host RSS, save times); summary in $OUT/large_model_summary.txt, ~3-5 min.
+      run large_model scripts/large_model_run.sh "$B/bin/tilearn";;
     e2e)
       for p in llama-134m tinyllama-1.1b; do
         run "bench_$p" "$B/bin/tilearn" bench --preset "$p" --steps 10 --json

@@ -37,6 +37,18 @@ pub enum EngineError {
         #[source]
         source: std::io::Error,
     },
+    /// Training finished and the final model is saved, but some checkpoints could not be
+    /// written (each is named with its reason); the earlier checkpoints are intact.
+    #[error(
+        "training finished and the final model is saved in {}, but {failures}; free space on the \
+         disk, or use --save-only-model, --save-total-limit N, --save-steps 0 or another \
+         --output-dir",
+        output_dir.display()
+    )]
+    CheckpointsNotSaved {
+        output_dir: PathBuf,
+        failures: String,
+    },
     #[error(transparent)]
     Ops(#[from] tilearn_ops::OpsError),
     #[error(transparent)]

@@ -11,9 +11,18 @@ use std::ops::Range;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
+use crate::checkpoint::TensorDest;
 use crate::config::LlamaConfig;
 use crate::error::{EngineError, Result};
+
+/// Elements one rayon task of the random initialisation fills (even, so tasks start on a
+/// Box–Muller pair).
+const INIT_TASK: usize = 1 << 16;
+
+/// ChaCha words one Box–Muller pair consumes: two f64 uniforms of one `u64` (two words) each.
+const WORDS_PER_PAIR: u128 = 4;
 
 /// One tensor of a [`ParamStore`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -173,24 +182,9 @@ impl ParamStore {
     /// [`ParamStore::init_random`], zeroing embedding row `pad_token_id` as `nn.Embedding`'s
     /// `padding_idx` does.
     pub fn init_random_with_pad(&mut self, seed: u64, std: f64, pad_token_id: Option<u32>) {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        for spec in &self.specs {
-            let dst = &mut self.data[spec.range()];
-            match spec.init_kind() {
-                InitKind::One => dst.fill(1.0),
-                InitKind::Zero => dst.fill(0.0),
-                InitKind::Normal => fill_normal(&mut rng, dst, std),
-            }
-            if spec.name == "model.embed_tokens.weight"
-                && let Some(pad) = pad_token_id
-            {
-                let dim = spec.shape[1];
-                let row = pad as usize;
-                if row < spec.shape[0] {
-                    dst[row * dim..(row + 1) * dim].fill(0.0);
-                }
-            }
-        }
+        let mut dest: &mut [f32] = &mut self.data;
+        init_random_into(&self.specs, seed, std, pad_token_id, &mut dest)
+            .expect("filling host memory cannot fail");
     }
 
     /// Index ranges of the tensors that take weight decay (merged where adjacent).
@@ -221,16 +215,81 @@ impl ParamStore {
     }
 }
 
-/// Fills `dst` with normal(0, std) samples (Box–Muller on two uniforms in (0, 1]).
-fn fill_normal(rng: &mut ChaCha8Rng, dst: &mut [f32], std: f64) {
-    let mut chunks = dst.chunks_exact_mut(2);
-    for pair in &mut chunks {
-        let (a, b) = box_muller(rng);
+/// Writes the initialisation of [`ParamStore::init_random_with_pad`] for the tensors `specs`
+/// into `dest`, piece by piece and in parallel, without a host copy of the model (the GPU
+/// engine initialises through its staging buffer).
+///
+/// The normal samples are one ChaCha8 stream of `seed` consumed in parameter order, one
+/// Box–Muller pair (four stream words) per two elements of each normal tensor (an odd tensor's
+/// last element takes the first of a pair). Because ChaCha8 can seek, every piece starts at its
+/// own word position: the values are the same whatever the piece sizes or the thread count.
+pub fn init_random_into(
+    specs: &[ParamSpec],
+    seed: u64,
+    std: f64,
+    pad_token_id: Option<u32>,
+    dest: &mut dyn TensorDest,
+) -> Result<()> {
+    let mut next_word: u128 = 0;
+    for spec in specs {
+        let kind = spec.init_kind();
+        let tensor_word = next_word;
+        if let InitKind::Normal = kind {
+            next_word += WORDS_PER_PAIR * spec.numel().div_ceil(2) as u128;
+        }
+        // The padding row's elements, relative to the tensor.
+        let pad_row = match (spec.name.as_str(), pad_token_id) {
+            ("model.embed_tokens.weight", Some(pad)) if (pad as usize) < spec.shape[0] => {
+                let dim = spec.shape[1];
+                Some(pad as usize * dim..(pad as usize + 1) * dim)
+            }
+            _ => None,
+        };
+        dest.write(spec.range(), &mut |offset, buf| {
+            match kind {
+                InitKind::One => buf.fill(1.0),
+                InitKind::Zero => buf.fill(0.0),
+                InitKind::Normal => {
+                    buf.par_chunks_mut(INIT_TASK)
+                        .enumerate()
+                        .for_each(|(k, part)| {
+                            fill_normal_at(seed, tensor_word, offset + k * INIT_TASK, part, std)
+                        })
+                }
+            }
+            if let Some(row) = &pad_row {
+                let (lo, hi) = (row.start.max(offset), row.end.min(offset + buf.len()));
+                if lo < hi {
+                    buf[lo - offset..hi - offset].fill(0.0);
+                }
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
+/// Fills `dst` with the normal(0, std) samples of elements `first..` of a tensor whose pairs
+/// start at word `tensor_word` of `seed`'s stream: element `e` is component `e % 2` of pair
+/// `e / 2`.
+fn fill_normal_at(seed: u64, tensor_word: u128, first: usize, dst: &mut [f32], std: f64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_word_pos(tensor_word + WORDS_PER_PAIR * (first / 2) as u128);
+    let rest = match dst.split_first_mut() {
+        Some((x, tail)) if first % 2 == 1 => {
+            *x = (box_muller(&mut rng).1 * std) as f32;
+            tail
+        }
+        _ => dst,
+    };
+    let mut pairs = rest.chunks_exact_mut(2);
+    for pair in &mut pairs {
+        let (a, b) = box_muller(&mut rng);
         pair[0] = (a * std) as f32;
         pair[1] = (b * std) as f32;
     }
-    if let [last] = chunks.into_remainder() {
-        *last = (box_muller(rng).0 * std) as f32;
+    if let [last] = pairs.into_remainder() {
+        *last = (box_muller(&mut rng).0 * std) as f32;
     }
 }
 
@@ -325,5 +384,60 @@ mod tests {
         let mut q = ParamStore::from_config(&tiny(false, true));
         q.init_random(7, 0.02);
         assert_eq!(p.data, q.data);
+    }
+
+    /// The stream every earlier version produced: one ChaCha8 generator consumed in order.
+    fn sequential_reference(p: &ParamStore, seed: u64, std: f64) -> Vec<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut out = vec![0.0f32; p.numel()];
+        for spec in &p.specs {
+            let dst = &mut out[spec.range()];
+            match spec.init_kind() {
+                InitKind::One => dst.fill(1.0),
+                InitKind::Zero => dst.fill(0.0),
+                InitKind::Normal => {
+                    for pair in dst.chunks_mut(2) {
+                        let (a, b) = box_muller(&mut rng);
+                        pair[0] = (a * std) as f32;
+                        if let Some(x) = pair.get_mut(1) {
+                            *x = (b * std) as f32;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// A destination that lends buffers of an odd size, so pieces start mid-pair.
+    struct OddPieces<'a>(&'a mut [f32]);
+
+    impl TensorDest for OddPieces<'_> {
+        fn write(
+            &mut self,
+            range: Range<usize>,
+            fill: &mut dyn FnMut(usize, &mut [f32]) -> Result<()>,
+        ) -> Result<()> {
+            for (k, piece) in self.0[range].chunks_mut(7).enumerate() {
+                fill(k * 7, piece)?;
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn parallel_init_is_the_sequential_stream_whatever_the_pieces() {
+        // Pieces of 7 elements start mid-pair and cross tensor ends.
+        let json = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":10,
+            "intermediate_size":6,"num_hidden_layers":2,"num_attention_heads":1,
+            "num_key_value_heads":1,"vocab_size":13,"tie_word_embeddings":false,
+            "attention_bias":true,"mlp_bias":false}"#;
+        let config = LlamaConfig::from_json_str(json, "config.json").unwrap();
+        let mut p = ParamStore::from_config(&config);
+        p.init_random(3, 0.5);
+        assert_eq!(p.data, sequential_reference(&p, 3, 0.5));
+        let mut q = vec![0.0f32; p.numel()];
+        init_random_into(&p.specs, 3, 0.5, None, &mut OddPieces(&mut q)).unwrap();
+        assert_eq!(p.data, q);
     }
 }

@@ -1,15 +1,22 @@
-//! Loading Hugging Face safetensors weights (single file or sharded) into a [`ParamStore`].
+//! Loading Hugging Face safetensors weights (single file or sharded) into a [`ParamStore`] or,
+//! streamed, into any [`TensorDest`] (the GPU engine's staging buffer).
+//!
+//! Files are memory-mapped and read front to back: each tensor is decoded into the
+//! destination's buffers piece by piece and the pages already consumed are handed back to the
+//! kernel ([`MappedFile::release`]), so resident host memory stays bounded by the destination's
+//! piece size, not the checkpoint's size.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::safetensors_io::{MappedFile, decode_into};
+use super::safetensors_io::{MappedFile, check_dtype, decode_into};
+use super::stream::TensorDest;
 use super::{INDEX_FILE, SINGLE_FILE};
 use crate::config::LlamaConfig;
 use crate::error::{EngineError, Result};
-use crate::params::ParamStore;
+use crate::params::{ParamSpec, ParamStore};
 
 /// Loads the weights in `dir` for a model described by `config`.
 pub fn load_params(dir: &Path, config: &LlamaConfig) -> Result<ParamStore> {
@@ -92,28 +99,45 @@ fn layout(dir: &Path) -> Result<Layout> {
 
 /// Tensors a Llama checkpoint may hold that the model does not take: a tied model's
 /// `lm_head.weight` (transformers ignores it too) and rotary `inv_freq` buffers of old saves.
-fn ignorable(name: &str, params: &ParamStore) -> bool {
-    (name == "lm_head.weight" && params.spec("lm_head.weight").is_none())
+fn ignorable(name: &str, index: &HashMap<&str, usize>) -> bool {
+    (name == "lm_head.weight" && !index.contains_key("lm_head.weight"))
         || name.ends_with("rotary_emb.inv_freq")
 }
 
 /// Loads the weights in `dir` into `params` (whose layout says which tensors are expected).
 pub fn load_params_into(dir: &Path, params: &mut ParamStore) -> Result<()> {
+    let mut dest: &mut [f32] = &mut params.data;
+    load_into(dir, &params.specs, &mut dest)
+}
+
+/// Loads the weights in `dir` for the tensors `specs` into `dest` at the specs' ranges,
+/// tensor by tensor in file order. Every expected tensor must be present exactly once with
+/// its shape; errors name the file and the tensor.
+pub fn load_into(dir: &Path, specs: &[ParamSpec], dest: &mut dyn TensorDest) -> Result<()> {
     let layout = layout(dir)?;
-    let mut loaded = vec![false; params.specs.len()];
+    let index: HashMap<&str, usize> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.name.as_str(), i))
+        .collect();
+    let mut loaded = vec![false; specs.len()];
     for path in &layout.files {
         let mapped = MappedFile::open(path)?;
+        mapped.expect_sequential();
         let st = mapped.tensors()?;
+        // Check every tensor of the file (in name order) before loading any, so a mismatch is
+        // reported at once rather than after most of a large checkpoint was read.
         let mut names = st.names();
         names.sort_unstable();
+        let mut to_load = Vec::with_capacity(names.len());
         for name in names {
             let err = |message: String| EngineError::Checkpoint {
                 file: path.clone(),
                 tensor: name.to_string(),
                 message,
             };
-            let Some(i) = params.specs.iter().position(|s| s.name == name) else {
-                if ignorable(name, params) {
+            let Some(&i) = index.get(name) else {
+                if ignorable(name, &index) {
                     continue;
                 }
                 return Err(err(
@@ -124,7 +148,7 @@ pub fn load_params_into(dir: &Path, params: &mut ParamStore) -> Result<()> {
                 ));
             };
             let view = st.tensor(name).map_err(|e| err(format!("{e}")))?;
-            let spec = &params.specs[i];
+            let spec = &specs[i];
             if view.shape() != spec.shape.as_slice() {
                 return Err(err(format!(
                     "has shape {:?} but config.json expects {:?}; the weights do not match \
@@ -138,13 +162,30 @@ pub fn load_params_into(dir: &Path, params: &mut ParamStore) -> Result<()> {
                     "appears in more than one file; keep one copy per tensor".into(),
                 ));
             }
-            let range = spec.range();
-            decode_into(view.dtype(), view.data(), &mut params.data[range]).map_err(err)?;
+            check_dtype(view.dtype()).map_err(err)?;
             loaded[i] = true;
+            to_load.push((name, i, view));
+        }
+        // File order, so the disk is read front to back.
+        to_load.sort_by_key(|(_, _, v)| v.data().as_ptr() as usize);
+        for (name, i, view) in to_load {
+            let spec = &specs[i];
+            let (dtype, bytes) = (view.dtype(), view.data());
+            let esize = bytes.len() / spec.numel().max(1);
+            dest.write(spec.range(), &mut |offset, buf| {
+                let piece = &bytes[offset * esize..(offset + buf.len()) * esize];
+                decode_into(dtype, piece, buf).map_err(|message| EngineError::Checkpoint {
+                    file: path.clone(),
+                    tensor: name.to_string(),
+                    message,
+                })?;
+                mapped.release(piece);
+                Ok(())
+            })?;
         }
     }
     if let Some(i) = loaded.iter().position(|&l| !l) {
-        let spec = &params.specs[i];
+        let spec = &specs[i];
         let file = match &layout.weight_map {
             Some(map) => match map.get(&spec.name).and_then(Value::as_str) {
                 Some(f) => dir.join(f),

@@ -6,18 +6,22 @@
 //!   errors naming the file and the tensor (a tied model's `lm_head.weight` and rotary
 //!   `inv_freq` buffers are ignored, as transformers does).
 //! * [`save_pretrained`] writes `config.json` and the weights in F32/BF16/F16, single-file or
-//!   sharded; every file goes to `<name>.tmp` first and is renamed when complete, so an
-//!   interrupted save never leaves a truncated file under the real name.
+//!   sharded; every file goes through [`tilearn_ops::fs::AtomicFile`] (`<name>.tmp`, fsync,
+//!   rename), so an interrupted save never leaves a truncated file under the real name.
+//! * Both stream ([`stream`]): saves read the values tensor by tensor from a [`TensorSource`]
+//!   and loads decode into a [`TensorDest`] piece by piece, so the GPU engine saves and loads
+//!   through a bounded staging buffer without a host copy of the model.
 
 mod load;
 mod safetensors_io;
 mod save;
+pub mod stream;
 
-pub use load::{load_params, load_params_into};
-pub use safetensors_io::{
-    NamedTensor, TensorRef, read_tensors_file, write_file_atomic, write_tensors_file,
-};
-pub use save::save_pretrained;
+pub use load::{load_into, load_params, load_params_into};
+pub(crate) use safetensors_io::{MappedFile, decode_into};
+pub use safetensors_io::{NamedTensor, TensorRef, read_tensors_file, write_tensors_file};
+pub use save::{DEFAULT_MAX_SHARD_BYTES, save_pretrained, save_pretrained_from};
+pub use stream::{StreamedTensor, TensorDest, TensorSource, write_streamed};
 
 /// Name of the single-file weights.
 pub const SINGLE_FILE: &str = "model.safetensors";

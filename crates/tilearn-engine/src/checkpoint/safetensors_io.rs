@@ -1,51 +1,21 @@
-//! Low-level safetensors reading and writing: memory-mapping, dtype conversion to and from the
-//! f32 master copy, and atomic (`<name>.tmp` + rename) file writes.
+//! Low-level safetensors reading and writing: memory-mapping (with the pages of consumed bytes
+//! handed back), dtype conversion to the f32 master copy, and whole-file helpers on top of the
+//! streaming writer.
 
-use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
-use memmap2::Mmap;
-use safetensors::tensor::{Metadata, TensorInfo};
+use memmap2::{Advice, Mmap, UncheckedAdvice};
+use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 use tilearn_ops::DType;
 
+use super::stream::{StreamedTensor, TensorSource, write_streamed};
 use crate::error::{EngineError, Result};
 
-/// `<path>.tmp`, the name a file is written under before it is renamed into place.
-pub(crate) fn tmp_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".tmp");
-    path.with_file_name(name)
-}
-
-/// Writes a file through `write` to `<path>.tmp`, flushes and syncs it, then renames it to
-/// `path`. On failure the temporary file is removed and `path` is untouched.
-pub fn write_file_atomic(
-    path: &Path,
-    write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
-) -> Result<()> {
-    let tmp = tmp_path(path);
-    let result = (|| -> Result<()> {
-        let file = File::create(&tmp).map_err(|e| EngineError::io(&tmp, "create", e))?;
-        let mut w = BufWriter::with_capacity(1 << 20, file);
-        write(&mut w).map_err(|e| EngineError::io(&tmp, "write", e))?;
-        let file = w
-            .into_inner()
-            .map_err(|e| EngineError::io(&tmp, "write", e.into_error()))?;
-        file.sync_all()
-            .map_err(|e| EngineError::io(&tmp, "sync", e))?;
-        Ok(())
-    })();
-    if let Err(e) = result {
-        // Best effort: the temporary file may not exist or may be a directory in the way.
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
-    std::fs::rename(&tmp, path).map_err(|e| EngineError::io(path, "rename the .tmp file onto", e))
-}
+/// Elements one rayon task decodes.
+const DECODE_TASK: usize = 1 << 16;
 
 pub(crate) fn st_dtype(dtype: DType) -> Dtype {
     match dtype {
@@ -55,12 +25,33 @@ pub(crate) fn st_dtype(dtype: DType) -> Dtype {
     }
 }
 
-/// Converts little-endian F32/BF16/F16 bytes into `dst`; `Err` names the unsupported dtype.
+/// Converts little-endian F32/BF16/F16 bytes into `dst` (in parallel for large tensors);
+/// `Err` names the unsupported dtype.
 pub(crate) fn decode_into(
     dtype: Dtype,
     bytes: &[u8],
     dst: &mut [f32],
 ) -> std::result::Result<(), String> {
+    let esize = check_dtype(dtype)?;
+    dst.par_chunks_mut(DECODE_TASK)
+        .zip(bytes.par_chunks(DECODE_TASK * esize))
+        .for_each(|(d, b)| decode_serial(dtype, b, d));
+    Ok(())
+}
+
+/// The element size of a dtype the loaders read (F32, BF16, F16); `Err` names any other.
+pub(crate) fn check_dtype(dtype: Dtype) -> std::result::Result<usize, String> {
+    match dtype {
+        Dtype::F32 => Ok(4),
+        Dtype::BF16 | Dtype::F16 => Ok(2),
+        other => Err(format!(
+            "dtype {other:?} is not supported; store the weights as F32, BF16 or F16"
+        )),
+    }
+}
+
+/// [`decode_into`] on one thread, for a dtype it accepted.
+fn decode_serial(dtype: Dtype, bytes: &[u8], dst: &mut [f32]) {
     match dtype {
         Dtype::F32 => {
             for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -77,96 +68,60 @@ pub(crate) fn decode_into(
                 *d = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
             }
         }
-        other => {
-            return Err(format!(
-                "dtype {other:?} is not supported; store the weights as F32, BF16 or F16"
-            ));
-        }
+        _ => unreachable!("decode_into rejected other dtypes"),
     }
-    Ok(())
-}
-
-/// Writes `src` as little-endian `dtype` (round to nearest even for BF16/F16).
-fn encode(dtype: DType, src: &[f32], w: &mut impl Write) -> std::io::Result<()> {
-    const CHUNK: usize = 16 * 1024;
-    let mut buf: Vec<u8> = Vec::with_capacity(CHUNK * 4);
-    for chunk in src.chunks(CHUNK) {
-        buf.clear();
-        match dtype {
-            DType::F32 => chunk
-                .iter()
-                .for_each(|x| buf.extend_from_slice(&x.to_le_bytes())),
-            DType::BF16 => chunk
-                .iter()
-                .for_each(|&x| buf.extend_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes())),
-            DType::F16 => chunk
-                .iter()
-                .for_each(|&x| buf.extend_from_slice(&f16::from_f32(x).to_bits().to_le_bytes())),
-        }
-        w.write_all(&buf)?;
-    }
-    Ok(())
 }
 
 /// One tensor to write: name, shape and the f32 values.
 pub type TensorRef<'a> = (&'a str, &'a [usize], &'a [f32]);
 
+/// Host slices as one [`TensorSource`]: tensor `i` occupies the flat range after tensor
+/// `i - 1`.
+struct Slices<'a> {
+    starts: Vec<usize>,
+    parts: Vec<&'a [f32]>,
+}
+
+impl TensorSource for Slices<'_> {
+    fn read(
+        &mut self,
+        range: std::ops::Range<usize>,
+        sink: &mut dyn FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let i = self
+            .starts
+            .binary_search(&range.start)
+            .expect("ranges are those write_tensors_file built");
+        sink(&self.parts[i][..range.len()])
+    }
+}
+
 /// Writes a safetensors file with `tensors` (in the given order) stored as `dtype` and the
-/// `__metadata__` entries `metadata`, atomically (`<path>.tmp` + rename). Returns the number of
-/// tensor-data bytes written.
+/// `__metadata__` entries `metadata`, atomically (see [`write_streamed`]). Returns the number
+/// of tensor-data bytes written.
 pub fn write_tensors_file(
     path: &Path,
     tensors: &[TensorRef<'_>],
     dtype: DType,
     metadata: &[(&str, &str)],
-) -> Result<usize> {
-    let esize = dtype.size_in_bytes();
-    let mut infos = Vec::with_capacity(tensors.len());
-    let mut offset = 0usize;
+) -> Result<u64> {
+    let mut entries = Vec::with_capacity(tensors.len());
+    let mut source = Slices {
+        starts: Vec::with_capacity(tensors.len()),
+        parts: Vec::with_capacity(tensors.len()),
+    };
+    let mut start = 0;
     for &(name, shape, data) in tensors {
-        let n: usize = shape.iter().product();
-        if n != data.len() {
-            return Err(EngineError::Checkpoint {
-                file: path.to_path_buf(),
-                tensor: name.to_string(),
-                message: format!(
-                    "internal: shape {shape:?} has {n} elements but {} values were given",
-                    data.len()
-                ),
-            });
-        }
-        let bytes = n * esize;
-        infos.push((
-            name.to_string(),
-            TensorInfo {
-                dtype: st_dtype(dtype),
-                shape: shape.to_vec(),
-                data_offsets: (offset, offset + bytes),
-            },
-        ));
-        offset += bytes;
+        entries.push(StreamedTensor {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            range: start..start + data.len(),
+        });
+        source.starts.push(start);
+        source.parts.push(data);
+        start += data.len();
     }
-    let meta: HashMap<String, String> = metadata
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    let header = Metadata::new(Some(meta), infos).map_err(|e| EngineError::Checkpoint {
-        file: path.to_path_buf(),
-        tensor: "<header>".into(),
-        message: format!("cannot build the safetensors header: {e}"),
-    })?;
-    let mut header_bytes = serde_json::to_vec(&header).expect("safetensors header serialises");
-    // The data section starts 8-byte aligned, as the safetensors writer does.
-    header_bytes.resize(header_bytes.len().next_multiple_of(8), b' ');
-    write_file_atomic(path, |w| {
-        w.write_all(&(header_bytes.len() as u64).to_le_bytes())?;
-        w.write_all(&header_bytes)?;
-        for &(_, _, data) in tensors {
-            encode(dtype, data, w)?;
-        }
-        Ok(())
-    })?;
-    Ok(offset)
+    write_streamed(path, &entries, dtype, metadata, &mut source)
 }
 
 /// A memory-mapped safetensors file.
@@ -188,6 +143,39 @@ impl MappedFile {
             path: path.to_path_buf(),
             mmap,
         })
+    }
+
+    /// The whole file.
+    pub fn bytes(&self) -> &[u8] {
+        &self.mmap
+    }
+
+    /// Tells the kernel the file will be read front to back (read-ahead).
+    pub fn expect_sequential(&self) {
+        // Only a hint: a kernel that ignores it reads on demand as usual.
+        let _ = self.mmap.advise(Advice::Sequential);
+    }
+
+    /// Hands back the pages of `bytes` (a sub-slice of this mapping that has been consumed), so
+    /// the process's resident memory stays bounded while a large file is read; pages only
+    /// partly inside `bytes` are kept.
+    pub fn release(&self, bytes: &[u8]) {
+        let base = self.mmap.as_ptr() as usize;
+        let start = (bytes.as_ptr() as usize).saturating_sub(base);
+        let end = (start + bytes.len()).min(self.mmap.len());
+        let page = page_size();
+        let (first, last) = (start.next_multiple_of(page), end / page * page);
+        if last > first {
+            // SAFETY: the mapping is read-only and file-backed (memmap2 maps it shared), so
+            // MADV_DONTNEED only drops this process's page-table entries for [first, last), a
+            // range inside the mapping; a later access faults the same bytes back in from the page
+            // cache or the file, so every slice borrowed from the mapping stays valid and
+            // unchanged (nothing writes through the mapping, so no data can be lost).
+            let _ = unsafe {
+                self.mmap
+                    .unchecked_advise_range(UncheckedAdvice::DontNeed, first, last - first)
+            };
+        }
     }
 
     pub fn tensors(&self) -> Result<SafeTensors<'_>> {
@@ -234,4 +222,11 @@ pub fn read_tensors_file(path: &Path) -> Result<Vec<NamedTensor>> {
         });
     }
     Ok(out)
+}
+
+/// The virtual-memory page size.
+fn page_size() -> usize {
+    // SAFETY: sysconf only reads a system constant.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).unwrap_or(4096).max(1)
 }

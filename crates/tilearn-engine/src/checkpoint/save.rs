@@ -1,16 +1,23 @@
 //! Saving a model as transformers does: `config.json` plus `model.safetensors`, or shards and
-//! `model.safetensors.index.json` when the weights exceed `max_shard_bytes`.
+//! `model.safetensors.index.json` when the weights exceed `max_shard_bytes`. The weights are
+//! streamed tensor by tensor from a [`TensorSource`] (host memory, or the GPU through a staging
+//! buffer).
 
 use std::path::Path;
 
 use serde_json::{Map, Value, json};
 use tilearn_ops::DType;
+use tilearn_ops::fs::write_bytes_atomic;
 
-use super::safetensors_io::{TensorRef, write_file_atomic, write_tensors_file};
+use super::stream::{StreamedTensor, TensorSource, write_streamed};
 use super::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, shard_file_name};
 use crate::config::LlamaConfig;
 use crate::error::{EngineError, Result};
-use crate::params::ParamStore;
+use crate::params::{ParamSpec, ParamStore};
+
+/// transformers' default `max_shard_size` for `save_pretrained` (v5: "50GB", decimal; v4 used
+/// "5GB"): above it the weights are split into shards plus an index.
+pub const DEFAULT_MAX_SHARD_BYTES: usize = 50_000_000_000;
 
 /// Writes `config.json` (v5 form, `dtype` set to `dtype`) and the weights of `params` in
 /// `dtype` into `dir` (created if needed). With `max_shard_bytes`, tensors are packed in
@@ -24,6 +31,27 @@ pub fn save_pretrained(
     dtype: DType,
     max_shard_bytes: Option<usize>,
 ) -> Result<()> {
+    let mut source: &[f32] = &params.data;
+    save_pretrained_from(
+        dir,
+        config,
+        &params.specs,
+        &mut source,
+        dtype,
+        max_shard_bytes,
+    )
+}
+
+/// [`save_pretrained`] of the tensors `specs` whose values `source` holds at the specs'
+/// ranges: what the GPU engine uses to save without a host copy of the model.
+pub fn save_pretrained_from(
+    dir: &Path,
+    config: &LlamaConfig,
+    specs: &[ParamSpec],
+    source: &mut dyn TensorSource,
+    dtype: DType,
+    max_shard_bytes: Option<usize>,
+) -> Result<()> {
     if max_shard_bytes == Some(0) {
         return Err(EngineError::InvalidArgument {
             argument: "max_shard_bytes".into(),
@@ -34,17 +62,13 @@ pub fn save_pretrained(
 
     let mut config = config.clone();
     config.dtype = Some(dtype);
-    let config_text = config.to_json();
-    write_file_atomic(&dir.join(CONFIG_FILE), |w| {
-        use std::io::Write;
-        w.write_all(config_text.as_bytes())
-    })?;
+    write_small_file(&dir.join(CONFIG_FILE), config.to_json().as_bytes())?;
 
     // Pack tensors into shards in order.
     let esize = dtype.size_in_bytes();
     let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
     let mut shard_bytes = 0usize;
-    for (i, spec) in params.specs.iter().enumerate() {
+    for (i, spec) in specs.iter().enumerate() {
         let bytes = spec.numel() * esize;
         let current = shards.last_mut().expect("at least one shard");
         if let Some(max) = max_shard_bytes
@@ -59,52 +83,62 @@ pub fn save_pretrained(
         }
     }
 
-    let tensors_of = |idx: &[usize]| -> Vec<TensorRef<'_>> {
+    let tensors_of = |idx: &[usize]| -> Vec<StreamedTensor> {
         idx.iter()
             .map(|&i| {
-                let s = &params.specs[i];
-                (s.name.as_str(), s.shape.as_slice(), &params.data[s.range()])
+                let s = &specs[i];
+                StreamedTensor {
+                    name: s.name.clone(),
+                    shape: s.shape.clone(),
+                    range: s.range(),
+                }
             })
             .collect()
     };
     let meta = [("format", "pt")];
 
     let keep: Vec<String> = if shards.len() == 1 {
-        write_tensors_file(
+        write_streamed(
             &dir.join(SINGLE_FILE),
             &tensors_of(&shards[0]),
             dtype,
             &meta,
+            source,
         )?;
         remove_if_exists(&dir.join(INDEX_FILE))?;
         vec![SINGLE_FILE.to_string()]
     } else {
         let n = shards.len();
         let mut weight_map = Map::new();
-        let mut total_size = 0usize;
+        let mut total_size = 0u64;
         let mut names = Vec::with_capacity(n);
         for (k, idx) in shards.iter().enumerate() {
             let file = shard_file_name(k + 1, n);
-            total_size += write_tensors_file(&dir.join(&file), &tensors_of(idx), dtype, &meta)?;
+            total_size += write_streamed(&dir.join(&file), &tensors_of(idx), dtype, &meta, source)?;
             for &i in idx {
-                weight_map.insert(params.specs[i].name.clone(), Value::from(file.clone()));
+                weight_map.insert(specs[i].name.clone(), Value::from(file.clone()));
             }
             names.push(file);
         }
         let index = json!({
-            "metadata": { "total_size": total_size, "total_parameters": params.numel() },
+            "metadata": {
+                "total_size": total_size,
+                "total_parameters": specs.iter().map(ParamSpec::numel).sum::<usize>(),
+            },
             "weight_map": Value::Object(weight_map),
         });
         let mut text = serde_json::to_string_pretty(&index).expect("JSON serialises");
         text.push('\n');
-        write_file_atomic(&dir.join(INDEX_FILE), |w| {
-            use std::io::Write;
-            w.write_all(text.as_bytes())
-        })?;
+        write_small_file(&dir.join(INDEX_FILE), text.as_bytes())?;
         remove_if_exists(&dir.join(SINGLE_FILE))?;
         names
     };
     remove_stale_shards(dir, &keep)
+}
+
+/// Writes a small file (config, index) atomically.
+fn write_small_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_bytes_atomic(path, bytes).map_err(|e| EngineError::io(path, "write", e))
 }
 
 fn remove_if_exists(path: &Path) -> Result<()> {

@@ -42,6 +42,7 @@ mod inputs;
 mod linalg;
 mod optim;
 mod precision;
+mod staging;
 mod transfer;
 mod views;
 
@@ -232,6 +233,41 @@ impl GpuLlama {
         precisions: &[DType],
         gradient_checkpointing: bool,
     ) -> Result<GpuLlama> {
+        let layout = model.layout();
+        if model.params.numel() != layout.numel {
+            return Err(invalid(
+                "params",
+                format!(
+                    "has {} entries but the config describes {}",
+                    model.params.numel(),
+                    layout.numel
+                ),
+            ));
+        }
+        let mut gpu = Self::for_config(
+            device,
+            &model.config,
+            batch,
+            seq,
+            precisions,
+            gradient_checkpointing,
+        )?;
+        gpu.upload_params(&model.params)?;
+        gpu.device.synchronize()?;
+        Ok(gpu)
+    }
+
+    /// As [`GpuLlama::with_options`] for the model `config` describes, with zeroed parameters:
+    /// fill them with [`GpuLlama::fill_params`] (a checkpoint streamed from disk, or the random
+    /// initialisation) without a host copy of the model.
+    pub fn for_config(
+        device: &GpuDevice,
+        config: &LlamaConfig,
+        batch: usize,
+        seq: usize,
+        precisions: &[DType],
+        gradient_checkpointing: bool,
+    ) -> Result<GpuLlama> {
         if batch == 0 || seq == 0 {
             return Err(invalid("batch/seq", "must both be positive".into()));
         }
@@ -248,18 +284,8 @@ impl GpuLlama {
             ));
         };
         let widest = allowed.iter().map(|p| p.size_in_bytes()).max().unwrap_or(4);
-        let config = model.config.clone();
-        let layout = model.layout();
-        if model.params.numel() != layout.numel {
-            return Err(invalid(
-                "params",
-                format!(
-                    "has {} entries but the config describes {}",
-                    model.params.numel(),
-                    layout.numel
-                ),
-            ));
-        }
+        let config = config.clone();
+        let layout = ModelLayout::from_config(&config);
         let stream = device.stream().clone();
         let ctx = device.ctx();
         ctx.bind_to_thread()
@@ -272,8 +298,8 @@ impl GpuLlama {
         let n = cap.n;
         let numel = layout.numel;
         let master = stream
-            .clone_htod(&model.params.data)
-            .map_err(|e| cuda_err("uploading the parameters", e))?;
+            .alloc_zeros::<f32>(numel.max(1))
+            .map_err(|e| cuda_err("allocating the master weights", e))?;
         let grads = stream
             .alloc_zeros::<f32>(numel.max(1))
             .map_err(|e| cuda_err("allocating the gradient buffer", e))?;
@@ -323,7 +349,7 @@ impl GpuLlama {
         let workspace_bytes = mm.bytes() + norm_scratch.bytes() + embed_scratch.bytes();
         let mut gpu = GpuLlama {
             device: device.clone(),
-            specs: model.params.specs.clone(),
+            specs: ParamStore::specs_for(&config),
             layout,
             precisions: allowed,
             precision,

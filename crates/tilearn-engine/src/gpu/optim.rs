@@ -242,6 +242,22 @@ impl GpuAdamW {
 }
 
 impl GpuAdamW {
+    /// The moments `(exp_avg, exp_avg_sq)`, for streaming them to a checkpoint.
+    pub(crate) fn moments(&self) -> (&CudaSlice<f32>, &CudaSlice<f32>) {
+        (&self.exp_avg, &self.exp_avg_sq)
+    }
+
+    /// The moments, mutably, for streaming them in from a checkpoint (then
+    /// [`GpuAdamW::set_step`]).
+    pub(crate) fn moments_mut(&mut self) -> (&mut CudaSlice<f32>, &mut CudaSlice<f32>) {
+        (&mut self.exp_avg, &mut self.exp_avg_sq)
+    }
+
+    /// Replaces the step count (resuming from a checkpoint).
+    pub(crate) fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
     /// Replaces the moments and the step count (resuming from a checkpoint).
     pub(crate) fn upload_moments(
         &mut self,

@@ -3,8 +3,19 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+use tilearn_ops::DType;
 
 use crate::{EngineError, Result};
+
+/// When checkpoints are written (Hugging Face's `save_strategy`; `epoch` and `best` are not
+/// supported).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SaveStrategy {
+    /// No checkpoints; the final model is still written.
+    No,
+    /// Every `save_steps` optimizer steps and after the last step.
+    Steps,
+}
 
 /// How long to train: a fixed number of optimizer steps, or whole epochs over the data.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -33,8 +44,24 @@ pub struct TrainingArguments {
     pub seq_len: usize,
     pub seed: u64,
     pub logging_steps: u64,
-    /// Save a checkpoint every this many optimizer steps; 0 saves only at the end.
+    /// With [`SaveStrategy::Steps`], a checkpoint every this many optimizer steps and one after
+    /// the last step (see [`TrainingArguments::saves_checkpoint_at`]); 0 writes none.
+    pub save_strategy: SaveStrategy,
     pub save_steps: u64,
+    /// Checkpoints hold only the model (in `save_dtype`): no optimizer, scheduler or scaler
+    /// state, so they cannot be resumed (Hugging Face's `save_only_model`).
+    #[serde(default)]
+    pub save_only_model: bool,
+    /// The dtype of the final model files (and of `save_only_model` checkpoints); `None`: the
+    /// dtype of the model's config (`dtype`/`torch_dtype`), else f32 — what transformers
+    /// saves for a model loaded with its default `dtype="auto"`. Resumable checkpoints always
+    /// hold the f32 master weights.
+    #[serde(default, with = "hf_dtype")]
+    pub save_dtype: Option<DType>,
+    /// Keep at most this many `checkpoint-N` directories, deleting the oldest once a newer one
+    /// is complete (Hugging Face's `save_total_limit`); `None` keeps all.
+    #[serde(default)]
+    pub save_total_limit: Option<usize>,
     pub gradient_checkpointing: bool,
     /// Show a progress bar (the CLI turns it on when stderr is a terminal).
     pub progress_bar: bool,
@@ -42,6 +69,11 @@ pub struct TrainingArguments {
     /// they run in fp16, as an fp16 backward overflow would (`--debug-inject-overflow`).
     #[serde(default)]
     pub debug_inject_overflow: Vec<u64>,
+    /// Fault injection: the checkpoint writes after these optimizer steps fail with a simulated
+    /// "no space left on device" once the model files are in the staging directory
+    /// (`--debug-fail-checkpoint-write`).
+    #[serde(default)]
+    pub debug_fail_checkpoint_write: Vec<u64>,
 }
 
 impl Default for TrainingArguments {
@@ -64,15 +96,42 @@ impl Default for TrainingArguments {
             seq_len: 512,
             seed: 42,
             logging_steps: 500,
+            save_strategy: SaveStrategy::Steps,
             save_steps: 500,
+            save_only_model: false,
+            save_dtype: None,
+            save_total_limit: None,
             gradient_checkpointing: false,
             progress_bar: false,
             debug_inject_overflow: Vec::new(),
+            debug_fail_checkpoint_write: Vec::new(),
         }
     }
 }
 
 impl TrainingArguments {
+    /// Whether a checkpoint is written after optimizer step `step` of a run of `max_steps`:
+    /// Hugging Face's `DefaultFlowCallback.on_step_end` saves when `save_strategy == STEPS and
+    /// save_steps > 0 and global_step % save_steps == 0`, and when `global_step >= max_steps`
+    /// "if args.save_strategy == SaveStrategy.STEPS" (transformers 4.4x–5: the end of training
+    /// is always saved under the steps strategy). `save_steps` 0 writes none, as
+    /// `save_strategy no` does.
+    pub fn saves_checkpoint_at(&self, step: u64, max_steps: u64) -> bool {
+        self.save_strategy == SaveStrategy::Steps
+            && self.save_steps > 0
+            && (step.is_multiple_of(self.save_steps) || step >= max_steps)
+    }
+
+    /// How many checkpoints a run writes after steps `first_step + 1 ..= max_steps`.
+    pub fn checkpoints_between(&self, first_step: u64, max_steps: u64) -> u64 {
+        if self.save_strategy == SaveStrategy::No || self.save_steps == 0 || first_step >= max_steps
+        {
+            return 0;
+        }
+        let multiples = max_steps / self.save_steps - first_step / self.save_steps;
+        multiples + u64::from(!max_steps.is_multiple_of(self.save_steps))
+    }
+
     /// Rejects values that cannot work, naming the flag and the fix.
     pub fn validate(&self) -> Result<()> {
         let bad = |argument: &str, message: String| {
@@ -111,6 +170,12 @@ impl TrainingArguments {
                 ),
             );
         }
+        if self.save_total_limit == Some(0) {
+            return bad(
+                "--save-total-limit",
+                "is 0; keep at least 1 checkpoint, or write none with --save-strategy no".into(),
+            );
+        }
         match self.length {
             TrainLength::MaxSteps(0) => bad("--max-steps", "must be at least 1".into()),
             TrainLength::Epochs(e) if !(e.is_finite() && e > 0.0) => bad(
@@ -119,5 +184,65 @@ impl TrainingArguments {
             ),
             _ => Ok(()),
         }
+    }
+}
+
+/// `Option<DType>` as its Hugging Face name (`"bfloat16"`) in serialised arguments.
+mod hf_dtype {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use tilearn_ops::DType;
+
+    pub fn serialize<S: Serializer>(dtype: &Option<DType>, s: S) -> Result<S::Ok, S::Error> {
+        match dtype {
+            Some(d) => s.serialize_some(d.hf_name()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<DType>, D::Error> {
+        match Option::<String>::deserialize(d)? {
+            None => Ok(None),
+            Some(name) => DType::parse(&name).map(Some).ok_or_else(|| {
+                serde::de::Error::custom(format!(
+                    "unknown dtype `{name}`; use float32, bfloat16 or float16"
+                ))
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn steps(every: u64) -> TrainingArguments {
+        TrainingArguments {
+            save_steps: every,
+            ..TrainingArguments::default()
+        }
+    }
+
+    #[test]
+    fn hf_rule_saves_multiples_and_the_last_step() {
+        let a = steps(3);
+        let saved: Vec<u64> = (1..=7).filter(|&s| a.saves_checkpoint_at(s, 7)).collect();
+        assert_eq!(saved, [3, 6, 7]);
+        assert_eq!(a.checkpoints_between(0, 7), 3);
+        assert_eq!(a.checkpoints_between(3, 6), 1);
+        assert_eq!(a.checkpoints_between(4, 7), 2);
+        assert_eq!(a.checkpoints_between(7, 7), 0);
+    }
+
+    #[test]
+    fn save_steps_zero_and_strategy_no_save_nothing() {
+        let none = steps(0);
+        assert!((1..=5).all(|s| !none.saves_checkpoint_at(s, 5)));
+        assert_eq!(none.checkpoints_between(0, 5), 0);
+        let no = TrainingArguments {
+            save_strategy: SaveStrategy::No,
+            ..steps(1)
+        };
+        assert!((1..=5).all(|s| !no.saves_checkpoint_at(s, 5)));
+        assert_eq!(no.checkpoints_between(0, 5), 0);
     }
 }

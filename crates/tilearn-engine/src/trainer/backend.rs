@@ -1,13 +1,39 @@
 //! What the Trainer needs from a device to run one optimizer step, so the same loop drives the
 //! CPU reference engine and the CUDA engine.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tilearn_ops::DType;
 
 use crate::Result;
+use crate::config::LlamaConfig;
 use crate::data::Batch;
 use crate::model::LlamaForCausalLM;
+use crate::params::ParamSpec;
+
+/// Where a run's starting weights come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelInit {
+    /// Hugging Face's initialisation with this seed
+    /// ([`ParamStore::init_random_with_pad`](crate::params::ParamStore::init_random_with_pad)).
+    Random { seed: u64 },
+    /// A Hugging Face checkpoint directory's safetensors weights.
+    Pretrained(PathBuf),
+}
+
+impl ModelInit {
+    /// The model on the host (the CPU engine); the CUDA engine streams `self` into device
+    /// memory instead.
+    pub fn build_host(&self, config: LlamaConfig) -> Result<LlamaForCausalLM> {
+        match self {
+            ModelInit::Random { seed } => Ok(LlamaForCausalLM::from_config(config, *seed)),
+            ModelInit::Pretrained(dir) => {
+                let params = crate::checkpoint::load_params(dir, &config)?;
+                Ok(LlamaForCausalLM { config, params })
+            }
+        }
+    }
+}
 
 /// One device's model, gradients and optimizer state.
 pub trait StepBackend {
@@ -49,13 +75,31 @@ pub trait StepBackend {
     /// the backend measured it inside the step.
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>>;
 
-    /// The model with the current weights (the CUDA engine copies them back first).
+    /// The model with the current weights (the CUDA engine downloads a host copy: for
+    /// evaluation and tests, never used by saves).
     fn model(&mut self) -> Result<&LlamaForCausalLM>;
 
+    /// The parameters' tensors (Hugging Face names, shapes, flat ranges).
+    fn specs(&self) -> &[ParamSpec];
+
+    /// Writes the current weights as a Hugging Face model directory (`config.json` from
+    /// `config`, weights in `dtype`, sharded above `max_shard_bytes`), streamed tensor by
+    /// tensor.
+    fn save_model(
+        &mut self,
+        dir: &Path,
+        config: &LlamaConfig,
+        dtype: DType,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<()>;
+
+    /// Writes the optimizer state (`optimizer.safetensors`, see
+    /// [`super::optimizer_file`]).
     fn save_optimizer(&mut self, path: &Path) -> Result<()>;
 
-    /// Replaces weights and optimizer state with a checkpoint's.
-    fn restore(&mut self, model: LlamaForCausalLM, optimizer_file: &Path) -> Result<()>;
+    /// Replaces the weights with those of checkpoint directory `dir` (whose config the Trainer
+    /// has checked) and the optimizer state with `optimizer_file`'s.
+    fn restore(&mut self, dir: &Path, optimizer_file: &Path) -> Result<()>;
 
     /// Makes the gradients non-finite (at least one infinite): fault injection for testing
     /// the fp16 overflow path (`--debug-inject-overflow`).

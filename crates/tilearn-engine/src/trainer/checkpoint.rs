@@ -1,29 +1,21 @@
 //! Writing training checkpoints so that an interrupted save never damages the previous one.
 //!
 //! A checkpoint is first written completely into `checkpoint-N.tmp/`, then renamed to
-//! `checkpoint-N/`. A crash mid-save leaves only a `.tmp` directory, which the next save of
-//! the same step removes and `--resume-from-checkpoint` never picks.
+//! `checkpoint-N/`. A failed save removes its `.tmp` directory (freeing the space it took); a
+//! crash mid-save leaves only a `.tmp` directory, which the next save of the same step removes
+//! and `--resume-from-checkpoint` never picks. Old checkpoints are rotated away only after a
+//! newer one is complete.
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
+
+use tilearn_ops::fs::{sync_parent_dir, tmp_path, write_bytes_atomic};
 
 use crate::{EngineError, Result};
 
-/// Writes `bytes` to `path` through `path.tmp` + fsync + rename.
+/// Writes `bytes` to `path` atomically ([`tilearn_ops::fs`]).
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = tmp_path(path);
-    let mut file = fs::File::create(&tmp).map_err(|e| EngineError::io(&tmp, "create", e))?;
-    file.write_all(bytes)
-        .and_then(|_| file.sync_all())
-        .map_err(|e| EngineError::io(&tmp, "write", e))?;
-    fs::rename(&tmp, path).map_err(|e| EngineError::io(path, "rename into place", e))
-}
-
-fn tmp_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".tmp");
-    path.with_file_name(name)
+    write_bytes_atomic(path, bytes).map_err(|e| EngineError::io(path, "write", e))
 }
 
 /// The directory name of the checkpoint after `step` optimizer steps.
@@ -44,7 +36,12 @@ pub fn save_dir_atomically(
             .map_err(|e| EngineError::io(&staging, "remove a stale staging directory", e))?;
     }
     fs::create_dir_all(&staging).map_err(|e| EngineError::io(&staging, "create", e))?;
-    write(&staging)?;
+    if let Err(e) = write(&staging) {
+        // Best effort: the space a half-written checkpoint holds is what the final model may
+        // need next.
+        let _ = fs::remove_dir_all(&staging);
+        return Err(e);
+    }
     if final_dir.exists() {
         let mut old = final_dir.as_os_str().to_os_string();
         old.push(".old");
@@ -58,21 +55,47 @@ pub fn save_dir_atomically(
         fs::rename(&staging, final_dir)
             .map_err(|e| EngineError::io(final_dir, "rename into place", e))?;
     }
+    sync_parent_dir(final_dir);
     Ok(())
 }
 
-/// The newest complete `checkpoint-N` directory in `output_dir`, if any.
-pub fn latest_checkpoint(output_dir: &Path) -> Option<PathBuf> {
-    let entries = fs::read_dir(output_dir).ok()?;
-    entries
+/// The complete `checkpoint-N` directories in `output_dir`, oldest (lowest step) first.
+pub fn checkpoints(output_dir: &Path) -> Vec<(u64, PathBuf)> {
+    let Ok(entries) = fs::read_dir(output_dir) else {
+        return Vec::new();
+    };
+    let mut found: Vec<(u64, PathBuf)> = entries
         .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
             let step: u64 = name.strip_prefix("checkpoint-")?.parse().ok()?;
             Some((step, e.path()))
         })
-        .max_by_key(|(step, _)| *step)
-        .map(|(_, path)| path)
+        .collect();
+    found.sort();
+    found
+}
+
+/// Deletes the oldest checkpoints until at most `limit` remain (Hugging Face's
+/// `save_total_limit`); `newest` (the one just completed) is never deleted. Returns the deleted
+/// directories.
+pub fn rotate_checkpoints(output_dir: &Path, limit: usize, newest: &Path) -> Result<Vec<PathBuf>> {
+    let all = checkpoints(output_dir);
+    let excess = all.len().saturating_sub(limit);
+    let mut removed = Vec::new();
+    for (_, dir) in all.into_iter().filter(|(_, d)| d != newest).take(excess) {
+        fs::remove_dir_all(&dir).map_err(|e| {
+            EngineError::io(&dir, "delete an old checkpoint (--save-total-limit)", e)
+        })?;
+        removed.push(dir);
+    }
+    Ok(removed)
+}
+
+/// The newest complete `checkpoint-N` directory in `output_dir`, if any.
+pub fn latest_checkpoint(output_dir: &Path) -> Option<PathBuf> {
+    checkpoints(output_dir).pop().map(|(_, path)| path)
 }
 
 #[cfg(test)]
@@ -93,7 +116,32 @@ mod tests {
         });
         assert!(failed.is_err());
         assert_eq!(fs::read(ckpt.join("a.txt")).unwrap(), b"good");
+        assert!(
+            !tmp_path(&ckpt).exists(),
+            "the failed staging dir is removed"
+        );
         assert_eq!(latest_checkpoint(dir.path()).unwrap(), ckpt);
+    }
+
+    #[test]
+    fn rotation_keeps_the_newest_and_deletes_the_oldest() {
+        let dir = tempfile::tempdir().unwrap();
+        for step in [2, 10, 4, 8] {
+            fs::create_dir(checkpoint_dir(dir.path(), step)).unwrap();
+        }
+        fs::create_dir(dir.path().join("checkpoint-12.tmp")).unwrap();
+        let newest = checkpoint_dir(dir.path(), 10);
+        let removed = rotate_checkpoints(dir.path(), 2, &newest).unwrap();
+        assert_eq!(
+            removed,
+            [checkpoint_dir(dir.path(), 2), checkpoint_dir(dir.path(), 4)]
+        );
+        let left: Vec<u64> = checkpoints(dir.path())
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        assert_eq!(left, [8, 10]);
+        assert!(dir.path().join("checkpoint-12.tmp").exists());
     }
 
     #[test]

@@ -14,9 +14,13 @@ use tilearn_ops::DType;
 use tilearn_optim::AdamW;
 
 use super::backend::StepBackend;
+use super::optimizer_file;
 use crate::Result;
+use crate::checkpoint::{load_params_into, save_pretrained};
+use crate::config::LlamaConfig;
 use crate::data::Batch;
 use crate::model::{Activations, LlamaForCausalLM};
+use crate::params::ParamSpec;
 
 pub struct CpuBackend {
     model: LlamaForCausalLM,
@@ -130,13 +134,45 @@ impl StepBackend for CpuBackend {
         Ok(&self.model)
     }
 
-    fn save_optimizer(&mut self, path: &Path) -> Result<()> {
-        Ok(self.optimizer.save_state(path)?)
+    fn specs(&self) -> &[ParamSpec] {
+        &self.model.params.specs
     }
 
-    fn restore(&mut self, model: LlamaForCausalLM, optimizer_file: &Path) -> Result<()> {
-        self.optimizer.load_state(optimizer_file)?;
-        self.model = model;
+    fn save_model(
+        &mut self,
+        dir: &Path,
+        config: &LlamaConfig,
+        dtype: DType,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<()> {
+        save_pretrained(dir, config, &self.model.params, dtype, max_shard_bytes)
+    }
+
+    fn save_optimizer(&mut self, path: &Path) -> Result<()> {
+        let o = &self.optimizer;
+        let mut source = optimizer_file::HostMoments {
+            exp_avg: o.exp_avg(),
+            exp_avg_sq: o.exp_avg_sq(),
+        };
+        let numel = self.model.params.numel();
+        optimizer_file::write(
+            path,
+            o.config(),
+            o.groups(),
+            o.step_count(),
+            numel,
+            &mut source,
+        )
+    }
+
+    fn restore(&mut self, dir: &Path, optimizer_file: &Path) -> Result<()> {
+        let numel = self.model.params.numel();
+        let mut moments = vec![0.0f32; 2 * numel];
+        let mut dest: &mut [f32] = &mut moments;
+        let step = optimizer_file::read(optimizer_file, numel, &mut dest)?;
+        let exp_avg_sq = moments.split_off(numel);
+        load_params_into(dir, &mut self.model.params)?;
+        self.optimizer.set_state(moments, exp_avg_sq, None, step)?;
         Ok(())
     }
 

@@ -5,30 +5,38 @@
 //! the loss is scaled in the fused cross entropy, `unscale_and_check` reads the unscaled
 //! gradient norm (the non-finite check), and the fused AdamW unscales and clips inside its
 //! kernel. Clipping happens inside that kernel, so `clip_grad_norm` only records the limit and
-//! `optimizer_step` reports the norm it measured. Checkpoints use the CPU
-//! formats: weights downloaded into a `LlamaForCausalLM`, moments into a CPU `AdamW`, so a run
-//! saved on the GPU resumes on either device.
+//! `optimizer_step` reports the norm it measured.
+//!
+//! Saves, loads and the random initialisation stream through the engine's page-locked staging
+//! buffer ([`GpuLlama::with_params_source`], [`GpuLlama::fill_params`], and the moments'
+//! counterparts) in the CPU engine's file formats, so a run saved on the GPU resumes on either
+//! device and host memory never holds the model or its optimizer state.
 
 use std::path::Path;
 
 use tilearn_ops::DType;
 use tilearn_ops::cuda::GpuDevice;
-use tilearn_optim::AdamW;
+use tilearn_optim::{AdamWConfig, ParamGroup};
 
-use super::backend::StepBackend;
-use super::{TrainingArguments, adamw_for};
+use super::backend::{ModelInit, StepBackend};
+use super::{TrainingArguments, adamw_setup, optimizer_file};
 use crate::Result;
+use crate::checkpoint::{load_into, save_pretrained_from};
+use crate::config::LlamaConfig;
 use crate::data::Batch;
 use crate::gpu::GpuLlama;
 use crate::model::LlamaForCausalLM;
+use crate::params::{ParamSpec, ParamStore, init_random_into};
 
 pub struct GpuBackend {
     gpu: GpuLlama,
-    /// Host copy for saving, refreshed on demand.
-    host: LlamaForCausalLM,
-    /// Holds the optimizer's configuration and groups; its moments are filled from the device
-    /// only when saving.
-    cpu_optimizer: AdamW,
+    config: LlamaConfig,
+    specs: Vec<ParamSpec>,
+    numel: usize,
+    /// A host copy made only when [`StepBackend::model`] asks for one (evaluation, tests).
+    host: Option<LlamaForCausalLM>,
+    optimizer_config: AdamWConfig,
+    optimizer_groups: Vec<ParamGroup>,
     max_grad_norm: f64,
     name: String,
 }
@@ -43,19 +51,59 @@ impl GpuBackend {
         ordinal: usize,
         precisions: &[DType],
     ) -> Result<GpuBackend> {
+        let mut backend = Self::build(&model.config, args, ordinal, precisions)?;
+        backend.gpu.upload_params(&model.params)?;
+        Ok(backend)
+    }
+
+    /// Builds the model `config` describes on GPU `ordinal` and fills its weights from `init`
+    /// tensor by tensor (see the module docs); otherwise as [`GpuBackend::new`].
+    pub fn from_init(
+        config: &LlamaConfig,
+        init: &ModelInit,
+        args: &TrainingArguments,
+        ordinal: usize,
+        precisions: &[DType],
+    ) -> Result<GpuBackend> {
+        let mut backend = Self::build(config, args, ordinal, precisions)?;
+        let specs = backend.specs.clone();
+        match init {
+            ModelInit::Random { seed } => backend.gpu.fill_params(|dest| {
+                init_random_into(
+                    &specs,
+                    *seed,
+                    config.initializer_range,
+                    config.pad_token_id,
+                    dest,
+                )
+            })?,
+            ModelInit::Pretrained(dir) => backend
+                .gpu
+                .fill_params(|dest| load_into(dir, &specs, dest))?,
+        }
+        Ok(backend)
+    }
+
+    fn build(
+        config: &LlamaConfig,
+        args: &TrainingArguments,
+        ordinal: usize,
+        precisions: &[DType],
+    ) -> Result<GpuBackend> {
         let device = GpuDevice::new(ordinal)?;
-        let mut gpu = GpuLlama::with_options(
+        let mut gpu = GpuLlama::for_config(
             &device,
-            &model,
+            config,
             args.per_device_train_batch_size,
             args.seq_len,
             precisions,
             args.gradient_checkpointing,
         )?;
-        let cpu_optimizer = adamw_for(args, &model.params)?;
+        let specs = ParamStore::specs_for(config);
+        let (optimizer_config, optimizer_groups) = adamw_setup(args, &specs);
         gpu.configure_optimizer(
-            *cpu_optimizer.config(),
-            cpu_optimizer.groups().to_vec(),
+            optimizer_config,
+            optimizer_groups.clone(),
             args.max_grad_norm,
         )?;
         let mut features: Vec<String> = vec![
@@ -78,8 +126,12 @@ impl GpuBackend {
         );
         Ok(GpuBackend {
             gpu,
-            host: model,
-            cpu_optimizer,
+            config: config.clone(),
+            numel: specs.iter().map(ParamSpec::numel).sum(),
+            specs,
+            host: None,
+            optimizer_config,
+            optimizer_groups,
             max_grad_norm: args.max_grad_norm,
             name,
         })
@@ -139,26 +191,47 @@ impl StepBackend for GpuBackend {
     }
 
     fn model(&mut self) -> Result<&LlamaForCausalLM> {
-        self.host.params = self.gpu.download_params()?;
-        Ok(&self.host)
+        let params = self.gpu.download_params()?;
+        let host = self.host.insert(LlamaForCausalLM {
+            config: self.config.clone(),
+            params,
+        });
+        Ok(host)
+    }
+
+    fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    fn save_model(
+        &mut self,
+        dir: &Path,
+        config: &LlamaConfig,
+        dtype: DType,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<()> {
+        let specs = &self.specs;
+        self.gpu.with_params_source(|source| {
+            save_pretrained_from(dir, config, specs, source, dtype, max_shard_bytes)
+        })
     }
 
     fn save_optimizer(&mut self, path: &Path) -> Result<()> {
-        let (m, v) = self.gpu.download_optimizer_moments()?;
         let step = self.gpu.optimizer().map_or(0, |o| o.step_count());
-        self.cpu_optimizer.set_state(m, v, None, step)?;
-        Ok(self.cpu_optimizer.save_state(path)?)
+        let numel = self.numel;
+        let (config, groups) = (&self.optimizer_config, &self.optimizer_groups);
+        self.gpu.with_moments_source(|source| {
+            optimizer_file::write(path, config, groups, step, numel, source)
+        })
     }
 
-    fn restore(&mut self, model: LlamaForCausalLM, optimizer_file: &Path) -> Result<()> {
-        self.cpu_optimizer.load_state(optimizer_file)?;
-        self.gpu.upload_params(&model.params)?;
-        self.gpu.upload_optimizer_state(
-            self.cpu_optimizer.exp_avg(),
-            self.cpu_optimizer.exp_avg_sq(),
-            self.cpu_optimizer.step_count(),
-        )?;
-        self.host = model;
+    fn restore(&mut self, dir: &Path, optimizer_file: &Path) -> Result<()> {
+        let numel = self.numel;
+        self.gpu
+            .fill_moments(|dest| optimizer_file::read(optimizer_file, numel, dest))?;
+        let specs = &self.specs;
+        self.gpu.fill_params(|dest| load_into(dir, specs, dest))?;
+        self.host = None;
         Ok(())
     }
 

@@ -9,29 +9,34 @@ pub mod args;
 pub mod backend;
 pub mod checkpoint;
 pub mod cpu_backend;
+pub mod disk;
 #[cfg(feature = "cuda")]
 pub mod gpu_backend;
+pub mod host;
 pub mod log;
+pub mod optimizer_file;
+mod saving;
 pub mod state;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use adaptfp16::{AmpPlan, GradScaler, Signals, TimeUnit};
+use adaptfp16::{AmpPlan, Signals, TimeUnit};
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, ParamGroup, SchedulerType};
 
-pub use args::{TrainLength, TrainingArguments};
-pub use backend::StepBackend;
+pub use args::{SaveStrategy, TrainLength, TrainingArguments};
+pub use backend::{ModelInit, StepBackend};
 pub use cpu_backend::CpuBackend;
+pub use disk::{FilesystemSpace, FreeSpace};
 pub use log::{LogRecord, TrainLog};
 pub use state::{SchedulerState, TrainerState};
 
 use crate::config::LlamaConfig;
 use crate::data::{DataLoader, LoaderOptions, LoaderState, TokenDataset, WorkerHook};
 use crate::model::{LlamaForCausalLM, count_valid_targets};
-use crate::params::ParamStore;
+use crate::params::{ParamSpec, ParamStore};
 use crate::{EngineError, Result};
 
 /// What a finished run reports.
@@ -45,6 +50,13 @@ pub struct TrainSummary {
     /// Optimizer steps skipped by the GradScaler (non-finite fp16 gradients).
     pub skipped_steps: u64,
     pub peak_memory_bytes: u64,
+    /// The process's peak resident host memory (`VmHWM`), where the platform reports it.
+    pub host_peak_rss_bytes: Option<u64>,
+    /// Seconds from the Trainer's start clock ([`Trainer::set_start_time`]) to the end of this
+    /// run's first optimizer step (`None` when no step ran).
+    pub time_to_first_step: Option<f64>,
+    /// Seconds the final model's files took to write.
+    pub final_save_seconds: f64,
     pub output_dir: PathBuf,
 }
 
@@ -58,6 +70,11 @@ pub struct Trainer {
     /// [`Trainer::set_loader_hook`]).
     loader_hook: Option<Arc<dyn Fn() + Send + Sync>>,
     amp: AmpPlan,
+    /// The free space the disk checks consult (the real filesystem's unless a test injects
+    /// one).
+    space: Arc<dyn FreeSpace>,
+    /// What time-to-first-step is measured from.
+    started: Instant,
 }
 
 /// Observes progress (the CLI's progress bar); called after every optimizer step.
@@ -66,6 +83,14 @@ pub trait ProgressSink {
     fn step(&mut self, step: u64, loss: f64, lr: f64);
     fn log(&mut self, record: &LogRecord);
     fn finish(&mut self);
+    /// A line of information (time to the first step, save times).
+    fn note(&mut self, line: &str) {
+        println!("{line}");
+    }
+    /// A problem the run survives (a checkpoint that could not be written).
+    fn warn(&mut self, line: &str) {
+        eprintln!("warning: {line}");
+    }
 }
 
 /// A sink that prints each logged record as one line to stdout (non-terminal output).
@@ -85,6 +110,20 @@ impl ProgressSink for PrintLogs {
 /// Hugging Face's grouping for AdamW: weight decay on matrices and embeddings, none on norms
 /// and biases.
 pub fn adamw_for(args: &TrainingArguments, params: &ParamStore) -> Result<AdamW> {
+    let (config, groups) = adamw_setup(args, &params.specs);
+    Ok(AdamW::new(config, groups, params.numel())?)
+}
+
+/// The configuration and groups of [`adamw_for`], for a model with tensors `specs`, without
+/// allocating any state.
+pub fn adamw_setup(
+    args: &TrainingArguments,
+    specs: &[ParamSpec],
+) -> (AdamWConfig, Vec<ParamGroup>) {
+    let layout = ParamStore {
+        specs: specs.to_vec(),
+        data: Vec::new(),
+    };
     let config = AdamWConfig {
         lr: args.learning_rate,
         beta1: args.adam_beta1,
@@ -96,18 +135,18 @@ pub fn adamw_for(args: &TrainingArguments, params: &ParamStore) -> Result<AdamW>
     let groups = vec![
         ParamGroup {
             name: "decay".into(),
-            ranges: params.decay_ranges(),
+            ranges: layout.decay_ranges(),
             weight_decay: args.weight_decay,
             lr_scale: 1.0,
         },
         ParamGroup {
             name: "no_decay".into(),
-            ranges: params.no_decay_ranges(),
+            ranges: layout.no_decay_ranges(),
             weight_decay: 0.0,
             lr_scale: 1.0,
         },
     ];
-    Ok(AdamW::new(config, groups, params.numel())?)
+    (config, groups)
 }
 
 impl Trainer {
@@ -165,7 +204,21 @@ impl Trainer {
             dataset: Arc::new(dataset),
             loader_hook: None,
             amp: AmpPlan::Fixed(DType::F32),
+            space: Arc::new(FilesystemSpace),
+            started: Instant::now(),
         })
+    }
+
+    /// The free-space provider of the disk checks (default: the output filesystem's real free
+    /// space); tests inject a small quota.
+    pub fn set_free_space(&mut self, space: Arc<dyn FreeSpace>) {
+        self.space = space;
+    }
+
+    /// What time-to-first-step is measured from (default: when the Trainer was built); the CLI
+    /// passes its own start so the report covers model building and loading.
+    pub fn set_start_time(&mut self, started: Instant) {
+        self.started = started;
     }
 
     /// Code the data loader's worker thread runs once before producing batches, e.g. pinning it
@@ -277,6 +330,8 @@ impl Trainer {
             state.max_steps = total_steps;
             trim_log(&a.output_dir.join(log::LOG_FILE), state.global_step)?;
         }
+        let first_step = state.global_step;
+        self.check_disk_at_start(first_step, total_steps)?;
         let mut log = TrainLog::open(&a.output_dir, resume.is_none())?;
 
         let hook = self
@@ -291,8 +346,9 @@ impl Trainer {
         let (mut first_loss, mut final_loss) = (f64::NAN, f64::NAN);
         let mut last_loss = None;
         let mut skipped_total = 0u64;
+        let mut checkpoint_failures: Vec<String> = Vec::new();
+        let mut time_to_first_step = None;
         let run_start = Instant::now();
-        let first_step = state.global_step;
         sink.start(total_steps, first_step);
 
         while state.global_step < total_steps {
@@ -372,6 +428,14 @@ impl Trainer {
             }
             final_loss = loss;
             sink.step(state.global_step, loss, lr as f64);
+            if time_to_first_step.is_none() {
+                let since_start = self.started.elapsed().as_secs_f64();
+                time_to_first_step = Some(since_start);
+                sink.note(&format!(
+                    "first step done {since_start:.1} s after start ({step_secs:.1} s in the step); host peak RSS {}",
+                    show_rss(host::peak_rss_bytes())
+                ));
+            }
             let last = state.global_step == total_steps;
             if state.global_step.is_multiple_of(a.logging_steps.max(1)) || last {
                 let record = window.take(
@@ -388,17 +452,28 @@ impl Trainer {
                 log.write(&record)?;
                 sink.log(&record);
             }
-            if (a.save_steps > 0 && state.global_step.is_multiple_of(a.save_steps)) || last {
-                self.save_checkpoint(&state, &schedule, &scaler)?;
+            // The last step's checkpoint comes after the final model (below).
+            if !last && a.saves_checkpoint_at(state.global_step, total_steps) {
+                let saved = self.try_checkpoint(&state, &schedule, &scaler, sink);
+                checkpoint_failures.extend(saved.err());
             }
         }
         sink.finish();
-        self.backend
-            .model()?
-            .save_pretrained(&a.output_dir, DType::F32, None)?;
+        let elapsed = run_start.elapsed().as_secs_f64();
+        // The final model first: a checkpoint that cannot be written never costs the model.
+        let final_save_seconds = self.save_final_model(sink)?;
+        if state.global_step > first_step && a.saves_checkpoint_at(state.global_step, total_steps) {
+            let saved = self.try_checkpoint(&state, &schedule, &scaler, sink);
+            checkpoint_failures.extend(saved.err());
+        }
+        if !checkpoint_failures.is_empty() {
+            return Err(EngineError::CheckpointsNotSaved {
+                output_dir: a.output_dir.clone(),
+                failures: checkpoint_failures.join("; "),
+            });
+        }
 
         let steps_run = state.global_step - first_step;
-        let elapsed = run_start.elapsed().as_secs_f64();
         Ok(TrainSummary {
             steps: state.global_step,
             first_loss,
@@ -407,81 +482,11 @@ impl Trainer {
             tokens_per_sec: (steps_run * tokens_per_step) as f64 / elapsed.max(1e-9),
             skipped_steps: skipped_total,
             peak_memory_bytes: self.backend.peak_memory_bytes(),
+            host_peak_rss_bytes: host::peak_rss_bytes(),
+            time_to_first_step,
+            final_save_seconds,
             output_dir: a.output_dir.clone(),
         })
-    }
-
-    fn save_checkpoint(
-        &mut self,
-        state: &TrainerState,
-        schedule: &LrSchedule,
-        scaler: &GradScaler,
-    ) -> Result<()> {
-        let dir = checkpoint::checkpoint_dir(&self.args.output_dir, state.global_step);
-        let lr_scheduler_type = self.args.lr_scheduler_type.clone();
-        let backend = &mut self.backend;
-        let amp = &self.amp;
-        checkpoint::save_dir_atomically(&dir, |staging| {
-            // f32 on disk so that a resume continues bit-for-bit.
-            backend
-                .model()?
-                .save_pretrained(staging, DType::F32, None)?;
-            backend.save_optimizer(&staging.join(state::OPTIMIZER_FILE))?;
-            state::write_json(
-                &staging.join(state::SCHEDULER_FILE),
-                &SchedulerState {
-                    lr_scheduler_type,
-                    base_lr: schedule.base_lr,
-                    warmup_steps: schedule.warmup_steps,
-                    total_steps: schedule.total_steps,
-                    last_step: state.global_step,
-                },
-            )?;
-            if scaler.is_enabled() {
-                state::write_json(&staging.join(state::SCALER_FILE), &scaler.state_dict_json())?;
-            }
-            if let AmpPlan::Adaptive(policy) = amp {
-                state::write_json(&staging.join(state::AMP_POLICY_FILE), &policy.state_json()?)?;
-            }
-            state::write_json(&staging.join(state::TRAINER_STATE_FILE), state)
-        })
-    }
-
-    fn restore(&mut self, dir: &Path, scaler: &mut GradScaler) -> Result<TrainerState> {
-        let state: TrainerState = state::read_json(&dir.join(state::TRAINER_STATE_FILE))?;
-        if state.seed != self.args.seed {
-            return Err(EngineError::InvalidArgument {
-                argument: "--seed".into(),
-                message: format!(
-                    "{} differs from the checkpoint's seed {}; resume with --seed {}",
-                    self.args.seed, state.seed, state.seed
-                ),
-            });
-        }
-        let loaded = LlamaForCausalLM::from_pretrained(dir)?;
-        if loaded.config != self.config {
-            return Err(EngineError::InvalidArgument {
-                argument: "--resume-from-checkpoint".into(),
-                message: format!(
-                    "{} holds a different model ({} parameters) from the one this run builds; resume with the same --config/--model",
-                    dir.display(),
-                    loaded.params.numel(),
-                ),
-            });
-        }
-        self.backend
-            .restore(loaded, &dir.join(state::OPTIMIZER_FILE))?;
-        let scaler_file = dir.join(state::SCALER_FILE);
-        if scaler.is_enabled() && scaler_file.exists() {
-            let json: serde_json::Value = state::read_json(&scaler_file)?;
-            scaler.load_state_dict_json(&json)?;
-        }
-        let policy_file = dir.join(state::AMP_POLICY_FILE);
-        if let (AmpPlan::Adaptive(policy), true) = (&mut self.amp, policy_file.exists()) {
-            let json: serde_json::Value = state::read_json(&policy_file)?;
-            policy.load_state_json(&json)?;
-        }
-        Ok(state)
     }
 }
 
@@ -560,6 +565,11 @@ impl adaptfp16::UnscaleTarget for BackendGrads<'_> {
     fn found_inf(&mut self) -> std::result::Result<bool, adaptfp16::BackendError> {
         Ok(self.found_inf)
     }
+}
+
+/// Peak RSS for log lines.
+fn show_rss(bytes: Option<u64>) -> String {
+    bytes.map_or("unknown".into(), |b| format!("{:.2} GiB", host::gib(b)))
 }
 
 /// Fails early, naming the directory, when the output directory cannot be written.

@@ -38,6 +38,18 @@ impl ProgressSink for Bar {
             bar.finish_and_clear();
         }
     }
+    fn note(&mut self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => println!("{line}"),
+        }
+    }
+    fn warn(&mut self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.suspend(|| eprintln!("warning: {line}")),
+            None => eprintln!("warning: {line}"),
+        }
+    }
 }
 
 /// A bar when stderr is a terminal, else one printed line per logged step.

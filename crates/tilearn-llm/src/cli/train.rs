@@ -6,12 +6,16 @@
 //! `<output-dir>/data`, so a first run needs no download.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
-use tilearn_engine::model::LlamaForCausalLM;
-use tilearn_engine::trainer::{TrainLength, Trainer, TrainingArguments};
+use tilearn_engine::params::{ParamSpec, ParamStore};
+use tilearn_engine::trainer::{
+    ModelInit, SaveStrategy, TrainLength, Trainer, TrainingArguments, host,
+};
+use tilearn_ops::DType;
 
 use super::topology::BindCores;
 use crate::{LlmError, Result};
@@ -25,6 +29,16 @@ pub enum DeviceChoice {
     Auto,
     Cpu,
     Cuda,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SaveStrategyChoice {
+    No,
+    Steps,
+}
+
+fn parse_dtype(name: &str) -> std::result::Result<DType, String> {
+    DType::parse(name).ok_or_else(|| format!("`{name}` is not a dtype; use bf16, fp16 or f32"))
 }
 
 #[derive(Debug, Args)]
@@ -77,9 +91,24 @@ pub struct TrainArgs {
     pub seed: u64,
     #[arg(long, default_value_t = 10)]
     pub logging_steps: u64,
-    /// Save a checkpoint every N optimizer steps (0: only at the end).
+    /// `steps`: a checkpoint every --save-steps optimizer steps and after the last step (as
+    /// Hugging Face's Trainer); `no`: no checkpoints. The final model is written either way.
+    #[arg(long, value_enum, default_value_t = SaveStrategyChoice::Steps)]
+    pub save_strategy: SaveStrategyChoice,
+    /// Save a checkpoint every N optimizer steps and after the last (0: no checkpoints).
     #[arg(long, default_value_t = 100)]
     pub save_steps: u64,
+    /// Checkpoints hold only the model (in --save-dtype), no optimizer state: much smaller,
+    /// but training cannot resume from them.
+    #[arg(long)]
+    pub save_only_model: bool,
+    /// dtype of the final model files: bf16, fp16 or f32 (default: the config's dtype /
+    /// torch_dtype, else f32). Resumable checkpoints always hold f32 weights.
+    #[arg(long, value_parser = parse_dtype)]
+    pub save_dtype: Option<DType>,
+    /// Keep at most N checkpoints, deleting the oldest once a newer one is complete.
+    #[arg(long)]
+    pub save_total_limit: Option<usize>,
     /// Recompute each block's forward in its backward to save activation memory.
     #[arg(long)]
     pub gradient_checkpointing: bool,
@@ -130,6 +159,10 @@ pub struct TrainArgs {
     /// these optimizer steps (1-based, comma-separated).
     #[arg(long, value_delimiter = ',', hide = true)]
     pub debug_inject_overflow: Vec<u64>,
+    /// Fault injection for testing failed saves: the checkpoints after these optimizer steps
+    /// fail with a simulated "no space left on device" (1-based, comma-separated).
+    #[arg(long, value_delimiter = ',', hide = true)]
+    pub debug_fail_checkpoint_write: Vec<u64>,
     /// Pin this rank's threads near its GPU (LOCAL_RANK / LOCAL_WORLD_SIZE /
     /// CUDA_VISIBLE_DEVICES say which GPU); TILEARN_AFFINITY=off overrides. See `tilearn info
     /// --topology` for the plan.
@@ -167,12 +200,13 @@ const FROM_SCRATCH: Recipe = Recipe {
 };
 
 pub fn run(args: TrainArgs) -> Result<()> {
+    let started = Instant::now();
     let trains_on_gpu = choose_device(args.device)?;
     let amp = amp_plan(&args, trains_on_gpu)?;
     // Before anything spawns threads (rayon's pool, the loader): they inherit the main thread's
     // CPU mask.
     let loader_hook = super::topology::bind_this_rank(args.bind_cores.resolve(trains_on_gpu));
-    let (model, recipe) = build_model(&args)?;
+    let (config, init, recipe) = model_start(&args)?;
     let dataset = open_dataset(&args)?;
     let length = match (args.max_steps, args.num_train_epochs) {
         (Some(steps), _) => TrainLength::MaxSteps(steps),
@@ -182,7 +216,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     };
     let seq_len = args
         .seq_len
-        .unwrap_or(recipe.seq_len.min(model.config.max_position_embeddings));
+        .unwrap_or(recipe.seq_len.min(config.max_position_embeddings));
     let training = TrainingArguments {
         output_dir: args.output_dir.clone(),
         length,
@@ -202,18 +236,29 @@ pub fn run(args: TrainArgs) -> Result<()> {
         seq_len,
         seed: args.seed,
         logging_steps: args.logging_steps,
+        save_strategy: match args.save_strategy {
+            SaveStrategyChoice::No => SaveStrategy::No,
+            SaveStrategyChoice::Steps => SaveStrategy::Steps,
+        },
         save_steps: args.save_steps,
+        save_only_model: args.save_only_model,
+        save_dtype: args.save_dtype,
+        save_total_limit: args.save_total_limit,
         gradient_checkpointing: args.gradient_checkpointing,
         progress_bar: true,
         debug_inject_overflow: args.debug_inject_overflow.clone(),
+        debug_fail_checkpoint_write: args.debug_fail_checkpoint_write.clone(),
     };
-    let config = model.config.clone();
-    let params = model.params.numel();
+    let params: usize = ParamStore::specs_for(&config)
+        .iter()
+        .map(ParamSpec::numel)
+        .sum();
     let mut trainer = if trains_on_gpu {
-        gpu_trainer(training, model, dataset, &amp)?
+        gpu_trainer(training, &config, &init, dataset, &amp)?
     } else {
-        Trainer::new(training, model, dataset)?
+        Trainer::new(training, init.build_host(config.clone())?, dataset)?
     };
+    trainer.set_start_time(started);
     let training = &trainer.args;
     println!(
         "model: {} parameters, {} layers, hidden {}; device {}; batch {}×{} tokens × {} accumulation; output {}",
@@ -233,14 +278,21 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let mut sink = super::progress::sink();
     let summary = trainer.train(args.resume_from_checkpoint.as_deref(), sink.as_mut())?;
     println!(
-        "done: {} steps ({} skipped by the loss scaler), loss {:.4} -> {:.4}, {:.3} s/step, {:.0} tokens/s, peak memory {:.2} GiB; model saved to {}",
+        "done: {} steps ({} skipped by the loss scaler), loss {:.4} -> {:.4}, {:.3} s/step, {:.0} tokens/s, peak memory {:.2} GiB, host peak RSS {}, first step after {}, final save {:.1} s; model saved to {}",
         summary.steps,
         summary.skipped_steps,
         summary.first_loss,
         summary.final_loss,
         summary.mean_step_seconds,
         summary.tokens_per_sec,
-        summary.peak_memory_bytes as f64 / (1u64 << 30) as f64,
+        host::gib(summary.peak_memory_bytes),
+        summary
+            .host_peak_rss_bytes
+            .map_or("unknown".into(), |b| format!("{:.2} GiB", host::gib(b))),
+        summary
+            .time_to_first_step
+            .map_or("no step".into(), |t| format!("{t:.1} s")),
+        summary.final_save_seconds,
         summary.output_dir.display()
     );
     Ok(())
@@ -279,21 +331,23 @@ fn local_gpu() -> usize {
         .unwrap_or(0)
 }
 
+/// A Trainer on the GPU whose weights are streamed from `init` into device memory (no host
+/// copy of the model).
 #[cfg(feature = "cuda")]
 fn gpu_trainer(
     training: TrainingArguments,
-    model: LlamaForCausalLM,
+    config: &LlamaConfig,
+    init: &ModelInit,
     dataset: TokenDataset,
     amp: &adaptfp16::AmpPlan,
 ) -> Result<Trainer> {
     use tilearn_engine::trainer::gpu_backend::GpuBackend;
-    let config = model.config.clone();
     // Built for every precision the plan may choose, so periods switch without rebuilding.
     let precisions = amp.possible_precisions();
-    let backend = GpuBackend::new(model, &training, local_gpu(), &precisions)?;
+    let backend = GpuBackend::from_init(config, init, &training, local_gpu(), &precisions)?;
     Ok(Trainer::with_backend(
         training,
-        config,
+        config.clone(),
         Box::new(backend),
         dataset,
     )?)
@@ -302,7 +356,8 @@ fn gpu_trainer(
 #[cfg(not(feature = "cuda"))]
 fn gpu_trainer(
     _training: TrainingArguments,
-    _model: LlamaForCausalLM,
+    _config: &LlamaConfig,
+    _init: &ModelInit,
     _dataset: TokenDataset,
     _amp: &adaptfp16::AmpPlan,
 ) -> Result<Trainer> {
@@ -339,9 +394,11 @@ fn amp_plan(args: &TrainArgs, on_gpu: bool) -> Result<adaptfp16::AmpPlan> {
     })
 }
 
-fn build_model(args: &TrainArgs) -> Result<(LlamaForCausalLM, Recipe)> {
+/// The model's config, where its weights come from, and the matching recipe.
+fn model_start(args: &TrainArgs) -> Result<(LlamaConfig, ModelInit, Recipe)> {
     if let Some(dir) = &args.model {
-        return Ok((LlamaForCausalLM::from_pretrained(dir)?, FINE_TUNE));
+        let config = LlamaConfig::from_file(dir.join(tilearn_engine::checkpoint::CONFIG_FILE))?;
+        return Ok((config, ModelInit::Pretrained(dir.clone()), FINE_TUNE));
     }
     let config = match &args.config {
         Some(file) => LlamaConfig::from_file(file)?,
@@ -350,10 +407,7 @@ fn build_model(args: &TrainArgs) -> Result<(LlamaForCausalLM, Recipe)> {
             Path::new("<embedded default config>"),
         )?,
     };
-    Ok((
-        LlamaForCausalLM::from_config(config, args.seed),
-        FROM_SCRATCH,
-    ))
+    Ok((config, ModelInit::Random { seed: args.seed }, FROM_SCRATCH))
 }
 
 fn open_dataset(args: &TrainArgs) -> Result<TokenDataset> {

@@ -51,6 +51,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     run_checked(clippy)?;
 
     crate::build_kernels::run(&["--check".to_string()])?;
+    crate::module_cycles::run(&[])?;
 
     let mut test = cargo();
     test.args(["test", "--workspace", "--features", "tilearn-llm/cuda"]);

@@ -11,6 +11,8 @@ mod support;
 
 use std::path::Path;
 
+use adaptfp16::AmpPlan;
+
 use tilearn_engine::checkpoint::load_params;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
@@ -84,6 +86,8 @@ fn a_restored_checkpoint_saves_identical_files() {
         TokenDataset::open(&data).unwrap(),
     )
     .unwrap();
+    // The backend holds only a bf16 working copy; the Trainer's default plan is fp32.
+    trainer.set_amp_plan(AmpPlan::Fixed(DType::BF16));
     trainer.train(None, &mut PrintLogs).unwrap();
     let ckpt = out.join("checkpoint-3");
 

@@ -2,11 +2,13 @@
 //! fp16 step and backs off, policy 0 switches precision at its start, and the auto policy falls
 //! back when the loss scale collapses and returns to fp16 after its hold.
 
+mod support;
+
 use std::path::Path;
 use std::process::{Command, Output};
 
 fn tilearn(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tilearn"))
+    Command::new(support::bin("tilearn", env!("CARGO_BIN_EXE_tilearn")))
         .args(args)
         .output()
         .expect("the tilearn binary runs")

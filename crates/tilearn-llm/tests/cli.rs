@@ -1,11 +1,13 @@
 //! End-to-end tests of the `tilearn` binary: training learns, resume is bit-for-bit, eval works,
 //! and every kind of bad input ends in a one-line error that names the file/field and the fix.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn tilearn(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tilearn"))
+    Command::new(support::bin("tilearn", env!("CARGO_BIN_EXE_tilearn")))
         .args(args)
         .output()
         .expect("the tilearn binary runs")

@@ -1,12 +1,14 @@
 //! `tilearn launch` through the real binary: torchrun's flags (both spellings) and environment
 //! contract, `[rank N]` output, subcommands, and one error line naming a killed rank.
 
+mod support;
+
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 fn tilearn(args: &[&str]) -> (Output, Duration) {
     let start = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_tilearn"))
+    let out = Command::new(support::bin("tilearn", env!("CARGO_BIN_EXE_tilearn")))
         .args(args)
         .env_remove("OMP_NUM_THREADS")
         .output()

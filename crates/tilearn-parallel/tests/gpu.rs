@@ -88,7 +88,10 @@ fn nccl_through_the_launcher() {
     }
     let dir = tempfile::tempdir().unwrap();
     let program = Program::External {
-        program: env!("CARGO_BIN_EXE_tilearn-comm-check").into(),
+        program: support::bin(
+            "tilearn-comm-check",
+            env!("CARGO_BIN_EXE_tilearn-comm-check"),
+        ),
         args: vec![
             "--backend".into(),
             "nccl".into(),
@@ -133,6 +136,9 @@ fn two_ranks_share_one_gpu_over_the_host_communicator() {
     let want: Vec<f32> = (0..4097).map(|i| (i % 17) as f32 + 0.5).collect();
     for (avg, sum) in results {
         assert_eq!(avg, want);
-        assert!(sum.iter().all(|x| x.to_f32() == 3.0));
+        assert!(
+            sum.iter().all(|x| x.to_f32() == 3.0),
+            "bf16 sum over two ranks sharing the GPU: {sum:?}"
+        );
     }
 }

@@ -2,6 +2,8 @@
 //! host communicator; failing ranks (killed, erroring, stopped) end the job with one error naming
 //! them, in bounded time, leaving no process behind; `max_restarts` restarts the group.
 
+mod support;
+
 use std::ffi::OsString;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -25,7 +27,10 @@ fn comm_check(pid_dir: &Path, extra: &[&str]) -> Program {
     let mut args: Vec<OsString> = vec!["--pid-dir".into(), pid_dir.into()];
     args.extend(extra.iter().map(OsString::from));
     Program::External {
-        program: env!("CARGO_BIN_EXE_tilearn-comm-check").into(),
+        program: support::bin(
+            "tilearn-comm-check",
+            env!("CARGO_BIN_EXE_tilearn-comm-check"),
+        ),
         args,
     }
 }

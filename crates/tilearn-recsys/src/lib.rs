@@ -1,0 +1,23 @@
+//! tilearn-recsys: recommendation (CTR) models on top of tilearn-ops and tilearn-optim.
+//!
+//! * [`tables`], [`jagged`], [`hash`]: the fused multi-table embedding bag's inputs: table
+//!   shapes and weights in one flat buffer, jagged ids per (table, sample), raw categorical
+//!   values hashed into each table.
+//! * [`embedding_bag`]: its CPU reference, forward (sum / mean pooling) and backward fused with
+//!   the sparse optimizers of [`sparse_optim`] (SGD, row-wise Adagrad, SparseAdam), which update
+//!   touched rows in place from de-duplicated gradients.
+
+pub mod embedding_bag;
+pub mod error;
+pub mod hash;
+pub mod jagged;
+pub mod sparse_optim;
+pub mod tables;
+pub mod zipf;
+
+pub use embedding_bag::{embedding_bag_backward_update, embedding_bag_forward};
+pub use error::{RecsysError, Result};
+pub use jagged::JaggedBatch;
+pub use sparse_optim::{RowRule, RowStateMut, SparseOptimizer, SparseState};
+pub use tables::{EmbeddingTables, Pooling, TableLayout, TableSpec};
+pub use zipf::Zipf;

@@ -22,16 +22,7 @@ fn check_batch(
     what: &'static str,
     len: usize,
 ) -> Result<()> {
-    if batch.num_tables() != layout.num_tables() {
-        return Err(RecsysError::invalid(
-            "jagged batch",
-            format!(
-                "{} tables in the batch, {} in the operator",
-                batch.num_tables(),
-                layout.num_tables()
-            ),
-        ));
-    }
+    batch.check_layout(layout)?;
     let expected = batch.batch() * layout.total_dim();
     if len != expected {
         return Err(RecsysError::invalid(

@@ -76,6 +76,23 @@ impl JaggedBatch {
         })
     }
 
+    /// Fails unless the batch has one set of bags per table of `layout` (its ids were checked
+    /// against a layout with that many tables when it was built).
+    pub fn check_layout(&self, layout: &TableLayout) -> Result<()> {
+        if self.num_tables == layout.num_tables() {
+            Ok(())
+        } else {
+            Err(RecsysError::invalid(
+                "jagged batch",
+                format!(
+                    "{} tables in the batch, {} in the operator",
+                    self.num_tables,
+                    layout.num_tables()
+                ),
+            ))
+        }
+    }
+
     pub fn num_tables(&self) -> usize {
         self.num_tables
     }

@@ -7,6 +7,8 @@
 //!   the sparse optimizers of [`sparse_optim`] (SGD, row-wise Adagrad, SparseAdam), which update
 //!   touched rows in place from de-duplicated gradients.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod embedding_bag;
 pub mod error;
 pub mod hash;

@@ -99,6 +99,27 @@ impl SparseOptimizer {
         }
     }
 
+    /// The same optimizer with learning rate `lr` (checked).
+    pub fn with_lr(self, lr: f32) -> Result<Self> {
+        let mut optimizer = self;
+        match &mut optimizer {
+            SparseOptimizer::Sgd { lr: l }
+            | SparseOptimizer::RowWiseAdagrad { lr: l, .. }
+            | SparseOptimizer::Adam { lr: l, .. } => *l = lr,
+        }
+        optimizer.validate()?;
+        Ok(optimizer)
+    }
+
+    /// Which state buffers the rule keeps: (state1, state2).
+    pub fn state_buffers(&self) -> (bool, bool) {
+        match self {
+            SparseOptimizer::Sgd { .. } => (false, false),
+            SparseOptimizer::RowWiseAdagrad { .. } => (true, false),
+            SparseOptimizer::Adam { .. } => (true, true),
+        }
+    }
+
     /// The learning rate.
     pub fn lr(&self) -> f32 {
         match *self {
@@ -152,15 +173,27 @@ impl SparseState {
 
     /// Changes the learning rate (a schedule), keeping every other hyper-parameter.
     pub fn set_lr(&mut self, lr: f32) -> Result<()> {
-        let mut optimizer = self.optimizer;
-        match &mut optimizer {
-            SparseOptimizer::Sgd { lr: l }
-            | SparseOptimizer::RowWiseAdagrad { lr: l, .. }
-            | SparseOptimizer::Adam { lr: l, .. } => *l = lr,
-        }
-        optimizer.validate()?;
-        self.optimizer = optimizer;
+        self.optimizer = self.optimizer.with_lr(lr)?;
         Ok(())
+    }
+
+    /// Fails unless this state was sized for `layout`.
+    pub fn check_layout(&self, layout: &TableLayout) -> Result<()> {
+        let (uses1, uses2) = self.optimizer.state_buffers();
+        let want1 = match self.optimizer {
+            SparseOptimizer::RowWiseAdagrad { .. } => layout.total_rows(),
+            _ => layout.total_elements(),
+        };
+        let fits = (!uses1 || self.state1.len() == want1)
+            && (!uses2 || self.state2.len() == layout.total_elements());
+        if fits {
+            Ok(())
+        } else {
+            Err(RecsysError::invalid(
+                "sparse optimizer state",
+                "it was made for other tables; create it with SparseState::new for these",
+            ))
+        }
     }
 
     pub fn step(&self) -> u64 {

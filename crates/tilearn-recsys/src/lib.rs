@@ -10,6 +10,7 @@
 //!   [`metrics`]: exact AUC.
 //! * [`data`]: Criteo's TSV format, a synthetic Criteo-shaped generator with a known
 //!   ground-truth model, binary shards and their loader.
+//! * [`train`]: the training loop (held-out exact AUC, samples/s) of `tilearn ctr train`.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod model;
 pub mod sparse_optim;
 pub mod tables;
+pub mod train;
 pub mod zipf;
 
 pub use data::CtrBatch;

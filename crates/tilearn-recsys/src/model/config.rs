@@ -53,6 +53,31 @@ pub struct CtrConfig {
 }
 
 impl CtrConfig {
+    /// `num_fields` fields of `rows` rows each; Wide & Deep crosses fields (0, 1), (2, 3), ...
+    /// into tables of `rows` rows.
+    pub fn for_fields(
+        model: ModelKind,
+        num_dense: usize,
+        num_fields: usize,
+        rows: usize,
+        embed_dim: usize,
+        hidden: Vec<usize>,
+    ) -> Self {
+        let crosses = match model {
+            ModelKind::DeepFm => Vec::new(),
+            ModelKind::WideDeep => (0..num_fields / 2).map(|i| (2 * i, 2 * i + 1)).collect(),
+        };
+        CtrConfig {
+            model,
+            num_dense,
+            field_rows: vec![rows; num_fields],
+            embed_dim,
+            hidden,
+            crosses,
+            cross_rows: rows,
+        }
+    }
+
     /// Checks the shape: at least one field, every index of `crosses` a field, no crosses for
     /// DeepFM, non-zero widths.
     pub fn validate(&self) -> Result<()> {

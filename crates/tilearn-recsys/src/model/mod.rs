@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod head;
+pub mod io;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

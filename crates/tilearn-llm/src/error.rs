@@ -8,6 +8,8 @@ pub enum LlmError {
     Engine(#[from] tilearn_engine::EngineError),
     #[error(transparent)]
     Ops(#[from] tilearn_ops::OpsError),
+    #[error(transparent)]
+    Recsys(#[from] tilearn_recsys::RecsysError),
     /// An input file of the CLI (e.g. the token list of `tilearn eval`) that is malformed.
     #[error("{}: {message}", file.display())]
     Input { file: PathBuf, message: String },

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_gpu;
 mod bench_loop;
+mod ctr;
 mod eval;
 mod info;
 mod prepare;
@@ -43,6 +44,8 @@ pub enum Command {
     PrepareData(PrepareArgs),
     /// Version, devices, and which CUDA/NCCL libraries were found (or why not).
     Info(InfoArgs),
+    /// Click-through-rate models (DeepFM, Wide & Deep): train, prepare, eval.
+    Ctr(ctr::CtrArgs),
 }
 
 /// Runs one parsed command line.
@@ -53,5 +56,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => bench::run(args),
         Command::PrepareData(args) => prepare::run(args),
         Command::Info(args) => info::run(args),
+        Command::Ctr(args) => ctr::run(args),
     }
 }

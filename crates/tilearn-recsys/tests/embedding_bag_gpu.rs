@@ -16,8 +16,8 @@ use common::{odd_layout, random_batch, random_values};
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_recsys::cuda::{DeviceEmbeddingBag, DeviceJaggedBatch};
 use tilearn_recsys::{
-    EmbeddingTables, SparseOptimizer, SparseState, embedding_bag_backward_update,
-    embedding_bag_forward,
+    EmbeddingTables, JaggedBatch, SparseOptimizer, SparseState, TableLayout,
+    embedding_bag_backward_update, embedding_bag_forward,
 };
 
 fn gpu_or_skip(test: &str) -> Option<GpuDevice> {
@@ -64,6 +64,13 @@ fn forward_matches_the_cpu_reference() {
     }
 }
 
+/// Step `step`'s batch (uniform ids on even steps, zipf-skewed on odd) and pooled gradient.
+fn step_inputs(layout: &TableLayout, step: u64) -> (JaggedBatch, Vec<f32>) {
+    let skew = if step.is_multiple_of(2) { 0.0 } else { 1.2 };
+    let batch = random_batch(layout, 500, 7, skew, 300 + step);
+    (batch, random_values(500 * layout.total_dim(), 400 + step))
+}
+
 fn check_backward(test: &str, opt: SparseOptimizer, rel: f32) {
     let Some(dev) = gpu_or_skip(test) else {
         return;
@@ -75,14 +82,7 @@ fn check_backward(test: &str, opt: SparseOptimizer, rel: f32) {
         let state = SparseState::new(opt, &layout).unwrap();
         let mut device = DeviceEmbeddingBag::new(stream, &tables, &state).unwrap();
         for step in 0..4u64 {
-            let batch = random_batch(
-                &layout,
-                500,
-                7,
-                if step % 2 == 0 { 0.0 } else { 1.2 },
-                300 + step,
-            );
-            let dout = random_values(500 * layout.total_dim(), 400 + step);
+            let (batch, dout) = step_inputs(&layout, step);
             let dbatch = DeviceJaggedBatch::upload(stream, &layout, &batch).unwrap();
             let ddout = stream.clone_htod(&dout).unwrap();
             device.backward_update(stream, &dbatch, &ddout).unwrap();
@@ -92,14 +92,7 @@ fn check_backward(test: &str, opt: SparseOptimizer, rel: f32) {
     let mut tables = EmbeddingTables::new(layout.clone(), 8);
     let mut state = SparseState::new(opt, &layout).unwrap();
     for step in 0..4u64 {
-        let batch = random_batch(
-            &layout,
-            500,
-            7,
-            if step % 2 == 0 { 0.0 } else { 1.2 },
-            300 + step,
-        );
-        let dout = random_values(500 * layout.total_dim(), 400 + step);
+        let (batch, dout) = step_inputs(&layout, step);
         embedding_bag_backward_update(&mut tables, &batch, &dout, &mut state).unwrap();
     }
     let (weights, state1, state2) = run_gpu();

@@ -116,7 +116,7 @@ fn jagged_ids_follow_the_table_order_and_skip_missing_fields() {
     batch.labels = vec![1.0, 0.0];
     batch.dense = vec![0.0; 4];
     batch.cats = vec![10, MISSING, 12, 20, 21, 22];
-    let jagged = batch.jagged(&cfg).unwrap();
+    let jagged = cfg.jagged(&batch).unwrap();
     // 3 embedding + 3 first-order + 2 cross tables, 2 samples each.
     assert_eq!(jagged.num_tables(), 8);
     let lens: Vec<usize> = (0..8)

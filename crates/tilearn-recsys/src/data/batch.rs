@@ -1,10 +1,5 @@
 //! A batch of CTR samples as the models take it: labels, transformed dense features and raw
-//! categorical values, and its jagged ids for a model's tables.
-
-use crate::error::Result;
-use crate::hash::mix64;
-use crate::jagged::JaggedBatch;
-use crate::model::CtrConfig;
+//! categorical values (a model's config turns them into jagged ids: `CtrConfig::jagged`).
 
 /// The raw value of an empty categorical field (Criteo's values are 32-bit, so no real value
 /// collides with it).
@@ -67,36 +62,5 @@ impl CtrBatch {
         self.labels.extend_from_slice(&other.labels);
         self.dense.extend_from_slice(&other.dense);
         self.cats.extend_from_slice(&other.cats);
-    }
-
-    /// The jagged ids of `cfg`'s tables: each field's value (or an empty bag) for its embedding
-    /// and first-order tables, and each cross's combined value when both fields are present.
-    pub fn jagged(&self, cfg: &CtrConfig) -> Result<JaggedBatch> {
-        let layout = cfg.table_layout()?;
-        let (batch, fields) = (self.len(), self.num_fields);
-        let mut offsets = Vec::with_capacity(layout.num_tables() * batch + 1);
-        let mut raw = Vec::with_capacity(batch * (2 * fields + cfg.crosses.len()));
-        offsets.push(0u32);
-        let mut push = |value: Option<u64>, offsets: &mut Vec<u32>| {
-            if let Some(v) = value {
-                raw.push(v);
-            }
-            offsets.push(raw.len() as u32);
-        };
-        let field = |b: usize, f: usize| Some(self.cats[b * fields + f]).filter(|&v| v != MISSING);
-        for _copy in 0..2 {
-            for f in 0..fields {
-                for b in 0..batch {
-                    push(field(b, f), &mut offsets);
-                }
-            }
-        }
-        for &(fa, fb) in &cfg.crosses {
-            for b in 0..batch {
-                let cross = field(b, fa).zip(field(b, fb)).map(|(a, c)| mix64(a) ^ c);
-                push(cross, &mut offsets);
-            }
-        }
-        JaggedBatch::from_raw(&layout, batch, offsets, &raw)
     }
 }

@@ -6,7 +6,10 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+use crate::data::{CtrBatch, MISSING};
 use crate::error::{RecsysError, Result};
+use crate::hash::mix64;
+use crate::jagged::JaggedBatch;
 use crate::tables::{Pooling, TableLayout, TableSpec};
 
 /// The two models.
@@ -132,6 +135,38 @@ impl CtrConfig {
     /// Width of the MLP's input: the field embeddings and the dense features.
     pub fn mlp_input(&self) -> usize {
         self.num_fields() * self.embed_dim + self.num_dense
+    }
+
+    /// The jagged ids of this model's tables for `data`: each field's value (or an empty bag)
+    /// for its embedding and first-order tables, and each cross's combined value when both
+    /// fields are present.
+    pub fn jagged(&self, data: &CtrBatch) -> Result<JaggedBatch> {
+        let layout = self.table_layout()?;
+        let (batch, fields) = (data.len(), data.num_fields);
+        let mut offsets = Vec::with_capacity(layout.num_tables() * batch + 1);
+        let mut raw = Vec::with_capacity(batch * (2 * fields + self.crosses.len()));
+        offsets.push(0u32);
+        let mut push = |value: Option<u64>, offsets: &mut Vec<u32>| {
+            if let Some(v) = value {
+                raw.push(v);
+            }
+            offsets.push(raw.len() as u32);
+        };
+        let field = |b: usize, f: usize| Some(data.cats[b * fields + f]).filter(|&v| v != MISSING);
+        for _copy in 0..2 {
+            for f in 0..fields {
+                for b in 0..batch {
+                    push(field(b, f), &mut offsets);
+                }
+            }
+        }
+        for &(fa, fb) in &self.crosses {
+            for b in 0..batch {
+                let cross = field(b, fa).zip(field(b, fb)).map(|(a, c)| mix64(a) ^ c);
+                push(cross, &mut offsets);
+            }
+        }
+        JaggedBatch::from_raw(&layout, batch, offsets, &raw)
     }
 
     /// Where each dense parameter lives in the flat buffer.

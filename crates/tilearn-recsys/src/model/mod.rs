@@ -100,7 +100,7 @@ impl CtrModel {
 
     fn pooled(&self, batch: &CtrBatch) -> Result<(crate::JaggedBatch, Vec<f32>)> {
         self.check_batch(batch)?;
-        let jagged = batch.jagged(&self.config)?;
+        let jagged = self.config.jagged(batch)?;
         let mut emb = vec![0.0f32; batch.len() * self.tables.layout.total_dim()];
         embedding_bag_forward(&self.tables, &jagged, &mut emb)?;
         Ok((jagged, emb))

@@ -11,6 +11,19 @@ pub const TILEARN_OPTIM_DTYPE_F32: u32 = 1;
 pub const TILEARN_OPTIM_DTYPE_BF16: u32 = 2;
 pub const TILEARN_OPTIM_DTYPE_F16: u32 = 3;
 pub const TILEARN_OPTIM_MAX_GROUPS: u32 = 16;
+pub const TILEARN_BAG_TABLE_WORDS: u32 = 8;
+pub const TILEARN_BAG_TABLE_ROWS: u32 = 0;
+pub const TILEARN_BAG_TABLE_DIM: u32 = 1;
+pub const TILEARN_BAG_TABLE_POOLING: u32 = 2;
+pub const TILEARN_BAG_TABLE_COL_OFFSET: u32 = 3;
+pub const TILEARN_BAG_TABLE_ROW_BASE: u32 = 4;
+pub const TILEARN_BAG_TABLE_WEIGHT_OFFSET_LO: u32 = 5;
+pub const TILEARN_BAG_TABLE_WEIGHT_OFFSET_HI: u32 = 6;
+pub const TILEARN_POOLING_SUM: u32 = 0;
+pub const TILEARN_POOLING_MEAN: u32 = 1;
+pub const TILEARN_SPARSE_SGD: u32 = 0;
+pub const TILEARN_SPARSE_ROWWISE_ADAGRAD: u32 = 1;
+pub const TILEARN_SPARSE_ADAM: u32 = 2;
 #[repr(C)]
 #[derive(Debug)]
 pub struct CUstream_st {
@@ -96,6 +109,17 @@ pub struct tilearn_optim_lamb_group {
     pub weight_decay: f32,
     pub use_trust_ratio: u32,
     pub lr: f64,
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct tilearn_sparse_rule {
+    pub kind: ::std::os::raw::c_int,
+    pub neg_lr: f32,
+    pub lr: f32,
+    pub eps: f32,
+    pub one_minus_beta1: f32,
+    pub one_minus_beta2: f32,
+    pub neg_step_size: f32,
 }
 unsafe extern "C" {
     pub fn tilearn_status_name(status: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
@@ -277,6 +301,37 @@ unsafe extern "C" {
         dim: usize,
         dtable: *mut f32,
         status: *mut u64,
+        scratch: *mut ::std::os::raw::c_void,
+        scratch_bytes: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_embedding_bag_forward(
+        weights: *const f32,
+        tables: *const u32,
+        num_tables: usize,
+        total_dim: usize,
+        offsets: *const u32,
+        ids: *const u32,
+        batch: usize,
+        out: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_embedding_bag_backward_scratch_bytes(entries: usize, total_rows: usize)
+    -> usize;
+    pub fn tilearn_embedding_bag_backward_update(
+        weights: *mut f32,
+        state1: *mut f32,
+        state2: *mut f32,
+        tables: *const u32,
+        num_tables: usize,
+        total_rows: usize,
+        total_dim: usize,
+        offsets: *const u32,
+        ids: *const u32,
+        batch: usize,
+        entries: usize,
+        dout: *const f32,
+        rule: tilearn_sparse_rule,
         scratch: *mut ::std::os::raw::c_void,
         scratch_bytes: usize,
         stream: cudaStream_t,

@@ -283,6 +283,63 @@ int tilearn_embedding_backward(int dtype, const uint32_t *ids, const void *dout,
                                size_t vocab, size_t dim, float *dtable, uint64_t *status,
                                void *scratch, size_t scratch_bytes, cudaStream_t stream);
 
+/* ---- embedding_bag.cu: tilearn-recsys' fused multi-table embedding bag (pooled lookup of
+ *      jagged ids) and its backward fused with a sparse optimizer ----
+ * weights: one flat f32 buffer, table after table ([rows_t, dim_t] each); tables:
+ * TILEARN_BAG_TABLE_WORDS u32 per table, at the indices below; offsets: [num_tables * batch + 1]
+ * u32, bag t * batch + b holds ids[offsets[bag] .. offsets[bag + 1]], row numbers inside table t;
+ * out / dout: [batch, total_dim] f32, table t at columns col_offset_t .. + dim_t. The callers
+ * (tilearn_recsys::cuda) guarantee that offsets partition the ids and that every id is inside its
+ * table; an id that is not is skipped, never accessed out of bounds. */
+#define TILEARN_BAG_TABLE_WORDS 8
+#define TILEARN_BAG_TABLE_ROWS 0
+#define TILEARN_BAG_TABLE_DIM 1
+#define TILEARN_BAG_TABLE_POOLING 2 /* TILEARN_POOLING_SUM or _MEAN */
+#define TILEARN_BAG_TABLE_COL_OFFSET 3
+#define TILEARN_BAG_TABLE_ROW_BASE 4 /* first stacked row of the table (all rows < 2^32 - 1) */
+#define TILEARN_BAG_TABLE_WEIGHT_OFFSET_LO 5 /* first element in weights, low 32 bits */
+#define TILEARN_BAG_TABLE_WEIGHT_OFFSET_HI 6
+#define TILEARN_POOLING_SUM 0
+#define TILEARN_POOLING_MEAN 1 /* the sum times 1 / len (f32); an empty bag gives 0 */
+
+/* The rule of one sparse optimizer step (scalars computed on the host, see tilearn-recsys'
+ * sparse_optim.rs). SGD: w += neg_lr * g. Row-wise Adagrad (state1: one f32 per stacked row):
+ * G += sum(g^2) / dim, w += -(lr / (sqrt(G) + eps)) * g. SparseAdam (state1 / state2: first
+ * and second moments, one f32 per weight element): torch.optim.SparseAdam's update. */
+#define TILEARN_SPARSE_SGD 0
+#define TILEARN_SPARSE_ROWWISE_ADAGRAD 1
+#define TILEARN_SPARSE_ADAM 2
+typedef struct tilearn_sparse_rule {
+    int kind;
+    float neg_lr;
+    float lr;
+    float eps;
+    float one_minus_beta1;
+    float one_minus_beta2;
+    float neg_step_size;
+} tilearn_sparse_rule;
+
+/* out (=): every bag pooled. */
+int tilearn_embedding_bag_forward(const float *weights, const uint32_t *tables,
+                                  size_t num_tables, size_t total_dim, const uint32_t *offsets,
+                                  const uint32_t *ids, size_t batch, float *out,
+                                  cudaStream_t stream);
+
+/* Bytes of scratch (any alignment) tilearn_embedding_bag_backward_update needs for `entries`
+ * ids over total_rows stacked rows; SIZE_MAX if out of range or the device cannot be queried. */
+size_t tilearn_embedding_bag_backward_scratch_bytes(size_t entries, size_t total_rows);
+
+/* Every row that occurs in the batch is updated in place (=) with its summed gradient from dout,
+ * as is its state; nothing else is touched. Deterministic. state1 / state2 may be NULL when the
+ * rule does not use them. scratch: clobbered. */
+int tilearn_embedding_bag_backward_update(float *weights, float *state1, float *state2,
+                                          const uint32_t *tables, size_t num_tables,
+                                          size_t total_rows, size_t total_dim,
+                                          const uint32_t *offsets, const uint32_t *ids,
+                                          size_t batch, size_t entries, const float *dout,
+                                          tilearn_sparse_rule rule, void *scratch,
+                                          size_t scratch_bytes, cudaStream_t stream);
+
 /* ---- rope.cu: rotary embedding (Hugging Face rotate_half: element i pairs with i + D/2),
  *      in place on x [batch, seq, heads, head_dim]; cos / sin: [table_seq, head_dim / 2] f32,
  *      row t for position t (seq <= table_seq). The backward rotates by -angle. ---- */

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_gpu;
 mod bench_loop;
+mod ctr;
 mod eval;
 mod info;
 mod launch;
@@ -48,6 +49,8 @@ pub enum Command {
     /// Run a subcommand (`launch … train …`) or a program (`launch … -- PROGRAM`) as N ranks per
     /// node, with torchrun's flags and environment.
     Launch(LaunchArgs),
+    /// Click-through-rate models (DeepFM, Wide & Deep): train, prepare, eval.
+    Ctr(ctr::CtrArgs),
 }
 
 /// Runs one parsed command line.
@@ -59,5 +62,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::PrepareData(args) => prepare::run(args),
         Command::Info(args) => info::run(args),
         Command::Launch(args) => launch::run(args),
+        Command::Ctr(args) => ctr::run(args),
     }
 }

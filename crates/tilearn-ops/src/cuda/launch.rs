@@ -9,6 +9,9 @@
 //! `extern "C"` launchers: the buffers are registered with their expected lengths and checked
 //! before anything touches the stream, and the launcher call itself is a closure that receives
 //! the raw pointers.
+//!
+//! Public (`tilearn_ops::cuda::launch`) so that crates with their own kernels (tilearn-recsys)
+//! wrap them the same way; the free helpers stay private to tilearn-ops.
 
 use std::ffi::{c_int, c_void};
 
@@ -56,7 +59,7 @@ type Pointer<'a> = Box<dyn FnOnce(&'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a
 ///   buffers stay borrowed until the guards record the launch, and cudarc frees device memory
 ///   stream-ordered, so the work the launcher enqueues on the stream sees live, ordered buffers.
 #[must_use = "a Launch does nothing until `run`"]
-pub(super) struct Launch<'a> {
+pub struct Launch<'a> {
     op: &'static str,
     stream: &'a CudaStream,
     inputs: Vec<Pointer<'a>>,
@@ -69,7 +72,7 @@ pub(super) struct Launch<'a> {
 
 impl<'a> Launch<'a> {
     /// A launch of the launcher `op` (the name errors carry) on `stream`.
-    pub(super) fn new(op: &'static str, stream: &'a CudaStream) -> Self {
+    pub fn new(op: &'static str, stream: &'a CudaStream) -> Self {
         Launch {
             op,
             stream,
@@ -82,7 +85,7 @@ impl<'a> Launch<'a> {
     }
 
     /// A buffer the launcher reads: `len` elements of `T`, named `name` in errors.
-    pub(super) fn input<T, P>(mut self, name: &'static str, buf: &'a P, len: usize) -> Self
+    pub fn input<T, P>(mut self, name: &'static str, buf: &'a P, len: usize) -> Self
     where
         P: DevicePtr<T> + ?Sized,
     {
@@ -93,7 +96,7 @@ impl<'a> Launch<'a> {
     }
 
     /// A buffer the launcher writes (or reads and writes): `len` elements of `T`.
-    pub(super) fn output<T, P>(mut self, name: &'static str, buf: &'a mut P, len: usize) -> Self
+    pub fn output<T, P>(mut self, name: &'static str, buf: &'a mut P, len: usize) -> Self
     where
         P: DevicePtrMut<T> + ?Sized,
     {
@@ -105,7 +108,7 @@ impl<'a> Launch<'a> {
 
     /// Scratch the launcher writes, of any length: the call site checks (or the launcher
     /// checks and reports) that it is large enough. Passed among the outputs.
-    pub(super) fn workspace<T, P>(mut self, name: &'static str, buf: &'a mut P) -> Self
+    pub fn workspace<T, P>(mut self, name: &'static str, buf: &'a mut P) -> Self
     where
         P: DevicePtrMut<T> + ?Sized,
     {
@@ -116,14 +119,14 @@ impl<'a> Launch<'a> {
     }
 
     /// After the checks, launch nothing and return `Ok` when `nothing_to_do` (empty tensors).
-    pub(super) fn skip_launch_if(mut self, nothing_to_do: bool) -> Self {
+    pub fn skip_launch_if(mut self, nothing_to_do: bool) -> Self {
         self.skip_launch = nothing_to_do;
         self
     }
 
     /// Runs the checks, then calls `launcher` (one `extern "C"` launcher call) with the inputs'
     /// and outputs' pointers and the raw stream, and maps the status it returns.
-    pub(super) fn run<const I: usize, const O: usize>(
+    pub fn run<const I: usize, const O: usize>(
         self,
         launcher: impl FnOnce([*const c_void; I], [*mut c_void; O], ffi::cudaStream_t) -> c_int,
     ) -> Result<()> {
@@ -133,7 +136,7 @@ impl<'a> Launch<'a> {
 
     /// [`run`](Self::run) for a body of several launches (each mapped with [`check`] by the
     /// body); the guards are held until the body returns.
-    pub(super) fn run_steps<const I: usize, const O: usize>(
+    pub fn run_steps<const I: usize, const O: usize>(
         self,
         steps: impl FnOnce([*const c_void; I], [*mut c_void; O], ffi::cudaStream_t) -> Result<()>,
     ) -> Result<()> {
@@ -214,7 +217,7 @@ pub(super) fn raw_stream(stream: &CudaStream) -> ffi::cudaStream_t {
 
 /// Makes the stream's context current on this thread, so the runtime API inside the launcher
 /// uses it (the runtime picks up a driver context that is current; cudarc's is the primary one).
-pub(super) fn bind(stream: &CudaStream, op: &'static str) -> Result<()> {
+pub fn bind(stream: &CudaStream, op: &'static str) -> Result<()> {
     stream
         .context()
         .bind_to_thread()

@@ -24,7 +24,7 @@ mod device;
 mod dtype;
 mod embedding;
 mod gemm;
-mod launch;
+pub mod launch;
 mod norm;
 mod reduce;
 mod residual;

@@ -1,0 +1,341 @@
+//! `tilearn ctr`: click-through-rate models of tilearn-recsys (DeepFM, Wide & Deep) on
+//! Criteo-format data or the embedded synthetic generator.
+//!
+//! * `ctr prepare`: Criteo TSV files (or `--synthetic N` samples) into checksummed binary shards;
+//!   prints a JSON report with the malformed-line count and the first reasons.
+//! * `ctr train`: trains on shards (`--data`) or, by default, on synthetic data whose
+//!   ground-truth AUC is logged beside the model's; one JSON line per evaluation in
+//!   `OUTPUT/train_log.jsonl` (step, loss, eval_loss, eval_auc, samples_per_sec), the model in
+//!   `OUTPUT/model.safetensors`.
+//! * `ctr eval`: loss and exact AUC of a saved model on shards or synthetic samples.
+//!
+//! Training runs on the CPU reference (the CUDA embedding-bag kernels exist; the GPU DeepFM
+//! step does not yet, see docs/ARCHITECTURE.md).
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::{Args, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use tilearn_optim::AdamWConfig;
+use tilearn_recsys::data::{
+    CRITEO_DENSE, CRITEO_FIELDS, CtrBatch, SyntheticCriteo, read_shards, read_tsv_file,
+    write_shards,
+};
+use tilearn_recsys::model::io::{load_model, save_model};
+use tilearn_recsys::train::{LogRecord, TrainOptions, evaluate, train};
+use tilearn_recsys::{CtrConfig, CtrModel, ModelKind, RecsysError, SparseOptimizer, auc};
+
+use crate::{LlmError, Result};
+
+#[derive(Debug, Args)]
+pub struct CtrArgs {
+    #[command(subcommand)]
+    command: CtrCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum CtrCommand {
+    /// Train DeepFM or Wide & Deep (default: on synthetic Criteo-shaped data).
+    Train(TrainArgs),
+    /// Criteo TSV files (or synthetic samples) into binary shards.
+    Prepare(PrepareArgs),
+    /// Loss and exact AUC of a saved model.
+    Eval(EvalArgs),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ModelArg {
+    Deepfm,
+    WideDeep,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum SparseArg {
+    /// Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD).
+    Adagrad,
+    /// torch.optim.SparseAdam.
+    Adam,
+    Sgd,
+}
+
+/// Where samples come from: shards, or the synthetic generator.
+#[derive(Debug, Args)]
+struct DataArgs {
+    /// A directory of shards written by `tilearn ctr prepare`; without it, synthetic data.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Synthetic samples (training; the held-out split is another tenth after them).
+    #[arg(long, default_value_t = 200_000)]
+    synthetic_samples: usize,
+    /// Largest vocabulary of a synthetic categorical field.
+    #[arg(long, default_value_t = 1000)]
+    synthetic_vocab: usize,
+    /// Fraction of the shards' samples held out for evaluation (the last ones).
+    #[arg(long, default_value_t = 0.1)]
+    eval_fraction: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Debug, Args)]
+struct TrainArgs {
+    #[arg(long, value_enum, default_value = "deepfm")]
+    model: ModelArg,
+    #[command(flatten)]
+    data: DataArgs,
+    #[arg(long, default_value = "runs/ctr")]
+    output_dir: PathBuf,
+    #[arg(long, default_value_t = 1000)]
+    steps: usize,
+    #[arg(long, default_value_t = 512)]
+    batch_size: usize,
+    /// AdamW learning rate of the dense part.
+    #[arg(long, default_value_t = 3e-3)]
+    learning_rate: f32,
+    #[arg(long, value_enum, default_value = "adagrad")]
+    sparse_optimizer: SparseArg,
+    /// Learning rate of the embedding rows (updated inside the embedding backward).
+    #[arg(long, default_value_t = 0.02)]
+    sparse_learning_rate: f32,
+    #[arg(long, default_value_t = 16)]
+    embed_dim: usize,
+    /// MLP hidden widths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "256,128")]
+    hidden: Vec<usize>,
+    /// Rows of each field's table (raw values are hashed into it).
+    #[arg(long, default_value_t = 100_000)]
+    hash_rows: usize,
+    #[arg(long, default_value_t = 100)]
+    eval_every: usize,
+}
+
+#[derive(Debug, Args)]
+struct PrepareArgs {
+    /// Criteo TSV files (label, 13 integers, 26 hex categorical values per line).
+    #[arg(long, num_args = 1.., required_unless_present = "synthetic")]
+    input: Vec<PathBuf>,
+    /// Write this many synthetic samples instead of reading files.
+    #[arg(long, conflicts_with = "input")]
+    synthetic: Option<usize>,
+    #[arg(long, default_value_t = 1000)]
+    synthetic_vocab: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long)]
+    output: PathBuf,
+    #[arg(long, default_value_t = 1_000_000)]
+    samples_per_shard: usize,
+}
+
+#[derive(Debug, Args)]
+struct EvalArgs {
+    /// A directory holding `model.safetensors` from `tilearn ctr train`.
+    #[arg(long)]
+    model_dir: PathBuf,
+    #[command(flatten)]
+    data: DataArgs,
+}
+
+pub fn run(args: CtrArgs) -> Result<()> {
+    match args.command {
+        CtrCommand::Train(a) => run_train(a),
+        CtrCommand::Prepare(a) => run_prepare(a),
+        CtrCommand::Eval(a) => run_eval(a),
+    }
+}
+
+/// Train and held-out samples, and the ground-truth AUC of the held-out ones when synthetic.
+struct Splits {
+    train: CtrBatch,
+    eval: CtrBatch,
+    truth_auc: Option<f64>,
+}
+
+fn load_splits(args: &DataArgs) -> Result<Splits> {
+    match &args.data {
+        Some(dir) => {
+            let (_, all) = read_shards(dir)?;
+            if !(0.0..1.0).contains(&args.eval_fraction) {
+                return Err(usage("--eval-fraction", "must lie in [0, 1)"));
+            }
+            let held_out = (all.len() as f64 * args.eval_fraction).round() as usize;
+            let cut = all.len() - held_out;
+            Ok(Splits {
+                train: all.slice(0..cut),
+                eval: all.slice(cut..all.len()),
+                truth_auc: None,
+            })
+        }
+        None => {
+            let generator = SyntheticCriteo::criteo_shaped(args.seed, args.synthetic_vocab);
+            let n = args.synthetic_samples;
+            let (train, _) = generator.generate(0, n);
+            let (eval, logits) = generator.generate(n as u64, (n / 10).max(1));
+            let scores: Vec<f32> = logits.iter().map(|&z| z as f32).collect();
+            Ok(Splits {
+                truth_auc: auc(&scores, &eval.labels),
+                train,
+                eval,
+            })
+        }
+    }
+}
+
+fn usage(flag: &str, message: &str) -> LlmError {
+    LlmError::Usage {
+        flag: flag.into(),
+        message: message.into(),
+    }
+}
+
+fn run_train(args: TrainArgs) -> Result<()> {
+    let splits = load_splits(&args.data)?;
+    if splits.train.is_empty() {
+        return Err(usage("--data", "no training samples"));
+    }
+    let model = match args.model {
+        ModelArg::Deepfm => ModelKind::DeepFm,
+        ModelArg::WideDeep => ModelKind::WideDeep,
+    };
+    let config = CtrConfig::for_fields(
+        model,
+        splits.train.num_dense,
+        splits.train.num_fields,
+        args.hash_rows,
+        args.embed_dim,
+        args.hidden.clone(),
+    );
+    let lr = args.sparse_learning_rate;
+    let sparse = match args.sparse_optimizer {
+        SparseArg::Adagrad => SparseOptimizer::row_wise_adagrad(lr),
+        SparseArg::Adam => SparseOptimizer::adam(lr),
+        SparseArg::Sgd => SparseOptimizer::Sgd { lr },
+    };
+    let dense = AdamWConfig {
+        lr: args.learning_rate,
+        weight_decay: 0.0,
+        ..AdamWConfig::default()
+    };
+    let mut ctr = CtrModel::new(config, sparse, dense, args.data.seed)?;
+    std::fs::create_dir_all(&args.output_dir).map_err(|e| RecsysError::io(&args.output_dir, e))?;
+    let log_path = args.output_dir.join("train_log.jsonl");
+    let mut log = std::fs::File::create(&log_path).map_err(|e| RecsysError::io(&log_path, e))?;
+    let options = TrainOptions {
+        steps: args.steps,
+        batch_size: args.batch_size,
+        dense_lr: args.learning_rate,
+        eval_every: args.eval_every,
+        seed: args.data.seed,
+    };
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = ProgressBar::new(args.steps as u64);
+        bar.set_style(
+            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps  {msg}")
+                .expect("template is valid")
+                .progress_chars("=> "),
+        );
+        bar
+    });
+    let truth_auc = splits.truth_auc;
+    let on_log = |r: &LogRecord| -> tilearn_recsys::Result<()> {
+        let mut line = serde_json::to_value(r).expect("a log record serialises");
+        line["model"] = serde_json::json!(
+            args.model
+                .to_possible_value()
+                .map(|v| v.get_name().to_string())
+        );
+        if let Some(truth) = truth_auc {
+            line["ground_truth_auc"] = serde_json::json!(truth);
+        }
+        writeln!(log, "{line}").map_err(|e| RecsysError::io(&log_path, e))?;
+        match &bar {
+            Some(bar) => bar.println(line.to_string()),
+            None => println!("{line}"),
+        }
+        Ok(())
+    };
+    let on_step = |step: usize, loss: f64| {
+        if let Some(bar) = &bar {
+            bar.set_position(step as u64);
+            bar.set_message(format!("loss {loss:.4}"));
+        }
+    };
+    train(
+        &mut ctr,
+        Arc::new(splits.train),
+        &splits.eval,
+        &options,
+        on_step,
+        on_log,
+    )?;
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    save_model(&args.output_dir, &ctr.config, &ctr.tables, &ctr.dense)?;
+    Ok(())
+}
+
+fn run_prepare(args: PrepareArgs) -> Result<()> {
+    let (batch, report, source) = match args.synthetic {
+        Some(n) => {
+            let generator = SyntheticCriteo::criteo_shaped(args.seed, args.synthetic_vocab);
+            let (batch, _) = generator.generate(0, n);
+            let source = serde_json::to_value(&generator).expect("generator serialises");
+            (batch, None, source)
+        }
+        None => {
+            let mut all = CtrBatch::new(CRITEO_DENSE, CRITEO_FIELDS);
+            let mut reports = Vec::new();
+            for path in &args.input {
+                let (batch, report) = read_tsv_file(path)?;
+                all.extend(&batch);
+                reports.push(serde_json::json!({"file": path, "report": report}));
+            }
+            let files: Vec<String> = args.input.iter().map(|p| p.display().to_string()).collect();
+            (
+                all,
+                Some(reports),
+                serde_json::json!({ "criteo_tsv": files }),
+            )
+        }
+    };
+    let meta = write_shards(&args.output, &batch, args.samples_per_shard, source)?;
+    let summary = serde_json::json!({
+        "output": args.output,
+        "samples": meta.samples,
+        "shards": meta.shards.len(),
+        "files": report,
+    });
+    println!("{summary}");
+    Ok(())
+}
+
+fn run_eval(args: EvalArgs) -> Result<()> {
+    let saved = load_model(&args.model_dir)?;
+    let splits = load_splits(&args.data)?;
+    // Evaluate on everything given: shards whole (no split), synthetic held-out samples.
+    let data = match &args.data.data {
+        Some(_) => {
+            let mut all = splits.train;
+            all.extend(&splits.eval);
+            all
+        }
+        None => splits.eval,
+    };
+    let mut ctr = CtrModel::new(
+        saved.config,
+        SparseOptimizer::Sgd { lr: 0.0 },
+        AdamWConfig::default(),
+        0,
+    )?;
+    ctr.tables = saved.tables;
+    ctr.dense = saved.dense;
+    let (loss, model_auc) = evaluate(&ctr, &data)?;
+    println!(
+        "{}",
+        serde_json::json!({"model_dir": Path::new(&args.model_dir), "samples": data.len(), "loss": loss, "auc": model_auc})
+    );
+    Ok(())
+}

@@ -1,0 +1,139 @@
+//! `tilearn ctr`: prepare synthetic shards and a Criteo TSV with malformed lines, train both
+//! models briefly (JSONL log with loss, held-out AUC and samples/s; a saved model), and evaluate
+//! the saved model.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn tilearn(args: &[&str]) -> Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_tilearn"))
+        .args(args)
+        .output()
+        .expect("the tilearn binary runs");
+    assert!(
+        out.status.success(),
+        "tilearn {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn json(bytes: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(bytes).expect("one JSON object")
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[test]
+fn prepare_train_and_eval_on_synthetic_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = dir.path().join("shards");
+    let run = dir.path().join("run");
+    let out = tilearn(&[
+        "ctr",
+        "prepare",
+        "--synthetic",
+        "6000",
+        "--synthetic-vocab",
+        "50",
+        "--output",
+        p(&shards),
+        "--samples-per-shard",
+        "2500",
+    ]);
+    let report = json(&out.stdout);
+    assert_eq!(
+        (report["samples"].as_u64(), report["shards"].as_u64()),
+        (Some(6000), Some(3))
+    );
+    for model in ["deepfm", "wide-deep"] {
+        tilearn(&[
+            "ctr",
+            "train",
+            "--model",
+            model,
+            "--data",
+            p(&shards),
+            "--output-dir",
+            p(&run),
+            "--steps",
+            "60",
+            "--batch-size",
+            "128",
+            "--hash-rows",
+            "500",
+            "--embed-dim",
+            "4",
+            "--hidden",
+            "16,8",
+            "--eval-every",
+            "30",
+        ]);
+        let log = std::fs::read_to_string(run.join("train_log.jsonl")).unwrap();
+        let lines: Vec<serde_json::Value> = log.lines().map(|l| json(l.as_bytes())).collect();
+        assert_eq!(lines.len(), 2, "{log}");
+        for line in &lines {
+            assert_eq!(line["model"], model);
+            assert!(line["loss"].as_f64().unwrap().is_finite());
+            assert!(line["samples_per_sec"].as_f64().unwrap() > 0.0);
+            assert!(line["eval_auc"].as_f64().unwrap() > 0.55, "{line}");
+        }
+        let eval =
+            json(&tilearn(&["ctr", "eval", "--model-dir", p(&run), "--data", p(&shards)]).stdout);
+        assert_eq!(eval["samples"], 6000);
+        assert!(eval["auc"].as_f64().unwrap() > 0.55, "{eval}");
+    }
+}
+
+#[test]
+fn prepare_reports_malformed_criteo_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let tsv = dir.path().join("day_0.tsv");
+    let good = format!("1{}{}", "\t3".repeat(13), "\t68fd1e64".repeat(26));
+    let empty = format!("0{}{}", "\t".repeat(13), "\t".repeat(26));
+    std::fs::write(
+        &tsv,
+        format!("{good}\nnot a line\n{empty}\n2{}\n", &good[1..]),
+    )
+    .unwrap();
+    let out = tilearn(&[
+        "ctr",
+        "prepare",
+        "--input",
+        p(&tsv),
+        "--output",
+        p(&dir.path().join("s")),
+    ]);
+    let report = json(&out.stdout);
+    assert_eq!(report["samples"], 2);
+    let file = &report["files"][0]["report"];
+    assert_eq!(
+        (file["lines"].as_u64(), file["malformed"].as_u64()),
+        (Some(4), Some(2))
+    );
+    assert_eq!(file["first_errors"][0][0], 2);
+    assert_eq!(file["first_errors"][1][0], 4);
+}
+
+#[test]
+fn bad_ctr_input_is_a_clear_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tilearn"))
+        .args([
+            "ctr",
+            "eval",
+            "--model-dir",
+            "/nonexistent/ctr-model",
+            "--synthetic-samples",
+            "10",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("/nonexistent/ctr-model/model.safetensors"),
+        "{err}"
+    );
+}

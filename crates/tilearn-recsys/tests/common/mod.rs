@@ -1,0 +1,65 @@
+//! Random inputs of the embedding-bag tests (CPU and GPU): odd table sizes and dims, empty
+//! bags, repeated ids, zipf-skewed ids.
+
+#![allow(dead_code)]
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tilearn_recsys::{JaggedBatch, Pooling, TableLayout, TableSpec, Zipf};
+
+/// Tables with odd shapes: dims 1, 3, 4, 5, 8, 17, 32 and 64 (vector and scalar paths), small
+/// row counts (many repeats) and one bigger table, sum and mean pooling.
+pub fn odd_layout() -> TableLayout {
+    let shapes = [
+        (7, 1, Pooling::Sum),
+        (13, 3, Pooling::Mean),
+        (5, 4, Pooling::Sum),
+        (101, 5, Pooling::Mean),
+        (1, 8, Pooling::Sum),
+        (257, 17, Pooling::Mean),
+        (64, 32, Pooling::Sum),
+        (1000, 64, Pooling::Mean),
+    ];
+    TableLayout::new(
+        shapes
+            .iter()
+            .map(|&(rows, dim, pooling)| TableSpec { rows, dim, pooling })
+            .collect(),
+    )
+    .unwrap()
+}
+
+/// A batch with bags of 0..=max_bag ids (about a fifth empty), ids zipf-skewed with exponent
+/// `skew` (so hot rows repeat within and across bags).
+pub fn random_batch(
+    layout: &TableLayout,
+    batch: usize,
+    max_bag: usize,
+    skew: f64,
+    seed: u64,
+) -> JaggedBatch {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut offsets = vec![0u32];
+    let mut ids = Vec::new();
+    for spec in layout.specs() {
+        let zipf = Zipf::new(spec.rows, skew);
+        for _ in 0..batch {
+            let len = if rng.random_bool(0.2) {
+                0
+            } else {
+                rng.random_range(1..=max_bag)
+            };
+            for _ in 0..len {
+                ids.push(zipf.sample(&mut rng) as u32);
+            }
+            offsets.push(ids.len() as u32);
+        }
+    }
+    JaggedBatch::new(layout, batch, offsets, ids).unwrap()
+}
+
+/// `n` values uniform in [-1, 1).
+pub fn random_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
+}

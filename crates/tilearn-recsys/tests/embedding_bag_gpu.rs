@@ -1,0 +1,162 @@
+//! The CUDA embedding bag against the CPU reference, on the random inputs of the CPU tests (odd
+//! dims on the scalar and float4 paths, empty bags, repeated and zipf-skewed ids), over several
+//! optimizer steps. Tolerances: the forward, SGD and SparseAdam are expected bit-identical
+//! (same f32 operations in the same order, no FMA contraction) and are checked to 1e-6
+//! relative; row-wise Adagrad sums its squares in a warp tree instead of the CPU's serial order,
+//! checked to 1e-5 relative. A second GPU run must reproduce the first bit for bit.
+//!
+//! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::io::Write;
+
+use common::{odd_layout, random_batch, random_values};
+use tilearn_ops::cuda::GpuDevice;
+use tilearn_recsys::cuda::{DeviceEmbeddingBag, DeviceJaggedBatch};
+use tilearn_recsys::{
+    EmbeddingTables, JaggedBatch, SparseOptimizer, SparseState, TableLayout,
+    embedding_bag_backward_update, embedding_bag_forward,
+};
+
+fn gpu_or_skip(test: &str) -> Option<GpuDevice> {
+    match GpuDevice::new(0) {
+        Ok(dev) => Some(dev),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr().lock(), "skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
+fn close(what: &str, got: &[f32], want: &[f32], rel: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= rel * (1.0 + w.abs()),
+            "{what}[{i}]: gpu {g}, cpu {w}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn forward_matches_the_cpu_reference() {
+    let Some(dev) = gpu_or_skip("forward_matches_the_cpu_reference") else {
+        return;
+    };
+    let stream = dev.stream();
+    let layout = odd_layout();
+    let tables = EmbeddingTables::new(layout.clone(), 7);
+    let state = SparseState::new(SparseOptimizer::Sgd { lr: 0.1 }, &layout).unwrap();
+    let device = DeviceEmbeddingBag::new(stream, &tables, &state).unwrap();
+    for (batch_size, skew, seed) in [(1, 0.0, 1), (333, 1.1, 2), (2048, 1.3, 3)] {
+        let batch = random_batch(&layout, batch_size, 9, skew, seed);
+        let mut want = vec![0.0; batch_size * layout.total_dim()];
+        embedding_bag_forward(&tables, &batch, &mut want).unwrap();
+        let dbatch = DeviceJaggedBatch::upload(stream, &layout, &batch).unwrap();
+        // Poisoned, so an output the kernel forgets to write fails.
+        let mut out = stream.clone_htod(&vec![f32::NAN; want.len()]).unwrap();
+        device.forward(stream, &dbatch, &mut out).unwrap();
+        let got = stream.clone_dtoh(&out).unwrap();
+        close(&format!("forward, batch {batch_size}"), &got, &want, 1e-6);
+    }
+}
+
+/// Step `step`'s batch (uniform ids on even steps, zipf-skewed on odd) and pooled gradient.
+fn step_inputs(layout: &TableLayout, step: u64) -> (JaggedBatch, Vec<f32>) {
+    let skew = if step.is_multiple_of(2) { 0.0 } else { 1.2 };
+    let batch = random_batch(layout, 500, 7, skew, 300 + step);
+    (batch, random_values(500 * layout.total_dim(), 400 + step))
+}
+
+fn check_backward(test: &str, opt: SparseOptimizer, rel: f32) {
+    let Some(dev) = gpu_or_skip(test) else {
+        return;
+    };
+    let stream = dev.stream();
+    let layout = odd_layout();
+    let run_gpu = || {
+        let tables = EmbeddingTables::new(layout.clone(), 8);
+        let state = SparseState::new(opt, &layout).unwrap();
+        let mut device = DeviceEmbeddingBag::new(stream, &tables, &state).unwrap();
+        for step in 0..4u64 {
+            let (batch, dout) = step_inputs(&layout, step);
+            let dbatch = DeviceJaggedBatch::upload(stream, &layout, &batch).unwrap();
+            let ddout = stream.clone_htod(&dout).unwrap();
+            device.backward_update(stream, &dbatch, &ddout).unwrap();
+        }
+        device.download(stream).unwrap()
+    };
+    let mut tables = EmbeddingTables::new(layout.clone(), 8);
+    let mut state = SparseState::new(opt, &layout).unwrap();
+    for step in 0..4u64 {
+        let (batch, dout) = step_inputs(&layout, step);
+        embedding_bag_backward_update(&mut tables, &batch, &dout, &mut state).unwrap();
+    }
+    let (weights, state1, state2) = run_gpu();
+    close(&format!("{opt:?} weights"), &weights, &tables.weights, rel);
+    close(&format!("{opt:?} state1"), &state1, state.state1(), rel);
+    close(&format!("{opt:?} state2"), &state2, state.state2(), rel);
+    let again = run_gpu();
+    assert!(
+        weights
+            .iter()
+            .zip(&again.0)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+            && state1
+                .iter()
+                .zip(&again.1)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{opt:?}: a rerun on the GPU is not bit-identical"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn sgd_backward_update_matches_the_cpu_reference() {
+    check_backward(
+        "sgd_backward_update_matches_the_cpu_reference",
+        SparseOptimizer::Sgd { lr: 0.05 },
+        1e-6,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn row_wise_adagrad_backward_update_matches_the_cpu_reference() {
+    check_backward(
+        "row_wise_adagrad_backward_update_matches_the_cpu_reference",
+        SparseOptimizer::row_wise_adagrad(0.05),
+        1e-5,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn sparse_adam_backward_update_matches_the_cpu_reference() {
+    check_backward(
+        "sparse_adam_backward_update_matches_the_cpu_reference",
+        SparseOptimizer::adam(0.01),
+        1e-6,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn a_batch_checked_for_other_tables_is_refused() {
+    let Some(dev) = gpu_or_skip("a_batch_checked_for_other_tables_is_refused") else {
+        return;
+    };
+    let stream = dev.stream();
+    let layout = odd_layout();
+    let other = tilearn_recsys::TableLayout::new(layout.specs()[..7].to_vec()).unwrap();
+    let tables = EmbeddingTables::new(layout.clone(), 1);
+    let state = SparseState::new(SparseOptimizer::Sgd { lr: 0.1 }, &layout).unwrap();
+    let device = DeviceEmbeddingBag::new(stream, &tables, &state).unwrap();
+    let batch = random_batch(&other, 4, 3, 0.0, 1);
+    let dbatch = DeviceJaggedBatch::upload(stream, &other, &batch).unwrap();
+    let mut out = stream.alloc_zeros::<f32>(4 * layout.total_dim()).unwrap();
+    assert!(device.forward(stream, &dbatch, &mut out).is_err());
+}

@@ -10,6 +10,7 @@ pub enum LlmError {
     Ops(#[from] tilearn_ops::OpsError),
     #[error(transparent)]
     Parallel(#[from] tilearn_parallel::ParallelError),
+    #[error(transparent)]
     Recsys(#[from] tilearn_recsys::RecsysError),
     /// An input file of the CLI (e.g. the token list of `tilearn eval`) that is malformed.
     #[error("{}: {message}", file.display())]

@@ -39,10 +39,10 @@ fn check_gradients(model: ModelKind) {
     let dense = random(batch * cfg.num_dense, &mut rng);
     let labels: Vec<f32> = (0..batch).map(|b| (b % 2) as f32).collect();
     let loss = |p: &[f64], e: &[f64]| {
-        let (logits, _) = head_forward(&cfg, &layout, p, e, &dense, batch);
+        let (logits, _) = head_forward(&cfg, &layout, p, e, &dense, batch).unwrap();
         bce_with_logits(&logits, &labels)
     };
-    let (logits, cache) = head_forward(&cfg, &layout, &params, &emb, &dense, batch);
+    let (logits, cache) = head_forward(&cfg, &layout, &params, &emb, &dense, batch).unwrap();
     let dlogits: Vec<f64> = logits
         .iter()
         .zip(&labels)
@@ -60,7 +60,8 @@ fn check_gradients(model: ModelKind) {
         &dlogits,
         &mut dparams,
         &mut demb,
-    );
+    )
+    .unwrap();
     let h = 1e-6;
     let fd = |i: usize, of_params: bool| {
         let (mut p, mut e) = (params.clone(), emb.clone());

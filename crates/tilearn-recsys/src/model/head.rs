@@ -12,6 +12,7 @@
 use tilearn_ops::cpu::{Real, linear_backward, linear_forward};
 
 use super::config::{CtrConfig, DenseLayout, ModelKind};
+use crate::error::Result;
 
 /// Mean BCE-with-logits of `logits` against `labels` (0 or 1), in f64, as
 /// `torch.nn.BCEWithLogitsLoss`: `max(z, 0) - z y + ln(1 + exp(-|z|))`.
@@ -46,7 +47,7 @@ pub fn head_forward<R: Real>(
     emb: &[R],
     dense: &[R],
     batch: usize,
-) -> (Vec<R>, HeadCache<R>) {
+) -> Result<(Vec<R>, HeadCache<R>)> {
     let (fields, k, nd) = (cfg.num_fields(), cfg.embed_dim, cfg.num_dense);
     let width = emb.len() / batch.max(1);
     let deep = fields * k;
@@ -67,7 +68,7 @@ pub fn head_forward<R: Real>(
             layer.fan_in,
             layer.fan_out,
             &mut z,
-        );
+        )?;
         if l + 1 < layout.layers.len() {
             inputs.push(z.iter().map(|&v| v.max(R::zero())).collect());
         }
@@ -100,14 +101,14 @@ pub fn head_forward<R: Real>(
         }
         logits.push(z);
     }
-    (
+    Ok((
         logits,
         HeadCache {
             batch,
             inputs,
             outputs,
         },
-    )
+    ))
 }
 
 /// Backward of [`head_forward`] for `dlogits` (d loss / d logit per sample): accumulates the
@@ -124,7 +125,7 @@ pub fn head_backward<R: Real>(
     dlogits: &[R],
     dparams: &mut [R],
     demb: &mut [R],
-) {
+) -> Result<()> {
     let batch = cache.batch;
     let (fields, k, nd) = (cfg.num_fields(), cfg.embed_dim, cfg.num_dense);
     let width = emb.len() / batch.max(1);
@@ -166,7 +167,7 @@ pub fn head_backward<R: Real>(
             Some(&mut dx),
             dw,
             Some(db),
-        );
+        )?;
         if l > 0 {
             // Through the ReLU that made this layer's input.
             for (d, &z) in dx.iter_mut().zip(&cache.outputs[l - 1]) {
@@ -187,6 +188,7 @@ pub fn head_backward<R: Real>(
         }
         dz = dx;
     }
+    Ok(())
 }
 
 /// Two disjoint ranges of one buffer, mutably (`a` before `b`).

@@ -116,7 +116,7 @@ impl CtrModel {
             &emb,
             &batch.dense,
             batch.len(),
-        );
+        )?;
         Ok(logits)
     }
 
@@ -132,7 +132,7 @@ impl CtrModel {
             &emb,
             &batch.dense,
             n,
-        );
+        )?;
         let loss = bce_with_logits(&logits, &batch.labels);
         let scale = 1.0 / n.max(1) as f32;
         let dlogits: Vec<f32> = logits
@@ -152,7 +152,7 @@ impl CtrModel {
             &dlogits,
             &mut dparams,
             &mut demb,
-        );
+        )?;
         let rows_updated =
             embedding_bag_backward_update(&mut self.tables, &jagged, &demb, &mut self.sparse)?;
         self.adamw.step(&mut self.dense, &dparams, dense_lr)?;

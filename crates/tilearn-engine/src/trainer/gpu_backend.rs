@@ -19,6 +19,8 @@ use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
 use super::backend::{ModelInit, StepBackend};
+use super::data_parallel::FlatBuffer;
+use super::optimizer_shards::OptimizerCheckpoint;
 use super::{TrainingArguments, adamw_setup, optimizer_file};
 use crate::Result;
 use crate::checkpoint::{load_into, save_pretrained_from};
@@ -138,6 +140,14 @@ impl GpuBackend {
     }
 }
 
+impl GpuBackend {
+    /// The stream the engine computes on (what data parallelism's communication is ordered
+    /// against, and where the host communicator stages device buffers).
+    pub fn stream(&self) -> std::sync::Arc<cudarc::driver::CudaStream> {
+        self.gpu.device().stream().clone()
+    }
+}
+
 impl StepBackend for GpuBackend {
     fn describe(&self) -> String {
         self.name.clone()
@@ -225,14 +235,23 @@ impl StepBackend for GpuBackend {
         })
     }
 
-    fn restore(&mut self, dir: &Path, optimizer_file: &Path) -> Result<()> {
+    fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
         let numel = self.numel;
         self.gpu
-            .fill_moments(|dest| optimizer_file::read(optimizer_file, numel, dest))?;
+            .fill_moments(|dest| optimizer.read(numel, 0..numel, dest))?;
         let specs = &self.specs;
         self.gpu.fill_params(|dest| load_into(dir, specs, dest))?;
         self.host = None;
         Ok(())
+    }
+
+    fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {
+        let (view, stream) = self.gpu.gradients_mut();
+        Ok(FlatBuffer::Device { view, stream })
+    }
+
+    fn optimizer_state_bytes(&self) -> u64 {
+        self.gpu.optimizer().map_or(0, |o| o.bytes() as u64)
     }
 
     fn poison_gradients(&mut self) -> Result<()> {

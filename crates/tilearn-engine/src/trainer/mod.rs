@@ -238,6 +238,17 @@ impl Trainer {
     /// Trains as one rank of data parallelism `dp` (built for this model's parameter count);
     /// under ZeRO the backend's optimizer keeps only this rank's shard from now on.
     pub fn set_data_parallel(&mut self, dp: DataParallel) -> Result<()> {
+        if dp.options().comm_dtype != DType::F32 && self.backend.flat_gradients()?.host().is_none()
+        {
+            return Err(EngineError::InvalidArgument {
+                argument: "--ddp-comm-dtype".into(),
+                message: format!(
+                    "{} all-reduces its gradients in f32; bf16 compression runs on the CPU \
+                     engine (drop the flag)",
+                    self.backend.describe()
+                ),
+            });
+        }
         if dp.is_sharded() {
             self.backend.shard_optimizer(dp.owned())?;
         }
@@ -270,7 +281,7 @@ impl Trainer {
             numel as u64
         } * bytes.grads;
         let held = numel as u64 * bytes.weights + grads_held + self.backend.optimizer_state_bytes();
-        format!(
+        let mut line = format!(
             "model states on rank {}: {held} bytes (weights {} + gradients {grads_held} + \
              optimizer {}); ZeRO stage {}: {} = {:.0} bytes (Ψ = {numel}, N = {world})",
             self.dp.rank(),
@@ -279,7 +290,16 @@ impl Trainer {
             stage.number(),
             data_parallel::memory::formula_text(bytes, stage),
             formula.total(),
-        )
+        );
+        if grads_held < numel as u64 * bytes.grads {
+            // Honest accounting: the engine's backward writes whole-model gradients before
+            // they are reduce-scattered into the owned shard.
+            line.push_str(&format!(
+                "; plus the backward's full gradient buffer of {} bytes, reused every micro-batch",
+                numel as u64 * bytes.grads
+            ));
+        }
+        line
     }
 
     /// The precision plan: a fixed precision (default fp32) or an adaptive policy.

@@ -26,7 +26,6 @@ pub mod memory;
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
 
 use half::bf16;
 use serde::{Deserialize, Serialize};
@@ -161,8 +160,6 @@ pub struct DataParallel {
     compressed: Vec<bf16>,
     /// ZeRO-2: the reduced gradients of the owned shard, accumulated over the micro-batches.
     grad_shard: Vec<f32>,
-    /// Seconds spent in gradient and weight collectives since the last [`Self::take_comm_seconds`].
-    comm_seconds: f64,
 }
 
 impl DataParallel {
@@ -175,7 +172,6 @@ impl DataParallel {
             buckets: Vec::new(),
             compressed: Vec::new(),
             grad_shard: Vec::new(),
-            comm_seconds: 0.0,
         }
     }
 
@@ -203,7 +199,6 @@ impl DataParallel {
             options,
             compressed: Vec::new(),
             grad_shard: Vec::new(),
-            comm_seconds: 0.0,
         })
     }
 
@@ -312,11 +307,6 @@ impl DataParallel {
         }
     }
 
-    /// Seconds spent in gradient and weight collectives since the last call.
-    pub fn take_comm_seconds(&mut self) -> f64 {
-        std::mem::take(&mut self.comm_seconds)
-    }
-
     /// Called after the backward of each micro-batch (`last`: the step's final one): reduces
     /// the gradients as the stage says (see the module docs). Afterwards the backend's gradients
     /// hold the global gradient on [`Self::owned`].
@@ -325,7 +315,6 @@ impl DataParallel {
             return Ok(());
         };
         let grads_comm = c.grads.clone();
-        let start = Instant::now();
         match self.options.zero_stage {
             ZeroStage::Off if last => {
                 let mut grads = backend.flat_gradients()?;
@@ -380,7 +369,6 @@ impl DataParallel {
                 }
             }
         }
-        self.comm_seconds += start.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -421,7 +409,6 @@ impl DataParallel {
             return Ok(());
         }
         let comm = c.grads.clone();
-        let start = Instant::now();
         let layout = self.layout;
         let mut params = backend.flat_parameters()?;
         let done = params.completion();
@@ -433,7 +420,6 @@ impl DataParallel {
         if !tail.is_empty() {
             done.finish(comm.broadcast(params.part(tail), layout.tail_owner())?)?;
         }
-        self.comm_seconds += start.elapsed().as_secs_f64();
         Ok(())
     }
 }

@@ -10,8 +10,16 @@
 //! ranks, about 1e-6 for 4 ranks with accumulation. A resume on the same world size repeats the
 //! uninterrupted run bit for bit.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+use support::{max_abs_diff, ok};
+
+fn weights(dir: &str) -> Vec<f32> {
+    support::weights(Path::new(dir))
+}
 
 fn tilearn(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tilearn"))
@@ -20,13 +28,6 @@ fn tilearn(args: &[&str]) -> Output {
         .env_remove("TILEARN_HYBRID_ZERO_STAGE")
         .output()
         .expect("run tilearn")
-}
-
-fn ok(out: Output) -> String {
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    stdout
 }
 
 const TINY: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 32,
@@ -70,14 +71,20 @@ impl Setup {
 
     /// `tilearn train` (alone, or under `tilearn launch` with `ranks` > 0) with the tiny model
     /// and `extra` flags, writing to `out`.
-    fn train(&self, ranks: usize, out: &str, extra: &[&str]) -> String {
+    fn command(&self, ranks: usize, out: &str, extra: &[&str]) -> Command {
         let (config, data) = (self.path("tiny.json"), self.path("gen/data"));
-        let nproc = ranks.to_string();
-        let mut args: Vec<&str> = Vec::new();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tilearn"));
+        cmd.env_remove("OMP_NUM_THREADS")
+            .env_remove("TILEARN_HYBRID_ZERO_STAGE");
         if ranks > 0 {
-            args.extend(["launch", "--nproc-per-node", &nproc, "--standalone"]);
+            cmd.args([
+                "launch",
+                "--nproc-per-node",
+                &ranks.to_string(),
+                "--standalone",
+            ]);
         }
-        args.extend([
+        cmd.args([
             "train",
             "--config",
             &config,
@@ -98,35 +105,14 @@ impl Setup {
             "--warmup-steps",
             "0",
         ]);
-        args.extend(extra);
-        ok(tilearn(&args))
+        cmd.args(extra);
+        cmd
     }
-}
 
-/// Every tensor of `dir/model.safetensors`, in name order, as one vector.
-fn weights(dir: &str) -> Vec<f32> {
-    let bytes = std::fs::read(Path::new(dir).join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
-    names.sort();
-    names
-        .iter()
-        .flat_map(|n| {
-            let t = st.tensor(n).unwrap();
-            t.data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    /// [`Setup::command`], run to success; its stdout.
+    fn train(&self, ranks: usize, out: &str, extra: &[&str]) -> String {
+        ok(self.command(ranks, out, extra).output().unwrap())
+    }
 }
 
 const TOLERANCE: f32 = 1e-5;
@@ -255,32 +241,8 @@ fn zero_1_and_2_equal_one_process_and_follow_the_memory_formulas() {
 fn zero_stage_comes_from_the_environment_and_bad_values_are_named() {
     let s = Setup::new();
     let out = s.path("env");
-    let (config, data) = (s.path("tiny.json"), s.path("gen/data"));
     let run = |stage: &str| {
-        Command::new(env!("CARGO_BIN_EXE_tilearn"))
-            .args([
-                "launch",
-                "--nproc-per-node",
-                "2",
-                "--standalone",
-                "train",
-                "--config",
-                &config,
-                "--data",
-                &data,
-                "--output-dir",
-                &out,
-                "--seq-len",
-                "32",
-                "--per-device-train-batch-size",
-                "2",
-                "--device",
-                "cpu",
-                "--max-steps",
-                "1",
-                "--save-strategy",
-                "no",
-            ])
+        s.command(2, &out, &["--max-steps", "1", "--save-strategy", "no"])
             .env("TILEARN_HYBRID_ZERO_STAGE", stage)
             .output()
             .unwrap()

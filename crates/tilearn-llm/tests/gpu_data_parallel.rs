@@ -13,8 +13,12 @@
 
 #![cfg(feature = "cuda")]
 
+mod support;
+
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
+
+use support::{max_abs_diff, ok, weights};
 
 fn gpu_present() -> bool {
     let info = tilearn_ops::backend::probe();
@@ -22,13 +26,6 @@ fn gpu_present() -> bool {
         println!("skipped: no usable CUDA GPU");
     }
     info.cuda_usable()
-}
-
-fn ok(out: Output) -> String {
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    stdout
 }
 
 const TINY: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
@@ -98,32 +95,6 @@ fn setup() -> tempfile::TempDir {
         .output()
         .unwrap());
     dir
-}
-
-fn weights(dir: &Path) -> Vec<f32> {
-    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
-    names.sort();
-    names
-        .iter()
-        .flat_map(|n| {
-            st.tensor(n)
-                .unwrap()
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]

@@ -270,14 +270,7 @@ mod tests {
     use super::*;
 
     fn config() -> AdamWConfig {
-        AdamWConfig {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            amsgrad: false,
-        }
+        AdamWConfig::default()
     }
 
     /// Writes the moments `m[i] = i`, `v[i] = 1000 + i` of `numel` parameters cut into

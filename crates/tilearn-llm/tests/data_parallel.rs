@@ -72,6 +72,11 @@ impl Setup {
     /// `tilearn train` (alone, or under `tilearn launch` with `ranks` > 0) with the tiny model
     /// and `extra` flags, writing to `out`.
     fn command(&self, ranks: usize, out: &str, extra: &[&str]) -> Command {
+        self.launch(ranks, &[], out, extra)
+    }
+
+    /// [`Setup::command`] with more `tilearn launch` flags.
+    fn launch(&self, ranks: usize, launch: &[&str], out: &str, extra: &[&str]) -> Command {
         let (config, data) = (self.path("tiny.json"), self.path("gen/data"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tilearn"));
         cmd.env_remove("OMP_NUM_THREADS")
@@ -83,6 +88,7 @@ impl Setup {
                 &ranks.to_string(),
                 "--standalone",
             ]);
+            cmd.args(launch);
         }
         cmd.args([
             "train",
@@ -352,4 +358,39 @@ fn a_two_rank_checkpoint_resumes_on_two_and_on_one_rank() {
     );
     let diff = max_abs_diff(&weights(&plain), &weights(&resharded));
     assert!(diff <= TOLERANCE, "plain → ZeRO-2: max |Δw| = {diff}");
+}
+
+/// `tilearn launch --max-restarts 1`: both ranks fail after step 3 in the first attempt; the
+/// restarted group resumes from `checkpoint-2` by itself and ends with the uninterrupted run's
+/// weights, bit for bit, and its log.
+#[test]
+fn a_restarted_group_resumes_from_the_last_checkpoint() {
+    let s = Setup::new();
+    let saves = ["--max-steps", "4", "--save-steps", "2", "--zero-stage", "1"];
+    let full = s.path("full");
+    s.train(2, &full, &saves);
+    let restarted = s.path("restarted");
+    let out = s
+        .launch(
+            2,
+            &["--max-restarts", "1"],
+            &restarted,
+            &with(&saves, &["--debug-fail-after-step", "3"]),
+        )
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let stdout = ok(out);
+    assert!(stderr.contains("restarting the group"), "{stderr}");
+    assert!(
+        stderr.contains("failing on purpose after step 3"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("resuming from"), "{stdout}");
+    assert_eq!(weights(&full), weights(&restarted));
+    let steps: Vec<u64> = log(&restarted)
+        .iter()
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4]);
 }

@@ -560,6 +560,15 @@ impl Trainer {
                 let saved = self.try_checkpoint(&state, &schedule, &scaler, sink)?;
                 checkpoint_failures.extend(saved.err());
             }
+            if a.debug_fail_after_step == Some(state.global_step) {
+                return Err(EngineError::InvalidArgument {
+                    argument: "--debug-fail-after-step".into(),
+                    message: format!(
+                        "failing on purpose after step {} (fault injection)",
+                        state.global_step
+                    ),
+                });
+            }
         }
         sink.finish();
         let elapsed = run_start.elapsed().as_secs_f64();

@@ -12,6 +12,7 @@ use clap::{Args, ValueEnum};
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
 use tilearn_engine::params::{ParamSpec, ParamStore};
+use tilearn_engine::trainer::checkpoint::latest_checkpoint;
 use tilearn_engine::trainer::data_parallel::DEFAULT_BUCKET_CAP_MB;
 use tilearn_engine::trainer::{
     DdpOptions, ModelInit, SaveStrategy, TrainLength, Trainer, TrainingArguments, ZeroStage, host,
@@ -165,6 +166,10 @@ pub struct TrainArgs {
     /// fail with a simulated "no space left on device" (1-based, comma-separated).
     #[arg(long, value_delimiter = ',', hide = true)]
     pub debug_fail_checkpoint_write: Vec<u64>,
+    /// Fault injection for testing restarts: fail after this optimizer step (and its
+    /// checkpoint), in the first attempt of a launched job only (or always, run alone).
+    #[arg(long, hide = true)]
+    pub debug_fail_after_step: Option<u64>,
     /// Pin this rank's threads near its GPU (LOCAL_RANK / LOCAL_WORLD_SIZE /
     /// CUDA_VISIBLE_DEVICES say which GPU); TILEARN_AFFINITY=off overrides. See `tilearn info
     /// --topology` for the plan.
@@ -227,6 +232,19 @@ pub fn run(args: TrainArgs) -> Result<()> {
 /// One run, alone or as one rank of a launched job.
 fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<()> {
     let primary = ranks.is_none_or(Ranks::is_primary);
+    // `tilearn launch --max-restarts`: a restarted group continues from the newest checkpoint.
+    let restart = ranks.map_or(0, |r| r.group.env().restart);
+    let resume = match &args.resume_from_checkpoint {
+        Some(dir) => Some(dir.clone()),
+        None if restart > 0 => latest_checkpoint(&args.output_dir),
+        None => None,
+    };
+    if restart > 0 && primary {
+        match &resume {
+            Some(dir) => println!("restart {restart}: resuming from {}", dir.display()),
+            None => println!("restart {restart}: no checkpoint yet, starting over"),
+        }
+    }
     let ddp = DdpOptions {
         bucket_cap_mb: args.ddp_bucket_cap_mb,
         comm_dtype: args.ddp_comm_dtype,
@@ -284,6 +302,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         progress_bar: true,
         debug_inject_overflow: args.debug_inject_overflow.clone(),
         debug_fail_checkpoint_write: args.debug_fail_checkpoint_write.clone(),
+        debug_fail_after_step: args.debug_fail_after_step.filter(|_| restart == 0),
     };
     let params: usize = ParamStore::specs_for(&config)
         .iter()
@@ -326,7 +345,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
     } else {
         Box::new(Quiet)
     };
-    let summary = trainer.train(args.resume_from_checkpoint.as_deref(), sink.as_mut())?;
+    let summary = trainer.train(resume.as_deref(), sink.as_mut())?;
     if primary {
         print_summary(&summary);
     }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use tilearn_ops::DType;
 
-use super::data_parallel::FlatBuffer;
+use super::flat_buffer::FlatBuffer;
 use super::optimizer_shards::OptimizerCheckpoint;
 use crate::config::LlamaConfig;
 use crate::data::Batch;

@@ -15,7 +15,7 @@ use tilearn_ops::DType;
 use tilearn_optim::{AdamW, ParamGroup};
 
 use super::backend::StepBackend;
-use super::data_parallel::FlatBuffer;
+use super::flat_buffer::FlatBuffer;
 use super::optimizer_file;
 use super::optimizer_shards::{OptimizerCheckpoint, groups_within};
 use crate::Result;

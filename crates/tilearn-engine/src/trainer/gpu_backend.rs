@@ -19,7 +19,7 @@ use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
 use super::backend::{ModelInit, StepBackend};
-use super::data_parallel::FlatBuffer;
+use super::flat_buffer::FlatBuffer;
 use super::optimizer_shards::OptimizerCheckpoint;
 use super::{TrainingArguments, adamw_setup, optimizer_file};
 use crate::Result;

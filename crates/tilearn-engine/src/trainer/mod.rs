@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod cpu_backend;
 pub mod data_parallel;
 pub mod disk;
+pub mod flat_buffer;
 #[cfg(feature = "cuda")]
 pub mod gpu_backend;
 pub mod host;

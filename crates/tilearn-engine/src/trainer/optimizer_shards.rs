@@ -276,10 +276,18 @@ mod tests {
     /// Writes the moments `m[i] = i`, `v[i] = 1000 + i` of `numel` parameters cut into
     /// `world` shards, and the manifest.
     fn write_sharded(dir: &Path, numel: usize, world: usize, step: u64) {
-        let layout = super::super::data_parallel::ShardLayout::new(numel, world);
+        // ZeRO's partition (data_parallel::ShardLayout): the last rank takes the remainder.
+        let owned = |rank: usize| {
+            let q = numel / world;
+            rank * q..if rank + 1 == world {
+                numel
+            } else {
+                (rank + 1) * q
+            }
+        };
         let groups = vec![ParamGroup::whole("all", numel, 0.1)];
         for rank in 0..world {
-            let r = layout.owned(rank);
+            let r = owned(rank);
             let m: Vec<f32> = r.clone().map(|i| i as f32).collect();
             let v: Vec<f32> = r.clone().map(|i| 1000.0 + i as f32).collect();
             let both: Vec<f32> = m.iter().chain(&v).copied().collect();
@@ -288,7 +296,7 @@ mod tests {
             let local = groups_within(&groups, &r);
             optimizer_file::write(&path, &config(), &local, step, r.len(), &mut source).unwrap();
         }
-        let manifest = ShardManifest::new(numel, world, 1, |r| layout.owned(r));
+        let manifest = ShardManifest::new(numel, world, 1, owned);
         state::write_json(&dir.join(MANIFEST_FILE), &manifest).unwrap();
     }
 

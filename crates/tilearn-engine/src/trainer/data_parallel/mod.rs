@@ -20,7 +20,6 @@
 //! u64 bit patterns in an all-gather and are summed in rank order on every rank: exact, and
 //! identical everywhere, so every rank takes the same decisions.
 
-pub mod flat;
 pub mod layout;
 pub mod memory;
 
@@ -32,10 +31,10 @@ use serde::{Deserialize, Serialize};
 use tilearn_ops::DType;
 use tilearn_parallel::{BufferMut, Communicator, ReduceOp};
 
-pub use flat::{Completion, FlatBuffer};
 pub use layout::{ShardLayout, gradient_buckets};
 
 use super::backend::StepBackend;
+use super::flat_buffer::{Completion, FlatBuffer};
 use crate::{EngineError, Result};
 
 /// `--ddp-bucket-cap-mb`'s default, PyTorch DDP's `bucket_cap_mb`.

@@ -9,6 +9,7 @@ pub mod error;
 pub mod gpu;
 pub mod model;
 pub mod params;
+pub mod tensor_io;
 
 pub mod trainer;
 

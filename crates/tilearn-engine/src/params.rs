@@ -13,9 +13,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use crate::checkpoint::TensorDest;
 use crate::config::LlamaConfig;
 use crate::error::{EngineError, Result};
+use crate::tensor_io::TensorDest;
 
 /// Elements one rayon task of the random initialisation fills (even, so tasks start on a
 /// Box–Muller pair).

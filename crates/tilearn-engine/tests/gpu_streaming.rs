@@ -3,7 +3,8 @@
 //! model and optimizer state read back bit for bit, and a checkpoint restored into a fresh
 //! device model saves byte-identical files.
 //!
-//! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
+//! GPU tests: ignored by default (run with `--include-ignored`); without a GPU or driver each
+//! prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]
 
 mod support;
@@ -46,6 +47,7 @@ fn backend(config: &LlamaConfig, init: &ModelInit, out: &Path) -> GpuBackend {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn streamed_init_save_and_load_match_the_cpu() {
     if gpu_or_skip("streamed_init_save_and_load_match_the_cpu").is_none() {
         return;
@@ -65,6 +67,7 @@ fn streamed_init_save_and_load_match_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn a_restored_checkpoint_saves_identical_files() {
     if gpu_or_skip("a_restored_checkpoint_saves_identical_files").is_none() {
         return;

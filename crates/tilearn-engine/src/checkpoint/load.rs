@@ -12,11 +12,11 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::safetensors_io::{MappedFile, check_dtype, decode_into};
-use super::stream::TensorDest;
 use super::{INDEX_FILE, SINGLE_FILE};
 use crate::config::LlamaConfig;
 use crate::error::{EngineError, Result};
 use crate::params::{ParamSpec, ParamStore};
+use crate::tensor_io::TensorDest;
 
 /// Loads the weights in `dir` for a model described by `config`.
 pub fn load_params(dir: &Path, config: &LlamaConfig) -> Result<ParamStore> {

@@ -17,11 +17,12 @@ mod safetensors_io;
 mod save;
 pub mod stream;
 
+pub use crate::tensor_io::{TensorDest, TensorSource};
 pub use load::{load_into, load_params, load_params_into};
 pub(crate) use safetensors_io::{MappedFile, decode_into};
 pub use safetensors_io::{NamedTensor, TensorRef, read_tensors_file, write_tensors_file};
 pub use save::{DEFAULT_MAX_SHARD_BYTES, save_pretrained, save_pretrained_from};
-pub use stream::{StreamedTensor, TensorDest, TensorSource, write_streamed};
+pub use stream::{StreamedTensor, write_streamed};
 
 /// Name of the single-file weights.
 pub const SINGLE_FILE: &str = "model.safetensors";

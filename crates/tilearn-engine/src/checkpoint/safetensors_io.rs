@@ -11,19 +11,12 @@ use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 use tilearn_ops::DType;
 
-use super::stream::{StreamedTensor, TensorSource, write_streamed};
+use super::stream::{StreamedTensor, write_streamed};
 use crate::error::{EngineError, Result};
+use crate::tensor_io::TensorSource;
 
 /// Elements one rayon task decodes.
 const DECODE_TASK: usize = 1 << 16;
-
-pub(crate) fn st_dtype(dtype: DType) -> Dtype {
-    match dtype {
-        DType::F32 => Dtype::F32,
-        DType::BF16 => Dtype::BF16,
-        DType::F16 => Dtype::F16,
-    }
-}
 
 /// Converts little-endian F32/BF16/F16 bytes into `dst` (in parallel for large tensors);
 /// `Err` names the unsupported dtype.

@@ -9,11 +9,12 @@ use serde_json::{Map, Value, json};
 use tilearn_ops::DType;
 use tilearn_ops::fs::write_bytes_atomic;
 
-use super::stream::{StreamedTensor, TensorSource, write_streamed};
+use super::stream::{StreamedTensor, write_streamed};
 use super::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, shard_file_name};
 use crate::config::LlamaConfig;
 use crate::error::{EngineError, Result};
 use crate::params::{ParamSpec, ParamStore};
+use crate::tensor_io::TensorSource;
 
 /// transformers' default `max_shard_size` for `save_pretrained` (v5: "50GB", decimal; v4 used
 /// "5GB"): above it the weights are split into shards plus an index.

@@ -16,12 +16,13 @@ use std::path::Path;
 
 use half::{bf16, f16};
 use rayon::prelude::*;
+use safetensors::Dtype;
 use safetensors::tensor::{Metadata, TensorInfo};
 use tilearn_ops::DType;
 use tilearn_ops::fs::AtomicFile;
 
-use super::safetensors_io::st_dtype;
 use crate::error::{EngineError, Result};
+use crate::tensor_io::TensorSource;
 
 /// Elements converted and written per piece (64 MiB of f32): the bound on the writer's own
 /// buffer and on a GPU staging buffer.
@@ -29,49 +30,6 @@ pub const PIECE_ELEMS: usize = 16 << 20;
 
 /// Elements one rayon task converts.
 const TASK_ELEMS: usize = 1 << 16;
-
-/// Where saved values come from, addressed by flat f32 index ranges (a
-/// [`ParamStore`](crate::params::ParamStore)'s layout, or an optimizer's buffers).
-pub trait TensorSource {
-    /// Calls `sink` with the values of `range`, in order, in one or more pieces.
-    fn read(
-        &mut self,
-        range: Range<usize>,
-        sink: &mut dyn FnMut(&[f32]) -> Result<()>,
-    ) -> Result<()>;
-}
-
-/// Where loaded values go, addressed by flat f32 index ranges.
-pub trait TensorDest {
-    /// Calls `fill(offset, buf)` with host buffers that together cover `range` in order
-    /// (`offset` is the index of `buf[0]` relative to `range.start`); whatever `fill` writes
-    /// lands in those elements. Every value of `buf` must be written.
-    fn write(
-        &mut self,
-        range: Range<usize>,
-        fill: &mut dyn FnMut(usize, &mut [f32]) -> Result<()>,
-    ) -> Result<()>;
-}
-
-impl TensorSource for &[f32] {
-    fn read(
-        &mut self,
-        range: Range<usize>,
-        sink: &mut dyn FnMut(&[f32]) -> Result<()>,
-    ) -> Result<()> {
-        sink(&self[range])
-    }
-}
-
-impl TensorDest for &mut [f32] {
-    fn write(
-        &mut self,
-        range: Range<usize>,
-        fill: &mut dyn FnMut(usize, &mut [f32]) -> Result<()>,
-    ) -> Result<()> {
-        fill(0, &mut self[range])
-    }
-}
 
 /// One tensor of a streamed file: its name, shape and the source range holding its values.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -186,4 +144,13 @@ fn encode_into(dtype: DType, values: &[f32], out: &mut Vec<u8>) {
                 .zip(src)
                 .for_each(|(d, &x)| d.copy_from_slice(&f16::from_f32(x).to_bits().to_le_bytes())),
         });
+}
+
+/// The safetensors dtype of a workspace dtype.
+pub(crate) fn st_dtype(dtype: DType) -> Dtype {
+    match dtype {
+        DType::F32 => Dtype::F32,
+        DType::BF16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
+    }
 }

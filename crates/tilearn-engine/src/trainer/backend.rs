@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use tilearn_ops::DType;
 
+use super::data_parallel::memory::{RankState, StateBytes};
 use super::flat_buffer::FlatBuffer;
 use super::optimizer_shards::OptimizerCheckpoint;
 use crate::config::LlamaConfig;
@@ -132,8 +133,13 @@ pub trait StepBackend {
         Err(unsupported(self.describe(), "ZeRO (--zero-stage)"))
     }
 
-    /// Bytes of optimizer state this backend holds (the ZeRO memory report).
-    fn optimizer_state_bytes(&self) -> u64;
+    /// Bytes per parameter of its model state as the ZeRO paper counts them (working weights,
+    /// gradients, optimizer state K), for the per-rank memory report.
+    fn state_layout(&self) -> StateBytes;
+
+    /// The model-state bytes it holds now: working weights, the gradient buffer, and the
+    /// optimizer state (K: moments, and fp32 master weights where they are separate).
+    fn state_held(&self) -> RankState;
 
     /// Makes the gradients non-finite (at least one infinite): fault injection for testing
     /// the fp16 overflow path (`--debug-inject-overflow`).

@@ -15,6 +15,7 @@ use tilearn_ops::DType;
 use tilearn_optim::{AdamW, ParamGroup};
 
 use super::backend::StepBackend;
+use super::data_parallel::memory::{CPU_FP32_ADAMW, RankState, StateBytes};
 use super::flat_buffer::FlatBuffer;
 use super::optimizer_file;
 use super::optimizer_shards::{OptimizerCheckpoint, groups_within};
@@ -226,9 +227,18 @@ impl StepBackend for CpuBackend {
         Ok(())
     }
 
-    fn optimizer_state_bytes(&self) -> u64 {
+    fn state_layout(&self) -> StateBytes {
+        CPU_FP32_ADAMW
+    }
+
+    fn state_held(&self) -> RankState {
         let o = &self.optimizer;
-        ((o.exp_avg().len() + o.exp_avg_sq().len()) * std::mem::size_of::<f32>()) as u64
+        let bytes = |n: usize| (n * std::mem::size_of::<f32>()) as f64;
+        RankState {
+            weights: bytes(self.model.params.data.len()),
+            grads: bytes(self.grads.len()),
+            optimizer: bytes(o.exp_avg().len() + o.exp_avg_sq().len()),
+        }
     }
 
     fn poison_gradients(&mut self) -> Result<()> {
@@ -240,6 +250,6 @@ impl StepBackend for CpuBackend {
         let params = self.model.params.numel() * 4;
         // master + grads + working copy + activations arena + the moments (sharded by ZeRO)
         (params * 2 + self.working.capacity() * 4 + self.acts.bytes()) as u64
-            + self.optimizer_state_bytes()
+            + self.state_held().optimizer as u64
     }
 }

@@ -19,6 +19,7 @@ use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
 use super::backend::{ModelInit, StepBackend};
+use super::data_parallel::memory::{RankState, StateBytes};
 use super::flat_buffer::FlatBuffer;
 use super::optimizer_shards::OptimizerCheckpoint;
 use super::{TrainingArguments, adamw_setup, optimizer_file};
@@ -250,8 +251,25 @@ impl StepBackend for GpuBackend {
         Ok(FlatBuffer::Device { view, stream })
     }
 
-    fn optimizer_state_bytes(&self) -> u64 {
-        self.gpu.optimizer().map_or(0, |o| o.bytes() as u64)
+    fn state_layout(&self) -> StateBytes {
+        let held = self.state_held();
+        let per_param = |bytes: f64| (bytes / self.numel.max(1) as f64).round() as u64;
+        // Mixed precision: bf16/fp16 working copy (none when built for fp32 only), fp32
+        // gradients, K = fp32 master + two moments.
+        StateBytes {
+            weights: per_param(held.weights),
+            grads: per_param(held.grads),
+            optimizer: per_param(held.optimizer),
+        }
+    }
+
+    fn state_held(&self) -> RankState {
+        let m = self.gpu.memory();
+        RankState {
+            weights: m.working_copy_bytes as f64,
+            grads: m.grad_bytes as f64,
+            optimizer: (m.master_bytes + m.optimizer_bytes) as f64,
+        }
     }
 
     fn poison_gradients(&mut self) -> Result<()> {

@@ -265,39 +265,36 @@ impl Trainer {
     /// The model-state bytes this rank holds (weights, gradients, optimizer state) next to the
     /// ZeRO paper's per-rank formula for its stage (see [`data_parallel::memory`]).
     pub fn model_state_report(&self) -> String {
-        use data_parallel::memory::{CPU_FP32_ADAMW, MIXED_PRECISION_ADAM, per_rank};
+        use data_parallel::memory::per_rank;
         let numel: usize = self.backend.specs().iter().map(ParamSpec::numel).sum();
-        let on_cpu = self.backend.describe().starts_with("cpu");
-        let bytes = if on_cpu {
-            CPU_FP32_ADAMW
-        } else {
-            MIXED_PRECISION_ADAM
-        };
+        let bytes = self.backend.state_layout();
+        let state = self.backend.state_held();
         let (world, stage) = (self.dp.world_size(), self.dp.zero_stage());
         let formula = per_rank(bytes, numel as u64, world as u64, stage);
         let owned = self.dp.owned().len() as u64;
         let grads_held = if stage == ZeroStage::Two && self.dp.is_sharded() {
-            owned
+            owned * bytes.grads
         } else {
-            numel as u64
-        } * bytes.grads;
-        let held = numel as u64 * bytes.weights + grads_held + self.backend.optimizer_state_bytes();
+            state.grads as u64
+        };
+        let (weights, optimizer) = (state.weights as u64, state.optimizer as u64);
+        let held = weights + grads_held + optimizer;
         let mut line = format!(
             "model states on rank {}: {held} bytes (weights {} + gradients {grads_held} + \
              optimizer {}); ZeRO stage {}: {} = {:.0} bytes (Ψ = {numel}, N = {world})",
             self.dp.rank(),
-            numel as u64 * bytes.weights,
-            self.backend.optimizer_state_bytes(),
+            weights,
+            optimizer,
             stage.number(),
             data_parallel::memory::formula_text(bytes, stage),
             formula.total(),
         );
-        if grads_held < numel as u64 * bytes.grads {
+        if grads_held < state.grads as u64 {
             // Honest accounting: the engine's backward writes whole-model gradients before
             // they are reduce-scattered into the owned shard.
             line.push_str(&format!(
                 "; plus the backward's full gradient buffer of {} bytes, reused every micro-batch",
-                numel as u64 * bytes.grads
+                state.grads
             ));
         }
         line

@@ -10,7 +10,9 @@
 //! moments: K = 12) gives the paper's 4Ψ + 12Ψ/N and 2Ψ + 14Ψ/N. The CPU engine is fp32 only:
 //! its working weights *are* the fp32 master weights (4 bytes, needed whole by every rank's
 //! forward, so not partitioned), gradients are fp32 (4) and the optimizer state is the two
-//! moments (K = 8).
+//! moments (K = 8). The GPU engine keeps fp32 gradients: a bf16 working copy (2), gradients 4,
+//! K = 12 (fp32 master + moments), 18Ψ unpartitioned. Each backend reports its own layout
+//! (`StepBackend::state_layout`) and what it holds (`StepBackend::state_held`).
 
 use super::ZeroStage;
 

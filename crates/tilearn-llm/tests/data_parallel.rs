@@ -247,7 +247,7 @@ fn zero_1_and_2_equal_one_process_and_follow_the_memory_formulas() {
             let (held, formula, psi, n) = model_states(&stdout, rank);
             // The CPU engine's fp32 AdamW: weights 4, gradients 4, K = 8 bytes per parameter
             // (the paper's mixed-precision 4Ψ + 12Ψ/N and 2Ψ + 14Ψ/N with 4/4/8 in place of
-            // 2/2/12; see data_parallel::memory).
+            // 2/2/12; see zero).
             let expected = match stage {
                 "1" => 8.0 * psi + 8.0 * psi / n,
                 _ => 4.0 * psi + 12.0 * psi / n,

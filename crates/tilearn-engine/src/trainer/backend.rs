@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 
 use tilearn_ops::DType;
 
-use super::data_parallel::memory::{RankState, StateBytes};
 use super::flat_buffer::FlatBuffer;
 use super::optimizer_shards::OptimizerCheckpoint;
+use super::zero::{RankState, StateBytes};
 use crate::config::LlamaConfig;
 use crate::data::Batch;
 use crate::model::LlamaForCausalLM;

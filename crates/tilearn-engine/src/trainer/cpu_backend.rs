@@ -15,10 +15,10 @@ use tilearn_ops::DType;
 use tilearn_optim::{AdamW, ParamGroup};
 
 use super::backend::StepBackend;
-use super::data_parallel::memory::{CPU_FP32_ADAMW, RankState, StateBytes};
 use super::flat_buffer::FlatBuffer;
 use super::optimizer_file;
 use super::optimizer_shards::{OptimizerCheckpoint, groups_within};
+use super::zero::{CPU_FP32_ADAMW, RankState, StateBytes};
 use crate::Result;
 use crate::checkpoint::{load_params_into, save_pretrained};
 use crate::config::LlamaConfig;

@@ -19,9 +19,9 @@ use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
 use super::backend::{ModelInit, StepBackend};
-use super::data_parallel::memory::{RankState, StateBytes};
 use super::flat_buffer::FlatBuffer;
 use super::optimizer_shards::OptimizerCheckpoint;
+use super::zero::{RankState, StateBytes};
 use super::{TrainingArguments, adamw_setup, optimizer_file};
 use crate::Result;
 use crate::checkpoint::{load_into, save_pretrained_from};

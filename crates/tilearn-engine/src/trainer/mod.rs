@@ -20,6 +20,7 @@ pub mod optimizer_file;
 pub mod optimizer_shards;
 mod saving;
 pub mod state;
+pub mod zero;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -263,9 +264,9 @@ impl Trainer {
     }
 
     /// The model-state bytes this rank holds (weights, gradients, optimizer state) next to the
-    /// ZeRO paper's per-rank formula for its stage (see [`data_parallel::memory`]).
+    /// ZeRO paper's per-rank formula for its stage (see [`zero`]).
     pub fn model_state_report(&self) -> String {
-        use data_parallel::memory::per_rank;
+        use zero::per_rank;
         let numel: usize = self.backend.specs().iter().map(ParamSpec::numel).sum();
         let bytes = self.backend.state_layout();
         let state = self.backend.state_held();
@@ -286,7 +287,7 @@ impl Trainer {
             weights,
             optimizer,
             stage.number(),
-            data_parallel::memory::formula_text(bytes, stage),
+            zero::formula_text(bytes, stage),
             formula.total(),
         );
         if grads_held < state.grads as u64 {

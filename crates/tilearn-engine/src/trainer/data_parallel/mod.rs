@@ -21,13 +21,11 @@
 //! identical everywhere, so every rank takes the same decisions.
 
 pub mod layout;
-pub mod memory;
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use half::bf16;
-use serde::{Deserialize, Serialize};
 use tilearn_ops::DType;
 use tilearn_parallel::{BufferMut, Communicator, ReduceOp};
 
@@ -35,59 +33,11 @@ pub use layout::{ShardLayout, gradient_buckets};
 
 use super::backend::StepBackend;
 use super::flat_buffer::{Completion, FlatBuffer};
+pub use super::zero::{ZERO_STAGE_ENV, ZeroStage};
 use crate::{EngineError, Result};
 
 /// `--ddp-bucket-cap-mb`'s default, PyTorch DDP's `bucket_cap_mb`.
 pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
-/// The environment variable that sets the ZeRO stage when `--zero-stage` is not given.
-pub const ZERO_STAGE_ENV: &str = "TILEARN_HYBRID_ZERO_STAGE";
-
-/// How much of the model state is partitioned across the data-parallel ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub enum ZeroStage {
-    /// Plain data parallelism: every rank holds everything.
-    #[default]
-    Off,
-    /// Optimizer state (and the fp32 master weights it steps) partitioned.
-    One,
-    /// Stage 1 plus the gradients.
-    Two,
-}
-
-impl ZeroStage {
-    pub fn number(self) -> u8 {
-        match self {
-            ZeroStage::Off => 0,
-            ZeroStage::One => 1,
-            ZeroStage::Two => 2,
-        }
-    }
-
-    /// Parses `0`, `1` or `2` (from `--zero-stage` or [`ZERO_STAGE_ENV`], named in errors).
-    pub fn parse(text: &str, source: &str) -> Result<ZeroStage> {
-        match text.trim() {
-            "0" => Ok(ZeroStage::Off),
-            "1" => Ok(ZeroStage::One),
-            "2" => Ok(ZeroStage::Two),
-            other => Err(EngineError::InvalidArgument {
-                argument: source.into(),
-                message: format!(
-                    "`{other}` is not a ZeRO stage; use 0 (plain data parallel), 1 (optimizer \
-                     state sharded) or 2 (optimizer state and gradients sharded)"
-                ),
-            }),
-        }
-    }
-
-    /// `flag` if given, else [`ZERO_STAGE_ENV`], else off.
-    pub fn from_flag_or_env(flag: Option<&str>) -> Result<ZeroStage> {
-        match (flag, std::env::var(ZERO_STAGE_ENV)) {
-            (Some(text), _) => ZeroStage::parse(text, "--zero-stage"),
-            (None, Ok(text)) if !text.trim().is_empty() => ZeroStage::parse(&text, ZERO_STAGE_ENV),
-            _ => Ok(ZeroStage::Off),
-        }
-    }
-}
 
 /// The data-parallel settings of a run.
 #[derive(Clone, Copy, Debug, PartialEq)]

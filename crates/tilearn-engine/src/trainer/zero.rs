@@ -1,5 +1,7 @@
-//! Per-rank model-state memory under ZeRO, as the ZeRO paper (Rajbhandari et al., 2020, §5)
-//! counts it: Ψ parameters, each with `weights` bytes of working weights, `grads` bytes of
+//! ZeRO's vocabulary, shared by the backends and the data-parallel layer: the stage, and the
+//! per-rank model-state memory the ZeRO paper (Rajbhandari et al., 2020, §5) counts.
+//!
+//! Ψ parameters, each with `weights` bytes of working weights, `grads` bytes of
 //! gradient and `optimizer` (the paper's K) bytes of optimizer state, over N ranks.
 //!
 //! * stage 0: (weights + grads + K)·Ψ
@@ -14,7 +16,59 @@
 //! K = 12 (fp32 master + moments), 18Ψ unpartitioned. Each backend reports its own layout
 //! (`StepBackend::state_layout`) and what it holds (`StepBackend::state_held`).
 
-use super::ZeroStage;
+use serde::{Deserialize, Serialize};
+
+use crate::{EngineError, Result};
+
+/// The environment variable that sets the ZeRO stage when `--zero-stage` is not given.
+pub const ZERO_STAGE_ENV: &str = "TILEARN_HYBRID_ZERO_STAGE";
+
+/// How much of the model state is partitioned across the data-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum ZeroStage {
+    /// Plain data parallelism: every rank holds everything.
+    #[default]
+    Off,
+    /// Optimizer state (and the fp32 master weights it steps) partitioned.
+    One,
+    /// Stage 1 plus the gradients.
+    Two,
+}
+
+impl ZeroStage {
+    pub fn number(self) -> u8 {
+        match self {
+            ZeroStage::Off => 0,
+            ZeroStage::One => 1,
+            ZeroStage::Two => 2,
+        }
+    }
+
+    /// Parses `0`, `1` or `2` (from `--zero-stage` or [`ZERO_STAGE_ENV`], named in errors).
+    pub fn parse(text: &str, source: &str) -> Result<ZeroStage> {
+        match text.trim() {
+            "0" => Ok(ZeroStage::Off),
+            "1" => Ok(ZeroStage::One),
+            "2" => Ok(ZeroStage::Two),
+            other => Err(EngineError::InvalidArgument {
+                argument: source.into(),
+                message: format!(
+                    "`{other}` is not a ZeRO stage; use 0 (plain data parallel), 1 (optimizer \
+                     state sharded) or 2 (optimizer state and gradients sharded)"
+                ),
+            }),
+        }
+    }
+
+    /// `flag` if given, else [`ZERO_STAGE_ENV`], else off.
+    pub fn from_flag_or_env(flag: Option<&str>) -> Result<ZeroStage> {
+        match (flag, std::env::var(ZERO_STAGE_ENV)) {
+            (Some(text), _) => ZeroStage::parse(text, "--zero-stage"),
+            (None, Ok(text)) if !text.trim().is_empty() => ZeroStage::parse(&text, ZERO_STAGE_ENV),
+            _ => Ok(ZeroStage::Off),
+        }
+    }
+}
 
 /// Bytes per parameter of each part of the model state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -55,6 +55,9 @@ pub enum EngineError {
     Optim(#[from] tilearn_optim::OptimError),
     #[error(transparent)]
     Amp(#[from] adaptfp16::Error),
+    /// A collective or the process group of a data-parallel run failed.
+    #[error(transparent)]
+    Parallel(#[from] tilearn_parallel::ParallelError),
 }
 
 impl EngineError {

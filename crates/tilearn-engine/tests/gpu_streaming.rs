@@ -18,6 +18,7 @@ use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
 use tilearn_engine::model::LlamaForCausalLM;
 use tilearn_engine::trainer::gpu_backend::GpuBackend;
+use tilearn_engine::trainer::optimizer_shards::OptimizerCheckpoint;
 use tilearn_engine::trainer::{
     ModelInit, PrintLogs, StepBackend, TrainLength, Trainer, TrainingArguments,
 };
@@ -93,7 +94,10 @@ fn a_restored_checkpoint_saves_identical_files() {
 
     let mut fresh = backend(&config, &init, &out);
     fresh
-        .restore(&ckpt, &ckpt.join("optimizer.safetensors"))
+        .restore(
+            &ckpt,
+            &OptimizerCheckpoint::Whole(ckpt.join("optimizer.safetensors")),
+        )
         .unwrap();
     let again = dir.path().join("again");
     std::fs::create_dir_all(&again).unwrap();

@@ -18,6 +18,10 @@ pub enum LlmError {
     /// Flags that contradict each other or cannot work.
     #[error("{flag}: {message}")]
     Usage { flag: String, message: String },
+    /// A rank of a launched job failed and already reported why (to the launcher, which prints
+    /// one line for the job, or on stderr): nothing more to print.
+    #[error("the error was reported by this rank")]
+    Reported,
 }
 
 pub type Result<T> = std::result::Result<T, LlmError>;

@@ -2,11 +2,13 @@
 //! models briefly (JSONL log with loss, held-out AUC and samples/s; a saved model), and evaluate
 //! the saved model.
 
+mod support;
+
 use std::path::Path;
 use std::process::{Command, Output};
 
 fn tilearn(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_tilearn"))
+    let out = Command::new(support::bin("tilearn", env!("CARGO_BIN_EXE_tilearn")))
         .args(args)
         .output()
         .expect("the tilearn binary runs");
@@ -119,7 +121,7 @@ fn prepare_reports_malformed_criteo_lines() {
 
 #[test]
 fn bad_ctr_input_is_a_clear_error() {
-    let out = Command::new(env!("CARGO_BIN_EXE_tilearn"))
+    let out = Command::new(support::bin("tilearn", env!("CARGO_BIN_EXE_tilearn")))
         .args([
             "ctr",
             "eval",

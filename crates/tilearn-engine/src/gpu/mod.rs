@@ -49,7 +49,8 @@ mod views;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaView, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
+    CudaContext, CudaSlice, CudaView, CudaViewMut, DeviceRepr, DriverError, PinnedHostSlice,
+    ValidAsZeroBits,
 };
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
@@ -646,6 +647,13 @@ impl GpuLlama {
             loss_sum: stats.loss_sum,
             valid_tokens: stats.valid,
         })
+    }
+
+    /// The flat gradient buffer and the stream the backward writes it on, for data parallelism
+    /// to reduce it in place (cudarc's events order the communication after the backward).
+    pub fn gradients_mut(&mut self) -> (CudaViewMut<'_, f32>, Arc<CudaStream>) {
+        let stream = self.device.stream().clone();
+        (self.grads.as_view_mut(), stream)
     }
 
     /// Zeroes the gradient buffer (queued, no wait).

@@ -74,6 +74,10 @@ pub struct TrainingArguments {
     /// (`--debug-fail-checkpoint-write`).
     #[serde(default)]
     pub debug_fail_checkpoint_write: Vec<u64>,
+    /// Fault injection: the run fails after this optimizer step (and its checkpoint), as a
+    /// crashing rank would (`--debug-fail-after-step`, for tests of `--max-restarts`).
+    #[serde(default)]
+    pub debug_fail_after_step: Option<u64>,
 }
 
 impl Default for TrainingArguments {
@@ -105,6 +109,7 @@ impl Default for TrainingArguments {
             progress_bar: false,
             debug_inject_overflow: Vec::new(),
             debug_fail_checkpoint_write: Vec::new(),
+            debug_fail_after_step: None,
         }
     }
 }

@@ -1,15 +1,19 @@
 //! What the Trainer needs from a device to run one optimizer step, so the same loop drives the
 //! CPU reference engine and the CUDA engine.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use tilearn_ops::DType;
 
-use crate::Result;
+use super::flat_buffer::FlatBuffer;
+use super::optimizer_shards::OptimizerCheckpoint;
+use super::zero::{RankState, StateBytes};
 use crate::config::LlamaConfig;
 use crate::data::Batch;
 use crate::model::LlamaForCausalLM;
 use crate::params::ParamSpec;
+use crate::{EngineError, Result};
 
 /// Where a run's starting weights come from.
 #[derive(Clone, Debug, PartialEq)]
@@ -93,13 +97,49 @@ pub trait StepBackend {
         max_shard_bytes: Option<usize>,
     ) -> Result<()>;
 
-    /// Writes the optimizer state (`optimizer.safetensors`, see
-    /// [`super::optimizer_file`]).
+    /// Writes the optimizer state it holds (all of it, or its ZeRO shard after
+    /// [`StepBackend::shard_optimizer`]) in the format of [`super::optimizer_file`].
     fn save_optimizer(&mut self, path: &Path) -> Result<()>;
 
     /// Replaces the weights with those of checkpoint directory `dir` (whose config the Trainer
-    /// has checked) and the optimizer state with `optimizer_file`'s.
-    fn restore(&mut self, dir: &Path, optimizer_file: &Path) -> Result<()>;
+    /// has checked) and the optimizer state it holds with `optimizer`'s (re-sharded if the
+    /// checkpoint was cut differently).
+    fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()>;
+
+    /// The flat gradient buffer (data parallelism reduces it in place, bucket by bucket).
+    fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>>;
+
+    /// The flat f32 master weights (ZeRO all-gathers them after each step).
+    fn flat_parameters(&mut self) -> Result<FlatBuffer<'_>> {
+        Err(unsupported(self.describe(), "ZeRO (--zero-stage)"))
+    }
+
+    /// ZeRO: from now on the optimizer holds state for, steps and saves only the parameters
+    /// `shard` of the flat buffer.
+    fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
+        let _ = shard;
+        Err(unsupported(self.describe(), "ZeRO (--zero-stage)"))
+    }
+
+    /// The sum of squares of the gradients `range` (ZeRO's partial norm).
+    fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {
+        let _ = range;
+        Err(unsupported(self.describe(), "ZeRO (--zero-stage)"))
+    }
+
+    /// Multiplies the gradients `range` by `factor` (ZeRO's clipping of the owned shard).
+    fn scale_gradients(&mut self, range: Range<usize>, factor: f32) -> Result<()> {
+        let _ = (range, factor);
+        Err(unsupported(self.describe(), "ZeRO (--zero-stage)"))
+    }
+
+    /// Bytes per parameter of its model state as the ZeRO paper counts them (working weights,
+    /// gradients, optimizer state K), for the per-rank memory report.
+    fn state_layout(&self) -> StateBytes;
+
+    /// The model-state bytes it holds now: working weights, the gradient buffer, and the
+    /// optimizer state (K: moments, and fp32 master weights where they are separate).
+    fn state_held(&self) -> RankState;
 
     /// Makes the gradients non-finite (at least one infinite): fault injection for testing
     /// the fp16 overflow path (`--debug-inject-overflow`).
@@ -107,4 +147,13 @@ pub trait StepBackend {
 
     /// Peak memory the backend holds for training (device memory on a GPU).
     fn peak_memory_bytes(&self) -> u64;
+}
+
+fn unsupported(backend: String, what: &str) -> EngineError {
+    EngineError::InvalidArgument {
+        argument: "--zero-stage".into(),
+        message: format!(
+            "{backend} does not support {what} yet; use --device cpu or drop the flag"
+        ),
+    }
 }

@@ -30,29 +30,45 @@ pub fn save_dir_atomically(
     final_dir: &Path,
     write: impl FnOnce(&Path) -> Result<()>,
 ) -> Result<()> {
+    let staging = prepare_staging(final_dir)?;
+    if let Err(e) = write(&staging) {
+        discard_staging(&staging);
+        return Err(e);
+    }
+    commit_staging(&staging, final_dir)
+}
+
+/// Creates the empty staging directory of `final_dir` (removing a stale one) and returns it.
+/// The first half of [`save_dir_atomically`], for saves that several ranks write into.
+pub fn prepare_staging(final_dir: &Path) -> Result<PathBuf> {
     let staging = tmp_path(final_dir);
     if staging.exists() {
         fs::remove_dir_all(&staging)
             .map_err(|e| EngineError::io(&staging, "remove a stale staging directory", e))?;
     }
     fs::create_dir_all(&staging).map_err(|e| EngineError::io(&staging, "create", e))?;
-    if let Err(e) = write(&staging) {
-        // Best effort: the space a half-written checkpoint holds is what the final model may
-        // need next.
-        let _ = fs::remove_dir_all(&staging);
-        return Err(e);
-    }
+    Ok(staging)
+}
+
+/// Removes a staging directory after a failed save (best effort: the space a half-written
+/// checkpoint holds is what the final model may need next).
+pub fn discard_staging(staging: &Path) {
+    let _ = fs::remove_dir_all(staging);
+}
+
+/// Moves a complete staging directory to `final_dir` (replacing an older one only now).
+pub fn commit_staging(staging: &Path, final_dir: &Path) -> Result<()> {
     if final_dir.exists() {
         let mut old = final_dir.as_os_str().to_os_string();
         old.push(".old");
         let old = PathBuf::from(old);
         let _ = fs::remove_dir_all(&old);
         fs::rename(final_dir, &old).map_err(|e| EngineError::io(final_dir, "move aside", e))?;
-        fs::rename(&staging, final_dir)
+        fs::rename(staging, final_dir)
             .map_err(|e| EngineError::io(final_dir, "rename into place", e))?;
         let _ = fs::remove_dir_all(&old);
     } else {
-        fs::rename(&staging, final_dir)
+        fs::rename(staging, final_dir)
             .map_err(|e| EngineError::io(final_dir, "rename into place", e))?;
     }
     sync_parent_dir(final_dir);

@@ -7,14 +7,18 @@
 //! element beyond f16's range overflows to infinity exactly as an fp16 backward would. The
 //! arithmetic inside the ops stays f32.
 
+use std::ops::Range;
 use std::path::Path;
 
 use half::{bf16, f16};
 use tilearn_ops::DType;
-use tilearn_optim::AdamW;
+use tilearn_optim::{AdamW, ParamGroup};
 
 use super::backend::StepBackend;
+use super::flat_buffer::FlatBuffer;
 use super::optimizer_file;
+use super::optimizer_shards::{OptimizerCheckpoint, groups_within};
+use super::zero::{CPU_FP32_ADAMW, RankState, StateBytes};
 use crate::Result;
 use crate::checkpoint::{load_params_into, save_pretrained};
 use crate::config::LlamaConfig;
@@ -28,7 +32,9 @@ pub struct CpuBackend {
     grads: Vec<f32>,
     /// The weights rounded to the period's precision (unused in fp32 periods).
     working: Vec<f32>,
+    /// Steps `params[shard]` (all parameters unless ZeRO sharded it).
     optimizer: AdamW,
+    shard: Range<usize>,
 }
 
 impl CpuBackend {
@@ -47,6 +53,7 @@ impl CpuBackend {
             grads: vec![0.0; numel],
             working: Vec::new(),
             optimizer,
+            shard: 0..numel,
         }
     }
 }
@@ -125,8 +132,12 @@ impl StepBackend for CpuBackend {
     }
 
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
-        self.optimizer
-            .step(&mut self.model.params.data, &self.grads, lr)?;
+        let shard = self.shard.clone();
+        self.optimizer.step(
+            &mut self.model.params.data[shard.clone()],
+            &self.grads[shard],
+            lr,
+        )?;
         Ok(None)
     }
 
@@ -154,26 +165,80 @@ impl StepBackend for CpuBackend {
             exp_avg: o.exp_avg(),
             exp_avg_sq: o.exp_avg_sq(),
         };
-        let numel = self.model.params.numel();
+        let len = self.shard.len();
         optimizer_file::write(
             path,
             o.config(),
             o.groups(),
             o.step_count(),
-            numel,
+            len,
             &mut source,
         )
     }
 
-    fn restore(&mut self, dir: &Path, optimizer_file: &Path) -> Result<()> {
+    fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
         let numel = self.model.params.numel();
-        let mut moments = vec![0.0f32; 2 * numel];
+        let len = self.shard.len();
+        let mut moments = vec![0.0f32; 2 * len];
         let mut dest: &mut [f32] = &mut moments;
-        let step = optimizer_file::read(optimizer_file, numel, &mut dest)?;
-        let exp_avg_sq = moments.split_off(numel);
+        let step = optimizer.read(numel, self.shard.clone(), &mut dest)?;
+        let exp_avg_sq = moments.split_off(len);
         load_params_into(dir, &mut self.model.params)?;
         self.optimizer.set_state(moments, exp_avg_sq, None, step)?;
         Ok(())
+    }
+
+    fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {
+        Ok(FlatBuffer::Host(&mut self.grads))
+    }
+
+    fn flat_parameters(&mut self) -> Result<FlatBuffer<'_>> {
+        Ok(FlatBuffer::Host(&mut self.model.params.data))
+    }
+
+    fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
+        let o = &self.optimizer;
+        // The groups in whole-model coordinates (shifting back any earlier shard), then cut.
+        let offset = self.shard.start;
+        let full: Vec<_> = o
+            .groups()
+            .iter()
+            .map(|g| ParamGroup {
+                ranges: g
+                    .ranges
+                    .iter()
+                    .map(|r| r.start + offset..r.end + offset)
+                    .collect(),
+                ..g.clone()
+            })
+            .collect();
+        let groups = groups_within(&full, &shard);
+        self.optimizer = AdamW::new(*o.config(), groups, shard.len())?;
+        self.shard = shard;
+        Ok(())
+    }
+
+    fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {
+        Ok(tilearn_optim::clip::sum_of_squares(&self.grads[range]))
+    }
+
+    fn scale_gradients(&mut self, range: Range<usize>, factor: f32) -> Result<()> {
+        tilearn_optim::clip::scale_grads(&mut self.grads[range], factor);
+        Ok(())
+    }
+
+    fn state_layout(&self) -> StateBytes {
+        CPU_FP32_ADAMW
+    }
+
+    fn state_held(&self) -> RankState {
+        let o = &self.optimizer;
+        let bytes = |n: usize| (n * std::mem::size_of::<f32>()) as f64;
+        RankState {
+            weights: bytes(self.model.params.data.len()),
+            grads: bytes(self.grads.len()),
+            optimizer: bytes(o.exp_avg().len() + o.exp_avg_sq().len()),
+        }
     }
 
     fn poison_gradients(&mut self) -> Result<()> {
@@ -183,7 +248,8 @@ impl StepBackend for CpuBackend {
 
     fn peak_memory_bytes(&self) -> u64 {
         let params = self.model.params.numel() * 4;
-        // master + grads + two moments + working copy + activations arena
-        (params * 4 + self.working.capacity() * 4 + self.acts.bytes()) as u64
+        // master + grads + working copy + activations arena + the moments (sharded by ZeRO)
+        (params * 2 + self.working.capacity() * 4 + self.acts.bytes()) as u64
+            + self.state_held().optimizer as u64
     }
 }

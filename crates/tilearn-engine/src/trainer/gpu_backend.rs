@@ -19,6 +19,9 @@ use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
 use super::backend::{ModelInit, StepBackend};
+use super::flat_buffer::FlatBuffer;
+use super::optimizer_shards::OptimizerCheckpoint;
+use super::zero::{RankState, StateBytes};
 use super::{TrainingArguments, adamw_setup, optimizer_file};
 use crate::Result;
 use crate::checkpoint::{load_into, save_pretrained_from};
@@ -138,6 +141,14 @@ impl GpuBackend {
     }
 }
 
+impl GpuBackend {
+    /// The stream the engine computes on (what data parallelism's communication is ordered
+    /// against, and where the host communicator stages device buffers).
+    pub fn stream(&self) -> std::sync::Arc<cudarc::driver::CudaStream> {
+        self.gpu.device().stream().clone()
+    }
+}
+
 impl StepBackend for GpuBackend {
     fn describe(&self) -> String {
         self.name.clone()
@@ -225,14 +236,40 @@ impl StepBackend for GpuBackend {
         })
     }
 
-    fn restore(&mut self, dir: &Path, optimizer_file: &Path) -> Result<()> {
+    fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
         let numel = self.numel;
         self.gpu
-            .fill_moments(|dest| optimizer_file::read(optimizer_file, numel, dest))?;
+            .fill_moments(|dest| optimizer.read(numel, 0..numel, dest))?;
         let specs = &self.specs;
         self.gpu.fill_params(|dest| load_into(dir, specs, dest))?;
         self.host = None;
         Ok(())
+    }
+
+    fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {
+        let (view, stream) = self.gpu.gradients_mut();
+        Ok(FlatBuffer::Device { view, stream })
+    }
+
+    fn state_layout(&self) -> StateBytes {
+        let held = self.state_held();
+        let per_param = |bytes: f64| (bytes / self.numel.max(1) as f64).round() as u64;
+        // Mixed precision: bf16/fp16 working copy (none when built for fp32 only), fp32
+        // gradients, K = fp32 master + two moments.
+        StateBytes {
+            weights: per_param(held.weights),
+            grads: per_param(held.grads),
+            optimizer: per_param(held.optimizer),
+        }
+    }
+
+    fn state_held(&self) -> RankState {
+        let m = self.gpu.memory();
+        RankState {
+            weights: m.working_copy_bytes as f64,
+            grads: m.grad_bytes as f64,
+            optimizer: (m.master_bytes + m.optimizer_bytes) as f64,
+        }
     }
 
     fn poison_gradients(&mut self) -> Result<()> {

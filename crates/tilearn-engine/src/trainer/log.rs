@@ -31,6 +31,14 @@ pub struct LogRecord {
     /// Steps in the window whose update the GradScaler skipped.
     #[serde(default)]
     pub skipped_steps: u64,
+    /// Data-parallel ranks of the run (1 alone); `loss` is the mean over all of them and
+    /// `tokens_per_sec` their combined rate.
+    #[serde(default = "one")]
+    pub world_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// JSON has no NaN: serde_json writes it as `null`, so read `null` back as NaN.
@@ -50,6 +58,9 @@ impl LogRecord {
         }
         if self.skipped_steps > 0 {
             line.push_str(&format!("  skipped {}", self.skipped_steps));
+        }
+        if self.world_size > 1 {
+            line.push_str(&format!("  ranks {}", self.world_size));
         }
         line
     }

@@ -9,14 +9,18 @@ pub mod args;
 pub mod backend;
 pub mod checkpoint;
 pub mod cpu_backend;
+pub mod data_parallel;
 pub mod disk;
+pub mod flat_buffer;
 #[cfg(feature = "cuda")]
 pub mod gpu_backend;
 pub mod host;
 pub mod log;
 pub mod optimizer_file;
+pub mod optimizer_shards;
 mod saving;
 pub mod state;
+pub mod zero;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,6 +33,7 @@ use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, ParamGroup, SchedulerType};
 pub use args::{SaveStrategy, TrainLength, TrainingArguments};
 pub use backend::{ModelInit, StepBackend};
 pub use cpu_backend::CpuBackend;
+pub use data_parallel::{DataParallel, DdpOptions, ZeroStage};
 pub use disk::{FilesystemSpace, FreeSpace};
 pub use log::{LogRecord, TrainLog};
 pub use state::{SchedulerState, TrainerState};
@@ -75,6 +80,8 @@ pub struct Trainer {
     space: Arc<dyn FreeSpace>,
     /// What time-to-first-step is measured from.
     started: Instant,
+    /// This rank's place in data parallelism (a single process by default).
+    dp: DataParallel,
 }
 
 /// Observes progress (the CLI's progress bar); called after every optimizer step.
@@ -197,7 +204,9 @@ impl Trainer {
                 ),
             });
         }
+        let numel = backend.specs().iter().map(ParamSpec::numel).sum();
         Ok(Trainer {
+            dp: DataParallel::single(numel),
             args,
             config,
             backend,
@@ -226,6 +235,70 @@ impl Trainer {
     /// because every loader the trainer starts (one per `train` call) runs it.
     pub fn set_loader_hook(&mut self, hook: Arc<dyn Fn() + Send + Sync>) {
         self.loader_hook = Some(hook);
+    }
+
+    /// Trains as one rank of data parallelism `dp` (built for this model's parameter count);
+    /// under ZeRO the backend's optimizer keeps only this rank's shard from now on.
+    pub fn set_data_parallel(&mut self, dp: DataParallel) -> Result<()> {
+        if dp.options().comm_dtype != DType::F32 && self.backend.flat_gradients()?.host().is_none()
+        {
+            return Err(EngineError::InvalidArgument {
+                argument: "--ddp-comm-dtype".into(),
+                message: format!(
+                    "{} all-reduces its gradients in f32; bf16 compression runs on the CPU \
+                     engine (drop the flag)",
+                    self.backend.describe()
+                ),
+            });
+        }
+        if dp.is_sharded() {
+            self.backend.shard_optimizer(dp.owned())?;
+        }
+        self.dp = dp;
+        Ok(())
+    }
+
+    /// This rank's place in data parallelism.
+    pub fn data_parallel(&self) -> &DataParallel {
+        &self.dp
+    }
+
+    /// The model-state bytes this rank holds (weights, gradients, optimizer state) next to the
+    /// ZeRO paper's per-rank formula for its stage (see [`zero`]).
+    pub fn model_state_report(&self) -> String {
+        use zero::per_rank;
+        let numel: usize = self.backend.specs().iter().map(ParamSpec::numel).sum();
+        let bytes = self.backend.state_layout();
+        let state = self.backend.state_held();
+        let (world, stage) = (self.dp.world_size(), self.dp.zero_stage());
+        let formula = per_rank(bytes, numel as u64, world as u64, stage);
+        let owned = self.dp.owned().len() as u64;
+        let grads_held = if stage == ZeroStage::Two && self.dp.is_sharded() {
+            owned * bytes.grads
+        } else {
+            state.grads as u64
+        };
+        let (weights, optimizer) = (state.weights as u64, state.optimizer as u64);
+        let held = weights + grads_held + optimizer;
+        let mut line = format!(
+            "model states on rank {}: {held} bytes (weights {} + gradients {grads_held} + \
+             optimizer {}); ZeRO stage {}: {} = {:.0} bytes (Ψ = {numel}, N = {world})",
+            self.dp.rank(),
+            weights,
+            optimizer,
+            stage.number(),
+            zero::formula_text(bytes, stage),
+            formula.total(),
+        );
+        if grads_held < state.grads as u64 {
+            // Honest accounting: the engine's backward writes whole-model gradients before
+            // they are reduce-scattered into the owned shard.
+            line.push_str(&format!(
+                "; plus the backward's full gradient buffer of {} bytes, reused every micro-batch",
+                state.grads
+            ));
+        }
+        line
     }
 
     /// The precision plan: a fixed precision (default fp32) or an adaptive policy.
@@ -279,13 +352,13 @@ impl Trainer {
             a.seq_len,
             a.gradient_accumulation_steps,
         );
-        let probe_loader = DataLoader::new(
-            self.dataset.clone(),
-            batch,
-            seq,
-            a.seed,
-            LoaderState::default(),
-        )?;
+        let (rank, world) = (self.dp.rank(), self.dp.world_size());
+        let loader_options = LoaderOptions {
+            rank,
+            world_size: world,
+            ..LoaderOptions::new(batch, seq, a.seed)
+        };
+        let probe_loader = DataLoader::with_options(self.dataset.clone(), loader_options, None)?;
         let batches_per_epoch = probe_loader.batches_per_epoch();
         drop(probe_loader);
         let steps_per_epoch = batches_per_epoch / accum as u64;
@@ -293,7 +366,7 @@ impl Trainer {
             return Err(EngineError::InvalidArgument {
                 argument: "--gradient-accumulation-steps".into(),
                 message: format!(
-                    "one epoch has {batches_per_epoch} batches, fewer than {accum} accumulation steps; lower it or use more data"
+                    "one epoch has {batches_per_epoch} batches per rank, fewer than {accum} accumulation steps; lower it or use more data"
                 ),
             });
         }
@@ -318,29 +391,44 @@ impl Trainer {
         }
         let schedule = self.schedule(total_steps)?;
         let mut scaler = self.amp.new_scaler();
+        let windows_per_batch = (batch * world) as u64;
         let mut state = TrainerState {
             global_step: 0,
             max_steps: total_steps,
             loader: LoaderState::default(),
             seed: a.seed,
             tokens_seen: 0,
+            windows_per_batch: Some(windows_per_batch),
         };
+        let primary = self.dp.is_primary();
         if let Some(dir) = resume {
             state = self.restore(dir, &mut scaler)?;
             state.max_steps = total_steps;
-            trim_log(&a.output_dir.join(log::LOG_FILE), state.global_step)?;
+            state.loader = resume_position(&state, windows_per_batch, dir)?;
+            state.windows_per_batch = Some(windows_per_batch);
+            if primary {
+                trim_log(&a.output_dir.join(log::LOG_FILE), state.global_step)?;
+            }
         }
         let first_step = state.global_step;
-        self.check_disk_at_start(first_step, total_steps)?;
-        let mut log = TrainLog::open(&a.output_dir, resume.is_none())?;
+        if primary {
+            self.check_disk_at_start(first_step, total_steps)?;
+        }
+        // Only rank 0 writes the log (and the model and checkpoints' shared files).
+        let mut log = if primary {
+            Some(TrainLog::open(&a.output_dir, resume.is_none())?)
+        } else {
+            None
+        };
 
         let hook = self
             .loader_hook
             .clone()
             .map(|hook| -> WorkerHook { Box::new(move || hook()) });
-        let options = LoaderOptions::new(batch, seq, a.seed).starting_at(state.loader);
+        let options = loader_options.starting_at(state.loader);
         let mut loader = DataLoader::with_options(self.dataset.clone(), options, hook)?;
-        let tokens_per_step = (batch * seq * accum) as u64;
+        // The global batch: every rank's micro-batches.
+        let tokens_per_step = (batch * seq * accum * world) as u64;
 
         let mut window = LogWindow::default();
         let (mut first_loss, mut final_loss) = (f64::NAN, f64::NAN);
@@ -369,27 +457,35 @@ impl Trainer {
             let micro: Vec<_> = (0..accum)
                 .map(|_| loader.next_batch())
                 .collect::<Result<_>>()?;
-            let denominator = micro
+            // The valid targets of the whole global batch (Hugging Face's
+            // num_items_in_batch), so that the ranks' gradients sum to the global mean.
+            let local_targets = micro
                 .iter()
-                .map(|b| count_valid_targets(&b.labels, batch, seq))
-                .sum::<usize>()
-                .max(1) as f64;
+                .map(|b| count_valid_targets(&b.labels, batch, seq) as u64)
+                .sum::<u64>();
+            let denominator = self.dp.sum_count(local_targets)?.max(1) as f64;
             self.backend.zero_grads();
             let mut loss_sum = 0.0;
-            for b in &micro {
+            for (i, b) in micro.iter().enumerate() {
                 loss_sum += self
                     .backend
                     .forward_backward(b, denominator, precision, loss_scale)?;
+                if scaled
+                    && i + 1 == micro.len()
+                    && a.debug_inject_overflow.contains(&(state.global_step + 1))
+                {
+                    self.backend.poison_gradients()?;
+                }
+                self.dp
+                    .after_backward(self.backend.as_mut(), i + 1 == micro.len())?;
             }
-            if scaled && a.debug_inject_overflow.contains(&(state.global_step + 1)) {
-                self.backend.poison_gradients()?;
-            }
-            let loss = loss_sum / denominator;
+            let loss = self.dp.sum_f64(loss_sum)? / denominator;
 
             let mut skipped = false;
             if scaled {
                 let mut grads = BackendGrads {
                     backend: self.backend.as_mut(),
+                    dp: &self.dp,
                     found_inf: false,
                 };
                 scaler.unscale(&mut grads)?;
@@ -398,7 +494,9 @@ impl Trainer {
             let grad_norm = if skipped {
                 f64::NAN
             } else {
-                let clip_norm = self.backend.clip_grad_norm(a.max_grad_norm);
+                let clip_norm = self
+                    .dp
+                    .clip_grad_norm(self.backend.as_mut(), a.max_grad_norm)?;
                 let diverged = |norm: f64| EngineError::InvalidArgument {
                     argument: "--learning-rate".into(),
                     message: format!(
@@ -410,6 +508,7 @@ impl Trainer {
                     return Err(diverged(clip_norm));
                 }
                 let norm = self.backend.optimizer_step(lr)?.unwrap_or(clip_norm);
+                self.dp.gather_parameters(self.backend.as_mut())?;
                 if !norm.is_finite() {
                     return Err(diverged(norm));
                 }
@@ -448,24 +547,43 @@ impl Trainer {
                     } else {
                         1.0
                     },
+                    world,
                 );
-                log.write(&record)?;
+                if let Some(log) = log.as_mut() {
+                    log.write(&record)?;
+                }
                 sink.log(&record);
             }
             // The last step's checkpoint comes after the final model (below).
             if !last && a.saves_checkpoint_at(state.global_step, total_steps) {
-                let saved = self.try_checkpoint(&state, &schedule, &scaler, sink);
+                let saved = self.try_checkpoint(&state, &schedule, &scaler, sink)?;
                 checkpoint_failures.extend(saved.err());
+            }
+            if a.debug_fail_after_step == Some(state.global_step) {
+                return Err(EngineError::InvalidArgument {
+                    argument: "--debug-fail-after-step".into(),
+                    message: format!(
+                        "failing on purpose after step {} (fault injection)",
+                        state.global_step
+                    ),
+                });
             }
         }
         sink.finish();
         let elapsed = run_start.elapsed().as_secs_f64();
         // The final model first: a checkpoint that cannot be written never costs the model.
-        let final_save_seconds = self.save_final_model(sink)?;
+        // Rank 0 holds every weight (ZeRO all-gathers them after each step) and writes it once.
+        let final_save_seconds = if primary {
+            self.save_final_model(sink)?
+        } else {
+            0.0
+        };
         if state.global_step > first_step && a.saves_checkpoint_at(state.global_step, total_steps) {
-            let saved = self.try_checkpoint(&state, &schedule, &scaler, sink);
+            let saved = self.try_checkpoint(&state, &schedule, &scaler, sink)?;
             checkpoint_failures.extend(saved.err());
         }
+        // Every rank stays until rank 0 has written the model.
+        self.dp.barrier()?;
         if !checkpoint_failures.is_empty() {
             return Err(EngineError::CheckpointsNotSaved {
                 output_dir: a.output_dir.clone(),
@@ -520,6 +638,7 @@ impl LogWindow {
         lr: f64,
         precision: DType,
         loss_scale: f64,
+        world_size: usize,
     ) -> LogRecord {
         let n = self.steps.max(1) as f64;
         let applied = self.steps - self.skipped;
@@ -538,15 +657,17 @@ impl LogWindow {
             precision: precision.as_str().to_string(),
             loss_scale,
             skipped_steps: self.skipped,
+            world_size,
         };
         *self = LogWindow::default();
         record
     }
 }
 
-/// The backend's gradients as the GradScaler's unscale target.
+/// The backend's gradients as the GradScaler's unscale target (an overflow on any rank counts).
 struct BackendGrads<'a> {
     backend: &'a mut dyn StepBackend,
+    dp: &'a DataParallel,
     found_inf: bool,
 }
 
@@ -555,10 +676,9 @@ impl adaptfp16::UnscaleTarget for BackendGrads<'_> {
         &mut self,
         inv_scale: f32,
     ) -> std::result::Result<(), adaptfp16::BackendError> {
-        self.found_inf = self
-            .backend
-            .unscale_and_check(inv_scale)
-            .map_err(|e| Box::new(e) as adaptfp16::BackendError)?;
+        let boxed = |e: EngineError| Box::new(e) as adaptfp16::BackendError;
+        let local = self.backend.unscale_and_check(inv_scale).map_err(boxed)?;
+        self.found_inf = self.dp.found_inf(local).map_err(boxed)?;
         Ok(())
     }
 
@@ -582,6 +702,33 @@ fn probe_writable(dir: &Path) -> Result<()> {
     })?;
     let _ = std::fs::remove_file(probe);
     Ok(())
+}
+
+/// Where the loader resumes: the checkpoint's position, converted when the checkpoint was
+/// written with another global batch of windows per loader index (another number of ranks or
+/// per-device batch); the windows consumed in the epoch must fill whole batches of the new size.
+fn resume_position(
+    state: &TrainerState,
+    windows_per_batch: u64,
+    dir: &Path,
+) -> Result<LoaderState> {
+    let saved = state.windows_per_batch.unwrap_or(windows_per_batch);
+    let consumed = state.loader.batch_index * saved;
+    if !consumed.is_multiple_of(windows_per_batch) {
+        return Err(EngineError::InvalidArgument {
+            argument: "--resume-from-checkpoint".into(),
+            message: format!(
+                "{} stopped after {consumed} windows of its epoch, not a whole number of this \
+                 run's loader batches of {windows_per_batch} windows (per-device batch × ranks); \
+                 resume with a per-device batch and rank count whose product divides {consumed}",
+                dir.display()
+            ),
+        });
+    }
+    Ok(LoaderState {
+        epoch: state.loader.epoch,
+        batch_index: consumed / windows_per_batch,
+    })
 }
 
 /// Drops log records past `step` (a run that went on after the checkpoint it resumes from).

@@ -8,16 +8,20 @@
 //! checkpoint after it, so a failing checkpoint never costs the model; the run then ends with
 //! [`EngineError::CheckpointsNotSaved`] naming every checkpoint that is missing.
 
+use std::path::Path;
 use std::time::Instant;
 
 use adaptfp16::{AmpPlan, GradScaler};
 use tilearn_ops::DType;
+use tilearn_ops::fs::tmp_path;
 use tilearn_optim::LrSchedule;
 
 use super::disk::{self, SaveSizes, show_bytes};
+use super::optimizer_shards::{MANIFEST_FILE, OptimizerCheckpoint, ShardManifest, shard_file_name};
 use super::{SchedulerState, Trainer, TrainerState, checkpoint, state};
 use crate::checkpoint::{CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES};
 use crate::config::LlamaConfig;
+use crate::params::ParamSpec;
 use crate::{EngineError, Result};
 
 impl Trainer {
@@ -88,26 +92,30 @@ impl Trainer {
     }
 
     /// Writes `checkpoint-<step>` if the disk has room, then rotates old checkpoints. A failure
-    /// is reported through `sink` and returned as one line for the end-of-run error.
+    /// is reported through `sink` and returned as one line for the end-of-run error. Collective
+    /// under ZeRO (every rank writes its optimizer shard); the outer error is a failed
+    /// collective, which ends the run.
     pub(super) fn try_checkpoint(
         &mut self,
         state: &TrainerState,
         schedule: &LrSchedule,
         scaler: &GradScaler,
         sink: &mut dyn super::ProgressSink,
-    ) -> std::result::Result<(), String> {
+    ) -> Result<std::result::Result<(), String>> {
         let dir = checkpoint::checkpoint_dir(&self.args.output_dir, state.global_step);
         let name = format!("checkpoint-{}", state.global_step);
-        let bytes = self.save_sizes().checkpoint;
         let start = Instant::now();
-        let saved = disk::check_save(self.space.as_ref(), &self.args.output_dir, &name, bytes)
-            .and_then(|()| self.save_checkpoint(&dir, state, schedule, scaler));
+        let saved = self.save_checkpoint(&dir, &name, state, schedule, scaler)?;
+        if !self.dp.is_primary() {
+            // Rank 0 reports the outcome (it knows every rank's part of it).
+            return Ok(Ok(()));
+        }
         if let Err(e) = saved {
             let line = format!("{name} was not written: {e}");
             sink.warn(&format!(
                 "{line}; training goes on, earlier checkpoints are intact"
             ));
-            return Err(line);
+            return Ok(Err(line));
         }
         let secs = start.elapsed().as_secs_f64();
         let written = disk::files_bytes(&dir, |_| true);
@@ -129,12 +137,87 @@ impl Trainer {
                 Err(e) => sink.warn(&e.to_string()),
             }
         }
-        Ok(())
+        Ok(Ok(()))
     }
 
+    /// Rank 0 checks the space and stages the checkpoint; under ZeRO every rank then writes its
+    /// optimizer shard into the staging directory, and rank 0 adds the rest (the model, the
+    /// states, the shards' manifest) and renames it into place once every shard is written.
+    /// Other ranks' inner result is only their own part.
     fn save_checkpoint(
         &mut self,
-        dir: &std::path::Path,
+        dir: &Path,
+        name: &str,
+        state: &TrainerState,
+        schedule: &LrSchedule,
+        scaler: &GradScaler,
+    ) -> Result<Result<()>> {
+        let primary = self.dp.is_primary();
+        let shards = self.dp.is_sharded() && !self.args.save_only_model;
+        let staging = if primary {
+            let bytes = self.save_sizes().checkpoint;
+            disk::check_save(self.space.as_ref(), &self.args.output_dir, name, bytes)
+                .and_then(|()| checkpoint::prepare_staging(dir))
+                .map(Some)
+        } else {
+            Ok(None)
+        };
+        if !shards {
+            return Ok(match staging {
+                Ok(Some(staging)) => self.finish_checkpoint(dir, &staging, state, schedule, scaler),
+                other => other.map(|_| ()),
+            });
+        }
+        if self.dp.any(staging.is_err())? {
+            return Ok(staging.map(|_| ()));
+        }
+        let (rank, world) = (self.dp.rank(), self.dp.world_size());
+        let staging = staging?.unwrap_or_else(|| tmp_path(dir));
+        let shard = self
+            .backend
+            .save_optimizer(&staging.join(shard_file_name(rank, world)));
+        let any_shard_failed = self.dp.any(shard.is_err())?;
+        if !primary {
+            return Ok(shard);
+        }
+        let finished = match (shard, any_shard_failed) {
+            (Err(e), _) => Err(e),
+            (Ok(()), true) => Err(EngineError::InvalidArgument {
+                argument: "--output-dir".into(),
+                message: "another rank could not write its optimizer shard (see its message)"
+                    .into(),
+            }),
+            (Ok(()), false) => {
+                return Ok(self.finish_checkpoint(dir, &staging, state, schedule, scaler));
+            }
+        };
+        checkpoint::discard_staging(&staging);
+        Ok(finished)
+    }
+
+    /// Rank 0's part of a checkpoint: writes everything but the ZeRO shards into `staging` and
+    /// renames it to `dir`; on failure the staging directory is removed.
+    fn finish_checkpoint(
+        &mut self,
+        dir: &Path,
+        staging: &Path,
+        state: &TrainerState,
+        schedule: &LrSchedule,
+        scaler: &GradScaler,
+    ) -> Result<()> {
+        let written = self.write_checkpoint_files(staging, state, schedule, scaler);
+        match written {
+            Ok(()) => checkpoint::commit_staging(staging, dir),
+            Err(e) => {
+                checkpoint::discard_staging(staging);
+                Err(e)
+            }
+        }
+    }
+
+    fn write_checkpoint_files(
+        &mut self,
+        staging: &Path,
         state: &TrainerState,
         schedule: &LrSchedule,
         scaler: &GradScaler,
@@ -147,62 +230,59 @@ impl Trainer {
         } else {
             DType::F32
         };
-        let inject_failure = a.debug_fail_checkpoint_write.contains(&state.global_step);
-        let (save_only_model, lr_scheduler_type) = (a.save_only_model, a.lr_scheduler_type.clone());
-        let (backend, config, amp) = (&mut self.backend, &self.config, &self.amp);
-        checkpoint::save_dir_atomically(dir, |staging| {
-            backend.save_model(
-                staging,
-                config,
-                weights_dtype,
-                Some(DEFAULT_MAX_SHARD_BYTES),
+        self.backend.save_model(
+            staging,
+            &self.config,
+            weights_dtype,
+            Some(DEFAULT_MAX_SHARD_BYTES),
+        )?;
+        if a.debug_fail_checkpoint_write.contains(&state.global_step) {
+            return Err(EngineError::io(
+                staging.join(state::OPTIMIZER_FILE),
+                "write",
+                std::io::Error::new(
+                    std::io::ErrorKind::StorageFull,
+                    "no space left on device (simulated by --debug-fail-checkpoint-write)",
+                ),
+            ));
+        }
+        if !a.save_only_model {
+            if self.dp.is_sharded() {
+                let layout = self.dp.layout();
+                let manifest = ShardManifest::new(
+                    layout.numel,
+                    layout.world,
+                    self.dp.zero_stage().number(),
+                    |rank| layout.owned(rank),
+                );
+                state::write_json(&staging.join(MANIFEST_FILE), &manifest)?;
+            } else {
+                self.backend
+                    .save_optimizer(&staging.join(state::OPTIMIZER_FILE))?;
+            }
+            state::write_json(
+                &staging.join(state::SCHEDULER_FILE),
+                &SchedulerState {
+                    lr_scheduler_type: a.lr_scheduler_type.clone(),
+                    base_lr: schedule.base_lr,
+                    warmup_steps: schedule.warmup_steps,
+                    total_steps: schedule.total_steps,
+                    last_step: state.global_step,
+                },
             )?;
-            if inject_failure {
-                return Err(EngineError::io(
-                    staging.join(state::OPTIMIZER_FILE),
-                    "write",
-                    std::io::Error::new(
-                        std::io::ErrorKind::StorageFull,
-                        "no space left on device (simulated by --debug-fail-checkpoint-write)",
-                    ),
-                ));
+            if scaler.is_enabled() {
+                state::write_json(&staging.join(state::SCALER_FILE), &scaler.state_dict_json())?;
             }
-            if !save_only_model {
-                backend.save_optimizer(&staging.join(state::OPTIMIZER_FILE))?;
-                state::write_json(
-                    &staging.join(state::SCHEDULER_FILE),
-                    &SchedulerState {
-                        lr_scheduler_type,
-                        base_lr: schedule.base_lr,
-                        warmup_steps: schedule.warmup_steps,
-                        total_steps: schedule.total_steps,
-                        last_step: state.global_step,
-                    },
-                )?;
-                if scaler.is_enabled() {
-                    state::write_json(
-                        &staging.join(state::SCALER_FILE),
-                        &scaler.state_dict_json(),
-                    )?;
-                }
-                if let AmpPlan::Adaptive(policy) = amp {
-                    state::write_json(
-                        &staging.join(state::AMP_POLICY_FILE),
-                        &policy.state_json()?,
-                    )?;
-                }
+            if let AmpPlan::Adaptive(policy) = &self.amp {
+                state::write_json(&staging.join(state::AMP_POLICY_FILE), &policy.state_json()?)?;
             }
-            state::write_json(&staging.join(state::TRAINER_STATE_FILE), state)
-        })
+        }
+        state::write_json(&staging.join(state::TRAINER_STATE_FILE), state)
     }
 
     /// Loads a checkpoint written by [`Trainer::save_checkpoint`] into the backend, scaler and
     /// policy, and returns its trainer state.
-    pub(super) fn restore(
-        &mut self,
-        dir: &std::path::Path,
-        scaler: &mut GradScaler,
-    ) -> Result<TrainerState> {
+    pub(super) fn restore(&mut self, dir: &Path, scaler: &mut GradScaler) -> Result<TrainerState> {
         let state: TrainerState = state::read_json(&dir.join(state::TRAINER_STATE_FILE))?;
         if state.seed != self.args.seed {
             return Err(EngineError::InvalidArgument {
@@ -232,8 +312,8 @@ impl Trainer {
                 ),
             });
         }
-        let optimizer_file = dir.join(state::OPTIMIZER_FILE);
-        if !optimizer_file.exists() {
+        let numel = self.backend.specs().iter().map(ParamSpec::numel).sum();
+        let Some(optimizer) = OptimizerCheckpoint::open(dir, numel)? else {
             return Err(EngineError::InvalidArgument {
                 argument: "--resume-from-checkpoint".into(),
                 message: format!(
@@ -244,8 +324,8 @@ impl Trainer {
                     dir.display()
                 ),
             });
-        }
-        self.backend.restore(dir, &optimizer_file)?;
+        };
+        self.backend.restore(dir, &optimizer)?;
         let scaler_file = dir.join(state::SCALER_FILE);
         if scaler.is_enabled() && scaler_file.exists() {
             let json: serde_json::Value = state::read_json(&scaler_file)?;

@@ -29,6 +29,11 @@ pub struct TrainerState {
     pub seed: u64,
     /// Tokens consumed so far (inputs, including ignored positions).
     pub tokens_seen: u64,
+    /// Windows one loader batch index covers (per-device batch × data-parallel ranks) when the
+    /// checkpoint was written, so a resume with another number of ranks finds the same place in
+    /// the data; absent in older checkpoints (then: the same as the resuming run).
+    #[serde(default)]
+    pub windows_per_batch: Option<u64>,
 }
 
 /// The learning-rate schedule's parameters and position, saved as `scheduler.json`.

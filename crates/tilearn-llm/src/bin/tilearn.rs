@@ -8,6 +8,7 @@ fn main() -> ExitCode {
     let cli = tilearn_llm::cli::Cli::parse();
     match tilearn_llm::cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(tilearn_llm::LlmError::Reported) => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE

@@ -11,6 +11,7 @@ mod prepare;
 mod progress;
 mod topology;
 mod train;
+mod train_ranks;
 
 use clap::{Parser, Subcommand};
 

@@ -12,12 +12,15 @@ use clap::{Args, ValueEnum};
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
 use tilearn_engine::params::{ParamSpec, ParamStore};
+use tilearn_engine::trainer::checkpoint::latest_checkpoint;
+use tilearn_engine::trainer::data_parallel::DEFAULT_BUCKET_CAP_MB;
 use tilearn_engine::trainer::{
-    ModelInit, SaveStrategy, TrainLength, Trainer, TrainingArguments, host,
+    DdpOptions, ModelInit, SaveStrategy, TrainLength, Trainer, TrainingArguments, ZeroStage, host,
 };
 use tilearn_ops::DType;
 
 use super::topology::BindCores;
+use super::train_ranks::{DdpBackend, Quiet, Ranks};
 use crate::{LlmError, Result};
 
 /// Documents generated for the embedded corpus (about 1.5 M byte tokens).
@@ -163,11 +166,30 @@ pub struct TrainArgs {
     /// fail with a simulated "no space left on device" (1-based, comma-separated).
     #[arg(long, value_delimiter = ',', hide = true)]
     pub debug_fail_checkpoint_write: Vec<u64>,
+    /// Fault injection for testing restarts: fail after this optimizer step (and its
+    /// checkpoint), in the first attempt of a launched job only (or always, run alone).
+    #[arg(long, hide = true)]
+    pub debug_fail_after_step: Option<u64>,
     /// Pin this rank's threads near its GPU (LOCAL_RANK / LOCAL_WORLD_SIZE /
     /// CUDA_VISIBLE_DEVICES say which GPU); TILEARN_AFFINITY=off overrides. See `tilearn info
     /// --topology` for the plan.
     #[arg(long, value_enum, default_value_t = BindCores::Auto)]
     pub bind_cores: BindCores,
+    /// Data parallel (under `tilearn launch`, torchrun or srun): gradients are all-reduced in
+    /// buckets of this many MiB (PyTorch DDP's bucket_cap_mb; the first bucket is 1 MiB).
+    #[arg(long, default_value_t = DEFAULT_BUCKET_CAP_MB)]
+    pub ddp_bucket_cap_mb: f64,
+    /// The dtype gradients are all-reduced in: f32, or bf16 (half the traffic, summed in f32).
+    #[arg(long, value_parser = parse_dtype, default_value = "f32")]
+    pub ddp_comm_dtype: DType,
+    /// What carries the gradients between ranks: nccl (default on the GPU) or host (TCP; the
+    /// CPU's, and for ranks that share one GPU).
+    #[arg(long, value_enum)]
+    pub ddp_backend: Option<DdpBackend>,
+    /// ZeRO: 1 shards the optimizer state (and the master weights it steps) across the ranks,
+    /// 2 also the gradients; 0 is plain data parallel. Default: TILEARN_HYBRID_ZERO_STAGE, else 0.
+    #[arg(long)]
+    pub zero_stage: Option<String>,
 }
 
 /// Defaults that differ between fine-tuning (Hugging Face's) and training from scratch (a recipe
@@ -201,13 +223,45 @@ const FROM_SCRATCH: Recipe = Recipe {
 
 pub fn run(args: TrainArgs) -> Result<()> {
     let started = Instant::now();
+    match Ranks::join()? {
+        None => run_rank(args, None, started),
+        Some(ranks) => run_rank(args, Some(&ranks), started).map_err(|e| ranks.report(e)),
+    }
+}
+
+/// One run, alone or as one rank of a launched job.
+fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<()> {
+    let primary = ranks.is_none_or(Ranks::is_primary);
+    // `tilearn launch --max-restarts`: a restarted group continues from the newest checkpoint.
+    let restart = ranks.map_or(0, |r| r.group.env().restart);
+    let resume = match &args.resume_from_checkpoint {
+        Some(dir) => Some(dir.clone()),
+        None if restart > 0 => latest_checkpoint(&args.output_dir),
+        None => None,
+    };
+    if restart > 0 && primary {
+        match &resume {
+            Some(dir) => println!("restart {restart}: resuming from {}", dir.display()),
+            None => println!("restart {restart}: no checkpoint yet, starting over"),
+        }
+    }
+    let ddp = DdpOptions {
+        bucket_cap_mb: args.ddp_bucket_cap_mb,
+        comm_dtype: args.ddp_comm_dtype,
+        zero_stage: ZeroStage::from_flag_or_env(args.zero_stage.as_deref())?,
+    };
+    ddp.validate()?;
     let trains_on_gpu = choose_device(args.device)?;
     let amp = amp_plan(&args, trains_on_gpu)?;
     // Before anything spawns threads (rayon's pool, the loader): they inherit the main thread's
     // CPU mask.
     let loader_hook = super::topology::bind_this_rank(args.bind_cores.resolve(trains_on_gpu));
     let (config, init, recipe) = model_start(&args)?;
-    let dataset = open_dataset(&args)?;
+    let dataset = match ranks {
+        // Rank 0 may generate the embedded corpus; the others open it after.
+        Some(ranks) => ranks.rank0_first(|| open_dataset(&args, primary))?,
+        None => open_dataset(&args, true)?,
+    };
     let length = match (args.max_steps, args.num_train_epochs) {
         (Some(steps), _) => TrainLength::MaxSteps(steps),
         (None, Some(epochs)) => TrainLength::Epochs(epochs),
@@ -248,17 +302,57 @@ pub fn run(args: TrainArgs) -> Result<()> {
         progress_bar: true,
         debug_inject_overflow: args.debug_inject_overflow.clone(),
         debug_fail_checkpoint_write: args.debug_fail_checkpoint_write.clone(),
+        debug_fail_after_step: args.debug_fail_after_step.filter(|_| restart == 0),
     };
     let params: usize = ParamStore::specs_for(&config)
         .iter()
         .map(ParamSpec::numel)
         .sum();
-    let mut trainer = if trains_on_gpu {
-        gpu_trainer(training, &config, &init, dataset, &amp)?
+    let (mut trainer, gradients) = if trains_on_gpu {
+        gpu_trainer(
+            training,
+            &config,
+            &init,
+            dataset,
+            &amp,
+            ranks,
+            args.ddp_backend,
+        )?
     } else {
-        Trainer::new(training, init.build_host(config.clone())?, dataset)?
+        let trainer = Trainer::new(training, init.build_host(config.clone())?, dataset)?;
+        let gradients = ranks
+            .map(|r| r.cpu_gradient_communicator(args.ddp_backend))
+            .transpose()?;
+        (trainer, gradients)
     };
+    if let (Some(ranks), Some(gradients)) = (ranks, gradients) {
+        trainer.set_data_parallel(ranks.data_parallel(gradients, ddp, params)?)?;
+        println!("{}", trainer.model_state_report());
+    }
     trainer.set_start_time(started);
+    if primary {
+        if ranks.is_some() {
+            println!("{}", trainer.data_parallel().describe());
+        }
+        print_model_line(&config, params, &trainer);
+    }
+    trainer.set_amp_plan(amp);
+    if let Some(hook) = loader_hook {
+        trainer.set_loader_hook(hook);
+    }
+    let mut sink = if primary {
+        super::progress::sink()
+    } else {
+        Box::new(Quiet)
+    };
+    let summary = trainer.train(resume.as_deref(), sink.as_mut())?;
+    if primary {
+        print_summary(&summary);
+    }
+    Ok(())
+}
+
+fn print_model_line(config: &LlamaConfig, params: usize, trainer: &Trainer) {
     let training = &trainer.args;
     println!(
         "model: {} parameters, {} layers, hidden {}; device {}; batch {}×{} tokens × {} accumulation; output {}",
@@ -271,12 +365,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         training.gradient_accumulation_steps,
         training.output_dir.display()
     );
-    trainer.set_amp_plan(amp);
-    if let Some(hook) = loader_hook {
-        trainer.set_loader_hook(hook);
-    }
-    let mut sink = super::progress::sink();
-    let summary = trainer.train(args.resume_from_checkpoint.as_deref(), sink.as_mut())?;
+}
+
+fn print_summary(summary: &tilearn_engine::trainer::TrainSummary) {
     println!(
         "done: {} steps ({} skipped by the loss scaler), loss {:.4} -> {:.4}, {:.3} s/step, {:.0} tokens/s, peak memory {:.2} GiB, host peak RSS {}, first step after {}, final save {:.1} s; model saved to {}",
         summary.steps,
@@ -295,7 +386,6 @@ pub fn run(args: TrainArgs) -> Result<()> {
         summary.final_save_seconds,
         summary.output_dir.display()
     );
-    Ok(())
 }
 
 /// Whether to train on the GPU: `cpu` never, `cuda` always (a clear error when this build or
@@ -322,17 +412,23 @@ fn choose_device(choice: DeviceChoice) -> Result<bool> {
     }
 }
 
-/// The GPU rank of this process: torchrun's LOCAL_RANK, else 0.
+/// The GPU of this process: torchrun's LOCAL_RANK among the visible devices (else 0). Ranks
+/// beyond the visible devices share them round-robin, which only the host communicator allows
+/// (`--ddp-backend host`; NCCL refuses two ranks on one GPU).
 #[cfg(feature = "cuda")]
 fn local_gpu() -> usize {
-    std::env::var("LOCAL_RANK")
+    let local_rank: usize = std::env::var("LOCAL_RANK")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    local_rank % tilearn_ops::backend::probe().devices.len().max(1)
 }
 
+/// The gradients' communicator of a data-parallel run (`None` alone).
+type GradientComm = Option<std::sync::Arc<dyn tilearn_parallel::Communicator>>;
+
 /// A Trainer on the GPU whose weights are streamed from `init` into device memory (no host
-/// copy of the model).
+/// copy of the model), and, in a launched job, the communicator for its gradients.
 #[cfg(feature = "cuda")]
 fn gpu_trainer(
     training: TrainingArguments,
@@ -340,17 +436,18 @@ fn gpu_trainer(
     init: &ModelInit,
     dataset: TokenDataset,
     amp: &adaptfp16::AmpPlan,
-) -> Result<Trainer> {
+    ranks: Option<&Ranks>,
+    ddp_backend: Option<DdpBackend>,
+) -> Result<(Trainer, GradientComm)> {
     use tilearn_engine::trainer::gpu_backend::GpuBackend;
     // Built for every precision the plan may choose, so periods switch without rebuilding.
     let precisions = amp.possible_precisions();
     let backend = GpuBackend::from_init(config, init, &training, local_gpu(), &precisions)?;
-    Ok(Trainer::with_backend(
-        training,
-        config.clone(),
-        Box::new(backend),
-        dataset,
-    )?)
+    let gradients = ranks
+        .map(|r| r.gpu_gradient_communicator(ddp_backend, backend.stream()))
+        .transpose()?;
+    let trainer = Trainer::with_backend(training, config.clone(), Box::new(backend), dataset)?;
+    Ok((trainer, gradients))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -360,7 +457,9 @@ fn gpu_trainer(
     _init: &ModelInit,
     _dataset: TokenDataset,
     _amp: &adaptfp16::AmpPlan,
-) -> Result<Trainer> {
+    _ranks: Option<&Ranks>,
+    _ddp_backend: Option<DdpBackend>,
+) -> Result<(Trainer, GradientComm)> {
     // choose_device only picks the GPU when the CUDA kernels are compiled in.
     Err(LlmError::Usage {
         flag: "--device cuda".into(),
@@ -410,12 +509,14 @@ fn model_start(args: &TrainArgs) -> Result<(LlamaConfig, ModelInit, Recipe)> {
     Ok((config, ModelInit::Random { seed: args.seed }, FROM_SCRATCH))
 }
 
-fn open_dataset(args: &TrainArgs) -> Result<TokenDataset> {
+/// The dataset of `--data`, else the embedded corpus in `<output-dir>/data`, generated when
+/// missing (and `may_generate`: in a launched job rank 0 generates it before the others open it).
+fn open_dataset(args: &TrainArgs, may_generate: bool) -> Result<TokenDataset> {
     if let Some(dir) = &args.data {
         return Ok(TokenDataset::open(dir)?);
     }
     let dir = args.output_dir.join("data");
-    if TokenDataset::open(&dir).is_err() {
+    if may_generate && TokenDataset::open(&dir).is_err() {
         println!(
             "data: generating the embedded grammar corpus into {}",
             dir.display()

@@ -14,6 +14,7 @@ pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod fs;
+pub(crate) mod shape;
 pub mod tensor;
 
 pub use dtype::{DType, ParseDTypeError};

@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use super::Real;
 use super::real::dot;
-use super::shape::expect_product;
+use crate::shape::expect_product;
 use crate::{OpsError, Result};
 
 /// Shape of an attention call: `q`/`out` are `[batch, seq, q_heads, head_dim]`, `k`/`v`

@@ -11,7 +11,7 @@
 use rayon::prelude::*;
 
 use super::Real;
-use super::shape::expect_product;
+use crate::shape::expect_product;
 use crate::{OpsError, Result};
 
 /// The target value meaning "no loss at this position" (PyTorch's default `ignore_index`).

@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::Real;
-use super::shape::{expect_product, rows_of};
+use crate::shape::{expect_product, rows_of};
 use crate::{OpsError, Result};
 
 /// Fails with [`OpsError::TokenOutOfRange`] naming the first id `>= vocab` (and its position).

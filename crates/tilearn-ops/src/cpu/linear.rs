@@ -10,8 +10,8 @@
 use rayon::prelude::*;
 
 use super::Real;
-use super::shape::{expect_len, expect_product};
 use crate::Result;
+use crate::shape::{expect_len, expect_product};
 
 /// `out = x·Wᵀ (+ bias)`; `x` is `[rows, in_f]`, `w` `[out_f, in_f]`, `out` `[rows, out_f]`.
 #[allow(clippy::too_many_arguments)]

@@ -22,7 +22,6 @@ pub mod reduce;
 pub mod residual;
 pub mod rmsnorm;
 pub mod rope;
-pub(crate) mod shape;
 pub mod swiglu;
 
 pub use attention::{AttnShape, attention_backward, attention_forward};

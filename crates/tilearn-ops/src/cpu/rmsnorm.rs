@@ -10,8 +10,8 @@
 use rayon::prelude::*;
 
 use super::Real;
-use super::shape::{expect_len, rows_of};
 use crate::Result;
+use crate::shape::{expect_len, rows_of};
 
 const ROWS_PER_BLOCK: usize = 32;
 

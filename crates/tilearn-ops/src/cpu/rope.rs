@@ -15,7 +15,7 @@
 use rayon::prelude::*;
 
 use super::Real;
-use super::shape::{expect_len, expect_product};
+use crate::shape::{expect_len, expect_product};
 use crate::{OpsError, Result};
 
 /// `rope_scaling` of a Llama config.

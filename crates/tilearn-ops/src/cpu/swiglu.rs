@@ -6,8 +6,8 @@
 use rayon::prelude::*;
 
 use super::Real;
-use super::shape::expect_len;
 use crate::Result;
+use crate::shape::expect_len;
 
 const CHUNK: usize = 1 << 13;
 

@@ -78,8 +78,9 @@ use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
 use super::gemm::{Epilogue, Gemm, MatmulSpec, Operand};
-use super::launch::{Launch, check, expect_len, raw_stream};
+use super::launch::{Launch, check, raw_stream};
 use crate::cpu::AttnShape;
+use crate::shape::expect_len;
 use crate::{OpsError, Result};
 
 /// Leading dimension of the score rows: `seq` rounded up to 8 elements (32 bytes of f32, 16 of

@@ -34,7 +34,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
-use super::launch::{bind, check, expect_len, raw_stream, same_device};
+use super::launch::{bind, check, raw_stream, same_device};
+use crate::shape::expect_len;
 use crate::{OpsError, Result};
 
 /// Bytes of the cuBLASLt workspace every [`Gemm`] allocates once: NVIDIA's recommendation for

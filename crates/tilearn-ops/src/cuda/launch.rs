@@ -19,6 +19,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use tilearn_kernels::ffi;
 
+use crate::shape::expect_len;
 use crate::{OpsError, Result};
 
 /// Yields one operand's device address on the launch stream and the guard that orders the
@@ -244,19 +245,6 @@ pub(super) fn same_device<T>(
                 buf.stream().context().ordinal(),
                 stream.context().ordinal()
             ),
-        })
-    }
-}
-
-/// Fails with [`OpsError::ShapeMismatch`] unless `actual == expected`.
-pub(super) fn expect_len(op: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(OpsError::ShapeMismatch {
-            op,
-            expected,
-            actual,
         })
     }
 }

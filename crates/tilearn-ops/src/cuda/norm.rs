@@ -20,26 +20,8 @@ use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
 use super::launch::Launch;
+use crate::shape::rows_of;
 use crate::{OpsError, Result};
-
-/// Rows of `[rows, dim]` data of `len` elements, checking `dim > 0` and divisibility.
-fn rows_of(op: &'static str, len: usize, dim: usize) -> Result<usize> {
-    if dim == 0 {
-        return Err(OpsError::ShapeMismatch {
-            op,
-            expected: 1,
-            actual: 0,
-        });
-    }
-    if !len.is_multiple_of(dim) {
-        return Err(OpsError::ShapeMismatch {
-            op,
-            expected: len.div_ceil(dim) * dim,
-            actual: len,
-        });
-    }
-    Ok(len / dim)
-}
 
 fn eps_f32(op: &'static str, eps: f64) -> Result<f32> {
     let e = eps as f32;

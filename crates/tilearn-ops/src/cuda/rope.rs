@@ -11,8 +11,9 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use tilearn_kernels::ffi;
 
 use super::dtype::DeviceFloat;
-use super::launch::{Launch, expect_len};
+use super::launch::Launch;
 use crate::cpu::RopeTable;
+use crate::shape::expect_len;
 use crate::{OpsError, Result};
 
 /// The signature shared by `tilearn_rope_forward` (rotation by +angle) and

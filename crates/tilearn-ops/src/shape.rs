@@ -1,4 +1,4 @@
-//! The length checks of the CPU ops. A bad length is an [`OpsError::ShapeMismatch`] naming the
+//! The length checks of every op, CPU and CUDA alike. A bad length is an [`OpsError::ShapeMismatch`] naming the
 //! op and the argument (`"linear_forward (w)"`), the same variant the CUDA wrappers return, so a
 //! caller handles one error whichever backend runs; no op panics on a caller's lengths.
 //!

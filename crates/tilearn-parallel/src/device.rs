@@ -4,7 +4,9 @@
 //! it next. The conversions into [`crate::Buffer`]/[`crate::BufferMut`] live in `buffer.rs`, so
 //! this file depends on nothing else in the crate.
 
-use cudarc::driver::{CudaView, CudaViewMut};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DeviceSlice as _};
 use half::{bf16, f16};
 use tilearn_ops::DType;
 
@@ -25,6 +27,15 @@ pub enum DeviceSliceMut<'a> {
 }
 
 impl DeviceSlice<'_> {
+    /// The stream the viewed allocation belongs to (where its writers run).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        match self {
+            DeviceSlice::F32(v) => v.stream(),
+            DeviceSlice::BF16(v) => v.stream(),
+            DeviceSlice::F16(v) => v.stream(),
+        }
+    }
+
     pub fn dtype(&self) -> DType {
         match self {
             DeviceSlice::F32(_) => DType::F32,
@@ -47,6 +58,15 @@ impl DeviceSlice<'_> {
 }
 
 impl DeviceSliceMut<'_> {
+    /// The stream the viewed allocation belongs to (where its writers run).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        match self {
+            DeviceSliceMut::F32(v) => v.stream(),
+            DeviceSliceMut::BF16(v) => v.stream(),
+            DeviceSliceMut::F16(v) => v.stream(),
+        }
+    }
+
     pub fn dtype(&self) -> DType {
         match self {
             DeviceSliceMut::F32(_) => DType::F32,

@@ -67,6 +67,21 @@ fn ranks_all_reduce_through_the_launcher() {
 }
 
 #[test]
+fn the_bandwidth_bench_runs_through_the_launcher() {
+    let dir = tempfile::tempdir().unwrap();
+    let bench = ["--bench", "--min-bytes", "96", "--max-bytes", "384"];
+    launch(
+        config(3),
+        &comm_check(dir.path(), &[&bench[..], &["--iters", "2"]].concat()),
+    )
+    .unwrap();
+    assert_no_process_left(dir.path(), 3);
+    // Sizes the sharded collectives cannot split are refused with the flag named.
+    let too_small = ["--bench", "--min-bytes", "2", "--max-bytes", "8"];
+    assert!(launch(config(3), &comm_check(dir.path(), &too_small)).is_err());
+}
+
+#[test]
 fn a_killed_rank_ends_the_job_naming_it() {
     let (err, took) = run_failing(3, config(3), &["--fail-rank", "1", "--fail-mode", "kill"]);
     assert!(

@@ -5,7 +5,8 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaStream, CudaView, CudaViewMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
+    CudaStream, CudaView, CudaViewMut, DeviceRepr, DeviceSlice as _, PinnedHostSlice,
+    ValidAsZeroBits,
 };
 
 use crate::buffer::{CommElement, HostSlice, HostSliceMut};
@@ -67,15 +68,36 @@ fn round_trip_typed<T: CommElement + DeviceRepr + ValidAsZeroBits>(
     mut view: CudaViewMut<'_, T>,
     body: impl FnOnce(HostSliceMut<'_>) -> Result<()>,
 ) -> Result<()> {
+    // The buffer may be untracked by cudarc's events (the GPU engine's gradients are), so the
+    // copies are ordered after everything the buffer's own stream has enqueued so far.
+    order_after_owner(stream, view.stream())?;
     let host = pinned(cache, stream, view.len())?;
-    // Copies into a `[T]` synchronise the stream before returning.
     stream
         .memcpy_dtoh(&view, host)
         .map_err(cuda("staging a device buffer to the host"))?;
+    // A copy into page-locked memory is truly asynchronous (cudarc treats a `&mut [T]` as
+    // pageable and does not wait): read the host copy only once the stream has finished it.
+    synchronize(stream, "staging a device buffer to the host")?;
     body(T::host_mut(host))?;
     stream
         .memcpy_htod(&*host, &mut view)
-        .map_err(cuda("copying a staged buffer back to the device"))
+        .map_err(cuda("copying a staged buffer back to the device"))?;
+    // The next collective refills the same page-locked buffer.
+    synchronize(stream, "copying a staged buffer back to the device")
+}
+
+/// Makes `stream` wait for the work enqueued on `owner` so far (no-op when they are one).
+fn order_after_owner(stream: &Arc<CudaStream>, owner: &Arc<CudaStream>) -> Result<()> {
+    if Arc::ptr_eq(stream, owner) {
+        return Ok(());
+    }
+    stream.join(owner).map_err(cuda(
+        "ordering the staging stream after the buffer's stream",
+    ))
+}
+
+fn synchronize(stream: &CudaStream, context: &str) -> Result<()> {
+    stream.synchronize().map_err(cuda(context))
 }
 
 fn download_typed<T: CommElement + DeviceRepr + ValidAsZeroBits>(
@@ -84,10 +106,12 @@ fn download_typed<T: CommElement + DeviceRepr + ValidAsZeroBits>(
     view: CudaView<'_, T>,
     body: impl FnOnce(HostSlice<'_>) -> Result<()>,
 ) -> Result<()> {
+    order_after_owner(stream, view.stream())?;
     let host = pinned(cache, stream, view.len())?;
     stream
         .memcpy_dtoh(&view, host)
         .map_err(cuda("staging a device buffer to the host"))?;
+    synchronize(stream, "staging a device buffer to the host")?;
     body(T::host(host))
 }
 

@@ -1,6 +1,8 @@
 //! `NcclCommunicator`: the production backend, one process per GPU. Collectives are enqueued on a
-//! communication stream of their own and return work handles (events); cudarc's event tracking
-//! orders that stream after the kernels that wrote a buffer and before those that read it next.
+//! communication stream of their own and return work handles (events). The communication stream
+//! first waits for the work enqueued so far on the buffer's own stream, and cudarc's event
+//! tracking (on buffers that have it) orders later readers after the collective; on untracked
+//! buffers the caller orders them with [`Work::wait_on_stream`].
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -173,6 +175,7 @@ impl NcclCommunicator {
         };
         let _serial = self.enqueue.lock().unwrap_or_else(|p| p.into_inner());
         let (dtype, len) = (device.dtype(), device.len());
+        self.order_after(device.stream())?;
         {
             // The guard records the buffer's write event on the communication stream when it
             // drops, after the call is enqueued.
@@ -184,6 +187,20 @@ impl NcclCommunicator {
             call(ptr, dtype, len)?;
         }
         self.record(op)
+    }
+
+    /// Makes the communication stream wait for everything `owner` (the stream a buffer belongs
+    /// to) has enqueued so far. cudarc's event tracking already orders tracked buffers; this
+    /// also orders untracked ones, such as the GPU engine's gradients, which are left untracked
+    /// so that the backward can keep writing other layers' gradients while NCCL reduces the
+    /// finished ones (one allocation shares one pair of events).
+    fn order_after(&self, owner: &Arc<CudaStream>) -> Result<()> {
+        if Arc::ptr_eq(owner, &self.stream) {
+            return Ok(());
+        }
+        self.stream.join(owner).map_err(cuda(
+            "ordering the communication stream after the buffer's stream",
+        ))
     }
 
     fn record<'a>(&'a self, op: &'static str) -> Result<Work<'a>> {
@@ -367,6 +384,7 @@ impl Communicator for NcclCommunicator {
             return Err(self.device_only("send"));
         };
         let _serial = self.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+        self.order_after(device.stream())?;
         {
             let (ptr, _record) = match &device {
                 DeviceSlice::F32(v) => v.device_ptr(&self.stream),

@@ -1,17 +1,25 @@
 //! `tilearn-comm-check`: run under a launcher (`tilearn launch --nproc-per-node 2 --
 //! tilearn-comm-check`), it joins the job, all-reduces a buffer of every dtype over the host
-//! communicator (or NCCL with `--backend nccl`), checks the sums and prints one line per rank.
+//! communicator (or NCCL with `--backend nccl`, on device buffers of the rank's GPU), checks the
+//! sums and prints one line per rank.
 //! `--fail-rank R --fail-mode kill|abort|error|hang|stop` makes rank R fail on purpose after the
 //! first round, to test how a job ends; with `--fail-once` only in the first attempt (before any
 //! restart by the launcher).
+//!
+//! `--bench` measures instead: the bus bandwidth of all-reduce, reduce-scatter and all-gather
+//! on bf16 buffers from `--min-bytes` to `--max-bytes` (doubling), as nccl-tests and
+//! `benches/pytorch_comm_baseline.py` report it; rank 0 prints one JSON line per size.
+
+mod backend;
+mod bench;
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use half::{bf16, f16};
-use tilearn_parallel::{
-    BufferMut, CommElement, Communicator, ParallelError, ProcessGroup, ReduceOp, Result,
-};
+use tilearn_parallel::{CommElement, ParallelError, ProcessGroup, Result};
+
+use backend::Backend;
 
 #[derive(Debug)]
 struct Options {
@@ -22,6 +30,7 @@ struct Options {
     fail_mode: String,
     pid_dir: Option<String>,
     fail_once: bool,
+    bench: Option<bench::BenchOptions>,
 }
 
 fn usage(flag: &str, reason: &str) -> ParallelError {
@@ -40,6 +49,7 @@ fn parse() -> Result<Options> {
         fail_mode: "kill".into(),
         pid_dir: None,
         fail_once: false,
+        bench: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -56,18 +66,32 @@ fn parse() -> Result<Options> {
             "--fail-mode" => o.fail_mode = value()?,
             "--pid-dir" => o.pid_dir = Some(value()?),
             "--fail-once" => o.fail_once = true,
+            "--bench" => {
+                o.bench.get_or_insert_with(bench::BenchOptions::default);
+            }
+            "--min-bytes" | "--max-bytes" | "--iters" | "--warmup" => {
+                let n = number(value()?, &flag)?;
+                let b = o.bench.get_or_insert_with(bench::BenchOptions::default);
+                match flag.as_str() {
+                    "--min-bytes" => b.min_bytes = n,
+                    "--max-bytes" => b.max_bytes = n,
+                    "--iters" => b.iters = n.max(1),
+                    _ => b.warmup = n,
+                }
+            }
             other => return Err(usage(other, "unknown flag (see the file's documentation)")),
         }
     }
     Ok(o)
 }
 
-/// All-reduces `rank + 1` on every rank and checks the sum `n(n + 1) / 2`.
-fn check<T: CommElement>(comm: &dyn Communicator, elements: usize) -> Result<f32> {
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let mut buf = vec![T::from_f32((rank + 1) as f32); elements];
-    comm.all_reduce(BufferMut::from(&mut buf), ReduceOp::Sum)?
-        .wait()?;
+/// All-reduces `rank + 1` on every rank (on the GPU for NCCL) and checks the sum `n(n + 1) / 2`.
+fn check<T: CommElement + backend::DeviceElement>(
+    backend: &Backend,
+    elements: usize,
+) -> Result<f32> {
+    let (rank, world) = (backend.comm().rank(), backend.comm().world_size());
+    let buf = backend.all_reduce_sum(vec![T::from_f32((rank + 1) as f32); elements])?;
     let expected = (world * (world + 1) / 2) as f32;
     if let Some((i, bad)) = buf.iter().enumerate().find(|(_, v)| v.to_f32() != expected) {
         return Err(ParallelError::Buffer {
@@ -100,38 +124,21 @@ fn fail_on_purpose(mode: &str) -> Result<()> {
     Ok(())
 }
 
-fn communicator(group: &ProcessGroup, backend: &str) -> Result<Box<dyn Communicator>> {
-    match backend {
-        "host" => Ok(Box::new(group.host_communicator()?)),
-        #[cfg(feature = "cuda")]
-        "nccl" => Ok(Box::new(
-            tilearn_parallel::nccl::NcclCommunicator::for_local_rank(group)?,
-        )),
-        other => Err(usage(
-            "--backend",
-            &format!(
-                "{other:?} is not available (host{})",
-                if cfg!(feature = "cuda") {
-                    ", nccl"
-                } else {
-                    "; nccl needs the cuda feature"
-                }
-            ),
-        )),
-    }
-}
-
 fn run(group: &ProcessGroup, options: &Options) -> Result<()> {
-    let comm = communicator(group, &options.backend)?;
+    let backend = Backend::new(group, &options.backend)?;
+    if let Some(b) = &options.bench {
+        return bench::run(&backend, b);
+    }
+    let comm = backend.comm();
     for round in 0..options.rounds {
         let attempt_fails = !options.fail_once || group.env().restart == 0;
         if round == 1 && attempt_fails && options.fail_rank == Some(group.rank()) {
             fail_on_purpose(&options.fail_mode)?;
         }
         let sums = [
-            check::<f32>(&*comm, options.elements)?,
-            check::<bf16>(&*comm, options.elements)?,
-            check::<f16>(&*comm, options.elements)?,
+            check::<f32>(&backend, options.elements)?,
+            check::<bf16>(&backend, options.elements)?,
+            check::<f16>(&backend, options.elements)?,
         ];
         println!(
             "rank {}/{}: round {round}: all_reduce of {} elements ok on {} (f32, bf16, f16 sums {sums:?})",

@@ -9,7 +9,13 @@
 //!   the backward kernels (~1e-7 relative), enlarged by AdamW for near-zero gradients; the GPU's
 //!   reductions add their own ordering.
 //! * NCCL with world size 1 through the launcher equals a plain run exactly (the all-reduce of
-//!   one rank leaves the gradients as they are).
+//!   one rank leaves the gradients as they are), with the all-reduce overlapped with the
+//!   backward (the default) and without.
+//! * The overlapped all-reduce gives the same weights, bit for bit, as the all-reduce after the
+//!   backward (two ranks sharing one GPU; the sum of two values does not depend on the order),
+//!   and the log reports how much of it was hidden.
+//! * Two GPUs over NCCL (skipped, saying so, with fewer than two) equal one process with the
+//!   same global batch, within the first test's tolerance.
 
 #![cfg(feature = "cuda")]
 
@@ -21,11 +27,32 @@ use std::process::Command;
 use support::{max_abs_diff, ok, weights};
 
 fn gpu_present() -> bool {
+    gpus_present(1)
+}
+
+fn gpus_present(wanted: usize) -> bool {
     let info = tilearn_ops::backend::probe();
     if !info.cuda_usable() {
         println!("skipped: no usable CUDA GPU");
+        return false;
     }
-    info.cuda_usable()
+    if info.devices.len() < wanted {
+        println!(
+            "skipped: needs {wanted} GPUs, {} present",
+            info.devices.len()
+        );
+        return false;
+    }
+    true
+}
+
+/// The records of a run's training log.
+fn log_lines(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("train_log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 const TINY: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
@@ -143,8 +170,74 @@ fn nccl_with_one_rank_through_the_launcher_equals_a_plain_run() {
     let launch = ["launch", "--nproc-per-node", "1", "--standalone"];
     let stdout = train(dir.path(), &launch, "nccl", &["--ddp-backend", "nccl"]);
     assert!(stdout.contains("nccl backend"), "{stdout}");
-    assert_eq!(
-        weights(&dir.path().join("plain")),
-        weights(&dir.path().join("nccl"))
+    let after = ["--ddp-backend", "nccl", "--no-ddp-overlap"];
+    train(dir.path(), &launch, "nccl-after", &after);
+    let plain = weights(&dir.path().join("plain"));
+    assert_eq!(plain, weights(&dir.path().join("nccl")));
+    assert_eq!(plain, weights(&dir.path().join("nccl-after")));
+    let logged = log_lines(&dir.path().join("nccl"));
+    assert!(
+        logged.iter().all(|r| r["allreduce_hidden"].is_number()),
+        "{logged:?}"
     );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn the_overlapped_all_reduce_equals_the_one_after_the_backward() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = setup();
+    let launch = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        "--comm-timeout",
+        "120",
+    ];
+    // Small buckets, so that several run during the backward.
+    let host = ["--ddp-backend", "host", "--ddp-bucket-cap-mb", "0.01"];
+    train(dir.path(), &launch, "overlap", &host);
+    train(
+        dir.path(),
+        &launch,
+        "after",
+        &[&host[..], &["--no-ddp-overlap"]].concat(),
+    );
+    assert_eq!(
+        weights(&dir.path().join("overlap")),
+        weights(&dir.path().join("after"))
+    );
+    let overlapped = log_lines(&dir.path().join("overlap"));
+    let share = overlapped[0]["allreduce_hidden"].as_f64().unwrap();
+    println!("host communicator, two ranks on one GPU: {share:.2} of the all-reduce hidden");
+    assert!((0.0..=1.0).contains(&share), "{overlapped:?}");
+    assert!(log_lines(&dir.path().join("after"))[0]["allreduce_hidden"].is_null());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn two_gpus_over_nccl_equal_one_process() {
+    if !gpus_present(2) {
+        return;
+    }
+    let dir = setup();
+    train(
+        dir.path(),
+        &[],
+        "one",
+        &["--gradient-accumulation-steps", "2"],
+    );
+    let launch = ["launch", "--nproc-per-node", "2", "--standalone"];
+    let nccl = ["--ddp-backend", "nccl", "--ddp-bucket-cap-mb", "0.01"];
+    let stdout = train(dir.path(), &launch, "two", &nccl);
+    assert!(stdout.contains("nccl backend"), "{stdout}");
+    let diff = max_abs_diff(
+        &weights(&dir.path().join("one")),
+        &weights(&dir.path().join("two")),
+    );
+    println!("2 GPUs over NCCL vs one process: max |Δw| = {diff:e}");
+    assert!(diff <= 1e-4, "max |Δw| = {diff}");
 }

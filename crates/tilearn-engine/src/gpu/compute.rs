@@ -17,7 +17,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cuda::{
     self as k, CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuRopeTable,
     RmsNormScratch, TokenIdCheck,
@@ -25,6 +25,7 @@ use tilearn_ops::cuda::{
 
 use super::arena::{Bufs, Dims, LayerBufs};
 use super::linalg::Matmul;
+use super::sink::Handoff;
 use super::views::{sub_mut, two_mut};
 use crate::error::Result;
 use crate::model::{LayerLayout, LinearLayout, ModelLayout};
@@ -81,7 +82,7 @@ fn linear_fwd<T: DeviceFloat>(
 fn linear_bwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     w: &CudaView<'_, T>,
-    g: &mut CudaSlice<f32>,
+    g: &mut CudaViewMut<'_, f32>,
     l: &LinearLayout,
     dout: &CudaView<'_, T>,
     x: &CudaView<'_, T>,
@@ -91,7 +92,7 @@ fn linear_bwd<T: DeviceFloat>(
     dx: Option<&mut CudaViewMut<'_, T>>,
 ) -> Result<()> {
     let weight = w.slice(l.weight.clone());
-    let gv = g.as_view_mut();
+    let gv = g.slice_mut(..);
     match &l.bias {
         Some(b) => {
             let (mut dw, mut db) = two_mut(gv, l.weight.clone(), b.clone())?;
@@ -266,13 +267,14 @@ fn run_block_checkpointed<T: DeviceFloat>(
 
 /// Backward from the fused cross entropy down to the embedding: `b.logits` must hold the
 /// forward's logits; they are overwritten with d(loss)/d(logits) (`grad_scale` = 1 / the loss
-/// denominator). Parameter gradients are added into `g`.
+/// denominator). Parameter gradients are added into `g`'s view, which hands finished parts on
+/// as it goes (see `sink.rs`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     w: &CudaView<'_, T>,
-    g: &mut CudaSlice<f32>,
+    mut g: Handoff<'_, '_>,
     ids: &CudaView<'_, u32>,
     targets: &CudaView<'_, i32>,
     grad_scale: f64,
@@ -298,7 +300,7 @@ pub(crate) fn backward<T: DeviceFloat>(
     linear_bwd(
         cx,
         w,
-        g,
+        g.grads()?,
         &lm_head,
         &b.logits.as_view(),
         &b.final_xn.as_view(),
@@ -308,7 +310,7 @@ pub(crate) fn backward<T: DeviceFloat>(
         Some(&mut b.grad.dxn),
     )?;
     {
-        let mut dnorm = sub_mut(g.as_view_mut(), layout.norm.clone())?;
+        let mut dnorm = sub_mut(g.grads()?.slice_mut(..), layout.norm.clone())?;
         k::rmsnorm_backward(
             cx.stream,
             &b.grad.dxn,
@@ -321,6 +323,9 @@ pub(crate) fn backward<T: DeviceFloat>(
             cx.norm_scratch,
         )?;
     }
+    // The final norm and lm_head are done (a tied lm_head's gradient sits in the embedding's
+    // range, which is handed on last).
+    g.pass_on(cx.stream)?;
     let checkpointing = checkpointed(d, b);
     for (i, lay) in layout.layers.iter().enumerate().rev() {
         let set = if checkpointing {
@@ -334,13 +339,14 @@ pub(crate) fn backward<T: DeviceFloat>(
             d,
             lay,
             w,
-            g,
+            g.grads()?,
             &b.resid[i].as_view(),
             &b.layers[set],
             &mut b.grad,
         )?;
+        g.pass_on(cx.stream)?;
     }
-    let mut dembed = sub_mut(g.as_view_mut(), layout.embed.clone())?;
+    let mut dembed = sub_mut(g.grads()?.slice_mut(..), layout.embed.clone())?;
     k::embedding_backward(
         cx.stream,
         ids,
@@ -350,7 +356,7 @@ pub(crate) fn backward<T: DeviceFloat>(
         cx.check,
         cx.embed_scratch,
     )?;
-    Ok(())
+    g.finish(cx.stream)
 }
 
 /// Forward of one block from `x` (whose `input_layernorm` is already in `a.xn1`/`a.rstd1`)
@@ -421,7 +427,7 @@ fn block_backward<T: DeviceFloat>(
     d: &Dims,
     lay: &LayerLayout,
     w: &CudaView<'_, T>,
-    g: &mut CudaSlice<f32>,
+    g: &mut CudaViewMut<'_, f32>,
     x: &CudaView<'_, T>,
     a: &LayerBufs<'_, T>,
     gb: &mut super::arena::GradBufs<'_, T>,
@@ -471,7 +477,7 @@ fn block_backward<T: DeviceFloat>(
     )?;
     k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     {
-        let mut dpost = sub_mut(g.as_view_mut(), lay.post_attention_norm.clone())?;
+        let mut dpost = sub_mut(g.slice_mut(..), lay.post_attention_norm.clone())?;
         // dres += the norm's input gradient: dres becomes d/dh.
         k::rmsnorm_backward_add(
             s,
@@ -557,7 +563,7 @@ fn block_backward<T: DeviceFloat>(
     )?;
     k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     {
-        let mut dinp = sub_mut(g.as_view_mut(), lay.input_norm.clone())?;
+        let mut dinp = sub_mut(g.slice_mut(..), lay.input_norm.clone())?;
         // dres += the norm's input gradient: dres becomes d/dx.
         k::rmsnorm_backward_add(
             s,

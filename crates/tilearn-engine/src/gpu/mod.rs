@@ -42,11 +42,15 @@ mod inputs;
 mod linalg;
 mod optim;
 mod precision;
+mod sink;
 mod staging;
 mod transfer;
 mod views;
 
 use std::sync::Arc;
+
+pub use sink::GradientSink;
+use sink::Handoff;
 
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaView, CudaViewMut, DeviceRepr, DriverError, PinnedHostSlice,
@@ -183,6 +187,28 @@ fn pinned<T: DeviceRepr + ValidAsZeroBits + Copy>(
 }
 
 /// A driver error as an engine error.
+/// Allocates with cudarc's event tracking off, for the gradient buffer (see `sink.rs`: the
+/// data-parallel collectives on finished parts must not make the backward's later kernels
+/// wait). Every use of it is on the compute stream, except those collectives, which order
+/// themselves after it and are ordered before the next reader by hand.
+fn untracked<T>(
+    stream: &Arc<CudaStream>,
+    alloc: impl FnOnce() -> std::result::Result<T, DriverError>,
+) -> std::result::Result<T, DriverError> {
+    let ctx = stream.context();
+    let was = ctx.is_event_tracking();
+    // SAFETY: tracking is off only for this one allocation (the flag is read when a slice is
+    // created) and restored at once; the model is built on one thread. The slice's cross-stream
+    // uses are ordered by hand as described above.
+    unsafe { ctx.disable_event_tracking() };
+    let out = alloc();
+    if was {
+        // SAFETY: restores the context's default for every later allocation.
+        unsafe { ctx.enable_event_tracking() };
+    }
+    out
+}
+
 pub(crate) fn cuda_err(what: &str, e: DriverError) -> EngineError {
     EngineError::Ops(OpsError::Cuda {
         context: "tilearn_engine::gpu",
@@ -301,8 +327,7 @@ impl GpuLlama {
         let master = stream
             .alloc_zeros::<f32>(numel.max(1))
             .map_err(|e| cuda_err("allocating the master weights", e))?;
-        let grads = stream
-            .alloc_zeros::<f32>(numel.max(1))
+        let grads = untracked(&stream, || stream.alloc_zeros::<f32>(numel.max(1)))
             .map_err(|e| cuda_err("allocating the gradient buffer", e))?;
         let arena = Arena::new(&stream, &cap, widest, gradient_checkpointing)?;
         let arena_bytes = arena.bytes();
@@ -562,6 +587,23 @@ impl GpuLlama {
         loss_denominator: Option<f64>,
         loss_scale: f32,
     ) -> Result<LossStats> {
+        self.forward_backward_into(ids, labels, batch, seq, loss_denominator, loss_scale, None)
+    }
+
+    /// [`forward_backward_scaled`](Self::forward_backward_scaled) that hands the finished
+    /// parts of the gradient buffer to `sink` during the backward (see [`GradientSink`]);
+    /// on return the compute stream is ordered after the sink's work.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward_into(
+        &mut self,
+        ids: &[u32],
+        labels: &[i32],
+        batch: usize,
+        seq: usize,
+        loss_denominator: Option<f64>,
+        loss_scale: f32,
+        sink: Option<&mut dyn GradientSink>,
+    ) -> Result<LossStats> {
         if !(loss_scale.is_finite() && loss_scale > 0.0) {
             return Err(invalid(
                 "loss_scale",
@@ -587,11 +629,12 @@ impl GpuLlama {
         };
         let p = self.pass();
         let mut cx = p.cx;
+        let layout = cx.layout;
         with_elem!(p.precision, T => train_pass::<T>(
             &mut cx,
             &d,
             &weights::<T>(p.master, p.work, p.numel)?,
-            p.grads,
+            Handoff::new(p.grads.as_view_mut(), sink, layout),
             &p.ids.slice(..d.n),
             &p.targets.slice(..d.n),
             grad_scale,
@@ -799,7 +842,7 @@ fn train_pass<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     w: &CudaView<'_, T>,
-    grads: &mut CudaSlice<f32>,
+    grads: Handoff<'_, '_>,
     ids: &CudaView<'_, u32>,
     targets: &CudaView<'_, i32>,
     grad_scale: f64,

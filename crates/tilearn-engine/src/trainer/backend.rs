@@ -65,6 +65,30 @@ pub trait StepBackend {
         loss_scale: f32,
     ) -> Result<f64>;
 
+    /// The stream the backend computes on, when it is a GPU (the data-parallel overlap orders
+    /// its collectives against it).
+    #[cfg(feature = "cuda")]
+    fn compute_stream(&self) -> Option<std::sync::Arc<tilearn_ops::cuda::CudaStream>> {
+        None
+    }
+
+    /// [`forward_backward`](Self::forward_backward) that hands the finished parts of the
+    /// gradient buffer to `sink` while the backward runs (data-parallel overlap). `None` when
+    /// the backend cannot (the CPU engine); then the caller runs the plain call and reduces
+    /// afterwards.
+    #[cfg(feature = "cuda")]
+    fn forward_backward_into(
+        &mut self,
+        batch: &Batch,
+        denominator: f64,
+        precision: DType,
+        loss_scale: f32,
+        sink: &mut dyn crate::gpu::GradientSink,
+    ) -> Option<Result<f64>> {
+        let _ = (batch, denominator, precision, loss_scale, sink);
+        None
+    }
+
     /// The GradScaler's unscale: the gradients are to be multiplied by `inv_scale` before the
     /// optimizer uses them (in place, or inside the optimizer step); reports whether any is
     /// infinite or NaN.

@@ -27,7 +27,7 @@ use crate::Result;
 use crate::checkpoint::{load_into, save_pretrained_from};
 use crate::config::LlamaConfig;
 use crate::data::Batch;
-use crate::gpu::GpuLlama;
+use crate::gpu::{GpuLlama, GradientSink};
 use crate::model::LlamaForCausalLM;
 use crate::params::{ParamSpec, ParamStore, init_random_into};
 
@@ -57,6 +57,29 @@ impl GpuBackend {
         let mut backend = Self::build(&model.config, args, ordinal, precisions)?;
         backend.gpu.upload_params(&model.params)?;
         Ok(backend)
+    }
+
+    fn run_forward_backward(
+        &mut self,
+        batch: &Batch,
+        denominator: f64,
+        precision: DType,
+        loss_scale: f32,
+        sink: Option<&mut dyn GradientSink>,
+    ) -> Result<f64> {
+        if precision != self.gpu.precision() {
+            self.gpu.set_precision(precision)?;
+        }
+        let stats = self.gpu.forward_backward_into(
+            &batch.input_ids,
+            &batch.labels,
+            batch.batch,
+            batch.seq_len,
+            Some(denominator),
+            loss_scale,
+            sink,
+        )?;
+        Ok(stats.loss_sum)
     }
 
     /// Builds the model `config` describes on GPU `ordinal` and fills its weights from `init`
@@ -170,18 +193,22 @@ impl StepBackend for GpuBackend {
         precision: DType,
         loss_scale: f32,
     ) -> Result<f64> {
-        if precision != self.gpu.precision() {
-            self.gpu.set_precision(precision)?;
-        }
-        let stats = self.gpu.forward_backward_scaled(
-            &batch.input_ids,
-            &batch.labels,
-            batch.batch,
-            batch.seq_len,
-            Some(denominator),
-            loss_scale,
-        )?;
-        Ok(stats.loss_sum)
+        self.run_forward_backward(batch, denominator, precision, loss_scale, None)
+    }
+
+    fn compute_stream(&self) -> Option<std::sync::Arc<tilearn_ops::cuda::CudaStream>> {
+        Some(self.stream())
+    }
+
+    fn forward_backward_into(
+        &mut self,
+        batch: &Batch,
+        denominator: f64,
+        precision: DType,
+        loss_scale: f32,
+        sink: &mut dyn GradientSink,
+    ) -> Option<Result<f64>> {
+        Some(self.run_forward_backward(batch, denominator, precision, loss_scale, Some(sink)))
     }
 
     fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {

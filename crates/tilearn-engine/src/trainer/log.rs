@@ -35,6 +35,12 @@ pub struct LogRecord {
     /// `tokens_per_sec` their combined rate.
     #[serde(default = "one")]
     pub world_size: usize,
+    /// Data parallel with the all-reduce overlapped: its mean time per step (ms) and the
+    /// share of it hidden behind the backward.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allreduce_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allreduce_hidden: Option<f64>,
 }
 
 fn one() -> usize {
@@ -61,6 +67,12 @@ impl LogRecord {
         }
         if self.world_size > 1 {
             line.push_str(&format!("  ranks {}", self.world_size));
+        }
+        if let (Some(ms), Some(hidden)) = (self.allreduce_ms, self.allreduce_hidden) {
+            line.push_str(&format!(
+                "  all-reduce {ms:.1} ms ({:.0}% hidden)",
+                100.0 * hidden
+            ));
         }
         line
     }

@@ -467,17 +467,32 @@ impl Trainer {
             self.backend.zero_grads();
             let mut loss_sum = 0.0;
             for (i, b) in micro.iter().enumerate() {
+                let last = i + 1 == micro.len();
+                let poison =
+                    scaled && last && a.debug_inject_overflow.contains(&(state.global_step + 1));
+                // The last micro-batch all-reduces its gradients during its own backward where
+                // the run allows it (never when a fault is injected after the backward).
+                if last && !poison {
+                    let backend = self.backend.as_mut();
+                    let overlapped = self.dp.overlapped_backward(
+                        backend,
+                        b,
+                        denominator,
+                        precision,
+                        loss_scale,
+                    )?;
+                    if let Some(loss) = overlapped {
+                        loss_sum += loss;
+                        continue;
+                    }
+                }
                 loss_sum += self
                     .backend
                     .forward_backward(b, denominator, precision, loss_scale)?;
-                if scaled
-                    && i + 1 == micro.len()
-                    && a.debug_inject_overflow.contains(&(state.global_step + 1))
-                {
+                if poison {
                     self.backend.poison_gradients()?;
                 }
-                self.dp
-                    .after_backward(self.backend.as_mut(), i + 1 == micro.len())?;
+                self.dp.after_backward(self.backend.as_mut(), last)?;
             }
             let loss = self.dp.sum_f64(loss_sum)? / denominator;
 
@@ -522,6 +537,7 @@ impl Trainer {
 
             let step_secs = step_start.elapsed().as_secs_f64();
             window.add(loss, grad_norm, step_secs, tokens_per_step, skipped);
+            window.add_overlap(self.dp.take_overlap_stats());
             if first_loss.is_nan() {
                 first_loss = loss;
             }
@@ -617,9 +633,21 @@ struct LogWindow {
     tokens: u64,
     steps: u64,
     skipped: u64,
+    /// Overlapped all-reduce: steps measured, their communication and exposed ms.
+    overlap_steps: u64,
+    comm_ms: f64,
+    exposed_ms: f64,
 }
 
 impl LogWindow {
+    fn add_overlap(&mut self, stats: Option<data_parallel::OverlapStats>) {
+        if let Some(s) = stats {
+            self.overlap_steps += 1;
+            self.comm_ms += s.comm_ms;
+            self.exposed_ms += s.exposed_ms;
+        }
+    }
+
     fn add(&mut self, loss: f64, grad_norm: f64, seconds: f64, tokens: u64, skipped: bool) {
         self.loss += loss;
         if !skipped {
@@ -658,6 +686,16 @@ impl LogWindow {
             loss_scale,
             skipped_steps: self.skipped,
             world_size,
+            allreduce_ms: (self.overlap_steps > 0)
+                .then(|| self.comm_ms / self.overlap_steps as f64),
+            allreduce_hidden: (self.overlap_steps > 0).then(|| {
+                data_parallel::OverlapStats {
+                    buckets: 0,
+                    comm_ms: self.comm_ms,
+                    exposed_ms: self.exposed_ms,
+                }
+                .hidden_share()
+            }),
         };
         *self = LogWindow::default();
         record

@@ -182,6 +182,11 @@ pub struct TrainArgs {
     /// The dtype gradients are all-reduced in: f32, or bf16 (half the traffic, summed in f32).
     #[arg(long, value_parser = parse_dtype, default_value = "f32")]
     pub ddp_comm_dtype: DType,
+    /// Reduce the gradients only after the whole backward, instead of each layer's as soon as
+    /// it is done (the GPU engine overlaps the all-reduce with the backward by default; the
+    /// log's `allreduce_ms`/`allreduce_hidden` report how much of it was hidden).
+    #[arg(long)]
+    pub no_ddp_overlap: bool,
     /// What carries the gradients between ranks: nccl (default on the GPU) or host (TCP; the
     /// CPU's, and for ranks that share one GPU).
     #[arg(long, value_enum)]
@@ -249,6 +254,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         bucket_cap_mb: args.ddp_bucket_cap_mb,
         comm_dtype: args.ddp_comm_dtype,
         zero_stage: ZeroStage::from_flag_or_env(args.zero_stage.as_deref())?,
+        overlap: !args.no_ddp_overlap,
     };
     ddp.validate()?;
     let trains_on_gpu = choose_device(args.device)?;

@@ -21,6 +21,7 @@
 //! identical everywhere, so every rank takes the same decisions.
 
 pub mod layout;
+pub mod overlap;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -30,11 +31,16 @@ use tilearn_ops::DType;
 use tilearn_parallel::{BufferMut, Communicator, ReduceOp};
 
 pub use layout::{ShardLayout, gradient_buckets};
+pub use overlap::OverlapStats;
 
 use super::backend::StepBackend;
 use super::flat_buffer::{Completion, FlatBuffer};
 pub use super::zero::{ZERO_STAGE_ENV, ZeroStage};
+use crate::data::Batch;
 use crate::{EngineError, Result};
+
+/// Set to 1, rank 0 prints every overlapped all-reduce bucket's timestamps to stderr.
+pub const TIMELINE_ENV: &str = "TILEARN_DDP_TIMELINE";
 
 /// `--ddp-bucket-cap-mb`'s default, PyTorch DDP's `bucket_cap_mb`.
 pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
@@ -47,6 +53,9 @@ pub struct DdpOptions {
     /// The dtype gradients travel in (`--ddp-comm-dtype`): f32, or bf16 to halve the traffic.
     pub comm_dtype: DType,
     pub zero_stage: ZeroStage,
+    /// All-reduce the gradients of each finished layer while the backward goes on (the GPU
+    /// engine with f32 gradients and no ZeRO; `--no-ddp-overlap` turns it off to compare).
+    pub overlap: bool,
 }
 
 impl Default for DdpOptions {
@@ -55,6 +64,7 @@ impl Default for DdpOptions {
             bucket_cap_mb: DEFAULT_BUCKET_CAP_MB,
             comm_dtype: DType::F32,
             zero_stage: ZeroStage::Off,
+            overlap: true,
         }
     }
 }
@@ -109,6 +119,11 @@ pub struct DataParallel {
     compressed: Vec<bf16>,
     /// ZeRO-2: the reduced gradients of the owned shard, accumulated over the micro-batches.
     grad_shard: Vec<f32>,
+    /// The stream that collects the overlapped buckets' completions (made on first use).
+    #[cfg(feature = "cuda")]
+    side: Option<Arc<tilearn_ops::cuda::CudaStream>>,
+    /// The last overlapped step, summarised (taken by the log).
+    last_overlap: Option<OverlapStats>,
 }
 
 impl DataParallel {
@@ -121,6 +136,9 @@ impl DataParallel {
             buckets: Vec::new(),
             compressed: Vec::new(),
             grad_shard: Vec::new(),
+            #[cfg(feature = "cuda")]
+            side: None,
+            last_overlap: None,
         }
     }
 
@@ -148,6 +166,9 @@ impl DataParallel {
             options,
             compressed: Vec::new(),
             grad_shard: Vec::new(),
+            #[cfg(feature = "cuda")]
+            side: None,
+            last_overlap: None,
         })
     }
 
@@ -254,6 +275,76 @@ impl DataParallel {
             Some(c) => Ok(c.scalars.barrier()?),
             None => Ok(()),
         }
+    }
+
+    /// The forward and backward of a step's last micro-batch with the gradient all-reduce
+    /// overlapped (see `overlap.rs`): `None` when this step cannot overlap (one process, ZeRO,
+    /// bf16 compression, `--no-ddp-overlap`, or a backend without the hook: the CPU engine);
+    /// then the caller runs the plain backward and [`Self::after_backward`].
+    pub fn overlapped_backward(
+        &mut self,
+        backend: &mut dyn StepBackend,
+        batch: &Batch,
+        denominator: f64,
+        precision: DType,
+        loss_scale: f32,
+    ) -> Result<Option<f64>> {
+        let Some(c) = &self.comms else {
+            return Ok(None);
+        };
+        let o = &self.options;
+        if !o.overlap || o.zero_stage != ZeroStage::Off || o.comm_dtype != DType::F32 {
+            return Ok(None);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let Some(stream) = backend.compute_stream() else {
+                return Ok(None);
+            };
+            if self.side.is_none() {
+                let side = stream
+                    .context()
+                    .new_stream()
+                    .map_err(|e| crate::gpu::cuda_err("creating the all-reduce side stream", e))?;
+                self.side = Some(side);
+            }
+            let side = self.side.as_ref().expect("made above");
+            let mut timeline = overlap::Timeline::default();
+            let mut sink = overlap::OverlapSink {
+                comm: c.grads.as_ref(),
+                cap: (self.options.bucket_cap_bytes() / 4).max(1),
+                side,
+                timeline: &mut timeline,
+            };
+            let loss = backend
+                .forward_backward_into(batch, denominator, precision, loss_scale, &mut sink)
+                .ok_or_else(|| EngineError::InvalidArgument {
+                    argument: "data parallel".into(),
+                    message: "internal: a backend with a compute stream lacks the hook".into(),
+                })??;
+            if let Some((stats, buckets)) = timeline.stats()? {
+                if std::env::var_os(TIMELINE_ENV).is_some_and(|v| v == "1") && self.is_primary() {
+                    for b in &buckets {
+                        eprintln!(
+                            "all-reduce bucket at {} ({} elements): ready {:.3} ms, done {:.3} ms",
+                            b.offset, b.elements, b.ready_ms, b.done_ms
+                        );
+                    }
+                }
+                self.last_overlap = Some(stats);
+            }
+            Ok(Some(loss))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (c, backend, batch, denominator, precision, loss_scale);
+            Ok(None)
+        }
+    }
+
+    /// The last overlapped all-reduce's summary, once.
+    pub fn take_overlap_stats(&mut self) -> Option<OverlapStats> {
+        self.last_overlap.take()
     }
 
     /// Called after the backward of each micro-batch (`last`: the step's final one): reduces

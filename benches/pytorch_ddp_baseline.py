@@ -235,7 +235,8 @@ def main():
             with liger_llama() if mode == "ddp-liger" else contextlib.nullcontext():
                 result = run_mode(mode, preset, args, rank, world, device)
             result.update(wall_s=time.time() - t0, torch=torch.__version__,
-                          transformers=transformers.__version__, liger=liger,
+                          transformers=transformers.__version__,
+                          liger=liger if mode == "ddp-liger" else None,
                           gpu=torch.cuda.get_device_name(device) if device.type == "cuda"
                           else "cpu")
             bench_dist.print0(result)

@@ -40,7 +40,9 @@ def flops_per_token(cfg, n_params, seq):
     return 6 * n_params + attn
 
 
-def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing):
+def llama_config(preset, batch=None, seq=None):
+    """The preset's LlamaConfig (untied embeddings, SDPA attention) and its batch and sequence
+    length, either overridable. Shared by the single-GPU and the data-parallel baselines."""
     p = dict(PRESETS[preset])
     batch = batch or p.pop("batch")
     seq = seq or p.pop("seq")
@@ -48,6 +50,11 @@ def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing):
     p.pop("seq", None)
     cfg = LlamaConfig(**p, max_position_embeddings=max(seq, 2048), tie_word_embeddings=False,
                       attn_implementation="sdpa")
+    return cfg, batch, seq
+
+
+def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing):
+    cfg, batch, seq = llama_config(preset, batch, seq)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).cuda()
     if checkpointing:

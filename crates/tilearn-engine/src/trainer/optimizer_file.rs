@@ -184,15 +184,18 @@ pub fn read(path: &Path, numel: usize, dest: &mut dyn TensorDest) -> Result<u64>
         }
         views.push(view);
     }
-    for (k, view) in views.iter().enumerate() {
-        let bytes = view.data();
-        dest.write(k * numel..(k + 1) * numel, &mut |offset, buf| {
-            let piece = &bytes[offset * 4..(offset + buf.len()) * 4];
-            decode_into(Dtype::F32, piece, buf).map_err(state_err)?;
-            mapped.release(piece);
-            Ok(())
-        })?;
-    }
+    mapped.reading_ahead(|| -> Result<()> {
+        for (k, view) in views.iter().enumerate() {
+            let bytes = view.data();
+            dest.write(k * numel..(k + 1) * numel, &mut |offset, buf| {
+                let piece = &bytes[offset * 4..(offset + buf.len()) * 4];
+                decode_into(Dtype::F32, piece, buf).map_err(state_err)?;
+                mapped.release(piece);
+                Ok(())
+            })?;
+        }
+        Ok(())
+    })?;
     Ok(step)
 }
 

@@ -101,17 +101,17 @@ fn a_restored_checkpoint_saves_identical_files() {
     let ckpt = out.join("checkpoint-3");
 
     let mut fresh = backend(&config, &init, &out);
-    fresh
-        .restore(
-            &ckpt,
-            &OptimizerCheckpoint::Whole(ckpt.join("optimizer.safetensors")),
-        )
-        .unwrap();
-    let again = dir.path().join("again");
-    std::fs::create_dir_all(&again).unwrap();
-    fresh.save_model(&again, &config, DType::F32, None).unwrap();
-    fresh
-        .save_optimizer(&again.join("optimizer.safetensors"))
+    restore_and_save_again(&mut fresh, &config, &ckpt, &dir.path().join("again"));
+}
+
+/// Restores `gpu` from the model and `optimizer.safetensors` in `ckpt`, saves both to `again`
+/// and asserts that the files are byte-identical to the originals.
+fn restore_and_save_again(gpu: &mut GpuBackend, config: &LlamaConfig, ckpt: &Path, again: &Path) {
+    let optimizer = OptimizerCheckpoint::Whole(ckpt.join("optimizer.safetensors"));
+    gpu.restore(ckpt, &optimizer).unwrap();
+    std::fs::create_dir_all(again).unwrap();
+    gpu.save_model(again, config, DType::F32, None).unwrap();
+    gpu.save_optimizer(&again.join("optimizer.safetensors"))
         .unwrap();
     for file in ["model.safetensors", "optimizer.safetensors"] {
         let a = std::fs::read(ckpt.join(file)).unwrap();
@@ -156,19 +156,8 @@ fn tensors_of_several_pieces_round_trip_through_the_staging_ring() {
 
     // Restored into a device model initialised otherwise, then saved: the same bytes.
     let mut gpu = backend(&config, &ModelInit::Random { seed: 1 }, dir.path());
-    gpu.restore(&src, &OptimizerCheckpoint::Whole(opt_file.clone()))
-        .unwrap();
+    restore_and_save_again(&mut gpu, &config, &src, &dir.path().join("again"));
     assert_eq!(gpu.model().unwrap().params.data, cpu.params.data);
-    let again = dir.path().join("again");
-    std::fs::create_dir_all(&again).unwrap();
-    gpu.save_model(&again, &config, DType::F32, None).unwrap();
-    gpu.save_optimizer(&again.join("optimizer.safetensors"))
-        .unwrap();
-    for file in ["model.safetensors", "optimizer.safetensors"] {
-        let a = std::fs::read(src.join(file)).unwrap();
-        let b = std::fs::read(again.join(file)).unwrap();
-        assert!(a == b, "{file} differs after a restore");
-    }
 
     // The random initialisation streamed through the ring equals the CPU's.
     let mut init = backend(&config, &ModelInit::Random { seed: 5 }, dir.path());

@@ -23,7 +23,8 @@ for phase in "$@"; do
       done;;
     model)
       run gpu_model "$B/tests/gpu_model-test" --include-ignored --test-threads=1 --nocapture
-      run gpu_precision "$B/tests/gpu_precision-test" --include-ignored --test-threads=1 --nocapture;;
+      run gpu_precision "$B/tests/gpu_precision-test" --include-ignored --test-threads=1 --nocapture
+      run gpu_streaming "$B/tests/gpu_streaming-test" --include-ignored --test-threads=1 --nocapture;;
     amp)
       # One GPU run of the embedded default per mixed-precision policy, next to plain bf16 and
       # fp16; logs summarised by scripts/amp_timeline.py, kept in one tar (few files return).

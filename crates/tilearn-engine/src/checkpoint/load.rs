@@ -166,23 +166,26 @@ pub fn load_into(dir: &Path, specs: &[ParamSpec], dest: &mut dyn TensorDest) -> 
             loaded[i] = true;
             to_load.push((name, i, view));
         }
-        // File order, so the disk is read front to back.
+        // File order, so the disk is read front to back (and read ahead of the decoding).
         to_load.sort_by_key(|(_, _, v)| v.data().as_ptr() as usize);
-        for (name, i, view) in to_load {
-            let spec = &specs[i];
-            let (dtype, bytes) = (view.dtype(), view.data());
-            let esize = bytes.len() / spec.numel().max(1);
-            dest.write(spec.range(), &mut |offset, buf| {
-                let piece = &bytes[offset * esize..(offset + buf.len()) * esize];
-                decode_into(dtype, piece, buf).map_err(|message| EngineError::Checkpoint {
-                    file: path.clone(),
-                    tensor: name.to_string(),
-                    message,
+        mapped.reading_ahead(|| -> Result<()> {
+            for (name, i, view) in to_load {
+                let spec = &specs[i];
+                let (dtype, bytes) = (view.dtype(), view.data());
+                let esize = bytes.len() / spec.numel().max(1);
+                dest.write(spec.range(), &mut |offset, buf| {
+                    let piece = &bytes[offset * esize..(offset + buf.len()) * esize];
+                    decode_into(dtype, piece, buf).map_err(|message| EngineError::Checkpoint {
+                        file: path.clone(),
+                        tensor: name.to_string(),
+                        message,
+                    })?;
+                    mapped.release(piece);
+                    Ok(())
                 })?;
-                mapped.release(piece);
-                Ok(())
-            })?;
-        }
+            }
+            Ok(())
+        })?;
     }
     if let Some(i) = loaded.iter().position(|&l| !l) {
         let spec = &specs[i];

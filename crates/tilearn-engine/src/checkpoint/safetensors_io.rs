@@ -11,6 +11,7 @@ use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 use tilearn_ops::DType;
 
+use super::read_ahead::{CHUNK_BYTES, ReadAhead, WINDOW_BYTES};
 use super::stream::{StreamedTensor, write_streamed};
 use crate::error::{EngineError, Result};
 use crate::tensor_io::TensorSource;
@@ -120,7 +121,10 @@ pub fn write_tensors_file(
 /// A memory-mapped safetensors file.
 pub(crate) struct MappedFile {
     pub path: PathBuf,
+    file: File,
     mmap: Mmap,
+    /// Told how far [`MappedFile::release`] got, for [`MappedFile::reading_ahead`].
+    read_ahead: ReadAhead,
 }
 
 impl MappedFile {
@@ -134,8 +138,18 @@ impl MappedFile {
             unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(path, "memory-map", e))?;
         Ok(MappedFile {
             path: path.to_path_buf(),
+            file,
             mmap,
+            read_ahead: ReadAhead::new(WINDOW_BYTES, CHUNK_BYTES),
         })
+    }
+
+    /// Runs `consume` (which reads the mapping front to back and hands each consumed piece to
+    /// [`MappedFile::release`]) while helper threads read the file into the page cache a
+    /// bounded window ahead of it (see [`super::read_ahead`]).
+    pub fn reading_ahead<R>(&self, consume: impl FnOnce() -> R) -> R {
+        self.read_ahead
+            .run(&self.file, self.mmap.len() as u64, consume)
     }
 
     /// The whole file.
@@ -151,11 +165,12 @@ impl MappedFile {
 
     /// Hands back the pages of `bytes` (a sub-slice of this mapping that has been consumed), so
     /// the process's resident memory stays bounded while a large file is read; pages only
-    /// partly inside `bytes` are kept.
+    /// partly inside `bytes` are kept. Also moves the read-ahead window past `bytes`.
     pub fn release(&self, bytes: &[u8]) {
         let base = self.mmap.as_ptr() as usize;
         let start = (bytes.as_ptr() as usize).saturating_sub(base);
         let end = (start + bytes.len()).min(self.mmap.len());
+        self.read_ahead.advance(end as u64);
         let page = page_size();
         let (first, last) = (start.next_multiple_of(page), end / page * page);
         if last > first {

@@ -9,7 +9,7 @@
 //! * A [`TensorDest`] lends host buffers covering a flat index range; loaders decode file bytes
 //!   straight into them (the GPU's buffers are its staging memory, uploaded piece by piece).
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::ops::Range;
 use std::path::Path;
@@ -18,6 +18,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 use safetensors::Dtype;
 use safetensors::tensor::{Metadata, TensorInfo};
+use serde::ser::{Serialize, SerializeMap, Serializer};
 use tilearn_ops::DType;
 use tilearn_ops::fs::AtomicFile;
 
@@ -75,21 +76,44 @@ pub fn safetensors_header(
         ));
         offset += n * esize;
     }
-    let meta: HashMap<String, String> = metadata
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    let header = Metadata::new(Some(meta), infos).map_err(|e| EngineError::Checkpoint {
+    // Validates the layout (offsets, sizes) as the safetensors writer would; the header itself
+    // is serialised by `Header`, whose metadata order does not depend on a hash seed.
+    Metadata::new(None, infos.clone()).map_err(|e| EngineError::Checkpoint {
         file: path.to_path_buf(),
         tensor: "<header>".into(),
         message: format!("cannot build the safetensors header: {e}"),
     })?;
+    let header = Header {
+        metadata: metadata.iter().copied().collect(),
+        tensors: &infos,
+    };
     let mut json = serde_json::to_vec(&header).expect("safetensors header serialises");
     json.resize(json.len().next_multiple_of(8), b' ');
     let mut bytes = Vec::with_capacity(8 + json.len());
     bytes.extend_from_slice(&(json.len() as u64).to_le_bytes());
     bytes.extend_from_slice(&json);
     Ok((bytes, offset as u64))
+}
+
+/// A safetensors JSON header laid out as the safetensors writer lays it out (`__metadata__`
+/// first, then the tensors in file order), except that the metadata keys are sorted. The
+/// safetensors crate keeps metadata in a `HashMap`, which iterates in a per-instance random
+/// order: two saves of the same state wrote different headers whenever there was more than one
+/// key (the optimizer file has six), so a restored run no longer saved byte-identical files.
+struct Header<'a> {
+    metadata: BTreeMap<&'a str, &'a str>,
+    tensors: &'a [(String, TensorInfo)],
+}
+
+impl Serialize for Header<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(1 + self.tensors.len()))?;
+        map.serialize_entry("__metadata__", &self.metadata)?;
+        for (name, info) in self.tensors {
+            map.serialize_entry(name, info)?;
+        }
+        map.end()
+    }
 }
 
 /// Writes a safetensors file at `path` atomically: the header, then every tensor's values read
@@ -152,5 +176,73 @@ pub(crate) fn st_dtype(dtype: DType) -> Dtype {
         DType::F32 => Dtype::F32,
         DType::BF16 => Dtype::BF16,
         DType::F16 => Dtype::F16,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_values_and_metadata_write_identical_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let values: Vec<f32> = (0..12).map(|i| i as f32 * 0.5).collect();
+        let tensors = [
+            StreamedTensor {
+                name: "b".into(),
+                shape: vec![2, 3],
+                range: 0..6,
+            },
+            StreamedTensor {
+                name: "a".into(),
+                shape: vec![6],
+                range: 6..12,
+            },
+        ];
+        let metadata = [
+            ("step", "3"),
+            ("format", "x"),
+            ("numel", "12"),
+            ("config", "{}"),
+            ("groups", "[]"),
+            ("format_version", "1"),
+        ];
+        // Each save builds its header afresh; with a hash-ordered map the eight headers would
+        // almost surely not all agree.
+        let files: Vec<Vec<u8>> = (0..8)
+            .map(|k| {
+                let path = dir.path().join(format!("f{k}.safetensors"));
+                let mut source: &[f32] = &values;
+                write_streamed(&path, &tensors, DType::F32, &metadata, &mut source).unwrap();
+                std::fs::read(&path).unwrap()
+            })
+            .collect();
+        assert!(files.iter().all(|f| *f == files[0]), "saves differ");
+        let header_len = u64::from_le_bytes(files[0][..8].try_into().unwrap()) as usize;
+        let json = std::str::from_utf8(&files[0][8..8 + header_len]).unwrap();
+        let keys = [
+            "config",
+            "format",
+            "format_version",
+            "groups",
+            "numel",
+            "step",
+        ];
+        let at: Vec<usize> = keys
+            .iter()
+            .map(|k| json.find(&format!("\"{k}\"")).unwrap())
+            .collect();
+        assert!(
+            at.windows(2).all(|w| w[0] < w[1]),
+            "metadata not sorted: {json}"
+        );
+        assert!(
+            json.find("\"b\"") < json.find("\"a\""),
+            "tensors not in file order: {json}"
+        );
+        let st = safetensors::SafeTensors::deserialize(&files[0]).unwrap();
+        assert_eq!(st.tensor("a").unwrap().shape(), [6]);
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&files[0]).unwrap();
+        assert_eq!(meta.metadata().as_ref().unwrap()["step"], "3");
     }
 }

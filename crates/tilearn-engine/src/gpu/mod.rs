@@ -54,7 +54,7 @@ use sink::Handoff;
 
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaView, CudaViewMut, DeviceRepr, DriverError, PinnedHostSlice,
-    ValidAsZeroBits,
+    ValidAsZeroBits, sys,
 };
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
@@ -170,15 +170,28 @@ struct Pass<'a> {
     targets: &'a CudaSlice<i32>,
 }
 
-/// A page-locked host buffer of `len` elements filled with `fill`.
+/// A page-locked, write-combined host buffer of `len` elements filled with `fill`: for data the
+/// host writes and the device reads.
 fn pinned<T: DeviceRepr + ValidAsZeroBits + Copy>(
     ctx: &Arc<CudaContext>,
     len: usize,
     fill: T,
 ) -> Result<PinnedHostSlice<T>> {
+    pinned_with_flags(ctx, len, fill, sys::CU_MEMHOSTALLOC_WRITECOMBINED)
+}
+
+/// A page-locked host buffer of `len` elements allocated with `cuMemHostAlloc` `flags`, filled
+/// with `fill`. Leave out `CU_MEMHOSTALLOC_WRITECOMBINED` when the host reads the buffer: reads
+/// of write-combined memory bypass the CPU caches and are many times slower.
+fn pinned_with_flags<T: DeviceRepr + ValidAsZeroBits + Copy>(
+    ctx: &Arc<CudaContext>,
+    len: usize,
+    fill: T,
+    flags: u32,
+) -> Result<PinnedHostSlice<T>> {
     // SAFETY: the allocation is uninitialised; it is filled below before anything (host code
     // or a copy) reads it.
-    let mut buf = unsafe { ctx.alloc_pinned::<T>(len.max(1)) }
+    let mut buf = unsafe { ctx.alloc_pinned_with_flags::<T>(len.max(1), flags) }
         .map_err(|e| cuda_err("allocating page-locked staging memory", e))?;
     buf.as_mut_slice()
         .map_err(|e| cuda_err("initialising page-locked staging memory", e))?

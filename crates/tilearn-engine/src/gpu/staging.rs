@@ -1,84 +1,147 @@
-//! Streaming a [`GpuLlama`]'s parameters and AdamW moments to and from the host through one
-//! bounded page-locked staging buffer ([`PIECE_ELEMS`] f32, 64 MiB), as the
+//! Streaming a [`GpuLlama`]'s parameters and AdamW moments to and from the host through a small
+//! ring of page-locked staging buffers ([`SLOTS`] × [`PIECE_ELEMS`] f32, 2 × 64 MiB), as the
 //! [`TensorSource`]/[`TensorDest`] that checkpoint saves, loads and the random initialisation
 //! use: saving or loading a model never needs a host copy of it.
 //!
-//! Each piece is one copy between the staging buffer and a slice of the device buffer followed
-//! by a stream synchronisation (the staging buffer is reused for the next piece, and a copy
-//! from page-locked memory is asynchronous). The host-side work of a piece (conversion,
-//! file I/O) is many times slower than the copy, so the copies are not overlapped.
+//! The copies are asynchronous and each slot records a CUDA event after its copy; the schedule
+//! ([`crate::staging_ring`]) waits for a slot's event only when it needs that slot again. A load
+//! decodes piece `k + 1` into one slot while piece `k` is copied up from the other (across
+//! tensors too: the ring lives for the whole load), and a save's download of the next piece
+//! runs while the current one is encoded and written. Upload slots are write-combined (the
+//! host only writes them); download slots are not, because the host reads them.
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice, sys};
 use tilearn_ops::cuda::CudaStream;
 
-use super::{GpuLlama, cuda_err, invalid, pinned};
+use super::{GpuLlama, cuda_err, invalid, pinned_with_flags};
 use crate::checkpoint::stream::PIECE_ELEMS;
 use crate::checkpoint::{TensorDest, TensorSource};
 use crate::error::Result;
+use crate::staging_ring::{StagingRing, StagingSlot};
 
-/// The page-locked staging buffer of one save or load.
-struct Staging {
-    stream: Arc<CudaStream>,
-    host: PinnedHostSlice<f32>,
+/// Staging buffers per save or load: two already hide a 64 MiB copy (about 1.2 ms at 55 GB/s)
+/// behind the host work of the next piece (tens of ms), so more would only hold more memory.
+const SLOTS: usize = 2;
+
+/// Which way a ring's copies go (it decides how its buffers are allocated).
+#[derive(Clone, Copy)]
+enum Direction {
+    Upload,
+    Download,
 }
 
-impl Staging {
-    fn new(stream: &Arc<CudaStream>) -> Result<Staging> {
-        Ok(Staging {
+/// One page-locked staging buffer and the event recorded after its last copy.
+struct CudaSlot {
+    stream: Arc<CudaStream>,
+    host: PinnedHostSlice<f32>,
+    done: CudaEvent,
+    /// A copy was queued since the last [`StagingSlot::wait`].
+    pending: bool,
+}
+
+impl CudaSlot {
+    fn new(stream: &Arc<CudaStream>, direction: Direction) -> Result<CudaSlot> {
+        let ctx = stream.context();
+        let flags = match direction {
+            Direction::Upload => sys::CU_MEMHOSTALLOC_WRITECOMBINED,
+            Direction::Download => 0,
+        };
+        Ok(CudaSlot {
             stream: stream.clone(),
-            host: pinned(stream.context(), PIECE_ELEMS, 0.0f32)?,
+            host: pinned_with_flags(ctx, PIECE_ELEMS, 0.0f32, flags)?,
+            done: ctx
+                .new_event(None)
+                .map_err(|e| cuda_err("creating a staging event", e))?,
+            pending: false,
         })
     }
 
-    /// Calls `sink` with `buf[range]`, copied down piece by piece.
-    fn download(
-        &mut self,
-        buf: &CudaSlice<f32>,
-        range: Range<usize>,
-        sink: &mut dyn FnMut(&[f32]) -> Result<()>,
-    ) -> Result<()> {
-        let what = "downloading to the staging buffer";
-        let mut start = range.start;
-        while start < range.end {
-            let end = range.end.min(start + PIECE_ELEMS);
-            let host = self.host.as_mut_slice().map_err(|e| cuda_err(what, e))?;
-            let host = &mut host[..end - start];
-            self.stream
-                .memcpy_dtoh(&buf.slice(start..end), host)
-                .map_err(|e| cuda_err(what, e))?;
-            self.stream.synchronize().map_err(|e| cuda_err(what, e))?;
-            sink(host)?;
-            start = end;
+    /// The whole host buffer, without waiting: the copies take plain slices of it, so
+    /// `PinnedHostSlice`'s own event (which `as_mut_slice` waits for) never has work recorded.
+    fn buffer(&mut self) -> Result<&mut [f32]> {
+        self.host
+            .as_mut_slice()
+            .map_err(|e| cuda_err("mapping the staging buffer", e))
+    }
+
+    /// Records the slot's event after the copy just queued. If recording fails the stream is
+    /// drained instead, so the buffer is never reused while a copy may still read or write it.
+    fn mark_queued(&mut self, what: &str) -> Result<()> {
+        if let Err(e) = self.done.record(&self.stream) {
+            let _ = self.stream.synchronize();
+            return Err(cuda_err(what, e));
+        }
+        self.pending = true;
+        Ok(())
+    }
+}
+
+impl StagingSlot for CudaSlot {
+    type Device = CudaSlice<f32>;
+
+    fn wait(&mut self) -> Result<()> {
+        if self.pending {
+            self.done
+                .synchronize()
+                .map_err(|e| cuda_err("waiting for a staging copy", e))?;
+            self.pending = false;
         }
         Ok(())
     }
 
-    /// Lets `fill` write `buf[range]` piece by piece into the staging buffer and copies each
-    /// piece up.
-    fn upload(
-        &mut self,
-        buf: &mut CudaSlice<f32>,
-        range: Range<usize>,
-        fill: &mut dyn FnMut(usize, &mut [f32]) -> Result<()>,
-    ) -> Result<()> {
-        let what = "uploading from the staging buffer";
-        let mut start = range.start;
-        while start < range.end {
-            let end = range.end.min(start + PIECE_ELEMS);
-            let host = self.host.as_mut_slice().map_err(|e| cuda_err(what, e))?;
-            let host = &mut host[..end - start];
-            fill(start - range.start, host)?;
-            self.stream
-                .memcpy_htod(&*host, &mut buf.slice_mut(start..end))
-                .map_err(|e| cuda_err(what, e))?;
-            self.stream.synchronize().map_err(|e| cuda_err(what, e))?;
-            start = end;
-        }
-        Ok(())
+    fn host(&mut self) -> Result<&mut [f32]> {
+        // The ring waits before asking; waiting here too keeps the buffer safe to touch even
+        // if it did not.
+        self.wait()?;
+        self.buffer()
     }
+
+    fn queue_upload(&mut self, device: &mut CudaSlice<f32>, dst: Range<usize>) -> Result<()> {
+        let what = "uploading from the staging buffer";
+        let n = dst.len();
+        let stream = self.stream.clone();
+        let host = self.buffer()?;
+        // The buffer is page-locked, so the copy runs asynchronously after this returns: the
+        // slot is not written (host() waits) nor freed (Drop waits) until its event completes.
+        stream
+            .memcpy_htod(&host[..n], &mut device.slice_mut(dst))
+            .map_err(|e| cuda_err(what, e))?;
+        self.mark_queued(what)
+    }
+
+    fn queue_download(&mut self, device: &CudaSlice<f32>, src: Range<usize>) -> Result<()> {
+        let what = "downloading to the staging buffer";
+        let n = src.len();
+        let stream = self.stream.clone();
+        let host = self.buffer()?;
+        // As in queue_upload: nothing reads the buffer before the event completes.
+        stream
+            .memcpy_dtoh(&device.slice(src), &mut host[..n])
+            .map_err(|e| cuda_err(what, e))?;
+        self.mark_queued(what)
+    }
+}
+
+impl Drop for CudaSlot {
+    fn drop(&mut self) {
+        // A copy may still be using the page-locked buffer (a save or load that failed half
+        // way); it must finish before the buffer is freed. An error here already surfaced, or
+        // surfaces at the stream's next operation.
+        let _ = self.wait();
+    }
+}
+
+/// The staging ring of one save or load.
+type Staging = StagingRing<CudaSlot>;
+
+fn staging(stream: &Arc<CudaStream>, direction: Direction) -> Result<Staging> {
+    let slots = (0..SLOTS)
+        .map(|_| CudaSlot::new(stream, direction))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(StagingRing::new(slots, PIECE_ELEMS))
 }
 
 /// Device buffers of `numel` elements each, addressed as one flat range (buffer `k` holds
@@ -135,7 +198,7 @@ impl GpuLlama {
         f: impl FnOnce(&mut dyn TensorSource) -> Result<R>,
     ) -> Result<R> {
         let mut source = DeviceSource {
-            staging: Staging::new(self.stream())?,
+            staging: staging(self.stream(), Direction::Download)?,
             buffers: vec![&self.master],
             numel: self.layout.numel,
         };
@@ -148,11 +211,12 @@ impl GpuLlama {
     pub fn fill_params(&mut self, f: impl FnOnce(&mut dyn TensorDest) -> Result<()>) -> Result<()> {
         let stream = self.stream().clone();
         let mut dest = DeviceDest {
-            staging: Staging::new(&stream)?,
+            staging: staging(&stream, Direction::Upload)?,
             buffers: vec![&mut self.master],
             numel: self.layout.numel,
         };
         f(&mut dest)?;
+        dest.staging.finish()?;
         drop(dest);
         if let Some(w) = self.work.as_mut() {
             w.invalidate();
@@ -175,7 +239,7 @@ impl GpuLlama {
         };
         let (exp_avg, exp_avg_sq) = opt.moments();
         let mut source = DeviceSource {
-            staging: Staging::new(self.stream())?,
+            staging: staging(self.stream(), Direction::Download)?,
             buffers: vec![exp_avg, exp_avg_sq],
             numel: self.layout.numel,
         };
@@ -199,11 +263,12 @@ impl GpuLlama {
         };
         let (exp_avg, exp_avg_sq) = opt.moments_mut();
         let mut dest = DeviceDest {
-            staging: Staging::new(&stream)?,
+            staging: staging(&stream, Direction::Upload)?,
             buffers: vec![exp_avg, exp_avg_sq],
             numel,
         };
         let step = f(&mut dest)?;
+        dest.staging.finish()?;
         drop(dest);
         opt.set_step(step);
         Ok(())

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Summarises the data-parallel runs of scripts/multi_gpu_call.sh (phase dp).
 
-For each preset: per-GPU tokens/s of one GPU (a plain run) and of N GPUs with the all-reduce
+For each preset: per-GPU tokens/s of one GPU (a plain run, one_PRESET) and of N GPUs with the all-reduce
 overlapped and after the backward, the ratio to one GPU, the all-reduce's mean ms per step and
 the share of it hidden behind the backward, and the peak memory from the run's last line. Then
 the loss check: the per-step losses of one GPU (gradient accumulation N) against N GPUs with the
@@ -60,7 +60,7 @@ def run_figures(directory, name):
 
 def main(directory):
     for preset in ("llama-134m", "tinyllama-1.1b"):
-        one = run_figures(directory, f"dp1_{preset}")
+        one = run_figures(directory, f"one_{preset}")
         names = sorted(os.path.basename(p)[:-6] for p in glob.glob(os.path.join(directory, f"dp*_{preset}.jsonl")))
         for name in names:
             fig = run_figures(directory, name)

@@ -4,6 +4,8 @@
 # the wheels in .whl. Phases are named on the command line; each writes its logs under $OUT/multi
 # and a failing phase does not stop the others. The figures go to bench/RESULTS.md (issue 17).
 #   scripts/multi_gpu_call.sh tests comm dp torchddp launcher faults
+# (PRESETS=llama-134m limits the dp phase; on one GPU it compares a plain run with launched
+# world-size-1 runs, overlapped and not.)
 # NVLink multicast stays off in every process (the machines' rule): NCCL_NVLS_ENABLE=0 etc.
 set -uo pipefail
 B=target/gpu-bundle
@@ -58,9 +60,9 @@ for phase in "$@"; do
       run comm_torch torchrun --standalone --nproc-per-node "$GPUS" benches/pytorch_comm_baseline.py;;
     dp)
       [ -d "$W/random" ] || "$T" prepare-data --random-tokens 40000000 --vocab-size 32000 --output "$W/random" > "$L/prepare.log" 2>&1
-      for preset in llama-134m tinyllama-1.1b; do
+      for preset in ${PRESETS:-llama-134m tinyllama-1.1b}; do
         steps=40; [ "$preset" = tinyllama-1.1b ] && steps=20
-        train "dp1_$preset" "" "$preset" "$steps"
+        train "one_$preset" "" "$preset" "$steps"
         train "dp${GPUS}_$preset" "$T launch --standalone --nproc-per-node $GPUS" "$preset" "$steps"
         train "dp${GPUS}_after_$preset" "$T launch --standalone --nproc-per-node $GPUS" "$preset" "$steps" --no-ddp-overlap
       done

@@ -204,7 +204,7 @@ fn pinned_with_flags<T: DeviceRepr + ValidAsZeroBits + Copy>(
 /// data-parallel collectives on finished parts must not make the backward's later kernels
 /// wait). Every use of it is on the compute stream, except those collectives, which order
 /// themselves after it and are ordered before the next reader by hand.
-fn untracked<T>(
+pub(crate) fn untracked<T>(
     stream: &Arc<CudaStream>,
     alloc: impl FnOnce() -> std::result::Result<T, DriverError>,
 ) -> std::result::Result<T, DriverError> {

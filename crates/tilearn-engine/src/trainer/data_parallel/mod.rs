@@ -122,6 +122,9 @@ pub struct DataParallel {
     /// The stream that collects the overlapped buckets' completions (made on first use).
     #[cfg(feature = "cuda")]
     side: Option<Arc<tilearn_ops::cuda::CudaStream>>,
+    /// bf16 device copy of the gradients for `--ddp-comm-dtype bf16` on the GPU (made on use).
+    #[cfg(feature = "cuda")]
+    compressed_device: Option<cudarc::driver::CudaSlice<bf16>>,
     /// The last overlapped step, summarised (taken by the log).
     last_overlap: Option<OverlapStats>,
 }
@@ -138,6 +141,8 @@ impl DataParallel {
             grad_shard: Vec::new(),
             #[cfg(feature = "cuda")]
             side: None,
+            #[cfg(feature = "cuda")]
+            compressed_device: None,
             last_overlap: None,
         }
     }
@@ -168,6 +173,8 @@ impl DataParallel {
             grad_shard: Vec::new(),
             #[cfg(feature = "cuda")]
             side: None,
+            #[cfg(feature = "cuda")]
+            compressed_device: None,
             last_overlap: None,
         })
     }
@@ -293,7 +300,7 @@ impl DataParallel {
             return Ok(None);
         };
         let o = &self.options;
-        if !o.overlap || o.zero_stage != ZeroStage::Off || o.comm_dtype != DType::F32 {
+        if !o.overlap || o.zero_stage != ZeroStage::Off {
             return Ok(None);
         }
         #[cfg(feature = "cuda")]
@@ -308,6 +315,15 @@ impl DataParallel {
                     .map_err(|e| crate::gpu::cuda_err("creating the all-reduce side stream", e))?;
                 self.side = Some(side);
             }
+            if self.options.comm_dtype == DType::BF16 && self.compressed_device.is_none() {
+                let numel = self.layout.numel.max(1);
+                // Untracked like the gradients, for the same reason (see `overlap.rs`).
+                let wire = crate::gpu::untracked(&stream, || stream.alloc_zeros::<bf16>(numel))
+                    .map_err(|e| {
+                        crate::gpu::cuda_err("allocating the bf16 all-reduce buffer", e)
+                    })?;
+                self.compressed_device = Some(wire);
+            }
             let side = self.side.as_ref().expect("made above");
             let mut timeline = overlap::Timeline::default();
             let mut sink = overlap::OverlapSink {
@@ -315,6 +331,10 @@ impl DataParallel {
                 cap: (self.options.bucket_cap_bytes() / 4).max(1),
                 side,
                 timeline: &mut timeline,
+                compressed: match self.options.comm_dtype {
+                    DType::BF16 => self.compressed_device.as_mut(),
+                    _ => None,
+                },
             };
             let loss = backend
                 .forward_backward_into(batch, denominator, precision, loss_scale, &mut sink)
@@ -361,8 +381,9 @@ impl DataParallel {
                 if self.options.comm_dtype == DType::BF16 {
                     let host = grads.host().ok_or_else(|| EngineError::InvalidArgument {
                         argument: "--ddp-comm-dtype".into(),
-                        message: "bf16 compression runs on host gradients (the CPU engine); \
-                                  the GPU engine all-reduces in f32"
+                        message: "on the GPU, bf16 compression runs in the all-reduce \
+                                  overlapped with the backward: drop --no-ddp-overlap (or use \
+                                  f32)"
                             .into(),
                     })?;
                     all_reduce_bf16(

@@ -7,6 +7,10 @@
 //! side stream collects the buckets' completions, and at the end of the backward the compute
 //! stream waits for the side stream only, so the optimizer reads reduced gradients.
 //!
+//! With `--ddp-comm-dtype bf16` a bucket is rounded to bf16 on the compute stream into a
+//! (likewise untracked) bf16 copy of the buffer, all-reduced there, and widened back into the
+//! gradients on the side stream, so neither conversion holds the backward up.
+//!
 //! Every bucket leaves two timestamps (CUDA events): when its gradients were ready on the
 //! compute stream and when its all-reduce ended. [`summarize`] turns them, with the end of the
 //! backward, into the time the all-reduce kept the link busy and the part of it that was not
@@ -67,8 +71,9 @@ mod device {
     use std::sync::Arc;
 
     use cudarc::driver::sys::CUevent_flags;
-    use cudarc::driver::{CudaEvent, CudaViewMut};
-    use tilearn_ops::cuda::CudaStream;
+    use cudarc::driver::{CudaEvent, CudaSlice, CudaViewMut};
+    use half::bf16;
+    use tilearn_ops::cuda::{CudaStream, cast_bf16_to_f32, cast_f32_to_bf16};
     use tilearn_parallel::{BufferMut, Communicator, ReduceOp};
 
     use super::{OverlapStats, summarize};
@@ -134,6 +139,8 @@ mod device {
         /// Collects the buckets' completions (the compute stream waits for it at the end).
         pub side: &'a Arc<CudaStream>,
         pub timeline: &'a mut Timeline,
+        /// `--ddp-comm-dtype bf16`: where the buckets travel (as long as the gradient buffer).
+        pub compressed: Option<&'a mut CudaSlice<bf16>>,
     }
 
     impl GradientSink for OverlapSink<'_> {
@@ -153,12 +160,25 @@ mod device {
                 }
                 let ready = timed_event(stream)?;
                 let elements = range.len();
-                let work = self.comm.all_reduce(
-                    BufferMut::from(part.slice_mut(range.clone())),
-                    ReduceOp::Sum,
-                )?;
-                // The side stream, not the compute stream, waits: the backward goes on.
-                work.wait_on_stream(self.side)?;
+                match self.compressed.as_deref_mut() {
+                    None => {
+                        let bucket = BufferMut::from(part.slice_mut(range.clone()));
+                        let work = self.comm.all_reduce(bucket, ReduceOp::Sum)?;
+                        // The side stream, not the compute stream, waits: the backward goes on.
+                        work.wait_on_stream(self.side)?;
+                    }
+                    Some(wire) => {
+                        let at = offset + range.start..offset + range.end;
+                        let mut travel = wire.slice_mut(at);
+                        cast_f32_to_bf16(stream, &part.slice(range.clone()), &mut travel)?;
+                        let work = self
+                            .comm
+                            .all_reduce(BufferMut::from(travel.slice_mut(..)), ReduceOp::Sum)?;
+                        work.wait_on_stream(self.side)?;
+                        let mut bucket = part.slice_mut(range.clone());
+                        cast_bf16_to_f32(self.side, &travel, &mut bucket)?;
+                    }
+                }
                 let done = timed_event(self.side)?;
                 self.timeline
                     .buckets

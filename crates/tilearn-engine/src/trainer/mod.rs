@@ -240,13 +240,13 @@ impl Trainer {
     /// Trains as one rank of data parallelism `dp` (built for this model's parameter count);
     /// under ZeRO the backend's optimizer keeps only this rank's shard from now on.
     pub fn set_data_parallel(&mut self, dp: DataParallel) -> Result<()> {
-        if dp.options().comm_dtype != DType::F32 && self.backend.flat_gradients()?.host().is_none()
-        {
+        let on_device = self.backend.flat_gradients()?.host().is_none();
+        if dp.options().comm_dtype != DType::F32 && on_device && !dp.options().overlap {
             return Err(EngineError::InvalidArgument {
                 argument: "--ddp-comm-dtype".into(),
                 message: format!(
-                    "{} all-reduces its gradients in f32; bf16 compression runs on the CPU \
-                     engine (drop the flag)",
+                    "{} compresses its gradients to bf16 inside the all-reduce overlapped with \
+                     the backward; drop --no-ddp-overlap (or --ddp-comm-dtype)",
                     self.backend.describe()
                 ),
             });

@@ -15,9 +15,11 @@
 //!   backward (two ranks sharing one GPU; the sum of two values does not depend on the order),
 //!   and the log reports how much of it was hidden.
 //! * `--ddp-comm-dtype bf16` on the GPU (rounded on the GPU, summed, widened back): the weights
-//!   move off the f32 run's (the compression happened) by less than 1e-2 after 4 steps at lr
-//!   1e-2 (bf16 keeps 8 bits: each gradient is off by ≤ 2⁻⁹ relative, and AdamW's update is
-//!   ≤ lr per step whatever the gradient), and the final losses agree within 1e-2.
+//!   move off the f32 run's (the compression happened), and the final losses agree within 1e-3
+//!   (measured on the H200: 4.812412 vs 4.812432). The weights are only bounded by 2 · lr · steps
+//!   = 0.08: AdamW moves a weight by up to ~lr per step whatever the gradient's size, so a
+//!   near-zero gradient whose sign bf16 rounding flips moves it the other way (measured max
+//!   |Δw| 1.02e-2 after 4 steps at lr 1e-2).
 //! * Two GPUs over NCCL (skipped, saying so, with fewer than two) equal one process with the
 //!   same global batch, within the first test's tolerance.
 
@@ -256,8 +258,8 @@ fn bf16_compressed_gradients_on_the_gpu_stay_close_to_f32() {
     };
     let (f32_loss, bf16_loss) = (loss("f32"), loss("bf16"));
     println!("bf16 gradients vs f32: max |Δw| = {diff:e}, final loss {bf16_loss} vs {f32_loss}");
-    assert!(diff > 0.0 && diff < 1e-2, "max |Δw| = {diff}");
-    assert!((f32_loss - bf16_loss).abs() < 1e-2);
+    assert!(diff > 0.0 && diff <= 2.0 * 1e-2 * 4.0, "max |Δw| = {diff}");
+    assert!((f32_loss - bf16_loss).abs() < 1e-3);
 }
 
 #[test]

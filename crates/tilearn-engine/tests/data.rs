@@ -403,11 +403,27 @@ fn tokenizer_without_eos_is_rejected() {
     fs::write(&path, json.to_string()).unwrap();
     let input = dir.path().join("a.txt");
     fs::write(&input, "hello\n").unwrap();
-    let err = prepare_data(&options(dir.path(), path, vec![input]), false)
-        .unwrap_err()
-        .to_string();
+    let err = prepare_data(
+        &options(dir.path(), path.clone(), vec![input.clone()]),
+        false,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("end-of-sequence"), "{err}");
     assert!(err.contains("tokenizer.json"), "{err}");
+    assert!(err.contains("--eos-token"), "{err}");
+
+    // --eos-token names one: a token of the vocabulary is taken, another is refused by name.
+    let mut named = options(dir.path(), path, vec![input]);
+    named.eos_token = Some("A".into());
+    let want = byte_level_tokenizer().token_to_id("A").unwrap();
+    assert_eq!(prepare_data(&named, false).unwrap().eos_id, want);
+    named.eos_token = Some("<no such token>".into());
+    let err = prepare_data(&named, false).unwrap_err().to_string();
+    assert!(
+        err.contains("--eos-token") && err.contains("<no such token>"),
+        "{err}"
+    );
 
     let err = prepare_data(
         &options(dir.path(), dir.path().join("absent.json"), vec![]),

@@ -54,6 +54,9 @@ pub struct PrepareOptions {
     pub text_field: String,
     /// Tokens per shard.
     pub shard_tokens: usize,
+    /// The end-of-sequence token's text (`--eos-token`), for tokenizers that name none;
+    /// `None` finds it (see [`find_eos_id`]).
+    pub eos_token: Option<String>,
 }
 
 impl PrepareOptions {
@@ -65,6 +68,7 @@ impl PrepareOptions {
             output_dir,
             text_field: "text".to_string(),
             shard_tokens: DEFAULT_SHARD_TOKENS,
+            eos_token: None,
         }
     }
 }
@@ -114,7 +118,10 @@ pub fn prepare_data(opts: &PrepareOptions, progress: bool) -> Result<PrepareSumm
         });
     }
     let mut tokenizer = load_tokenizer(&opts.tokenizer)?;
-    let eos_id = find_eos_id(&tokenizer, &opts.tokenizer)?;
+    let eos_id = match &opts.eos_token {
+        Some(text) => named_eos_id(&tokenizer, &opts.tokenizer, text)?,
+        None => find_eos_id(&tokenizer, &opts.tokenizer)?,
+    };
     let vocab_size = vocab_size_of(&tokenizer);
 
     let mut sizes = Vec::with_capacity(opts.inputs.len());
@@ -261,10 +268,25 @@ pub fn find_eos_id(tokenizer: &Tokenizer, tokenizer_path: &Path) -> Result<u32> 
         file: tokenizer_path.to_path_buf(),
         message: format!(
             "no end-of-sequence token: none of {} is in the vocabulary and no \
-             tokenizer_config.json beside it names an `eos_token`; add one as a special token",
+             tokenizer_config.json beside it names an `eos_token`; name one with --eos-token \
+             TEXT, or add one as a special token",
             EOS_CANDIDATES.join(", ")
         ),
     })
+}
+
+/// The id of the token `text` (`--eos-token`), which must be in the vocabulary.
+fn named_eos_id(tokenizer: &Tokenizer, tokenizer_path: &Path, text: &str) -> Result<u32> {
+    tokenizer
+        .token_to_id(text)
+        .ok_or_else(|| EngineError::InvalidArgument {
+            argument: "--eos-token".into(),
+            message: format!(
+                "{text:?} is not a token of {} (give the token's text exactly as the \
+                 vocabulary spells it, e.g. </s> or <|endoftext|>)",
+                tokenizer_path.display()
+            ),
+        })
 }
 
 fn eos_from_tokenizer_config(tokenizer_path: &Path) -> Option<String> {

@@ -26,6 +26,10 @@ pub struct PrepareArgs {
     /// The vocabulary of --random-tokens (the last id is the end-of-sequence token).
     #[arg(long)]
     pub vocab_size: Option<usize>,
+    /// The end-of-sequence token's text, for tokenizers that name none (default: the
+    /// tokenizer_config.json's `eos_token`, else a special token such as </s> or <|endoftext|>).
+    #[arg(long)]
+    pub eos_token: Option<String>,
     /// Seed of --random-tokens.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -50,6 +54,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         output_dir: args.output,
         text_field: args.text_field,
         shard_tokens: args.shard_tokens,
+        eos_token: args.eos_token,
     };
     let summary = prepare_data(&opts, std::io::stderr().is_terminal())?;
     println!("{summary}");

@@ -61,6 +61,19 @@ fn log_lines(dir: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Two ranks on this host through the launcher (sharing one GPU over the host communicator).
+const TWO_RANKS: [&str; 6] = [
+    "launch",
+    "--nproc-per-node",
+    "2",
+    "--standalone",
+    "--comm-timeout",
+    "120",
+];
+
+/// The host communicator with small buckets, so that several run during the backward.
+const SMALL_HOST_BUCKETS: [&str; 4] = ["--ddp-backend", "host", "--ddp-bucket-cap-mb", "0.01"];
+
 const TINY: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
  "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
  "num_key_value_heads": 2, "vocab_size": 257, "max_position_embeddings": 64,
@@ -147,15 +160,7 @@ fn two_ranks_sharing_one_gpu_over_the_host_communicator_equal_one_process() {
         "one",
         &["--gradient-accumulation-steps", "2"],
     );
-    let launch = [
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
-        "--comm-timeout",
-        "120",
-    ];
-    let stdout = train(dir.path(), &launch, "two", &["--ddp-backend", "host"]);
+    let stdout = train(dir.path(), &TWO_RANKS, "two", &["--ddp-backend", "host"]);
     assert!(stdout.contains("host backend"), "{stdout}");
     let diff = max_abs_diff(
         &weights(&dir.path().join("one")),
@@ -195,20 +200,11 @@ fn the_overlapped_all_reduce_equals_the_one_after_the_backward() {
         return;
     }
     let dir = setup();
-    let launch = [
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
-        "--comm-timeout",
-        "120",
-    ];
-    // Small buckets, so that several run during the backward.
-    let host = ["--ddp-backend", "host", "--ddp-bucket-cap-mb", "0.01"];
-    train(dir.path(), &launch, "overlap", &host);
+    let host = SMALL_HOST_BUCKETS;
+    train(dir.path(), &TWO_RANKS, "overlap", &host);
     train(
         dir.path(),
-        &launch,
+        &TWO_RANKS,
         "after",
         &[&host[..], &["--no-ddp-overlap"]].concat(),
     );
@@ -230,21 +226,12 @@ fn bf16_compressed_gradients_on_the_gpu_stay_close_to_f32() {
         return;
     }
     let dir = setup();
-    let launch = [
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
-        "--comm-timeout",
-        "120",
-    ];
-    let host = ["--ddp-backend", "host", "--ddp-bucket-cap-mb", "0.01"];
-    train(dir.path(), &launch, "f32", &host);
+    train(dir.path(), &TWO_RANKS, "f32", &SMALL_HOST_BUCKETS);
     let stdout = train(
         dir.path(),
-        &launch,
+        &TWO_RANKS,
         "bf16",
-        &[&host[..], &["--ddp-comm-dtype", "bf16"]].concat(),
+        &[&SMALL_HOST_BUCKETS[..], &["--ddp-comm-dtype", "bf16"]].concat(),
     );
     assert!(stdout.contains("gradients sent in bf16"), "{stdout}");
     let diff = max_abs_diff(

@@ -10,8 +10,10 @@
 //!   [`metrics`]: exact AUC.
 //! * [`data`]: Criteo's TSV format, a synthetic Criteo-shaped generator with a known
 //!   ground-truth model, binary shards and their loader.
-//! * [`train`]: the training loop (held-out exact AUC, samples/s) of `tilearn ctr train`.
+//! * [`train`]: the training loop (held-out exact AUC, samples/s) of `tilearn ctr train`;
+//!   [`checkpoint`]: its checkpoints with exact resume ([`tensor_file`]: the safetensors files).
 
+pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
@@ -23,6 +25,7 @@ pub mod metrics;
 pub mod model;
 pub mod sparse_optim;
 pub mod tables;
+pub mod tensor_file;
 pub mod train;
 pub mod zipf;
 

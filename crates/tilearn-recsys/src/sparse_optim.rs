@@ -11,10 +11,18 @@
 //! mirrored by `embedding_bag.cu`; the step scalars are computed in f64 on the host and rounded
 //! once, as torch computes them in Python floats.
 
+use std::collections::HashMap;
+use std::path::Path;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{RecsysError, Result};
 use crate::tables::TableLayout;
+use crate::tensor_file::{F32TensorFile, write_f32_tensors};
+
+/// The `format` metadata of a sparse optimizer state file.
+pub const SPARSE_STATE_FORMAT: &str = "tilearn-recsys-sparse-optimizer";
+const SPARSE_STATE_VERSION: &str = "1";
 
 /// Which rule updates the touched rows, with its hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -208,6 +216,81 @@ impl SparseState {
     /// The second moments (Adam).
     pub fn state2(&self) -> &[f32] {
         &self.state2
+    }
+
+    /// The rule's name in files and errors (`sgd`, `row_wise_adagrad`, `adam`).
+    fn kind_name(optimizer: &SparseOptimizer) -> String {
+        let json = serde_json::to_value(optimizer).expect("optimizer serialises");
+        json["kind"].as_str().unwrap_or_default().to_string()
+    }
+
+    /// The names of the state tensors the rule keeps (`state1`, `state2` in that order).
+    fn tensor_names(&self) -> &'static [&'static str] {
+        match self.optimizer {
+            SparseOptimizer::Sgd { .. } => &[],
+            SparseOptimizer::RowWiseAdagrad { .. } => &["accumulator"],
+            SparseOptimizer::Adam { .. } => &["exp_avg", "exp_avg_sq"],
+        }
+    }
+
+    /// Writes the state to `path` atomically (safetensors, metadata `format`
+    /// ([`SPARSE_STATE_FORMAT`]), `format_version`, `step`, `config`; tensors `accumulator`
+    /// (row-wise Adagrad, one per stacked row) or `exp_avg` / `exp_avg_sq` (Adam, one per
+    /// weight element); SGD keeps none).
+    pub fn save_state(&self, path: &Path) -> Result<()> {
+        let metadata = HashMap::from([
+            ("format".to_string(), SPARSE_STATE_FORMAT.to_string()),
+            (
+                "format_version".to_string(),
+                SPARSE_STATE_VERSION.to_string(),
+            ),
+            ("step".to_string(), self.step.to_string()),
+            (
+                "config".to_string(),
+                serde_json::to_string(&self.optimizer).expect("optimizer serialises"),
+            ),
+        ]);
+        let buffers = [&self.state1[..], &self.state2[..]];
+        let tensors: Vec<(&str, &[f32])> =
+            self.tensor_names().iter().copied().zip(buffers).collect();
+        write_f32_tensors(path, &tensors, metadata)
+    }
+
+    /// Reads a state written by [`SparseState::save_state`] for the same rule and tables: step
+    /// count and buffers. The hyper-parameters of `self` are kept (as tilearn-optim's
+    /// `load_state` does). Any problem is an error naming the file and leaves `self` unchanged.
+    pub fn load_state(&mut self, path: &Path) -> Result<()> {
+        let file = F32TensorFile::read(path)?;
+        let what = "tilearn-recsys sparse optimizer state";
+        let format = file.metadata("format", what)?;
+        let version = file.metadata("format_version", what)?;
+        if format != SPARSE_STATE_FORMAT || version != SPARSE_STATE_VERSION {
+            return Err(file.error(format!(
+                "format `{format}` version {version}; expected `{SPARSE_STATE_FORMAT}` version {SPARSE_STATE_VERSION}"
+            )));
+        }
+        let step: u64 = file
+            .metadata("step", what)?
+            .parse()
+            .map_err(|e| file.error(format!("metadata `step` is not an integer: {e}")))?;
+        let saved: SparseOptimizer = serde_json::from_str(file.metadata("config", what)?)
+            .map_err(|e| file.error(format!("metadata `config`: {e}")))?;
+        let (saved_kind, kind) = (Self::kind_name(&saved), Self::kind_name(&self.optimizer));
+        if saved_kind != kind {
+            return Err(file.error(format!(
+                "the state is of the sparse optimizer `{saved_kind}`, this run uses `{kind}`; resume with the same --sparse-optimizer"
+            )));
+        }
+        let lens = [self.state1.len(), self.state2.len()];
+        let mut loaded = Vec::with_capacity(2);
+        for (name, len) in self.tensor_names().iter().zip(lens) {
+            loaded.push(file.tensor(name, len)?);
+        }
+        let mut loaded = loaded.into_iter();
+        self.state1 = loaded.next().unwrap_or_default();
+        self.state2 = loaded.next().unwrap_or_default();
+        self.step = step;
+        Ok(())
     }
 
     /// The state of stacked row `row` whose weights are `elements` of the flat buffer.

@@ -1,19 +1,32 @@
 //! The CTR training loop shared by `tilearn ctr train` and the tests: prefetched shuffled
 //! batches, one fused step per batch, periodic held-out evaluation with exact AUC, throughput.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::checkpoint::{TrainerState, save_checkpoint};
 use crate::data::{CtrBatch, Prefetcher};
-use crate::error::Result;
+use crate::error::{RecsysError, Result};
 use crate::metrics::auc;
 use crate::model::{CtrModel, bce_with_logits};
+
+/// Where and how often to write checkpoints ([`crate::checkpoint`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SavePolicy {
+    pub output_dir: PathBuf,
+    /// A checkpoint every this many steps (>= 1).
+    pub every: usize,
+    /// Keep only the newest this many checkpoints.
+    pub keep: Option<usize>,
+}
 
 /// How long and how to train.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainOptions {
+    /// The step to stop after (counted from the start of the run, resumed or not).
     pub steps: usize,
     pub batch_size: usize,
     /// AdamW's learning rate for the dense part.
@@ -21,6 +34,70 @@ pub struct TrainOptions {
     /// Evaluate on the held-out split every this many steps (and after the last).
     pub eval_every: usize,
     pub seed: u64,
+    pub save: Option<SavePolicy>,
+    /// Continue from this state (read by [`crate::checkpoint::load_checkpoint`] into the model).
+    pub resume: Option<TrainerState>,
+}
+
+impl TrainOptions {
+    /// The state of a run of these options after `step` steps and `samples_seen` samples.
+    fn state(&self, step: usize, samples_seen: u64, train_samples: usize) -> TrainerState {
+        TrainerState {
+            step,
+            samples_seen,
+            next_batch: step,
+            seed: self.seed,
+            batch_size: self.batch_size,
+            train_samples,
+        }
+    }
+
+    /// Fails, naming the field, unless `resume` continues a run of these options on
+    /// `train_samples` samples (another seed, batch size or data would not be the same run).
+    fn check_resume(&self, resume: &TrainerState, train_samples: usize) -> Result<()> {
+        let expected = self.state(resume.step, resume.samples_seen, train_samples);
+        let fields = [
+            ("seed", "--seed", resume.seed, expected.seed),
+            (
+                "batch_size",
+                "--batch-size",
+                resume.batch_size as u64,
+                expected.batch_size as u64,
+            ),
+            (
+                "train_samples",
+                "the same --data / --synthetic-samples",
+                resume.train_samples as u64,
+                expected.train_samples as u64,
+            ),
+            (
+                "next_batch",
+                "a trainer_state.json written by tilearn",
+                resume.next_batch as u64,
+                expected.next_batch as u64,
+            ),
+        ];
+        for (field, fix, saved, run) in fields {
+            if saved != run {
+                return Err(RecsysError::invalid(
+                    "checkpoint",
+                    format!(
+                        "trainer_state.json has `{field}` = {saved}, this run has {run}; resume with {fix}"
+                    ),
+                ));
+            }
+        }
+        if resume.step > self.steps {
+            return Err(RecsysError::invalid(
+                "checkpoint",
+                format!(
+                    "it is at step {}, past --steps {}; pass --steps above the checkpoint's step",
+                    resume.step, self.steps
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// One line of `train_log.jsonl`.
@@ -60,16 +137,35 @@ pub fn train(
     let mut records = Vec::new();
     let (mut loss_sum, mut steps_in_window, mut samples_in_window) = (0.0, 0usize, 0usize);
     let mut window_time = 0.0f64;
-    let batches = Prefetcher::new(train, options.batch_size, options.steps, options.seed);
-    for (i, batch) in batches.enumerate() {
+    let train_samples = train.len();
+    let (first, mut samples_seen) = match &options.resume {
+        Some(resume) => {
+            options.check_resume(resume, train_samples)?;
+            (resume.step, resume.samples_seen)
+        }
+        None => (0, 0),
+    };
+    let batches = Prefetcher::starting_at(
+        train,
+        options.batch_size,
+        options.steps,
+        options.seed,
+        first,
+    );
+    for (i, batch) in (first..).zip(batches) {
         let started = Instant::now();
         let stats = model.train_step(&batch, options.dense_lr)?;
         window_time += started.elapsed().as_secs_f64();
         loss_sum += stats.loss;
         steps_in_window += 1;
         samples_in_window += batch.len();
+        samples_seen += batch.len() as u64;
         let step = i + 1;
         on_step(step, stats.loss);
+        if let Some(save) = options.save.as_ref().filter(|s| step % s.every.max(1) == 0) {
+            let state = options.state(step, samples_seen, train_samples);
+            save_checkpoint(&save.output_dir, model, &state, save.keep)?;
+        }
         if step % options.eval_every.max(1) == 0 || step == options.steps {
             let (eval_loss, eval_auc) = if eval.is_empty() {
                 (None, None)

@@ -31,6 +31,8 @@ fn run(model: ModelKind) -> (CtrModel, f64, f64) {
         dense_lr: 3e-3,
         eval_every: 450,
         seed: 5,
+        save: None,
+        resume: None,
     };
     let records = train(
         &mut ctr,

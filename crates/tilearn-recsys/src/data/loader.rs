@@ -45,19 +45,34 @@ impl Prefetcher {
     pub const DEPTH: usize = 4;
 
     pub fn new(data: Arc<CtrBatch>, batch_size: usize, steps: usize, seed: u64) -> Self {
+        Self::starting_at(data, batch_size, steps, seed, 0)
+    }
+
+    /// The same sequence of batches as [`Prefetcher::new`] from batch `first` (0-based) on:
+    /// what a resumed run reads after `first` steps. The batch order depends only on the seed,
+    /// the number of samples and the batch size, so no skipped batch is built.
+    pub fn starting_at(
+        data: Arc<CtrBatch>,
+        batch_size: usize,
+        steps: usize,
+        seed: u64,
+        first: usize,
+    ) -> Self {
         let (sender, receiver) = sync_channel(Self::DEPTH);
         let batch_size = batch_size.max(1);
         let worker = std::thread::spawn(move || {
-            let (mut epoch, mut produced) = (0u64, 0usize);
+            let per_epoch = data.len().div_ceil(batch_size).max(1);
+            let mut epoch = (first / per_epoch) as u64;
+            let (mut skip, mut produced) = (first % per_epoch, first);
             while produced < steps && !data.is_empty() {
                 let order = epoch_order(data.len(), seed, epoch);
-                for chunk in order.chunks(batch_size) {
+                for chunk in order.chunks(batch_size).skip(skip) {
                     if produced == steps || sender.send(gather(&data, chunk)).is_err() {
                         return;
                     }
                     produced += 1;
                 }
-                epoch += 1;
+                (skip, epoch) = (0, epoch + 1);
             }
         });
         Prefetcher {

@@ -11,7 +11,6 @@
 //! mirrored by `embedding_bag.cu`; the step scalars are computed in f64 on the host and rounded
 //! once, as torch computes them in Python floats.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -20,9 +19,21 @@ use crate::error::{RecsysError, Result};
 use crate::tables::TableLayout;
 use crate::tensor_file::{F32TensorFile, write_f32_tensors};
 
-/// The `format` metadata of a sparse optimizer state file.
+/// The `format` of a sparse optimizer state file.
 pub const SPARSE_STATE_FORMAT: &str = "tilearn-recsys-sparse-optimizer";
-const SPARSE_STATE_VERSION: &str = "1";
+const SPARSE_STATE_VERSION: u32 = 1;
+/// The metadata key of a sparse optimizer state file ([`SparseStateHeader`] as JSON).
+const SPARSE_STATE_KEY: &str = "sparse_optimizer_state";
+
+/// What a sparse optimizer state file says about its tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct SparseStateHeader {
+    format: String,
+    format_version: u32,
+    /// Steps taken.
+    step: u64,
+    config: SparseOptimizer,
+}
 
 /// Which rule updates the touched rows, with its hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -233,23 +244,21 @@ impl SparseState {
         }
     }
 
-    /// Writes the state to `path` atomically (safetensors, metadata `format`
-    /// ([`SPARSE_STATE_FORMAT`]), `format_version`, `step`, `config`; tensors `accumulator`
-    /// (row-wise Adagrad, one per stacked row) or `exp_avg` / `exp_avg_sq` (Adam, one per
-    /// weight element); SGD keeps none).
+    /// Writes the state to `path` atomically (safetensors; metadata `sparse_optimizer_state`:
+    /// JSON `{format, format_version, step, config}`, format [`SPARSE_STATE_FORMAT`]; tensors
+    /// `accumulator` (row-wise Adagrad, one per stacked row) or `exp_avg` / `exp_avg_sq` (Adam,
+    /// one per weight element); SGD keeps none).
     pub fn save_state(&self, path: &Path) -> Result<()> {
-        let metadata = HashMap::from([
-            ("format".to_string(), SPARSE_STATE_FORMAT.to_string()),
-            (
-                "format_version".to_string(),
-                SPARSE_STATE_VERSION.to_string(),
-            ),
-            ("step".to_string(), self.step.to_string()),
-            (
-                "config".to_string(),
-                serde_json::to_string(&self.optimizer).expect("optimizer serialises"),
-            ),
-        ]);
+        let header = SparseStateHeader {
+            format: SPARSE_STATE_FORMAT.to_string(),
+            format_version: SPARSE_STATE_VERSION,
+            step: self.step,
+            config: self.optimizer,
+        };
+        let metadata = (
+            SPARSE_STATE_KEY,
+            serde_json::to_string(&header).expect("header serialises"),
+        );
         let buffers = [&self.state1[..], &self.state2[..]];
         let tensors: Vec<(&str, &[f32])> =
             self.tensor_names().iter().copied().zip(buffers).collect();
@@ -261,20 +270,16 @@ impl SparseState {
     /// `load_state` does). Any problem is an error naming the file and leaves `self` unchanged.
     pub fn load_state(&mut self, path: &Path) -> Result<()> {
         let file = F32TensorFile::read(path)?;
-        let what = "tilearn-recsys sparse optimizer state";
-        let format = file.metadata("format", what)?;
-        let version = file.metadata("format_version", what)?;
+        let json = file.metadata(SPARSE_STATE_KEY, "tilearn-recsys sparse optimizer state")?;
+        let header: SparseStateHeader = serde_json::from_str(json)
+            .map_err(|e| file.error(format!("metadata `{SPARSE_STATE_KEY}`: {e}")))?;
+        let (format, version) = (&header.format, header.format_version);
         if format != SPARSE_STATE_FORMAT || version != SPARSE_STATE_VERSION {
             return Err(file.error(format!(
                 "format `{format}` version {version}; expected `{SPARSE_STATE_FORMAT}` version {SPARSE_STATE_VERSION}"
             )));
         }
-        let step: u64 = file
-            .metadata("step", what)?
-            .parse()
-            .map_err(|e| file.error(format!("metadata `step` is not an integer: {e}")))?;
-        let saved: SparseOptimizer = serde_json::from_str(file.metadata("config", what)?)
-            .map_err(|e| file.error(format!("metadata `config`: {e}")))?;
+        let (step, saved) = (header.step, header.config);
         let (saved_kind, kind) = (Self::kind_name(&saved), Self::kind_name(&self.optimizer));
         if saved_kind != kind {
             return Err(file.error(format!(

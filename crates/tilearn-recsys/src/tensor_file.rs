@@ -9,12 +9,15 @@ use safetensors::tensor::{Dtype, TensorView};
 
 use crate::error::{RecsysError, Result};
 
-/// Writes `tensors` (1-D f32) and `metadata` to `path` atomically.
+/// Writes `tensors` (1-D f32) and one metadata entry `(key, value)` to `path` atomically.
+/// One entry, because the safetensors writer emits its metadata map in hash order: several
+/// keys would make equal states give different bytes (a resume is checked byte for byte).
 pub fn write_f32_tensors(
     path: &Path,
     tensors: &[(&str, &[f32])],
-    metadata: HashMap<String, String>,
+    (key, value): (&str, String),
 ) -> Result<()> {
+    let metadata = HashMap::from([(key.to_string(), value)]);
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
         .map(|(_, values)| values.iter().flat_map(|v| v.to_le_bytes()).collect())

@@ -2,7 +2,6 @@
 //! (`embedding_bags.weight`) and the dense parameters (`dense.weight`), and the config as JSON in
 //! the metadata (`ctr_config`), written atomically through `tilearn_ops::fs`.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use super::config::CtrConfig;
@@ -28,10 +27,10 @@ pub fn save_model(
     dense: &[f32],
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| RecsysError::io(dir, e))?;
-    let metadata = HashMap::from([(
-        "ctr_config".to_string(),
+    let metadata = (
+        "ctr_config",
         serde_json::to_string(config).expect("config serialises"),
-    )]);
+    );
     write_f32_tensors(
         &dir.join(MODEL_FILE),
         &[

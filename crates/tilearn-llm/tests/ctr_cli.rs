@@ -139,3 +139,81 @@ fn bad_ctr_input_is_a_clear_error() {
         "{err}"
     );
 }
+
+/// `ctr train` on small synthetic data with `extra` flags, into `out`.
+fn small_train(out: &Path, steps: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "ctr",
+        "train",
+        "--synthetic-samples",
+        "700",
+        "--synthetic-vocab",
+        "30",
+        "--hash-rows",
+        "100",
+        "--embed-dim",
+        "4",
+        "--hidden",
+        "8",
+        "--batch-size",
+        "64",
+        "--output-dir",
+        p(out),
+        "--steps",
+        steps,
+    ];
+    args.extend_from_slice(extra);
+    Command::new(support::bin("tilearn", env!("CARGO_BIN_EXE_tilearn")))
+        .args(&args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn train_checkpoints_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
+    let ok = |out: Output| assert!(out.status.success(), "{out:?}");
+    ok(small_train(
+        &straight,
+        "16",
+        &["--save-steps", "5", "--save-total-limit", "2"],
+    ));
+    let kept: Vec<bool> = [5, 10, 15]
+        .map(|s| straight.join(format!("checkpoint-{s}")).is_dir())
+        .into();
+    assert_eq!(kept, [false, true, true]);
+
+    ok(small_train(&resumed, "10", &["--save-steps", "10"]));
+    let checkpoint = resumed.join("checkpoint-10");
+    ok(small_train(
+        &resumed,
+        "16",
+        &["--resume-from-checkpoint", p(&checkpoint)],
+    ));
+    assert_eq!(
+        std::fs::read(straight.join("model.safetensors")).unwrap(),
+        std::fs::read(resumed.join("model.safetensors")).unwrap(),
+        "16 steps straight and 10 + resume + 6 differ"
+    );
+    let log = std::fs::read_to_string(resumed.join("train_log.jsonl")).unwrap();
+    let steps: Vec<u64> = log
+        .lines()
+        .map(|l| json(l.as_bytes())["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [10, 16], "{log}");
+
+    // Another model than the checkpoint's: refused, naming the field.
+    let out = small_train(
+        &dir.path().join("other"),
+        "16",
+        &[
+            "--model",
+            "wide-deep",
+            "--resume-from-checkpoint",
+            p(&checkpoint),
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("`model`"), "{err}");
+}

@@ -153,9 +153,18 @@ pub fn load_checkpoint(dir: &Path, model: &mut CtrModel) -> Result<TrainerState>
     Ok(state)
 }
 
-/// Fails naming the first field of the model config that differs between the checkpoint and
-/// this run.
+/// Fails naming the field of the model config that differs between the checkpoint and this
+/// run: the model kind first (it changes several derived fields), then the others.
 fn check_same_config(saved: &CtrConfig, run: &CtrConfig) -> Result<()> {
+    if saved.model != run.model {
+        return Err(RecsysError::invalid(
+            "checkpoint",
+            format!(
+                "its model has `model` = {:?}, this run's is {:?}; resume with the --model the checkpoint was trained with",
+                saved.model, run.model
+            ),
+        ));
+    }
     let (saved, run) = (
         serde_json::to_value(saved).expect("config serialises"),
         serde_json::to_value(run).expect("config serialises"),

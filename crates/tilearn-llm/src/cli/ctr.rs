@@ -6,7 +6,9 @@
 //! * `ctr train`: trains on shards (`--data`) or, by default, on synthetic data whose
 //!   ground-truth AUC is logged beside the model's; one JSON line per evaluation in
 //!   `OUTPUT/train_log.jsonl` (step, loss, eval_loss, eval_auc, samples_per_sec), the model in
-//!   `OUTPUT/model.safetensors`.
+//!   `OUTPUT/model.safetensors`; `--save-steps N` writes `OUTPUT/checkpoint-STEP/` every N
+//!   steps and `--resume-from-checkpoint DIR` continues one exactly (tilearn-recsys'
+//!   `checkpoint` module).
 //! * `ctr eval`: loss and exact AUC of a saved model on shards or synthetic samples.
 //!
 //! Training runs on the CPU reference (the CUDA embedding-bag kernels exist; the GPU DeepFM
@@ -19,12 +21,13 @@ use std::sync::Arc;
 use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tilearn_optim::AdamWConfig;
+use tilearn_recsys::checkpoint::load_checkpoint;
 use tilearn_recsys::data::{
     CRITEO_DENSE, CRITEO_FIELDS, CtrBatch, SyntheticCriteo, read_shards, read_tsv_file,
     write_shards,
 };
 use tilearn_recsys::model::io::{load_model, save_model};
-use tilearn_recsys::train::{LogRecord, TrainOptions, evaluate, train};
+use tilearn_recsys::train::{LogRecord, SavePolicy, TrainOptions, evaluate, train};
 use tilearn_recsys::{CtrConfig, CtrModel, ModelKind, RecsysError, SparseOptimizer, auc};
 
 use crate::{LlmError, Result};
@@ -109,6 +112,17 @@ struct TrainArgs {
     hash_rows: usize,
     #[arg(long, default_value_t = 100)]
     eval_every: usize,
+    /// Write OUTPUT/checkpoint-STEP/ (model, dense and sparse optimizer state, trainer state)
+    /// every N steps; 0: none.
+    #[arg(long, default_value_t = 0)]
+    save_steps: usize,
+    /// Keep only the newest K checkpoints.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    save_total_limit: Option<u64>,
+    /// Continue the run saved in this checkpoint directory (same model flags, --seed,
+    /// --batch-size and data) up to --steps; the log is appended to.
+    #[arg(long)]
+    resume_from_checkpoint: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -219,15 +233,33 @@ fn run_train(args: TrainArgs) -> Result<()> {
         ..AdamWConfig::default()
     };
     let mut ctr = CtrModel::new(config, sparse, dense, args.data.seed)?;
+    let resume = match &args.resume_from_checkpoint {
+        Some(dir) => Some(load_checkpoint(dir, &mut ctr)?),
+        None => None,
+    };
     std::fs::create_dir_all(&args.output_dir).map_err(|e| RecsysError::io(&args.output_dir, e))?;
     let log_path = args.output_dir.join("train_log.jsonl");
-    let mut log = std::fs::File::create(&log_path).map_err(|e| RecsysError::io(&log_path, e))?;
+    // A resumed run continues the log of the run it resumes.
+    let mut log = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(resume.is_some())
+        .truncate(resume.is_none())
+        .open(&log_path)
+        .map_err(|e| RecsysError::io(&log_path, e))?;
+    let save = (args.save_steps > 0).then(|| SavePolicy {
+        output_dir: args.output_dir.clone(),
+        every: args.save_steps,
+        keep: args.save_total_limit.map(|k| k as usize),
+    });
     let options = TrainOptions {
         steps: args.steps,
         batch_size: args.batch_size,
         dense_lr: args.learning_rate,
         eval_every: args.eval_every,
         seed: args.data.seed,
+        save,
+        resume,
     };
     let bar = std::io::stderr().is_terminal().then(|| {
         let bar = ProgressBar::new(args.steps as u64);
@@ -236,6 +268,7 @@ fn run_train(args: TrainArgs) -> Result<()> {
                 .expect("template is valid")
                 .progress_chars("=> "),
         );
+        bar.set_position(options.resume.as_ref().map_or(0, |r| r.step as u64));
         bar
     });
     let truth_auc = splits.truth_auc;

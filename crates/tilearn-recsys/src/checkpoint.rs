@@ -62,16 +62,18 @@ pub fn save_checkpoint(
         fs::remove_dir_all(&staging).map_err(|e| RecsysError::io(&staging, e))?;
     }
     fs::create_dir_all(&staging).map_err(|e| RecsysError::io(&staging, e))?;
-    if let Err(e) = write_checkpoint_files(&staging, model, state) {
+    let written = write_checkpoint_files(&staging, model, state).and_then(|()| {
+        if final_dir.exists() {
+            // A re-run of the same step: the new checkpoint is complete, the old one goes now.
+            fs::remove_dir_all(&final_dir).map_err(|e| RecsysError::io(&final_dir, e))?;
+        }
+        fs::rename(&staging, &final_dir).map_err(|e| RecsysError::io(&final_dir, e))
+    });
+    if let Err(e) = written {
         // Best effort: a half-written checkpoint only takes space.
         let _ = fs::remove_dir_all(&staging);
         return Err(e);
     }
-    if final_dir.exists() {
-        // A re-run of the same step: the new checkpoint is complete, the old one goes now.
-        fs::remove_dir_all(&final_dir).map_err(|e| RecsysError::io(&final_dir, e))?;
-    }
-    fs::rename(&staging, &final_dir).map_err(|e| RecsysError::io(&final_dir, e))?;
     sync_parent_dir(&final_dir);
     if let Some(keep) = keep {
         for (_, old) in checkpoints(output_dir).into_iter().rev().skip(keep.max(1)) {

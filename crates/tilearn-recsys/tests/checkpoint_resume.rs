@@ -223,3 +223,40 @@ fn save_total_limit_keeps_the_newest_and_staging_is_gone() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+#[test]
+fn a_failed_save_keeps_the_previous_checkpoint() {
+    let (out, dir) = one_checkpoint();
+    let before: Vec<Vec<u8>> = [MODEL_FILE, OPTIMIZER_FILE]
+        .iter()
+        .map(|f| read(&dir.join(f)))
+        .collect();
+    // The next checkpoint's staging path is taken by a file: that save must fail, naming it.
+    let blocked = out.path().join(format!("checkpoint-{}.tmp", 2 * HALF));
+    std::fs::write(&blocked, b"not a directory").unwrap();
+    let mut ctr = model(SparseOptimizer::row_wise_adagrad(0.05), 4);
+    let mut opts = options(2 * HALF, out.path(), HALF);
+    opts.resume = Some(load_checkpoint(&dir, &mut ctr).unwrap());
+    let empty = CtrBatch::new(13, 26);
+    let err = train(
+        &mut ctr,
+        Arc::new(data()),
+        &empty,
+        &opts,
+        |_, _| {},
+        |_| Ok(()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains(&blocked.display().to_string()), "{err}");
+    let steps: Vec<usize> = checkpoints(out.path())
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(steps, [HALF]);
+    for (file, bytes) in [MODEL_FILE, OPTIMIZER_FILE].iter().zip(before) {
+        assert_eq!(read(&dir.join(file)), bytes, "{file} changed");
+    }
+    let mut again = model(SparseOptimizer::row_wise_adagrad(0.05), 4);
+    load_checkpoint(&dir, &mut again).unwrap();
+}

@@ -560,15 +560,13 @@ fn model_start(args: &TrainArgs) -> Result<(LlamaConfig, ModelInit, Recipe)> {
     Ok((config, ModelInit::Random { seed: args.seed }, FROM_SCRATCH))
 }
 
-/// The dataset of `--eval-data`; an error names the flag and the directory.
+/// The dataset of `--eval-data`; an error names the flag and the file.
 fn open_eval_dataset(dir: &Path) -> Result<TokenDataset> {
     TokenDataset::open(dir).map_err(|e| {
         LlmError::Engine(EngineError::InvalidArgument {
             argument: "--eval-data".into(),
-            message: format!(
-                "{}: {e}; pass a directory made by `tilearn prepare-data`",
-                dir.display()
-            ),
+            // The dataset's own error names the file and how to make one.
+            message: e.to_string(),
         })
     })
 }

@@ -94,7 +94,10 @@ fn eval_loss_is_the_models_mean_token_loss_on_the_eval_windows() {
 
     let eval_data = TokenDataset::open(&eval).unwrap();
     let windows = eval_data.num_tokens() / SEQ;
-    assert!(!windows.is_multiple_of(3), "the test wants a partial last batch");
+    assert!(
+        !windows.is_multiple_of(3),
+        "the test wants a partial last batch"
+    );
     let last = &evals[1];
     assert_eq!(last.eval_tokens, (windows * (SEQ - 1)) as u64);
     let direct = direct_mean_loss(trainer.model().unwrap(), &eval_data);

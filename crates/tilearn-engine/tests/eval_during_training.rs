@@ -2,10 +2,11 @@
 //! eval windows under the trained weights, as the CPU model computes it directly, and a bad
 //! eval set is refused before training, naming `--eval-data` and the directory.
 
+use std::ops::Range;
 use std::path::Path;
 
 use tilearn_engine::config::LlamaConfig;
-use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
+use tilearn_engine::data::{DataLoader, LoaderOptions, TokenDataset, prepare_embedded_default};
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
 use tilearn_engine::trainer::{
     EvalSet, EvalStrategy, PrintLogs, TrainLength, Trainer, TrainingArguments, log,
@@ -22,13 +23,13 @@ fn config() -> LlamaConfig {
     LlamaConfig::from_json_str(CONFIG, "<test config>").unwrap()
 }
 
-/// The mean next-token cross entropy (f64 log-softmax of the model's logits) over every
-/// `SEQ`-token window of `data`, one window at a time.
-fn direct_mean_loss(model: &LlamaForCausalLM, data: &TokenDataset) -> f64 {
+/// The mean next-token cross entropy (f64 log-softmax of the model's logits) over the
+/// `SEQ`-token windows `windows` of `data`, one window at a time.
+fn direct_mean_loss(model: &LlamaForCausalLM, data: &TokenDataset, windows: Range<usize>) -> f64 {
     let vocab = model.config.vocab_size;
     let mut acts = Activations::<f32>::new(&model.config, 1, SEQ, false);
     let (mut sum, mut count) = (0.0f64, 0usize);
-    for w in 0..data.num_tokens() / SEQ {
+    for w in windows {
         let ids = data.tokens(w * SEQ..(w + 1) * SEQ).unwrap();
         let logits = model.forward_logits(&ids, 1, SEQ, &mut acts).unwrap();
         for t in 0..SEQ - 1 {
@@ -100,7 +101,7 @@ fn eval_loss_is_the_models_mean_token_loss_on_the_eval_windows() {
     );
     let last = &evals[1];
     assert_eq!(last.eval_tokens, (windows * (SEQ - 1)) as u64);
-    let direct = direct_mean_loss(trainer.model().unwrap(), &eval_data);
+    let direct = direct_mean_loss(trainer.model().unwrap(), &eval_data, 0..windows);
     let rel = (last.eval_loss - direct).abs() / direct;
     assert!(
         rel < 1e-6,
@@ -109,6 +110,65 @@ fn eval_loss_is_the_models_mean_token_loss_on_the_eval_windows() {
     );
     assert_eq!(last.eval_perplexity, last.eval_loss.exp());
     assert!(evals[0].eval_loss.is_finite() && evals[0].eval_loss != last.eval_loss);
+}
+
+#[test]
+fn validation_split_evaluates_the_held_out_last_windows_and_never_trains_on_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let train = dir.path().join("train");
+    prepare_embedded_default(&train, 7, 60).unwrap();
+    let data = TokenDataset::open(&train).unwrap();
+    let total = data.num_tokens() / SEQ;
+    let held = total * 10 / 100;
+    let kept = total - held;
+
+    // The loader of a split run visits only the first windows.
+    let options = LoaderOptions {
+        windows: Some(kept),
+        ..LoaderOptions::new(4, SEQ, 3)
+    };
+    let mut loader =
+        DataLoader::with_options(TokenDataset::open(&train).unwrap(), options, None).unwrap();
+    assert_eq!(loader.num_windows(), kept);
+    let first_held = data.tokens(kept * SEQ..(kept + 1) * SEQ).unwrap();
+    for _ in 0..loader.batches_per_epoch() {
+        let batch = loader.next_batch().unwrap();
+        assert!(
+            batch
+                .input_ids
+                .chunks(SEQ)
+                .all(|row| row != first_held.as_slice())
+        );
+    }
+
+    let split = TrainingArguments {
+        validation_split_percentage: Some(10.0),
+        per_device_eval_batch_size: None,
+        ..args(&dir.path().join("run"))
+    };
+    let model = LlamaForCausalLM::from_config(config(), 7);
+    let mut trainer = Trainer::new(split, model, TokenDataset::open(&train).unwrap()).unwrap();
+    trainer.train(None, &mut PrintLogs).unwrap();
+    let evals = log::read_eval_log(&dir.path().join("run").join(log::LOG_FILE)).unwrap();
+    assert_eq!(evals.iter().map(|r| r.step).collect::<Vec<_>>(), [2, 4]);
+    let last = &evals[1];
+    assert_eq!(last.eval_tokens, (held * (SEQ - 1)) as u64);
+    let direct = direct_mean_loss(trainer.model().unwrap(), &data, kept..total);
+    let rel = (last.eval_loss - direct).abs() / direct;
+    assert!(
+        rel < 1e-6,
+        "eval_loss {} vs direct {direct}",
+        last.eval_loss
+    );
+
+    let bad = TrainingArguments {
+        validation_split_percentage: Some(100.0),
+        ..args(&dir.path().join("bad"))
+    };
+    let model = LlamaForCausalLM::from_config(config(), 7);
+    let mut trainer = Trainer::new(bad, model, data).unwrap();
+    let err = trainer.train(None, &mut PrintLogs).unwrap_err().to_string();
+    assert!(err.contains("--validation-split-percentage"), "{err}");
 }
 
 #[test]

@@ -89,6 +89,10 @@ pub struct TrainingArguments {
     /// Evaluate at most this many batches per rank (the first ones); `None`: the whole set.
     #[serde(default)]
     pub max_eval_batches: Option<u64>,
+    /// Hold out the last this many percent of the training data's windows from training and
+    /// evaluate on them (instead of a separate eval set).
+    #[serde(default)]
+    pub validation_split_percentage: Option<f64>,
     /// Show a progress bar (the CLI turns it on when stderr is a terminal).
     pub progress_bar: bool,
     /// Fault injection: make every gradient infinite at these optimizer steps (1-based) when
@@ -136,6 +140,7 @@ impl Default for TrainingArguments {
             eval_steps: None,
             per_device_eval_batch_size: None,
             max_eval_batches: None,
+            validation_split_percentage: None,
             progress_bar: false,
             debug_inject_overflow: Vec::new(),
             debug_fail_checkpoint_write: Vec::new(),

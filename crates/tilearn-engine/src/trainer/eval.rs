@@ -20,6 +20,8 @@ use crate::{EngineError, Result};
 pub struct EvalSet {
     dataset: Arc<TokenDataset>,
     seq_len: usize,
+    /// The set's windows are `first_window..first_window + num_windows` of the dataset.
+    first_window: usize,
     num_windows: usize,
 }
 
@@ -73,8 +75,41 @@ impl EvalSet {
         Ok(EvalSet {
             dataset: Arc::new(dataset),
             seq_len,
+            first_window: 0,
             num_windows,
         })
+    }
+
+    /// The last `percentage` % of the training data's `seq_len` windows, held out from
+    /// training (`--validation-split-percentage`); returns the set and the windows left to
+    /// train on. Errors when either part would be empty.
+    pub fn held_out(
+        dataset: Arc<TokenDataset>,
+        seq_len: usize,
+        percentage: f64,
+    ) -> Result<(EvalSet, usize)> {
+        let total = dataset.num_tokens() / seq_len.max(1);
+        let held = (total as f64 * percentage / 100.0).floor() as usize;
+        if !(percentage > 0.0 && percentage < 100.0) || held == 0 || held >= total {
+            return Err(EngineError::InvalidArgument {
+                argument: "--validation-split-percentage".into(),
+                message: format!(
+                    "{percentage}% of the {total} windows of --seq-len {seq_len} in {} leaves \
+                     {held} to evaluate and {} to train on; both need at least one (use a \
+                     percentage between 0 and 100, more data, or --eval-data)",
+                    dataset.dir().display(),
+                    total.saturating_sub(held)
+                ),
+            });
+        }
+        let train = total - held;
+        let set = EvalSet {
+            dataset,
+            seq_len,
+            first_window: train,
+            num_windows: held,
+        };
+        Ok((set, train))
     }
 
     /// Windows of `seq_len` tokens in the set.
@@ -87,7 +122,8 @@ impl EvalSet {
         let rows = windows.1 - windows.0;
         let mut input_ids = vec![0u32; rows * t];
         for (row, out) in input_ids.chunks_mut(t).enumerate() {
-            self.dataset.read_into((windows.0 + row) * t, out)?;
+            self.dataset
+                .read_into((self.first_window + windows.0 + row) * t, out)?;
         }
         let labels = input_ids.iter().map(|&id| id as i32).collect();
         Ok(Batch {

@@ -382,11 +382,12 @@ impl Trainer {
         std::fs::create_dir_all(&a.output_dir)
             .map_err(|e| EngineError::io(&a.output_dir, "create the output directory", e))?;
         probe_writable(&a.output_dir)?;
-        if a.eval_strategy != EvalStrategy::No && self.eval.is_none() {
+        let has_eval_set = self.eval.is_some() || a.validation_split_percentage.is_some();
+        if a.eval_strategy != EvalStrategy::No && !has_eval_set {
             return Err(EngineError::InvalidArgument {
                 argument: "--eval-strategy".into(),
-                message: "evaluation needs an eval set; pass --eval-data DIR or use \
-                          --eval-strategy no"
+                message: "evaluation needs an eval set; pass --eval-data DIR or \
+                          --validation-split-percentage P, or use --eval-strategy no"
                     .into(),
             });
         }
@@ -397,9 +398,16 @@ impl Trainer {
             a.gradient_accumulation_steps,
         );
         let (rank, world) = (self.dp.rank(), self.dp.world_size());
+        let mut train_windows = None;
+        if let Some(percentage) = a.validation_split_percentage {
+            let (set, train) = EvalSet::held_out(self.dataset.clone(), seq, percentage)?;
+            self.eval = Some(set);
+            train_windows = Some(train);
+        }
         let loader_options = LoaderOptions {
             rank,
             world_size: world,
+            windows: train_windows,
             ..LoaderOptions::new(batch, seq, a.seed)
         };
         let probe_loader = DataLoader::with_options(self.dataset.clone(), loader_options, None)?;

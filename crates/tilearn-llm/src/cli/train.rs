@@ -123,10 +123,15 @@ pub struct TrainArgs {
     pub save_total_limit: Option<usize>,
     /// Token shards made by `tilearn prepare-data` (same tokenizer as --data) to evaluate on:
     /// the mean token loss and perplexity, with the forward only, logged as `eval_loss`.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "validation_split_percentage")]
     pub eval_data: Option<PathBuf>,
+    /// Hold out the last P% of the training data's windows from training and evaluate on them
+    /// (instead of --eval-data).
+    #[arg(long)]
+    pub validation_split_percentage: Option<f64>,
     /// `steps`: evaluate every --eval-steps and after the last step; `epoch`: after every
-    /// epoch and the last step; `no`: never (default: steps with --eval-data, else no).
+    /// epoch and the last step; `no`: never (default: steps with --eval-data or
+    /// --validation-split-percentage, else no).
     #[arg(long, value_enum)]
     pub eval_strategy: Option<EvalStrategyChoice>,
     /// Evaluate every N optimizer steps (default: --logging-steps).
@@ -341,12 +346,15 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
             Some(EvalStrategyChoice::No) => EvalStrategy::No,
             Some(EvalStrategyChoice::Steps) => EvalStrategy::Steps,
             Some(EvalStrategyChoice::Epoch) => EvalStrategy::Epoch,
-            None if args.eval_data.is_some() => EvalStrategy::Steps,
+            None if args.eval_data.is_some() || args.validation_split_percentage.is_some() => {
+                EvalStrategy::Steps
+            }
             None => EvalStrategy::No,
         },
         eval_steps: args.eval_steps,
         per_device_eval_batch_size: args.per_device_eval_batch_size,
         max_eval_batches: args.max_eval_batches,
+        validation_split_percentage: args.validation_split_percentage,
         progress_bar: true,
         debug_inject_overflow: args.debug_inject_overflow.clone(),
         debug_fail_checkpoint_write: args.debug_fail_checkpoint_write.clone(),

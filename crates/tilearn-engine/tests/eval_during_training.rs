@@ -65,19 +65,19 @@ fn args(out: &Path) -> TrainingArguments {
     }
 }
 
+/// A CPU Trainer of the tiny model (seed 7) on the prepared data `train`.
+fn cpu_trainer(args: TrainingArguments, train: &Path) -> Trainer {
+    let model = LlamaForCausalLM::from_config(config(), 7);
+    Trainer::new(args, model, TokenDataset::open(train).unwrap()).unwrap()
+}
+
 #[test]
 fn eval_loss_is_the_models_mean_token_loss_on_the_eval_windows() {
     let dir = tempfile::tempdir().unwrap();
     let (train, eval) = (dir.path().join("train"), dir.path().join("eval"));
     prepare_embedded_default(&train, 7, 300).unwrap();
     prepare_embedded_default(&eval, 11, 21).unwrap();
-    let model = LlamaForCausalLM::from_config(config(), 7);
-    let mut trainer = Trainer::new(
-        args(&dir.path().join("run")),
-        model,
-        TokenDataset::open(&train).unwrap(),
-    )
-    .unwrap();
+    let mut trainer = cpu_trainer(args(&dir.path().join("run")), &train);
     trainer
         .set_eval_dataset(TokenDataset::open(&eval).unwrap())
         .unwrap();
@@ -146,8 +146,7 @@ fn validation_split_evaluates_the_held_out_last_windows_and_never_trains_on_them
         per_device_eval_batch_size: None,
         ..args(&dir.path().join("run"))
     };
-    let model = LlamaForCausalLM::from_config(config(), 7);
-    let mut trainer = Trainer::new(split, model, TokenDataset::open(&train).unwrap()).unwrap();
+    let mut trainer = cpu_trainer(split, &train);
     trainer.train(None, &mut PrintLogs).unwrap();
     let evals = log::read_eval_log(&dir.path().join("run").join(log::LOG_FILE)).unwrap();
     assert_eq!(evals.iter().map(|r| r.step).collect::<Vec<_>>(), [2, 4]);
@@ -165,8 +164,7 @@ fn validation_split_evaluates_the_held_out_last_windows_and_never_trains_on_them
         validation_split_percentage: Some(100.0),
         ..args(&dir.path().join("bad"))
     };
-    let model = LlamaForCausalLM::from_config(config(), 7);
-    let mut trainer = Trainer::new(bad, model, data).unwrap();
+    let mut trainer = cpu_trainer(bad, &train);
     let err = trainer.train(None, &mut PrintLogs).unwrap_err().to_string();
     assert!(err.contains("--validation-split-percentage"), "{err}");
 }
@@ -204,13 +202,7 @@ fn an_eval_strategy_without_an_eval_set_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let train = dir.path().join("train");
     prepare_embedded_default(&train, 7, 50).unwrap();
-    let model = LlamaForCausalLM::from_config(config(), 7);
-    let mut trainer = Trainer::new(
-        args(&dir.path().join("run")),
-        model,
-        TokenDataset::open(&train).unwrap(),
-    )
-    .unwrap();
+    let mut trainer = cpu_trainer(args(&dir.path().join("run")), &train);
     let err = trainer.train(None, &mut PrintLogs).unwrap_err().to_string();
     assert!(
         err.contains("--eval-strategy") && err.contains("--eval-data"),

@@ -160,6 +160,19 @@ fn resume_from_checkpoint_is_bit_for_bit() {
     }
 }
 
+/// `tilearn prepare-data` of `input` with `tokenizer` into `output`.
+fn prepare_data(tokenizer: &Path, input: &Path, output: &Path) -> Output {
+    tilearn(&[
+        "prepare-data",
+        "--tokenizer",
+        path_str(tokenizer),
+        "--input",
+        path_str(input),
+        "--output",
+        path_str(output),
+    ])
+}
+
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
@@ -313,15 +326,7 @@ fn empty_dataset_and_corrupt_shard_are_named() {
 
     let empty_txt = write(dir.path(), "empty.txt", "");
     let empty_out = dir.path().join("empty-data");
-    let out = tilearn(&[
-        "prepare-data",
-        "--tokenizer",
-        path_str(&tokenizer),
-        "--input",
-        path_str(&empty_txt),
-        "--output",
-        path_str(&empty_out),
-    ]);
+    let out = prepare_data(&tokenizer, &empty_txt, &empty_out);
     assert_clean_error(&out, &["empty.txt"]);
 
     let text = write(
@@ -330,15 +335,7 @@ fn empty_dataset_and_corrupt_shard_are_named() {
         &"the cat sat on the mat.\n\n".repeat(200),
     );
     let data = dir.path().join("data");
-    let out = tilearn(&[
-        "prepare-data",
-        "--tokenizer",
-        path_str(&tokenizer),
-        "--input",
-        path_str(&text),
-        "--output",
-        path_str(&data),
-    ]);
+    let out = prepare_data(&tokenizer, &text, &data);
     assert!(out.status.success(), "{}", stderr(&out));
     let shard = std::fs::read_dir(&data)
         .unwrap()
@@ -442,15 +439,7 @@ fn train_with_eval_data_logs_eval_loss_and_perplexity() {
         &"the dog ran to the park.\n\n".repeat(40),
     );
     let eval = dir.path().join("eval-data");
-    let out = tilearn(&[
-        "prepare-data",
-        "--tokenizer",
-        path_str(&tokenizer),
-        "--input",
-        path_str(&text),
-        "--output",
-        path_str(&eval),
-    ]);
+    let out = prepare_data(&tokenizer, &text, &eval);
     assert!(out.status.success(), "{}", stderr(&out));
 
     let out = run(&train_args(&eval));

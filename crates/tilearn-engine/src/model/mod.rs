@@ -60,6 +60,16 @@ pub fn count_valid_targets(labels: &[i32], batch: usize, seq: usize) -> usize {
         .sum()
 }
 
+fn check_labels(labels: &[i32], n: usize) -> Result<()> {
+    if labels.len() != n {
+        return Err(invalid(
+            "labels",
+            format!("has {} entries but batch * seq = {n}", labels.len()),
+        ));
+    }
+    Ok(())
+}
+
 /// Hugging Face's shift: position `t` predicts `labels[t + 1]`; the last position of a
 /// sequence has no target.
 fn shift_targets(targets: &mut [i32], labels: &[i32], seq: usize) {
@@ -180,12 +190,7 @@ impl LlamaForCausalLM {
         acts: &mut Activations<R>,
     ) -> Result<LossStats> {
         let d = self.check_call(params, ids, batch, seq, acts)?;
-        if labels.len() != d.n {
-            return Err(invalid(
-                "labels",
-                format!("has {} entries but batch * seq = {}", labels.len(), d.n),
-            ));
-        }
+        check_labels(labels, d.n)?;
         shift_targets(&mut acts.targets[..d.n], labels, seq);
         forward(&d, params, ids, acts)?;
         let ce =
@@ -211,12 +216,7 @@ impl LlamaForCausalLM {
         grads: &mut [R],
     ) -> Result<LossStats> {
         let d = self.check_call(params, ids, batch, seq, acts)?;
-        if labels.len() != d.n {
-            return Err(invalid(
-                "labels",
-                format!("has {} entries but batch * seq = {}", labels.len(), d.n),
-            ));
-        }
+        check_labels(labels, d.n)?;
         if grads.len() != acts.layout.numel {
             return Err(invalid(
                 "grads",

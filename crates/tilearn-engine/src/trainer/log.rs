@@ -205,3 +205,51 @@ pub fn read_eval_log(path: &Path) -> Result<Vec<EvalRecord>> {
         })
         .collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn training_and_eval_records_read_back_apart_and_old_logs_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LOG_FILE);
+        // An old record (no precision, scale or world size), a current one, and two eval
+        // records, the second of a diverged model (NaN written as null).
+        let old =
+            r#"{"step":1,"epoch":0.1,"loss":5.5,"lr":0.001,"grad_norm":null,"tokens_per_sec":9.0}"#;
+        let eval = EvalRecord {
+            step: 2,
+            epoch: 0.2,
+            eval_loss: 5.0,
+            eval_perplexity: 5f64.exp(),
+            eval_tokens: 62,
+            precision: "bf16".into(),
+        };
+        let diverged = EvalRecord {
+            step: 3,
+            eval_loss: f64::NAN,
+            eval_perplexity: f64::NAN,
+            ..eval.clone()
+        };
+        std::fs::write(&path, format!("{old}\n")).unwrap();
+        let mut log = TrainLog::open(dir.path(), false).unwrap();
+        log.write_eval(&eval).unwrap();
+        log.write_eval(&diverged).unwrap();
+        drop(log);
+
+        let train = read_log(&path).unwrap();
+        assert_eq!(train.len(), 1);
+        assert_eq!((train[0].world_size, train[0].precision.as_str()), (1, ""));
+        assert!(train[0].grad_norm.is_nan());
+        let evals = read_eval_log(&path).unwrap();
+        assert_eq!(evals[0], eval);
+        assert!(evals[1].eval_loss.is_nan() && evals[1].eval_perplexity.is_nan());
+        let steps: Vec<u64> = read_log_lines(&path)
+            .unwrap()
+            .iter()
+            .map(LogLine::step)
+            .collect();
+        assert_eq!(steps, [1, 2, 3]);
+    }
+}

@@ -465,4 +465,37 @@ fn train_with_eval_data_logs_eval_loss_and_perplexity() {
         6,
         "4 training records and 2 eval records: {log:?}"
     );
+
+    // Holding out the last 5% of the training windows instead (the first 2 batches of them).
+    let split_dir = dir.path().join("split");
+    let data = out_dir.join("data");
+    let mut args = vec![
+        "train",
+        "--data",
+        path_str(&data),
+        "--output-dir",
+        path_str(&split_dir),
+        "--validation-split-percentage",
+        "5",
+        "--max-eval-batches",
+        "2",
+        "--max-steps",
+        "2",
+        "--save-strategy",
+        "no",
+    ];
+    args.extend_from_slice(FAST);
+    let out = tilearn(&args);
+    assert!(out.status.success(), "split run failed: {}", stderr(&out));
+    let evals: Vec<serde_json::Value> = read_log(&split_dir)
+        .into_iter()
+        .filter(|r| r.get("eval_loss").is_some())
+        .collect();
+    // --eval-steps defaults to --logging-steps (1 in FAST).
+    let steps: Vec<u64> = evals.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [1, 2], "{evals:?}");
+    assert!(
+        evals.iter().all(|r| r["eval_tokens"] == 2 * 4 * 63),
+        "2 batches of 4 windows: {evals:?}"
+    );
 }

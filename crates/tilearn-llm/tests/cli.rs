@@ -160,6 +160,19 @@ fn resume_from_checkpoint_is_bit_for_bit() {
     }
 }
 
+/// `tilearn prepare-data` of `input` with `tokenizer` into `output`.
+fn prepare_data(tokenizer: &Path, input: &Path, output: &Path) -> Output {
+    tilearn(&[
+        "prepare-data",
+        "--tokenizer",
+        path_str(tokenizer),
+        "--input",
+        path_str(input),
+        "--output",
+        path_str(output),
+    ])
+}
+
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
@@ -313,15 +326,7 @@ fn empty_dataset_and_corrupt_shard_are_named() {
 
     let empty_txt = write(dir.path(), "empty.txt", "");
     let empty_out = dir.path().join("empty-data");
-    let out = tilearn(&[
-        "prepare-data",
-        "--tokenizer",
-        path_str(&tokenizer),
-        "--input",
-        path_str(&empty_txt),
-        "--output",
-        path_str(&empty_out),
-    ]);
+    let out = prepare_data(&tokenizer, &empty_txt, &empty_out);
     assert_clean_error(&out, &["empty.txt"]);
 
     let text = write(
@@ -330,15 +335,7 @@ fn empty_dataset_and_corrupt_shard_are_named() {
         &"the cat sat on the mat.\n\n".repeat(200),
     );
     let data = dir.path().join("data");
-    let out = tilearn(&[
-        "prepare-data",
-        "--tokenizer",
-        path_str(&tokenizer),
-        "--input",
-        path_str(&text),
-        "--output",
-        path_str(&data),
-    ]);
+    let out = prepare_data(&tokenizer, &text, &data);
     assert!(out.status.success(), "{}", stderr(&out));
     let shard = std::fs::read_dir(&data)
         .unwrap()
@@ -401,4 +398,104 @@ fn device_cuda_without_a_gpu_is_a_clear_error() {
         "1",
     ]);
     assert_clean_error(&out, &["--device cuda", "--device cpu"]);
+}
+
+#[test]
+fn train_with_eval_data_logs_eval_loss_and_perplexity() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-eval");
+    let out_dir = dir.path().join("run");
+    let train_args = |eval: &Path| -> Vec<String> {
+        let mut args: Vec<String> = [
+            "train",
+            "--output-dir",
+            path_str(&out_dir),
+            "--eval-data",
+            path_str(eval),
+            "--eval-steps",
+            "2",
+            "--max-steps",
+            "4",
+        ]
+        .iter()
+        .chain(FAST)
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(["--save-strategy".into(), "no".into()]);
+        args
+    };
+    let run = |args: &[String]| tilearn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+
+    // A missing eval directory fails before training, naming the flag and the directory.
+    let out = run(&train_args(&missing));
+    assert_clean_error(&out, &["--eval-data", "no-such-eval"]);
+    assert!(!out_dir.join("train_log.jsonl").exists());
+
+    // A small eval set made with the embedded tokenizer (the failed run generated the corpus).
+    let tokenizer = out_dir.join("data").join("tokenizer.json");
+    let text = write(
+        dir.path(),
+        "eval.txt",
+        &"the dog ran to the park.\n\n".repeat(40),
+    );
+    let eval = dir.path().join("eval-data");
+    let out = prepare_data(&tokenizer, &text, &eval);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    let out = run(&train_args(&eval));
+    assert!(out.status.success(), "train failed: {}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let log = read_log(&out_dir);
+    let evals: Vec<&serde_json::Value> = log
+        .iter()
+        .filter(|r| r.get("eval_loss").is_some())
+        .collect();
+    let steps: Vec<u64> = evals.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [2, 4], "{log:?}");
+    for r in evals {
+        let loss = r["eval_loss"].as_f64().unwrap();
+        let ppl = r["eval_perplexity"].as_f64().unwrap();
+        assert!(loss.is_finite() && loss > 0.0, "{r}");
+        assert!((ppl - loss.exp()).abs() <= 1e-12 * ppl, "{r}");
+        let line = format!("eval   step {}  eval_loss {loss:.4}", r["step"]);
+        assert!(stdout.contains(&line), "stdout lacks `{line}`: {stdout}");
+    }
+    assert_eq!(
+        log.len(),
+        6,
+        "4 training records and 2 eval records: {log:?}"
+    );
+
+    // Holding out the last 5% of the training windows instead (the first 2 batches of them).
+    let split_dir = dir.path().join("split");
+    let data = out_dir.join("data");
+    let mut args = vec![
+        "train",
+        "--data",
+        path_str(&data),
+        "--output-dir",
+        path_str(&split_dir),
+        "--validation-split-percentage",
+        "5",
+        "--max-eval-batches",
+        "2",
+        "--max-steps",
+        "2",
+        "--save-strategy",
+        "no",
+    ];
+    args.extend_from_slice(FAST);
+    let out = tilearn(&args);
+    assert!(out.status.success(), "split run failed: {}", stderr(&out));
+    let evals: Vec<serde_json::Value> = read_log(&split_dir)
+        .into_iter()
+        .filter(|r| r.get("eval_loss").is_some())
+        .collect();
+    // --eval-steps defaults to --logging-steps (1 in FAST).
+    let steps: Vec<u64> = evals.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [1, 2], "{evals:?}");
+    assert!(
+        evals.iter().all(|r| r["eval_tokens"] == 2 * 4 * 63),
+        "2 batches of 4 windows: {evals:?}"
+    );
 }

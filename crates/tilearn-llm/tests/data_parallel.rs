@@ -411,3 +411,50 @@ fn a_restarted_group_resumes_from_the_last_checkpoint() {
         .collect();
     assert_eq!(steps, [1, 2, 3, 4]);
 }
+
+/// Evaluation with two ranks: each evaluates its half of every global eval batch and the sums
+/// are combined, so the logged eval_loss equals one process (accumulating the same global batch)
+/// evaluating the same windows: the first 20, in 5 global batches of 2 × 2 or 10 batches of 2.
+#[test]
+fn two_ranks_evaluate_the_same_eval_loss_as_one_process() {
+    let s = Setup::new();
+    let (one, dp) = (s.path("eval_one"), s.path("eval_dp"));
+    let eval_data = s.path("gen/data");
+    let eval = |batches: &'static str, accum: &'static str| -> Vec<&str> {
+        let flags = [
+            "--eval-data",
+            &eval_data,
+            "--eval-steps",
+            "2",
+            "--max-eval-batches",
+            batches,
+            "--gradient-accumulation-steps",
+            accum,
+        ];
+        with(NO_SAVES, &flags)
+    };
+    s.train(0, &one, &eval("10", "2"));
+    s.train(2, &dp, &eval("5", "1"));
+    let eval_losses = |dir: &str| -> Vec<(u64, f64, u64)> {
+        log(dir)
+            .iter()
+            .filter(|r| r.get("eval_loss").is_some())
+            .map(|r| {
+                let field = |k: &str| r[k].as_f64().unwrap();
+                (
+                    field("step") as u64,
+                    field("eval_loss"),
+                    field("eval_tokens") as u64,
+                )
+            })
+            .collect()
+    };
+    let (a, b) = (eval_losses(&one), eval_losses(&dp));
+    assert_eq!(a.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 4], "{a:?}");
+    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((x.0, x.2), (y.0, y.2), "same steps and targets");
+        assert_eq!(x.2, 20 * 31, "20 windows of 31 targets");
+        assert!((x.1 - y.1).abs() < 1e-5, "eval_loss {} vs {}", x.1, y.1);
+    }
+}

@@ -69,6 +69,9 @@ pub struct LoaderOptions {
     pub world_size: usize,
     /// Batches prepared ahead (at least 1).
     pub prefetch: usize,
+    /// Use only the first this many windows of the stream (the rest is held out for
+    /// evaluation, `--validation-split-percentage`); `None`: all of them.
+    pub windows: Option<usize>,
 }
 
 impl LoaderOptions {
@@ -82,6 +85,7 @@ impl LoaderOptions {
             rank: 0,
             world_size: 1,
             prefetch: DEFAULT_PREFETCH,
+            windows: None,
         }
     }
 
@@ -302,7 +306,7 @@ fn plan(dataset: &TokenDataset, o: &LoaderOptions) -> Result<Plan> {
             ),
         ));
     }
-    let num_windows = dataset.num_tokens() / o.seq_len;
+    let num_windows = (dataset.num_tokens() / o.seq_len).min(o.windows.unwrap_or(usize::MAX));
     let global = o.batch_size.saturating_mul(o.world_size);
     if num_windows < global {
         let shape = if o.world_size == 1 {

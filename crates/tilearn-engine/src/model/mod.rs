@@ -13,8 +13,8 @@ use std::path::Path;
 
 use tilearn_ops::DType;
 use tilearn_ops::cpu::{
-    IGNORE_INDEX, Real, cross_entropy_fused, embedding_backward, embedding_forward,
-    linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward,
+    IGNORE_INDEX, Real, cross_entropy_forward, cross_entropy_fused, embedding_backward,
+    embedding_forward, linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward,
 };
 
 pub use activations::{Activations, GradScratch, LayerActs};
@@ -58,6 +58,25 @@ pub fn count_valid_targets(labels: &[i32], batch: usize, seq: usize) -> usize {
         .take(batch)
         .map(|row| row[1..].iter().filter(|&&l| l != IGNORE_INDEX).count())
         .sum()
+}
+
+fn check_labels(labels: &[i32], n: usize) -> Result<()> {
+    if labels.len() != n {
+        return Err(invalid(
+            "labels",
+            format!("has {} entries but batch * seq = {n}", labels.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// Hugging Face's shift: position `t` predicts `labels[t + 1]`; the last position of a
+/// sequence has no target.
+fn shift_targets(targets: &mut [i32], labels: &[i32], seq: usize) {
+    for (trow, lrow) in targets.chunks_mut(seq).zip(labels.chunks(seq)) {
+        trow[..seq - 1].copy_from_slice(&lrow[1..]);
+        trow[seq - 1] = IGNORE_INDEX;
+    }
 }
 
 /// A Llama causal language model: configuration plus the flat f32 parameters.
@@ -158,6 +177,30 @@ impl LlamaForCausalLM {
         Ok(&acts.logits[..d.n * d.vocab])
     }
 
+    /// The loss of `ids` against Hugging Face *unshifted* `labels` with the forward only
+    /// (evaluation): the same token losses [`Self::forward_backward_with`] sums, on the
+    /// parameters `params` (the master weights or a copy rounded to the run's precision).
+    pub fn forward_loss_with<R: Real>(
+        &self,
+        params: &[R],
+        ids: &[u32],
+        labels: &[i32],
+        batch: usize,
+        seq: usize,
+        acts: &mut Activations<R>,
+    ) -> Result<LossStats> {
+        let d = self.check_call(params, ids, batch, seq, acts)?;
+        check_labels(labels, d.n)?;
+        shift_targets(&mut acts.targets[..d.n], labels, seq);
+        forward(&d, params, ids, acts)?;
+        let ce =
+            cross_entropy_forward(&acts.logits[..d.n * d.vocab], &acts.targets[..d.n], d.vocab)?;
+        Ok(LossStats {
+            loss_sum: ce.loss_sum,
+            valid_tokens: ce.valid,
+        })
+    }
+
     /// [`Self::forward_backward`] on another copy of the parameters (same layout, any
     /// [`Real`]); `grads` has the same layout.
     #[allow(clippy::too_many_arguments)]
@@ -173,12 +216,7 @@ impl LlamaForCausalLM {
         grads: &mut [R],
     ) -> Result<LossStats> {
         let d = self.check_call(params, ids, batch, seq, acts)?;
-        if labels.len() != d.n {
-            return Err(invalid(
-                "labels",
-                format!("has {} entries but batch * seq = {}", labels.len(), d.n),
-            ));
-        }
+        check_labels(labels, d.n)?;
         if grads.len() != acts.layout.numel {
             return Err(invalid(
                 "grads",
@@ -200,11 +238,7 @@ impl LlamaForCausalLM {
                 ));
             }
         };
-        // Shift: position t predicts labels[t + 1]; the last position of a sequence has no target.
-        for (trow, lrow) in acts.targets[..d.n].chunks_mut(seq).zip(labels.chunks(seq)) {
-            trow[..seq - 1].copy_from_slice(&lrow[1..]);
-            trow[seq - 1] = IGNORE_INDEX;
-        }
+        shift_targets(&mut acts.targets[..d.n], labels, seq);
 
         forward(&d, params, ids, acts)?;
 

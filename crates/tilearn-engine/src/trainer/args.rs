@@ -17,6 +17,18 @@ pub enum SaveStrategy {
     Steps,
 }
 
+/// When the eval set is evaluated (Hugging Face's `eval_strategy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EvalStrategy {
+    /// No evaluation.
+    #[default]
+    No,
+    /// Every `eval_steps` optimizer steps and after the last step.
+    Steps,
+    /// At the end of every epoch and after the last step.
+    Epoch,
+}
+
 /// How long to train: a fixed number of optimizer steps, or whole epochs over the data.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum TrainLength {
@@ -63,6 +75,24 @@ pub struct TrainingArguments {
     #[serde(default)]
     pub save_total_limit: Option<usize>,
     pub gradient_checkpointing: bool,
+    /// When the eval set ([`Trainer::set_eval_dataset`](super::Trainer::set_eval_dataset)) is
+    /// evaluated.
+    #[serde(default)]
+    pub eval_strategy: EvalStrategy,
+    /// With [`EvalStrategy::Steps`], evaluate every this many optimizer steps; `None`: every
+    /// `logging_steps` (Hugging Face's default).
+    #[serde(default)]
+    pub eval_steps: Option<u64>,
+    /// Eval windows per batch on each rank; `None`: the train batch size.
+    #[serde(default)]
+    pub per_device_eval_batch_size: Option<usize>,
+    /// Evaluate at most this many batches per rank (the first ones); `None`: the whole set.
+    #[serde(default)]
+    pub max_eval_batches: Option<u64>,
+    /// Hold out the last this many percent of the training data's windows from training and
+    /// evaluate on them (instead of a separate eval set).
+    #[serde(default)]
+    pub validation_split_percentage: Option<f64>,
     /// Show a progress bar (the CLI turns it on when stderr is a terminal).
     pub progress_bar: bool,
     /// Fault injection: make every gradient infinite at these optimizer steps (1-based) when
@@ -106,6 +136,11 @@ impl Default for TrainingArguments {
             save_dtype: None,
             save_total_limit: None,
             gradient_checkpointing: false,
+            eval_strategy: EvalStrategy::No,
+            eval_steps: None,
+            per_device_eval_batch_size: None,
+            max_eval_batches: None,
+            validation_split_percentage: None,
             progress_bar: false,
             debug_inject_overflow: Vec::new(),
             debug_fail_checkpoint_write: Vec::new(),
@@ -135,6 +170,24 @@ impl TrainingArguments {
         }
         let multiples = max_steps / self.save_steps - first_step / self.save_steps;
         multiples + u64::from(!max_steps.is_multiple_of(self.save_steps))
+    }
+
+    /// Eval windows per batch on each rank.
+    pub fn eval_batch_size(&self) -> usize {
+        self.per_device_eval_batch_size
+            .unwrap_or(self.per_device_train_batch_size)
+    }
+
+    /// Whether the eval set is evaluated after optimizer step `step` of a run of `max_steps`
+    /// with `steps_per_epoch` steps per epoch: Hugging Face's `DefaultFlowCallback` rule
+    /// (multiples of `eval_steps`, or epoch ends), plus the end of training.
+    pub fn evaluates_at(&self, step: u64, max_steps: u64, steps_per_epoch: u64) -> bool {
+        let every = match self.eval_strategy {
+            EvalStrategy::No => return false,
+            EvalStrategy::Steps => self.eval_steps.unwrap_or(self.logging_steps),
+            EvalStrategy::Epoch => steps_per_epoch,
+        };
+        step >= max_steps || (every > 0 && step.is_multiple_of(every))
     }
 
     /// Rejects values that cannot work, naming the flag and the fix.
@@ -172,6 +225,27 @@ impl TrainingArguments {
                 format!(
                     "is {}; use a finite value >= 0 (0 disables clipping)",
                     self.max_grad_norm
+                ),
+            );
+        }
+        if self.eval_steps == Some(0) {
+            return bad("--eval-steps", "must be at least 1".into());
+        }
+        if self.max_eval_batches == Some(0) {
+            return bad(
+                "--max-eval-batches",
+                "must be at least 1 (turn evaluation off with --eval-strategy no)".into(),
+            );
+        }
+        let eval_batch = self.eval_batch_size();
+        if eval_batch == 0 || eval_batch > self.per_device_train_batch_size {
+            // The engines' activation arenas hold up to the train batch.
+            return bad(
+                "--per-device-eval-batch-size",
+                format!(
+                    "is {eval_batch}; use 1 to --per-device-train-batch-size ({}), the batch \
+                     the activation memory is sized for",
+                    self.per_device_train_batch_size
                 ),
             );
         }
@@ -236,6 +310,23 @@ mod tests {
         assert_eq!(a.checkpoints_between(3, 6), 1);
         assert_eq!(a.checkpoints_between(4, 7), 2);
         assert_eq!(a.checkpoints_between(7, 7), 0);
+    }
+
+    #[test]
+    fn eval_points_follow_steps_epochs_and_the_end() {
+        let every = |strategy, eval_steps| TrainingArguments {
+            eval_strategy: strategy,
+            eval_steps,
+            logging_steps: 4,
+            ..TrainingArguments::default()
+        };
+        let points = |a: &TrainingArguments| -> Vec<u64> {
+            (1..=10).filter(|&s| a.evaluates_at(s, 10, 3)).collect()
+        };
+        assert_eq!(points(&every(EvalStrategy::Steps, Some(3))), [3, 6, 9, 10]);
+        assert_eq!(points(&every(EvalStrategy::Steps, None)), [4, 8, 10]);
+        assert_eq!(points(&every(EvalStrategy::Epoch, Some(5))), [3, 6, 9, 10]);
+        assert!(points(&every(EvalStrategy::No, Some(1))).is_empty());
     }
 
     #[test]

@@ -11,7 +11,7 @@ use super::optimizer_shards::OptimizerCheckpoint;
 use super::zero::{RankState, StateBytes};
 use crate::config::LlamaConfig;
 use crate::data::Batch;
-use crate::model::LlamaForCausalLM;
+use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::ParamSpec;
 use crate::{EngineError, Result};
 
@@ -64,6 +64,10 @@ pub trait StepBackend {
         precision: DType,
         loss_scale: f32,
     ) -> Result<f64>;
+
+    /// The loss of one evaluation batch with the forward only, in `precision` (the weights the
+    /// training steps of that precision use); leaves the gradients alone.
+    fn eval_loss(&mut self, batch: &Batch, precision: DType) -> Result<LossStats>;
 
     /// The stream the backend computes on, when it is a GPU (the data-parallel overlap orders
     /// its collectives against it).

@@ -23,7 +23,7 @@ use crate::Result;
 use crate::checkpoint::{load_params_into, save_pretrained};
 use crate::config::LlamaConfig;
 use crate::data::Batch;
-use crate::model::{Activations, LlamaForCausalLM};
+use crate::model::{Activations, LlamaForCausalLM, LossStats};
 use crate::params::ParamSpec;
 
 pub struct CpuBackend {
@@ -114,6 +114,23 @@ impl StepBackend for CpuBackend {
             }
         }
         Ok(stats.loss_sum)
+    }
+
+    fn eval_loss(&mut self, batch: &Batch, precision: DType) -> Result<LossStats> {
+        let params = if precision == DType::F32 {
+            &self.model.params.data
+        } else {
+            round_into(&self.model.params.data, &mut self.working, precision);
+            &self.working
+        };
+        self.model.forward_loss_with(
+            params,
+            &batch.input_ids,
+            &batch.labels,
+            batch.batch,
+            batch.seq_len,
+            &mut self.acts,
+        )
     }
 
     fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {

@@ -28,7 +28,7 @@ use crate::checkpoint::{load_into, save_pretrained_from};
 use crate::config::LlamaConfig;
 use crate::data::Batch;
 use crate::gpu::{GpuLlama, GradientSink};
-use crate::model::LlamaForCausalLM;
+use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore, init_random_into};
 
 pub struct GpuBackend {
@@ -67,9 +67,7 @@ impl GpuBackend {
         loss_scale: f32,
         sink: Option<&mut dyn GradientSink>,
     ) -> Result<f64> {
-        if precision != self.gpu.precision() {
-            self.gpu.set_precision(precision)?;
-        }
+        self.use_precision(precision)?;
         let stats = self.gpu.forward_backward_into(
             &batch.input_ids,
             &batch.labels,
@@ -80,6 +78,13 @@ impl GpuBackend {
             sink,
         )?;
         Ok(stats.loss_sum)
+    }
+
+    fn use_precision(&mut self, precision: DType) -> Result<()> {
+        if precision != self.gpu.precision() {
+            self.gpu.set_precision(precision)?;
+        }
+        Ok(())
     }
 
     /// Builds the model `config` describes on GPU `ordinal` and fills its weights from `init`
@@ -209,6 +214,12 @@ impl StepBackend for GpuBackend {
         sink: &mut dyn GradientSink,
     ) -> Option<Result<f64>> {
         Some(self.run_forward_backward(batch, denominator, precision, loss_scale, Some(sink)))
+    }
+
+    fn eval_loss(&mut self, batch: &Batch, precision: DType) -> Result<LossStats> {
+        self.use_precision(precision)?;
+        self.gpu
+            .forward_loss(&batch.input_ids, &batch.labels, batch.batch, batch.seq_len)
     }
 
     fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {

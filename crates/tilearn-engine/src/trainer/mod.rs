@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod cpu_backend;
 pub mod data_parallel;
 pub mod disk;
+pub mod eval;
 pub mod flat_buffer;
 #[cfg(feature = "cuda")]
 pub mod gpu_backend;
@@ -30,12 +31,13 @@ use adaptfp16::{AmpPlan, Signals, TimeUnit};
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, ParamGroup, SchedulerType};
 
-pub use args::{SaveStrategy, TrainLength, TrainingArguments};
+pub use args::{EvalStrategy, SaveStrategy, TrainLength, TrainingArguments};
 pub use backend::{ModelInit, StepBackend};
 pub use cpu_backend::CpuBackend;
 pub use data_parallel::{DataParallel, DdpOptions, ZeroStage};
 pub use disk::{FilesystemSpace, FreeSpace};
-pub use log::{LogRecord, TrainLog};
+pub use eval::{EvalLoss, EvalSet};
+pub use log::{EvalRecord, LogRecord, TrainLog};
 pub use state::{SchedulerState, TrainerState};
 
 use crate::config::LlamaConfig;
@@ -82,6 +84,8 @@ pub struct Trainer {
     started: Instant,
     /// This rank's place in data parallelism (a single process by default).
     dp: DataParallel,
+    /// The held-out set evaluated as `args.eval_strategy` says.
+    eval: Option<EvalSet>,
 }
 
 /// Observes progress (the CLI's progress bar); called after every optimizer step.
@@ -89,6 +93,10 @@ pub trait ProgressSink {
     fn start(&mut self, total_steps: u64, first_step: u64);
     fn step(&mut self, step: u64, loss: f64, lr: f64);
     fn log(&mut self, record: &LogRecord);
+    /// An evaluation of the eval set.
+    fn eval(&mut self, record: &EvalRecord) {
+        self.note(&record.display_line());
+    }
     fn finish(&mut self);
     /// A line of information (time to the first step, save times).
     fn note(&mut self, line: &str) {
@@ -215,7 +223,35 @@ impl Trainer {
             amp: AmpPlan::Fixed(DType::F32),
             space: Arc::new(FilesystemSpace),
             started: Instant::now(),
+            eval: None,
         })
+    }
+
+    /// The prepared token dataset to evaluate on (`--eval-data`); checked now against the
+    /// model's vocabulary and the window length, so a bad set fails before training starts.
+    pub fn set_eval_dataset(&mut self, dataset: TokenDataset) -> Result<()> {
+        self.eval = Some(EvalSet::new(
+            dataset,
+            self.config.vocab_size,
+            self.args.seq_len,
+        )?);
+        Ok(())
+    }
+
+    /// Evaluates the eval set on the current weights in `precision` (every rank calls it and
+    /// gets the same loss).
+    pub fn evaluate(&mut self, precision: DType) -> Result<Option<EvalLoss>> {
+        let Some(set) = &self.eval else {
+            return Ok(None);
+        };
+        let loss = set.evaluate(
+            self.backend.as_mut(),
+            &self.dp,
+            self.args.eval_batch_size(),
+            self.args.max_eval_batches,
+            precision,
+        )?;
+        Ok(Some(loss))
     }
 
     /// The free-space provider of the disk checks (default: the output filesystem's real free
@@ -346,6 +382,15 @@ impl Trainer {
         std::fs::create_dir_all(&a.output_dir)
             .map_err(|e| EngineError::io(&a.output_dir, "create the output directory", e))?;
         probe_writable(&a.output_dir)?;
+        let has_eval_set = self.eval.is_some() || a.validation_split_percentage.is_some();
+        if a.eval_strategy != EvalStrategy::No && !has_eval_set {
+            return Err(EngineError::InvalidArgument {
+                argument: "--eval-strategy".into(),
+                message: "evaluation needs an eval set; pass --eval-data DIR or \
+                          --validation-split-percentage P, or use --eval-strategy no"
+                    .into(),
+            });
+        }
 
         let (batch, seq, accum) = (
             a.per_device_train_batch_size,
@@ -353,9 +398,16 @@ impl Trainer {
             a.gradient_accumulation_steps,
         );
         let (rank, world) = (self.dp.rank(), self.dp.world_size());
+        let mut train_windows = None;
+        if let Some(percentage) = a.validation_split_percentage {
+            let (set, train) = EvalSet::held_out(self.dataset.clone(), seq, percentage)?;
+            self.eval = Some(set);
+            train_windows = Some(train);
+        }
         let loader_options = LoaderOptions {
             rank,
             world_size: world,
+            windows: train_windows,
             ..LoaderOptions::new(batch, seq, a.seed)
         };
         let probe_loader = DataLoader::with_options(self.dataset.clone(), loader_options, None)?;
@@ -570,6 +622,22 @@ impl Trainer {
                 }
                 sink.log(&record);
             }
+            if a.evaluates_at(state.global_step, total_steps, steps_per_epoch)
+                && let Some(loss) = self.evaluate(precision)?
+            {
+                let record = EvalRecord {
+                    step: state.global_step,
+                    epoch: state.global_step as f64 / steps_per_epoch as f64,
+                    eval_loss: loss.mean,
+                    eval_perplexity: loss.mean.exp(),
+                    eval_tokens: loss.tokens,
+                    precision: precision.as_str().to_string(),
+                };
+                if let Some(log) = log.as_mut() {
+                    log.write_eval(&record)?;
+                }
+                sink.eval(&record);
+            }
             // The last step's checkpoint comes after the final model (below).
             if !last && a.saves_checkpoint_at(state.global_step, total_steps) {
                 let saved = self.try_checkpoint(&state, &schedule, &scaler, sink)?;
@@ -774,10 +842,10 @@ fn trim_log(path: &Path, step: u64) -> Result<()> {
     if !path.exists() {
         return Ok(());
     }
-    let kept: Vec<String> = log::read_log(path)?
+    let kept: Vec<String> = log::read_log_lines(path)?
         .into_iter()
-        .filter(|r| r.step <= step)
-        .map(|r| serde_json::to_string(&r).expect("LogRecord serialises"))
+        .filter(|r| r.step() <= step)
+        .map(|r| serde_json::to_string(&r).expect("LogLine serialises"))
         .collect();
     let mut text = kept.join("\n");
     if !text.is_empty() {

@@ -9,13 +9,15 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
+use tilearn_engine::EngineError;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
 use tilearn_engine::params::{ParamSpec, ParamStore};
 use tilearn_engine::trainer::checkpoint::latest_checkpoint;
 use tilearn_engine::trainer::data_parallel::DEFAULT_BUCKET_CAP_MB;
 use tilearn_engine::trainer::{
-    DdpOptions, ModelInit, SaveStrategy, TrainLength, Trainer, TrainingArguments, ZeroStage, host,
+    DdpOptions, EvalStrategy, ModelInit, SaveStrategy, TrainLength, Trainer, TrainingArguments,
+    ZeroStage, host,
 };
 use tilearn_ops::DType;
 
@@ -32,6 +34,13 @@ pub enum DeviceChoice {
     Auto,
     Cpu,
     Cuda,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum EvalStrategyChoice {
+    No,
+    Steps,
+    Epoch,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -112,6 +121,29 @@ pub struct TrainArgs {
     /// Keep at most N checkpoints, deleting the oldest once a newer one is complete.
     #[arg(long)]
     pub save_total_limit: Option<usize>,
+    /// Token shards made by `tilearn prepare-data` (same tokenizer as --data) to evaluate on:
+    /// the mean token loss and perplexity, with the forward only, logged as `eval_loss`.
+    #[arg(long, conflicts_with = "validation_split_percentage")]
+    pub eval_data: Option<PathBuf>,
+    /// Hold out the last P% of the training data's windows from training and evaluate on them
+    /// (instead of --eval-data).
+    #[arg(long)]
+    pub validation_split_percentage: Option<f64>,
+    /// `steps`: evaluate every --eval-steps and after the last step; `epoch`: after every
+    /// epoch and the last step; `no`: never (default: steps with --eval-data or
+    /// --validation-split-percentage, else no).
+    #[arg(long, value_enum)]
+    pub eval_strategy: Option<EvalStrategyChoice>,
+    /// Evaluate every N optimizer steps (default: --logging-steps).
+    #[arg(long)]
+    pub eval_steps: Option<u64>,
+    /// Eval windows per batch on each device (default: the train batch size, the most the
+    /// activation memory holds).
+    #[arg(long)]
+    pub per_device_eval_batch_size: Option<usize>,
+    /// Evaluate only the first N batches of the eval set per device (default: all of it).
+    #[arg(long)]
+    pub max_eval_batches: Option<u64>,
     /// Recompute each block's forward in its backward to save activation memory.
     #[arg(long)]
     pub gradient_checkpointing: bool,
@@ -268,6 +300,11 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         Some(ranks) => ranks.rank0_first(|| open_dataset(&args, primary))?,
         None => open_dataset(&args, true)?,
     };
+    let eval_dataset = args
+        .eval_data
+        .as_deref()
+        .map(open_eval_dataset)
+        .transpose()?;
     let length = match (args.max_steps, args.num_train_epochs) {
         (Some(steps), _) => TrainLength::MaxSteps(steps),
         (None, Some(epochs)) => TrainLength::Epochs(epochs),
@@ -305,6 +342,19 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         save_dtype: args.save_dtype,
         save_total_limit: args.save_total_limit,
         gradient_checkpointing: args.gradient_checkpointing,
+        eval_strategy: match args.eval_strategy {
+            Some(EvalStrategyChoice::No) => EvalStrategy::No,
+            Some(EvalStrategyChoice::Steps) => EvalStrategy::Steps,
+            Some(EvalStrategyChoice::Epoch) => EvalStrategy::Epoch,
+            None if args.eval_data.is_some() || args.validation_split_percentage.is_some() => {
+                EvalStrategy::Steps
+            }
+            None => EvalStrategy::No,
+        },
+        eval_steps: args.eval_steps,
+        per_device_eval_batch_size: args.per_device_eval_batch_size,
+        max_eval_batches: args.max_eval_batches,
+        validation_split_percentage: args.validation_split_percentage,
         progress_bar: true,
         debug_inject_overflow: args.debug_inject_overflow.clone(),
         debug_fail_checkpoint_write: args.debug_fail_checkpoint_write.clone(),
@@ -334,6 +384,9 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
     if let (Some(ranks), Some(gradients)) = (ranks, gradients) {
         trainer.set_data_parallel(ranks.data_parallel(gradients, ddp, params)?)?;
         println!("{}", trainer.model_state_report());
+    }
+    if let Some(eval) = eval_dataset {
+        trainer.set_eval_dataset(eval)?;
     }
     trainer.set_start_time(started);
     if primary {
@@ -513,6 +566,17 @@ fn model_start(args: &TrainArgs) -> Result<(LlamaConfig, ModelInit, Recipe)> {
         )?,
     };
     Ok((config, ModelInit::Random { seed: args.seed }, FROM_SCRATCH))
+}
+
+/// The dataset of `--eval-data`; an error names the flag and the file.
+fn open_eval_dataset(dir: &Path) -> Result<TokenDataset> {
+    TokenDataset::open(dir).map_err(|e| {
+        LlmError::Engine(EngineError::InvalidArgument {
+            argument: "--eval-data".into(),
+            // The dataset's own error names the file and how to make one.
+            message: e.to_string(),
+        })
+    })
 }
 
 /// The dataset of `--data`, else the embedded corpus in `<output-dir>/data`, generated when

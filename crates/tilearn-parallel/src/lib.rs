@@ -21,6 +21,7 @@ pub mod nccl;
 pub mod process_group;
 pub mod rank_env;
 pub mod reduce;
+pub mod scalars;
 pub mod slurm;
 pub mod store;
 pub mod token;

@@ -17,6 +17,7 @@ use tilearn_ops::cpu::{
 
 use super::activations::{GradScratch, LayerActs};
 use super::layout::{LayerLayout, LinearLayout};
+use super::partial_sums::PartialSums;
 use crate::config::LlamaConfig;
 use crate::error::Result;
 
@@ -123,7 +124,9 @@ fn linear_bwd<R: Real>(
 
 /// Forward of one block from `x` (`[n, C]`) into `a`. `out` (`[n, C]`) receives the block
 /// output; `None` (recomputation inside the backward) skips `down_proj`, which the backward
-/// does not need.
+/// does not need. Under tensor parallelism `sums` completes the row-parallel `o_proj` and
+/// `down_proj` outputs before their residual adds.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn block_forward<R: Real>(
     d: &Dims,
     lay: &LayerLayout,
@@ -132,6 +135,7 @@ pub(crate) fn block_forward<R: Real>(
     x: &[R],
     a: &mut LayerActs<R>,
     out: Option<&mut [R]>,
+    sums: &dyn PartialSums<R>,
 ) -> Result<()> {
     let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
     let xn1 = &mut a.xn1[..n * c];
@@ -156,6 +160,7 @@ pub(crate) fn block_forward<R: Real>(
     attention_forward(d.attn(), qb, kb, vb, att, &mut a.lse[..n * d.q_heads])?;
     let h = &mut a.h[..n * c];
     linear_fwd(p, &lay.o, att, n, q, c, h)?;
+    sums.sum(h)?;
     add_inplace(h, x)?;
     let xn2 = &mut a.xn2[..n * c];
     rmsnorm_forward(
@@ -176,13 +181,15 @@ pub(crate) fn block_forward<R: Real>(
     swiglu_forward(gate, up, act)?;
     if let Some(out) = out {
         linear_fwd(p, &lay.down, act, n, inter, c, out)?;
+        sums.sum(out)?;
         add_inplace(out, h)?;
     }
     Ok(())
 }
 
 /// Backward of one block: `s.dres` holds d/d(out) on entry and d/d(x) on return; parameter
-/// gradients are added into `g`.
+/// gradients are added into `g`. Under tensor parallelism `sums` completes the input gradients
+/// of the column-parallel projections (gate/up, then q/k/v) before the norms' backward.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_backward<R: Real>(
     d: &Dims,
@@ -193,6 +200,7 @@ pub(crate) fn block_backward<R: Real>(
     x: &[R],
     a: &LayerActs<R>,
     s: &mut GradScratch<R>,
+    sums: &dyn PartialSums<R>,
 ) -> Result<()> {
     let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
     let dres = &mut s.dres[..n * c];
@@ -223,6 +231,7 @@ pub(crate) fn block_backward<R: Real>(
     linear_bwd(p, g, &lay.gate, dgate, xn2, n, c, inter, Some(&mut *dxn))?;
     linear_bwd(p, g, &lay.up, dup, xn2, n, c, inter, Some(&mut *dtmp))?;
     add_inplace(dxn, dtmp)?;
+    sums.sum(dxn)?;
     let post = lay.post_attention_norm.clone();
     rmsnorm_backward(
         dxn,
@@ -259,6 +268,7 @@ pub(crate) fn block_backward<R: Real>(
     add_inplace(dxn, dtmp)?;
     linear_bwd(p, g, &lay.v, dv, xn1, n, c, kv, Some(&mut *dtmp))?;
     add_inplace(dxn, dtmp)?;
+    sums.sum(dxn)?;
     let inp = lay.input_norm.clone();
     rmsnorm_backward(dxn, x, &p[inp.clone()], &a.rstd1[..n], c, dtmp, &mut g[inp])?;
     add_inplace(dres, dtmp)?; // dres = d/dx

@@ -8,7 +8,11 @@
 mod activations;
 mod block;
 mod layout;
+mod partial_sums;
+pub mod tensor_parallel;
+mod vocab_parallel;
 
+use std::ops::Range;
 use std::path::Path;
 
 use tilearn_ops::DType;
@@ -19,6 +23,7 @@ use tilearn_ops::cpu::{
 
 pub use activations::{Activations, GradScratch, LayerActs};
 pub use layout::{LayerLayout, LinearLayout, ModelLayout};
+pub use partial_sums::{PartialSums, Whole};
 
 use block::{Dims, block_backward, block_forward};
 
@@ -44,6 +49,30 @@ impl LossStats {
         } else {
             self.loss_sum / self.valid_tokens as f64
         }
+    }
+}
+
+/// How the tensors a call computes with relate to the full model's: the whole model, or one
+/// tensor-parallel rank's slices (see [`tensor_parallel`]).
+pub(crate) struct Split<'a, R> {
+    /// Completes the partial results of a rank (no-ops for the whole model).
+    pub sums: &'a dyn PartialSums<R>,
+    /// This rank's rows of the embedding and `lm_head` (the whole vocabulary when unsplit).
+    pub vocab: Range<usize>,
+    pub full_vocab: usize,
+}
+
+impl<'a, R> Split<'a, R> {
+    fn whole(vocab: usize) -> Split<'static, R> {
+        Split {
+            sums: &Whole,
+            vocab: 0..vocab,
+            full_vocab: vocab,
+        }
+    }
+
+    fn is_whole(&self) -> bool {
+        self.sums.parts() == 1
     }
 }
 
@@ -173,7 +202,7 @@ impl LlamaForCausalLM {
         acts: &'a mut Activations<R>,
     ) -> Result<&'a [R]> {
         let d = self.check_call(params, ids, batch, seq, acts)?;
-        forward(&d, params, ids, acts)?;
+        forward(&d, params, ids, acts, &Split::whole(d.vocab))?;
         Ok(&acts.logits[..d.n * d.vocab])
     }
 
@@ -189,15 +218,43 @@ impl LlamaForCausalLM {
         seq: usize,
         acts: &mut Activations<R>,
     ) -> Result<LossStats> {
+        let split = Split::whole(self.config.vocab_size);
+        self.forward_loss_split(params, ids, labels, batch, seq, acts, &split)
+    }
+
+    /// [`Self::forward_loss_with`] on this model's part of a split model.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_loss_split<R: Real>(
+        &self,
+        params: &[R],
+        ids: &[u32],
+        labels: &[i32],
+        batch: usize,
+        seq: usize,
+        acts: &mut Activations<R>,
+        split: &Split<'_, R>,
+    ) -> Result<LossStats> {
         let d = self.check_call(params, ids, batch, seq, acts)?;
         check_labels(labels, d.n)?;
         shift_targets(&mut acts.targets[..d.n], labels, seq);
-        forward(&d, params, ids, acts)?;
-        let ce =
-            cross_entropy_forward(&acts.logits[..d.n * d.vocab], &acts.targets[..d.n], d.vocab)?;
+        forward(&d, params, ids, acts, split)?;
+        let (logits, targets) = (&acts.logits[..d.n * d.vocab], &acts.targets[..d.n]);
+        let (loss_sum, valid) = if split.is_whole() {
+            let ce = cross_entropy_forward(logits, targets, d.vocab)?;
+            (ce.loss_sum, ce.valid)
+        } else {
+            let ce = vocab_parallel::cross_entropy_forward(
+                logits,
+                targets,
+                &split.vocab,
+                split.full_vocab,
+                split.sums,
+            )?;
+            (ce.loss_sum, ce.valid)
+        };
         Ok(LossStats {
-            loss_sum: ce.loss_sum,
-            valid_tokens: ce.valid,
+            loss_sum,
+            valid_tokens: valid,
         })
     }
 
@@ -214,6 +271,34 @@ impl LlamaForCausalLM {
         loss_denominator: Option<f64>,
         acts: &mut Activations<R>,
         grads: &mut [R],
+    ) -> Result<LossStats> {
+        let split = Split::whole(self.config.vocab_size);
+        self.forward_backward_split(
+            params,
+            ids,
+            labels,
+            batch,
+            seq,
+            loss_denominator,
+            acts,
+            grads,
+            &split,
+        )
+    }
+
+    /// [`Self::forward_backward_with`] on this model's part of a split model.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_backward_split<R: Real>(
+        &self,
+        params: &[R],
+        ids: &[u32],
+        labels: &[i32],
+        batch: usize,
+        seq: usize,
+        loss_denominator: Option<f64>,
+        acts: &mut Activations<R>,
+        grads: &mut [R],
+        split: &Split<'_, R>,
     ) -> Result<LossStats> {
         let d = self.check_call(params, ids, batch, seq, acts)?;
         check_labels(labels, d.n)?;
@@ -240,7 +325,7 @@ impl LlamaForCausalLM {
         };
         shift_targets(&mut acts.targets[..d.n], labels, seq);
 
-        forward(&d, params, ids, acts)?;
+        forward(&d, params, ids, acts, split)?;
 
         let Activations {
             checkpointing,
@@ -266,7 +351,20 @@ impl LlamaForCausalLM {
             0.0
         };
         let logits = &mut logits[..n * d.vocab];
-        let ce = cross_entropy_fused(logits, &targets[..n], d.vocab, grad_scale)?;
+        let (loss_sum, valid_tokens) = if split.is_whole() {
+            let ce = cross_entropy_fused(logits, &targets[..n], d.vocab, grad_scale)?;
+            (ce.loss_sum, ce.valid)
+        } else {
+            let ce = vocab_parallel::cross_entropy_fused(
+                logits,
+                &targets[..n],
+                &split.vocab,
+                split.full_vocab,
+                grad_scale,
+                split.sums,
+            )?;
+            (ce.loss_sum, ce.valid)
+        };
 
         // lm_head and final norm.
         linear_backward(
@@ -280,6 +378,7 @@ impl LlamaForCausalLM {
             &mut grads[layout.lm_head.clone()],
             None,
         )?;
+        split.sums.sum(&mut grad.dxn[..slab])?;
         rmsnorm_backward(
             &grad.dxn[..slab],
             &resid[nl * slab..(nl + 1) * slab],
@@ -295,20 +394,25 @@ impl LlamaForCausalLM {
             let a = if *checkpointing {
                 // The scratch still holds the last layer from the forward.
                 if i + 1 != nl {
-                    block_forward(&d, lay, params, rope, x, &mut layers[0], None)?;
+                    block_forward(&d, lay, params, rope, x, &mut layers[0], None, split.sums)?;
                 }
                 &layers[0]
             } else {
                 &layers[i]
             };
-            block_backward(&d, lay, params, grads, rope, x, a, grad)?;
+            block_backward(&d, lay, params, grads, rope, x, a, grad, split.sums)?;
         }
-        embedding_backward(ids, &grad.dres[..slab], c, &mut grads[layout.embed.clone()])?;
+        let dembed = &mut grads[layout.embed.clone()];
+        if split.is_whole() {
+            embedding_backward(ids, &grad.dres[..slab], c, dembed)?;
+        } else {
+            vocab_parallel::embedding_backward(ids, &grad.dres[..slab], &split.vocab, c, dembed);
+        }
 
-        debug_assert_eq!(ce.valid, valid);
+        debug_assert_eq!(valid_tokens, valid);
         Ok(LossStats {
-            loss_sum: ce.loss_sum,
-            valid_tokens: ce.valid,
+            loss_sum,
+            valid_tokens,
         })
     }
 
@@ -382,8 +486,15 @@ fn invalid(argument: &str, message: String) -> EngineError {
     }
 }
 
-/// Forward through the final norm and `lm_head` into `acts.logits`.
-fn forward<R: Real>(d: &Dims, params: &[R], ids: &[u32], acts: &mut Activations<R>) -> Result<()> {
+/// Forward through the final norm and `lm_head` into `acts.logits` (this rank's vocabulary
+/// columns when split).
+fn forward<R: Real>(
+    d: &Dims,
+    params: &[R],
+    ids: &[u32],
+    acts: &mut Activations<R>,
+    split: &Split<'_, R>,
+) -> Result<()> {
     let Activations {
         layout,
         rope,
@@ -397,14 +508,27 @@ fn forward<R: Real>(d: &Dims, params: &[R], ids: &[u32], acts: &mut Activations<
     let (n, c) = (d.n, d.c);
     let slab = n * c;
     let nl = layout.layers.len();
-    embedding_forward(ids, &params[layout.embed.clone()], c, &mut resid[..slab])?;
+    let table = &params[layout.embed.clone()];
+    if split.is_whole() {
+        embedding_forward(ids, table, c, &mut resid[..slab])?;
+    } else {
+        vocab_parallel::embedding_forward(
+            ids,
+            table,
+            &split.vocab,
+            split.full_vocab,
+            c,
+            split.sums,
+            &mut resid[..slab],
+        )?;
+    }
     let single = layers.len() == 1;
     for (i, lay) in layout.layers.iter().enumerate() {
         let (before, after) = resid.split_at_mut((i + 1) * slab);
         let x = &before[i * slab..];
         let out = &mut after[..slab];
         let a = &mut layers[if single { 0 } else { i }];
-        block_forward(d, lay, params, rope, x, a, Some(out))?;
+        block_forward(d, lay, params, rope, x, a, Some(out), split.sums)?;
     }
     rmsnorm_forward(
         &resid[nl * slab..(nl + 1) * slab],

@@ -100,8 +100,9 @@ pub trait StepBackend {
 
     /// Clips the global gradient norm to `max_norm` (0 = no clipping); returns the norm before
     /// clipping. A backend that clips inside its optimizer kernel returns 0 here and reports
-    /// the norm from [`StepBackend::optimizer_step`].
-    fn clip_grad_norm(&mut self, max_norm: f64) -> f64;
+    /// the norm from [`StepBackend::optimizer_step`]. Collective where the model is split
+    /// over ranks (tensor parallelism).
+    fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64>;
 
     /// Applies the optimizer with learning rate `lr`; returns the pre-clip gradient norm when
     /// the backend measured it inside the step.
@@ -111,8 +112,15 @@ pub trait StepBackend {
     /// evaluation and tests, never used by saves).
     fn model(&mut self) -> Result<&LlamaForCausalLM>;
 
-    /// The parameters' tensors (Hugging Face names, shapes, flat ranges).
+    /// The parameters' tensors (Hugging Face names, shapes, flat ranges) of the flat buffers
+    /// this backend holds.
     fn specs(&self) -> &[ParamSpec];
+
+    /// The tensors of the model [`StepBackend::save_model`] writes: the whole model's, where
+    /// this backend holds only slices of it (tensor parallelism).
+    fn saved_specs(&self) -> &[ParamSpec] {
+        self.specs()
+    }
 
     /// Writes the current weights as a Hugging Face model directory (`config.json` from
     /// `config`, weights in `dtype`, sharded above `max_shard_bytes`), streamed tensor by

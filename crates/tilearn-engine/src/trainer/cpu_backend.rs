@@ -140,12 +140,12 @@ impl StepBackend for CpuBackend {
         ))
     }
 
-    fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
-        if max_norm > 0.0 {
+    fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
+        Ok(if max_norm > 0.0 {
             tilearn_optim::clip_grad_norm(&mut self.grads, max_norm)
         } else {
             tilearn_optim::global_grad_norm(&self.grads)
-        }
+        })
     }
 
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {

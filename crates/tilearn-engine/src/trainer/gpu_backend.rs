@@ -226,12 +226,12 @@ impl StepBackend for GpuBackend {
         self.gpu.unscale_and_check(inv_scale)
     }
 
-    fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
+    fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
         debug_assert_eq!(
             max_norm, self.max_grad_norm,
             "clipping is configured at build"
         );
-        0.0
+        Ok(0.0)
     }
 
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {

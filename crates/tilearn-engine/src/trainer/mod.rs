@@ -21,6 +21,7 @@ pub mod optimizer_file;
 pub mod optimizer_shards;
 mod saving;
 pub mod state;
+pub mod tensor_parallel;
 pub mod zero;
 
 use std::path::{Path, PathBuf};
@@ -86,6 +87,9 @@ pub struct Trainer {
     dp: DataParallel,
     /// The held-out set evaluated as `args.eval_strategy` says.
     eval: Option<EvalSet>,
+    /// This rank's place in the tensor-parallel group its data-parallel rank is split over
+    /// (`0` of `1` unless [`Trainer::set_tensor_parallel`]).
+    tp_rank: usize,
 }
 
 /// Observes progress (the CLI's progress bar); called after every optimizer step.
@@ -224,6 +228,7 @@ impl Trainer {
             space: Arc::new(FilesystemSpace),
             started: Instant::now(),
             eval: None,
+            tp_rank: 0,
         })
     }
 
@@ -292,6 +297,29 @@ impl Trainer {
         }
         self.dp = dp;
         Ok(())
+    }
+
+    /// Trains as tensor-parallel rank `rank` of `size` (the backend holds that rank's slices;
+    /// [`Self::set_data_parallel`] then spans the ranks holding the same slices). Only rank 0
+    /// of the group writes files; the final model is gathered from every rank.
+    pub fn set_tensor_parallel(&mut self, rank: usize, size: usize) -> Result<()> {
+        if size > 1 && self.args.checkpoints_between(0, u64::MAX) > 0 {
+            return Err(EngineError::InvalidArgument {
+                argument: "--save-steps".into(),
+                message: "resumable checkpoints of a tensor-parallel run are not supported yet \
+                          (the final model is saved, gathered from every rank); use \
+                          --save-strategy no"
+                    .into(),
+            });
+        }
+        self.tp_rank = rank;
+        Ok(())
+    }
+
+    /// Whether this rank writes the run's files (the log, the model, checkpoints): rank 0 of
+    /// data parallelism and of tensor parallelism.
+    fn writes_files(&self) -> bool {
+        self.dp.is_primary() && self.tp_rank == 0
     }
 
     /// This rank's place in data parallelism.
@@ -452,7 +480,7 @@ impl Trainer {
             tokens_seen: 0,
             windows_per_batch: Some(windows_per_batch),
         };
-        let primary = self.dp.is_primary();
+        let primary = self.writes_files();
         if let Some(dir) = resume {
             state = self.restore(dir, &mut scaler)?;
             state.max_steps = total_steps;
@@ -656,8 +684,9 @@ impl Trainer {
         sink.finish();
         let elapsed = run_start.elapsed().as_secs_f64();
         // The final model first: a checkpoint that cannot be written never costs the model.
-        // Rank 0 holds every weight (ZeRO all-gathers them after each step) and writes it once.
-        let final_save_seconds = if primary {
+        // Rank 0 holds every weight (ZeRO all-gathers them after each step) and writes it once;
+        // under tensor parallelism every rank of its group takes part (the model is gathered).
+        let final_save_seconds = if self.dp.is_primary() {
             self.save_final_model(sink)?
         } else {
             0.0

@@ -35,7 +35,7 @@ impl Trainer {
 
     fn save_sizes(&self) -> SaveSizes {
         SaveSizes::new(
-            self.backend.specs(),
+            self.backend.saved_specs(),
             self.model_dtype(),
             self.args.save_only_model,
         )

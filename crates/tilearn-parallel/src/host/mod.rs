@@ -7,6 +7,8 @@ pub mod mesh;
 pub mod ring;
 #[cfg(feature = "cuda")]
 pub mod staging;
+pub mod threads;
 
 pub use communicator::HostCommunicator;
 pub use mesh::MeshOptions;
+pub use threads::run_on_threads;

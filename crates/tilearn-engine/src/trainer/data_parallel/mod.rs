@@ -240,21 +240,15 @@ impl DataParallel {
         text
     }
 
-    /// Gathers 8-byte values (as two f32 bit patterns each, never added) from every rank, in
-    /// rank order.
+    /// Gathers 8-byte values from every rank, in rank order (see [`tilearn_parallel::scalars`]).
     fn gather_words(&self, value: u64) -> Result<Vec<u64>> {
-        let Some(c) = &self.comms else {
-            return Ok(vec![value]);
-        };
-        let (rank, world) = (c.scalars.rank(), c.scalars.world_size());
-        let mut slots = vec![0f32; 2 * world];
-        let words: [f32; 2] = bytemuck::cast(value);
-        slots[2 * rank..2 * rank + 2].copy_from_slice(&words);
-        c.scalars.all_gather(BufferMut::from(&mut slots))?.wait()?;
-        Ok(slots
-            .chunks_exact(2)
-            .map(|w| bytemuck::cast([w[0], w[1]]))
-            .collect())
+        match &self.comms {
+            Some(c) => Ok(tilearn_parallel::scalars::gather_words(
+                c.scalars.as_ref(),
+                value,
+            )?),
+            None => Ok(vec![value]),
+        }
     }
 
     /// The sum over the ranks of a count (exact).
@@ -448,7 +442,7 @@ impl DataParallel {
     /// ZeRO the owned shards' sums of squares are summed over the ranks first.
     pub fn clip_grad_norm(&self, backend: &mut dyn StepBackend, max_norm: f64) -> Result<f64> {
         if !self.is_sharded() {
-            return Ok(backend.clip_grad_norm(max_norm));
+            return backend.clip_grad_norm(max_norm);
         }
         let owned = self.owned();
         let local = backend.grad_sum_of_squares(owned.clone())?;

@@ -80,7 +80,9 @@ impl Setup {
         let (config, data) = (self.path("tiny.json"), self.path("gen/data"));
         let mut cmd = Command::new(support::bin("tilearn", env!("CARGO_BIN_EXE_tilearn")));
         cmd.env_remove("OMP_NUM_THREADS")
-            .env_remove("TILEARN_HYBRID_ZERO_STAGE");
+            .env_remove("TILEARN_HYBRID_ZERO_STAGE")
+            .env_remove("TILEARN_HYBRID_TP_SIZE")
+            .env_remove("TILEARN_HYBRID_PP_SIZE");
         if ranks > 0 {
             cmd.args([
                 "launch",
@@ -122,6 +124,9 @@ impl Setup {
 }
 
 const TOLERANCE: f32 = 1e-5;
+
+/// See `tensor_parallel_alone_and_with_data_parallel_and_zero_equal_one_process`.
+const TP_TOLERANCE: f32 = 2e-4;
 
 fn log(dir: &str) -> Vec<serde_json::Value> {
     std::fs::read_to_string(PathBuf::from(dir).join("train_log.jsonl"))
@@ -457,4 +462,94 @@ fn two_ranks_evaluate_the_same_eval_loss_as_one_process() {
         assert_eq!(x.2, 20 * 31, "20 windows of 31 targets");
         assert!((x.1 - y.1).abs() < 1e-5, "eval_loss {} vs {}", x.1, y.1);
     }
+}
+
+/// Tensor parallelism through the real launcher: tp 2 alone, and tp 2 × dp 2 with ZeRO-1 inside
+/// the data-parallel groups (4 ranks), against one process with the same global batch. The tiny
+/// model has one kv head, so tp 2 replicates it, and its vocabulary of 257 splits 129 + 128.
+///
+/// The split reorders many more f32 sums than data parallelism does (the row-parallel products,
+/// the sums of exponentials per vocabulary slice), so the gradients differ by ~1e-7 relative (the
+/// engine's `tensor_parallel` test checks them tensor by tensor). AdamW's update
+/// `m / (√v + 1e-8)` turns that into up to ~5e-5 on the few weights whose gradients are near
+/// 1e-8 (observed 4.7e-5, in an up_proj, after 4 steps at lr 1e-2), hence TP_TOLERANCE; the
+/// logged loss and gradient norm (the norm counts replicated tensors once) must agree to 1e-6
+/// relative at every step, and a wrong slice or a missed reduction moves weights by ~lr.
+#[test]
+fn tensor_parallel_alone_and_with_data_parallel_and_zero_equal_one_process() {
+    let s = Setup::new();
+    for (ranks, extra, one_accum) in [
+        (2, &["--tp-size", "2"][..], "1"),
+        (4, &["--tp-size", "2", "--zero-stage", "1"][..], "2"),
+    ] {
+        let (one, split) = (
+            s.path(&format!("one{ranks}")),
+            s.path(&format!("tp{ranks}")),
+        );
+        s.train(
+            0,
+            &one,
+            &with(NO_SAVES, &["--gradient-accumulation-steps", one_accum]),
+        );
+        let stdout = s.train(ranks, &split, &with(NO_SAVES, extra));
+        let dp = ranks / 2;
+        assert!(
+            stdout.contains(&format!("hybrid parallel: tp 2 × dp {dp} × pp 1")),
+            "{stdout}"
+        );
+        let diff = max_abs_diff(&weights(&one), &weights(&split));
+        assert!(diff <= TP_TOLERANCE, "{ranks} ranks: max |Δw| = {diff}");
+        for (a, b) in log(&one).iter().zip(log(&split)) {
+            for key in ["loss", "grad_norm"] {
+                let (a, b) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
+                assert!((a - b).abs() <= 1e-6 * a.abs(), "{key} {a} vs {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn tensor_parallel_size_comes_from_the_environment_and_bad_layouts_are_named() {
+    let s = Setup::new();
+    let out = s.path("env");
+    let stdout = ok(s
+        .command(2, &out, &["--max-steps", "1", "--save-strategy", "no"])
+        .env("TILEARN_HYBRID_TP_SIZE", "2")
+        .output()
+        .unwrap());
+    assert!(stdout.contains("hybrid parallel: tp 2 × dp 1"), "{stdout}");
+    let refused = |ranks: usize, extra: &[&str], env: Option<&str>, expected: &str| {
+        let mut cmd = s.command(ranks, &s.path("refused"), extra);
+        if let Some(value) = env {
+            cmd.env("TILEARN_HYBRID_TP_SIZE", value);
+        }
+        let output = cmd.output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(!output.status.success(), "{text}");
+        assert!(text.contains(expected), "expected `{expected}` in: {text}");
+    };
+    refused(
+        2,
+        &["--tp-size", "3"],
+        None,
+        "does not divide the 2 launched ranks",
+    );
+    refused(
+        0,
+        &["--tp-size", "2"],
+        None,
+        "does not divide the 1 launched ranks",
+    );
+    refused(0, &[], Some("two"), "TILEARN_HYBRID_TP_SIZE");
+    refused(2, &["--pp-size", "2"], None, "--pp-size 1");
+    refused(
+        2,
+        &["--tp-size", "2", "--save-steps", "2"],
+        None,
+        "--save-strategy no",
+    );
 }

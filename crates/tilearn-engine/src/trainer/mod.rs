@@ -316,6 +316,12 @@ impl Trainer {
         Ok(())
     }
 
+    /// The number of parameters this rank's backend holds (its slices under tensor
+    /// parallelism): the length of the flat buffers data parallelism reduces.
+    pub fn local_parameter_count(&self) -> usize {
+        self.backend.specs().iter().map(ParamSpec::numel).sum()
+    }
+
     /// Whether this rank writes the run's files (the log, the model, checkpoints): rank 0 of
     /// data parallelism and of tensor parallelism.
     fn writes_files(&self) -> bool {

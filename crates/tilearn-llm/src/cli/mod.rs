@@ -5,6 +5,7 @@ mod bench_gpu;
 mod bench_loop;
 mod ctr;
 mod eval;
+mod hybrid;
 mod info;
 mod launch;
 mod prepare;

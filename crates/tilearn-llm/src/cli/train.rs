@@ -15,12 +15,14 @@ use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
 use tilearn_engine::params::{ParamSpec, ParamStore};
 use tilearn_engine::trainer::checkpoint::latest_checkpoint;
 use tilearn_engine::trainer::data_parallel::DEFAULT_BUCKET_CAP_MB;
+use tilearn_engine::trainer::tensor_parallel::TensorParallelCpuBackend;
 use tilearn_engine::trainer::{
-    DdpOptions, EvalStrategy, ModelInit, SaveStrategy, TrainLength, Trainer, TrainingArguments,
-    ZeroStage, host,
+    DataParallel, DdpOptions, EvalStrategy, ModelInit, SaveStrategy, TrainLength, Trainer,
+    TrainingArguments, ZeroStage, adamw_for, host,
 };
 use tilearn_ops::DType;
 
+use super::hybrid::{HybridGroups, HybridSizes};
 use super::topology::BindCores;
 use super::train_ranks::{DdpBackend, Quiet, Ranks};
 use crate::{LlmError, Result};
@@ -227,6 +229,14 @@ pub struct TrainArgs {
     /// 2 also the gradients; 0 is plain data parallel. Default: TILEARN_HYBRID_ZERO_STAGE, else 0.
     #[arg(long)]
     pub zero_stage: Option<String>,
+    /// Tensor parallelism: split every layer's matrices, the embedding and the loss over this
+    /// many consecutive ranks (Megatron-style; CPU engine). Default: TILEARN_HYBRID_TP_SIZE,
+    /// else 1. Data parallelism spans the launched ranks / tp.
+    #[arg(long)]
+    pub tp_size: Option<usize>,
+    /// Pipeline parallelism (default: TILEARN_HYBRID_PP_SIZE, else 1); only 1 runs so far.
+    #[arg(long)]
+    pub pp_size: Option<usize>,
 }
 
 /// Defaults that differ between fine-tuning (Hugging Face's) and training from scratch (a recipe
@@ -290,6 +300,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
     };
     ddp.validate()?;
     let trains_on_gpu = choose_device(args.device)?;
+    let hybrid = hybrid_sizes(&args, ranks, trains_on_gpu)?;
     let amp = amp_plan(&args, trains_on_gpu)?;
     // Before anything spawns threads (rayon's pool, the loader): they inherit the main thread's
     // CPU mask.
@@ -374,6 +385,37 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
             ranks,
             args.ddp_backend,
         )?
+    } else if let (Some(sizes), Some(ranks)) = (hybrid.filter(|h| h.tp > 1), ranks) {
+        let groups = HybridGroups::new(&sizes, ranks.host.as_ref())?;
+        let tp = groups
+            .tp
+            .expect("a tensor-parallel size above 1 has a group");
+        let (batch, seq, recompute) = (
+            training.per_device_train_batch_size,
+            training.seq_len,
+            training.gradient_checkpointing,
+        );
+        let full = init.build_host(config.clone())?;
+        let backend = TensorParallelCpuBackend::new(
+            &full,
+            tp,
+            |local| adamw_for(&training, local),
+            batch,
+            seq,
+            recompute,
+        )?;
+        drop(full);
+        let mut trainer =
+            Trainer::with_backend(training, config.clone(), Box::new(backend), dataset)?;
+        trainer.set_tensor_parallel(sizes.tp_rank, sizes.tp)?;
+        if let Some(dp) = groups.dp {
+            let local = trainer.local_parameter_count();
+            trainer.set_data_parallel(DataParallel::new(dp.clone(), dp, ddp, local)?)?;
+        }
+        if primary {
+            println!("{}", sizes.describe());
+        }
+        (trainer, None)
     } else {
         let trainer = Trainer::new(training, init.build_host(config.clone())?, dataset)?;
         let gradients = ranks
@@ -409,6 +451,36 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         print_summary(&summary);
     }
     Ok(())
+}
+
+/// The 3D layout of a launched run (`None` alone); tensor parallelism needs a launcher and the
+/// CPU engine.
+fn hybrid_sizes(
+    args: &TrainArgs,
+    ranks: Option<&Ranks>,
+    trains_on_gpu: bool,
+) -> Result<Option<HybridSizes>> {
+    let Some(ranks) = ranks else {
+        // A plain run is one rank: any size above 1 needs `tilearn launch`.
+        let alone = HybridSizes::new(args.tp_size, args.pp_size, 0, 1)?;
+        debug_assert_eq!(alone.tp, 1);
+        return Ok(None);
+    };
+    let sizes = HybridSizes::new(
+        args.tp_size,
+        args.pp_size,
+        ranks.group.rank(),
+        ranks.group.world_size(),
+    )?;
+    if sizes.tp > 1 && trains_on_gpu {
+        return Err(LlmError::Usage {
+            flag: "--tp-size".into(),
+            message: "tensor parallelism runs on the CPU engine so far; add --device cpu (or \
+                      use data parallelism on the GPUs)"
+                .into(),
+        });
+    }
+    Ok(Some(sizes))
 }
 
 fn print_model_line(config: &LlamaConfig, params: usize, trainer: &Trainer) {

@@ -1,0 +1,187 @@
+//! The 3D layout of a launched job: tensor-parallel size (`--tp-size`, else
+//! `TILEARN_HYBRID_TP_SIZE`), pipeline-parallel size (`--pp-size`, else `TILEARN_HYBRID_PP_SIZE`)
+//! and data parallelism over the rest, as Tilearn-Angel's `TILEARN_HYBRID_*` variables say.
+//!
+//! Rank layout (Megatron's): tensor parallelism innermost, then data, then pipeline:
+//! `rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank`, so a tensor-parallel group is `tp`
+//! consecutive ranks (one node's fast links) and a data-parallel group holds the ranks with the
+//! same slices.
+
+use std::sync::Arc;
+
+use tilearn_parallel::Communicator;
+
+use crate::{LlmError, Result};
+
+/// `--tp-size`'s variable.
+pub const TP_SIZE_ENV: &str = "TILEARN_HYBRID_TP_SIZE";
+/// `--pp-size`'s variable.
+pub const PP_SIZE_ENV: &str = "TILEARN_HYBRID_PP_SIZE";
+
+fn usage(flag: &str, message: String) -> LlmError {
+    LlmError::Usage {
+        flag: flag.into(),
+        message,
+    }
+}
+
+/// A size from its flag, else its environment variable, else 1.
+fn size_from(flag: Option<usize>, flag_name: &str, env: &str) -> Result<usize> {
+    let size = match (flag, std::env::var(env)) {
+        (Some(n), _) => n,
+        (None, Ok(text)) if !text.trim().is_empty() => text.trim().parse().map_err(|_| {
+            usage(
+                env,
+                format!("`{text}` is not a positive integer; set it to 1, 2, 4, …"),
+            )
+        })?,
+        _ => 1,
+    };
+    if size == 0 {
+        return Err(usage(flag_name, "must be at least 1".into()));
+    }
+    Ok(size)
+}
+
+/// The sizes of the three dimensions and this rank's coordinates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HybridSizes {
+    pub tp: usize,
+    pub pp: usize,
+    pub dp: usize,
+    pub tp_rank: usize,
+    pub dp_rank: usize,
+    pub pp_rank: usize,
+}
+
+impl HybridSizes {
+    /// The layout of rank `rank` of `world` ranks.
+    pub fn new(
+        tp_flag: Option<usize>,
+        pp_flag: Option<usize>,
+        rank: usize,
+        world: usize,
+    ) -> Result<HybridSizes> {
+        let tp = size_from(tp_flag, "--tp-size", TP_SIZE_ENV)?;
+        let pp = size_from(pp_flag, "--pp-size", PP_SIZE_ENV)?;
+        if pp > 1 {
+            return Err(usage(
+                "--pp-size",
+                "pipeline parallelism is not available in training yet (its schedules are \
+                 planned with `tilearn plan`); use --pp-size 1"
+                    .into(),
+            ));
+        }
+        if !world.is_multiple_of(tp * pp) {
+            return Err(usage(
+                "--tp-size",
+                format!(
+                    "tp {tp} × pp {pp} = {} does not divide the {world} launched ranks; launch \
+                     a multiple of it (--nproc-per-node × --nnodes)",
+                    tp * pp
+                ),
+            ));
+        }
+        let dp = world / (tp * pp);
+        Ok(HybridSizes {
+            tp,
+            pp,
+            dp,
+            tp_rank: rank % tp,
+            dp_rank: rank / tp % dp,
+            pp_rank: rank / (tp * dp),
+        })
+    }
+
+    /// The ranks of each tensor-parallel group, in the order every rank creates them.
+    fn tp_groups(&self) -> Vec<Vec<usize>> {
+        let blocks = self.dp * self.pp;
+        (0..blocks)
+            .map(|b| (b * self.tp..(b + 1) * self.tp).collect())
+            .collect()
+    }
+
+    /// The ranks of each data-parallel group (same pipeline stage, same slices).
+    fn dp_groups(&self) -> Vec<Vec<usize>> {
+        let mut groups = Vec::new();
+        for pp in 0..self.pp {
+            for tp in 0..self.tp {
+                groups.push(
+                    (0..self.dp)
+                        .map(|dp| pp * self.dp * self.tp + dp * self.tp + tp)
+                        .collect(),
+                );
+            }
+        }
+        groups
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "hybrid parallel: tp {} × dp {} × pp {} (this rank: tp {}, dp {}, pp {})",
+            self.tp, self.dp, self.pp, self.tp_rank, self.dp_rank, self.pp_rank
+        )
+    }
+}
+
+/// This rank's communicators of the layout: its tensor-parallel group and its data-parallel
+/// group (`None` where the dimension is 1).
+pub struct HybridGroups {
+    pub tp: Option<Arc<dyn Communicator>>,
+    pub dp: Option<Arc<dyn Communicator>>,
+}
+
+impl HybridGroups {
+    /// Collective over `world`: every rank creates every group, in the same order.
+    pub fn new(sizes: &HybridSizes, world: &dyn Communicator) -> Result<HybridGroups> {
+        let mine = |groups: Vec<Vec<usize>>, wanted: bool| -> Result<_> {
+            let mut found: Option<Arc<dyn Communicator>> = None;
+            for ranks in groups {
+                if let Some(group) = world.new_group(&ranks)? {
+                    found = Some(Arc::from(group));
+                }
+            }
+            Ok(found.filter(|_| wanted))
+        };
+        let tp = mine(sizes.tp_groups(), sizes.tp > 1)?;
+        let dp = mine(sizes.dp_groups(), sizes.dp > 1)?;
+        Ok(HybridGroups { tp, dp })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_parallel_is_innermost_then_data_then_pipeline() {
+        let coords: Vec<_> = (0..8)
+            .map(|r| {
+                let s = HybridSizes::new(Some(2), Some(1), r, 8).unwrap();
+                (s.tp_rank, s.dp_rank, s.pp_rank)
+            })
+            .collect();
+        assert_eq!(coords[0], (0, 0, 0));
+        assert_eq!(coords[1], (1, 0, 0));
+        assert_eq!(coords[2], (0, 1, 0));
+        assert_eq!(coords[7], (1, 3, 0));
+        let s = HybridSizes::new(Some(2), Some(1), 0, 8).unwrap();
+        assert_eq!(s.tp_groups()[1], vec![2, 3]);
+        assert_eq!(s.dp_groups()[1], vec![1, 3, 5, 7]);
+    }
+
+    #[test]
+    fn sizes_that_do_not_fit_the_world_are_refused() {
+        let err = HybridSizes::new(Some(3), None, 0, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("does not divide the 4 launched ranks"),
+            "{err}"
+        );
+        let err = HybridSizes::new(Some(0), None, 0, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--tp-size"), "{err}");
+    }
+}

@@ -32,7 +32,7 @@ fn buildable() -> Vec<Schedule> {
         match Schedule::build(kind, p, m) {
             Ok(schedule) => built.push(schedule),
             Err(ScheduleError::Config { field, reason, .. })
-                if is_interleaved(kind) && m % p != 0 =>
+                if is_interleaved(kind) && !m.is_multiple_of(p) =>
             {
                 assert_eq!(field, "micro_batches");
                 assert!(reason.contains(&format!("multiple of {p}")), "{reason}");
@@ -71,24 +71,33 @@ fn every_schedule_validates_and_simulates_without_deadlock() {
 
 #[test]
 fn simulated_bubble_equals_the_formula_exactly() {
-    // Forward 1, backward 2, free p2p: every time is a whole number, so idle and busy sums are
-    // exact and their quotient rounds like the formula's (p-1)/(m·v): equality, no tolerance. It
-    // holds for every m, also m < p (where 1F1B degenerates to GPipe), and for interleaving.
+    // Whole-number forward and backward costs and free p2p: every time is a whole number, so idle
+    // and busy sums are exact and their quotient rounds like the formula's (p-1)/(m·v): equality,
+    // no tolerance. It holds for every m, also m < p (where 1F1B degenerates to GPipe), for
+    // interleaving, and whatever the backward/forward ratio.
     for s in buildable() {
-        let t = s.simulate(&Costs::default()).unwrap();
         let formula = (s.stages - 1) as f64 / (s.micro_batches * s.model_chunks()) as f64;
         assert_eq!(s.bubble_fraction_formula(), formula);
-        assert_eq!(
-            t.bubble_fraction(),
-            formula,
-            "{} p={} m={}",
-            s.kind,
-            s.stages,
-            s.micro_batches
-        );
-        // Per stage too: each computes the same, so each idles (p-1)/(m·v) of its busy time.
-        for stage in 0..s.stages {
-            assert_eq!(t.idle(stage) / t.busy(stage), formula);
+        for (forward, backward) in [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0)] {
+            let costs = Costs {
+                forward,
+                backward,
+                p2p: 0.0,
+            };
+            let t = s.simulate(&costs).unwrap();
+            let label = format!(
+                "{} p={} m={} F={forward} B={backward}",
+                s.kind, s.stages, s.micro_batches
+            );
+            assert_eq!(t.bubble_fraction(), formula, "{label}");
+            // Per stage too: each computes the same, so each idles (p-1)/(m·v) of its busy time.
+            for stage in 0..s.stages {
+                assert_eq!(
+                    t.idle(stage) / t.busy(stage),
+                    formula,
+                    "{label} stage {stage}"
+                );
+            }
         }
     }
 }

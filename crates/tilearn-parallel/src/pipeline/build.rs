@@ -23,7 +23,7 @@ impl Schedule {
             ScheduleKind::GPipe => gpipe::steps(stages, micro_batches),
             ScheduleKind::OneFOneB => one_f_one_b::steps(stages, micro_batches),
             ScheduleKind::Interleaved { virtual_stages } => {
-                if micro_batches % stages != 0 {
+                if !micro_batches.is_multiple_of(stages) {
                     let below = micro_batches / stages * stages;
                     let above = below + stages;
                     let nearest = if below == 0 {

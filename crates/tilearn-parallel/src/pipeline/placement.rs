@@ -11,9 +11,9 @@
 //! strictly increase, and the partners of every operation sit in batches of the same tick. If
 //! every batch of tick `< t` has finished, every stage reaches its batch of tick `t` (what runs in
 //! between needs only data that arrived earlier), so all partners of that batch are posted and it
-//! finishes too; by induction every batch does. For 1F1B this reproduces Megatron's pairing
-//! (send_forward_recv_backward, send_backward_recv_forward); for interleaving, Megatron's one
-//! batch per steady step.
+//! finishes too; by induction every batch does. In 1F1B's steady phase this gives Megatron's
+//! pairs (send_forward_recv_backward, send_backward_recv_forward); with interleaving, Megatron's
+//! one batch of up to four operations per steady step.
 
 use std::collections::BTreeMap;
 

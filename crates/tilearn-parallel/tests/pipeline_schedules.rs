@@ -144,6 +144,15 @@ fn sizes_that_cannot_work_are_rejected_by_name() {
          needs a multiple of 4 (as Megatron does): use 4 or 8"
     );
     assert!(err(ScheduleKind::Interleaved { virtual_stages: 2 }, 4, 3).ends_with("use 4"));
+    // Sizes nobody means fail before anything is allocated for them.
+    assert!(err(ScheduleKind::GPipe, 8, usize::MAX).starts_with("micro_batches = "));
+    assert!(err(ScheduleKind::OneFOneB, usize::MAX / 2, 4).contains("a schedule may hold"));
+    let mut hand_made = Schedule::build(ScheduleKind::GPipe, 4, 4).unwrap();
+    hand_made.actions.pop();
+    assert_eq!(
+        hand_made.validate().unwrap_err().to_string(),
+        "actions = 3: one program per stage is needed, and there are 4 stages"
+    );
     let s = Schedule::build(ScheduleKind::OneFOneB, 2, 2).unwrap();
     for (costs, field) in [
         (

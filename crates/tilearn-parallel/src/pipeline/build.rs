@@ -12,13 +12,8 @@ impl Schedule {
     /// (= gradient accumulation steps). Interleaving needs `micro_batches` to be a multiple of
     /// `stages` (as Megatron does) and at least 1 virtual stage.
     pub fn build(kind: ScheduleKind, stages: usize, micro_batches: usize) -> Result<Schedule> {
-        let mut schedule = Schedule {
-            kind,
-            stages,
-            micro_batches,
-            actions: vec![Vec::new(); stages],
-        };
-        let shape: Shape = schedule.checked_shape()?;
+        // The sizes are checked before anything is allocated for them.
+        let shape: Shape = Schedule::checked_sizes(kind, stages, micro_batches)?;
         let steps = match kind {
             ScheduleKind::GPipe => gpipe::steps(stages, micro_batches),
             ScheduleKind::OneFOneB => one_f_one_b::steps(stages, micro_batches),
@@ -44,7 +39,12 @@ impl Schedule {
                 interleaved::steps(stages, micro_batches, virtual_stages)
             }
         };
-        schedule.actions = placement::place(shape, &steps)?;
+        let schedule = Schedule {
+            kind,
+            stages,
+            micro_batches,
+            actions: placement::place(shape, &steps)?,
+        };
         schedule.validate()?;
         Ok(schedule)
     }

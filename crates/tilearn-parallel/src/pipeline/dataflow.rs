@@ -132,45 +132,79 @@ impl Shape {
     }
 }
 
+/// The most (stage, micro-batch, chunk) triples a schedule may have: far beyond any real
+/// pipeline (8 stages x 4096 micro-batches x 8 chunks is 2^18), small enough to lay out.
+const MAX_COMPUTES: usize = 1 << 24;
+
 impl Schedule {
-    /// The schedule's sizes, after checking they can describe a pipeline at all.
+    /// The schedule's sizes, after checking they can describe a pipeline at all and that there is
+    /// one program per stage.
     pub(crate) fn checked_shape(&self) -> Result<Shape> {
+        let shape = Schedule::checked_sizes(self.kind, self.stages, self.micro_batches)?;
+        if self.actions.len() != self.stages {
+            return Err(ScheduleError::Config {
+                field: "actions",
+                value: self.actions.len().to_string(),
+                reason: format!(
+                    "one program per stage is needed, and there are {} stages",
+                    self.stages
+                ),
+            });
+        }
+        Ok(shape)
+    }
+
+    /// The sizes of a `kind` schedule over `stages` and `micro_batches`, or what is wrong with
+    /// them.
+    pub(crate) fn checked_sizes(
+        kind: ScheduleKind,
+        stages: usize,
+        micro_batches: usize,
+    ) -> Result<Shape> {
         let config = |field, value: usize, reason: &str| ScheduleError::Config {
             field,
             value: value.to_string(),
             reason: reason.to_string(),
         };
-        if self.stages == 0 {
+        if stages == 0 {
             return Err(config("stages", 0, "a pipeline needs at least 1 stage"));
         }
-        if self.micro_batches == 0 {
+        if micro_batches == 0 {
             return Err(config(
                 "micro_batches",
                 0,
                 "a step needs at least 1 micro-batch (micro-batches = gradient accumulation steps)",
             ));
         }
-        if let ScheduleKind::Interleaved { virtual_stages: 0 } = self.kind {
+        let chunks = match kind {
+            ScheduleKind::Interleaved { virtual_stages: 0 } => {
+                return Err(config(
+                    "virtual_stages",
+                    0,
+                    "interleaving needs at least 1 model chunk per stage",
+                ));
+            }
+            ScheduleKind::Interleaved { virtual_stages } => virtual_stages,
+            ScheduleKind::GPipe | ScheduleKind::OneFOneB => 1,
+        };
+        // Every check allocates per (stage, chunk, micro-batch); refuse what cannot be meant.
+        let computes = stages
+            .checked_mul(micro_batches)
+            .and_then(|n| n.checked_mul(chunks));
+        if computes.is_none_or(|n| n > MAX_COMPUTES) {
             return Err(config(
-                "virtual_stages",
-                0,
-                "interleaving needs at least 1 model chunk per stage",
-            ));
-        }
-        if self.actions.len() != self.stages {
-            return Err(config(
-                "actions",
-                self.actions.len(),
+                "micro_batches",
+                micro_batches,
                 &format!(
-                    "one program per stage is needed, and there are {} stages",
-                    self.stages
+                    "{stages} stages x {micro_batches} micro-batches x {chunks} chunks is over the \
+                     {MAX_COMPUTES} (stage, micro-batch, chunk) a schedule may hold"
                 ),
             ));
         }
         Ok(Shape {
-            stages: self.stages,
-            micro_batches: self.micro_batches,
-            chunks: self.model_chunks(),
+            stages,
+            micro_batches,
+            chunks,
         })
     }
 }

@@ -13,7 +13,8 @@ pub enum ScheduleKind {
     OneFOneB,
     /// Megatron's interleaved 1F1B: each rank holds `virtual_stages` model chunks; global chunk
     /// `chunk * stages + stage` lives on `stage`, and micro-batches go through a chunk in groups of
-    /// `stages`.
+    /// `stages`. With 1 virtual stage it is Megatron's interleaved code path on one chunk: the
+    /// same bubble as 1F1B, a deeper warm-up (`2 (p - s - 1)` forwards).
     Interleaved { virtual_stages: usize },
 }
 

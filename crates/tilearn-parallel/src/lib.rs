@@ -6,6 +6,8 @@
 //! * [`store`]: the rendezvous key-value store.
 //! * [`RankEnv`]: who this process is, read from `tilearn launch`, torchrun or Slurm variables.
 //! * [`launch`]: the launcher behind `tilearn launch`.
+//! * [`pipeline`]: pipeline-parallel schedules as data (GPipe, 1F1B, interleaved 1F1B), their
+//!   checks, simulation and timeline.
 
 pub mod buffer;
 pub mod communicator;
@@ -18,6 +20,7 @@ pub mod host;
 pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod pipeline;
 pub mod process_group;
 pub mod rank_env;
 pub mod reduce;

@@ -8,10 +8,16 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use crate::buffer::{Buffer, BufferMut};
+use crate::buffer::{Buffer, BufferMut, HostSlice, HostSliceMut};
 use crate::error::{ParallelError, Result};
 use crate::reduce::ReduceOp;
 use crate::work::Work;
+
+/// One operation of [`Communicator::batch_p2p`].
+pub enum P2pOp<'a> {
+    Send { buf: HostSlice<'a>, peer: usize },
+    Recv { buf: HostSliceMut<'a>, peer: usize },
+}
 
 /// The default communication timeout (`--comm-timeout`), as torch.distributed's.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -50,6 +56,22 @@ pub trait Communicator: Send + Sync {
     /// In place: shard `j` of `buf` goes to rank `j`, and shard `j` is replaced by what rank `j`
     /// sent to this rank.
     fn all_to_all<'a>(&'a self, buf: BufferMut<'a>) -> Result<Work<'a>>;
+
+    /// Runs point-to-point operations together and returns once all are done (NCCL's group
+    /// calls, torch's `batch_isend_irecv`): a rank may send to a peer that is itself sending to
+    /// it in the same batch. Messages between two ranks are matched in the order each side
+    /// lists them; pipeline schedules pair them so (see [`crate::pipeline`]). Host buffers.
+    fn batch_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        let _ = ops;
+        Err(ParallelError::Usage {
+            flag: "batch_p2p".into(),
+            reason: format!(
+                "the {} backend does not run batched point-to-point operations yet; use the \
+                 host backend",
+                self.backend()
+            ),
+        })
+    }
 
     /// Returns once every rank of the group has entered the barrier.
     fn barrier(&self) -> Result<()>;

@@ -32,7 +32,7 @@ pub mod wire;
 pub mod work;
 
 pub use buffer::{Buffer, BufferMut, CommElement, HostSlice, HostSliceMut};
-pub use communicator::Communicator;
+pub use communicator::{Communicator, P2pOp};
 pub use error::{ParallelError, Result};
 pub use process_group::{GroupOptions, ProcessGroup};
 pub use rank_env::RankEnv;

@@ -9,6 +9,7 @@ mod activations;
 mod block;
 mod layout;
 mod partial_sums;
+mod stage;
 pub mod tensor_parallel;
 mod vocab_parallel;
 
@@ -16,16 +17,14 @@ use std::ops::Range;
 use std::path::Path;
 
 use tilearn_ops::DType;
-use tilearn_ops::cpu::{
-    IGNORE_INDEX, Real, cross_entropy_forward, cross_entropy_fused, embedding_backward,
-    embedding_forward, linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward,
-};
+use tilearn_ops::cpu::{IGNORE_INDEX, Real, cross_entropy_forward};
 
 pub use activations::{Activations, GradScratch, LayerActs};
 pub use layout::{LayerLayout, LinearLayout, ModelLayout};
 pub use partial_sums::{PartialSums, Whole};
 
-use block::{Dims, block_backward, block_forward};
+use block::Dims;
+use stage::{StageParts, stage_backward, stage_forward};
 
 use crate::checkpoint;
 use crate::config::LlamaConfig;
@@ -325,94 +324,23 @@ impl LlamaForCausalLM {
         };
         shift_targets(&mut acts.targets[..d.n], labels, seq);
 
-        forward(&d, params, ids, acts, split)?;
-
-        let Activations {
-            checkpointing,
-            layout,
-            rope,
-            resid,
-            layers,
-            final_rstd,
-            final_xn,
-            logits,
-            targets,
-            grad,
-            ..
-        } = acts;
-        let (n, c) = (d.n, d.c);
-        let slab = n * c;
-        let nl = layout.layers.len();
-
-        // Cross entropy in place: logits become d(loss_sum / denominator)/d(logits).
+        let layout = acts.layout.clone();
+        let parts = StageParts::whole(&layout);
+        stage_forward(&d, &parts, params, ids, None, acts, split)?;
+        // The gradients of loss_sum / denominator.
         let grad_scale = if denominator > 0.0 {
             1.0 / denominator
         } else {
             0.0
         };
-        let logits = &mut logits[..n * d.vocab];
-        let (loss_sum, valid_tokens) = if split.is_whole() {
-            let ce = cross_entropy_fused(logits, &targets[..n], d.vocab, grad_scale)?;
-            (ce.loss_sum, ce.valid)
-        } else {
-            let ce = vocab_parallel::cross_entropy_fused(
-                logits,
-                &targets[..n],
-                &split.vocab,
-                split.full_vocab,
-                grad_scale,
-                split.sums,
-            )?;
-            (ce.loss_sum, ce.valid)
-        };
-
-        // lm_head and final norm.
-        linear_backward(
-            logits,
-            &final_xn[..slab],
-            &params[layout.lm_head.clone()],
-            n,
-            c,
-            d.vocab,
-            Some(&mut grad.dxn[..slab]),
-            &mut grads[layout.lm_head.clone()],
-            None,
-        )?;
-        split.sums.sum(&mut grad.dxn[..slab])?;
-        rmsnorm_backward(
-            &grad.dxn[..slab],
-            &resid[nl * slab..(nl + 1) * slab],
-            &params[layout.norm.clone()],
-            &final_rstd[..n],
-            c,
-            &mut grad.dres[..slab],
-            &mut grads[layout.norm.clone()],
-        )?;
-
-        for (i, lay) in layout.layers.iter().enumerate().rev() {
-            let x = &resid[i * slab..(i + 1) * slab];
-            let a = if *checkpointing {
-                // The scratch still holds the last layer from the forward.
-                if i + 1 != nl {
-                    block_forward(&d, lay, params, rope, x, &mut layers[0], None, split.sums)?;
-                }
-                &layers[0]
-            } else {
-                &layers[i]
-            };
-            block_backward(&d, lay, params, grads, rope, x, a, grad, split.sums)?;
-        }
-        let dembed = &mut grads[layout.embed.clone()];
-        if split.is_whole() {
-            embedding_backward(ids, &grad.dres[..slab], c, dembed)?;
-        } else {
-            vocab_parallel::embedding_backward(ids, &grad.dres[..slab], &split.vocab, c, dembed);
-        }
-
-        debug_assert_eq!(valid_tokens, valid);
+        let loss = stage_backward(
+            &d, &parts, params, grads, ids, None, grad_scale, acts, split,
+        )?
+        .expect("the whole model ends with the loss");
+        debug_assert_eq!(loss.valid, valid);
         Ok(LossStats {
-            loss_sum,
-            valid_tokens,
+            loss_sum: loss.loss_sum,
+            valid_tokens: loss.valid,
         })
     }
 
@@ -495,57 +423,14 @@ fn forward<R: Real>(
     acts: &mut Activations<R>,
     split: &Split<'_, R>,
 ) -> Result<()> {
-    let Activations {
-        layout,
-        rope,
-        resid,
-        layers,
-        final_rstd,
-        final_xn,
-        logits,
-        ..
-    } = acts;
-    let (n, c) = (d.n, d.c);
-    let slab = n * c;
-    let nl = layout.layers.len();
-    let table = &params[layout.embed.clone()];
-    if split.is_whole() {
-        embedding_forward(ids, table, c, &mut resid[..slab])?;
-    } else {
-        vocab_parallel::embedding_forward(
-            ids,
-            table,
-            &split.vocab,
-            split.full_vocab,
-            c,
-            split.sums,
-            &mut resid[..slab],
-        )?;
-    }
-    let single = layers.len() == 1;
-    for (i, lay) in layout.layers.iter().enumerate() {
-        let (before, after) = resid.split_at_mut((i + 1) * slab);
-        let x = &before[i * slab..];
-        let out = &mut after[..slab];
-        let a = &mut layers[if single { 0 } else { i }];
-        block_forward(d, lay, params, rope, x, a, Some(out), split.sums)?;
-    }
-    rmsnorm_forward(
-        &resid[nl * slab..(nl + 1) * slab],
-        &params[layout.norm.clone()],
-        c,
-        d.eps,
-        &mut final_xn[..slab],
-        &mut final_rstd[..n],
-    )?;
-    linear_forward(
-        &final_xn[..slab],
-        &params[layout.lm_head.clone()],
+    let layout = acts.layout.clone();
+    stage_forward(
+        d,
+        &StageParts::whole(&layout),
+        params,
+        ids,
         None,
-        n,
-        c,
-        d.vocab,
-        &mut logits[..n * d.vocab],
-    )?;
-    Ok(())
+        acts,
+        split,
+    )
 }

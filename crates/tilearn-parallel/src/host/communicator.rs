@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::buffer::{Buffer, BufferMut, HostSlice, HostSliceMut};
-use crate::communicator::{Communicator, check_group_ranks};
+use crate::communicator::{Communicator, P2pOp, check_group_ranks};
 use crate::error::{ParallelError, Result};
 use crate::host::collectives;
 use crate::host::mesh::{Mesh, MeshOptions, OpCode};
@@ -250,6 +250,75 @@ impl Communicator for HostCommunicator {
     fn all_to_all<'a>(&'a self, buf: BufferMut<'a>) -> Result<Work<'a>> {
         self.in_place(buf, OpCode::AllToAll, "all_to_all", collectives::all_to_all)?;
         Ok(Work::completed())
+    }
+
+    fn batch_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        for op in ops.iter() {
+            let (P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. }) = op;
+            self.check_member("batch_p2p", *peer)?;
+        }
+        let _mesh = lock(&self.mesh.op_lock);
+        // Every message's sequence number, in list order per peer and direction.
+        let seqs: Vec<u64> = {
+            let mut s = lock(&self.sequence);
+            ops.iter()
+                .map(|op| match op {
+                    P2pOp::Send { peer, .. } => {
+                        s.p2p_send[*peer] += 1;
+                        s.p2p_send[*peer]
+                    }
+                    P2pOp::Recv { peer, .. } => {
+                        s.p2p_recv[*peer] += 1;
+                        s.p2p_recv[*peer]
+                    }
+                })
+                .collect()
+        };
+        let mut sends: Vec<(usize, u64, &HostSlice<'_>)> = Vec::new();
+        let mut recvs: Vec<(usize, u64, &mut HostSliceMut<'_>)> = Vec::new();
+        for (op, &seq) in ops.iter_mut().zip(&seqs) {
+            match op {
+                P2pOp::Send { buf, peer } => sends.push((*peer, seq, buf)),
+                P2pOp::Recv { buf, peer } => recvs.push((*peer, seq, buf)),
+            }
+        }
+        let mut peers: Vec<usize> = sends.iter().map(|s| s.0).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        // One sender thread per peer (its messages in order on its stream), receives here: a
+        // send that fills the socket's buffer never stops this rank from receiving.
+        std::thread::scope(|scope| {
+            let senders: Vec<_> = peers
+                .iter()
+                .map(|&peer| {
+                    let mine: Vec<_> = sends.iter().filter(|s| s.0 == peer).collect();
+                    scope.spawn(move || -> Result<()> {
+                        for (peer, seq, buf) in mine {
+                            let ring = self.ring(OpCode::SendRecv, "send", *seq);
+                            collectives::send(&ring, **buf, *peer)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            let mut received = Ok(());
+            for (peer, seq, buf) in recvs.iter_mut() {
+                let ring = self.ring(OpCode::SendRecv, "recv", *seq);
+                received = collectives::recv(&ring, buf.reborrow(), *peer);
+                if received.is_err() {
+                    break;
+                }
+            }
+            let mut sent = Ok(());
+            for sender in senders {
+                let result = sender
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                sent = sent.and(result);
+            }
+            // A dead peer usually fails both; the receive names the rank we were waiting on.
+            received.and(sent)
+        })
     }
 
     fn barrier(&self) -> Result<()> {

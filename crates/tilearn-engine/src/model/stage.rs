@@ -1,0 +1,253 @@
+//! The forward and backward of a run of consecutive decoder layers, with the embedding in front
+//! when the run starts the model and the final norm, `lm_head` and loss behind when it ends it.
+//! The whole model is the run that does both; a pipeline stage's chunk is any run, taking its
+//! input activations from the previous stage and handing the gradient of its input back.
+//!
+//! Gradient convention as in [`super::block`]: parameter gradients are added (`+=`); after
+//! [`stage_backward`], `acts.grad.dres` holds d(loss)/d(input of the run) (written).
+
+use std::ops::Range;
+
+use tilearn_ops::cpu::{
+    Real, embedding_backward, embedding_forward, linear_backward, linear_forward, rmsnorm_backward,
+    rmsnorm_forward,
+};
+
+use super::activations::Activations;
+use super::block::{Dims, block_backward, block_forward};
+use super::layout::LayerLayout;
+use super::{Split, vocab_parallel};
+use crate::error::{EngineError, Result};
+
+/// Which parameters a run holds, as ranges of its flat buffer.
+pub(crate) struct StageParts<'a> {
+    /// The embedding, when the run starts the model.
+    pub embed: Option<&'a Range<usize>>,
+    pub layers: &'a [LayerLayout],
+    /// The final norm and `lm_head`, when the run ends the model.
+    pub head: Option<(&'a Range<usize>, &'a Range<usize>)>,
+}
+
+impl<'a> StageParts<'a> {
+    /// The whole model: embedding, every layer, head.
+    pub fn whole(layout: &'a super::ModelLayout) -> StageParts<'a> {
+        StageParts {
+            embed: Some(&layout.embed),
+            layers: &layout.layers,
+            head: Some((&layout.norm, &layout.lm_head)),
+        }
+    }
+}
+
+/// Sum of token losses of the rows this call computed.
+pub(crate) struct StageLoss {
+    pub loss_sum: f64,
+    pub valid: usize,
+}
+
+fn missing(what: &str) -> EngineError {
+    EngineError::InvalidArgument {
+        argument: what.into(),
+        message: "a stage without the embedding needs the previous stage's activations (and \
+                  one without the head the next stage's gradient)"
+            .into(),
+    }
+}
+
+/// Forward of the run into `acts` (block inputs in `acts.resid`, logits when it ends the model).
+/// `input` is the previous stage's output `[n, C]` unless the run starts with the embedding.
+pub(crate) fn stage_forward<R: Real>(
+    d: &Dims,
+    parts: &StageParts<'_>,
+    params: &[R],
+    ids: &[u32],
+    input: Option<&[R]>,
+    acts: &mut Activations<R>,
+    split: &Split<'_, R>,
+) -> Result<()> {
+    let Activations {
+        rope,
+        resid,
+        layers,
+        final_rstd,
+        final_xn,
+        logits,
+        ..
+    } = acts;
+    let (n, c) = (d.n, d.c);
+    let slab = n * c;
+    let nl = parts.layers.len();
+    match (parts.embed, input) {
+        (Some(embed), _) => {
+            let table = &params[embed.clone()];
+            if split.is_whole() {
+                embedding_forward(ids, table, c, &mut resid[..slab])?;
+            } else {
+                vocab_parallel::embedding_forward(
+                    ids,
+                    table,
+                    &split.vocab,
+                    split.full_vocab,
+                    c,
+                    split.sums,
+                    &mut resid[..slab],
+                )?;
+            }
+        }
+        (None, Some(x)) => resid[..slab].copy_from_slice(&x[..slab]),
+        (None, None) => return Err(missing("input")),
+    }
+    let single = layers.len() == 1;
+    for (i, lay) in parts.layers.iter().enumerate() {
+        let (before, after) = resid.split_at_mut((i + 1) * slab);
+        let x = &before[i * slab..];
+        let out = &mut after[..slab];
+        let a = &mut layers[if single { 0 } else { i }];
+        block_forward(d, lay, params, rope, x, a, Some(out), split.sums)?;
+    }
+    if let Some((norm, lm_head)) = parts.head {
+        rmsnorm_forward(
+            &resid[nl * slab..(nl + 1) * slab],
+            &params[norm.clone()],
+            c,
+            d.eps,
+            &mut final_xn[..slab],
+            &mut final_rstd[..n],
+        )?;
+        linear_forward(
+            &final_xn[..slab],
+            &params[lm_head.clone()],
+            None,
+            n,
+            c,
+            d.vocab,
+            &mut logits[..n * d.vocab],
+        )?;
+    }
+    Ok(())
+}
+
+/// The run's output `[n, C]` after [`stage_forward`] (the next stage's input).
+pub(crate) fn stage_output<'a, R: Real>(
+    d: &Dims,
+    parts: &StageParts<'_>,
+    acts: &'a Activations<R>,
+) -> &'a [R] {
+    let slab = d.n * d.c;
+    let nl = parts.layers.len();
+    &acts.resid[nl * slab..(nl + 1) * slab]
+}
+
+/// Backward of the run after its [`stage_forward`]. When it ends the model the loss comes from
+/// the shifted targets in `acts.targets` with gradient scale `grad_scale`; otherwise `dout` is
+/// the next stage's gradient of this run's output. Returns the loss when the run computed it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_backward<R: Real>(
+    d: &Dims,
+    parts: &StageParts<'_>,
+    params: &[R],
+    grads: &mut [R],
+    ids: &[u32],
+    dout: Option<&[R]>,
+    grad_scale: f64,
+    acts: &mut Activations<R>,
+    split: &Split<'_, R>,
+) -> Result<Option<StageLoss>> {
+    let Activations {
+        checkpointing,
+        rope,
+        resid,
+        layers,
+        final_rstd,
+        final_xn,
+        logits,
+        targets,
+        grad,
+        ..
+    } = acts;
+    let (n, c) = (d.n, d.c);
+    let slab = n * c;
+    let nl = parts.layers.len();
+
+    let loss = match (parts.head, dout) {
+        (Some((norm, lm_head)), _) => {
+            // Cross entropy in place: logits become d(loss_sum · grad_scale)/d(logits).
+            let logits = &mut logits[..n * d.vocab];
+            let loss = if split.is_whole() {
+                let ce = tilearn_ops::cpu::cross_entropy_fused(
+                    logits,
+                    &targets[..n],
+                    d.vocab,
+                    grad_scale,
+                )?;
+                StageLoss {
+                    loss_sum: ce.loss_sum,
+                    valid: ce.valid,
+                }
+            } else {
+                let ce = vocab_parallel::cross_entropy_fused(
+                    logits,
+                    &targets[..n],
+                    &split.vocab,
+                    split.full_vocab,
+                    grad_scale,
+                    split.sums,
+                )?;
+                StageLoss {
+                    loss_sum: ce.loss_sum,
+                    valid: ce.valid,
+                }
+            };
+            linear_backward(
+                logits,
+                &final_xn[..slab],
+                &params[lm_head.clone()],
+                n,
+                c,
+                d.vocab,
+                Some(&mut grad.dxn[..slab]),
+                &mut grads[lm_head.clone()],
+                None,
+            )?;
+            split.sums.sum(&mut grad.dxn[..slab])?;
+            rmsnorm_backward(
+                &grad.dxn[..slab],
+                &resid[nl * slab..(nl + 1) * slab],
+                &params[norm.clone()],
+                &final_rstd[..n],
+                c,
+                &mut grad.dres[..slab],
+                &mut grads[norm.clone()],
+            )?;
+            Some(loss)
+        }
+        (None, Some(g)) => {
+            grad.dres[..slab].copy_from_slice(&g[..slab]);
+            None
+        }
+        (None, None) => return Err(missing("dout")),
+    };
+
+    for (i, lay) in parts.layers.iter().enumerate().rev() {
+        let x = &resid[i * slab..(i + 1) * slab];
+        let a = if *checkpointing {
+            // The scratch still holds the last layer from the forward.
+            if i + 1 != nl {
+                block_forward(d, lay, params, rope, x, &mut layers[0], None, split.sums)?;
+            }
+            &layers[0]
+        } else {
+            &layers[i]
+        };
+        block_backward(d, lay, params, grads, rope, x, a, grad, split.sums)?;
+    }
+    if let Some(embed) = parts.embed {
+        let dembed = &mut grads[embed.clone()];
+        if split.is_whole() {
+            embedding_backward(ids, &grad.dres[..slab], c, dembed)?;
+        } else {
+            vocab_parallel::embedding_backward(ids, &grad.dres[..slab], &split.vocab, c, dembed);
+        }
+    }
+    Ok(loss)
+}

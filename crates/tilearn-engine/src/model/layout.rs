@@ -34,7 +34,40 @@ impl LinearLayout {
     }
 }
 
+/// The range of tensor `name` in `specs`.
+pub(crate) fn find(specs: &[ParamSpec], name: &str) -> Option<Range<usize>> {
+    specs.iter().find(|s| s.name == name).map(ParamSpec::range)
+}
+
 impl LayerLayout {
+    /// Where decoder layer `i` (Hugging Face index) lies in the buffer of `specs`, or `None` if
+    /// a tensor of it is missing.
+    pub(crate) fn find(specs: &[ParamSpec], i: usize, config: &LlamaConfig) -> Option<LayerLayout> {
+        let p = layer_prefix(i);
+        let linear = |name: &str, bias: bool| -> Option<LinearLayout> {
+            Some(LinearLayout {
+                weight: find(specs, &format!("{p}.{name}.weight"))?,
+                bias: if bias {
+                    Some(find(specs, &format!("{p}.{name}.bias"))?)
+                } else {
+                    None
+                },
+            })
+        };
+        let (ab, mb) = (config.attention_bias, config.mlp_bias);
+        Some(LayerLayout {
+            q: linear("self_attn.q_proj", ab)?,
+            k: linear("self_attn.k_proj", ab)?,
+            v: linear("self_attn.v_proj", ab)?,
+            o: linear("self_attn.o_proj", ab)?,
+            gate: linear("mlp.gate_proj", mb)?,
+            up: linear("mlp.up_proj", mb)?,
+            down: linear("mlp.down_proj", mb)?,
+            input_norm: find(specs, &format!("{p}.input_layernorm.weight"))?,
+            post_attention_norm: find(specs, &format!("{p}.post_attention_layernorm.weight"))?,
+        })
+    }
+
     /// The smallest range of the flat buffer holding all of this layer's parameters.
     pub fn span(&self) -> Range<usize> {
         let linears = [
@@ -68,31 +101,12 @@ impl ModelLayout {
     pub fn from_config(config: &LlamaConfig) -> ModelLayout {
         let specs = ParamStore::specs_for(config);
         let r = |name: &str| -> Range<usize> {
-            specs
-                .iter()
-                .find(|s| s.name == name)
-                .map(ParamSpec::range)
-                .expect("specs_for lists every tensor the layout names")
+            find(&specs, name).expect("specs_for lists every tensor the layout names")
         };
-        let linear = |name: String, bias: bool| LinearLayout {
-            weight: r(&format!("{name}.weight")),
-            bias: bias.then(|| r(&format!("{name}.bias"))),
-        };
-        let (ab, mb) = (config.attention_bias, config.mlp_bias);
         let layers = (0..config.num_hidden_layers)
             .map(|i| {
-                let p = layer_prefix(i);
-                LayerLayout {
-                    q: linear(format!("{p}.self_attn.q_proj"), ab),
-                    k: linear(format!("{p}.self_attn.k_proj"), ab),
-                    v: linear(format!("{p}.self_attn.v_proj"), ab),
-                    o: linear(format!("{p}.self_attn.o_proj"), ab),
-                    gate: linear(format!("{p}.mlp.gate_proj"), mb),
-                    up: linear(format!("{p}.mlp.up_proj"), mb),
-                    down: linear(format!("{p}.mlp.down_proj"), mb),
-                    input_norm: r(&format!("{p}.input_layernorm.weight")),
-                    post_attention_norm: r(&format!("{p}.post_attention_layernorm.weight")),
-                }
+                LayerLayout::find(&specs, i, config)
+                    .expect("specs_for lists every tensor the layout names")
             })
             .collect();
         let embed = r("model.embed_tokens.weight");

@@ -50,16 +50,11 @@ fn assert_clean_error(out: &Output, needles: &[&str]) {
 }
 
 fn plan_json(model: &Path, memory: &str, extra: &[&str]) -> serde_json::Value {
-    let mut args = vec![
-        "plan",
-        "--model",
-        model.to_str().unwrap(),
-        "--gpus",
-        "8",
-        "--gpu-memory",
-        memory,
-        "--json",
-    ];
+    let mut args = vec!["plan", "--model", model.to_str().unwrap()];
+    if !extra.contains(&"--gpus") {
+        args.extend_from_slice(&["--gpus", "8"]);
+    }
+    args.extend_from_slice(&["--gpu-memory", memory, "--json"]);
     args.extend_from_slice(extra);
     let out = support::ok(tilearn(&args));
     serde_json::from_str(out.trim())
@@ -132,10 +127,16 @@ fn the_table_names_the_recommendation_and_its_environment() {
         "3",
     ]));
     assert!(out.contains("| # | TP | PP |"), "{out}");
-    let rows = out
+    // The three fastest, numbered; the recommendation marked (after a "…" row when it is not
+    // among them).
+    let numbers: Vec<&str> = out
         .lines()
-        .filter(|l| l.starts_with("| ") && !l.starts_with("| #"));
-    assert_eq!(rows.count(), 3, "{out}");
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| #") && !l.starts_with("| …"))
+        .map(|l| l.split('|').nth(1).unwrap().trim().trim_end_matches(" ◀"))
+        .collect();
+    assert_eq!(&numbers[..3], ["1", "2", "3"], "{out}");
+    assert!(numbers.len() <= 4, "{out}");
+    assert_eq!(out.matches('◀').count(), 2, "the legend and one row: {out}");
     assert!(out.contains("recommended: TP="), "{out}");
     assert!(out.contains("TILEARN_HYBRID_TP_SIZE="), "{out}");
     assert!(out.contains("predictions"), "{out}");

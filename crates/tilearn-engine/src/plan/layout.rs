@@ -149,7 +149,7 @@ pub fn split_heads(config: &LlamaConfig, tp: usize) -> Result<HeadSplit, String>
             "{hq} attention heads cannot be split over TP={tp}; use a TP that divides {hq}"
         ));
     }
-    if config.intermediate_size % tp != 0 {
+    if !config.intermediate_size.is_multiple_of(tp) {
         return Err(format!(
             "intermediate_size {} cannot be split over TP={tp}; use a TP that divides it",
             config.intermediate_size
@@ -161,7 +161,7 @@ pub fn split_heads(config: &LlamaConfig, tp: usize) -> Result<HeadSplit, String>
             kv_heads: hkv / tp,
             kv_replicated: false,
         })
-    } else if tp % hkv == 0 {
+    } else if tp.is_multiple_of(hkv) {
         Ok(HeadSplit {
             q_heads: hq / tp,
             kv_heads: 1,

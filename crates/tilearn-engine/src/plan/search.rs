@@ -97,7 +97,7 @@ fn invalid(argument: &str, message: String) -> EngineError {
 }
 
 fn divisors(n: usize) -> impl Iterator<Item = usize> {
-    (1..=n).filter(move |d| n % d == 0)
+    (1..=n).filter(move |d| n.is_multiple_of(*d))
 }
 
 /// Evaluates `layout`: its worst rank's memory and its step.
@@ -152,11 +152,11 @@ pub fn layouts(hw: &Hardware, config: &LlamaConfig, request: &PlanRequest) -> Ve
             continue;
         }
         for pp in divisors(world / tp) {
-            if config.num_hidden_layers % pp != 0 {
+            if !config.num_hidden_layers.is_multiple_of(pp) {
                 continue;
             }
             let dp = world / (tp * pp);
-            if request.global_batch % dp != 0 {
+            if !request.global_batch.is_multiple_of(dp) {
                 continue;
             }
             let per_rank = request.global_batch / dp;
@@ -173,15 +173,15 @@ pub fn layouts(hw: &Hardware, config: &LlamaConfig, request: &PlanRequest) -> Ve
                 &[ShardStage::Zero0]
             };
             for v in [1, 2] {
-                if v > 1 && (pp == 1 || (config.num_hidden_layers / pp) % v != 0) {
+                if v > 1 && (pp == 1 || !(config.num_hidden_layers / pp).is_multiple_of(v)) {
                     continue;
                 }
                 for &b in &micro_batches {
-                    if per_rank % b != 0 {
+                    if !per_rank.is_multiple_of(b) {
                         continue;
                     }
                     let m = per_rank / b;
-                    if v > 1 && m % pp != 0 {
+                    if v > 1 && !m.is_multiple_of(pp) {
                         continue;
                     }
                     for &zero in stages {
@@ -210,7 +210,7 @@ fn check_request(hw: &Hardware, request: &PlanRequest) -> Result<()> {
     if hw.gpus == 0 {
         return Err(invalid("--gpus", "must be at least 1".into()));
     }
-    if hw.gpus_per_node == 0 || hw.gpus % hw.gpus_per_node != 0 {
+    if hw.gpus_per_node == 0 || !hw.gpus.is_multiple_of(hw.gpus_per_node) {
         return Err(invalid(
             "--nnodes",
             format!(

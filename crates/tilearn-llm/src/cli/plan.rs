@@ -97,7 +97,7 @@ fn load_config(model: &Path) -> Result<LlamaConfig> {
 
 pub fn run(args: PlanArgs) -> Result<()> {
     let config = load_config(&args.model)?;
-    if args.nnodes == 0 || args.gpus % args.nnodes != 0 {
+    if args.nnodes == 0 || !args.gpus.is_multiple_of(args.nnodes) {
         return Err(LlmError::Usage {
             flag: "--nnodes".into(),
             message: format!(

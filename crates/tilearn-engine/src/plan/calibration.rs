@@ -10,9 +10,12 @@ use crate::config::LlamaConfig;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Memory predictions stay within this relative error of the measured peaks.
-const MEMORY_BOUND: f64 = 0.05;
-/// Step-time predictions stay within this relative error of the measured steps.
+/// Memory predictions stay within this relative error of the measured peaks (observed: 0.3 %;
+/// the bound is tight so that an engine change to what it allocates shows up here).
+const MEMORY_BOUND: f64 = 0.02;
+/// Step-time predictions stay within this relative error of the measured steps (observed: up
+/// to 13.9 %, the long-context runs, where attention runs faster than at the 2048-token shape
+/// its rates were measured at).
 const TIME_BOUND: f64 = 0.15;
 
 struct Measured {
@@ -153,7 +156,8 @@ fn predictions() -> Vec<(&'static str, f64, f64, f64, f64)> {
 fn memory_and_step_time_match_the_measured_runs() {
     let mut failures = Vec::new();
     println!(
-        "| run | predicted GiB | measured GiB | error | predicted tokens/s | measured | error |"
+        "| run | predicted GiB | measured GiB | memory error | predicted tokens/s | measured \
+         tokens/s | step-time error |"
     );
     for (what, gib, measured_gib, tps, measured_tps) in predictions() {
         let mem_err = gib / measured_gib - 1.0;

@@ -273,7 +273,8 @@ fn rank(
 }
 
 /// The fewest GPUs (`hw`'s count times a power of two up to 64, same GPUs per node) on which
-/// some layout fits, with the global batch rounded up to a multiple of them.
+/// some layout fits, with the global batch rounded up to a multiple of them, and the layout
+/// recommended there.
 fn fewest_gpus_that_fit(
     config: &LlamaConfig,
     hw: &Hardware,
@@ -292,7 +293,7 @@ fn fewest_gpus_that_fit(
             ..*request
         };
         let (_, fits, _) = rank(config, &bigger, &request);
-        fits.first().map(|c| (gpus, *c))
+        recommend(&fits).map(|c| (gpus, c))
     })
 }
 
@@ -321,16 +322,18 @@ pub fn plan(config: &LlamaConfig, hw: &Hardware, request: &PlanRequest) -> Resul
     let Some(recommended) = recommend(&ranked) else {
         let leanest = leanest.map_or_else(String::new, |c| {
             format!(
-                "; the leanest layout ({}) needs {:.1} GiB per GPU",
+                "; the leanest layout ({}) needs {:.1} GiB per GPU plus {:.1} GiB kept free \
+                 for the CUDA context",
                 c.layout.describe(),
-                (c.memory_total + hw.reserved_bytes) / GIB
+                c.memory_total / GIB,
+                hw.reserved_bytes / GIB
             )
         });
         let more = fewest_gpus_that_fit(config, hw, request).map_or_else(String::new, |(n, c)| {
             format!(
                 "; {n} GPUs would fit it ({}, {:.1} GiB per GPU)",
                 c.layout.describe(),
-                (c.memory_total + hw.reserved_bytes) / GIB
+                c.memory_total / GIB
             )
         });
         return Err(invalid(

@@ -25,7 +25,8 @@ pub struct PlanArgs {
     /// Nodes the GPUs are spread over (tensor parallelism stays inside a node).
     #[arg(long, default_value_t = 1)]
     pub nnodes: usize,
-    /// Memory of one GPU, with a unit: 141GiB (H200), 80GiB (H100), 81559MiB, 144GB.
+    /// Memory of one GPU, with a unit: 141GiB (H200), 80GiB (H100), 81559MiB, 144GB. The
+    /// compute and bandwidth rates are the H200's whatever the memory (an H100 computes alike).
     #[arg(long, default_value = "141GiB", value_parser = parse_memory)]
     pub gpu_memory: f64,
     /// Tokens per sequence (default: 4096, or the model's max_position_embeddings if smaller).

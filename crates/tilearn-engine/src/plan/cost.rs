@@ -283,3 +283,92 @@ pub fn step_cost(
         mfu,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::layout::split_heads;
+    use crate::plan::shard::rank_params;
+
+    const GIB: f64 = (1u64 << 30) as f64;
+
+    fn config() -> LlamaConfig {
+        let json = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
+            "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+            "num_key_value_heads": 4, "vocab_size": 32000}"#;
+        LlamaConfig::from_json_str(json, "test.json").unwrap()
+    }
+
+    fn layout(tp: usize, pp: usize, v: usize, dp: usize, m: usize) -> Layout {
+        Layout {
+            tp,
+            pp,
+            virtual_stages: v,
+            dp,
+            zero: ShardStage::Zero1,
+            micro_batch: 2,
+            micro_batches: m,
+            checkpointing: false,
+        }
+    }
+
+    fn step(hw: &Hardware, c: &LlamaConfig, l: &Layout) -> (StepCost, MicroBatchCost) {
+        let w = RankWidths::new(c, split_heads(c, l.tp).unwrap(), l.tp);
+        let ranks: Vec<_> = StagePosition::ends(l.pp)
+            .into_iter()
+            .map(|p| (p, rank_params(c, w, l, p)))
+            .collect();
+        let layers = l.layers_per_rank(c);
+        let slowest = ranks
+            .iter()
+            .map(|(p, r)| micro_batch_cost(hw, w, l, r, layers, 512, *p))
+            .max_by(|a, b| a.total_s().total_cmp(&b.total_s()))
+            .unwrap();
+        let tokens = (l.dp * l.micro_batch * l.micro_batches * 512) as f64;
+        (step_cost(hw, c, w, l, &ranks, 512, tokens, 1), slowest)
+    }
+
+    #[test]
+    fn collectives_and_efficiency_by_hand() {
+        let hw = Hardware::h200(8, 1, 141.0 * GIB);
+        let bus = hw.intra_node_bus_bytes_per_s;
+        assert_eq!(all_reduce_s(&hw, 1e9, 1, bus), 0.0);
+        let expected = 20e-6 + 2.0 * 7.0 / 8.0 * 1e9 / 360e9;
+        assert!((all_reduce_s(&hw, 1e9, 8, bus) - expected).abs() < 1e-15);
+        let expected = 20e-6 + 3.0 / 4.0 * 1e9 / 360e9;
+        assert!((half_collective_s(&hw, 1e9, 4, bus) - expected).abs() < 1e-15);
+        assert!((gemm_efficiency(GEMM_EFFICIENCY_HALF_WIDTH) - 0.41).abs() < 1e-12);
+        assert_eq!(hw.bus_bytes_per_s(8), bus);
+        assert_eq!(hw.bus_bytes_per_s(16), hw.inter_node_bus_bytes_per_s);
+    }
+
+    #[test]
+    fn the_bubble_is_p_minus_one_over_m_v_of_the_busy_pipeline() {
+        let hw = Hardware::h200(8, 1, 141.0 * GIB);
+        let c = config();
+        for (pp, v, m) in [(4, 1, 8), (4, 2, 8), (2, 1, 16), (8, 1, 8)] {
+            let l = layout(1, pp, v, 8 / pp, m);
+            let (cost, mb) = step(&hw, &c, &l);
+            let busy = m as f64 * mb.total_s();
+            let expected = (pp - 1) as f64 / (m * v) as f64 * busy;
+            assert!((cost.bubble_s - expected).abs() <= 1e-12 * busy, "{l:?}");
+            assert!(mb.pp_comm_s > 0.0);
+        }
+        let (cost, mb) = step(&hw, &c, &layout(1, 1, 1, 8, 8));
+        assert_eq!((cost.bubble_s, mb.pp_comm_s, mb.tp_comm_s), (0.0, 0.0, 0.0));
+    }
+
+    #[test]
+    fn tensor_parallel_traffic_is_four_all_reduces_per_layer() {
+        let hw = Hardware::h200(8, 1, 141.0 * GIB);
+        let c = config();
+        let (_, mb) = step(&hw, &c, &layout(4, 1, 1, 2, 4));
+        // 8 layers × 4 all-reduces of [1024 tokens, 1024] bf16, the embedding's one, and the
+        // cross entropy's three of 1024 f32, over 4 ranks.
+        let bus = hw.intra_node_bus_bytes_per_s;
+        let activation = 1024.0 * 1024.0 * 2.0;
+        let expected = 33.0 * all_reduce_s(&hw, activation, 4, bus)
+            + 3.0 * all_reduce_s(&hw, 1024.0 * 4.0, 4, bus);
+        assert!((mb.tp_comm_s - expected).abs() < 1e-12, "{mb:?}");
+    }
+}

@@ -289,4 +289,31 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn workspace_by_hand() {
+        let c = config();
+        let w = RankWidths::new(&c, split_heads(&c, 1).unwrap(), 1);
+        let hw = Hardware::h200(1, 1, 141.0 * (1u64 << 30) as f64);
+        // head_dim 16 is not a flash size: the GEMM path's scores, f32 + bf16, 4 heads × 8²
+        // per sequence, both sequences in one pass (far under the 2 GiB budget); the RMSNorm
+        // partials of 16 rows × 64; the embedding sort of 16 tokens.
+        let expected = GEMM_WORKSPACE_BYTES
+            + 2.0 * 4.0 * 64.0 * 6.0
+            + 16.0 * 64.0 * 4.0
+            + 16.0 * EMBEDDING_SORT_BYTES_PER_TOKEN;
+        let got = workspace_bytes(&hw, w, &layout(false), 8, StagePosition::ONLY);
+        assert_eq!(got, expected);
+        // Two parallel groups of several ranks add two NCCL communicators; a pipeline rank
+        // that is not the first sorts no embedding ids.
+        let mut l = layout(false);
+        (l.dp, l.pp) = (2, 2);
+        let middle = StagePosition {
+            first: false,
+            last: true,
+        };
+        let got = workspace_bytes(&hw, w, &l, 8, middle);
+        let nccl = 2.0 * hw.nccl_communicator_bytes;
+        assert_eq!(got, expected - 16.0 * EMBEDDING_SORT_BYTES_PER_TOKEN + nccl);
+    }
 }

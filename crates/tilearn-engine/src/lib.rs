@@ -9,6 +9,7 @@ pub mod error;
 pub mod gpu;
 pub mod model;
 pub mod params;
+pub mod plan;
 // Used by `gpu::staging`; compiled without the `cuda` feature too, so its tests run anywhere.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod staging_ring;

@@ -72,8 +72,7 @@ pub const PEAK_BF16_FLOPS: f64 = 989e12;
 
 /// Training FLOPs per token: 6·N for the matmuls of forward and backward, plus causal attention
 /// (scores and values: 12·L·T·(Hq·D), halved by the causal mask). The same formula as the
-/// PyTorch baseline, so the two MFU figures compare.
+/// PyTorch baseline, so the two MFU figures compare; the plan advisor's MFU uses it too.
 pub fn flops_per_token(config: &LlamaConfig, num_params: usize, seq: usize) -> f64 {
-    let attn = 6 * config.num_hidden_layers * seq * config.num_attention_heads * config.head_dim;
-    6.0 * num_params as f64 + attn as f64
+    tilearn_engine::plan::flops_per_token(config, num_params, seq)
 }

@@ -1,4 +1,4 @@
-//! The `tilearn` command line: `train`, `eval`, `prepare-data`, `info`, `launch`.
+//! The `tilearn` command line: `train`, `eval`, `prepare-data`, `info`, `launch`, `plan`.
 
 mod bench;
 mod bench_gpu;
@@ -8,6 +8,7 @@ mod eval;
 mod hybrid;
 mod info;
 mod launch;
+mod plan;
 mod prepare;
 mod progress;
 mod topology;
@@ -20,6 +21,7 @@ pub use bench::BenchArgs;
 pub use eval::EvalArgs;
 pub use info::InfoArgs;
 pub use launch::LaunchArgs;
+pub use plan::PlanArgs;
 pub use prepare::PrepareArgs;
 pub use train::TrainArgs;
 
@@ -53,6 +55,9 @@ pub enum Command {
     Launch(LaunchArgs),
     /// Click-through-rate models (DeepFM, Wide & Deep): train, prepare, eval.
     Ctr(ctr::CtrArgs),
+    /// Recommend a parallel layout (TP, PP, DP, ZeRO stage, micro-batch, checkpointing) for a
+    /// model on N GPUs: memory per GPU and predicted throughput of the fastest that fit.
+    Plan(PlanArgs),
 }
 
 /// Runs one parsed command line.
@@ -65,5 +70,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Info(args) => info::run(args),
         Command::Launch(args) => launch::run(args),
         Command::Ctr(args) => ctr::run(args),
+        Command::Plan(args) => plan::run(args),
     }
 }

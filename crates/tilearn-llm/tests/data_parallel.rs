@@ -125,7 +125,7 @@ impl Setup {
 
 const TOLERANCE: f32 = 1e-5;
 
-/// See `tensor_parallel_alone_and_with_data_parallel_and_zero_equal_one_process`.
+/// See `tensor_and_pipeline_parallel_with_data_parallel_and_zero_equal_one_process`.
 const TP_TOLERANCE: f32 = 2e-4;
 
 fn log(dir: &str) -> Vec<serde_json::Value> {
@@ -464,9 +464,11 @@ fn two_ranks_evaluate_the_same_eval_loss_as_one_process() {
     }
 }
 
-/// Tensor parallelism through the real launcher: tp 2 alone, and tp 2 × dp 2 with ZeRO-1 inside
-/// the data-parallel groups (4 ranks), against one process with the same global batch. The tiny
-/// model has one kv head, so tp 2 replicates it, and its vocabulary of 257 splits 129 + 128.
+/// Tensor and pipeline parallelism through the real launcher: tp 2 alone, tp 2 × dp 2 with
+/// ZeRO-1 inside the data-parallel groups, pp 2 (1F1B, 3 micro-batches) and tp 2 × pp 2
+/// (GPipe), against one process with the same global batch. The tiny model has one kv head, so
+/// tp 2 replicates it, its vocabulary of 257 splits 129 + 128, and its two layers make one per
+/// stage.
 ///
 /// The split reorders many more f32 sums than data parallelism does (the row-parallel products,
 /// the sums of exponentials per vocabulary slice), so the gradients differ by ~1e-7 relative (the
@@ -476,25 +478,48 @@ fn two_ranks_evaluate_the_same_eval_loss_as_one_process() {
 /// logged loss and gradient norm (the norm counts replicated tensors once) must agree to 1e-6
 /// relative at every step, and a wrong slice or a missed reduction moves weights by ~lr.
 #[test]
-fn tensor_parallel_alone_and_with_data_parallel_and_zero_equal_one_process() {
+fn tensor_and_pipeline_parallel_with_data_parallel_and_zero_equal_one_process() {
     let s = Setup::new();
-    for (ranks, extra, one_accum) in [
-        (2, &["--tp-size", "2"][..], "1"),
-        (4, &["--tp-size", "2", "--zero-stage", "1"][..], "2"),
+    for (ranks, extra, one_accum, layout) in [
+        (2, &["--tp-size", "2"][..], "1", "tp 2 × dp 1 × pp 1"),
+        (
+            4,
+            &["--tp-size", "2", "--zero-stage", "1"][..],
+            "2",
+            "tp 2 × dp 2 × pp 1",
+        ),
+        (
+            2,
+            &["--pp-size", "2", "--gradient-accumulation-steps", "3"][..],
+            "3",
+            "tp 1 × dp 1 × pp 2",
+        ),
+        (
+            4,
+            &[
+                "--tp-size",
+                "2",
+                "--pp-size",
+                "2",
+                "--pp-schedule",
+                "gpipe",
+                "--gradient-accumulation-steps",
+                "2",
+            ][..],
+            "2",
+            "tp 2 × dp 1 × pp 2",
+        ),
     ] {
-        let (one, split) = (
-            s.path(&format!("one{ranks}")),
-            s.path(&format!("tp{ranks}")),
-        );
+        let tag = layout.replace(' ', "");
+        let (one, split) = (s.path(&format!("one{tag}")), s.path(&format!("split{tag}")));
         s.train(
             0,
             &one,
             &with(NO_SAVES, &["--gradient-accumulation-steps", one_accum]),
         );
         let stdout = s.train(ranks, &split, &with(NO_SAVES, extra));
-        let dp = ranks / 2;
         assert!(
-            stdout.contains(&format!("hybrid parallel: tp 2 × dp {dp} × pp 1")),
+            stdout.contains(&format!("hybrid parallel: {layout}")),
             "{stdout}"
         );
         let diff = max_abs_diff(&weights(&one), &weights(&split));
@@ -545,7 +570,12 @@ fn tensor_parallel_size_comes_from_the_environment_and_bad_layouts_are_named() {
         "does not divide the 1 launched ranks",
     );
     refused(0, &[], Some("two"), "TILEARN_HYBRID_TP_SIZE");
-    refused(2, &["--pp-size", "2"], None, "--pp-size 1");
+    refused(
+        2,
+        &["--pp-size", "2", "--pp-schedule", "interleaved"],
+        None,
+        "need at least as many layers",
+    );
     refused(
         2,
         &["--tp-size", "2", "--save-steps", "2"],

@@ -8,6 +8,7 @@
 mod activations;
 mod block;
 mod layout;
+pub mod model_parallel;
 mod partial_sums;
 mod stage;
 pub mod tensor_parallel;
@@ -100,7 +101,7 @@ fn check_labels(labels: &[i32], n: usize) -> Result<()> {
 
 /// Hugging Face's shift: position `t` predicts `labels[t + 1]`; the last position of a
 /// sequence has no target.
-fn shift_targets(targets: &mut [i32], labels: &[i32], seq: usize) {
+pub(crate) fn shift_targets(targets: &mut [i32], labels: &[i32], seq: usize) {
     for (trow, lrow) in targets.chunks_mut(seq).zip(labels.chunks(seq)) {
         trow[..seq - 1].copy_from_slice(&lrow[1..]);
         trow[seq - 1] = IGNORE_INDEX;

@@ -127,17 +127,6 @@ pub(crate) fn stage_forward<R: Real>(
     Ok(())
 }
 
-/// The run's output `[n, C]` after [`stage_forward`] (the next stage's input).
-pub(crate) fn stage_output<'a, R: Real>(
-    d: &Dims,
-    parts: &StageParts<'_>,
-    acts: &'a Activations<R>,
-) -> &'a [R] {
-    let slab = d.n * d.c;
-    let nl = parts.layers.len();
-    &acts.resid[nl * slab..(nl + 1) * slab]
-}
-
 /// Backward of the run after its [`stage_forward`]. When it ends the model the loss comes from
 /// the shifted targets in `acts.targets` with gradient scale `grad_scale`; otherwise `dout` is
 /// the next stage's gradient of this run's output. Returns the loss when the run computed it.

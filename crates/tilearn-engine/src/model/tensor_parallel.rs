@@ -180,7 +180,7 @@ impl ShardPlan {
 
 /// The pieces of a tensor of shape `shape` that `cut` selects: pairs of element ranges in the
 /// full tensor and in the rank's local tensor.
-fn pieces(shape: &[usize], cut: &Cut) -> Vec<(Range<usize>, Range<usize>)> {
+pub(crate) fn pieces(shape: &[usize], cut: &Cut) -> Vec<(Range<usize>, Range<usize>)> {
     let cols = if shape.len() == 2 { shape[1] } else { 1 };
     match cut {
         Cut::Whole => {

@@ -65,6 +65,22 @@ pub trait StepBackend {
         loss_scale: f32,
     ) -> Result<f64>;
 
+    /// The forwards and backwards of all of a step's micro-batches at once, for a backend
+    /// that orders them itself (a pipeline schedule interleaves the micro-batches' forwards and
+    /// backwards across stages); returns the step's summed token losses as
+    /// [`StepBackend::forward_backward`] does per micro-batch. `None`: the Trainer calls
+    /// `forward_backward` once per micro-batch.
+    fn forward_backward_step(
+        &mut self,
+        batches: &[Batch],
+        denominator: f64,
+        precision: DType,
+        loss_scale: f32,
+    ) -> Option<Result<f64>> {
+        let _ = (batches, denominator, precision, loss_scale);
+        None
+    }
+
     /// The loss of one evaluation batch with the forward only, in `precision` (the weights the
     /// training steps of that precision use); leaves the gradients alone.
     fn eval_loss(&mut self, batch: &Batch, precision: DType) -> Result<LossStats>;

@@ -17,11 +17,11 @@ pub mod flat_buffer;
 pub mod gpu_backend;
 pub mod host;
 pub mod log;
+pub mod model_parallel;
 pub mod optimizer_file;
 pub mod optimizer_shards;
 mod saving;
 pub mod state;
-pub mod tensor_parallel;
 pub mod zero;
 
 use std::path::{Path, PathBuf};
@@ -87,9 +87,9 @@ pub struct Trainer {
     dp: DataParallel,
     /// The held-out set evaluated as `args.eval_strategy` says.
     eval: Option<EvalSet>,
-    /// This rank's place in the tensor-parallel group its data-parallel rank is split over
-    /// (`0` of `1` unless [`Trainer::set_tensor_parallel`]).
-    tp_rank: usize,
+    /// This rank's place in its model replica (tensor × pipeline parallelism; `0` unless
+    /// [`Trainer::set_model_parallel`]).
+    mp_rank: usize,
 }
 
 /// Observes progress (the CLI's progress bar); called after every optimizer step.
@@ -228,7 +228,7 @@ impl Trainer {
             space: Arc::new(FilesystemSpace),
             started: Instant::now(),
             eval: None,
-            tp_rank: 0,
+            mp_rank: 0,
         })
     }
 
@@ -299,20 +299,21 @@ impl Trainer {
         Ok(())
     }
 
-    /// Trains as tensor-parallel rank `rank` of `size` (the backend holds that rank's slices;
-    /// [`Self::set_data_parallel`] then spans the ranks holding the same slices). Only rank 0
-    /// of the group writes files; the final model is gathered from every rank.
-    pub fn set_tensor_parallel(&mut self, rank: usize, size: usize) -> Result<()> {
+    /// Trains as rank `rank` of a model replica split over `size` ranks by tensor and pipeline
+    /// parallelism (the backend holds that rank's part; [`Self::set_data_parallel`] then spans
+    /// the ranks holding the same part). Only the replica's rank 0 writes files; the final model
+    /// is gathered from every rank.
+    pub fn set_model_parallel(&mut self, rank: usize, size: usize) -> Result<()> {
         if size > 1 && self.args.checkpoints_between(0, u64::MAX) > 0 {
             return Err(EngineError::InvalidArgument {
                 argument: "--save-steps".into(),
-                message: "resumable checkpoints of a tensor-parallel run are not supported yet \
-                          (the final model is saved, gathered from every rank); use \
-                          --save-strategy no"
+                message: "resumable checkpoints of a tensor- or pipeline-parallel run are not \
+                          supported yet (the final model is saved, gathered from every rank); \
+                          use --save-strategy no"
                     .into(),
             });
         }
-        self.tp_rank = rank;
+        self.mp_rank = rank;
         Ok(())
     }
 
@@ -323,9 +324,9 @@ impl Trainer {
     }
 
     /// Whether this rank writes the run's files (the log, the model, checkpoints): rank 0 of
-    /// data parallelism and of tensor parallelism.
+    /// data parallelism and of its model replica.
     fn writes_files(&self) -> bool {
-        self.dp.is_primary() && self.tp_rank == 0
+        self.dp.is_primary() && self.mp_rank == 0
     }
 
     /// This rank's place in data parallelism.
@@ -552,7 +553,18 @@ impl Trainer {
             let denominator = self.dp.sum_count(local_targets)?.max(1) as f64;
             self.backend.zero_grads();
             let mut loss_sum = 0.0;
-            for (i, b) in micro.iter().enumerate() {
+            let whole_step =
+                self.backend
+                    .forward_backward_step(&micro, denominator, precision, loss_scale);
+            let ran_whole_step = whole_step.is_some();
+            if let Some(step_loss) = whole_step {
+                loss_sum = step_loss?;
+                if scaled && a.debug_inject_overflow.contains(&(state.global_step + 1)) {
+                    self.backend.poison_gradients()?;
+                }
+                self.dp.after_backward(self.backend.as_mut(), true)?;
+            }
+            for (i, b) in micro.iter().enumerate().filter(|_| !ran_whole_step) {
                 let last = i + 1 == micro.len();
                 let poison =
                     scaled && last && a.debug_inject_overflow.contains(&(state.global_step + 1));

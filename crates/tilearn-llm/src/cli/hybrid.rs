@@ -64,14 +64,6 @@ impl HybridSizes {
     ) -> Result<HybridSizes> {
         let tp = size_from(tp_flag, "--tp-size", TP_SIZE_ENV)?;
         let pp = size_from(pp_flag, "--pp-size", PP_SIZE_ENV)?;
-        if pp > 1 {
-            return Err(usage(
-                "--pp-size",
-                "pipeline parallelism is not available in training yet (its schedules are \
-                 planned with `tilearn plan`); use --pp-size 1"
-                    .into(),
-            ));
-        }
         if !world.is_multiple_of(tp * pp) {
             return Err(usage(
                 "--tp-size",
@@ -116,6 +108,42 @@ impl HybridSizes {
         groups
     }
 
+    /// The ranks of each pipeline (one per stage, in stage order).
+    fn pp_groups(&self) -> Vec<Vec<usize>> {
+        let mut groups = Vec::new();
+        for dp in 0..self.dp {
+            for tp in 0..self.tp {
+                groups.push(
+                    (0..self.pp)
+                        .map(|pp| pp * self.dp * self.tp + dp * self.tp + tp)
+                        .collect(),
+                );
+            }
+        }
+        groups
+    }
+
+    /// The ranks of each model replica (all tp × pp ranks of one dp rank), ordered by stage
+    /// then tp rank.
+    fn replica_groups(&self) -> Vec<Vec<usize>> {
+        (0..self.dp)
+            .map(|dp| {
+                let mut ranks = Vec::new();
+                for pp in 0..self.pp {
+                    for tp in 0..self.tp {
+                        ranks.push(pp * self.dp * self.tp + dp * self.tp + tp);
+                    }
+                }
+                ranks
+            })
+            .collect()
+    }
+
+    /// Whether the model is split over several ranks (tensor or pipeline parallelism).
+    pub fn splits_model(&self) -> bool {
+        self.tp > 1 || self.pp > 1
+    }
+
     pub fn describe(&self) -> String {
         format!(
             "hybrid parallel: tp {} × dp {} × pp {} (this rank: tp {}, dp {}, pp {})",
@@ -124,11 +152,13 @@ impl HybridSizes {
     }
 }
 
-/// This rank's communicators of the layout: its tensor-parallel group and its data-parallel
-/// group (`None` where the dimension is 1).
+/// This rank's communicators of the layout (`None` where the dimension is 1).
 pub struct HybridGroups {
     pub tp: Option<Arc<dyn Communicator>>,
     pub dp: Option<Arc<dyn Communicator>>,
+    pub pp: Option<Arc<dyn Communicator>>,
+    /// Every rank of this rank's model replica (tp × pp), ordered by stage then tp rank.
+    pub replica: Option<Arc<dyn Communicator>>,
 }
 
 impl HybridGroups {
@@ -145,7 +175,14 @@ impl HybridGroups {
         };
         let tp = mine(sizes.tp_groups(), sizes.tp > 1)?;
         let dp = mine(sizes.dp_groups(), sizes.dp > 1)?;
-        Ok(HybridGroups { tp, dp })
+        let pp = mine(sizes.pp_groups(), sizes.pp > 1)?;
+        let replica = mine(sizes.replica_groups(), sizes.splits_model())?;
+        Ok(HybridGroups {
+            tp,
+            dp,
+            pp,
+            replica,
+        })
     }
 }
 
@@ -168,6 +205,12 @@ mod tests {
         let s = HybridSizes::new(Some(2), Some(1), 0, 8).unwrap();
         assert_eq!(s.tp_groups()[1], vec![2, 3]);
         assert_eq!(s.dp_groups()[1], vec![1, 3, 5, 7]);
+        // tp 2 × dp 2 × pp 2: stage 1 starts at rank 4.
+        let s = HybridSizes::new(Some(2), Some(2), 5, 8).unwrap();
+        assert_eq!((s.tp_rank, s.dp_rank, s.pp_rank), (1, 0, 1));
+        assert_eq!(s.pp_groups()[1], vec![1, 5]);
+        assert_eq!(s.replica_groups()[0], vec![0, 1, 4, 5]);
+        assert_eq!(s.dp_groups()[2], vec![4, 6]);
     }
 
     #[test]

@@ -12,15 +12,20 @@ use clap::{Args, ValueEnum};
 use tilearn_engine::EngineError;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
+use tilearn_engine::model::model_parallel::PipelineShard;
+use tilearn_engine::model::tensor_parallel::TensorShard;
 use tilearn_engine::params::{ParamSpec, ParamStore};
 use tilearn_engine::trainer::checkpoint::latest_checkpoint;
 use tilearn_engine::trainer::data_parallel::DEFAULT_BUCKET_CAP_MB;
-use tilearn_engine::trainer::tensor_parallel::TensorParallelCpuBackend;
+use tilearn_engine::trainer::model_parallel::{
+    ModelParallelComms, ModelParallelCpuBackend, ModelParallelLayout,
+};
 use tilearn_engine::trainer::{
     DataParallel, DdpOptions, EvalStrategy, ModelInit, SaveStrategy, TrainLength, Trainer,
     TrainingArguments, ZeroStage, adamw_for, host,
 };
 use tilearn_ops::DType;
+use tilearn_parallel::pipeline::ScheduleKind;
 
 use super::hybrid::{HybridGroups, HybridSizes};
 use super::topology::BindCores;
@@ -234,9 +239,37 @@ pub struct TrainArgs {
     /// else 1. Data parallelism spans the launched ranks / tp.
     #[arg(long)]
     pub tp_size: Option<usize>,
-    /// Pipeline parallelism (default: TILEARN_HYBRID_PP_SIZE, else 1); only 1 runs so far.
+    /// Pipeline parallelism: split the layers into this many stages balanced by compute (CPU
+    /// engine); the micro-batches of a step are --gradient-accumulation-steps. Default:
+    /// TILEARN_HYBRID_PP_SIZE, else 1.
     #[arg(long)]
     pub pp_size: Option<usize>,
+    /// The pipeline schedule: 1f1b (default), gpipe, or interleaved (with --virtual-stages).
+    #[arg(long, value_enum, default_value_t = PipelineSchedule::OneFOneB)]
+    pub pp_schedule: PipelineSchedule,
+    /// Model chunks per pipeline stage for --pp-schedule interleaved (Megatron's virtual
+    /// stages; micro-batches must be a multiple of --pp-size).
+    #[arg(long, default_value_t = 2)]
+    pub virtual_stages: usize,
+}
+
+/// `--pp-schedule`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PipelineSchedule {
+    #[value(name = "1f1b")]
+    OneFOneB,
+    Gpipe,
+    Interleaved,
+}
+
+impl PipelineSchedule {
+    fn kind(self, virtual_stages: usize) -> ScheduleKind {
+        match self {
+            PipelineSchedule::OneFOneB => ScheduleKind::OneFOneB,
+            PipelineSchedule::Gpipe => ScheduleKind::GPipe,
+            PipelineSchedule::Interleaved => ScheduleKind::Interleaved { virtual_stages },
+        }
+    }
 }
 
 /// Defaults that differ between fine-tuning (Hugging Face's) and training from scratch (a recipe
@@ -385,29 +418,50 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
             ranks,
             args.ddp_backend,
         )?
-    } else if let (Some(sizes), Some(ranks)) = (hybrid.filter(|h| h.tp > 1), ranks) {
+    } else if let (Some(sizes), Some(ranks)) = (hybrid.filter(HybridSizes::splits_model), ranks) {
         let groups = HybridGroups::new(&sizes, ranks.host.as_ref())?;
-        let tp = groups
-            .tp
-            .expect("a tensor-parallel size above 1 has a group");
-        let (batch, seq, recompute) = (
-            training.per_device_train_batch_size,
-            training.seq_len,
-            training.gradient_checkpointing,
-        );
+        let schedule = args.pp_schedule.kind(args.virtual_stages);
+        let chunks = match schedule {
+            ScheduleKind::Interleaved { virtual_stages } => virtual_stages,
+            _ => 1,
+        };
+        let layout = ModelParallelLayout {
+            tp: TensorShard {
+                rank: sizes.tp_rank,
+                size: sizes.tp,
+            },
+            pipe: PipelineShard::balanced(
+                &config,
+                sizes.pp_rank,
+                sizes.pp,
+                chunks,
+                training.seq_len,
+            )?,
+            schedule,
+        };
+        let comms = ModelParallelComms {
+            tp: groups.tp,
+            pp: groups.pp,
+            replica: groups.replica,
+        };
+        let shape = (training.per_device_train_batch_size, training.seq_len);
+        let recompute = training.gradient_checkpointing;
         let full = init.build_host(config.clone())?;
-        let backend = TensorParallelCpuBackend::new(
+        let backend = ModelParallelCpuBackend::new(
             &full,
-            tp,
+            layout,
+            comms,
             |local| adamw_for(&training, local),
-            batch,
-            seq,
+            shape,
             recompute,
         )?;
         drop(full);
         let mut trainer =
             Trainer::with_backend(training, config.clone(), Box::new(backend), dataset)?;
-        trainer.set_tensor_parallel(sizes.tp_rank, sizes.tp)?;
+        trainer.set_model_parallel(
+            sizes.tp_rank + sizes.tp * sizes.pp_rank,
+            sizes.tp * sizes.pp,
+        )?;
         if let Some(dp) = groups.dp {
             let local = trainer.local_parameter_count();
             trainer.set_data_parallel(DataParallel::new(dp.clone(), dp, ddp, local)?)?;
@@ -472,11 +526,11 @@ fn hybrid_sizes(
         ranks.group.rank(),
         ranks.group.world_size(),
     )?;
-    if sizes.tp > 1 && trains_on_gpu {
+    if sizes.splits_model() && trains_on_gpu {
         return Err(LlmError::Usage {
-            flag: "--tp-size".into(),
-            message: "tensor parallelism runs on the CPU engine so far; add --device cpu (or \
-                      use data parallelism on the GPUs)"
+            flag: "--tp-size/--pp-size".into(),
+            message: "tensor and pipeline parallelism run on the CPU engine so far; add \
+                      --device cpu (or use data parallelism on the GPUs)"
                 .into(),
         });
     }

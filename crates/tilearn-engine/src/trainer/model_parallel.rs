@@ -1,12 +1,16 @@
-//! Tensor parallelism on the CPU reference engine: one rank's part of the model
-//! ([`TensorParallelLlama`]) as a [`StepBackend`], so the Trainer's loop, data parallelism and
-//! ZeRO run over it unchanged (see "Tensor parallelism" in `docs/ARCHITECTURE.md`).
+//! Tensor and pipeline parallelism on the CPU reference engine: one rank's part of the model
+//! ([`RankModel`]) as a [`StepBackend`], so the Trainer's loop, data parallelism and ZeRO run
+//! over it unchanged (see "Tensor parallelism" and "Pipeline parallelism" in
+//! `docs/ARCHITECTURE.md`).
 //!
-//! Every rank of a tensor-parallel group sees the same batches and calls every method in the
-//! same order; the methods that need the whole model's view (the gradient norm, the overflow
-//! check, the saved model) are collective over the group. The flat buffers the Trainer and
-//! data parallelism see are this rank's local ones, so data parallelism reduces each tp rank's
-//! slices among the ranks that hold the same slices.
+//! The ranks of one model replica (its tensor-parallel × pipeline-parallel ranks, the
+//! "model-parallel group") see the same batches and call every method in the same order; the
+//! methods that need the whole model's view (the gradient norm, the overflow check, the loss,
+//! the saved model) are collective over that group. The flat buffers the Trainer and data
+//! parallelism see are this rank's local ones, so data parallelism reduces each slice among the
+//! ranks that hold the same slice.
+
+mod exec;
 
 use std::ops::Range;
 use std::path::Path;
@@ -15,6 +19,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, ParamGroup};
+use tilearn_parallel::pipeline::ScheduleKind;
 use tilearn_parallel::{BufferMut, Communicator, ReduceOp, scalars};
 
 use super::backend::StepBackend;
@@ -25,8 +30,9 @@ use super::zero::{CPU_FP32_ADAMW, RankState, StateBytes};
 use crate::checkpoint::save_pretrained;
 use crate::config::LlamaConfig;
 use crate::data::Batch;
-use crate::model::tensor_parallel::{TensorParallelLlama, assemble_params};
-use crate::model::{Activations, LlamaForCausalLM, LossStats, PartialSums};
+use crate::model::model_parallel::{PipelineShard, RankModel, assemble_ranks};
+use crate::model::tensor_parallel::TensorShard;
+use crate::model::{Activations, LlamaForCausalLM, LossStats, PartialSums, Whole};
 use crate::params::{ParamSpec, ParamStore};
 use crate::{EngineError, Result};
 
@@ -60,18 +66,42 @@ impl PartialSums<f32> for GroupSums {
     }
 }
 
-/// One tensor-parallel rank of the CPU engine.
-pub struct TensorParallelCpuBackend {
-    model: TensorParallelLlama,
-    tp: Arc<dyn Communicator>,
-    sums: GroupSums,
+/// The communicators of one rank of a model replica (`None` where the dimension is 1).
+#[derive(Clone, Default)]
+pub struct ModelParallelComms {
+    /// The tensor-parallel group (consecutive ranks).
+    pub tp: Option<Arc<dyn Communicator>>,
+    /// The pipeline group (one rank per stage; its rank is the stage).
+    pub pp: Option<Arc<dyn Communicator>>,
+    /// Every rank of this replica (tp × pp), ordered by (stage, tp rank).
+    pub replica: Option<Arc<dyn Communicator>>,
+}
+
+/// How a run is split: the sizes and the pipeline schedule.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelParallelLayout {
+    pub tp: TensorShard,
+    pub pipe: PipelineShard,
+    pub schedule: ScheduleKind,
+}
+
+/// One rank of a tensor- and pipeline-parallel model on the CPU engine.
+pub struct ModelParallelCpuBackend {
+    model: RankModel,
+    layout: ModelParallelLayout,
+    comms: ModelParallelComms,
+    sums: Box<dyn PartialSums<f32> + Send>,
     /// The ranks holding the same replicated kv head (when kv heads are replicated).
     kv_group: Option<Box<dyn Communicator>>,
     kv_ranges: Vec<Range<usize>>,
     /// The gradients this rank counts in the global norm (replicated tensors once).
     norm_ranges: Vec<Range<usize>>,
     full_specs: Vec<ParamSpec>,
-    acts: Activations<f32>,
+    batch: usize,
+    seq: usize,
+    recompute: bool,
+    /// Activation buffers per local chunk, reused across micro-batches.
+    pool: Vec<Vec<Activations<f32>>>,
     grads: Vec<f32>,
     working: Vec<f32>,
     optimizer: AdamW,
@@ -79,42 +109,57 @@ pub struct TensorParallelCpuBackend {
     shard: Range<usize>,
 }
 
-impl TensorParallelCpuBackend {
-    /// Rank `tp.rank()`'s part of `full` with `optimizer` built by `make_optimizer` for the
-    /// local parameters. Collective over `tp` (it builds the kv replica groups).
+impl ModelParallelCpuBackend {
+    /// This rank's part of `full` with the optimizer `make_optimizer` builds for its tensors.
+    /// Collective over the tensor-parallel group (it creates the kv replica groups).
     pub fn new(
         full: &LlamaForCausalLM,
-        tp: Arc<dyn Communicator>,
+        layout: ModelParallelLayout,
+        comms: ModelParallelComms,
         make_optimizer: impl FnOnce(&ParamStore) -> Result<AdamW>,
-        batch: usize,
-        seq: usize,
-        gradient_checkpointing: bool,
-    ) -> Result<TensorParallelCpuBackend> {
-        let shard = crate::model::tensor_parallel::TensorShard {
-            rank: tp.rank(),
-            size: tp.world_size(),
-        };
-        let model = TensorParallelLlama::from_full(full, shard)?;
+        (batch, seq): (usize, usize),
+        recompute: bool,
+    ) -> Result<ModelParallelCpuBackend> {
+        let size_of = |c: &Option<Arc<dyn Communicator>>| c.as_ref().map_or(1, |c| c.world_size());
+        if size_of(&comms.tp) != layout.tp.size || size_of(&comms.pp) != layout.pipe.stages {
+            return Err(EngineError::InvalidArgument {
+                argument: "--tp-size".into(),
+                message: "the communicators do not match the layout's sizes".into(),
+            });
+        }
+        let model = RankModel::from_full(full, layout.tp, layout.pipe.clone())?;
         let mut kv_group = None;
-        if model.plan.kv_replicas > 1 {
-            for ranks in model.kv_replica_groups() {
+        if let Some(tp) = &comms.tp
+            && model.plan.kv_replicas > 1
+        {
+            let replicas = model.plan.kv_replicas;
+            for head in 0..layout.tp.size / replicas {
+                let ranks: Vec<usize> = (head * replicas..(head + 1) * replicas).collect();
                 if let Some(group) = tp.new_group(&ranks)? {
                     kv_group = Some(group);
                 }
             }
         }
-        let optimizer = make_optimizer(&model.local.params)?;
-        let acts = Activations::new(&model.local.config, batch, seq, gradient_checkpointing);
-        let numel = model.local.params.numel();
-        Ok(TensorParallelCpuBackend {
+        let sums: Box<dyn PartialSums<f32> + Send> = match &comms.tp {
+            Some(tp) => Box::new(GroupSums::new(tp.clone())),
+            None => Box::new(Whole),
+        };
+        let optimizer = make_optimizer(&model.params)?;
+        let numel = model.params.numel();
+        let pool = (0..model.chunk_count()).map(|_| Vec::new()).collect();
+        Ok(ModelParallelCpuBackend {
             kv_ranges: model.kv_gradient_ranges(),
             norm_ranges: model.norm_ranges(),
             full_specs: ParamStore::specs_for(&full.config),
-            sums: GroupSums::new(tp.clone()),
-            tp,
-            kv_group,
             model,
-            acts,
+            layout,
+            comms,
+            sums,
+            kv_group,
+            batch,
+            seq,
+            recompute,
+            pool,
             grads: vec![0.0; numel],
             working: Vec::new(),
             optimizer,
@@ -122,27 +167,28 @@ impl TensorParallelCpuBackend {
         })
     }
 
+    fn is_pipelined(&self) -> bool {
+        self.layout.pipe.stages > 1 || self.layout.pipe.chunks > 1
+    }
+
     /// Rounds the master weights into the working copy for a bf16/fp16 period (the CPU's
     /// emulation of a GPU's working weights, as [`super::CpuBackend`] does).
     fn round_working(&mut self, precision: DType) {
-        let master = &self.model.local.params.data;
-        if precision == DType::F32 {
-            return;
-        }
+        let master = &self.model.params.data;
         self.working.clear();
         match precision {
+            DType::F32 => {}
             DType::BF16 => self
                 .working
                 .extend(master.iter().map(|&x| bf16::from_f32(x).to_f32())),
-            _ => self
+            DType::F16 => self
                 .working
                 .extend(master.iter().map(|&x| f16::from_f32(x).to_f32())),
         }
     }
 
-    /// Replicated kv heads: each replica added only its query heads' share of this
-    /// micro-batch's gradient; the sum over the replicas is the true one. Only the
-    /// micro-batch's increment is summed (`before` holds the gradients from earlier ones).
+    /// Replicated kv heads: each replica added only its query heads' share of the gradient
+    /// since `before` was taken; the sum over the replicas is the true one.
     fn sum_kv_replicas(&mut self, before: &[f32]) -> Result<()> {
         let Some(group) = &self.kv_group else {
             return Ok(());
@@ -163,9 +209,16 @@ impl TensorParallelCpuBackend {
         Ok(())
     }
 
+    fn kv_snapshot(&self) -> Vec<f32> {
+        self.kv_ranges
+            .iter()
+            .flat_map(|r| self.grads[r.clone()].iter().copied())
+            .collect()
+    }
+
     /// This rank's share of the squared gradient norm over `range` of the local buffer
-    /// (replicated tensors counted by one rank), summed over the group.
-    fn group_sum_of_squares(&self, range: &Range<usize>) -> Result<f64> {
+    /// (replicated tensors counted by one rank), summed over the replica.
+    fn replica_sum_of_squares(&self, range: &Range<usize>) -> Result<f64> {
         let local: f64 = self
             .norm_ranges
             .iter()
@@ -173,31 +226,64 @@ impl TensorParallelCpuBackend {
             .filter(|r| !r.is_empty())
             .map(|r| tilearn_optim::clip::sum_of_squares(&self.grads[r]))
             .sum();
-        Ok(scalars::sum_f64(self.tp.as_ref(), local)?)
+        self.replica_sum(local)
     }
 
-    /// Every rank's local parameters, padded to the longest, gathered over the group.
+    fn replica_sum(&self, value: f64) -> Result<f64> {
+        match &self.comms.replica {
+            Some(c) => Ok(scalars::sum_f64(c.as_ref(), value)?),
+            None => Ok(value),
+        }
+    }
+
+    /// Every replica rank's local parameters gathered and put together as the whole model.
     fn gather_full_params(&self) -> Result<ParamStore> {
-        let local = &self.model.local.params.data;
-        let longest = scalars::gather_words(self.tp.as_ref(), local.len() as u64)?
+        let local = &self.model.params.data;
+        let Some(replica) = &self.comms.replica else {
+            let pipe = self.layout.pipe.clone();
+            return assemble_ranks(&self.model.full_config, &[(self.layout.tp, pipe, local)]);
+        };
+        let longest = scalars::gather_words(replica.as_ref(), local.len() as u64)?
             .into_iter()
             .max()
             .unwrap_or(0) as usize;
-        let (rank, size) = (self.tp.rank(), self.tp.world_size());
+        let (rank, size) = (replica.rank(), replica.world_size());
         let mut all = vec![0f32; longest * size];
         all[rank * longest..rank * longest + local.len()].copy_from_slice(local);
-        self.tp.all_gather(BufferMut::from(&mut all[..]))?.wait()?;
-        let parts: Vec<&[f32]> = all.chunks(longest).collect();
-        assemble_params(&self.model.full_config, &parts)
+        replica.all_gather(BufferMut::from(&mut all[..]))?.wait()?;
+        let tp = self.layout.tp.size;
+        let parts: Vec<(TensorShard, PipelineShard, &[f32])> = all
+            .chunks(longest)
+            .enumerate()
+            .map(|(j, data)| {
+                let pipe = PipelineShard {
+                    stage: j / tp,
+                    ..self.layout.pipe.clone()
+                };
+                let shard = TensorShard {
+                    rank: j % tp,
+                    size: tp,
+                };
+                (shard, pipe, data)
+            })
+            .collect();
+        assemble_ranks(&self.model.full_config, &parts)
+    }
+
+    /// Whether this rank writes the gathered model (rank 0 of its replica).
+    fn writes_model(&self) -> bool {
+        self.comms.replica.as_ref().is_none_or(|c| c.rank() == 0)
     }
 }
 
-impl StepBackend for TensorParallelCpuBackend {
+impl StepBackend for ModelParallelCpuBackend {
     fn describe(&self) -> String {
         format!(
-            "cpu (f32 reference engine), tensor-parallel rank {} of {}",
-            self.tp.rank(),
-            self.tp.world_size()
+            "cpu (f32 reference engine), tensor-parallel rank {} of {}, pipeline stage {} of {}",
+            self.layout.tp.rank,
+            self.layout.tp.size,
+            self.layout.pipe.stage,
+            self.layout.pipe.stages
         )
     }
 
@@ -212,63 +298,45 @@ impl StepBackend for TensorParallelCpuBackend {
         precision: DType,
         loss_scale: f32,
     ) -> Result<f64> {
-        let denom = denominator / loss_scale as f64;
-        let before: Vec<f32> = self
-            .kv_ranges
-            .iter()
-            .flat_map(|r| self.grads[r.clone()].iter().copied())
-            .collect();
-        self.round_working(precision);
-        let params = if precision == DType::F32 {
-            &self.model.local.params.data
-        } else {
-            &self.working
-        };
-        let stats = self.model.forward_backward_with(
-            params,
-            &batch.input_ids,
-            &batch.labels,
-            batch.batch,
-            batch.seq_len,
-            Some(denom),
-            &mut self.acts,
-            &mut self.grads,
-            &self.sums,
-        )?;
-        self.sum_kv_replicas(&before)?;
-        if precision == DType::F16 {
-            for g in &mut self.grads {
-                *g = f16::from_f32(*g).to_f32();
-            }
-        }
-        Ok(stats.loss_sum)
+        let loss = self.forward_backward_step(
+            std::slice::from_ref(batch),
+            denominator,
+            precision,
+            loss_scale,
+        );
+        loss.expect("the model-parallel backend runs every step itself")
+    }
+
+    fn forward_backward_step(
+        &mut self,
+        batches: &[Batch],
+        denominator: f64,
+        precision: DType,
+        loss_scale: f32,
+    ) -> Option<Result<f64>> {
+        Some(exec::run_step(
+            self,
+            batches,
+            denominator,
+            precision,
+            loss_scale,
+        ))
     }
 
     fn eval_loss(&mut self, batch: &Batch, precision: DType) -> Result<LossStats> {
-        self.round_working(precision);
-        let params = if precision == DType::F32 {
-            &self.model.local.params.data
-        } else {
-            &self.working
-        };
-        self.model.forward_loss_with(
-            params,
-            &batch.input_ids,
-            &batch.labels,
-            batch.batch,
-            batch.seq_len,
-            &mut self.acts,
-            &self.sums,
-        )
+        exec::eval(self, batch, precision)
     }
 
     fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {
         let local = adaptfp16::unscale_and_check_slice(&mut self.grads, inv_scale);
-        Ok(scalars::any(self.tp.as_ref(), local)?)
+        match &self.comms.replica {
+            Some(c) => Ok(scalars::any(c.as_ref(), local)?),
+            None => Ok(local),
+        }
     }
 
     fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
-        let norm = self.group_sum_of_squares(&(0..self.grads.len()))?.sqrt();
+        let norm = self.replica_sum_of_squares(&(0..self.grads.len()))?.sqrt();
         if max_norm > 0.0
             && let Some(coef) = tilearn_optim::clip::clip_coefficient(norm, max_norm)
         {
@@ -280,7 +348,7 @@ impl StepBackend for TensorParallelCpuBackend {
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
         let shard = self.shard.clone();
         self.optimizer.step(
-            &mut self.model.local.params.data[shard.clone()],
+            &mut self.model.params.data[shard.clone()],
             &self.grads[shard],
             lr,
         )?;
@@ -290,14 +358,14 @@ impl StepBackend for TensorParallelCpuBackend {
     fn model(&mut self) -> Result<&LlamaForCausalLM> {
         Err(EngineError::InvalidArgument {
             argument: "--tp-size".into(),
-            message: "a tensor-parallel rank holds only its slices of the model; the whole \
-                      model exists in the saved files (the final model is gathered)"
+            message: "a tensor- or pipeline-parallel rank holds only its part of the model; \
+                      the whole model exists in the saved files (the final model is gathered)"
                 .into(),
         })
     }
 
     fn specs(&self) -> &[ParamSpec] {
-        &self.model.local.params.specs
+        &self.model.params.specs
     }
 
     fn saved_specs(&self) -> &[ParamSpec] {
@@ -312,7 +380,7 @@ impl StepBackend for TensorParallelCpuBackend {
         max_shard_bytes: Option<usize>,
     ) -> Result<()> {
         let full = self.gather_full_params()?;
-        if self.tp.rank() != 0 {
+        if !self.writes_model() {
             return Ok(());
         }
         save_pretrained(dir, config, &full, dtype, max_shard_bytes)
@@ -337,8 +405,8 @@ impl StepBackend for TensorParallelCpuBackend {
     fn restore(&mut self, _dir: &Path, _optimizer: &OptimizerCheckpoint) -> Result<()> {
         Err(EngineError::InvalidArgument {
             argument: "--resume-from-checkpoint".into(),
-            message: "resuming a tensor-parallel run is not supported yet; start it again \
-                      from the saved model with --model"
+            message: "resuming a tensor- or pipeline-parallel run is not supported yet; start \
+                      it again from the saved model with --model"
                 .into(),
         })
     }
@@ -348,7 +416,7 @@ impl StepBackend for TensorParallelCpuBackend {
     }
 
     fn flat_parameters(&mut self) -> Result<FlatBuffer<'_>> {
-        Ok(FlatBuffer::Host(&mut self.model.local.params.data))
+        Ok(FlatBuffer::Host(&mut self.model.params.data))
     }
 
     fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
@@ -373,7 +441,7 @@ impl StepBackend for TensorParallelCpuBackend {
     }
 
     fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {
-        self.group_sum_of_squares(&range)
+        self.replica_sum_of_squares(&range)
     }
 
     fn scale_gradients(&mut self, range: Range<usize>, factor: f32) -> Result<()> {
@@ -389,7 +457,7 @@ impl StepBackend for TensorParallelCpuBackend {
         let o = &self.optimizer;
         let bytes = |n: usize| (n * std::mem::size_of::<f32>()) as f64;
         RankState {
-            weights: bytes(self.model.local.params.data.len()),
+            weights: bytes(self.model.params.data.len()),
             grads: bytes(self.grads.len()),
             optimizer: bytes(o.exp_avg().len() + o.exp_avg_sq().len()),
         }
@@ -401,8 +469,9 @@ impl StepBackend for TensorParallelCpuBackend {
     }
 
     fn peak_memory_bytes(&self) -> u64 {
-        let params = self.model.local.params.numel() * 4;
-        (params * 2 + self.working.capacity() * 4 + self.acts.bytes()) as u64
+        let params = self.model.params.numel() * 4;
+        let acts: usize = self.pool.iter().flatten().map(Activations::bytes).sum();
+        (params * 2 + self.working.capacity() * 4 + acts) as u64
             + self.state_held().optimizer as u64
     }
 }

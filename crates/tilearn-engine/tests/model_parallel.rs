@@ -21,7 +21,7 @@ use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::Batch;
 use tilearn_engine::model::model_parallel::{PipelineShard, assemble_ranks, partition_layers};
 use tilearn_engine::model::tensor_parallel::{
-    ShardPlan, TensorParallelLlama, TensorShard, assemble_params, slice_params,
+    ShardPlan, TensorShard, assemble_params, slice_params,
 };
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
 use tilearn_engine::trainer::StepBackend;
@@ -348,7 +348,7 @@ fn slicing_then_assembling_gives_back_every_weight() {
 #[test]
 fn sizes_that_cannot_be_split_are_named() {
     let model = LlamaForCausalLM::from_config(config(false), 3);
-    let err = TensorParallelLlama::from_full(&model, TensorShard { rank: 0, size: 3 })
+    let err = ShardPlan::new(&model.config, TensorShard { rank: 0, size: 3 })
         .unwrap_err()
         .to_string();
     assert!(

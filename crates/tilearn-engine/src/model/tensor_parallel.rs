@@ -12,20 +12,18 @@
 //! replicated when their count divides `tp` (rank `r` holds kv head `r·Hkv/tp`, as Megatron
 //! does); the replicas' gradients are summed over the ranks that hold the same head.
 //!
-//! The forward and backward are those of [`LlamaForCausalLM`] run on the rank's local config
-//! (its head, intermediate and vocabulary counts) with a [`Split`] that completes the partial
-//! results: two all-reduces per layer each way, and the vocabulary-parallel embedding and
-//! cross entropy.
+//! The forward and backward are those of [`super::LlamaForCausalLM`] run on the rank's local
+//! config (its head, intermediate and vocabulary counts) with a [`super::Split`] that completes
+//! the partial results: two all-reduces per layer each way, and the vocabulary-parallel
+//! embedding and cross entropy (see [`super::model_parallel::RankModel`]).
 
 use std::ops::Range;
 
-use tilearn_ops::cpu::Real;
 use tilearn_parallel::communicator::chunk_range;
 
-use super::{Activations, LlamaForCausalLM, LossStats, PartialSums, Split};
 use crate::config::LlamaConfig;
 use crate::error::{EngineError, Result};
-use crate::params::{ParamSpec, ParamStore};
+use crate::params::ParamStore;
 
 /// A rank's place in a tensor-parallel group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -234,129 +232,4 @@ pub fn assemble_params(full_config: &LlamaConfig, parts: &[&[f32]]) -> Result<Pa
         }
     }
     Ok(full)
-}
-
-/// One rank's part of a tensor-parallel Llama.
-#[derive(Clone, Debug)]
-pub struct TensorParallelLlama {
-    pub full_config: LlamaConfig,
-    pub plan: ShardPlan,
-    /// The rank's tensors, as a model of its local config (same tensor names as the full one).
-    pub local: LlamaForCausalLM,
-}
-
-impl TensorParallelLlama {
-    /// Rank `shard`'s part of `full`.
-    pub fn from_full(full: &LlamaForCausalLM, shard: TensorShard) -> Result<TensorParallelLlama> {
-        let plan = ShardPlan::new(&full.config, shard)?;
-        let params = slice_params(&full.params, &full.config, &plan);
-        Ok(TensorParallelLlama {
-            full_config: full.config.clone(),
-            local: LlamaForCausalLM {
-                config: plan.local_config(&full.config),
-                params,
-            },
-            plan,
-        })
-    }
-
-    fn split<'a, R>(&self, sums: &'a dyn PartialSums<R>) -> Result<Split<'a, R>> {
-        if sums.parts() != self.plan.shard.size {
-            return Err(usage(format!(
-                "the reducer spans {} ranks but the model is cut for {}",
-                sums.parts(),
-                self.plan.shard.size
-            )));
-        }
-        Ok(Split {
-            sums,
-            vocab: self.plan.vocab.clone(),
-            full_vocab: self.full_config.vocab_size,
-        })
-    }
-
-    /// [`LlamaForCausalLM::forward_backward_with`] on this rank's part, completing the partial
-    /// results through `sums` (every rank of the group calls it with the same batch).
-    /// Replicated kv heads' gradients are left partial: see [`Self::kv_gradient_ranges`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_backward_with<R: Real>(
-        &self,
-        params: &[R],
-        ids: &[u32],
-        labels: &[i32],
-        batch: usize,
-        seq: usize,
-        loss_denominator: Option<f64>,
-        acts: &mut Activations<R>,
-        grads: &mut [R],
-        sums: &dyn PartialSums<R>,
-    ) -> Result<LossStats> {
-        let split = self.split(sums)?;
-        self.local.forward_backward_split(
-            params,
-            ids,
-            labels,
-            batch,
-            seq,
-            loss_denominator,
-            acts,
-            grads,
-            &split,
-        )
-    }
-
-    /// The loss with the forward only (evaluation), as
-    /// [`LlamaForCausalLM::forward_loss_with`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_loss_with<R: Real>(
-        &self,
-        params: &[R],
-        ids: &[u32],
-        labels: &[i32],
-        batch: usize,
-        seq: usize,
-        acts: &mut Activations<R>,
-        sums: &dyn PartialSums<R>,
-    ) -> Result<LossStats> {
-        let split = self.split(sums)?;
-        self.local
-            .forward_loss_split(params, ids, labels, batch, seq, acts, &split)
-    }
-
-    /// Where the k/v projections' weights lie in the local flat buffer when their heads are
-    /// replicated (empty otherwise): each replica's gradient there covers only its own query
-    /// heads, and the sum over the ranks holding the same head is the true gradient.
-    pub fn kv_gradient_ranges(&self) -> Vec<Range<usize>> {
-        if self.plan.kv_replicas == 1 {
-            return Vec::new();
-        }
-        self.local
-            .params
-            .specs
-            .iter()
-            .filter(|s| s.name.contains("k_proj") || s.name.contains("v_proj"))
-            .map(ParamSpec::range)
-            .collect()
-    }
-
-    /// The ranks (of the tensor-parallel group) holding the same kv head as this one, when the
-    /// kv heads are replicated.
-    pub fn kv_replica_groups(&self) -> Vec<Vec<usize>> {
-        let (tp, replicas) = (self.plan.shard.size, self.plan.kv_replicas);
-        (0..tp / replicas)
-            .map(|head| (head * replicas..(head + 1) * replicas).collect())
-            .collect()
-    }
-
-    /// The local flat ranges whose gradients count in the global norm on this rank (see
-    /// [`ShardPlan::counts_in_norm`]).
-    pub fn norm_ranges(&self) -> Vec<Range<usize>> {
-        self.local
-            .params
-            .specs
-            .iter()
-            .filter(|s| self.plan.counts_in_norm(&s.name))
-            .map(ParamSpec::range)
-            .collect()
-    }
 }

@@ -476,11 +476,11 @@ impl Trainer {
         };
         let mut tensorboard_log = match a.report_to {
             ReportTo::TensorBoard if primary => {
-                let dir = a.logging_dir.clone().unwrap_or_else(|| {
-                    tensorboard::default_logging_dir(&a.output_dir)
-                });
-                let resumed_at = resume.map(|_| first_step);
-                let tb = TensorBoardLog::create(&dir, resumed_at)?;
+                let dir = a
+                    .logging_dir
+                    .clone()
+                    .unwrap_or_else(|| tensorboard::default_logging_dir(&a.output_dir));
+                let tb = TensorBoardLog::create(&dir, first_step)?;
                 sink.note(&format!("tensorboard: events in {}", tb.path().display()));
                 Some(tb)
             }

@@ -61,9 +61,21 @@ pub struct SummaryValue {
 /// `tensorflow.SummaryMetadata`: TensorBoard shows the description beside the chart.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct SummaryMetadata {
+    #[prost(message, optional, tag = "1")]
+    pub plugin_data: Option<PluginData>,
     #[prost(string, tag = "3")]
     pub summary_description: String,
 }
+
+/// `tensorflow.SummaryMetadata.PluginData`: which TensorBoard plugin owns the tag.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PluginData {
+    #[prost(string, tag = "1")]
+    pub plugin_name: String,
+}
+
+/// The scalars dashboard's plugin name.
+pub const SCALARS_PLUGIN: &str = "scalars";
 
 /// `tensorflow.SessionLog`.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -171,7 +183,10 @@ pub fn read_events(path: &Path) -> Result<Vec<Event>> {
         }
         let event = Event::decode(data).map_err(|e| bad(at, &format!("not an Event: {e}")))?;
         if events.is_empty() && event.what != Some(What::FileVersion(FILE_VERSION.into())) {
-            return Err(bad(at, "the first event is not file_version \"brain.Event:2\""));
+            return Err(bad(
+                at,
+                "the first event is not file_version \"brain.Event:2\"",
+            ));
         }
         events.push(event);
         at = end + 4;

@@ -12,7 +12,10 @@ use std::str::FromStr;
 use tilearn_ops::DType;
 
 pub use event_file::{Event, EventFile, read_events};
-use event_file::{SESSION_START, SessionLog, Summary, SummaryMetadata, SummaryValue, What};
+use event_file::{
+    PluginData, SCALARS_PLUGIN, SESSION_START, SessionLog, Summary, SummaryMetadata, SummaryValue,
+    What,
+};
 
 use super::log::{EvalRecord, LogRecord};
 use crate::{EngineError, Result};
@@ -65,10 +68,12 @@ pub struct TensorBoardLog {
 }
 
 impl TensorBoardLog {
-    /// Creates `dir` and a new event file in it. `resumed_at`: the checkpoint step a resumed
-    /// run continues from — a `SessionLog START` event at the next step tells readers to drop
-    /// whatever an earlier attempt logged past it into the same directory.
-    pub fn create(dir: &Path, resumed_at: Option<u64>) -> Result<TensorBoardLog> {
+    /// Creates `dir` and a new event file in it for a run whose first optimizer step is
+    /// `first_step + 1` (`first_step` > 0: resumed from that checkpoint step). The file opens
+    /// with a `SessionLog START` at that step: TensorBoard takes a run's first START as its
+    /// beginning and a later one (a resumed run writing into the same directory) as a restart,
+    /// dropping what an earlier attempt logged at or past its step.
+    pub fn create(dir: &Path, first_step: u64) -> Result<TensorBoardLog> {
         std::fs::create_dir_all(dir).map_err(|e| {
             EngineError::io(dir, "create the TensorBoard logging dir (--logging-dir)", e)
         })?;
@@ -81,21 +86,18 @@ impl TensorBoardLog {
             hostname(),
             std::process::id()
         );
-        let events = EventFile::create(&dir.join(name))?;
-        let mut log = TensorBoardLog {
+        let mut events = EventFile::create(&dir.join(name))?;
+        events.write(&Event {
+            wall_time: now,
+            step: first_step as i64 + 1,
+            what: Some(What::SessionLog(SessionLog {
+                status: SESSION_START,
+            })),
+        })?;
+        Ok(TensorBoardLog {
             events,
             described: Vec::new(),
-        };
-        if let Some(step) = resumed_at {
-            log.events.write(&Event {
-                wall_time: now,
-                step: step as i64 + 1,
-                what: Some(What::SessionLog(SessionLog {
-                    status: SESSION_START,
-                })),
-            })?;
-        }
-        Ok(log)
+        })
     }
 
     /// The scalars of a training record.
@@ -120,7 +122,10 @@ impl TensorBoardLog {
     pub fn write_eval(&mut self, r: &EvalRecord) -> Result<()> {
         self.write_scalars(
             r.step,
-            &[("eval/loss", r.eval_loss), ("eval/perplexity", r.eval_perplexity)],
+            &[
+                ("eval/loss", r.eval_loss),
+                ("eval/perplexity", r.eval_perplexity),
+            ],
         )
     }
 
@@ -137,7 +142,12 @@ impl TensorBoardLog {
                 SummaryValue {
                     tag: tag.to_string(),
                     simple_value: Some(v as f32),
+                    // Metadata names the plugin too: readers that keep metadata (the
+                    // legacy `EventAccumulator`) expect one.
                     metadata: description(tag).filter(|_| first).map(|d| SummaryMetadata {
+                        plugin_data: Some(PluginData {
+                            plugin_name: SCALARS_PLUGIN.into(),
+                        }),
                         summary_description: d.to_string(),
                     }),
                 }
@@ -224,7 +234,7 @@ mod tests {
     #[test]
     fn records_become_tagged_scalars_at_their_steps() {
         let dir = tempfile::tempdir().unwrap();
-        let mut tb = TensorBoardLog::create(dir.path(), None).unwrap();
+        let mut tb = TensorBoardLog::create(dir.path(), 0).unwrap();
         tb.write(&record(1, "fp32")).unwrap();
         tb.write(&record(2, "fp16")).unwrap();
         tb.write_eval(&EvalRecord {
@@ -268,22 +278,30 @@ mod tests {
                 _ => None,
             })
             .collect();
-        assert_eq!(described, [6, 1, 2], "6 new tags, then loss_scale, then eval's two");
+        assert_eq!(
+            described,
+            [6, 1, 2],
+            "6 new tags, then loss_scale, then eval's two"
+        );
     }
 
     #[test]
-    fn a_resumed_run_starts_with_a_purge_at_the_next_step() {
+    fn a_run_starts_with_a_session_start_at_its_first_step() {
         let dir = tempfile::tempdir().unwrap();
-        let tb = TensorBoardLog::create(&dir.path().join("nested/runs"), Some(40)).unwrap();
-        let events = read_events(tb.path()).unwrap();
-        assert_eq!(events.len(), 2);
-        assert_eq!(events[1].step, 41);
-        assert_eq!(
-            events[1].what,
-            Some(What::SessionLog(SessionLog {
-                status: SESSION_START
-            }))
-        );
+        let start_steps = |first_step| {
+            let tb = TensorBoardLog::create(&dir.path().join("nested/runs"), first_step).unwrap();
+            let events = read_events(tb.path()).unwrap();
+            assert_eq!(events.len(), 2, "file_version, then the START");
+            assert_eq!(
+                events[1].what,
+                Some(What::SessionLog(SessionLog {
+                    status: SESSION_START
+                }))
+            );
+            events[1].step
+        };
+        assert_eq!(start_steps(0), 1);
+        assert_eq!(start_steps(40), 41, "resumed after step 40");
     }
 
     #[test]

@@ -15,6 +15,9 @@ pub enum LlmError {
     /// An input file of the CLI (e.g. the token list of `tilearn eval`) that is malformed.
     #[error("{}: {message}", file.display())]
     Input { file: PathBuf, message: String },
+    /// A plot that could not be drawn or written.
+    #[error("{}: cannot draw the plot: {message}", file.display())]
+    Plot { file: PathBuf, message: String },
     /// Flags that contradict each other or cannot work.
     #[error("{flag}: {message}")]
     Usage { flag: String, message: String },

@@ -8,6 +8,7 @@
 
 pub mod cli;
 pub mod error;
+pub mod loss_plot;
 pub mod presets;
 
 pub use error::{LlmError, Result};

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use support::{max_abs_diff, ok};
+use tilearn_llm::engine::trainer::tensorboard::{event_files, read_scalars};
 
 fn weights(dir: &str) -> Vec<f32> {
     support::weights(Path::new(dir))
@@ -439,7 +440,10 @@ fn two_ranks_evaluate_the_same_eval_loss_as_one_process() {
         with(NO_SAVES, &flags)
     };
     s.train(0, &one, &eval("10", "2"));
-    s.train(2, &dp, &eval("5", "1"));
+    // Only rank 0 reports to TensorBoard: one event file although both ranks share the dir.
+    let tb = s.path("eval_dp_tb");
+    let report = ["--report-to", "tensorboard", "--logging-dir", &tb];
+    s.train(2, &dp, &with(&eval("5", "1"), &report));
     let eval_losses = |dir: &str| -> Vec<(u64, f64, u64)> {
         log(dir)
             .iter()
@@ -462,6 +466,16 @@ fn two_ranks_evaluate_the_same_eval_loss_as_one_process() {
         assert_eq!(x.2, 20 * 31, "20 windows of 31 targets");
         assert!((x.1 - y.1).abs() < 1e-5, "eval_loss {} vs {}", x.1, y.1);
     }
+    let files = event_files(Path::new(&tb)).unwrap();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let eval_steps: Vec<(u64, f32)> = read_scalars(&files[0])
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.tag == "eval/loss")
+        .map(|s| (s.step, s.value))
+        .collect();
+    let logged: Vec<(u64, f32)> = b.iter().map(|e| (e.0, e.1 as f32)).collect();
+    assert_eq!(eval_steps, logged, "the events hold the log's eval losses");
 }
 
 /// Tensor and pipeline parallelism through the real launcher: tp 2 alone, tp 2 × dp 2 with

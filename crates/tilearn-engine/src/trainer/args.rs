@@ -29,6 +29,17 @@ pub enum EvalStrategy {
     Epoch,
 }
 
+/// Where log records are reported besides `train_log.jsonl` (Hugging Face's `report_to`; its
+/// default is `none` since transformers 5).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReportTo {
+    /// The JSON-lines log only.
+    #[default]
+    None,
+    /// Also TensorBoard event files in the logging dir.
+    TensorBoard,
+}
+
 /// How long to train: a fixed number of optimizer steps, or whole epochs over the data.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum TrainLength {
@@ -56,6 +67,14 @@ pub struct TrainingArguments {
     pub seq_len: usize,
     pub seed: u64,
     pub logging_steps: u64,
+    /// Where log records are reported besides the JSON-lines log.
+    #[serde(default)]
+    pub report_to: ReportTo,
+    /// The TensorBoard event files' directory; `None`: `<output_dir>/runs/<time>_<host>`
+    /// (Hugging Face's default, see
+    /// [`default_logging_dir`](super::tensorboard::default_logging_dir)).
+    #[serde(default)]
+    pub logging_dir: Option<PathBuf>,
     /// With [`SaveStrategy::Steps`], a checkpoint every this many optimizer steps and one after
     /// the last step (see [`TrainingArguments::saves_checkpoint_at`]); 0 writes none.
     pub save_strategy: SaveStrategy,
@@ -130,6 +149,8 @@ impl Default for TrainingArguments {
             seq_len: 512,
             seed: 42,
             logging_steps: 500,
+            report_to: ReportTo::None,
+            logging_dir: None,
             save_strategy: SaveStrategy::Steps,
             save_steps: 500,
             save_only_model: false,

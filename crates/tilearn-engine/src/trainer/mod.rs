@@ -22,6 +22,7 @@ pub mod optimizer_file;
 pub mod optimizer_shards;
 mod saving;
 pub mod state;
+pub mod tensorboard;
 pub mod zero;
 
 use std::path::{Path, PathBuf};
@@ -32,7 +33,7 @@ use adaptfp16::{AmpPlan, Signals, TimeUnit};
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, ParamGroup, SchedulerType};
 
-pub use args::{EvalStrategy, SaveStrategy, TrainLength, TrainingArguments};
+pub use args::{EvalStrategy, ReportTo, SaveStrategy, TrainLength, TrainingArguments};
 pub use backend::{ModelInit, StepBackend};
 pub use cpu_backend::CpuBackend;
 pub use data_parallel::{DataParallel, DdpOptions, ZeroStage};
@@ -40,6 +41,7 @@ pub use disk::{FilesystemSpace, FreeSpace};
 pub use eval::{EvalLoss, EvalSet};
 pub use log::{EvalRecord, LogRecord, TrainLog};
 pub use state::{SchedulerState, TrainerState};
+pub use tensorboard::TensorBoardLog;
 
 use crate::config::LlamaConfig;
 use crate::data::{DataLoader, LoaderOptions, LoaderState, TokenDataset, WorkerHook};
@@ -507,6 +509,18 @@ impl Trainer {
         } else {
             None
         };
+        let mut tensorboard_log = match a.report_to {
+            ReportTo::TensorBoard if primary => {
+                let dir = a
+                    .logging_dir
+                    .clone()
+                    .unwrap_or_else(|| tensorboard::default_logging_dir(&a.output_dir));
+                let tb = TensorBoardLog::create(&dir, first_step)?;
+                sink.note(&format!("tensorboard: events in {}", tb.path().display()));
+                Some(tb)
+            }
+            _ => None,
+        };
 
         let hook = self
             .loader_hook
@@ -666,6 +680,9 @@ impl Trainer {
                 if let Some(log) = log.as_mut() {
                     log.write(&record)?;
                 }
+                if let Some(tb) = tensorboard_log.as_mut() {
+                    tb.write(&record)?;
+                }
                 sink.log(&record);
             }
             if a.evaluates_at(state.global_step, total_steps, steps_per_epoch)
@@ -681,6 +698,9 @@ impl Trainer {
                 };
                 if let Some(log) = log.as_mut() {
                     log.write_eval(&record)?;
+                }
+                if let Some(tb) = tensorboard_log.as_mut() {
+                    tb.write_eval(&record)?;
                 }
                 sink.eval(&record);
             }

@@ -1,4 +1,4 @@
-//! The `tilearn` command line: `train`, `eval`, `prepare-data`, `info`, `launch`, `plan`.
+//! The `tilearn` command line: `train`, `eval`, `plot`, `prepare-data`, `info`, `launch`, `plan`.
 
 mod bench;
 mod bench_gpu;
@@ -9,6 +9,7 @@ mod hybrid;
 mod info;
 mod launch;
 mod plan;
+mod plot;
 mod prepare;
 mod progress;
 mod topology;
@@ -22,6 +23,7 @@ pub use eval::EvalArgs;
 pub use info::InfoArgs;
 pub use launch::LaunchArgs;
 pub use plan::PlanArgs;
+pub use plot::PlotArgs;
 pub use prepare::PrepareArgs;
 pub use train::TrainArgs;
 
@@ -44,6 +46,8 @@ pub enum Command {
     Train(Box<TrainArgs>),
     /// Mean next-token loss (and optionally logits) of a model on given token sequences.
     Eval(EvalArgs),
+    /// Draw a run's loss.png: training and evaluation loss and the learning rate against steps.
+    Plot(PlotArgs),
     /// Training-step throughput on a preset model (one JSON line).
     Bench(BenchArgs),
     /// Tokenize text or JSON-lines files into memory-mapped token shards.
@@ -65,6 +69,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train::run(*args),
         Command::Eval(args) => eval::run(args),
+        Command::Plot(args) => plot::run(args),
         Command::Bench(args) => bench::run(args),
         Command::PrepareData(args) => prepare::run(args),
         Command::Info(args) => info::run(args),

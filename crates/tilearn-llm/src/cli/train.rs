@@ -21,8 +21,8 @@ use tilearn_engine::trainer::model_parallel::{
     ModelParallelComms, ModelParallelCpuBackend, ModelParallelLayout,
 };
 use tilearn_engine::trainer::{
-    DataParallel, DdpOptions, EvalStrategy, ModelInit, SaveStrategy, TrainLength, Trainer,
-    TrainingArguments, ZeroStage, adamw_for, host,
+    DataParallel, DdpOptions, EvalStrategy, ModelInit, ReportTo, SaveStrategy, TrainLength,
+    Trainer, TrainingArguments, ZeroStage, adamw_for, host,
 };
 use tilearn_ops::DType;
 use tilearn_parallel::pipeline::ScheduleKind;
@@ -48,6 +48,14 @@ pub enum EvalStrategyChoice {
     No,
     Steps,
     Epoch,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ReportToChoice {
+    /// The JSON-lines log only.
+    None,
+    /// Also TensorBoard event files (in --logging-dir).
+    Tensorboard,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -110,6 +118,14 @@ pub struct TrainArgs {
     pub seed: u64,
     #[arg(long, default_value_t = 10)]
     pub logging_steps: u64,
+    /// Where each log record goes besides OUTPUT_DIR/train_log.jsonl: `tensorboard` also
+    /// writes TensorBoard event files (train/loss, train/learning_rate, eval/loss, …).
+    #[arg(long, value_enum, default_value_t = ReportToChoice::None)]
+    pub report_to: ReportToChoice,
+    /// Directory of the TensorBoard event files (default: OUTPUT_DIR/runs/<time>_<host>, a
+    /// new run per start, as Hugging Face's Trainer names it).
+    #[arg(long)]
+    pub logging_dir: Option<PathBuf>,
     /// `steps`: a checkpoint every --save-steps optimizer steps and after the last step (as
     /// Hugging Face's Trainer); `no`: no checkpoints. The final model is written either way.
     #[arg(long, value_enum, default_value_t = SaveStrategyChoice::Steps)]
@@ -325,6 +341,12 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
             None => println!("restart {restart}: no checkpoint yet, starting over"),
         }
     }
+    if args.logging_dir.is_some() && args.report_to == ReportToChoice::None {
+        return Err(LlmError::Usage {
+            flag: "--logging-dir".into(),
+            message: "only TensorBoard event files go there; add --report-to tensorboard".into(),
+        });
+    }
     let ddp = DdpOptions {
         bucket_cap_mb: args.ddp_bucket_cap_mb,
         comm_dtype: args.ddp_comm_dtype,
@@ -377,6 +399,11 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         seq_len,
         seed: args.seed,
         logging_steps: args.logging_steps,
+        report_to: match args.report_to {
+            ReportToChoice::None => ReportTo::None,
+            ReportToChoice::Tensorboard => ReportTo::TensorBoard,
+        },
+        logging_dir: args.logging_dir.clone(),
         save_strategy: match args.save_strategy {
             SaveStrategyChoice::No => SaveStrategy::No,
             SaveStrategyChoice::Steps => SaveStrategy::Steps,
@@ -503,6 +530,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
     let summary = trainer.train(resume.as_deref(), sink.as_mut())?;
     if primary {
         print_summary(&summary);
+        super::plot::plot_after_training(&args.output_dir);
     }
     Ok(())
 }

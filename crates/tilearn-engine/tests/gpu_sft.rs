@@ -40,7 +40,10 @@ fn masked_tokens_contribute_nothing_to_loss_or_gradients_on_the_gpu() {
     // Kernels that reduce with atomics may differ run to run in the last bits; where two runs
     // of the same batch agree bit for bit, the masked change must too.
     let deterministic = again.to_bits() == loss.to_bits()
-        && grads.iter().zip(&grads_again).all(|(a, b)| a.to_bits() == b.to_bits());
+        && grads
+            .iter()
+            .zip(&grads_again)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
 
     // The CPU engine's loss of the same masked batch (f32 on both: ~1e-6 apart).
     let mut acts = Activations::new(&model.config, 2, seq, false);
@@ -66,14 +69,28 @@ fn masked_tokens_contribute_nothing_to_loss_or_gradients_on_the_gpu() {
          cpu {grads_vs_cpu:.2e}; padding changed: loss {loss} -> {loss2}, grads rel {padding_grad_err:.2e}; \
          response target changed: loss -> {loss3}, grads rel {response_grad_change:.2e}"
     ));
-    assert!(loss_vs_cpu < 1e-5 && grads_vs_cpu < 1e-4, "GPU and CPU disagree");
+    assert!(
+        loss_vs_cpu < 1e-5 && grads_vs_cpu < 1e-4,
+        "GPU and CPU disagree"
+    );
     if deterministic {
-        assert_eq!(loss2.to_bits(), loss.to_bits(), "loss changed with the padding");
+        assert_eq!(
+            loss2.to_bits(),
+            loss.to_bits(),
+            "loss changed with the padding"
+        );
         assert_eq!(padding_grad_err, 0.0, "gradients changed with the padding");
     } else {
         // Only reduction order may differ: far below what one target moves.
         assert!((loss2 - loss).abs() / loss < 1e-6 && padding_grad_err < 1e-6);
     }
-    assert_ne!(loss3.to_bits(), loss.to_bits(), "a response target must count");
-    assert!(response_grad_change > 1e-4, "a response target must move the gradients");
+    assert_ne!(
+        loss3.to_bits(),
+        loss.to_bits(),
+        "a response target must count"
+    );
+    assert!(
+        response_grad_change > 1e-4,
+        "a response target must move the gradients"
+    );
 }

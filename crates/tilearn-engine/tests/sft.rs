@@ -9,7 +9,8 @@ mod support;
 use std::path::Path;
 
 use support::sft::{
-    IGNORE, TINY, llama2, msg, perturb_padding, prepare, qwen2, rows, sft_batch, trained_text, write_lines,
+    IGNORE, TINY, llama2, msg, perturb_padding, prepare, qwen2, rows, sft_batch, trained_text,
+    write_lines,
 };
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::data::format::{
@@ -166,13 +167,18 @@ fn chatml_masks_train_content_end_token_and_newline() {
     let rows = rows(&ds, 200);
     assert_eq!(rows.len(), 2);
     assert_eq!(trained_text(&tok, &rows[0].1), "Hello!<|im_end|>\n");
-    assert_eq!(
-        trained_text(&tok, &rows[1].1),
-        "b<|im_end|>\nd<|im_end|>\n"
-    );
+    assert_eq!(trained_text(&tok, &rows[1].1), "b<|im_end|>\nd<|im_end|>\n");
     // The user's "c" turn sits between the two trained spans and is masked.
-    let first_d = rows[1].0.iter().rposition(|&id| id == u32::from(b'd')).unwrap();
-    let c = rows[1].0.iter().rposition(|&id| id == u32::from(b'c')).unwrap();
+    let first_d = rows[1]
+        .0
+        .iter()
+        .rposition(|&id| id == u32::from(b'd'))
+        .unwrap();
+    let c = rows[1]
+        .0
+        .iter()
+        .rposition(|&id| id == u32::from(b'c'))
+        .unwrap();
     assert!(c < first_d);
     assert_eq!(rows[1].1[c], IGNORE);
     assert_eq!(rows[1].1[first_d], i32::from(b'd'));
@@ -237,7 +243,10 @@ fn bad_lines_stop_with_file_line_and_fix_or_are_skipped_and_counted() {
     assert!(err.contains("mixed.jsonl"), "{err}");
     assert!(err.contains("line 2: invalid JSON"), "{err}");
     assert!(err.contains("--skip-bad-lines"), "{err}");
-    assert!(!out.join(META_FILE).exists(), "a failed run leaves no meta.json");
+    assert!(
+        !out.join(META_FILE).exists(),
+        "a failed run leaves no meta.json"
+    );
 
     opts.skip_bad_lines = true;
     let summary = prepare_sft(&opts, false).unwrap();
@@ -245,7 +254,11 @@ fn bad_lines_stop_with_file_line_and_fix_or_are_skipped_and_counted() {
     assert_eq!(summary.data.num_documents, 2);
     let lines: Vec<usize> = summary.skipped.iter().map(|b| b.line).collect();
     assert_eq!(lines, [2, 3, 4]);
-    assert!(summary.skipped[1].message.contains("field `response` is missing"));
+    assert!(
+        summary.skipped[1]
+            .message
+            .contains("field `response` is missing")
+    );
     assert!(
         summary.skipped[2]
             .message
@@ -266,7 +279,9 @@ fn chat_lines_without_a_template_name_the_missing_file() {
     byte_level_tokenizer().save(&tokenizer, false).unwrap();
     let input = write_lines(
         &dir.path().join("chat.jsonl"),
-        &[r#"{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}"#],
+        &[
+            r#"{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}"#,
+        ],
     );
     let err = prepare_sft(&prepare(&tokenizer, input, &dir.path().join("d")), false)
         .unwrap_err()
@@ -320,7 +335,12 @@ fn the_loader_gives_one_example_per_row() {
     let dir = tempfile::tempdir().unwrap();
     let tokenizer = qwen2(&dir.path().join("model"));
     let lines: Vec<String> = (0..10)
-        .map(|i| format!(r#"{{"prompt": "p{i}", "response": "{}"}}"#, "r".repeat(i + 1)))
+        .map(|i| {
+            format!(
+                r#"{{"prompt": "p{i}", "response": "{}"}}"#,
+                "r".repeat(i + 1)
+            )
+        })
         .collect();
     let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
     let input = write_lines(&dir.path().join("pairs.jsonl"), &lines);
@@ -375,7 +395,10 @@ fn version_one_datasets_still_load_as_streams() {
     let (mut ids, mut labels) = (vec![0; 8], vec![0; 8]);
     ds.read_row(2, &mut ids, &mut labels).unwrap();
     assert_eq!(ids, tokens[16..24]);
-    assert_eq!(labels, tokens[16..24].iter().map(|&t| t as i32).collect::<Vec<_>>());
+    assert_eq!(
+        labels,
+        tokens[16..24].iter().map(|&t| t as i32).collect::<Vec<_>>()
+    );
     assert!(ds.read_row(5, &mut ids, &mut labels).is_err());
 
     // The stream writer still writes version 1, byte for byte the same fields.
@@ -386,7 +409,10 @@ fn version_one_datasets_still_load_as_streams() {
     let meta: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(meta["version"], 1);
     let keys: Vec<&String> = meta.as_object().unwrap().keys().collect();
-    assert!(!keys.iter().any(|k| k.contains("mask") || *k == "pad_id"), "{keys:?}");
+    assert!(
+        !keys.iter().any(|k| k.contains("mask") || *k == "pad_id"),
+        "{keys:?}"
+    );
 }
 
 #[test]
@@ -410,7 +436,10 @@ fn a_corrupt_or_inconsistent_mask_is_refused() {
     *bytes.last_mut().unwrap() ^= 1;
     std::fs::write(&mask, &bytes).unwrap();
     let err = TokenDataset::open(&out).unwrap_err().to_string();
-    assert!(err.contains("checksum mismatch") && err.contains("mask-00000.bin"), "{err}");
+    assert!(
+        err.contains("checksum mismatch") && err.contains("mask-00000.bin"),
+        "{err}"
+    );
     *bytes.last_mut().unwrap() ^= 1;
     std::fs::write(&mask, &bytes).unwrap();
     TokenDataset::open(&out).unwrap();
@@ -429,7 +458,12 @@ fn a_corrupt_or_inconsistent_mask_is_refused() {
 // ---------------------------------------------------------------------------------------------
 // Masked tokens contribute nothing to the loss or the gradients (CPU engine)
 
-fn loss_and_grads(model: &LlamaForCausalLM, ids: &[u32], labels: &[i32], seq: usize) -> (f64, Vec<f32>) {
+fn loss_and_grads(
+    model: &LlamaForCausalLM,
+    ids: &[u32],
+    labels: &[i32],
+    seq: usize,
+) -> (f64, Vec<f32>) {
     let mut acts = Activations::new(&model.config, 2, seq, false);
     let mut grads = vec![0.0; model.params.numel()];
     let stats = model
@@ -453,14 +487,28 @@ fn masked_tokens_contribute_nothing_to_loss_or_gradients_on_the_cpu() {
     //    loss and every gradient bit-identical.
     let (ids2, labels2) = perturb_padding(&ids, &labels, &lens, seq);
     let (loss2, grads2) = loss_and_grads(&model, &ids2, &labels2, seq);
-    assert_eq!(loss2.to_bits(), loss.to_bits(), "loss changed with the padding");
-    let differing = grads.iter().zip(&grads2).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-    assert_eq!(differing, 0, "{differing} gradients changed with the padding");
+    assert_eq!(
+        loss2.to_bits(),
+        loss.to_bits(),
+        "loss changed with the padding"
+    );
+    let differing = grads
+        .iter()
+        .zip(&grads2)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(
+        differing, 0,
+        "{differing} gradients changed with the padding"
+    );
 
     // 2. The prompt's targets: the loss is exactly the response tokens' cross entropy (f64
     //    reference from the logits), so the masked targets add nothing.
     let mut acts = Activations::new(&model.config, 2, seq, false);
-    let logits = model.forward_logits(&ids, 2, seq, &mut acts).unwrap().to_vec();
+    let logits = model
+        .forward_logits(&ids, 2, seq, &mut acts)
+        .unwrap()
+        .to_vec();
     let vocab = 259;
     let mut reference = 0.0f64;
     let mut targets = 0;
@@ -472,7 +520,12 @@ fn masked_tokens_contribute_nothing_to_loss_or_gradients_on_the_cpu() {
             }
             let row = &logits[(r * seq + t) * vocab..(r * seq + t + 1) * vocab];
             let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
-            let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&x| (x as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
             reference += lse - row[label as usize] as f64;
             targets += 1;
         }
@@ -480,7 +533,10 @@ fn masked_tokens_contribute_nothing_to_loss_or_gradients_on_the_cpu() {
     assert_eq!(targets, count_valid_targets(&labels, 2, seq));
     assert_eq!(targets, 4 + 6, "\" ok\"+EOS and \" fine\"+EOS");
     // f32 logits and the engine's f32 log-sum-exp against f64: ~1e-7 relative.
-    assert!((loss - reference).abs() / reference < 1e-5, "{loss} vs {reference}");
+    assert!(
+        (loss - reference).abs() / reference < 1e-5,
+        "{loss} vs {reference}"
+    );
 
     // 3. A response token's target changes the loss and the gradients.
     let mut labels3 = labels.clone();

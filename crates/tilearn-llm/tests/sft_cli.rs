@@ -76,8 +76,14 @@ fn prepare_sft_then_train_a_few_cpu_steps() {
     let out = prepare(&[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("train.jsonl") && err.contains("line 4"), "{err}");
-    assert!(err.contains("`response` is missing") && err.contains("--skip-bad-lines"), "{err}");
+    assert!(
+        err.contains("train.jsonl") && err.contains("line 4"),
+        "{err}"
+    );
+    assert!(
+        err.contains("`response` is missing") && err.contains("--skip-bad-lines"),
+        "{err}"
+    );
 
     let stdout = support::ok(prepare(&["--skip-bad-lines"]));
     assert!(stdout.contains("24 examples"), "{stdout}");

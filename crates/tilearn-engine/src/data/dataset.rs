@@ -337,7 +337,12 @@ impl TokenDataset {
 
     /// Calls `f(shard, offset in shard, range of the output)` for the pieces of the stream
     /// range `start..start + len`, which must lie inside the stream.
-    fn for_each_piece(&self, start: usize, len: usize, mut f: impl FnMut(usize, usize, Range<usize>)) {
+    fn for_each_piece(
+        &self,
+        start: usize,
+        len: usize,
+        mut f: impl FnMut(usize, usize, Range<usize>),
+    ) {
         let end = start + len;
         let mut pos = start;
         let mut written = 0;
@@ -389,9 +394,9 @@ impl TokenDataset {
 fn check_layout(meta: &DatasetMeta, meta_path: &Path) -> Result<()> {
     let bad = |message: String| Err(data_err(meta_path, message));
     match meta.layout {
-        RowLayout::Stream if !meta.mask_shards.is_empty() => {
-            bad("lists mask_shards but its layout is `stream`; re-run `tilearn prepare-data`".into())
-        }
+        RowLayout::Stream if !meta.mask_shards.is_empty() => bad(
+            "lists mask_shards but its layout is `stream`; re-run `tilearn prepare-data`".into(),
+        ),
         RowLayout::Stream => Ok(()),
         RowLayout::Examples if meta.version < 2 => bad(format!(
             "layout `examples` needs meta.json version 2, found {}; re-run `tilearn prepare-data`",
@@ -425,7 +430,9 @@ fn example_starts(dir: &Path, meta: &DatasetMeta, masks: &[MappedShard]) -> Resu
     let mut pos = 0usize;
     for (mask, listed) in masks.iter().zip(&meta.mask_shards) {
         for (i, &m) in mask.payload().iter().enumerate() {
-            if m & !(MASK_TRAINED | MASK_EXAMPLE_START) != 0 || (pos + i == 0 && m & MASK_EXAMPLE_START == 0) {
+            if m & !(MASK_TRAINED | MASK_EXAMPLE_START) != 0
+                || (pos + i == 0 && m & MASK_EXAMPLE_START == 0)
+            {
                 return Err(data_err(
                     dir.join(&listed.file),
                     format!(

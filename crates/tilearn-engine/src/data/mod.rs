@@ -25,13 +25,13 @@ pub mod sft_record;
 pub mod writer;
 
 pub use byte_tokenizer::{BYTE_EOS_ID, BYTE_VOCAB_SIZE, EOS_TOKEN, byte_level_tokenizer};
+pub use chat_template::{ChatMessage, ChatTemplate};
 pub use dataset::{TokenDataset, Truncation};
 pub use documents::InputKind;
+pub use format::RowLayout;
 pub use format::{DatasetMeta, ShardMeta};
 pub use grammar::generate_corpus;
 pub use loader::{Batch, DataLoader, LoaderOptions, LoaderState, WorkerHook};
-pub use chat_template::{ChatMessage, ChatTemplate};
-pub use format::RowLayout;
 pub use prepare::{
     DEFAULT_SHARD_TOKENS, PrepareOptions, find_eos_id, load_tokenizer, prepare_data,
     prepare_embedded_default,

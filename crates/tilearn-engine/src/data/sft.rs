@@ -130,7 +130,7 @@ impl fmt::Display for SftSummary {
             write!(
                 f,
                 "\nwarning: {} example(s) were longer than --max-seq-length and were truncated \
-                 ({} of them kept no trained token)",
+                 ({} of them lost every trained token and add nothing to the loss)",
                 self.truncated, self.truncated_to_nothing
             )?;
         }

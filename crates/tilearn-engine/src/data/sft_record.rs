@@ -31,9 +31,9 @@ pub fn parse_record(line: &str) -> Result<SftRecord, String> {
     };
     let has_pair = object.contains_key("prompt") || object.contains_key("response");
     match (object.get("messages"), has_pair) {
-        (Some(_), true) => Err(
-            "has both `messages` and `prompt`/`response`; keep one form per line".to_string(),
-        ),
+        (Some(_), true) => {
+            Err("has both `messages` and `prompt`/`response`; keep one form per line".to_string())
+        }
         (Some(messages), false) => parse_messages(messages).map(SftRecord::Chat),
         (None, true) => Ok(SftRecord::PromptResponse {
             prompt: string_field(object, "prompt")?,
@@ -144,10 +144,19 @@ mod tests {
             ("{not json", "invalid JSON"),
             ("[1, 2]", "found a list, not an object"),
             (r#"{"prompt": "a"}"#, "field `response` is missing"),
-            (r#"{"prompt": "a", "response": 7}"#, "`response` must be a string"),
-            (r#"{"text": "a"}"#, "neither `prompt`/`response` nor `messages`"),
+            (
+                r#"{"prompt": "a", "response": 7}"#,
+                "`response` must be a string",
+            ),
+            (
+                r#"{"text": "a"}"#,
+                "neither `prompt`/`response` nor `messages`",
+            ),
             (r#"{"messages": "hi"}"#, "`messages` must be a list"),
-            (r#"{"messages": [{"role": "user"}]}"#, "messages[0] has no `content`"),
+            (
+                r#"{"messages": [{"role": "user"}]}"#,
+                "messages[0] has no `content`",
+            ),
             (
                 r#"{"messages": [{"role": "user", "content": "q"}]}"#,
                 "no message has role `assistant`",

@@ -207,10 +207,12 @@ impl ShardWriter {
         self.check_ids(tokens)?;
         let masks = self.masks.as_mut().expect("checked above");
         self.buffer.extend_from_slice(tokens);
-        masks.bytes.extend(trained.iter().enumerate().map(|(i, &t)| {
-            let start = if i == 0 { MASK_EXAMPLE_START } else { 0 };
-            start | if t { MASK_TRAINED } else { 0 }
-        }));
+        masks
+            .bytes
+            .extend(trained.iter().enumerate().map(|(i, &t)| {
+                let start = if i == 0 { MASK_EXAMPLE_START } else { 0 };
+                start | if t { MASK_TRAINED } else { 0 }
+            }));
         self.num_documents += 1;
         self.num_tokens += tokens.len() as u64;
         self.flush_full_shards()
@@ -257,7 +259,13 @@ impl ShardWriter {
             self.write_next_shard(self.buffer.len())?;
         }
         let (version, layout, pad_id, mask_shards, max_seq_length) = match &self.masks {
-            None => (META_VERSION_STREAM, RowLayout::Stream, None, Vec::new(), None),
+            None => (
+                META_VERSION_STREAM,
+                RowLayout::Stream,
+                None,
+                Vec::new(),
+                None,
+            ),
             Some(m) => (
                 META_VERSION,
                 RowLayout::Examples,
@@ -312,8 +320,8 @@ impl ShardWriter {
         };
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let ours = (name.starts_with("shard-") || name.starts_with("mask-"))
-                && name.ends_with(".bin");
+            let ours =
+                (name.starts_with("shard-") || name.starts_with("mask-")) && name.ends_with(".bin");
             if ours && !listed(&name) {
                 let _ = fs::remove_file(entry.path());
             }

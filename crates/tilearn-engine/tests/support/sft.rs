@@ -112,12 +112,15 @@ pub fn sft_batch(dir: &Path, seq: usize) -> (Vec<u32>, Vec<i32>, Vec<usize>) {
         .collect();
     let (mut ids, mut labels) = (vec![0; 2 * seq], vec![0; 2 * seq]);
     for r in 0..2 {
-        ds.read_row(r, &mut ids[r * seq..(r + 1) * seq], &mut labels[r * seq..(r + 1) * seq])
-            .unwrap();
+        ds.read_row(
+            r,
+            &mut ids[r * seq..(r + 1) * seq],
+            &mut labels[r * seq..(r + 1) * seq],
+        )
+        .unwrap();
     }
     (ids, labels, lens)
 }
-
 
 /// `ids` and `labels` with the padding after each row's `lens` tokens replaced by other ids
 /// (their labels stay -100: padding is masked).

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 use rand::{Rng, SeedableRng};
-use tilearn_engine::data::{PrepareOptions, ShardWriter, SftOptions, prepare_data, prepare_sft};
+use tilearn_engine::data::{PrepareOptions, SftOptions, ShardWriter, prepare_data, prepare_sft};
 
 use crate::{LlmError, Result};
 

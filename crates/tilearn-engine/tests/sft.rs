@@ -160,6 +160,12 @@ fn chatml_masks_train_content_end_token_and_newline() {
     );
     let out = dir.path().join("data");
     let summary = prepare_sft(&prepare(&tokenizer, input, &out), false).unwrap();
+    assert!(
+        summary
+            .template
+            .unwrap()
+            .ends_with("model/tokenizer_config.json")
+    );
     // Qwen's pad_token `<|endoftext|>` is the byte tokenizer's 256; its EOS is `<|im_end|>`.
     assert_eq!((summary.pad_id, summary.data.eos_id), (BYTE_EOS_ID, 258));
     let tok = Tokenizer::from_file(&tokenizer).unwrap();
@@ -199,7 +205,10 @@ fn prompt_response_trains_response_and_eos_and_pads_with_ignored_labels() {
     let out = dir.path().join("data");
     let summary = prepare_sft(&prepare(&tokenizer, input, &out), false).unwrap();
     assert_eq!(summary.data.num_documents, 2);
-    assert!(summary.template.is_some());
+    assert!(
+        summary.template.is_none(),
+        "prompt/response lines use no template"
+    );
     let ds = TokenDataset::open(&out).unwrap();
     let seq = 16;
     let rows = rows(&ds, seq);

@@ -32,7 +32,7 @@ use super::prepare::{
     eos_id_of, load_tokenizer, progress_bar, vocab_size_of,
 };
 use super::sft_encode::{MaskedTokens, SftEncoder};
-use super::sft_record::parse_record;
+use super::sft_record::{SftRecord, parse_record};
 use super::writer::{PrepareSummary, ShardWriter};
 use crate::error::{EngineError, Result};
 
@@ -217,13 +217,20 @@ pub fn prepare_sft(opts: &SftOptions, progress: bool) -> Result<SftSummary> {
             .filter(|(_, l)| !l.is_empty())
             .collect();
         for chunk in lines.chunks(ENCODE_CHUNK) {
-            let encoded: Vec<std::result::Result<MaskedTokens, String>> = chunk
+            let encoded: Vec<std::result::Result<(MaskedTokens, bool), String>> = chunk
                 .par_iter()
-                .map(|(_, line)| parse_record(line).and_then(|r| encoder.encode(&r)))
+                .map(|(_, line)| {
+                    let record = parse_record(line)?;
+                    let is_chat = matches!(record, SftRecord::Chat(_));
+                    encoder.encode(&record).map(|tokens| (tokens, is_chat))
+                })
                 .collect();
             for (&(line_no, line), result) in chunk.iter().zip(encoded) {
                 match result {
-                    Ok(tokens) => run.keep(&mut writer, tokens, opts.max_seq_length)?,
+                    Ok((tokens, is_chat)) => {
+                        run.chats += u64::from(is_chat);
+                        run.keep(&mut writer, tokens, opts.max_seq_length)?
+                    }
                     Err(message) if opts.skip_bad_lines => run.skip(BadLine {
                         file: input.clone(),
                         line: line_no,
@@ -260,7 +267,9 @@ pub fn prepare_sft(opts: &SftOptions, progress: bool) -> Result<SftSummary> {
         data,
         pad_id,
         pad_source,
-        template: template.map(|t| t.source().to_path_buf()),
+        template: template
+            .filter(|_| run.chats > 0)
+            .map(|t| t.source().to_path_buf()),
         trained_tokens: run.trained_tokens,
         num_skipped: run.num_skipped,
         skipped: run.skipped,
@@ -272,6 +281,8 @@ pub fn prepare_sft(opts: &SftOptions, progress: bool) -> Result<SftSummary> {
 /// Counts of one prepare run.
 #[derive(Debug, Default)]
 struct Run {
+    /// Examples from `messages` lines (rendered by the template).
+    chats: u64,
     trained_tokens: u64,
     num_skipped: u64,
     skipped: Vec<BadLine>,

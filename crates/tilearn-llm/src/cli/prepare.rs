@@ -101,6 +101,14 @@ pub fn run(args: PrepareArgs) -> Result<()> {
 
 /// `--format sft`: JSON lines → an examples dataset with loss masks.
 fn sft(args: PrepareArgs) -> Result<()> {
+    if args.text_field != "text" {
+        return Err(LlmError::Usage {
+            flag: "--text-field".into(),
+            message: "does not apply to --format sft, whose lines hold `prompt`/`response` or \
+                      `messages`"
+                .into(),
+        });
+    }
     let opts = SftOptions {
         tokenizer: args.tokenizer.unwrap_or_default(),
         inputs: args.input,

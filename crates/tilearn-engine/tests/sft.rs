@@ -562,3 +562,52 @@ fn masked_tokens_contribute_nothing_to_loss_or_gradients_on_the_cpu() {
     let (loss4, _) = loss_and_grads(&model, &ids4, &labels, seq);
     assert_ne!(loss4.to_bits(), loss.to_bits());
 }
+
+/// Evaluation on fine-tuning data (`--eval-data` of an `examples` dataset) scores the trained
+/// tokens only: its token count is the rows' valid targets and its mean their mean loss.
+#[test]
+fn eval_on_fine_tuning_data_scores_only_trained_tokens() {
+    use tilearn_engine::trainer::{
+        CpuBackend, DataParallel, EvalSet, TrainingArguments, adamw_for,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = qwen2(&dir.path().join("model"));
+    let lines: Vec<String> = (0..7)
+        .map(|i| {
+            format!(
+                r#"{{"prompt": "q{i}?", "response": "{}"}}"#,
+                "a".repeat(i + 1)
+            )
+        })
+        .collect();
+    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let input = write_lines(&dir.path().join("eval.jsonl"), &lines);
+    let out = dir.path().join("data");
+    prepare_sft(&prepare(&tokenizer, input, &out), false).unwrap();
+    let seq = 16;
+    let ds = TokenDataset::open(&out).unwrap();
+    let all = rows(&ds, seq);
+    let ids: Vec<u32> = all.iter().flat_map(|r| r.0.clone()).collect();
+    let labels: Vec<i32> = all.iter().flat_map(|r| r.1.clone()).collect();
+    let expected_tokens = count_valid_targets(&labels, all.len(), seq);
+    assert_eq!(expected_tokens, (1..=7).map(|n| n + 1).sum::<usize>());
+
+    let config = LlamaConfig::from_json_str(TINY, Path::new("tiny/config.json")).unwrap();
+    let model = LlamaForCausalLM::from_config(config, 9);
+    let mut acts = Activations::new(&model.config, all.len(), seq, false);
+    let reference = model
+        .forward_loss_with(&model.params.data, &ids, &labels, all.len(), seq, &mut acts)
+        .unwrap();
+    let set = EvalSet::new(ds, 259, seq).unwrap();
+    assert_eq!(set.num_windows(), 7);
+    let args = TrainingArguments::default();
+    let optimizer = adamw_for(&args, &model.params).unwrap();
+    let dp = DataParallel::single(model.params.numel());
+    let mut cpu = CpuBackend::new(model, optimizer, 3, seq, false);
+    let eval = set
+        .evaluate(&mut cpu, &dp, 3, None, tilearn_ops::DType::F32)
+        .unwrap();
+    assert_eq!(eval.tokens as usize, expected_tokens);
+    // Batches of 3 instead of one of 7 only reorder an f64 sum of the same f32 token losses.
+    assert!((eval.mean - reference.mean()).abs() < 1e-9 * reference.mean());
+}

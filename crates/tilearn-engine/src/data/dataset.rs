@@ -1,4 +1,10 @@
-//! A prepared token dataset, memory-mapped and verified.
+//! A prepared token dataset, memory-mapped and verified, and its training rows.
+//!
+//! Rows ([`TokenDataset::read_row`]) depend on the dataset's [`RowLayout`]: a `stream`
+//! dataset (pretraining) is cut into non-overlapping windows of `seq_len` tokens whose labels
+//! are their ids; an `examples` dataset (supervised fine-tuning) gives one row per example,
+//! truncated to `seq_len` and padded with the pad id, whose labels are the ids of the trained
+//! tokens and -100 (`IGNORE_INDEX`) for the prompt and the padding.
 
 use std::fs::File;
 use std::ops::Range;
@@ -7,9 +13,11 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use rayon::prelude::*;
 
+use tilearn_ops::cpu::IGNORE_INDEX;
+
 use super::format::{
-    DatasetMeta, Fnv1a64, META_FILE, META_FORMAT, META_VERSION, SHARD_HEADER_LEN, ShardHeader,
-    ShardMeta,
+    DatasetMeta, Fnv1a64, MASK_EXAMPLE_START, MASK_TRAINED, META_FILE, META_FORMAT, META_VERSION,
+    RowLayout, SHARD_HEADER_LEN, ShardHeader, ShardKind, ShardMeta,
 };
 use crate::error::{EngineError, Result};
 
@@ -26,6 +34,41 @@ pub struct TokenDataset {
     /// `starts[i]` is the stream position of shard `i`'s first token; one extra entry holds
     /// the total.
     starts: Vec<usize>,
+    /// The loss masks, one per shard (`examples` layout; empty for `stream`).
+    masks: Vec<MappedShard>,
+    /// Stream position of every example's first token and one extra entry holding the total
+    /// (`examples` layout; empty for `stream`).
+    examples: Vec<usize>,
+}
+
+/// How many rows of an `examples` dataset a sequence length cuts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Truncation {
+    /// Examples longer than the sequence length.
+    pub truncated: usize,
+    /// Of those, the ones left with no target (all their trained tokens were cut).
+    pub left_without_targets: usize,
+    /// Examples in the dataset.
+    pub examples: usize,
+}
+
+impl Truncation {
+    /// The warning to print for a run with `seq_len` on the dataset in `dir`, or `None` when
+    /// nothing is cut.
+    pub fn warning(&self, dir: &Path, seq_len: usize) -> Option<String> {
+        (self.truncated > 0).then(|| {
+            format!(
+                "warning: {} of the {} examples in {} are longer than the training --seq-len \
+                 {seq_len} and are truncated to it ({} of them keep no trained token and add \
+                 nothing to the loss); raise --seq-len, or choose the cut when preparing with \
+                 --max-seq-length",
+                self.truncated,
+                self.examples,
+                dir.display(),
+                self.left_without_targets
+            )
+        })
+    }
 }
 
 #[derive(Debug)]
@@ -90,12 +133,12 @@ impl TokenDataset {
                 format!("invalid dataset description ({e}); re-run `tilearn prepare-data`"),
             )
         })?;
-        if meta.format != META_FORMAT || meta.version != META_VERSION {
+        if meta.format != META_FORMAT || !(1..=META_VERSION).contains(&meta.version) {
             return Err(data_err(
                 &meta_path,
                 format!(
                     "format `{}` version {} is not supported (expected `{META_FORMAT}` version \
-                     {META_VERSION}); re-run `tilearn prepare-data`",
+                     1 to {META_VERSION}); re-run `tilearn prepare-data` (or update tilearn)",
                     meta.format, meta.version
                 ),
             ));
@@ -128,11 +171,22 @@ impl TokenDataset {
                 ),
             ));
         }
+        check_layout(&meta, &meta_path)?;
         let shards = meta
             .shards
             .par_iter()
-            .map(|s| open_shard(dir, s, &meta))
+            .map(|s| open_shard(dir, s, &meta, ShardKind::Tokens))
             .collect::<Result<Vec<_>>>()?;
+        let masks = meta
+            .mask_shards
+            .par_iter()
+            .map(|s| open_shard(dir, s, &meta, ShardKind::LossMask))
+            .collect::<Result<Vec<_>>>()?;
+        let examples = if masks.is_empty() {
+            Vec::new()
+        } else {
+            example_starts(dir, &meta, &masks)?
+        };
         let mut starts = Vec::with_capacity(shards.len() + 1);
         let mut pos = 0usize;
         for s in &shards {
@@ -145,6 +199,8 @@ impl TokenDataset {
             meta,
             shards,
             starts,
+            masks,
+            examples,
         })
     }
 
@@ -188,6 +244,123 @@ impl TokenDataset {
         self.meta.tokenizer.as_ref().map(|t| self.dir.join(t))
     }
 
+    /// How the stream becomes training rows.
+    pub fn layout(&self) -> RowLayout {
+        self.meta.layout
+    }
+
+    /// Training rows of `seq_len` tokens: whole windows of the stream, or the examples.
+    pub fn num_rows(&self, seq_len: usize) -> usize {
+        match self.layout() {
+            RowLayout::Stream => self.num_tokens() / seq_len.max(1),
+            RowLayout::Examples => self.examples.len().saturating_sub(1),
+        }
+    }
+
+    /// Row `row` for sequences of `seq_len` tokens, written into `ids` and `labels` (both
+    /// `seq_len` long): window `row` of the stream with labels equal to the ids, or example
+    /// `row` truncated to `seq_len`, padded with the pad id, with label -100 on every token
+    /// that is not trained and on the padding.
+    pub fn read_row(&self, row: usize, ids: &mut [u32], labels: &mut [i32]) -> Result<()> {
+        let seq_len = ids.len();
+        if labels.len() != seq_len || row >= self.num_rows(seq_len) {
+            return Err(EngineError::InvalidArgument {
+                argument: "row".into(),
+                message: format!(
+                    "row {row} of {seq_len} tokens (labels {}) is outside the dataset's {} rows",
+                    labels.len(),
+                    self.num_rows(seq_len)
+                ),
+            });
+        }
+        match self.layout() {
+            RowLayout::Stream => {
+                self.read_into(row * seq_len, ids)?;
+                for (l, &id) in labels.iter_mut().zip(ids.iter()) {
+                    *l = id as i32;
+                }
+            }
+            RowLayout::Examples => {
+                let start = self.examples[row];
+                let len = (self.examples[row + 1] - start).min(seq_len);
+                self.read_into(start, &mut ids[..len])?;
+                let mut mask = vec![0u8; len];
+                self.read_mask_into(start, &mut mask);
+                for ((l, &id), &m) in labels.iter_mut().zip(ids.iter()).zip(&mask) {
+                    *l = if m & MASK_TRAINED != 0 {
+                        id as i32
+                    } else {
+                        IGNORE_INDEX
+                    };
+                }
+                let pad = self.meta.pad_id.unwrap_or(self.meta.eos_id);
+                ids[len..].fill(pad);
+                labels[len..].fill(IGNORE_INDEX);
+            }
+        }
+        Ok(())
+    }
+
+    /// For an `examples` dataset: how many examples `seq_len` truncates (`None` for a stream).
+    pub fn truncation(&self, seq_len: usize) -> Option<Truncation> {
+        if self.layout() != RowLayout::Examples {
+            return None;
+        }
+        let mut report = Truncation {
+            examples: self.num_rows(seq_len),
+            ..Truncation::default()
+        };
+        let mut mask = Vec::new();
+        for pair in self.examples.windows(2) {
+            let (start, len) = (pair[0], pair[1] - pair[0]);
+            if len <= seq_len {
+                continue;
+            }
+            report.truncated += 1;
+            // Position 0 is never a target; targets are the trained tokens at 1..seq_len.
+            mask.resize(seq_len, 0);
+            self.read_mask_into(start, &mut mask);
+            if !mask.iter().skip(1).any(|&m| m & MASK_TRAINED != 0) {
+                report.left_without_targets += 1;
+            }
+        }
+        Some(report)
+    }
+
+    /// Fill `out` with the mask bytes of tokens `start..start + out.len()` (inside the stream).
+    fn read_mask_into(&self, start: usize, out: &mut [u8]) {
+        self.for_each_piece(start, out.len(), |shard, offset, range| {
+            let payload = self.masks[shard].payload();
+            out[range.clone()].copy_from_slice(&payload[offset..offset + range.len()]);
+        });
+    }
+
+    /// Calls `f(shard, offset in shard, range of the output)` for the pieces of the stream
+    /// range `start..start + len`, which must lie inside the stream.
+    fn for_each_piece(
+        &self,
+        start: usize,
+        len: usize,
+        mut f: impl FnMut(usize, usize, Range<usize>),
+    ) {
+        let end = start + len;
+        let mut pos = start;
+        let mut written = 0;
+        // The shard holding `pos`: the last one whose start is <= pos.
+        let mut shard = self.starts.partition_point(|&s| s <= pos).saturating_sub(1);
+        while pos < end {
+            // Skip empty shards (never written by prepare, but harmless).
+            while self.starts[shard + 1] <= pos {
+                shard += 1;
+            }
+            let offset = pos - self.starts[shard];
+            let n = (self.starts[shard + 1] - pos).min(end - pos);
+            f(shard, offset, written..written + n);
+            written += n;
+            pos += n;
+        }
+    }
+
     /// Fill `out` with tokens `start..start + out.len()` of the stream (across shards).
     pub fn read_into(&self, start: usize, out: &mut [u32]) -> Result<()> {
         let end = start
@@ -203,21 +376,9 @@ impl TokenDataset {
                 ),
             });
         };
-        let mut pos = start;
-        let mut written = 0;
-        // The shard holding `pos`: the last one whose start is <= pos.
-        let mut shard = self.starts.partition_point(|&s| s <= pos).saturating_sub(1);
-        while pos < end {
-            // Skip empty shards (never written by prepare, but harmless).
-            while self.starts[shard + 1] <= pos {
-                shard += 1;
-            }
-            let offset = pos - self.starts[shard];
-            let n = (self.starts[shard + 1] - pos).min(end - pos);
-            self.shards[shard].read(offset, &mut out[written..written + n]);
-            written += n;
-            pos += n;
-        }
+        self.for_each_piece(start, end - start, |shard, offset, range| {
+            self.shards[shard].read(offset, &mut out[range]);
+        });
         Ok(())
     }
 
@@ -229,7 +390,85 @@ impl TokenDataset {
     }
 }
 
-fn open_shard(dir: &Path, shard: &ShardMeta, meta: &DatasetMeta) -> Result<MappedShard> {
+/// The layout's fields agree with each other and with the shards.
+fn check_layout(meta: &DatasetMeta, meta_path: &Path) -> Result<()> {
+    let bad = |message: String| Err(data_err(meta_path, message));
+    match meta.layout {
+        RowLayout::Stream if !meta.mask_shards.is_empty() => bad(
+            "lists mask_shards but its layout is `stream`; re-run `tilearn prepare-data`".into(),
+        ),
+        RowLayout::Stream => Ok(()),
+        RowLayout::Examples if meta.version < 2 => bad(format!(
+            "layout `examples` needs meta.json version 2, found {}; re-run `tilearn prepare-data`",
+            meta.version
+        )),
+        RowLayout::Examples => {
+            let counts = |list: &[ShardMeta]| list.iter().map(|s| s.num_tokens).collect::<Vec<_>>();
+            if counts(&meta.mask_shards) != counts(&meta.shards) {
+                return bad(
+                    "the mask_shards do not pair one to one (same token counts) with the \
+                     shards; re-run `tilearn prepare-data --format sft`"
+                        .into(),
+                );
+            }
+            match meta.pad_id {
+                Some(pad) if (pad as usize) < meta.vocab_size => Ok(()),
+                other => bad(format!(
+                    "pad_id {other:?} is missing or not below vocab_size {}; re-run `tilearn \
+                     prepare-data --format sft`",
+                    meta.vocab_size
+                )),
+            }
+        }
+    }
+}
+
+/// Stream positions of the examples' first tokens (mask bit [`MASK_EXAMPLE_START`]) and the
+/// total; checks that the stream starts with an example and that no other bits are set.
+fn example_starts(dir: &Path, meta: &DatasetMeta, masks: &[MappedShard]) -> Result<Vec<usize>> {
+    let mut starts = Vec::with_capacity(meta.num_documents as usize + 1);
+    let mut pos = 0usize;
+    for (mask, listed) in masks.iter().zip(&meta.mask_shards) {
+        for (i, &m) in mask.payload().iter().enumerate() {
+            if m & !(MASK_TRAINED | MASK_EXAMPLE_START) != 0
+                || (pos + i == 0 && m & MASK_EXAMPLE_START == 0)
+            {
+                return Err(data_err(
+                    dir.join(&listed.file),
+                    format!(
+                        "mask byte {m:#04x} at token {i} is not valid (unknown bits, or the \
+                         first token does not start an example); re-run `tilearn prepare-data \
+                         --format sft`"
+                    ),
+                ));
+            }
+            if m & MASK_EXAMPLE_START != 0 {
+                starts.push(pos + i);
+            }
+        }
+        pos += mask.num_tokens;
+    }
+    if starts.len() as u64 != meta.num_documents {
+        return Err(data_err(
+            dir.join(META_FILE),
+            format!(
+                "num_documents is {} but the loss masks start {} examples; re-run `tilearn \
+                 prepare-data --format sft`",
+                meta.num_documents,
+                starts.len()
+            ),
+        ));
+    }
+    starts.push(pos);
+    Ok(starts)
+}
+
+fn open_shard(
+    dir: &Path,
+    shard: &ShardMeta,
+    meta: &DatasetMeta,
+    kind: ShardKind,
+) -> Result<MappedShard> {
     let path = dir.join(&shard.file);
     let file = match File::open(&path) {
         Ok(f) => f,
@@ -260,8 +499,8 @@ fn open_shard(dir: &Path, shard: &ShardMeta, meta: &DatasetMeta) -> Result<Mappe
     // an existing mapping of the old inode intact).
     let map =
         unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(&path, "mmap token shard", e))?;
-    let header = ShardHeader::parse(&map, &path)?;
-    if header.token_width != meta.token_width {
+    let header = ShardHeader::parse_of(&map, &path, kind)?;
+    if kind == ShardKind::Tokens && header.token_width != meta.token_width {
         return Err(data_err(
             &path,
             format!(
@@ -313,6 +552,9 @@ fn open_shard(dir: &Path, shard: &ShardMeta, meta: &DatasetMeta) -> Result<Mappe
                 hash.finish()
             ),
         ));
+    }
+    if kind == ShardKind::LossMask {
+        return Ok(shard);
     }
     let max_id = max_token(&shard);
     if let Some(max) = max_id

@@ -14,6 +14,16 @@
 //! |     16 |    8 | token count (u64)                                       |
 //! |     24 |    8 | FNV-1a-64 of the payload bytes (u64)                    |
 //! |     32 |  n·w | token ids, little-endian unsigned integers of width `w` |
+//!
+//! **Version 2** (supervised fine-tuning data, `meta.json` `"layout": "examples"`) keeps the
+//! token shards unchanged and adds one loss-mask file per token shard, `mask-NNNNN.bin`, with
+//! the same header (magic `TILMSK01`, width 1, the same token count as its token shard) and one
+//! byte per token: bit 0 ([`MASK_TRAINED`]) set when the token is a training target (its label
+//! is its id; otherwise the label is -100), bit 1 ([`MASK_EXAMPLE_START`]) set on the first
+//! token of every example. Each example becomes one row of a batch (see
+//! [`super::dataset::TokenDataset::read_row`]). `meta.json` version 2 adds `layout`, `pad_id`,
+//! `mask_shards` and `max_seq_length`; a version-1 `meta.json` (which has none of them) reads
+//! as the `stream` layout, and stream datasets are still written as version 1.
 
 use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
@@ -30,8 +40,17 @@ pub const SHARD_VERSION: u32 = 1;
 pub const SHARD_HEADER_LEN: usize = 32;
 /// The `format` field of `meta.json`.
 pub const META_FORMAT: &str = "tilearn-tokens";
-/// Version of `meta.json` written by this library.
-pub const META_VERSION: u32 = 1;
+/// Newest version of `meta.json` this library reads and writes (2: the `examples` layout with
+/// loss masks; stream datasets are still written as version 1).
+pub const META_VERSION: u32 = 2;
+/// The `meta.json` version of a dataset in the stream layout.
+pub const META_VERSION_STREAM: u32 = 1;
+/// Magic bytes at the start of every loss-mask file.
+pub const MASK_MAGIC: &[u8; 8] = b"TILMSK01";
+/// Mask bit: the token is a training target.
+pub const MASK_TRAINED: u8 = 1;
+/// Mask bit: the token is the first of an example.
+pub const MASK_EXAMPLE_START: u8 = 2;
 /// File name of the dataset description inside a dataset directory.
 pub const META_FILE: &str = "meta.json";
 
@@ -82,6 +101,48 @@ pub fn shard_file_name(index: usize) -> String {
     format!("shard-{index:05}.bin")
 }
 
+/// Name of the loss-mask file of shard number `index`.
+pub fn mask_file_name(index: usize) -> String {
+    format!("mask-{index:05}.bin")
+}
+
+/// How a dataset's token stream becomes training rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RowLayout {
+    /// Pretraining: the stream is cut into windows of the training sequence length, every
+    /// token is a target.
+    #[default]
+    Stream,
+    /// Supervised fine-tuning: every example is one row (truncated to the sequence length,
+    /// padded with `pad_id` and label -100), only tokens whose mask has [`MASK_TRAINED`] are
+    /// targets.
+    Examples,
+}
+
+/// What a shard file holds: token ids or a loss mask.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardKind {
+    Tokens,
+    LossMask,
+}
+
+impl ShardKind {
+    fn magic(self) -> &'static [u8; 8] {
+        match self {
+            ShardKind::Tokens => SHARD_MAGIC,
+            ShardKind::LossMask => MASK_MAGIC,
+        }
+    }
+
+    fn width_ok(self, width: u32) -> bool {
+        match self {
+            ShardKind::Tokens => width == 2 || width == 4,
+            ShardKind::LossMask => width == 1,
+        }
+    }
+}
+
 /// One shard as listed in `meta.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardMeta {
@@ -112,6 +173,18 @@ pub struct DatasetMeta {
     pub shards: Vec<ShardMeta>,
     /// File name (relative to the dataset directory) of the tokenizer that made the tokens.
     pub tokenizer: Option<String>,
+    /// How the stream becomes rows (version 2; absent, i.e. `stream`, in version 1).
+    #[serde(default)]
+    pub layout: RowLayout,
+    /// The id that pads an example's row (`examples` layout); its label is always -100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pad_id: Option<u32>,
+    /// The loss-mask files, one per shard with the same token counts (`examples` layout).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mask_shards: Vec<ShardMeta>,
+    /// The `--max-seq-length` examples were truncated to when prepared, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_seq_length: Option<usize>,
 }
 
 /// The fixed-size shard header.
@@ -135,8 +208,21 @@ impl ShardHeader {
         b
     }
 
-    /// Decode and check the magic; `file` names the shard in errors.
+    /// Encode as the 32 header bytes of a `kind` file.
+    pub fn to_bytes_of(&self, kind: ShardKind) -> [u8; SHARD_HEADER_LEN] {
+        let mut b = self.to_bytes();
+        b[0..8].copy_from_slice(kind.magic());
+        b
+    }
+
+    /// Decode and check a token shard's header; `file` names the shard in errors.
     pub fn parse(bytes: &[u8], file: &Path) -> Result<ShardHeader> {
+        Self::parse_of(bytes, file, ShardKind::Tokens)
+    }
+
+    /// Decode and check the header of a `kind` file; `file` names it in errors.
+    pub fn parse_of(bytes: &[u8], file: &Path, kind: ShardKind) -> Result<ShardHeader> {
+        let magic = kind.magic();
         let err = |message: String| EngineError::Data {
             file: file.to_path_buf(),
             message,
@@ -148,11 +234,15 @@ impl ShardHeader {
                 bytes.len()
             )));
         }
-        if &bytes[0..8] != SHARD_MAGIC {
+        if &bytes[0..8] != magic {
             return Err(err(format!(
-                "not a tilearn token shard (magic {:?}, expected {:?}); re-run `tilearn prepare-data`",
+                "not a tilearn {} (magic {:?}, expected {:?}); re-run `tilearn prepare-data`",
+                match kind {
+                    ShardKind::Tokens => "token shard",
+                    ShardKind::LossMask => "loss-mask file",
+                },
                 String::from_utf8_lossy(&bytes[0..8]),
-                String::from_utf8_lossy(SHARD_MAGIC)
+                String::from_utf8_lossy(magic)
             )));
         }
         let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
@@ -170,11 +260,15 @@ impl ShardHeader {
                 header.version
             )));
         }
-        if header.token_width != 2 && header.token_width != 4 {
+        if !kind.width_ok(header.token_width) {
             return Err(err(format!(
-                "invalid token width {} in the shard header (expected 2 or 4); the shard is \
-                 corrupt, re-run `tilearn prepare-data`",
-                header.token_width
+                "invalid width {} in the header (expected {}); the file is corrupt, re-run \
+                 `tilearn prepare-data`",
+                header.token_width,
+                match kind {
+                    ShardKind::Tokens => "2 or 4",
+                    ShardKind::LossMask => "1",
+                }
             )));
         }
         Ok(header)
@@ -224,4 +318,21 @@ pub fn write_shard(path: &Path, tokens: &[u32], width: u32) -> Result<()> {
         Ok(())
     })
     .map_err(|e| EngineError::io(path, "write shard", e))
+}
+
+/// Write a loss-mask file atomically: the header of a [`ShardKind::LossMask`] and one byte per
+/// token.
+pub fn write_mask_shard(path: &Path, mask: &[u8]) -> Result<()> {
+    let header = ShardHeader {
+        version: SHARD_VERSION,
+        token_width: 1,
+        num_tokens: mask.len() as u64,
+        checksum: fnv1a64(mask),
+    };
+    tilearn_ops::fs::write_atomic(path, |w| {
+        w.write_all(&header.to_bytes_of(ShardKind::LossMask))?;
+        w.write_all(mask)?;
+        Ok(())
+    })
+    .map_err(|e| EngineError::io(path, "write loss-mask file", e))
 }

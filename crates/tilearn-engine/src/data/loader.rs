@@ -1,9 +1,11 @@
 //! The training data loader: fixed-length windows of the token stream, shuffled per epoch,
 //! batched and prefetched on a background thread.
 //!
-//! * Windows: the stream (documents each followed by EOS, all shards in order) is cut into
-//!   non-overlapping windows of `seq_len` tokens starting at 0, like Hugging Face's
-//!   `group_texts`; the tail shorter than `seq_len` is dropped.
+//! * Windows (rows): the stream (documents each followed by EOS, all shards in order) is cut
+//!   into non-overlapping windows of `seq_len` tokens starting at 0, like Hugging Face's
+//!   `group_texts`; the tail shorter than `seq_len` is dropped. A fine-tuning dataset (the
+//!   `examples` layout) has one row per example instead, truncated and padded to `seq_len`
+//!   ([`TokenDataset::read_row`]); everything below treats both the same.
 //! * Order: each epoch visits the windows in a permutation drawn by Fisher–Yates from a ChaCha8
 //!   generator seeded with `seed + epoch` (wrapping), the convention of PyTorch's
 //!   `DistributedSampler`. Windows that do not fill a whole global batch at the end of an epoch
@@ -12,7 +14,8 @@
 //!   windows and rank `r` takes the `r`-th run of `batch_size`; all ranks use the same seed and
 //!   therefore the same permutation.
 //! * Batches: `input_ids` is `batch × seq_len` row-major; `labels` are the same ids as `i32`
-//!   (the model shifts them, Hugging Face style).
+//!   (the model shifts them, Hugging Face style), -100 where a fine-tuning example masks a
+//!   token out of the loss (prompt, padding).
 //! * Position: [`LoaderState`] `(epoch, batch_index)` names the next batch. A loader started at a
 //!   saved state yields exactly the batches an uninterrupted run would have yielded from there.
 
@@ -25,6 +28,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use super::dataset::TokenDataset;
+use super::format::RowLayout;
 use crate::error::{EngineError, Result};
 
 /// Default number of batches prepared ahead of the trainer.
@@ -44,7 +48,9 @@ pub struct LoaderState {
 pub struct Batch {
     /// `batch × seq_len` token ids, row-major.
     pub input_ids: Vec<u32>,
-    /// The same ids as `i32`; the model shifts them for next-token prediction.
+    /// The same ids as `i32`, or -100 (`IGNORE_INDEX`) for tokens that are not targets
+    /// (prompt and padding of fine-tuning examples); the model shifts them for next-token
+    /// prediction.
     pub labels: Vec<i32>,
     /// Rows.
     pub batch: usize,
@@ -122,12 +128,13 @@ impl Plan {
         let global = b * self.world_size;
         let first = batch_index as usize * global + self.rank * b;
         let mut input_ids = vec![0u32; b * t];
-        for (row, &window) in order[first..first + b].iter().enumerate() {
+        let mut labels = vec![0i32; b * t];
+        let rows = input_ids.chunks_mut(t).zip(labels.chunks_mut(t));
+        for (&window, (ids, row_labels)) in order[first..first + b].iter().zip(rows) {
             dataset
-                .read_into(window as usize * t, &mut input_ids[row * t..(row + 1) * t])
-                .expect("every window lies inside the dataset");
+                .read_row(window as usize, ids, row_labels)
+                .expect("every row index is below the dataset's row count");
         }
-        let labels = input_ids.iter().map(|&id| id as i32).collect();
         Batch {
             input_ids,
             labels,
@@ -306,7 +313,9 @@ fn plan(dataset: &TokenDataset, o: &LoaderOptions) -> Result<Plan> {
             ),
         ));
     }
-    let num_windows = (dataset.num_tokens() / o.seq_len).min(o.windows.unwrap_or(usize::MAX));
+    let num_windows = dataset
+        .num_rows(o.seq_len)
+        .min(o.windows.unwrap_or(usize::MAX));
     let global = o.batch_size.saturating_mul(o.world_size);
     if num_windows < global {
         let shape = if o.world_size == 1 {
@@ -319,11 +328,17 @@ fn plan(dataset: &TokenDataset, o: &LoaderOptions) -> Result<Plan> {
         };
         return Err(EngineError::Data {
             file: dataset.dir().to_path_buf(),
-            message: format!(
-                "dataset has {} tokens, fewer than one batch of {shape}; lower \
-                 --per-device-train-batch-size or --seq-len",
-                dataset.num_tokens()
-            ),
+            message: match dataset.layout() {
+                RowLayout::Stream => format!(
+                    "dataset has {} tokens, fewer than one batch of {shape}; lower \
+                     --per-device-train-batch-size or --seq-len",
+                    dataset.num_tokens()
+                ),
+                RowLayout::Examples => format!(
+                    "dataset has {num_windows} examples (one per row), fewer than one batch of \
+                     {shape}; lower --per-device-train-batch-size or add examples"
+                ),
+            },
         });
     }
     if num_windows > u32::MAX as usize {

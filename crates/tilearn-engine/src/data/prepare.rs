@@ -16,11 +16,8 @@ use tokenizers::Tokenizer;
 
 use super::byte_tokenizer::{BYTE_EOS_ID, BYTE_VOCAB_SIZE, byte_level_tokenizer};
 use super::documents::{InputKind, read_utf8, split_documents};
-use super::format::{
-    DatasetMeta, META_FILE, META_FORMAT, META_VERSION, ShardMeta, shard_file_name,
-    token_width_for_vocab, write_shard,
-};
 use super::grammar::generate_corpus;
+use super::writer::{PrepareSummary, ShardWriter};
 use crate::error::{EngineError, Result};
 
 /// Default shard size: 64 Mi tokens (128 MiB at 2 bytes per token).
@@ -73,36 +70,6 @@ impl PrepareOptions {
     }
 }
 
-/// What a prepare run wrote.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PrepareSummary {
-    pub output_dir: PathBuf,
-    pub num_documents: u64,
-    pub num_tokens: u64,
-    pub shards: Vec<ShardMeta>,
-    pub vocab_size: usize,
-    pub eos_id: u32,
-    /// Bytes per token in the shards (2 or 4).
-    pub token_width: u32,
-}
-
-impl std::fmt::Display for PrepareSummary {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "wrote {} tokens ({} documents) in {} shard(s) to {} (vocab {}, eos id {}, {}-byte \
-             tokens)",
-            self.num_tokens,
-            self.num_documents,
-            self.shards.len(),
-            self.output_dir.display(),
-            self.vocab_size,
-            self.eos_id,
-            self.token_width
-        )
-    }
-}
-
 /// Tokenize `opts.inputs` with `opts.tokenizer` into shards in `opts.output_dir`.
 pub fn prepare_data(opts: &PrepareOptions, progress: bool) -> Result<PrepareSummary> {
     if opts.inputs.is_empty() {
@@ -118,10 +85,7 @@ pub fn prepare_data(opts: &PrepareOptions, progress: bool) -> Result<PrepareSumm
         });
     }
     let mut tokenizer = load_tokenizer(&opts.tokenizer)?;
-    let eos_id = match &opts.eos_token {
-        Some(text) => named_eos_id(&tokenizer, &opts.tokenizer, text)?,
-        None => find_eos_id(&tokenizer, &opts.tokenizer)?,
-    };
+    let eos_id = eos_id_of(&tokenizer, &opts.tokenizer, opts.eos_token.as_deref())?;
     let vocab_size = vocab_size_of(&tokenizer);
 
     let mut sizes = Vec::with_capacity(opts.inputs.len());
@@ -139,15 +103,7 @@ pub fn prepare_data(opts: &PrepareOptions, progress: bool) -> Result<PrepareSumm
     let bar = progress_bar(progress, sizes.iter().sum());
     let mut writer = ShardWriter::new(&opts.output_dir, vocab_size, eos_id, opts.shard_tokens)?;
     copy_tokenizer(&opts.tokenizer, &opts.output_dir)?;
-    // Encoding happens inside; make sure a tokenizer.json with truncation or padding does not
-    // silently cut or pad documents.
-    tokenizer
-        .with_truncation(None)
-        .map_err(|e| EngineError::Tokenizer {
-            file: opts.tokenizer.clone(),
-            message: format!("cannot disable truncation: {e}"),
-        })?;
-    tokenizer.with_padding(None);
+    disable_truncation_and_padding(&mut tokenizer, &opts.tokenizer)?;
 
     let mut done_bytes = 0u64;
     for (input, size) in opts.inputs.iter().zip(&sizes) {
@@ -275,6 +231,34 @@ pub fn find_eos_id(tokenizer: &Tokenizer, tokenizer_path: &Path) -> Result<u32> 
     })
 }
 
+/// The EOS id: the token `--eos-token` names, else [`find_eos_id`]'s.
+pub(crate) fn eos_id_of(
+    tokenizer: &Tokenizer,
+    tokenizer_path: &Path,
+    eos_token: Option<&str>,
+) -> Result<u32> {
+    match eos_token {
+        Some(text) => named_eos_id(tokenizer, tokenizer_path, text),
+        None => find_eos_id(tokenizer, tokenizer_path),
+    }
+}
+
+/// Encoding happens here; make sure a tokenizer.json with truncation or padding does not
+/// silently cut or pad documents.
+pub(crate) fn disable_truncation_and_padding(
+    tokenizer: &mut Tokenizer,
+    tokenizer_path: &Path,
+) -> Result<()> {
+    tokenizer
+        .with_truncation(None)
+        .map_err(|e| EngineError::Tokenizer {
+            file: tokenizer_path.to_path_buf(),
+            message: format!("cannot disable truncation: {e}"),
+        })?;
+    tokenizer.with_padding(None);
+    Ok(())
+}
+
 /// The id of the token `text` (`--eos-token`), which must be in the vocabulary.
 fn named_eos_id(tokenizer: &Tokenizer, tokenizer_path: &Path, text: &str) -> Result<u32> {
     tokenizer
@@ -300,7 +284,7 @@ fn eos_from_tokenizer_config(tokenizer_path: &Path) -> Option<String> {
     }
 }
 
-fn copy_tokenizer(source: &Path, output_dir: &Path) -> Result<()> {
+pub(crate) fn copy_tokenizer(source: &Path, output_dir: &Path) -> Result<()> {
     let dest = output_dir.join(TOKENIZER_FILE);
     if let (Ok(a), Ok(b)) = (fs::canonicalize(source), fs::canonicalize(&dest))
         && a == b
@@ -312,7 +296,7 @@ fn copy_tokenizer(source: &Path, output_dir: &Path) -> Result<()> {
 }
 
 /// A bar over input bytes, or a hidden one.
-fn progress_bar(enabled: bool, total_bytes: u64) -> ProgressBar {
+pub(crate) fn progress_bar(enabled: bool, total_bytes: u64) -> ProgressBar {
     if !enabled {
         return ProgressBar::hidden();
     }
@@ -349,152 +333,4 @@ fn encode_into(
         bar.inc(chunk.iter().map(|d| d.len() as u64).sum());
     }
     Ok(())
-}
-
-/// Streams documents into shard files and writes `meta.json` at the end.
-///
-/// Public so that tools and tests can write a dataset from token ids directly.
-#[derive(Debug)]
-pub struct ShardWriter {
-    dir: PathBuf,
-    vocab_size: usize,
-    eos_id: u32,
-    width: u32,
-    shard_tokens: usize,
-    buffer: Vec<u32>,
-    shards: Vec<ShardMeta>,
-    num_tokens: u64,
-    num_documents: u64,
-}
-
-impl ShardWriter {
-    /// Start a dataset in `dir` (created if needed; an existing `meta.json` is removed).
-    pub fn new(dir: &Path, vocab_size: usize, eos_id: u32, shard_tokens: usize) -> Result<Self> {
-        if shard_tokens == 0 {
-            return Err(EngineError::InvalidArgument {
-                argument: "--shard-tokens".into(),
-                message: "must be at least 1".into(),
-            });
-        }
-        if eos_id as usize >= vocab_size {
-            return Err(EngineError::InvalidArgument {
-                argument: "eos_id".into(),
-                message: format!("EOS id {eos_id} is not below the vocabulary size {vocab_size}"),
-            });
-        }
-        if vocab_size > u32::MAX as usize {
-            return Err(EngineError::InvalidArgument {
-                argument: "vocab_size".into(),
-                message: format!("{vocab_size} ids do not fit in 32-bit token ids"),
-            });
-        }
-        fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, "create output directory", e))?;
-        let meta = dir.join(META_FILE);
-        match fs::remove_file(&meta) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(EngineError::io(meta, "remove old meta.json", e)),
-        }
-        Ok(ShardWriter {
-            dir: dir.to_path_buf(),
-            vocab_size,
-            eos_id,
-            width: token_width_for_vocab(vocab_size),
-            shard_tokens,
-            buffer: Vec::new(),
-            shards: Vec::new(),
-            num_tokens: 0,
-            num_documents: 0,
-        })
-    }
-
-    /// Documents pushed so far.
-    pub fn num_documents(&self) -> u64 {
-        self.num_documents
-    }
-
-    /// Append one document's tokens followed by the EOS id.
-    pub fn push_document(&mut self, tokens: &[u32]) -> Result<()> {
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
-            return Err(EngineError::InvalidArgument {
-                argument: "tokens".into(),
-                message: format!(
-                    "token id {bad} is not below the vocabulary size {}",
-                    self.vocab_size
-                ),
-            });
-        }
-        self.buffer.extend_from_slice(tokens);
-        self.buffer.push(self.eos_id);
-        self.num_documents += 1;
-        self.num_tokens += tokens.len() as u64 + 1;
-        while self.buffer.len() >= self.shard_tokens {
-            self.write_next_shard(self.shard_tokens)?;
-        }
-        Ok(())
-    }
-
-    fn write_next_shard(&mut self, n: usize) -> Result<()> {
-        let name = shard_file_name(self.shards.len());
-        write_shard(&self.dir.join(&name), &self.buffer[..n], self.width)?;
-        self.buffer.drain(..n);
-        self.shards.push(ShardMeta {
-            file: name,
-            num_tokens: n as u64,
-        });
-        Ok(())
-    }
-
-    /// Write the last shard and `meta.json`; remove shard files of an earlier run that are not
-    /// part of this dataset. `tokenizer` is the tokenizer's file name inside the directory.
-    pub fn finish(mut self, tokenizer: Option<String>) -> Result<PrepareSummary> {
-        if self.num_tokens == 0 {
-            return Err(EngineError::Data {
-                file: self.dir.clone(),
-                message: "no documents were written; nothing to save".into(),
-            });
-        }
-        if !self.buffer.is_empty() {
-            self.write_next_shard(self.buffer.len())?;
-        }
-        let meta = DatasetMeta {
-            format: META_FORMAT.to_string(),
-            version: META_VERSION,
-            vocab_size: self.vocab_size,
-            eos_id: self.eos_id,
-            token_width: self.width,
-            num_tokens: self.num_tokens,
-            num_documents: self.num_documents,
-            shards: self.shards.clone(),
-            tokenizer,
-        };
-        let json = serde_json::to_string_pretty(&meta).expect("DatasetMeta serializes");
-        let meta_path = self.dir.join(META_FILE);
-        write_bytes_atomic(&meta_path, json.as_bytes())
-            .map_err(|e| EngineError::io(&meta_path, "write dataset metadata", e))?;
-        self.remove_stale_shards();
-        Ok(PrepareSummary {
-            output_dir: self.dir,
-            num_documents: meta.num_documents,
-            num_tokens: meta.num_tokens,
-            shards: meta.shards,
-            vocab_size: meta.vocab_size,
-            eos_id: meta.eos_id,
-            token_width: meta.token_width,
-        })
-    }
-
-    /// Best effort: shards left by an earlier, larger run would only confuse people.
-    fn remove_stale_shards(&self) {
-        let Ok(entries) = fs::read_dir(&self.dir) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let is_shard = name.starts_with("shard-") && name.ends_with(".bin");
-            if is_shard && !self.shards.iter().any(|s| s.file == name) {
-                let _ = fs::remove_file(entry.path());
-            }
-        }
-    }
 }

@@ -1,8 +1,9 @@
 //! Evaluation during training: the mean token loss of a held-out token dataset with the
 //! forward only.
 //!
-//! The eval set is cut into windows of `seq_len` tokens like the training data (the short tail
-//! is dropped) and visited in order, unshuffled. With data parallelism global batch `g` holds
+//! The eval set is cut into rows like the training data (windows of `seq_len` tokens, the
+//! short tail dropped; or one padded example per row for fine-tuning data, whose masked tokens
+//! are not scored) and visited in order, unshuffled. With data parallelism global batch `g` holds
 //! `world_size × eval_batch` windows and rank `r` takes its `r`-th run (the last global batch
 //! may leave some ranks fewer rows or none); the ranks' loss sums and target counts are summed
 //! so every rank gets the same mean.
@@ -64,7 +65,7 @@ impl EvalSet {
                 dataset.vocab_size()
             )));
         }
-        let num_windows = dataset.num_tokens() / seq_len.max(1);
+        let num_windows = dataset.num_rows(seq_len);
         if num_windows == 0 {
             return Err(bad(format!(
                 "holds {} tokens, less than one window of --seq-len {seq_len}; use more eval \
@@ -88,7 +89,7 @@ impl EvalSet {
         seq_len: usize,
         percentage: f64,
     ) -> Result<(EvalSet, usize)> {
-        let total = dataset.num_tokens() / seq_len.max(1);
+        let total = dataset.num_rows(seq_len);
         let held = (total as f64 * percentage / 100.0).floor() as usize;
         if !(percentage > 0.0 && percentage < 100.0) || held == 0 || held >= total {
             return Err(EngineError::InvalidArgument {
@@ -121,11 +122,12 @@ impl EvalSet {
         let t = self.seq_len;
         let rows = windows.1 - windows.0;
         let mut input_ids = vec![0u32; rows * t];
-        for (row, out) in input_ids.chunks_mut(t).enumerate() {
+        let mut labels = vec![0i32; rows * t];
+        let out = input_ids.chunks_mut(t).zip(labels.chunks_mut(t));
+        for (row, (ids, row_labels)) in out.enumerate() {
             self.dataset
-                .read_into((self.first_window + windows.0 + row) * t, out)?;
+                .read_row(self.first_window + windows.0 + row, ids, row_labels)?;
         }
-        let labels = input_ids.iter().map(|&id| id as i32).collect();
         Ok(Batch {
             input_ids,
             labels,

@@ -1,17 +1,41 @@
 //! `tilearn prepare-data`: tokenizer.json + text/JSON-lines files → token shards, or
+//! (`--format sft`) supervised fine-tuning examples with a loss mask, or
 //! (`--random-tokens N --vocab-size V`) uniformly random tokens for throughput benchmarks.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use rand::{Rng, SeedableRng};
-use tilearn_engine::data::{PrepareOptions, ShardWriter, prepare_data};
+use tilearn_engine::data::{PrepareOptions, SftOptions, ShardWriter, prepare_data, prepare_sft};
 
 use crate::{LlmError, Result};
 
+/// What the input files hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DataFormat {
+    /// Pretraining text: documents (plain text paragraphs or a JSON-lines field) packed into
+    /// one token stream, every token trained.
+    Text,
+    /// Supervised fine-tuning JSON lines: `prompt`/`response` strings or chat `messages`
+    /// (rendered with the chat_template of the tokenizer_config.json beside --tokenizer); only
+    /// the response/assistant tokens are trained, one example per training row.
+    Sft,
+}
+
 #[derive(Debug, Args)]
 pub struct PrepareArgs {
+    /// What the input holds: pretraining text, or fine-tuning examples (`sft`).
+    #[arg(long, value_enum, default_value_t = DataFormat::Text)]
+    pub format: DataFormat,
+    /// `--format sft`: truncate every example to this many tokens (default: keep them whole;
+    /// training truncates them to its --seq-len and warns with the count).
+    #[arg(long)]
+    pub max_seq_length: Option<usize>,
+    /// `--format sft`: skip lines that are not valid examples (and report how many) instead of
+    /// stopping at the first.
+    #[arg(long)]
+    pub skip_bad_lines: bool,
     /// Hugging Face `tokenizer.json` to tokenize with.
     #[arg(long, required_unless_present = "random_tokens")]
     pub tokenizer: Option<PathBuf>,
@@ -48,6 +72,20 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     if let Some(tokens) = args.random_tokens {
         return random(&args, tokens);
     }
+    if args.format == DataFormat::Sft {
+        return sft(args);
+    }
+    for (set, flag) in [
+        (args.max_seq_length.is_some(), "--max-seq-length"),
+        (args.skip_bad_lines, "--skip-bad-lines"),
+    ] {
+        if set {
+            return Err(LlmError::Usage {
+                flag: flag.into(),
+                message: "applies to fine-tuning data only; add --format sft".into(),
+            });
+        }
+    }
     let opts = PrepareOptions {
         tokenizer: args.tokenizer.unwrap_or_default(),
         inputs: args.input,
@@ -57,6 +95,30 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         eos_token: args.eos_token,
     };
     let summary = prepare_data(&opts, std::io::stderr().is_terminal())?;
+    println!("{summary}");
+    Ok(())
+}
+
+/// `--format sft`: JSON lines → an examples dataset with loss masks.
+fn sft(args: PrepareArgs) -> Result<()> {
+    if args.text_field != "text" {
+        return Err(LlmError::Usage {
+            flag: "--text-field".into(),
+            message: "does not apply to --format sft, whose lines hold `prompt`/`response` or \
+                      `messages`"
+                .into(),
+        });
+    }
+    let opts = SftOptions {
+        tokenizer: args.tokenizer.unwrap_or_default(),
+        inputs: args.input,
+        output_dir: args.output,
+        shard_tokens: args.shard_tokens,
+        eos_token: args.eos_token,
+        max_seq_length: args.max_seq_length,
+        skip_bad_lines: args.skip_bad_lines,
+    };
+    let summary = prepare_sft(&opts, std::io::stderr().is_terminal())?;
     println!("{summary}");
     Ok(())
 }

@@ -380,6 +380,17 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
     let seq_len = args
         .seq_len
         .unwrap_or(recipe.seq_len.min(config.max_position_embeddings));
+    if primary {
+        // Fine-tuning examples are one row each; say how many the sequence length cuts.
+        for set in std::iter::once(&dataset).chain(&eval_dataset) {
+            if let Some(warning) = set
+                .truncation(seq_len)
+                .and_then(|t| t.warning(set.dir(), seq_len))
+            {
+                eprintln!("{warning}");
+            }
+        }
+    }
     let training = TrainingArguments {
         output_dir: args.output_dir.clone(),
         length,

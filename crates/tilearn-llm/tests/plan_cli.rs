@@ -308,3 +308,62 @@ fn zero_terms_equal_what_cpu_ranks_hold() {
         }
     }
 }
+
+/// `--schedule` prints the schedule's timeline, one row per stage, and its simulated bubble,
+/// which equals the formula: (p−1)/m for 1F1B, divided by the virtual stages when interleaved.
+#[test]
+fn a_schedules_timeline_and_bubble_are_printed() {
+    for (flags, formula) in [
+        (
+            &[
+                "--schedule",
+                "1f1b",
+                "--pp-size",
+                "4",
+                "--micro-batches",
+                "8",
+            ][..],
+            3.0 / 8.0,
+        ),
+        (
+            &[
+                "--schedule",
+                "interleaved",
+                "--pp-size",
+                "2",
+                "--micro-batches",
+                "4",
+                "--virtual-stages",
+                "2",
+            ][..],
+            1.0 / 8.0,
+        ),
+    ] {
+        let out = tilearn(&[&["plan"][..], flags].concat());
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{text}{}", stderr(&out));
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("bubble: simulated"))
+            .unwrap_or_else(|| panic!("no bubble line: {text}"));
+        let simulated: f64 = line["bubble: simulated ".len()..]
+            .split(',')
+            .next()
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!((simulated - formula).abs() < 1e-4, "{line}");
+    }
+    // A shape the schedule cannot run is one error line naming it.
+    let out = tilearn(&[
+        "plan",
+        "--schedule",
+        "interleaved",
+        "--pp-size",
+        "4",
+        "--micro-batches",
+        "6",
+    ]);
+    assert_clean_error(&out, &["--schedule"]);
+}

@@ -9,6 +9,7 @@ mod hybrid;
 mod info;
 mod launch;
 mod plan;
+mod plan_schedule;
 mod plot;
 mod prepare;
 mod progress;

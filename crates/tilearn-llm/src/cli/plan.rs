@@ -10,6 +10,7 @@ use clap::Args;
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::plan::{self, Candidate, Hardware, Plan, PlanRequest};
 
+use super::train::PipelineSchedule;
 use crate::{LlmError, Result};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -17,11 +18,11 @@ const GIB: f64 = (1u64 << 30) as f64;
 #[derive(Debug, Args)]
 pub struct PlanArgs {
     /// The model: a directory holding `config.json`, or the config file itself.
-    #[arg(long)]
-    pub model: PathBuf,
+    #[arg(long, required_unless_present = "schedule")]
+    pub model: Option<PathBuf>,
     /// GPUs of the whole job.
-    #[arg(long)]
-    pub gpus: usize,
+    #[arg(long, required_unless_present = "schedule")]
+    pub gpus: Option<usize>,
     /// Nodes the GPUs are spread over (tensor parallelism stays inside a node).
     #[arg(long, default_value_t = 1)]
     pub nnodes: usize,
@@ -45,6 +46,18 @@ pub struct PlanArgs {
     /// Print the plan as one JSON document instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Instead of a plan: print this pipeline schedule's timeline per stage and its bubble.
+    #[arg(long, value_enum, conflicts_with_all = ["model", "gpus"])]
+    pub schedule: Option<PipelineSchedule>,
+    /// Stages of the printed schedule.
+    #[arg(long, default_value_t = 4, requires = "schedule")]
+    pub pp_size: usize,
+    /// Micro-batches of the printed schedule.
+    #[arg(long, default_value_t = 8, requires = "schedule")]
+    pub micro_batches: usize,
+    /// Model chunks per stage of an interleaved schedule.
+    #[arg(long, default_value_t = 2, requires = "schedule")]
+    pub virtual_stages: usize,
 }
 
 /// Parses `141GiB`, `80 GiB`, `81559MiB`, `144GB`, `1.5TiB` into bytes.
@@ -97,14 +110,24 @@ fn load_config(model: &Path) -> Result<LlamaConfig> {
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
-    let config = load_config(&args.model)?;
-    if args.nnodes == 0 || !args.gpus.is_multiple_of(args.nnodes) {
+    if let Some(schedule) = args.schedule {
+        let kind = schedule.kind(args.virtual_stages);
+        return super::plan_schedule::print(kind, args.pp_size, args.micro_batches);
+    }
+    let (Some(model), Some(gpus)) = (args.model.as_deref(), args.gpus) else {
+        return Err(LlmError::Usage {
+            flag: "--model/--gpus".into(),
+            message: "a plan needs the model and the GPU count (or use --schedule)".into(),
+        });
+    };
+    let config = load_config(model)?;
+    if args.nnodes == 0 || !gpus.is_multiple_of(args.nnodes) {
         return Err(LlmError::Usage {
             flag: "--nnodes".into(),
             message: format!(
                 "{} GPUs cannot be spread evenly over {} nodes; use a node count that divides \
                  --gpus",
-                args.gpus, args.nnodes
+                gpus, args.nnodes
             ),
         });
     }
@@ -112,10 +135,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
         .seq_len
         .unwrap_or_else(|| 4096.min(config.max_position_embeddings.max(1)));
     let global_batch = args.global_batch_size.unwrap_or_else(|| {
-        let gpus = args.gpus.max(1);
+        let gpus = gpus.max(1);
         ((1usize << 20) / seq_len.max(1)).max(1).div_ceil(gpus) * gpus
     });
-    let hw = Hardware::h200(args.gpus, args.nnodes, args.gpu_memory);
+    let hw = Hardware::h200(gpus, args.nnodes, args.gpu_memory);
     let request = PlanRequest {
         seq_len,
         global_batch,
@@ -132,7 +155,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         }
         println!("{value}");
     } else {
-        print_table(&plan, &args.model, args.top.max(1));
+        print_table(&plan, model, args.top.max(1));
     }
     Ok(())
 }

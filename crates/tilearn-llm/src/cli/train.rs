@@ -279,7 +279,7 @@ pub enum PipelineSchedule {
 }
 
 impl PipelineSchedule {
-    fn kind(self, virtual_stages: usize) -> ScheduleKind {
+    pub(crate) fn kind(self, virtual_stages: usize) -> ScheduleKind {
         match self {
             PipelineSchedule::OneFOneB => ScheduleKind::OneFOneB,
             PipelineSchedule::Gpipe => ScheduleKind::GPipe,

@@ -52,7 +52,10 @@ fn cached_logits_equal_the_full_forward_at_every_position() {
             .map(|_| rng.random_range(0..cfg.vocab_size as u32))
             .collect();
         let mut acts = Activations::new(cfg, 1, len, false);
-        let full = model.forward_logits(&ids, 1, len, &mut acts).unwrap().to_vec();
+        let full = model
+            .forward_logits(&ids, 1, len, &mut acts)
+            .unwrap()
+            .to_vec();
         let row = |t: usize| &full[t * cfg.vocab_size..(t + 1) * cfg.vocab_size];
 
         // Prefill 5 tokens, then a chunk of 3 (prefill continued), then one token at a time.
@@ -60,7 +63,11 @@ fn cached_logits_equal_the_full_forward_at_every_position() {
         let mut worst = 0.0f64;
         let mut check = |end: usize, logits: &[f32]| {
             let err = rel_err(logits, row(end - 1));
-            assert!(err <= CACHE_TOL, "{case}: position {}: rel err {err:e}", end - 1);
+            assert!(
+                err <= CACHE_TOL,
+                "{case}: position {}: rel err {err:e}",
+                end - 1
+            );
             worst = worst.max(err);
         };
         check(5, decoder.forward(&ids[..5]).unwrap());
@@ -79,14 +86,26 @@ fn cached_logits_equal_the_full_forward_at_every_position() {
 fn the_decoder_refuses_empty_input_out_of_vocab_ids_and_a_full_cache() {
     let model = load("mha_untied");
     let mut decoder = CachedDecoder::new(&model, 3);
-    assert!(decoder.forward(&[]).unwrap_err().to_string().contains("empty"));
+    assert!(
+        decoder
+            .forward(&[])
+            .unwrap_err()
+            .to_string()
+            .contains("empty")
+    );
     let vocab = model.config.vocab_size as u32;
     assert!(decoder.forward(&[vocab]).is_err());
-    assert_eq!(decoder.position(), 0, "a refused call must not advance the cache");
+    assert_eq!(
+        decoder.position(),
+        0,
+        "a refused call must not advance the cache"
+    );
     decoder.forward(&[1, 2, 3]).unwrap();
     let err = decoder.forward(&[4]).unwrap_err().to_string();
     assert!(err.contains("capacity"), "{err}");
-    let err = generate(&model, &[], &greedy(4, vec![])).unwrap_err().to_string();
+    let err = generate(&model, &[], &greedy(4, vec![]))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("prompt"), "{err}");
 }
 

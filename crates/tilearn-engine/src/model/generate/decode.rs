@@ -3,8 +3,8 @@
 //! call (decode). The layer math is the model's (`block.rs`), with attention reading the cache.
 
 use tilearn_ops::cpu::{
-    add_inplace, check_token_ids, embedding_forward, linear_forward, rmsnorm_forward,
-    rope_forward, swiglu_forward,
+    add_inplace, check_token_ids, embedding_forward, linear_forward, rmsnorm_forward, rope_forward,
+    swiglu_forward,
 };
 
 use super::attention::{CachedAttn, cached_attention};
@@ -97,7 +97,10 @@ impl<'m> CachedDecoder<'m> {
         let config = &model.config;
         let (n, start) = (ids.len(), self.cache.len());
         if n == 0 {
-            return Err(invalid("ids", "is empty; pass at least one token id".into()));
+            return Err(invalid(
+                "ids",
+                "is empty; pass at least one token id".into(),
+            ));
         }
         if start + n > self.cache.capacity() {
             return Err(invalid(

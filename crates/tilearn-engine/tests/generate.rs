@@ -103,6 +103,13 @@ fn the_decoder_refuses_empty_input_out_of_vocab_ids_and_a_full_cache() {
     decoder.forward(&[1, 2, 3]).unwrap();
     let err = decoder.forward(&[4]).unwrap_err().to_string();
     assert!(err.contains("capacity"), "{err}");
+    // The capacity is a limit, not an allocation: memory follows the tokens actually held.
+    let mut roomy = CachedDecoder::new(&model, 1 << 40);
+    roomy.forward(&[1, 2, 3]).unwrap();
+    let per_position = 2 * model.config.num_hidden_layers * model.config.kv_dim() * 4;
+    assert_eq!(roomy.cache().bytes(), 3 * per_position);
+    roomy.forward(&[4]).unwrap();
+    assert_eq!(roomy.cache().bytes(), 6 * per_position, "grows by doubling");
     let err = generate(&model, &[], &greedy(4, vec![]))
         .unwrap_err()
         .to_string();

@@ -9,7 +9,7 @@ use tilearn_ops::cpu::{
 
 use super::attention::{CachedAttn, cached_attention};
 use super::kv_cache::KvCache;
-use super::rotary::Rotary;
+use super::rotary::rope_rows;
 use crate::error::{EngineError, Result};
 use crate::model::{LayerLayout, LinearLayout, LlamaForCausalLM, ModelLayout};
 
@@ -57,19 +57,18 @@ pub struct CachedDecoder<'m> {
     model: &'m LlamaForCausalLM,
     layout: ModelLayout,
     cache: KvCache,
-    rotary: Rotary,
     scratch: Scratch,
     logits: Vec<f32>,
 }
 
 impl<'m> CachedDecoder<'m> {
-    /// A decoder with an empty cache for sequences of up to `capacity` tokens.
+    /// A decoder with an empty cache for sequences of up to `capacity` tokens (memory is
+    /// taken as the sequence grows, not up front).
     pub fn new(model: &'m LlamaForCausalLM, capacity: usize) -> CachedDecoder<'m> {
         CachedDecoder {
             model,
             layout: model.layout(),
             cache: KvCache::new(&model.config, capacity),
-            rotary: Rotary::new(&model.config, capacity),
             scratch: Scratch::default(),
             logits: vec![0.0; model.config.vocab_size],
         }
@@ -116,7 +115,8 @@ impl<'m> CachedDecoder<'m> {
         let p = &model.params.data;
         let c = config.hidden_size;
         self.scratch.resize(model, n);
-        let rope = self.rotary.rows(start, n);
+        self.cache.reserve(start + n);
+        let rope = rope_rows(config, start, n);
         let s = &mut self.scratch;
         embedding_forward(ids, &p[self.layout.embed.clone()], c, &mut s.x)?;
         for (lay, kv) in self.layout.layers.iter().zip(&mut self.cache.layers) {

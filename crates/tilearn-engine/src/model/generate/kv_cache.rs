@@ -4,15 +4,18 @@
 
 use crate::config::LlamaConfig;
 
-/// Keys and values of one layer, `[capacity, kv_heads * head_dim]` each (row = position).
+/// Keys and values of one layer, `[allocated positions, kv_heads * head_dim]` each (row =
+/// position).
 #[derive(Clone, Debug)]
 pub(crate) struct LayerKv {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
 }
 
-/// Per-layer keys and values of the first [`KvCache::len`] positions of one sequence, with room
-/// for [`KvCache::capacity`] positions allocated up front (decoding allocates nothing).
+/// Per-layer keys and values of the first [`KvCache::len`] positions of one sequence, of at most
+/// [`KvCache::capacity`] positions. Buffers grow by doubling as the sequence does (so a large
+/// `max_new_tokens` costs memory only for the tokens actually generated); most decode steps
+/// allocate nothing.
 #[derive(Clone, Debug)]
 pub struct KvCache {
     pub(crate) layers: Vec<LayerKv>,
@@ -27,8 +30,8 @@ impl KvCache {
     pub fn new(config: &LlamaConfig, capacity: usize) -> KvCache {
         let row = config.kv_dim();
         let layer = || LayerKv {
-            k: vec![0.0; capacity * row],
-            v: vec![0.0; capacity * row],
+            k: Vec::new(),
+            v: Vec::new(),
         };
         KvCache {
             layers: (0..config.num_hidden_layers).map(|_| layer()).collect(),
@@ -58,9 +61,24 @@ impl KvCache {
         self.len = 0;
     }
 
-    /// Bytes held by the keys and values.
+    /// Bytes allocated for the keys and values.
     pub fn bytes(&self) -> usize {
-        self.layers.len() * 2 * self.capacity * self.row * std::mem::size_of::<f32>()
+        let elems: usize = self.layers.iter().map(|l| l.k.len() + l.v.len()).sum();
+        elems * std::mem::size_of::<f32>()
+    }
+
+    /// Makes room for `positions` (at most the capacity): at least double the positions held
+    /// so far, so a sequence grown one token at a time reallocates O(log n) times.
+    pub(crate) fn reserve(&mut self, positions: usize) {
+        let row = self.row;
+        for layer in &mut self.layers {
+            let held = layer.k.len() / row.max(1);
+            if held < positions {
+                let grown = positions.max(2 * held).min(self.capacity) * row;
+                layer.k.resize(grown, 0.0);
+                layer.v.resize(grown, 0.0);
+            }
+        }
     }
 
     /// Marks `n` more positions as held once every layer has written them.

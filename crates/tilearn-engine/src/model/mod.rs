@@ -7,6 +7,7 @@
 
 mod activations;
 mod block;
+pub mod generate;
 mod layout;
 pub mod model_parallel;
 mod partial_sums;

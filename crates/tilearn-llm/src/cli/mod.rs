@@ -5,6 +5,7 @@ mod bench_gpu;
 mod bench_loop;
 mod ctr;
 mod eval;
+mod generate;
 mod hybrid;
 mod info;
 mod launch;
@@ -21,6 +22,7 @@ use clap::{Parser, Subcommand};
 
 pub use bench::BenchArgs;
 pub use eval::EvalArgs;
+pub use generate::GenerateArgs;
 pub use info::InfoArgs;
 pub use launch::LaunchArgs;
 pub use plan::PlanArgs;
@@ -47,6 +49,8 @@ pub enum Command {
     Train(Box<TrainArgs>),
     /// Mean next-token loss (and optionally logits) of a model on given token sequences.
     Eval(EvalArgs),
+    /// Continue a prompt with a model (CPU, KV cache): greedy or sampled, stops at EOS.
+    Generate(GenerateArgs),
     /// Draw a run's loss.png: training and evaluation loss and the learning rate against steps.
     Plot(PlotArgs),
     /// Training-step throughput on a preset model (one JSON line).
@@ -70,6 +74,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train::run(*args),
         Command::Eval(args) => eval::run(args),
+        Command::Generate(args) => generate::run(args),
         Command::Plot(args) => plot::run(args),
         Command::Bench(args) => bench::run(args),
         Command::PrepareData(args) => prepare::run(args),

@@ -547,6 +547,52 @@ fn tensor_and_pipeline_parallel_with_data_parallel_and_zero_equal_one_process() 
     }
 }
 
+/// The model a tp 2 run saves (gathered into plain Hugging Face files) starts a pp 2 run, which
+/// then trains as one process started from the same files does: a layout's model loads into
+/// another layout.
+#[test]
+fn a_tensor_parallel_runs_model_starts_a_pipeline_parallel_run() {
+    let s = Setup::new();
+    let tp = s.path("tp_model");
+    s.train(2, &tp, &with(NO_SAVES, &["--tp-size", "2"]));
+    let continue_from = |ranks: usize, out: &str, extra: &[&str]| {
+        // `--model` instead of `--config`: the saved files, not a random init.
+        let mut args: Vec<&str> = vec![
+            "--model",
+            &tp,
+            "--max-steps",
+            "2",
+            "--save-strategy",
+            "no",
+            "--gradient-accumulation-steps",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        let cmd = s.command(ranks, out, &args);
+        let argv: Vec<String> = cmd
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        // Drop the setup's `--config tiny.json`.
+        let at = argv.iter().position(|a| a == "--config").unwrap();
+        let mut fresh = Command::new(cmd.get_program());
+        fresh
+            .args(argv[..at].iter().chain(&argv[at + 2..]))
+            .env_remove("OMP_NUM_THREADS")
+            .env_remove("TILEARN_HYBRID_ZERO_STAGE")
+            .env_remove("TILEARN_HYBRID_TP_SIZE")
+            .env_remove("TILEARN_HYBRID_PP_SIZE");
+        ok(fresh.output().unwrap())
+    };
+    let (one, pp) = (s.path("one_from_tp"), s.path("pp_from_tp"));
+    continue_from(0, &one, &[]);
+    let stdout = continue_from(2, &pp, &["--pp-size", "2"]);
+    assert!(stdout.contains("tp 1 × dp 1 × pp 2"), "{stdout}");
+    let diff = max_abs_diff(&weights(&one), &weights(&pp));
+    assert!(diff <= TP_TOLERANCE, "max |Δw| = {diff}");
+    assert_ne!(weights(&tp), weights(&pp), "the pp run trained");
+}
+
 #[test]
 fn tensor_parallel_size_comes_from_the_environment_and_bad_layouts_are_named() {
     let s = Setup::new();

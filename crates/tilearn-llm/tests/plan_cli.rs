@@ -344,15 +344,15 @@ fn a_schedules_timeline_and_bubble_are_printed() {
         assert!(out.status.success(), "{text}{}", stderr(&out));
         let line = text
             .lines()
-            .find(|l| l.starts_with("bubble: simulated"))
+            .find(|l| l.starts_with("bubble fraction: "))
             .unwrap_or_else(|| panic!("no bubble line: {text}"));
-        let simulated: f64 = line["bubble: simulated ".len()..]
-            .split(',')
+        let simulated: f64 = line["bubble fraction: ".len()..]
+            .split(' ')
             .next()
             .unwrap()
-            .trim()
             .parse()
             .unwrap();
+        assert!(text.contains("stage 1 |"), "{text}");
         assert!((simulated - formula).abs() < 1e-4, "{line}");
     }
     // A shape the schedule cannot run is one error line naming it.

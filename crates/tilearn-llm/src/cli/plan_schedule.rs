@@ -20,18 +20,14 @@ pub fn print(kind: ScheduleKind, stages: usize, micro_batches: usize) -> Result<
     let timeline = schedule
         .simulate(&Costs::default())
         .map_err(schedule_error)?;
+    print!("{}", render_timeline(&timeline, WIDTH));
+    let in_flight: Vec<String> = (0..stages)
+        .map(|s| schedule.peak_in_flight(s).to_string())
+        .collect();
     println!(
-        "{kind}: {stages} stages, {micro_batches} micro-batches (forward 1, backward 2, transfers free)"
-    );
-    println!("{}", render_timeline(&timeline, WIDTH));
-    println!(
-        "bubble: simulated {:.4}, formula (p-1)/(m·v) = {:.4}; peak micro-batches in flight per stage: {}",
-        timeline.bubble_fraction(),
-        schedule.bubble_fraction_formula(),
-        (0..stages)
-            .map(|s| schedule.peak_in_flight(s).to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
+        "activation sets (micro-batch, chunk) held at the peak, per stage: {} (forward 1, backward 2, \
+         transfers free)",
+        in_flight.join(", ")
     );
     Ok(())
 }

@@ -478,9 +478,10 @@ fn two_ranks_evaluate_the_same_eval_loss_as_one_process() {
     assert_eq!(eval_steps, logged, "the events hold the log's eval losses");
 }
 
-/// Tensor and pipeline parallelism through the real launcher: tp 2 alone, tp 2 × dp 2 with
-/// ZeRO-1 inside the data-parallel groups, pp 2 (1F1B, 3 micro-batches) and tp 2 × pp 2
-/// (GPipe), against one process with the same global batch. The tiny model has one kv head, so
+/// Tensor and pipeline parallelism through the real launcher, every (tp, pp, dp) in {1, 2}³ that
+/// splits the model: tp 2 alone, tp 2 × dp 2 with ZeRO-1 inside the data-parallel groups, pp 2
+/// (1F1B, 3 micro-batches), tp 2 × pp 2 (GPipe), pp 2 × dp 2 with ZeRO-2 and tp 2 × pp 2 × dp 2
+/// with ZeRO-1 (8 processes), against one process with the same global batch. The tiny model has one kv head, so
 /// tp 2 replicates it, its vocabulary of 257 splits 129 + 128, and its two layers make one per
 /// stage.
 ///
@@ -489,8 +490,14 @@ fn two_ranks_evaluate_the_same_eval_loss_as_one_process() {
 /// engine's `tensor_parallel` test checks them tensor by tensor). AdamW's update
 /// `m / (√v + 1e-8)` turns that into up to ~5e-5 on the few weights whose gradients are near
 /// 1e-8 (observed 4.7e-5, in an up_proj, after 4 steps at lr 1e-2), hence TP_TOLERANCE; the
-/// logged loss and gradient norm (the norm counts replicated tensors once) must agree to 1e-6
-/// relative at every step, and a wrong slice or a missed reduction moves weights by ~lr.
+/// logged loss and gradient norm (the norm counts replicated tensors once) must agree to 2e-4
+/// relative at every step; a wrong slice or a missed reduction moves weights by ~lr and the
+/// norm by far more. Observed drift of the norm from one process: pp 2 none (bit-identical),
+/// tp 2 with 2 micro-batches 2e-8, plain dp 2 1.6e-6 (third step), tp 2 × dp 2 with 2
+/// micro-batches 1.2e-5 then 6.5e-5 (second, third step; tp 2 × dp 2 × pp 2 logs exactly what
+/// tp 2 × dp 2 does, pp 2 × dp 2 exactly what dp 2 does). Its cause, found by comparing the
+/// weights after one step: a single o_proj weight whose gradient is near AdamW's ε moved 1.9e-4
+/// differently (every other weight within 7e-6), and the next steps carry that on.
 #[test]
 fn tensor_and_pipeline_parallel_with_data_parallel_and_zero_equal_one_process() {
     let s = Setup::new();
@@ -523,6 +530,34 @@ fn tensor_and_pipeline_parallel_with_data_parallel_and_zero_equal_one_process() 
             "2",
             "tp 2 × dp 1 × pp 2",
         ),
+        (
+            4,
+            &[
+                "--pp-size",
+                "2",
+                "--zero-stage",
+                "2",
+                "--gradient-accumulation-steps",
+                "2",
+            ][..],
+            "4",
+            "tp 1 × dp 2 × pp 2",
+        ),
+        (
+            8,
+            &[
+                "--tp-size",
+                "2",
+                "--pp-size",
+                "2",
+                "--zero-stage",
+                "1",
+                "--gradient-accumulation-steps",
+                "2",
+            ][..],
+            "4",
+            "tp 2 × dp 2 × pp 2",
+        ),
     ] {
         let tag = layout.replace(' ', "");
         let (one, split) = (s.path(&format!("one{tag}")), s.path(&format!("split{tag}")));
@@ -541,7 +576,10 @@ fn tensor_and_pipeline_parallel_with_data_parallel_and_zero_equal_one_process() 
         for (a, b) in log(&one).iter().zip(log(&split)) {
             for key in ["loss", "grad_norm"] {
                 let (a, b) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
-                assert!((a - b).abs() <= 1e-6 * a.abs(), "{key} {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= 2e-4 * a.abs(),
+                    "{layout}: {key} {a} vs {b}"
+                );
             }
         }
     }

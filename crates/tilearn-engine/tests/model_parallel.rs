@@ -305,7 +305,7 @@ fn tensor_and_pipeline_parallel_together_equal_one_process() {
 }
 
 #[test]
-fn layers_are_balanced_with_the_head_on_the_last_stage() {
+fn layers_are_balanced_with_the_head_on_the_last_stage_or_as_given() {
     let mut cfg = config(false);
     cfg.num_hidden_layers = 8;
     cfg.vocab_size = 20_000;
@@ -322,6 +322,15 @@ fn layers_are_balanced_with_the_head_on_the_last_stage() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("tie_word_embeddings"), "{err}");
+    // --pp-layers overrides the cut, checked against the model.
+    let given = PipelineShard::with_layer_counts(&cfg, 1, 2, 2, &[1, 3, 2, 2]).unwrap();
+    assert_eq!(given.partition, vec![0..1, 1..4, 4..6, 6..8]);
+    for bad in [&[4, 4][..], &[2, 2, 2, 1], &[0, 4, 2, 2]] {
+        let err = PipelineShard::with_layer_counts(&cfg, 0, 2, 2, bad)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--pp-layers") && err.contains("= 8"), "{err}");
+    }
 }
 
 #[test]

@@ -676,6 +676,12 @@ fn tensor_parallel_size_comes_from_the_environment_and_bad_layouts_are_named() {
     );
     refused(
         2,
+        &["--pp-size", "2", "--pp-layers", "1,2"],
+        None,
+        "--pp-layers",
+    );
+    refused(
+        2,
         &["--tp-size", "2", "--save-steps", "2"],
         None,
         "--save-strategy no",

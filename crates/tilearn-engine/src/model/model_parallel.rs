@@ -78,6 +78,40 @@ impl PipelineShard {
         })
     }
 
+    /// Stage `stage` of `stages` with `chunks` chunks each and the layers of the global chunks
+    /// given by `sizes` (in model order: `--pp-layers`), instead of the balanced cut.
+    pub fn with_layer_counts(
+        config: &LlamaConfig,
+        stage: usize,
+        stages: usize,
+        chunks: usize,
+        sizes: &[usize],
+    ) -> Result<PipelineShard> {
+        let balanced_shape = Self::balanced(config, stage, stages, chunks, 1)?;
+        let (parts, layers) = (stages * chunks, config.num_hidden_layers);
+        if sizes.len() != parts || sizes.contains(&0) || sizes.iter().sum::<usize>() != layers {
+            return Err(EngineError::InvalidArgument {
+                argument: "--pp-layers".into(),
+                message: format!(
+                    "{sizes:?} must give {parts} positive layer counts (stages × virtual \
+                     stages) adding up to num_hidden_layers = {layers}"
+                ),
+            });
+        }
+        let mut start = 0;
+        let partition = sizes
+            .iter()
+            .map(|&n| {
+                start += n;
+                start - n..start
+            })
+            .collect();
+        Ok(PipelineShard {
+            partition,
+            ..balanced_shape
+        })
+    }
+
     /// The global chunk of local chunk `chunk`.
     pub fn global(&self, chunk: usize) -> usize {
         chunk * self.stages + self.stage

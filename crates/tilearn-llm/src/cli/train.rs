@@ -267,6 +267,10 @@ pub struct TrainArgs {
     /// stages; micro-batches must be a multiple of --pp-size).
     #[arg(long, default_value_t = 2)]
     pub virtual_stages: usize,
+    /// Layers of each pipeline chunk in model order, e.g. 9,8,8,7 (default: balanced by
+    /// compute, lm_head and the loss counted on the last).
+    #[arg(long, value_delimiter = ',')]
+    pub pp_layers: Option<Vec<usize>>,
 }
 
 /// `--pp-schedule`.
@@ -468,13 +472,22 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
                 rank: sizes.tp_rank,
                 size: sizes.tp,
             },
-            pipe: PipelineShard::balanced(
-                &config,
-                sizes.pp_rank,
-                sizes.pp,
-                chunks,
-                training.seq_len,
-            )?,
+            pipe: match &args.pp_layers {
+                Some(counts) => PipelineShard::with_layer_counts(
+                    &config,
+                    sizes.pp_rank,
+                    sizes.pp,
+                    chunks,
+                    counts,
+                )?,
+                None => PipelineShard::balanced(
+                    &config,
+                    sizes.pp_rank,
+                    sizes.pp,
+                    chunks,
+                    training.seq_len,
+                )?,
+            },
             schedule,
         };
         let comms = ModelParallelComms {

@@ -19,7 +19,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use tilearn_ops::DType;
-use tilearn_ops::cpu::{IGNORE_INDEX, Real, cross_entropy_forward};
+use tilearn_ops::cpu::{IGNORE_INDEX, Real};
 
 pub use activations::{Activations, GradScratch, LayerActs};
 pub use layout::{LayerLayout, LinearLayout, ModelLayout};
@@ -240,22 +240,10 @@ impl LlamaForCausalLM {
         shift_targets(&mut acts.targets[..d.n], labels, seq);
         forward(&d, params, ids, acts, split)?;
         let (logits, targets) = (&acts.logits[..d.n * d.vocab], &acts.targets[..d.n]);
-        let (loss_sum, valid) = if split.is_whole() {
-            let ce = cross_entropy_forward(logits, targets, d.vocab)?;
-            (ce.loss_sum, ce.valid)
-        } else {
-            let ce = vocab_parallel::cross_entropy_forward(
-                logits,
-                targets,
-                &split.vocab,
-                split.full_vocab,
-                split.sums,
-            )?;
-            (ce.loss_sum, ce.valid)
-        };
+        let ce = vocab_parallel::loss(logits, targets, d.vocab, split)?;
         Ok(LossStats {
-            loss_sum,
-            valid_tokens: valid,
+            loss_sum: ce.loss_sum,
+            valid_tokens: ce.valid,
         })
     }
 

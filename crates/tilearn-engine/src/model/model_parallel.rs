@@ -431,23 +431,10 @@ impl RankModel {
         let c = &self.chunks[chunk];
         let n = rows;
         let (logits, targets) = (&acts.logits[..n * c.config.vocab_size], &acts.targets[..n]);
-        let split = self.split(sums);
-        let (loss_sum, valid_tokens) = if split.is_whole() {
-            let ce = tilearn_ops::cpu::cross_entropy_forward(logits, targets, c.config.vocab_size)?;
-            (ce.loss_sum, ce.valid)
-        } else {
-            let ce = vocab_parallel::cross_entropy_forward(
-                logits,
-                targets,
-                &split.vocab,
-                split.full_vocab,
-                split.sums,
-            )?;
-            (ce.loss_sum, ce.valid)
-        };
+        let ce = vocab_parallel::loss(logits, targets, c.config.vocab_size, &self.split(sums))?;
         Ok(LossStats {
-            loss_sum,
-            valid_tokens,
+            loss_sum: ce.loss_sum,
+            valid_tokens: ce.valid,
         })
     }
 

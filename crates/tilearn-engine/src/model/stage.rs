@@ -162,30 +162,11 @@ pub(crate) fn stage_backward<R: Real>(
         (Some((norm, lm_head)), _) => {
             // Cross entropy in place: logits become d(loss_sum · grad_scale)/d(logits).
             let logits = &mut logits[..n * d.vocab];
-            let loss = if split.is_whole() {
-                let ce = tilearn_ops::cpu::cross_entropy_fused(
-                    logits,
-                    &targets[..n],
-                    d.vocab,
-                    grad_scale,
-                )?;
-                StageLoss {
-                    loss_sum: ce.loss_sum,
-                    valid: ce.valid,
-                }
-            } else {
-                let ce = vocab_parallel::cross_entropy_fused(
-                    logits,
-                    &targets[..n],
-                    &split.vocab,
-                    split.full_vocab,
-                    grad_scale,
-                    split.sums,
-                )?;
-                StageLoss {
-                    loss_sum: ce.loss_sum,
-                    valid: ce.valid,
-                }
+            let ce =
+                vocab_parallel::loss_and_grad(logits, &targets[..n], d.vocab, grad_scale, split)?;
+            let loss = StageLoss {
+                loss_sum: ce.loss_sum,
+                valid: ce.valid,
             };
             linear_backward(
                 logits,

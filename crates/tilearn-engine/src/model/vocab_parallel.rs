@@ -202,3 +202,46 @@ pub(crate) fn cross_entropy_fused<R: Real>(
     }
     Ok(losses(targets, &stats))
 }
+
+/// The loss of `logits` (`[n, local vocab]`) against shifted `targets`: the whole-vocabulary op
+/// for an unsplit model, the vocabulary-parallel one for a rank's slice.
+pub(crate) fn loss<R: Real>(
+    logits: &[R],
+    targets: &[i32],
+    local_vocab: usize,
+    split: &super::Split<'_, R>,
+) -> Result<SliceCe> {
+    if split.is_whole() {
+        let ce = tilearn_ops::cpu::cross_entropy_forward(logits, targets, local_vocab)?;
+        return Ok(SliceCe {
+            loss_sum: ce.loss_sum,
+            valid: ce.valid,
+        });
+    }
+    cross_entropy_forward(logits, targets, &split.vocab, split.full_vocab, split.sums)
+}
+
+/// [`loss`], and the logits replaced by their gradient times `grad_scale`.
+pub(crate) fn loss_and_grad<R: Real>(
+    logits: &mut [R],
+    targets: &[i32],
+    local_vocab: usize,
+    grad_scale: f64,
+    split: &super::Split<'_, R>,
+) -> Result<SliceCe> {
+    if split.is_whole() {
+        let ce = tilearn_ops::cpu::cross_entropy_fused(logits, targets, local_vocab, grad_scale)?;
+        return Ok(SliceCe {
+            loss_sum: ce.loss_sum,
+            valid: ce.valid,
+        });
+    }
+    cross_entropy_fused(
+        logits,
+        targets,
+        &split.vocab,
+        split.full_vocab,
+        grad_scale,
+        split.sums,
+    )
+}

@@ -58,7 +58,8 @@ impl CpuBackend {
     }
 }
 
-fn round_into(master: &[f32], working: &mut Vec<f32>, precision: DType) {
+/// The master weights rounded to `precision` (the CPU's emulation of a GPU's working copy).
+pub(super) fn round_into(master: &[f32], working: &mut Vec<f32>, precision: DType) {
     working.clear();
     match precision {
         DType::BF16 => working.extend(master.iter().map(|&x| bf16::from_f32(x).to_f32())),
@@ -177,20 +178,7 @@ impl StepBackend for CpuBackend {
     }
 
     fn save_optimizer(&mut self, path: &Path) -> Result<()> {
-        let o = &self.optimizer;
-        let mut source = optimizer_file::HostMoments {
-            exp_avg: o.exp_avg(),
-            exp_avg_sq: o.exp_avg_sq(),
-        };
-        let len = self.shard.len();
-        optimizer_file::write(
-            path,
-            o.config(),
-            o.groups(),
-            o.step_count(),
-            len,
-            &mut source,
-        )
+        write_host_optimizer(&self.optimizer, self.shard.len(), path)
     }
 
     fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
@@ -214,23 +202,7 @@ impl StepBackend for CpuBackend {
     }
 
     fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
-        let o = &self.optimizer;
-        // The groups in whole-model coordinates (shifting back any earlier shard), then cut.
-        let offset = self.shard.start;
-        let full: Vec<_> = o
-            .groups()
-            .iter()
-            .map(|g| ParamGroup {
-                ranges: g
-                    .ranges
-                    .iter()
-                    .map(|r| r.start + offset..r.end + offset)
-                    .collect(),
-                ..g.clone()
-            })
-            .collect();
-        let groups = groups_within(&full, &shard);
-        self.optimizer = AdamW::new(*o.config(), groups, shard.len())?;
+        self.optimizer = resharded(&self.optimizer, &self.shard, &shard)?;
         self.shard = shard;
         Ok(())
     }
@@ -269,4 +241,43 @@ impl StepBackend for CpuBackend {
         (params * 2 + self.working.capacity() * 4 + self.acts.bytes()) as u64
             + self.state_held().optimizer as u64
     }
+}
+
+/// Writes a host AdamW's state (for `len` parameters) in the format of [`optimizer_file`].
+pub(super) fn write_host_optimizer(o: &AdamW, len: usize, path: &Path) -> Result<()> {
+    let mut source = optimizer_file::HostMoments {
+        exp_avg: o.exp_avg(),
+        exp_avg_sq: o.exp_avg_sq(),
+    };
+    optimizer_file::write(
+        path,
+        o.config(),
+        o.groups(),
+        o.step_count(),
+        len,
+        &mut source,
+    )
+}
+
+/// A fresh AdamW for parameters `shard` of the flat buffer, with `o`'s configuration and
+/// groups (which cover `current`) cut to it: ZeRO's partition of the optimizer.
+pub(super) fn resharded(o: &AdamW, current: &Range<usize>, shard: &Range<usize>) -> Result<AdamW> {
+    // The groups in whole-buffer coordinates (shifting back any earlier shard), then cut.
+    let full: Vec<_> = o
+        .groups()
+        .iter()
+        .map(|g| ParamGroup {
+            ranges: g
+                .ranges
+                .iter()
+                .map(|r| r.start + current.start..r.end + current.start)
+                .collect(),
+            ..g.clone()
+        })
+        .collect();
+    Ok(AdamW::new(
+        *o.config(),
+        groups_within(&full, shard),
+        shard.len(),
+    )?)
 }

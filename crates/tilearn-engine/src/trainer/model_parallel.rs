@@ -16,16 +16,15 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-use half::{bf16, f16};
 use tilearn_ops::DType;
-use tilearn_optim::{AdamW, ParamGroup};
+use tilearn_optim::AdamW;
 use tilearn_parallel::pipeline::ScheduleKind;
 use tilearn_parallel::{BufferMut, Communicator, ReduceOp, scalars};
 
 use super::backend::StepBackend;
+use super::cpu_backend::{resharded, round_into, write_host_optimizer};
 use super::flat_buffer::FlatBuffer;
-use super::optimizer_file;
-use super::optimizer_shards::{OptimizerCheckpoint, groups_within};
+use super::optimizer_shards::OptimizerCheckpoint;
 use super::zero::{CPU_FP32_ADAMW, RankState, StateBytes};
 use crate::checkpoint::save_pretrained;
 use crate::config::LlamaConfig;
@@ -174,17 +173,7 @@ impl ModelParallelCpuBackend {
     /// Rounds the master weights into the working copy for a bf16/fp16 period (the CPU's
     /// emulation of a GPU's working weights, as [`super::CpuBackend`] does).
     fn round_working(&mut self, precision: DType) {
-        let master = &self.model.params.data;
-        self.working.clear();
-        match precision {
-            DType::F32 => {}
-            DType::BF16 => self
-                .working
-                .extend(master.iter().map(|&x| bf16::from_f32(x).to_f32())),
-            DType::F16 => self
-                .working
-                .extend(master.iter().map(|&x| f16::from_f32(x).to_f32())),
-        }
+        round_into(&self.model.params.data, &mut self.working, precision);
     }
 
     /// Replicated kv heads: each replica added only its query heads' share of the gradient
@@ -387,19 +376,7 @@ impl StepBackend for ModelParallelCpuBackend {
     }
 
     fn save_optimizer(&mut self, path: &Path) -> Result<()> {
-        let o = &self.optimizer;
-        let mut source = optimizer_file::HostMoments {
-            exp_avg: o.exp_avg(),
-            exp_avg_sq: o.exp_avg_sq(),
-        };
-        optimizer_file::write(
-            path,
-            o.config(),
-            o.groups(),
-            o.step_count(),
-            self.shard.len(),
-            &mut source,
-        )
+        write_host_optimizer(&self.optimizer, self.shard.len(), path)
     }
 
     fn restore(&mut self, _dir: &Path, _optimizer: &OptimizerCheckpoint) -> Result<()> {
@@ -420,22 +397,7 @@ impl StepBackend for ModelParallelCpuBackend {
     }
 
     fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
-        let o = &self.optimizer;
-        let offset = self.shard.start;
-        let full: Vec<_> = o
-            .groups()
-            .iter()
-            .map(|g| ParamGroup {
-                ranges: g
-                    .ranges
-                    .iter()
-                    .map(|r| r.start + offset..r.end + offset)
-                    .collect(),
-                ..g.clone()
-            })
-            .collect();
-        let groups = groups_within(&full, &shard);
-        self.optimizer = AdamW::new(*o.config(), groups, shard.len())?;
+        self.optimizer = resharded(&self.optimizer, &self.shard, &shard)?;
         self.shard = shard;
         Ok(())
     }

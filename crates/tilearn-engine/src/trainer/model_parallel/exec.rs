@@ -15,7 +15,7 @@ use tilearn_parallel::{Communicator, P2pOp, scalars};
 
 use super::ModelParallelCpuBackend;
 use crate::data::Batch;
-use crate::model::LossStats;
+use crate::model::{Activations, LossStats};
 use crate::{EngineError, Result};
 
 type Tensors = HashMap<(usize, usize), Vec<f32>>;
@@ -99,9 +99,6 @@ pub(super) fn run_step(
             } => {
                 let batch = &batches[mb];
                 let rows = batch.batch * batch.seq_len;
-                let mut acts = b.pool[chunk]
-                    .pop()
-                    .unwrap_or_else(|| b.model.activations(chunk, b.batch, b.seq, b.recompute));
                 let input = if b.model.starts_model(chunk) {
                     None
                 } else {
@@ -111,21 +108,7 @@ pub(super) fn run_step(
                             .ok_or_else(|| missing("forward", mb, chunk))?,
                     )
                 };
-                let params = if precision == DType::F32 {
-                    &b.model.params.data
-                } else {
-                    &b.working
-                };
-                b.model.forward(
-                    chunk,
-                    params,
-                    &batch.input_ids,
-                    &batch.labels,
-                    (batch.batch, batch.seq_len),
-                    input.as_deref(),
-                    &mut acts,
-                    b.sums.as_ref(),
-                )?;
+                let acts = forward_chunk(b, chunk, batch, input.as_deref(), precision)?;
                 if !b.model.ends_model(chunk) {
                     let out = b.model.output(chunk, &acts, rows).to_vec();
                     if stages == 1 {
@@ -207,6 +190,36 @@ pub(super) fn run_step(
         Some(pp) => Ok(scalars::sum_f64(pp.as_ref(), loss_sum)?),
         None => Ok(loss_sum),
     }
+}
+
+/// The forward of `batch` through local chunk `chunk` (from `input` unless the chunk embeds the
+/// tokens), in an activation arena from the chunk's pool.
+fn forward_chunk(
+    b: &mut ModelParallelCpuBackend,
+    chunk: usize,
+    batch: &Batch,
+    input: Option<&[f32]>,
+    precision: DType,
+) -> Result<Activations<f32>> {
+    let mut acts = b.pool[chunk]
+        .pop()
+        .unwrap_or_else(|| b.model.activations(chunk, b.batch, b.seq, b.recompute));
+    let params = if precision == DType::F32 {
+        &b.model.params.data
+    } else {
+        &b.working
+    };
+    b.model.forward(
+        chunk,
+        params,
+        &batch.input_ids,
+        &batch.labels,
+        (batch.batch, batch.seq_len),
+        input,
+        &mut acts,
+        b.sums.as_ref(),
+    )?;
+    Ok(acts)
 }
 
 struct Boxes<'a> {
@@ -306,24 +319,7 @@ pub(super) fn eval(
             }])?;
             carry = Some(input);
         }
-        let mut acts = b.pool[chunk]
-            .pop()
-            .unwrap_or_else(|| b.model.activations(chunk, b.batch, b.seq, b.recompute));
-        let params = if precision == DType::F32 {
-            &b.model.params.data
-        } else {
-            &b.working
-        };
-        b.model.forward(
-            chunk,
-            params,
-            &batch.input_ids,
-            &batch.labels,
-            (batch.batch, batch.seq_len),
-            carry.as_deref(),
-            &mut acts,
-            b.sums.as_ref(),
-        )?;
+        let acts = forward_chunk(b, chunk, batch, carry.as_deref(), precision)?;
         if b.model.ends_model(chunk) {
             loss = b.model.loss(chunk, &acts, rows, b.sums.as_ref())?;
         } else {

@@ -82,6 +82,11 @@ for phase in "$@"; do
       run gemm_bench "$B/bin/gemm-bench"
       run optim_bench "$B/bin/optim-bench" --steps 20
       run torch_optim timeout 300 python3 benches/pytorch_optim_baseline.py --steps 20;;
+    *)
+      # A phase of its own file (scripts/gpu-phases/NAME.sh, sourced here: it may use run, $B, $OUT),
+      # so that work on separate issues adds phases without editing this list.
+      if [ -f "scripts/gpu-phases/$phase.sh" ]; then . "scripts/gpu-phases/$phase.sh"
+      else echo "unknown phase: $phase"; status=1; fi;;
   esac
 done
 # Only a few files come back from the device: every log travels in one tar.

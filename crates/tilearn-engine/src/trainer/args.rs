@@ -93,6 +93,14 @@ pub struct TrainingArguments {
     /// is complete (Hugging Face's `save_total_limit`); `None` keeps all.
     #[serde(default)]
     pub save_total_limit: Option<usize>,
+    /// Remember the checkpoint with the best `metric_for_best_model`, keep it through rotation
+    /// and load its weights before the final model is written (Hugging Face's
+    /// `load_best_model_at_end`; see [`super::best_model`]).
+    #[serde(default)]
+    pub load_best_model_at_end: bool,
+    /// `eval_loss` (default) or `eval_perplexity`.
+    #[serde(default)]
+    pub metric_for_best_model: Option<String>,
     pub gradient_checkpointing: bool,
     /// When the eval set ([`Trainer::set_eval_dataset`](super::Trainer::set_eval_dataset)) is
     /// evaluated.
@@ -156,6 +164,8 @@ impl Default for TrainingArguments {
             save_only_model: false,
             save_dtype: None,
             save_total_limit: None,
+            load_best_model_at_end: false,
+            metric_for_best_model: None,
             gradient_checkpointing: false,
             eval_strategy: EvalStrategy::No,
             eval_steps: None,
@@ -276,6 +286,7 @@ impl TrainingArguments {
                 "is 0; keep at least 1 checkpoint, or write none with --save-strategy no".into(),
             );
         }
+        super::best_model::validate(self)?;
         match self.length {
             TrainLength::MaxSteps(0) => bad("--max-steps", "must be at least 1".into()),
             TrainLength::Epochs(e) if !(e.is_finite() && e > 0.0) => bad(

@@ -161,6 +161,16 @@ pub trait StepBackend {
     /// The flat gradient buffer (data parallelism reduces it in place, bucket by bucket).
     fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>>;
 
+    /// Replaces the weights with the model files of a checkpoint `dir`, leaving the optimizer
+    /// state as it is (`--load-best-model-at-end`, after the last step).
+    fn load_weights(&mut self, dir: &Path) -> Result<()> {
+        let _ = dir;
+        Err(EngineError::InvalidArgument {
+            argument: "--load-best-model-at-end".into(),
+            message: format!("{} cannot load weights after training yet", self.describe()),
+        })
+    }
+
     /// The flat f32 master weights (ZeRO all-gathers them after each step).
     fn flat_parameters(&mut self) -> Result<FlatBuffer<'_>> {
         Err(unsupported(self.describe(), "ZeRO (--zero-stage)"))

@@ -94,19 +94,27 @@ pub fn checkpoints(output_dir: &Path) -> Vec<(u64, PathBuf)> {
 }
 
 /// Deletes the oldest checkpoints until at most `limit` remain (Hugging Face's
-/// `save_total_limit`); `newest` (the one just completed) is never deleted. Returns the deleted
+/// `save_total_limit`); the ones in `keep` (the one just completed, the one the run resumed
+/// from, the best one) are never deleted, so more than `limit` may remain. Returns the deleted
 /// directories.
-pub fn rotate_checkpoints(output_dir: &Path, limit: usize, newest: &Path) -> Result<Vec<PathBuf>> {
+pub fn rotate_checkpoints(output_dir: &Path, limit: usize, keep: &[&Path]) -> Result<Vec<PathBuf>> {
     let all = checkpoints(output_dir);
     let excess = all.len().saturating_sub(limit);
     let mut removed = Vec::new();
-    for (_, dir) in all.into_iter().filter(|(_, d)| d != newest).take(excess) {
+    let kept = |d: &Path| keep.iter().any(|k| same_dir(k, d));
+    for (_, dir) in all.into_iter().filter(|(_, d)| !kept(d)).take(excess) {
         fs::remove_dir_all(&dir).map_err(|e| {
             EngineError::io(&dir, "delete an old checkpoint (--save-total-limit)", e)
         })?;
         removed.push(dir);
     }
     Ok(removed)
+}
+
+/// Whether two paths name the same directory (a path recorded in a trainer state may be
+/// spelled differently from the listing's).
+fn same_dir(a: &Path, b: &Path) -> bool {
+    a == b || matches!((fs::canonicalize(a), fs::canonicalize(b)), (Ok(x), Ok(y)) if x == y)
 }
 
 /// The newest complete `checkpoint-N` directory in `output_dir`, if any.
@@ -147,7 +155,7 @@ mod tests {
         }
         fs::create_dir(dir.path().join("checkpoint-12.tmp")).unwrap();
         let newest = checkpoint_dir(dir.path(), 10);
-        let removed = rotate_checkpoints(dir.path(), 2, &newest).unwrap();
+        let removed = rotate_checkpoints(dir.path(), 2, &[&newest]).unwrap();
         assert_eq!(
             removed,
             [checkpoint_dir(dir.path(), 2), checkpoint_dir(dir.path(), 4)]
@@ -158,6 +166,27 @@ mod tests {
             .collect();
         assert_eq!(left, [8, 10]);
         assert!(dir.path().join("checkpoint-12.tmp").exists());
+    }
+
+    #[test]
+    fn rotation_never_deletes_the_resumed_or_best_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        for step in [2, 4, 6, 8] {
+            fs::create_dir(checkpoint_dir(dir.path(), step)).unwrap();
+        }
+        let (resumed, best, newest) = (
+            checkpoint_dir(dir.path(), 2),
+            // Spelled another way, as a path recorded in a trainer state may be.
+            dir.path().join(".").join("checkpoint-6"),
+            checkpoint_dir(dir.path(), 8),
+        );
+        let removed = rotate_checkpoints(dir.path(), 1, &[&newest, &resumed, &best]).unwrap();
+        assert_eq!(removed, [checkpoint_dir(dir.path(), 4)]);
+        let left: Vec<u64> = checkpoints(dir.path())
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        assert_eq!(left, [2, 6, 8]);
     }
 
     #[test]

@@ -193,6 +193,10 @@ impl StepBackend for CpuBackend {
         Ok(())
     }
 
+    fn load_weights(&mut self, dir: &Path) -> Result<()> {
+        load_params_into(dir, &mut self.model.params)
+    }
+
     fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {
         Ok(FlatBuffer::Host(&mut self.grads))
     }

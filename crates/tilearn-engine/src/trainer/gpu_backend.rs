@@ -284,6 +284,13 @@ impl StepBackend for GpuBackend {
         Ok(())
     }
 
+    fn load_weights(&mut self, dir: &Path) -> Result<()> {
+        let specs = &self.specs;
+        self.gpu.fill_params(|dest| load_into(dir, specs, dest))?;
+        self.host = None;
+        Ok(())
+    }
+
     fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {
         let (view, stream) = self.gpu.gradients_mut();
         Ok(FlatBuffer::Device { view, stream })

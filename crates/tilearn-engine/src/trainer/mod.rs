@@ -7,6 +7,7 @@
 
 pub mod args;
 pub mod backend;
+pub mod best_model;
 pub mod checkpoint;
 pub mod cpu_backend;
 pub mod data_parallel;
@@ -92,6 +93,8 @@ pub struct Trainer {
     /// This rank's place in its model replica (tensor × pipeline parallelism; `0` unless
     /// [`Trainer::set_model_parallel`]).
     mp_rank: usize,
+    /// The checkpoint this run resumed from (never deleted by rotation).
+    resumed_from: Option<PathBuf>,
 }
 
 /// Observes progress (the CLI's progress bar); called after every optimizer step.
@@ -231,6 +234,7 @@ impl Trainer {
             started: Instant::now(),
             eval: None,
             mp_rank: 0,
+            resumed_from: None,
         })
     }
 
@@ -488,8 +492,12 @@ impl Trainer {
             seed: a.seed,
             tokens_seen: 0,
             windows_per_batch: Some(windows_per_batch),
+            best: Default::default(),
         };
         let primary = self.writes_files();
+        let best_metric = best_model::BestMetric::parse(a.metric_for_best_model.as_deref())?;
+        let mut last_eval = best_model::LastEval::default();
+        self.resumed_from = resume.map(Path::to_path_buf);
         if let Some(dir) = resume {
             state = self.restore(dir, &mut scaler)?;
             state.max_steps = total_steps;
@@ -703,10 +711,12 @@ impl Trainer {
                     tb.write_eval(&record)?;
                 }
                 sink.eval(&record);
+                last_eval.record(state.global_step, best_metric.value(&record));
             }
             // The last step's checkpoint comes after the final model (below).
             if !last && a.saves_checkpoint_at(state.global_step, total_steps) {
-                let saved = self.try_checkpoint(&state, &schedule, &scaler, sink)?;
+                let saved =
+                    self.checkpoint_judged(&mut state, last_eval, &schedule, &scaler, sink)?;
                 checkpoint_failures.extend(saved.err());
             }
             if a.debug_fail_after_step == Some(state.global_step) {
@@ -724,12 +734,24 @@ impl Trainer {
         // The final model first: a checkpoint that cannot be written never costs the model.
         // Rank 0 holds every weight (ZeRO all-gathers them after each step) and writes it once;
         // under tensor parallelism every rank of its group takes part (the model is gathered).
+        // With --load-best-model-at-end the last checkpoint comes first (it holds the state
+        // training ended in and may be the best), then the best weights are loaded; the best
+        // checkpoint keeps the model on disk whatever happens to the final save.
+        let final_checkpoint =
+            state.global_step > first_step && a.saves_checkpoint_at(state.global_step, total_steps);
+        if final_checkpoint && a.load_best_model_at_end {
+            let saved = self.checkpoint_judged(&mut state, last_eval, &schedule, &scaler, sink)?;
+            checkpoint_failures.extend(saved.err());
+        }
+        if a.load_best_model_at_end && self.dp.is_primary() {
+            self.load_best_model(&state, best_metric, sink)?;
+        }
         let final_save_seconds = if self.dp.is_primary() {
             self.save_final_model(sink)?
         } else {
             0.0
         };
-        if state.global_step > first_step && a.saves_checkpoint_at(state.global_step, total_steps) {
+        if final_checkpoint && !a.load_best_model_at_end {
             let saved = self.try_checkpoint(&state, &schedule, &scaler, sink)?;
             checkpoint_failures.extend(saved.err());
         }

@@ -45,8 +45,10 @@ impl Trainer {
     /// `--save-total-limit`: the limit plus the one being written) cannot fit.
     pub(super) fn check_disk_at_start(&self, first_step: u64, total_steps: u64) -> Result<()> {
         let written = self.args.checkpoints_between(first_step, total_steps);
+        // Rotation keeps the limit plus the one being written, and never deletes the best.
+        let kept_best = u64::from(self.args.load_best_model_at_end);
         let on_disk = match self.args.save_total_limit {
-            Some(limit) => written.min(limit as u64 + 1),
+            Some(limit) => written.min(limit as u64 + 1 + kept_best),
             None => written,
         };
         disk::check_run(
@@ -125,7 +127,10 @@ impl Trainer {
             written as f64 / 1e9 / secs.max(1e-9)
         ));
         if let Some(limit) = self.args.save_total_limit {
-            match checkpoint::rotate_checkpoints(&self.args.output_dir, limit, &dir) {
+            let mut keep = vec![dir.as_path()];
+            keep.extend(self.resumed_from.as_deref());
+            keep.extend(state.best.best_model_checkpoint.as_deref());
+            match checkpoint::rotate_checkpoints(&self.args.output_dir, limit, &keep) {
                 Ok(removed) => {
                     for old in removed {
                         sink.note(&format!(

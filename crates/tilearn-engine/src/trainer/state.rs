@@ -5,6 +5,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::best_model::BestCheckpoint;
 use crate::data::LoaderState;
 use crate::{EngineError, Result};
 
@@ -34,6 +35,9 @@ pub struct TrainerState {
     /// the data; absent in older checkpoints (then: the same as the resuming run).
     #[serde(default)]
     pub windows_per_batch: Option<u64>,
+    /// With `--load-best-model-at-end`: the best metric and its checkpoint so far.
+    #[serde(default, flatten)]
+    pub best: BestCheckpoint,
 }
 
 /// The learning-rate schedule's parameters and position, saved as `scheduler.json`.

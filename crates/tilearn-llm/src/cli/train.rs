@@ -144,6 +144,14 @@ pub struct TrainArgs {
     /// Keep at most N checkpoints, deleting the oldest once a newer one is complete.
     #[arg(long)]
     pub save_total_limit: Option<usize>,
+    /// Remember the checkpoint with the best --metric-for-best-model (never deleted by
+    /// --save-total-limit) and save its weights as the final model. Needs evaluation and
+    /// --save-steps a multiple of --eval-steps.
+    #[arg(long)]
+    pub load_best_model_at_end: bool,
+    /// The metric that picks the best checkpoint: eval_loss (default) or eval_perplexity.
+    #[arg(long, value_name = "NAME")]
+    pub metric_for_best_model: Option<String>,
     /// Token shards made by `tilearn prepare-data` (same tokenizer as --data) to evaluate on:
     /// the mean token loss and perplexity, with the forward only, logged as `eval_loss`.
     #[arg(long, conflicts_with = "validation_split_percentage")]
@@ -427,6 +435,8 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         save_only_model: args.save_only_model,
         save_dtype: args.save_dtype,
         save_total_limit: args.save_total_limit,
+        load_best_model_at_end: args.load_best_model_at_end,
+        metric_for_best_model: args.metric_for_best_model.clone(),
         gradient_checkpointing: args.gradient_checkpointing,
         eval_strategy: match args.eval_strategy {
             Some(EvalStrategyChoice::No) => EvalStrategy::No,

@@ -225,7 +225,7 @@ fn exposed_dp_comm_s(hw: &Hardware, layout: &Layout, psi: f64, mb: &MicroBatchCo
     }
 }
 
-/// The step of `layout` whose ranks hold `ranks` (position, parameters) for `global_tokens`
+/// The step of `layout` whose ranks hold `ranks` (position, decoder layers, parameters) for `global_tokens`
 /// tokens per step of a model of `num_params` parameters.
 #[allow(clippy::too_many_arguments)]
 pub fn step_cost(
@@ -233,16 +233,15 @@ pub fn step_cost(
     config: &LlamaConfig,
     w: RankWidths,
     layout: &Layout,
-    ranks: &[(StagePosition, RankParams)],
+    ranks: &[(StagePosition, usize, RankParams)],
     seq: usize,
     global_tokens: f64,
     num_params: usize,
 ) -> StepCost {
-    let layers = layout.layers_per_rank(config);
     let mut slowest = MicroBatchCost::default();
     let mut psi_max = 0.0f64;
-    for (position, params) in ranks {
-        let mb = micro_batch_cost(hw, w, layout, params, layers, seq, *position);
+    for (position, layers, params) in ranks {
+        let mb = micro_batch_cost(hw, w, layout, params, *layers, seq, *position);
         if mb.total_s() > slowest.total_s() {
             slowest = mb;
         }
@@ -314,14 +313,14 @@ mod tests {
 
     fn step(hw: &Hardware, c: &LlamaConfig, l: &Layout) -> (StepCost, MicroBatchCost) {
         let w = RankWidths::new(c, split_heads(c, l.tp).unwrap(), l.tp);
-        let ranks: Vec<_> = StagePosition::ends(l.pp)
+        let ranks: Vec<_> = StagePosition::pipeline_ranks(c, l, 512)
+            .unwrap()
             .into_iter()
-            .map(|p| (p, rank_params(c, w, l, p)))
+            .map(|(p, layers)| (p, layers, rank_params(c, w, p, layers)))
             .collect();
-        let layers = l.layers_per_rank(c);
         let slowest = ranks
             .iter()
-            .map(|(p, r)| micro_batch_cost(hw, w, l, r, layers, 512, *p))
+            .map(|(p, layers, r)| micro_batch_cost(hw, w, l, r, *layers, 512, *p))
             .max_by(|a, b| a.total_s().total_cmp(&b.total_s()))
             .unwrap();
         let tokens = (l.dp * l.micro_batch * l.micro_batches * 512) as f64;

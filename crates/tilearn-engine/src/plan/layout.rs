@@ -79,11 +79,6 @@ impl Layout {
         (self.pp - 1) as f64 / (self.micro_batches * self.virtual_stages) as f64
     }
 
-    /// Decoder layers of one pipeline rank (all its virtual stages together).
-    pub fn layers_per_rank(&self, config: &LlamaConfig) -> usize {
-        config.num_hidden_layers / self.pp
-    }
-
     /// Micro-batches whose saved activations (for all of its L/p layers) the first pipeline
     /// rank holds at once under 1F1B: p, capped at m; interleaving with v virtual stages
     /// multiplies that by 1 + (p − 1)/(p·v) (Korthikanti et al., 2022, §4.2). Without a

@@ -110,14 +110,13 @@ pub fn evaluate(
 ) -> std::result::Result<Candidate, String> {
     let split = split_heads(config, layout.tp)?;
     let widths = RankWidths::new(config, split, layout.tp);
-    let layers = layout.layers_per_rank(config);
-    let ranks: Vec<_> = StagePosition::ends(layout.pp)
+    let ranks: Vec<_> = StagePosition::pipeline_ranks(config, layout, seq)?
         .into_iter()
-        .map(|pos| (pos, rank_params(config, widths, layout, pos)))
+        .map(|(pos, layers)| (pos, layers, rank_params(config, widths, pos, layers)))
         .collect();
     let memory = ranks
         .iter()
-        .map(|(pos, params)| rank_memory(hw, widths, layout, params, layers, seq, *pos))
+        .map(|(pos, layers, params)| rank_memory(hw, widths, layout, params, *layers, seq, *pos))
         .max_by(|a, b| a.total().total_cmp(&b.total()))
         .unwrap_or_default();
     let num_params = crate::model::ModelLayout::from_config(config).numel;

@@ -7,6 +7,7 @@
 
 use super::layout::{HeadSplit, Layout};
 use crate::config::LlamaConfig;
+use crate::model::model_parallel::partition_layers;
 
 /// Which pipeline rank: the first holds the embedding and the most in-flight activations, the
 /// last the lm_head, the final norm and the logits. With one stage it is both.
@@ -22,22 +23,33 @@ impl StagePosition {
         last: true,
     };
 
-    /// The first and the last rank of a pipeline of `pp` stages (one position when `pp` is 1).
-    pub fn ends(pp: usize) -> Vec<StagePosition> {
-        if pp == 1 {
-            vec![StagePosition::ONLY]
-        } else {
-            vec![
-                StagePosition {
-                    first: true,
-                    last: false,
-                },
-                StagePosition {
-                    first: false,
-                    last: true,
-                },
-            ]
+    /// Every rank of `layout`'s pipeline with the decoder layers it holds, cut as training
+    /// cuts them ([`partition_layers`]: chunks balanced by cost with the head and loss on the
+    /// last, chunk `c` on rank `c mod pp` when interleaved), so the advisor judges the layers
+    /// each stage really gets.
+    pub fn pipeline_ranks(
+        config: &LlamaConfig,
+        layout: &Layout,
+        seq: usize,
+    ) -> Result<Vec<(StagePosition, usize)>, String> {
+        let pp = layout.pp;
+        let chunks =
+            partition_layers(config, pp * layout.virtual_stages, seq).map_err(|e| e.to_string())?;
+        let mut layers = vec![0usize; pp];
+        for (c, chunk) in chunks.iter().enumerate() {
+            layers[c % pp] += chunk.len();
         }
+        Ok(layers
+            .into_iter()
+            .enumerate()
+            .map(|(rank, held)| {
+                let position = StagePosition {
+                    first: rank == 0,
+                    last: rank + 1 == pp,
+                };
+                (position, held)
+            })
+            .collect())
     }
 }
 
@@ -82,12 +94,12 @@ pub struct RankParams {
     pub per_layer: u64,
 }
 
-/// The parameters of the rank at `position` of `layout`.
+/// The parameters of the rank at `position` holding `layers` decoder layers.
 pub fn rank_params(
     config: &LlamaConfig,
     widths: RankWidths,
-    layout: &Layout,
     position: StagePosition,
+    layers: usize,
 ) -> RankParams {
     let w = widths;
     let c = w.hidden as u64;
@@ -101,7 +113,7 @@ pub fn rank_params(
     if config.mlp_bias {
         other += 2 * i + c;
     }
-    let layers = layout.layers_per_rank(config) as u64;
+    let layers = layers as u64;
     let table = w.vocab as u64 * c;
     let mut total = layers * (linear + other);
     let mut matmul = layers * linear;
@@ -142,6 +154,51 @@ mod tests {
         }
     }
 
+    #[test]
+    fn pipeline_ranks_get_the_layers_training_gives_them() {
+        // A vocabulary large enough that the head costs several layers: the last stage gets
+        // fewer decoder layers, as the executor's cut gives it.
+        let c = LlamaConfig::from_json_str(
+            r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 176, "num_hidden_layers": 8, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "vocab_size": 4000}"#,
+            "<test>",
+        )
+        .unwrap();
+        let ranks = StagePosition::pipeline_ranks(&c, &layout(1, 2), 64).unwrap();
+        let layers: Vec<usize> = ranks.iter().map(|(_, l)| *l).collect();
+        let cut = partition_layers(&c, 2, 64).unwrap();
+        assert_eq!(layers, [cut[0].len(), cut[1].len()]);
+        assert_eq!(layers.iter().sum::<usize>(), 8);
+        assert!(layers[1] < layers[0], "{layers:?}");
+        assert!(ranks[0].0.first && !ranks[0].0.last && ranks[1].0.last);
+        // Interleaved: rank r holds chunks r, r + pp, ….
+        let interleaved = Layout {
+            virtual_stages: 2,
+            ..layout(1, 2)
+        };
+        let chunks = partition_layers(&c, 4, 64).unwrap();
+        let layers: Vec<usize> = StagePosition::pipeline_ranks(&c, &interleaved, 64)
+            .unwrap()
+            .iter()
+            .map(|(_, l)| *l)
+            .collect();
+        assert_eq!(
+            layers,
+            [
+                chunks[0].len() + chunks[2].len(),
+                chunks[1].len() + chunks[3].len()
+            ]
+        );
+        // More chunks than layers is refused with the model's count.
+        let too_many = Layout {
+            virtual_stages: 8,
+            ..layout(1, 2)
+        };
+        let err = StagePosition::pipeline_ranks(&c, &too_many, 64).unwrap_err();
+        assert!(err.contains("num_hidden_layers = 8"), "{err}");
+    }
+
     fn config(extra: &str) -> LlamaConfig {
         let json = format!(
             r#"{{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 4,
@@ -162,8 +219,8 @@ mod tests {
             let p = rank_params(
                 &c,
                 RankWidths::new(&c, split, 1),
-                &layout(1, 1),
                 StagePosition::ONLY,
+                c.num_hidden_layers,
             );
             assert_eq!(
                 p.total as usize,
@@ -184,22 +241,22 @@ mod tests {
         let first = rank_params(
             &c,
             w,
-            &layout(2, 2),
             StagePosition {
                 first: true,
                 last: false,
             },
+            2,
         );
         assert_eq!(first.total, 2 * (linear + 128) + 51 * 64);
         assert_eq!(first.matmul, 2 * linear);
         let last = rank_params(
             &c,
             w,
-            &layout(2, 2),
             StagePosition {
                 first: false,
                 last: true,
             },
+            2,
         );
         assert_eq!(last.total, 2 * (linear + 128) + 64 + 51 * 64);
         assert_eq!(last.matmul, 2 * linear + 51 * 64);

@@ -14,6 +14,7 @@ mod plan_schedule;
 mod plot;
 mod prepare;
 mod progress;
+mod tokenizer_files;
 mod topology;
 mod train;
 mod train_ranks;

@@ -563,6 +563,16 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
     };
     let summary = trainer.train(resume.as_deref(), sink.as_mut())?;
     if primary {
+        if let Some(model_dir) = &args.model {
+            let copied = super::tokenizer_files::copy_tokenizer_files(model_dir, &args.output_dir)?;
+            if !copied.is_empty() {
+                println!(
+                    "copied the tokenizer files of {} beside the model ({})",
+                    model_dir.display(),
+                    copied.join(", ")
+                );
+            }
+        }
         print_summary(&summary);
         super::plot::plot_after_training(&args.output_dir);
     }

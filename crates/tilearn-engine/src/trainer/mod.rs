@@ -724,6 +724,9 @@ impl Trainer {
         // The final model first: a checkpoint that cannot be written never costs the model.
         // Rank 0 holds every weight (ZeRO all-gathers them after each step) and writes it once;
         // under tensor parallelism every rank of its group takes part (the model is gathered).
+        // Where ranks hold only shards of the fp32 weights (ZeRO on the GPU), gather them
+        // for rank 0's saves first: every rank takes part.
+        self.dp.gather_whole_weights(self.backend.as_mut())?;
         let final_save_seconds = if self.dp.is_primary() {
             self.save_final_model(sink)?
         } else {

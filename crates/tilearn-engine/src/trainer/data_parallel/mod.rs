@@ -397,6 +397,18 @@ impl DataParallel {
                 reduce_scatter(grads_comm.as_ref(), &mut grads, self.layout)?;
             }
             ZeroStage::One => {}
+            ZeroStage::Two if backend.flat_gradients()?.host().is_none() => {
+                // On the device the owned part of the gradient buffer is the accumulator: after
+                // the reduce-scatter it holds the global sum so far, and the rest is zeroed, so
+                // the next backward adds into it and the next reduce-scatter sums the ranks'
+                // new gradients onto it (no second buffer, no host copy).
+                let owned = self.owned();
+                let mut grads = backend.flat_gradients()?;
+                reduce_scatter(grads_comm.as_ref(), &mut grads, self.layout)?;
+                grads.zero(0..owned.start)?;
+                let len = grads.len();
+                grads.zero(owned.end..len)?;
+            }
             ZeroStage::Two => {
                 let owned = self.owned();
                 {
@@ -446,13 +458,28 @@ impl DataParallel {
         }
         let owned = self.owned();
         let local = backend.grad_sum_of_squares(owned.clone())?;
-        let norm = self.sum_f64(local)?.sqrt();
-        if max_norm > 0.0
-            && let Some(coef) = tilearn_optim::clip::clip_coefficient(norm, max_norm)
-        {
-            backend.scale_gradients(owned, coef as f32)?;
+        let sum_of_squares = self.sum_f64(local)?;
+        backend.clip_shard(owned, sum_of_squares, max_norm)?;
+        Ok(sum_of_squares.sqrt())
+    }
+
+    /// Before a save (collective): where the backend holds only its shard of the fp32 weights
+    /// (the GPU engine's sharded master), every rank's shard is gathered into a whole-model
+    /// buffer the save then reads. Nothing to do otherwise.
+    pub fn gather_whole_weights(&mut self, backend: &mut dyn StepBackend) -> Result<()> {
+        let Some(c) = &self.comms else {
+            return Ok(());
+        };
+        if !self.is_sharded() {
+            return Ok(());
         }
-        Ok(norm)
+        let comm = c.grads.clone();
+        let layout = self.layout;
+        // Every rank answers the same way (the model and its precisions are the same).
+        let Some(mut whole) = backend.stage_whole_weights()? else {
+            return Ok(());
+        };
+        all_gather_shards(comm.as_ref(), &mut whole, layout)
     }
 
     /// After the optimizer stepped the owned shard: every rank gets every shard's new weights.
@@ -466,24 +493,33 @@ impl DataParallel {
         let comm = c.grads.clone();
         let layout = self.layout;
         let mut params = backend.flat_parameters()?;
-        let done = params.completion();
-        let bulk = layout.bulk();
-        if !bulk.is_empty() {
-            done.finish(comm.all_gather(params.part(bulk))?)?;
-        }
-        let tail = layout.tail();
-        if !tail.is_empty() {
-            done.finish(comm.broadcast(params.part(tail), layout.tail_owner())?)?;
-        }
-        Ok(())
+        all_gather_shards(comm.as_ref(), &mut params, layout)
     }
+}
+
+/// Every rank's owned shard of `buf` to every rank: the bulk with the in-place all-gather, the
+/// tail broadcast by its owner.
+fn all_gather_shards(
+    comm: &dyn Communicator,
+    buf: &mut FlatBuffer<'_>,
+    layout: ShardLayout,
+) -> Result<()> {
+    let done = buf.completion();
+    let bulk = layout.bulk();
+    if !bulk.is_empty() {
+        done.finish(comm.all_gather(buf.part(bulk))?)?;
+    }
+    let tail = layout.tail();
+    if !tail.is_empty() {
+        done.finish(comm.broadcast(buf.part(tail), layout.tail_owner())?)?;
+    }
+    Ok(())
 }
 
 fn zero_on_device() -> EngineError {
     EngineError::InvalidArgument {
         argument: "--zero-stage".into(),
-        message: "ZeRO runs on the CPU engine only for now; use --device cpu or drop --zero-stage"
-            .into(),
+        message: "internal: ZeRO-2's host accumulation reached a device gradient buffer".into(),
     }
 }
 

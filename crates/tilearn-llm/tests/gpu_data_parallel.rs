@@ -193,6 +193,15 @@ fn nccl_with_one_rank_through_the_launcher_equals_a_plain_run() {
     let plain = weights(&dir.path().join("plain"));
     assert_eq!(plain, weights(&dir.path().join("nccl")));
     assert_eq!(plain, weights(&dir.path().join("nccl-after")));
+    // ZeRO over NCCL with one rank: the shard is everything, the reduce-scatter (stage 1) and
+    // the reduce to the owner during the backward (stage 2, `ncclReduce`) leave the sums as
+    // they are, and the clip's global sum of squares is the one the kernel would measure.
+    for stage in ["1", "2"] {
+        let out = format!("nccl-zero{stage}");
+        let flags = ["--ddp-backend", "nccl", "--zero-stage", stage];
+        train(dir.path(), &launch, &out, &flags);
+        assert_eq!(plain, weights(&dir.path().join(&out)), "ZeRO-{stage}");
+    }
     let logged = log_lines(&dir.path().join("nccl"));
     assert!(
         logged.iter().all(|r| r["allreduce_hidden"].is_number()),
@@ -303,7 +312,10 @@ fn check_model_states(stdout: &str, what: &str, expected_formula: &str) {
     for rank in 0..2 {
         let (held, formula) = model_states(stdout, rank);
         println!("{what}, rank {rank}: {held} bytes held, formula {formula}");
-        assert!((held - formula).abs() <= 16.0 * 2.0, "{what} rank {rank}: {stdout}");
+        assert!(
+            (held - formula).abs() <= 16.0 * 2.0,
+            "{what} rank {rank}: {stdout}"
+        );
     }
 }
 
@@ -350,8 +362,9 @@ fn zero_1_and_2_on_one_gpu_over_the_host_communicator_equal_one_process() {
 }
 
 /// bf16: the fp32 master weights are sharded too (the forward reads only the bf16 working
-/// copy, which is all-gathered after each step): the paper's 2/4/12 layout minus nothing, i.e.
-/// 6Ψ + 12Ψ/N and, with the gradients counted as the owned shard, 2Ψ + 14Ψ/N. Without clipping
+/// copy, which is all-gathered after each step): the GPU engine's 2/4/12 bytes per parameter
+/// (its gradients are fp32, where the paper's are 2 bytes) give 6Ψ + 12Ψ/N and, with the
+/// gradients counted as the owned shard, 2Ψ + 16Ψ/N (the paper's 2Ψ + 14Ψ/N). Without clipping
 /// (`--max-grad-norm 0`) and without accumulation, ZeRO-1 and ZeRO-2 equal plain data
 /// parallelism bit for bit: with two ranks each reduced element is the one sum a + b, the fused
 /// AdamW on a shard is the whole-buffer kernel on those elements, and the gathered working copy
@@ -367,7 +380,7 @@ fn bf16_zero_shards_the_master_weights_and_equals_plain_data_parallel() {
     let plain_flags = [&SMALL_HOST_BUCKETS[..], &flags[..]].concat();
     train_in(dir.path(), &TWO_RANKS, "plain", "--bf16", &plain_flags);
     let plain = weights(&dir.path().join("plain/checkpoint-4"));
-    for (stage, formula) in [("1", "6Ψ + 12Ψ/N"), ("2", "2Ψ + 14Ψ/N")] {
+    for (stage, formula) in [("1", "6Ψ + 12Ψ/N"), ("2", "2Ψ + 16Ψ/N")] {
         let out = format!("zero{stage}");
         let stdout = train_in(
             dir.path(),
@@ -378,7 +391,10 @@ fn bf16_zero_shards_the_master_weights_and_equals_plain_data_parallel() {
         );
         check_model_states(&stdout, &format!("bf16 ZeRO-{stage}"), formula);
         let ckpt = dir.path().join(&out).join("checkpoint-4");
-        assert!(ckpt.join("optimizer-rank00001-of-00002.safetensors").exists());
+        assert!(
+            ckpt.join("optimizer-rank00001-of-00002.safetensors")
+                .exists()
+        );
         let diff = max_abs_diff(&plain, &weights(&ckpt));
         println!("bf16 ZeRO-{stage} vs plain DP (no clipping): max |Δw| = {diff:e}");
         assert_eq!(diff, 0.0, "bf16 ZeRO-{stage} differs from plain DP");
@@ -412,7 +428,12 @@ fn a_two_rank_gpu_zero_checkpoint_resumes_on_two_and_on_one() {
     }
     let ckpt = ckpt.to_str().unwrap().to_string();
     let resume = ["--resume-from-checkpoint", ckpt.as_str()];
-    train(dir.path(), &TWO_RANKS, "two", &[&saves[..], &resume[..]].concat());
+    train(
+        dir.path(),
+        &TWO_RANKS,
+        "two",
+        &[&saves[..], &resume[..]].concat(),
+    );
     let full = weights(&dir.path().join("full"));
     assert_eq!(full, weights(&dir.path().join("two")), "same-size resume");
     let stdout = train(

@@ -37,6 +37,21 @@ pub trait Communicator: Send + Sync {
     /// are accumulated in f32 where the backend allows (the host backend always does).
     fn all_reduce<'a>(&'a self, buf: BufferMut<'a>, op: ReduceOp) -> Result<Work<'a>>;
 
+    /// Reduces `buf` across the ranks into `root`'s `buf`; the other ranks' buffers are left
+    /// unspecified. ZeRO-2 reduces each gradient bucket to the rank that owns it. The default
+    /// runs [`Communicator::all_reduce`] (the same result on the root, twice the root's
+    /// traffic); NCCL overrides it with `ncclReduce`.
+    fn reduce<'a>(&'a self, buf: BufferMut<'a>, op: ReduceOp, root: usize) -> Result<Work<'a>> {
+        if root >= self.world_size() {
+            return Err(ParallelError::InvalidRank {
+                op: "reduce",
+                rank: root,
+                world_size: self.world_size(),
+            });
+        }
+        self.all_reduce(buf, op)
+    }
+
     /// In place: `buf` holds `world_size` equal shards; rank `r` ends with the reduction of shard
     /// `r` in shard `r` (see [`shard_range`]); the other shards are left unspecified.
     fn reduce_scatter<'a>(&'a self, buf: BufferMut<'a>, op: ReduceOp) -> Result<Work<'a>>;

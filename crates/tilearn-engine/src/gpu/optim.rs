@@ -118,7 +118,8 @@ impl GpuAdamW {
     )> {
         let segments = validate_groups(groups, numel)?;
         let len = shard.len();
-        let plan = SegmentPlan::new(stream, &segments, numel, shard, groups.len()).map_err(fused)?;
+        let plan =
+            SegmentPlan::new(stream, &segments, numel, shard, groups.len()).map_err(fused)?;
         let zeros = |what: &'static str| {
             stream
                 .alloc_zeros::<f32>(len.max(1))
@@ -146,8 +147,13 @@ impl GpuAdamW {
             .alloc_zeros::<f32>(1)
             .map_err(|e| super::cuda_err("allocating exp_avg_sq", e))?;
         self.max_exp_avg_sq = None;
-        let (plan, exp_avg, exp_avg_sq, max_exp_avg_sq) =
-            Self::state_for(stream, &self.config, &self.groups, self.numel, shard.clone())?;
+        let (plan, exp_avg, exp_avg_sq, max_exp_avg_sq) = Self::state_for(
+            stream,
+            &self.config,
+            &self.groups,
+            self.numel,
+            shard.clone(),
+        )?;
         self.plan = plan;
         self.exp_avg = exp_avg;
         self.exp_avg_sq = exp_avg_sq;
@@ -163,7 +169,6 @@ impl GpuAdamW {
     pub(crate) fn shard(&self) -> Range<usize> {
         self.shard.clone()
     }
-
 
     /// Number of completed steps (torch's `state["step"]`).
     pub fn step_count(&self) -> u64 {

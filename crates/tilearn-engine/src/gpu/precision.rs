@@ -156,9 +156,10 @@ impl WorkingCopy {
     ) -> Result<ParamCopy<'_>> {
         let copy = match precision {
             DType::F32 => ParamCopy::None,
-            DType::BF16 => {
-                ParamCopy::Bf16(sub_mut(self.typed_mut::<bf16>()?, range)?, Rounding::Nearest)
-            }
+            DType::BF16 => ParamCopy::Bf16(
+                sub_mut(self.typed_mut::<bf16>()?, range)?,
+                Rounding::Nearest,
+            ),
             DType::F16 => ParamCopy::F16(sub_mut(self.typed_mut::<f16>()?, range)?),
         };
         Ok(copy)

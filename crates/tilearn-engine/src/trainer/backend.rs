@@ -190,7 +190,12 @@ pub trait StepBackend {
     /// `clip_grad_norm_`'s coefficient when `max_norm > 0` and the norm exceeds it. The default
     /// scales them in place; a backend that clips inside its optimizer kernel takes the sum
     /// instead (and reports its root as the step's norm).
-    fn clip_shard(&mut self, range: Range<usize>, sum_of_squares: f64, max_norm: f64) -> Result<()> {
+    fn clip_shard(
+        &mut self,
+        range: Range<usize>,
+        sum_of_squares: f64,
+        max_norm: f64,
+    ) -> Result<()> {
         let norm = sum_of_squares.sqrt();
         if max_norm > 0.0
             && let Some(coef) = tilearn_optim::clip::clip_coefficient(norm, max_norm)

@@ -317,9 +317,17 @@ impl StepBackend for GpuBackend {
         self.gpu.grad_sum_of_squares(range)
     }
 
-    fn clip_shard(&mut self, range: Range<usize>, sum_of_squares: f64, max_norm: f64) -> Result<()> {
+    fn clip_shard(
+        &mut self,
+        range: Range<usize>,
+        sum_of_squares: f64,
+        max_norm: f64,
+    ) -> Result<()> {
         debug_assert_eq!(range, self.shard, "the optimizer steps the owned shard");
-        debug_assert_eq!(max_norm, self.max_grad_norm, "clipping is configured at build");
+        debug_assert_eq!(
+            max_norm, self.max_grad_norm,
+            "clipping is configured at build"
+        );
         // The fused AdamW clips with it (and reports its root as the step's norm).
         self.gpu.use_global_grad_sum_of_squares(sum_of_squares)
     }

@@ -584,7 +584,7 @@ impl Trainer {
                     scaled && last && a.debug_inject_overflow.contains(&(state.global_step + 1));
                 // The last micro-batch all-reduces its gradients during its own backward where
                 // the run allows it (never when a fault is injected after the backward).
-                if last && !poison {
+                if (last || self.dp.reduces_each_micro_batch()) && !poison {
                     let backend = self.backend.as_mut();
                     let overlapped = self.dp.overlapped_backward(
                         backend,

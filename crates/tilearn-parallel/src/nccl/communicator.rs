@@ -372,6 +372,42 @@ impl Communicator for NcclCommunicator {
         })
     }
 
+    fn reduce<'a>(&'a self, buf: BufferMut<'a>, op: ReduceOp, root: usize) -> Result<Work<'a>> {
+        if root >= self.world_size {
+            return Err(ParallelError::InvalidRank {
+                op: "reduce",
+                rank: root,
+                world_size: self.world_size,
+            });
+        }
+        self.enqueue_mut("reduce", buf, |ptr, dtype, len| {
+            let nccl = self.handle.nccl;
+            let (red, created) = self.red_op(op, dtype)?;
+            let p = ptr as *mut c_void;
+            // SAFETY: in-place reduce of `len` elements of a live device buffer, enqueued on
+            // our stream.
+            let status = unsafe {
+                (nccl.reduce)(
+                    p,
+                    p,
+                    len,
+                    nccl_dtype(dtype),
+                    red,
+                    root as i32,
+                    self.handle.comm,
+                    self.stream.cu_stream().cast(),
+                )
+            };
+            if created {
+                // SAFETY: NCCL allows destroying an op once the calls using it are enqueued.
+                unsafe {
+                    (nccl.red_op_destroy)(red, self.handle.comm);
+                }
+            }
+            nccl.check("ncclReduce", status)
+        })
+    }
+
     fn send<'a>(&'a self, buf: Buffer<'a>, peer: usize) -> Result<Work<'a>> {
         if peer >= self.world_size {
             return Err(ParallelError::InvalidRank {

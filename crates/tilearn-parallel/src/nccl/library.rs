@@ -82,6 +82,17 @@ pub struct Nccl {
         Comm,
         Stream,
     ) -> NcclResult,
+    /// `ncclReduce`: (send, recv, count, type, op, root, comm, stream).
+    pub reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        DataType,
+        RedOp,
+        c_int,
+        Comm,
+        Stream,
+    ) -> NcclResult,
     pub send:
         unsafe extern "C" fn(*const c_void, usize, DataType, c_int, Comm, Stream) -> NcclResult,
     pub recv: unsafe extern "C" fn(*mut c_void, usize, DataType, c_int, Comm, Stream) -> NcclResult,
@@ -144,6 +155,7 @@ fn load() -> std::result::Result<Nccl, String> {
             reduce_scatter: symbol!(b"ncclReduceScatter\0"),
             all_gather: symbol!(b"ncclAllGather\0"),
             broadcast: symbol!(b"ncclBroadcast\0"),
+            reduce: symbol!(b"ncclReduce\0"),
             send: symbol!(b"ncclSend\0"),
             recv: symbol!(b"ncclRecv\0"),
             red_op_create_pre_mul_sum: symbol!(b"ncclRedOpCreatePreMulSum\0"),

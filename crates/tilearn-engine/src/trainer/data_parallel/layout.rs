@@ -72,6 +72,14 @@ impl ShardLayout {
         rank * q..end
     }
 
+    /// The rank that owns element `index` (< `numel`).
+    pub fn owner_of(&self, index: usize) -> usize {
+        match self.per_rank() {
+            0 => self.world - 1,
+            q => (index / q).min(self.world - 1),
+        }
+    }
+
     /// The rank that owns the tail (and broadcasts it after each step).
     pub fn tail_owner(&self) -> usize {
         self.world - 1
@@ -113,6 +121,13 @@ mod tests {
                     next = owned.end;
                 }
                 assert_eq!(next, numel);
+                for index in 0..numel {
+                    let owner = layout.owner_of(index);
+                    assert!(
+                        layout.owned(owner).contains(&index),
+                        "{numel} {world} {index}"
+                    );
+                }
                 assert_eq!(layout.bulk().len() % world, 0);
                 assert!(layout.tail().len() < world);
             }

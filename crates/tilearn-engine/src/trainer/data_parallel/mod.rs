@@ -294,7 +294,8 @@ impl DataParallel {
             return Ok(None);
         };
         let o = &self.options;
-        if !o.overlap || o.zero_stage != ZeroStage::Off {
+        let reduce_to_owners = self.reduces_each_micro_batch();
+        if !o.overlap || (o.zero_stage != ZeroStage::Off && !reduce_to_owners) {
             return Ok(None);
         }
         #[cfg(feature = "cuda")]
@@ -320,6 +321,31 @@ impl DataParallel {
             }
             let side = self.side.as_ref().expect("made above");
             let mut timeline = overlap::Timeline::default();
+            if reduce_to_owners {
+                let mut sink = overlap::ReduceToOwnersSink {
+                    comm: c.grads.as_ref(),
+                    layout: self.layout,
+                    cap: (self.options.bucket_cap_bytes() / 4).max(1),
+                    side,
+                    timeline: &mut timeline,
+                };
+                let loss = backend
+                    .forward_backward_into(batch, denominator, precision, loss_scale, &mut sink)
+                    .ok_or_else(|| EngineError::InvalidArgument {
+                        argument: "data parallel".into(),
+                        message: "internal: a backend with a compute stream lacks the hook".into(),
+                    })??;
+                // The owned shard holds the ranks' sum (accumulated onto what earlier
+                // micro-batches left there); the rest is zeroed for the next backward.
+                let owned = self.owned();
+                let mut grads = backend.flat_gradients()?;
+                let len = grads.len();
+                grads.zero(0..owned.start)?;
+                grads.zero(owned.end..len)?;
+                drop(grads);
+                self.keep_timeline(&timeline)?;
+                return Ok(Some(loss));
+            }
             let mut sink = overlap::OverlapSink {
                 comm: c.grads.as_ref(),
                 cap: (self.options.bucket_cap_bytes() / 4).max(1),
@@ -336,17 +362,7 @@ impl DataParallel {
                     argument: "data parallel".into(),
                     message: "internal: a backend with a compute stream lacks the hook".into(),
                 })??;
-            if let Some((stats, buckets)) = timeline.stats()? {
-                if std::env::var_os(TIMELINE_ENV).is_some_and(|v| v == "1") && self.is_primary() {
-                    for b in &buckets {
-                        eprintln!(
-                            "all-reduce bucket at {} ({} elements): ready {:.3} ms, done {:.3} ms",
-                            b.offset, b.elements, b.ready_ms, b.done_ms
-                        );
-                    }
-                }
-                self.last_overlap = Some(stats);
-            }
+            self.keep_timeline(&timeline)?;
             Ok(Some(loss))
         }
         #[cfg(not(feature = "cuda"))]
@@ -354,6 +370,31 @@ impl DataParallel {
             let _ = (c, backend, batch, denominator, precision, loss_scale);
             Ok(None)
         }
+    }
+
+    /// Summarises an overlapped backward's buckets for the log (and prints them with
+    /// [`TIMELINE_ENV`]).
+    #[cfg(feature = "cuda")]
+    fn keep_timeline(&mut self, timeline: &overlap::Timeline) -> Result<()> {
+        if let Some((stats, buckets)) = timeline.stats()? {
+            if std::env::var_os(TIMELINE_ENV).is_some_and(|v| v == "1") && self.is_primary() {
+                for b in &buckets {
+                    eprintln!(
+                        "reduction bucket at {} ({} elements): ready {:.3} ms, done {:.3} ms",
+                        b.offset, b.elements, b.ready_ms, b.done_ms
+                    );
+                }
+            }
+            self.last_overlap = Some(stats);
+        }
+        Ok(())
+    }
+
+    /// Whether every micro-batch's gradients are reduced during its own backward (ZeRO-2 with
+    /// the overlap on: each bucket goes to its owner as soon as it is final). On a backend
+    /// without the hook (the CPU engine) [`Self::after_backward`] reduces instead.
+    pub fn reduces_each_micro_batch(&self) -> bool {
+        self.is_sharded() && self.options.zero_stage == ZeroStage::Two && self.options.overlap
     }
 
     /// The last overlapped all-reduce's summary, once.

@@ -1,12 +1,18 @@
 # ZeRO stages 1 and 2 on the GPU engine (sourced by scripts/gpu-call.sh: uses run, $B, $OUT).
 # 1. The GPU data-parallel tests: ZeRO-1/2 with two ranks sharing the GPU over the host
 #    communicator against one process, the bf16 sharded-master path, a 2-rank ZeRO checkpoint
-#    resumed on 2 and on 1.
+#    resumed on 2 and on 1, ZeRO over NCCL with one rank; NCCL's reduce and batch_p2p.
 # 2. Peak GPU memory per rank, plain DP vs ZeRO-1 vs ZeRO-2, two ranks sharing the GPU over the
 #    host communicator, llama-134m's shape in bf16 (3 steps): each rank's own model-state line
 #    and the per-process peak that nvidia-smi reports (sampled every 0.2 s; it includes the CUDA
 #    context), summarised in $OUT/zero_memory.txt.
 run zero_gpu_tests "$B/tests/gpu_data_parallel-test" --include-ignored --test-threads=1 --nocapture
+# tilearn-parallel's NCCL test with one rank: ncclReduce (ZeRO-2's reduction to the owner) and
+# batch_p2p as one NCCL group (the filter matches nothing in other crates' gpu test files).
+for t in "$B"/tests/gpu-test*; do
+  [ -x "$t" ] && run "zero_gpu_nccl_$(basename "$t")" "$t" --include-ignored --test-threads=1 \
+    --nocapture nccl_with_one_rank_runs_every_collective
+done
 Z="$OUT/zero-mem"; mkdir -p "$Z"
 cat > "$Z/llama-134m.json" <<'JSON'
 {"architectures": ["LlamaForCausalLM"], "hidden_size": 768, "intermediate_size": 2048,

@@ -96,6 +96,8 @@ pub struct Nccl {
     pub send:
         unsafe extern "C" fn(*const c_void, usize, DataType, c_int, Comm, Stream) -> NcclResult,
     pub recv: unsafe extern "C" fn(*mut c_void, usize, DataType, c_int, Comm, Stream) -> NcclResult,
+    pub group_start: unsafe extern "C" fn() -> NcclResult,
+    pub group_end: unsafe extern "C" fn() -> NcclResult,
     pub red_op_create_pre_mul_sum:
         unsafe extern "C" fn(*mut RedOp, *mut c_void, DataType, c_int, Comm) -> NcclResult,
     pub red_op_destroy: unsafe extern "C" fn(RedOp, Comm) -> NcclResult,
@@ -158,6 +160,8 @@ fn load() -> std::result::Result<Nccl, String> {
             reduce: symbol!(b"ncclReduce\0"),
             send: symbol!(b"ncclSend\0"),
             recv: symbol!(b"ncclRecv\0"),
+            group_start: symbol!(b"ncclGroupStart\0"),
+            group_end: symbol!(b"ncclGroupEnd\0"),
             red_op_create_pre_mul_sum: symbol!(b"ncclRedOpCreatePreMulSum\0"),
             red_op_destroy: symbol!(b"ncclRedOpDestroy\0"),
             name: name.clone(),

@@ -4,8 +4,9 @@
 #    resumed on 2 and on 1, ZeRO over NCCL with one rank; NCCL's reduce and batch_p2p.
 # 2. Peak GPU memory per rank, plain DP vs ZeRO-1 vs ZeRO-2, two ranks sharing the GPU over the
 #    host communicator, llama-134m's shape in bf16 (3 steps): each rank's own model-state line
-#    and the per-process peak that nvidia-smi reports (sampled every 0.2 s; it includes the CUDA
-#    context), summarised in $OUT/zero_memory.txt.
+#    and the per-process peak that nvidia-smi reports (sampled every 0.2 s once both ranks have
+#    printed their model-state line, i.e. after ZeRO cut the optimizer: the build allocates the
+#    whole optimizer first; it includes the CUDA context), summarised in $OUT/zero_memory.txt.
 run zero_gpu_tests "$B/tests/gpu_data_parallel-test" --include-ignored --test-threads=1 --nocapture
 # tilearn-parallel's NCCL test with one rank: ncclReduce (ZeRO-2's reduction to the owner) and
 # batch_p2p as one NCCL group (the filter matches nothing in other crates' gpu test files).
@@ -23,8 +24,11 @@ JSON
 : > "$OUT/zero_memory.txt"
 for stage in 0 1 2; do
   samples="$Z/smi-$stage.csv"; : > "$samples"
+  log="$OUT/zero_mem_stage$stage.log"
   ( while true; do
-      nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits >> "$samples" 2>/dev/null
+      if [ "$(grep -c "model states on rank" "$log" 2>/dev/null)" -ge 2 ]; then
+        nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits >> "$samples" 2>/dev/null
+      fi
       sleep 0.2
     done ) &
   sampler=$!

@@ -754,13 +754,29 @@ impl GpuLlama {
         groups: Vec<ParamGroup>,
         max_grad_norm: f64,
     ) -> Result<()> {
-        let opt = GpuAdamW::new(
-            self.stream(),
-            config,
-            groups,
-            self.layout.numel,
-            max_grad_norm,
-        )?;
+        let numel = self.layout.numel;
+        self.configure_optimizer_for(config, groups, max_grad_norm, 0..numel)
+    }
+
+    /// [`configure_optimizer`](Self::configure_optimizer) for the parameters `shard` only
+    /// (ZeRO: the moments are allocated for the shard alone, never for the whole model).
+    pub fn configure_optimizer_for(
+        &mut self,
+        config: AdamWConfig,
+        groups: Vec<ParamGroup>,
+        max_grad_norm: f64,
+        shard: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let numel = self.layout.numel;
+        if shard.start > shard.end || shard.end > numel {
+            return Err(invalid(
+                "shard",
+                format!("{shard:?} is not a range of the model's {numel} parameters"),
+            ));
+        }
+        // Free a previous optimizer's state before allocating the new one.
+        self.optimizer = None;
+        let opt = GpuAdamW::new(self.stream(), config, groups, (numel, shard), max_grad_norm)?;
         self.memory.optimizer_bytes = opt.bytes();
         self.memory.own_bytes = self.memory.master_bytes
             + self.memory.working_copy_bytes

@@ -63,13 +63,14 @@ pub struct GpuAdamW {
 }
 
 impl GpuAdamW {
-    /// Zeroed moments for `numel` parameters split into `groups` (validated as the CPU
-    /// optimizer validates them); `max_grad_norm > 0` clips the global norm to it, 0 disables.
+    /// Zeroed moments for the parameters `shard` of a flat buffer of `numel` split into
+    /// `groups` (validated as the CPU optimizer validates them; `0..numel` without ZeRO);
+    /// `max_grad_norm > 0` clips the global norm to it, 0 disables.
     pub(crate) fn new(
         stream: &Arc<CudaStream>,
         config: AdamWConfig,
         groups: Vec<ParamGroup>,
-        numel: usize,
+        (numel, shard): (usize, Range<usize>),
         max_grad_norm: f64,
     ) -> Result<Self> {
         config.validate()?;
@@ -80,12 +81,12 @@ impl GpuAdamW {
             });
         }
         let (plan, exp_avg, exp_avg_sq, max_exp_avg_sq) =
-            Self::state_for(stream, &config, &groups, numel, 0..numel)?;
+            Self::state_for(stream, &config, &groups, numel, shard.clone())?;
         Ok(GpuAdamW {
             config,
             groups,
             numel,
-            shard: 0..numel,
+            shard,
             plan,
             exp_avg,
             exp_avg_sq,

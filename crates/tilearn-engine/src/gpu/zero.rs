@@ -39,8 +39,9 @@ pub enum GatheredWeights<'a> {
 
 impl GpuLlama {
     /// ZeRO: from now on the optimizer holds state for and steps only the parameters `shard`
-    /// of the flat buffer (fresh moments; a resume fills them afterwards). With a single 16-bit
-    /// precision the fp32 master weights are reduced to the shard as well (see the module docs).
+    /// of the flat buffer (fresh moments unless it was configured for that shard already; a
+    /// resume fills them afterwards). With a single 16-bit precision the fp32 master weights
+    /// are reduced to the shard as well (see the module docs).
     pub fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
         let numel = self.layout.numel;
         if shard.start > shard.end || shard.end > numel {
@@ -59,11 +60,13 @@ impl GpuLlama {
         let Some(opt) = self.optimizer.as_mut() else {
             return Err(invalid(
                 "GpuLlama::shard_optimizer",
-                "no optimizer: call configure_optimizer first".into(),
+                "no optimizer: call configure_optimizer or configure_optimizer_for first".into(),
             ));
         };
-        opt.reshard(&stream, shard.clone())?;
-        self.memory.optimizer_bytes = opt.bytes();
+        if opt.shard() != shard {
+            opt.reshard(&stream, shard.clone())?;
+            self.memory.optimizer_bytes = opt.bytes();
+        }
         if self.master_shardable() {
             let precision = self.precision;
             if let Some(w) = self.work.as_mut() {

@@ -49,6 +49,8 @@ pub struct GpuBackend {
     max_grad_norm: f64,
     /// The parameters the optimizer steps (all of them unless ZeRO sharded it).
     shard: Range<usize>,
+    /// Whether the device AdamW exists (made for `shard` at its first use).
+    optimizer_made: bool,
     name: String,
 }
 
@@ -129,7 +131,7 @@ impl GpuBackend {
         precisions: &[DType],
     ) -> Result<GpuBackend> {
         let device = GpuDevice::new(ordinal)?;
-        let mut gpu = GpuLlama::for_config(
+        let gpu = GpuLlama::for_config(
             &device,
             config,
             args.per_device_train_batch_size,
@@ -138,12 +140,9 @@ impl GpuBackend {
             args.gradient_checkpointing,
         )?;
         let specs = ParamStore::specs_for(config);
+        // The fused AdamW is set up at its first use (see `optimizer_ready`), so that under
+        // ZeRO its moments are only ever allocated for the rank's shard.
         let (optimizer_config, optimizer_groups) = adamw_setup(args, &specs);
-        gpu.configure_optimizer(
-            optimizer_config,
-            optimizer_groups.clone(),
-            args.max_grad_norm,
-        )?;
         let mut features: Vec<String> = vec![
             precisions
                 .iter()
@@ -173,12 +172,28 @@ impl GpuBackend {
             optimizer_groups,
             max_grad_norm: args.max_grad_norm,
             shard: 0..specs_numel,
+            optimizer_made: false,
             name,
         })
     }
 }
 
 impl GpuBackend {
+    /// Makes the fused AdamW for `shard` if it does not exist yet: at the first step, save,
+    /// resume or ZeRO cut, never at build, so a ZeRO rank never holds the whole model's moments.
+    fn optimizer_ready(&mut self) -> Result<()> {
+        if !self.optimizer_made {
+            self.gpu.configure_optimizer_for(
+                self.optimizer_config,
+                self.optimizer_groups.clone(),
+                self.max_grad_norm,
+                self.shard.clone(),
+            )?;
+            self.optimizer_made = true;
+        }
+        Ok(())
+    }
+
     /// The stream the engine computes on (what data parallelism's communication is ordered
     /// against, and where the host communicator stages device buffers).
     pub fn stream(&self) -> std::sync::Arc<cudarc::driver::CudaStream> {
@@ -232,6 +247,7 @@ impl StepBackend for GpuBackend {
     }
 
     fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {
+        self.optimizer_ready()?;
         self.gpu.unscale_and_check(inv_scale)
     }
 
@@ -244,6 +260,7 @@ impl StepBackend for GpuBackend {
     }
 
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
+        self.optimizer_ready()?;
         self.gpu.step(lr)?;
         Ok(Some(self.gpu.last_grad_norm()?))
     }
@@ -275,6 +292,7 @@ impl StepBackend for GpuBackend {
     }
 
     fn save_optimizer(&mut self, path: &Path) -> Result<()> {
+        self.optimizer_ready()?;
         let step = self.gpu.optimizer().map_or(0, |o| o.step_count());
         // The file of a shard records the groups cut and shifted to it, as the CPU engine's.
         let groups = groups_within(&self.optimizer_groups, &self.shard);
@@ -285,6 +303,7 @@ impl StepBackend for GpuBackend {
     }
 
     fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
+        self.optimizer_ready()?;
         let (numel, shard) = (self.numel, self.shard.clone());
         self.gpu
             .fill_moments(|dest| optimizer.read(numel, shard, dest))?;
@@ -308,12 +327,15 @@ impl StepBackend for GpuBackend {
     }
 
     fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
-        self.gpu.shard_optimizer(shard.clone())?;
-        self.shard = shard;
-        Ok(())
+        // Made for the shard directly when it does not exist yet (the usual case: before the
+        // first step), then the master weights are cut.
+        self.shard = shard.clone();
+        self.optimizer_ready()?;
+        self.gpu.shard_optimizer(shard)
     }
 
     fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {
+        self.optimizer_ready()?;
         self.gpu.grad_sum_of_squares(range)
     }
 
@@ -329,6 +351,7 @@ impl StepBackend for GpuBackend {
             "clipping is configured at build"
         );
         // The fused AdamW clips with it (and reports its root as the step's norm).
+        self.optimizer_ready()?;
         self.gpu.use_global_grad_sum_of_squares(sum_of_squares)
     }
 
@@ -364,6 +387,13 @@ impl StepBackend for GpuBackend {
 
     fn state_held(&self) -> RankState {
         let m = self.gpu.memory();
+        // Before its first use the optimizer is not allocated yet; count the moments it will
+        // hold from the first step (two f32 per parameter of the shard).
+        let optimizer_bytes = if self.optimizer_made {
+            m.optimizer_bytes
+        } else {
+            8 * self.shard.len()
+        };
         let (master_as_weights, master_as_state) = if self.gpu.master_shardable() {
             (0, m.master_bytes)
         } else {
@@ -372,7 +402,7 @@ impl StepBackend for GpuBackend {
         RankState {
             weights: (m.working_copy_bytes + master_as_weights) as f64,
             grads: m.grad_bytes as f64,
-            optimizer: (master_as_state + m.optimizer_bytes) as f64,
+            optimizer: (master_as_state + optimizer_bytes) as f64,
         }
     }
 

@@ -216,20 +216,17 @@ mod device {
             mut part: CudaViewMut<'_, f32>,
             stream: &Arc<CudaStream>,
         ) -> Result<()> {
-            let end = offset + part.len();
-            // From the end of the part, as the backward finished it.
-            let mut hi = end;
-            while hi > offset {
-                let owner = self.layout.owner_of(hi - 1);
-                let shard_start = self.layout.owned(owner).start.max(offset);
-                let lo = shard_start.max(hi.saturating_sub(self.cap.max(1)));
+            let whole = offset..offset + part.len();
+            for (range, owner) in self.layout.pieces_to_owners(whole, self.cap) {
                 let ready = timed_event(stream)?;
-                let piece = BufferMut::from(part.slice_mut(lo - offset..hi - offset));
+                let local = range.start - offset..range.end - offset;
+                let piece = BufferMut::from(part.slice_mut(local));
                 let work = self.comm.reduce(piece, ReduceOp::Sum, owner)?;
                 work.wait_on_stream(self.side)?;
                 let done = timed_event(self.side)?;
-                self.timeline.buckets.push((ready, done, lo, hi - lo));
-                hi = lo;
+                self.timeline
+                    .buckets
+                    .push((ready, done, range.start, range.len()));
             }
             Ok(())
         }

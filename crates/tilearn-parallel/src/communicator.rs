@@ -13,10 +13,43 @@ use crate::error::{ParallelError, Result};
 use crate::reduce::ReduceOp;
 use crate::work::Work;
 
-/// One operation of [`Communicator::batch_p2p`].
+/// One operation of [`Communicator::batch_p2p`]: host buffers for the host backend, device
+/// buffers for NCCL.
 pub enum P2pOp<'a> {
-    Send { buf: HostSlice<'a>, peer: usize },
-    Recv { buf: HostSliceMut<'a>, peer: usize },
+    Send {
+        buf: HostSlice<'a>,
+        peer: usize,
+    },
+    Recv {
+        buf: HostSliceMut<'a>,
+        peer: usize,
+    },
+    #[cfg(feature = "cuda")]
+    SendDevice {
+        buf: crate::device::DeviceSlice<'a>,
+        peer: usize,
+    },
+    #[cfg(feature = "cuda")]
+    RecvDevice {
+        buf: crate::device::DeviceSliceMut<'a>,
+        peer: usize,
+    },
+}
+
+impl P2pOp<'_> {
+    /// The rank sent to or received from.
+    pub fn peer(&self) -> usize {
+        match self {
+            P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. } => *peer,
+            #[cfg(feature = "cuda")]
+            P2pOp::SendDevice { peer, .. } | P2pOp::RecvDevice { peer, .. } => *peer,
+        }
+    }
+
+    /// Whether the buffer lives in host memory.
+    pub fn is_host(&self) -> bool {
+        matches!(self, P2pOp::Send { .. } | P2pOp::Recv { .. })
+    }
 }
 
 /// The default communication timeout (`--comm-timeout`), as torch.distributed's.
@@ -36,6 +69,21 @@ pub trait Communicator: Send + Sync {
     /// Reduces `buf` across the ranks; every rank ends with the result. Half-precision buffers
     /// are accumulated in f32 where the backend allows (the host backend always does).
     fn all_reduce<'a>(&'a self, buf: BufferMut<'a>, op: ReduceOp) -> Result<Work<'a>>;
+
+    /// Reduces `buf` across the ranks into `root`'s `buf`; the other ranks' buffers are left
+    /// unspecified. ZeRO-2 reduces each gradient bucket to the rank that owns it. The default
+    /// runs [`Communicator::all_reduce`] (the same result on the root, twice the root's
+    /// traffic); NCCL overrides it with `ncclReduce`.
+    fn reduce<'a>(&'a self, buf: BufferMut<'a>, op: ReduceOp, root: usize) -> Result<Work<'a>> {
+        if root >= self.world_size() {
+            return Err(ParallelError::InvalidRank {
+                op: "reduce",
+                rank: root,
+                world_size: self.world_size(),
+            });
+        }
+        self.all_reduce(buf, op)
+    }
 
     /// In place: `buf` holds `world_size` equal shards; rank `r` ends with the reduction of shard
     /// `r` in shard `r` (see [`shard_range`]); the other shards are left unspecified.
@@ -60,7 +108,8 @@ pub trait Communicator: Send + Sync {
     /// Runs point-to-point operations together and returns once all are done (NCCL's group
     /// calls, torch's `batch_isend_irecv`): a rank may send to a peer that is itself sending to
     /// it in the same batch. Messages between two ranks are matched in the order each side
-    /// lists them; pipeline schedules pair them so (see [`crate::pipeline`]). Host buffers.
+    /// lists them; pipeline schedules pair them so (see [`crate::pipeline`]). The host backend
+    /// takes host buffers, NCCL device buffers (one `ncclGroupStart`/`ncclGroupEnd` group).
     fn batch_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
         let _ = ops;
         Err(ParallelError::Usage {

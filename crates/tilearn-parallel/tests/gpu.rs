@@ -71,6 +71,62 @@ fn nccl_with_one_rank_runs_every_collective() {
         .wait()
         .unwrap();
     assert_eq!(stream.clone_dtoh(&dev).unwrap(), halves);
+    // ncclReduce to rank 0 (ZeRO-2's reduction of a bucket to its owner) leaves one rank's
+    // values as they are.
+    comm.reduce(BufferMut::from(&mut dev), ReduceOp::Sum, 0)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(stream.clone_dtoh(&dev).unwrap(), halves);
+    assert!(
+        comm.reduce(BufferMut::from(&mut dev), ReduceOp::Sum, 1)
+            .is_err()
+    );
+    // batch_p2p as one NCCL group: a rank may send to itself and receive what it sent, two
+    // messages matched in list order (a lone ncclSend to self would wait for its ncclRecv).
+    let first: Vec<f32> = (0..777).map(|i| (i * 3 % 11) as f32 - 4.5).collect();
+    let second: Vec<bf16> = (0..5).map(|i| bf16::from_f32(i as f32 + 0.25)).collect();
+    let (src1, src2) = (
+        stream.clone_htod(&first).unwrap(),
+        stream.clone_htod(&second).unwrap(),
+    );
+    let mut dst1 = stream.alloc_zeros::<f32>(first.len()).unwrap();
+    let mut dst2 = stream.alloc_zeros::<bf16>(second.len()).unwrap();
+    {
+        use tilearn_parallel::P2pOp;
+        use tilearn_parallel::device::{DeviceSlice, DeviceSliceMut};
+        let mut ops = [
+            P2pOp::SendDevice {
+                buf: DeviceSlice::F32(src1.as_view()),
+                peer: 0,
+            },
+            P2pOp::RecvDevice {
+                buf: DeviceSliceMut::F32(dst1.as_view_mut()),
+                peer: 0,
+            },
+            P2pOp::SendDevice {
+                buf: DeviceSlice::BF16(src2.as_view()),
+                peer: 0,
+            },
+            P2pOp::RecvDevice {
+                buf: DeviceSliceMut::BF16(dst2.as_view_mut()),
+                peer: 0,
+            },
+        ];
+        comm.batch_p2p(&mut ops).unwrap();
+        // Host buffers are refused with a typed error naming the operation.
+        let host = [1f32];
+        let err = comm
+            .batch_p2p(&mut [P2pOp::Send {
+                buf: tilearn_parallel::buffer::HostSlice::F32(&host),
+                peer: 0,
+            }])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("batch_p2p"), "{err}");
+    }
+    assert_eq!(stream.clone_dtoh(&dst1).unwrap(), first);
+    assert_eq!(stream.clone_dtoh(&dst2).unwrap(), second);
     comm.barrier().unwrap();
     // Host memory is refused with a typed error, not a crash.
     let mut host = vec![0f32; 4];

@@ -46,6 +46,7 @@ mod sink;
 mod staging;
 mod transfer;
 mod views;
+mod zero;
 
 use std::sync::Arc;
 
@@ -66,6 +67,8 @@ use tilearn_optim::cuda::ParamCopy;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
 pub use optim::GpuAdamW;
+pub use precision::HalfViewMut;
+pub use zero::GatheredWeights;
 
 use arena::{Arena, Dims};
 use compute::Cx;
@@ -130,8 +133,14 @@ pub struct GpuLlama {
     /// Whether the rope table of a shorter sequence is a prefix of the built one (false only
     /// for dynamic NTK scaling beyond `original_max_position_embeddings`).
     rope_prefix_ok: bool,
+    /// The fp32 master weights: the whole flat buffer, or under ZeRO with a 16-bit working
+    /// copy only the elements `master_shard` (see `zero.rs`).
     master: CudaSlice<f32>,
+    master_shard: Option<std::ops::Range<usize>>,
     grads: CudaSlice<f32>,
+    /// The gradient buffer holds the whole model's fp32 weights, gathered for a save while the
+    /// master weights are sharded (cleared by the next backward or `zero_grad`).
+    grads_hold_params: bool,
     arena: Arena,
     /// Present when a 16-bit precision is among `precisions`.
     work: Option<WorkingCopy>,
@@ -397,7 +406,9 @@ impl GpuLlama {
             seq,
             rope_prefix_ok,
             master,
+            master_shard: None,
             grads,
+            grads_hold_params: false,
             arena,
             work,
             rope,
@@ -484,7 +495,19 @@ impl GpuLlama {
                 ),
             ));
         }
-        if let Some(w) = self.work.as_mut() {
+        if self.master_shard.is_some() {
+            // Only a whole master can be re-cast; a sharded one was chosen because the model
+            // runs one 16-bit precision, which its working copy always holds.
+            if self.work.as_ref().and_then(WorkingCopy::holds) != Some(precision) {
+                return Err(invalid(
+                    "precision",
+                    format!(
+                        "{precision}: the fp32 master weights are sharded (ZeRO) and the \
+                         working copy holds another type; run ZeRO with one 16-bit precision"
+                    ),
+                ));
+            }
+        } else if let Some(w) = self.work.as_mut() {
             w.refresh(self.device.stream(), &self.master, precision)?;
         }
         self.precision = precision;
@@ -640,6 +663,7 @@ impl GpuLlama {
         } else {
             0.0
         };
+        self.grads_hold_params = false;
         let p = self.pass();
         let mut cx = p.cx;
         let layout = cx.layout;
@@ -714,6 +738,7 @@ impl GpuLlama {
 
     /// Zeroes the gradient buffer (queued, no wait).
     pub fn zero_grad(&mut self) -> Result<()> {
+        self.grads_hold_params = false;
         let stream = self.device.stream().clone();
         stream
             .memset_zeros(&mut self.grads)
@@ -729,13 +754,29 @@ impl GpuLlama {
         groups: Vec<ParamGroup>,
         max_grad_norm: f64,
     ) -> Result<()> {
-        let opt = GpuAdamW::new(
-            self.stream(),
-            config,
-            groups,
-            self.layout.numel,
-            max_grad_norm,
-        )?;
+        let numel = self.layout.numel;
+        self.configure_optimizer_for(config, groups, max_grad_norm, 0..numel)
+    }
+
+    /// [`configure_optimizer`](Self::configure_optimizer) for the parameters `shard` only
+    /// (ZeRO: the moments are allocated for the shard alone, never for the whole model).
+    pub fn configure_optimizer_for(
+        &mut self,
+        config: AdamWConfig,
+        groups: Vec<ParamGroup>,
+        max_grad_norm: f64,
+        shard: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let numel = self.layout.numel;
+        if shard.start > shard.end || shard.end > numel {
+            return Err(invalid(
+                "shard",
+                format!("{shard:?} is not a range of the model's {numel} parameters"),
+            ));
+        }
+        // Free a previous optimizer's state before allocating the new one.
+        self.optimizer = None;
+        let opt = GpuAdamW::new(self.stream(), config, groups, (numel, shard), max_grad_norm)?;
         self.memory.optimizer_bytes = opt.bytes();
         self.memory.own_bytes = self.memory.master_bytes
             + self.memory.working_copy_bytes
@@ -784,7 +825,7 @@ impl GpuLlama {
                 "no optimizer: call configure_optimizer first".into(),
             ));
         };
-        let norm = opt.unscaled_norm(&stream, &self.grads, inv_scale)?;
+        let norm = opt.unscaled_norm(&stream, self.grads.slice(opt.shard()), inv_scale)?;
         let found_inf = !norm.is_finite();
         if found_inf {
             opt.discard_prepared();
@@ -800,6 +841,7 @@ impl GpuLlama {
         let GpuLlama {
             device,
             master,
+            master_shard,
             grads,
             work,
             optimizer,
@@ -812,18 +854,25 @@ impl GpuLlama {
                 "no optimizer: call configure_optimizer first".into(),
             ));
         };
+        // The optimizer's shard (all of it without ZeRO); a sharded master holds only it.
+        let shard = opt.shard();
+        let params = match master_shard {
+            Some(_) => master.slice_mut(..shard.len()),
+            None => master.slice_mut(shard.clone()),
+        };
+        let g = grads.slice(shard.clone());
         match work.as_mut() {
             Some(w) => {
                 opt.step(
                     device.stream(),
-                    master,
-                    grads,
-                    w.param_copy(*precision)?,
+                    params,
+                    g,
+                    w.param_copy(*precision, shard)?,
                     lr,
                 )?;
                 w.written_as(*precision);
             }
-            None => opt.step(device.stream(), master, grads, ParamCopy::None, lr)?,
+            None => opt.step(device.stream(), params, g, ParamCopy::None, lr)?,
         }
         self.sample_memory()
     }

@@ -2,6 +2,12 @@
 //! with `clip_grad_norm_` folded into the same launch, the 16-bit working copy written by it,
 //! and the GradScaler's unscale applied inside it (the gradients are never rewritten).
 //!
+//! ZeRO ([`GpuAdamW::reshard`]): the moments and the segment plan cover one shard of the flat
+//! buffer, the step reads that shard's gradients and writes that shard's master weights and
+//! working copy; the clip then uses the global sum of squares the ranks computed together
+//! ([`GpuAdamW::use_global_sum_of_squares`]) instead of a norm the kernel would measure on the
+//! shard alone.
+//!
 //! The step's scalars (bias corrections, step size, decay factor) are computed on the host
 //! exactly as [`tilearn_optim::AdamW`] computes them (f64, rounded to f32 once), so a device step
 //! follows the CPU optimizer's trajectory. The global gradient norm is computed on the device
@@ -14,9 +20,10 @@
 //! f32 gradient can overflow it), so the host knows whether to skip the step before queuing it.
 //! The step then reuses that norm and multiplies by the same device-side `inv_scale`.
 
+use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use tilearn_ops::cuda::CudaStream;
 use tilearn_optim::cuda::{
     AdamState, Clip, FusedError, GradNorm, Grads, ParamCopy, SegmentPlan, StepIo, adamw_step,
@@ -33,6 +40,10 @@ use crate::error::{EngineError, Result};
 pub struct GpuAdamW {
     config: AdamWConfig,
     groups: Vec<ParamGroup>,
+    /// Parameters of the whole flat buffer, and the part of it this optimizer steps (all of it
+    /// unless ZeRO resharded it).
+    numel: usize,
+    shard: Range<usize>,
     plan: SegmentPlan,
     exp_avg: CudaSlice<f32>,
     exp_avg_sq: CudaSlice<f32>,
@@ -42,20 +53,24 @@ pub struct GpuAdamW {
     step: u64,
     /// The GradScaler's `1 / scale` on the device (one f32).
     inv_scale: CudaSlice<f32>,
-    /// Set by [`GpuAdamW::unscaled_norm`]: the next step is unscaled and reuses that norm.
-    prepared: Option<f64>,
+    /// Set by [`GpuAdamW::unscaled_norm`]: the next step multiplies by `inv_scale`.
+    unscale: bool,
+    /// The norm buffer already holds the next step's sum of squares (from
+    /// [`GpuAdamW::unscaled_norm`] or [`GpuAdamW::use_global_sum_of_squares`]); its norm.
+    norm_ready: Option<f64>,
     /// The pre-clip norm of the last step, when it was read on the host before the step.
     last_norm: Option<f64>,
 }
 
 impl GpuAdamW {
-    /// Zeroed moments for `numel` parameters split into `groups` (validated as the CPU
-    /// optimizer validates them); `max_grad_norm > 0` clips the global norm to it, 0 disables.
+    /// Zeroed moments for the parameters `shard` of a flat buffer of `numel` split into
+    /// `groups` (validated as the CPU optimizer validates them; `0..numel` without ZeRO);
+    /// `max_grad_norm > 0` clips the global norm to it, 0 disables.
     pub(crate) fn new(
         stream: &Arc<CudaStream>,
         config: AdamWConfig,
         groups: Vec<ParamGroup>,
-        numel: usize,
+        (numel, shard): (usize, Range<usize>),
         max_grad_norm: f64,
     ) -> Result<Self> {
         config.validate()?;
@@ -65,23 +80,13 @@ impl GpuAdamW {
                 message: format!("is {max_grad_norm}; use a finite value >= 0 (0 disables)"),
             });
         }
-        let segments = validate_groups(&groups, numel)?;
-        let plan = SegmentPlan::whole(stream, &segments, numel, groups.len()).map_err(fused)?;
-        let zeros = |what: &'static str| {
-            stream
-                .alloc_zeros::<f32>(numel.max(1))
-                .map_err(|e| super::cuda_err(what, e))
-        };
-        let exp_avg = zeros("allocating exp_avg")?;
-        let exp_avg_sq = zeros("allocating exp_avg_sq")?;
-        let max_exp_avg_sq = if config.amsgrad {
-            Some(zeros("allocating max_exp_avg_sq")?)
-        } else {
-            None
-        };
+        let (plan, exp_avg, exp_avg_sq, max_exp_avg_sq) =
+            Self::state_for(stream, &config, &groups, numel, shard.clone())?;
         Ok(GpuAdamW {
             config,
             groups,
+            numel,
+            shard,
             plan,
             exp_avg,
             exp_avg_sq,
@@ -92,9 +97,78 @@ impl GpuAdamW {
             inv_scale: stream
                 .alloc_zeros::<f32>(1)
                 .map_err(|e| super::cuda_err("allocating inv_scale", e))?,
-            prepared: None,
+            unscale: false,
+            norm_ready: None,
             last_norm: None,
         })
+    }
+
+    /// The segment plan and zeroed moments for stepping `shard` of a flat buffer of `numel`.
+    #[allow(clippy::type_complexity)]
+    fn state_for(
+        stream: &Arc<CudaStream>,
+        config: &AdamWConfig,
+        groups: &[ParamGroup],
+        numel: usize,
+        shard: Range<usize>,
+    ) -> Result<(
+        SegmentPlan,
+        CudaSlice<f32>,
+        CudaSlice<f32>,
+        Option<CudaSlice<f32>>,
+    )> {
+        let segments = validate_groups(groups, numel)?;
+        let len = shard.len();
+        let plan =
+            SegmentPlan::new(stream, &segments, numel, shard, groups.len()).map_err(fused)?;
+        let zeros = |what: &'static str| {
+            stream
+                .alloc_zeros::<f32>(len.max(1))
+                .map_err(|e| super::cuda_err(what, e))
+        };
+        let exp_avg = zeros("allocating exp_avg")?;
+        let exp_avg_sq = zeros("allocating exp_avg_sq")?;
+        let max_exp_avg_sq = if config.amsgrad {
+            Some(zeros("allocating max_exp_avg_sq")?)
+        } else {
+            None
+        };
+        Ok((plan, exp_avg, exp_avg_sq, max_exp_avg_sq))
+    }
+
+    /// ZeRO: from now on steps only the parameters `shard` of the flat buffer, with fresh
+    /// (zeroed) moments sized for the shard; the old moments are freed. A resume fills them
+    /// afterwards ([`GpuAdamW::moments_mut`]).
+    pub(crate) fn reshard(&mut self, stream: &Arc<CudaStream>, shard: Range<usize>) -> Result<()> {
+        // Free the old state first, so the peak is not old + new.
+        self.exp_avg = stream
+            .alloc_zeros::<f32>(1)
+            .map_err(|e| super::cuda_err("allocating exp_avg", e))?;
+        self.exp_avg_sq = stream
+            .alloc_zeros::<f32>(1)
+            .map_err(|e| super::cuda_err("allocating exp_avg_sq", e))?;
+        self.max_exp_avg_sq = None;
+        let (plan, exp_avg, exp_avg_sq, max_exp_avg_sq) = Self::state_for(
+            stream,
+            &self.config,
+            &self.groups,
+            self.numel,
+            shard.clone(),
+        )?;
+        self.plan = plan;
+        self.exp_avg = exp_avg;
+        self.exp_avg_sq = exp_avg_sq;
+        self.max_exp_avg_sq = max_exp_avg_sq;
+        self.shard = shard;
+        self.step = 0;
+        self.unscale = false;
+        self.norm_ready = None;
+        Ok(())
+    }
+
+    /// The parameters this optimizer steps (global element range of the flat buffer).
+    pub(crate) fn shard(&self) -> Range<usize> {
+        self.shard.clone()
     }
 
     /// Number of completed steps (torch's `state["step"]`).
@@ -113,10 +187,11 @@ impl GpuAdamW {
     /// `grads * inv_scale`, read back (one synchronisation). Returns it; it is infinite or NaN
     /// exactly when some gradient is (or the sum overflowed f64, which finite f32 gradients
     /// cannot do). The next [`step`](Self::step) unscales by the same factor and reuses it.
+    /// `grads`: the shard's gradients (the whole buffer unless resharded).
     pub(crate) fn unscaled_norm(
         &mut self,
         stream: &Arc<CudaStream>,
-        grads: &CudaSlice<f32>,
+        grads: CudaView<'_, f32>,
         inv_scale: f32,
     ) -> Result<f64> {
         if !(inv_scale.is_finite() && inv_scale > 0.0) {
@@ -125,37 +200,81 @@ impl GpuAdamW {
                 message: format!("is {inv_scale}; the GradScaler's 1/scale is finite and > 0"),
             });
         }
-        let numel = self.plan.len();
+        self.check_shard_len("grads", grads.len())?;
         stream
             .memcpy_htod(&[inv_scale], &mut self.inv_scale)
             .map_err(|e| super::cuda_err("uploading inv_scale", e))?;
         self.norm
-            .compute(
-                stream,
-                &Grads::F32(grads.slice(..numel)),
-                Some(&self.inv_scale.as_view()),
-            )
+            .compute(stream, &Grads::F32(grads), Some(&self.inv_scale.as_view()))
             .map_err(fused)?;
         let norm = self.norm.read(stream).map_err(fused)?[1];
-        self.prepared = Some(norm);
+        self.unscale = true;
+        self.norm_ready = Some(norm);
         Ok(norm)
     }
 
     /// Drops a prepared unscale (the step it was for was skipped).
     pub(crate) fn discard_prepared(&mut self) {
-        self.prepared = None;
+        self.unscale = false;
+        self.norm_ready = None;
+    }
+
+    /// The sum of squares of `grads` (a part of the gradient buffer), times the prepared
+    /// `inv_scale` when [`GpuAdamW::unscaled_norm`] prepared one: ZeRO's partial norm. Reads it
+    /// back (one synchronisation); the next step measures or is given its norm afresh.
+    pub(crate) fn sum_of_squares(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        grads: CudaView<'_, f32>,
+    ) -> Result<f64> {
+        let scale = self.unscale.then(|| self.inv_scale.as_view());
+        self.norm
+            .compute(stream, &Grads::F32(grads), scale.as_ref())
+            .map_err(fused)?;
+        self.norm_ready = None;
+        Ok(self.norm.read(stream).map_err(fused)?[0])
+    }
+
+    /// ZeRO: the next step clips with the global gradient norm `sqrt(sum_of_squares)` (every
+    /// rank's shard summed) instead of measuring the norm of its own shard; the value goes to
+    /// the device buffer the fused kernel reads its clip input from, so the clip coefficient
+    /// is computed inside the kernel exactly as without ZeRO.
+    pub(crate) fn use_global_sum_of_squares(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        sum_of_squares: f64,
+    ) -> Result<()> {
+        let norm = sum_of_squares.sqrt();
+        stream
+            .memcpy_htod(&[sum_of_squares, norm], &mut self.norm.result_mut())
+            .map_err(|e| super::cuda_err("uploading the global gradient norm", e))?;
+        self.norm_ready = Some(norm);
+        Ok(())
+    }
+
+    fn check_shard_len(&self, what: &'static str, len: usize) -> Result<()> {
+        if len == self.plan.len() {
+            return Ok(());
+        }
+        Err(OptimError::LengthMismatch {
+            what,
+            expected: self.plan.len(),
+            actual: len,
+        }
+        .into())
     }
 
     /// One step at learning rate `lr` (times each group's `lr_scale`): global norm of `grads`
-    /// (unless [`unscaled_norm`](Self::unscaled_norm) prepared it), then the fused update of
-    /// `params` and of the working copy `param_copy`, with the unscale and the norm clip
-    /// applied inside the kernel. `numel` of every buffer must be the optimizer's. Queues the
-    /// work; does not wait.
+    /// (unless [`unscaled_norm`](Self::unscaled_norm) or
+    /// [`use_global_sum_of_squares`](Self::use_global_sum_of_squares) prepared it), then the
+    /// fused update of `params` and of the working copy `param_copy`, with the unscale and the
+    /// norm clip applied inside the kernel. Every buffer holds the optimizer's shard (the whole
+    /// model unless resharded). Queues the work; does not wait.
     pub(crate) fn step(
         &mut self,
         stream: &Arc<CudaStream>,
-        params: &mut CudaSlice<f32>,
-        grads: &CudaSlice<f32>,
+        params: CudaViewMut<'_, f32>,
+        grads: CudaView<'_, f32>,
         param_copy: ParamCopy<'_>,
         lr: f32,
     ) -> Result<()> {
@@ -168,15 +287,19 @@ impl GpuAdamW {
             .into());
         }
         let numel = self.plan.len();
-        let prepared = self.prepared.take();
-        if prepared.is_none() {
+        self.check_shard_len("params", params.len())?;
+        self.check_shard_len("grads", grads.len())?;
+        let unscale = std::mem::take(&mut self.unscale);
+        let ready = self.norm_ready.take();
+        if ready.is_none() {
             // The norm is always computed (for logging via `grad_norm`), clipping only when
             // asked.
+            let scale = unscale.then(|| self.inv_scale.as_view());
             self.norm
-                .compute(stream, &Grads::F32(grads.slice(..numel)), None)
+                .compute(stream, &Grads::F32(grads.slice(..numel)), scale.as_ref())
                 .map_err(fused)?;
         }
-        self.last_norm = prepared;
+        self.last_norm = ready;
         let next = self.step + 1;
         let scalars: Vec<AdamWStepScalars> = self
             .groups
@@ -193,7 +316,7 @@ impl GpuAdamW {
         let io = StepIo {
             grads: Grads::F32(grads.slice(..numel)),
             param_copy,
-            inv_scale: prepared.map(|_| self.inv_scale.as_view()),
+            inv_scale: unscale.then(|| self.inv_scale.as_view()),
             found_inf: None,
             clip: (self.max_grad_norm > 0.0).then(|| Clip {
                 grad_sumsq: self.norm.result(),
@@ -201,6 +324,7 @@ impl GpuAdamW {
             }),
             step: next,
         };
+        let mut params = params;
         let state = AdamState {
             params: params.slice_mut(..numel),
             exp_avg: self.exp_avg.slice_mut(..numel),

@@ -14,6 +14,7 @@
 //! Switching therefore allocates nothing and costs one cast of the weights.
 
 use std::ffi::c_int;
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaView};
@@ -23,7 +24,7 @@ use tilearn_ops::cuda::{CudaStream, DeviceFloat, cast_f32_to_bf16, cast_f32_to_f
 use tilearn_optim::cuda::{ParamCopy, Rounding};
 
 use super::cuda_err;
-use super::views::arena_error;
+use super::views::{arena_error, sub_mut};
 use crate::error::Result;
 
 /// The precision whose activations are `T`.
@@ -59,6 +60,12 @@ macro_rules! with_elem {
 }
 pub(crate) use with_elem;
 
+/// A mutable view of 16-bit device data in its type.
+pub enum HalfViewMut<'a> {
+    Bf16(cudarc::driver::CudaViewMut<'a, bf16>),
+    F16(cudarc::driver::CudaViewMut<'a, f16>),
+}
+
 /// The 16-bit copy of the fp32 master weights that bf16 and f16 periods compute with; the
 /// fused optimizer rewrites it in the period's type after every step.
 #[derive(Debug)]
@@ -84,6 +91,11 @@ impl WorkingCopy {
 
     pub(crate) fn bytes(&self) -> usize {
         self.buf.num_bytes()
+    }
+
+    /// The type it mirrors the master weights in (`None`: stale).
+    pub(crate) fn holds(&self) -> Option<DType> {
+        self.holds
     }
 
     /// Marks it stale: the master weights changed and it was not rewritten.
@@ -135,15 +147,50 @@ impl WorkingCopy {
             .ok_or_else(|| arena_error("cannot view the working copy".into()))
     }
 
-    /// The optimizer's output for it in `precision` (round to nearest; none in f32); call
-    /// [`WorkingCopy::written_as`] once the step is queued.
-    pub(crate) fn param_copy(&mut self, precision: DType) -> Result<ParamCopy<'_>> {
+    /// The optimizer's output for elements `range` of it in `precision` (round to nearest;
+    /// none in f32); call [`WorkingCopy::written_as`] once the step is queued.
+    pub(crate) fn param_copy(
+        &mut self,
+        precision: DType,
+        range: Range<usize>,
+    ) -> Result<ParamCopy<'_>> {
         let copy = match precision {
             DType::F32 => ParamCopy::None,
-            DType::BF16 => ParamCopy::Bf16(self.typed_mut::<bf16>()?, Rounding::Nearest),
-            DType::F16 => ParamCopy::F16(self.typed_mut::<f16>()?),
+            DType::BF16 => ParamCopy::Bf16(
+                sub_mut(self.typed_mut::<bf16>()?, range)?,
+                Rounding::Nearest,
+            ),
+            DType::F16 => ParamCopy::F16(sub_mut(self.typed_mut::<f16>()?, range)?),
         };
         Ok(copy)
+    }
+
+    /// The whole copy in the type it holds (ZeRO all-gathers it after each rank's optimizer
+    /// wrote its shard). Fails when it is stale.
+    pub(crate) fn half_view_mut(&mut self) -> Result<HalfViewMut<'_>> {
+        match self.holds {
+            Some(DType::BF16) => Ok(HalfViewMut::Bf16(self.typed_mut::<bf16>()?)),
+            Some(DType::F16) => Ok(HalfViewMut::F16(self.typed_mut::<f16>()?)),
+            other => Err(arena_error(format!(
+                "the working copy holds {other:?}; only a bf16 or f16 copy can be gathered"
+            ))),
+        }
+    }
+
+    /// Casts the f32 `source` (the whole model's weights) into it as `precision`.
+    pub(crate) fn cast_from(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        source: &CudaView<'_, f32>,
+        precision: DType,
+    ) -> Result<()> {
+        match precision {
+            DType::F32 => return Ok(()),
+            DType::BF16 => cast_f32_to_bf16(stream, source, &mut self.typed_mut::<bf16>()?)?,
+            DType::F16 => cast_f32_to_f16(stream, source, &mut self.typed_mut::<f16>()?)?,
+        }
+        self.holds = Some(precision);
+        Ok(())
     }
 
     /// Records that the optimizer rewrote it in `precision`.

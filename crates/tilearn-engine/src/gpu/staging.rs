@@ -199,7 +199,7 @@ impl GpuLlama {
     ) -> Result<R> {
         let mut source = DeviceSource {
             staging: staging(self.stream(), Direction::Download)?,
-            buffers: vec![&self.master],
+            buffers: vec![self.whole_params()?],
             numel: self.layout.numel,
         };
         f(&mut source)
@@ -208,16 +208,28 @@ impl GpuLlama {
     /// Runs `f` with the master weights as a [`TensorDest`] (the parameters' layout), then
     /// refreshes the 16-bit working copy; the optimizer state is kept. `f` must write every
     /// parameter it means to set; the others keep their values.
+    ///
+    /// With ZeRO's sharded master the whole model is streamed into the idle gradient buffer
+    /// and this rank keeps its shard (see `zero.rs`); `f` must then write every parameter.
     pub fn fill_params(&mut self, f: impl FnOnce(&mut dyn TensorDest) -> Result<()>) -> Result<()> {
         let stream = self.stream().clone();
+        let sharded = self.master_shard.is_some();
+        let target = if sharded {
+            &mut self.grads
+        } else {
+            &mut self.master
+        };
         let mut dest = DeviceDest {
             staging: staging(&stream, Direction::Upload)?,
-            buffers: vec![&mut self.master],
+            buffers: vec![target],
             numel: self.layout.numel,
         };
         f(&mut dest)?;
         dest.staging.finish()?;
         drop(dest);
+        if sharded {
+            return self.keep_loaded_shard();
+        }
         if let Some(w) = self.work.as_mut() {
             w.invalidate();
             w.refresh(&stream, &self.master, self.precision)?;
@@ -226,7 +238,7 @@ impl GpuLlama {
     }
 
     /// Runs `f` with the AdamW moments as a [`TensorSource`] (`exp_avg` then `exp_avg_sq`,
-    /// see [`crate::trainer::optimizer_file`]).
+    /// see [`crate::trainer::optimizer_file`]), each as long as the optimizer's shard.
     pub fn with_moments_source<R>(
         &self,
         f: impl FnOnce(&mut dyn TensorSource) -> Result<R>,
@@ -241,7 +253,7 @@ impl GpuLlama {
         let mut source = DeviceSource {
             staging: staging(self.stream(), Direction::Download)?,
             buffers: vec![exp_avg, exp_avg_sq],
-            numel: self.layout.numel,
+            numel: opt.shard().len(),
         };
         f(&mut source)
     }
@@ -254,13 +266,13 @@ impl GpuLlama {
         f: impl FnOnce(&mut dyn TensorDest) -> Result<u64>,
     ) -> Result<()> {
         let stream = self.stream().clone();
-        let numel = self.layout.numel;
         let Some(opt) = self.optimizer.as_mut() else {
             return Err(invalid(
                 "GpuLlama::fill_moments",
                 "no optimizer: call configure_optimizer first".into(),
             ));
         };
+        let numel = opt.shard().len();
         let (exp_avg, exp_avg_sq) = opt.moments_mut();
         let mut dest = DeviceDest {
             staging: staging(&stream, Direction::Upload)?,

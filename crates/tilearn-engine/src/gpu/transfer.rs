@@ -12,7 +12,7 @@ impl GpuLlama {
     /// Downloads the fp32 master weights into a [`ParamStore`] (Hugging Face names and order),
     /// e.g. to save a checkpoint. Synchronises.
     pub fn download_params(&self) -> Result<ParamStore> {
-        let data = self.download_f32(&self.master, "downloading the parameters")?;
+        let data = self.download_f32(self.whole_params()?, "downloading the parameters")?;
         Ok(ParamStore {
             specs: self.specs.clone(),
             data,
@@ -28,6 +28,15 @@ impl GpuLlama {
     /// working copy; the optimizer state is kept.
     pub fn upload_params(&mut self, params: &ParamStore) -> Result<()> {
         let numel = self.layout.numel;
+        if let Some(shard) = &self.master_shard {
+            return Err(invalid(
+                "upload_params",
+                format!(
+                    "the master weights are sharded (ZeRO, elements {shard:?} here); load a \
+                     checkpoint with fill_params instead"
+                ),
+            ));
+        }
         if params.data.len() != numel || params.specs != self.specs {
             return Err(invalid(
                 "params",

@@ -195,6 +195,34 @@ pub trait StepBackend {
         Err(unsupported(self.describe(), "ZeRO (--zero-stage)"))
     }
 
+    /// ZeRO's clipping of the owned shard `range`, given the global sum of squares of the
+    /// gradients (every rank's shard, summed): the gradients are to be multiplied by
+    /// `clip_grad_norm_`'s coefficient when `max_norm > 0` and the norm exceeds it. The default
+    /// scales them in place; a backend that clips inside its optimizer kernel takes the sum
+    /// instead (and reports its root as the step's norm).
+    fn clip_shard(
+        &mut self,
+        range: Range<usize>,
+        sum_of_squares: f64,
+        max_norm: f64,
+    ) -> Result<()> {
+        let norm = sum_of_squares.sqrt();
+        if max_norm > 0.0
+            && let Some(coef) = tilearn_optim::clip::clip_coefficient(norm, max_norm)
+        {
+            self.scale_gradients(range, coef as f32)?;
+        }
+        Ok(())
+    }
+
+    /// ZeRO, before a save: when this rank holds only a shard of the fp32 weights, puts that
+    /// shard into its place of a whole-model buffer and returns the buffer for the caller to
+    /// all-gather the other shards into; the save then reads the weights from it. `None`: the
+    /// backend already holds the whole weights.
+    fn stage_whole_weights(&mut self) -> Result<Option<FlatBuffer<'_>>> {
+        Ok(None)
+    }
+
     /// Bytes per parameter of its model state as the ZeRO paper counts them (working weights,
     /// gradients, optimizer state K), for the per-rank memory report.
     fn state_layout(&self) -> StateBytes;

@@ -1,6 +1,7 @@
-//! A backend's flat f32 buffer (all gradients, or all parameters) as the communicators see it:
-//! a host slice, or (feature `cuda`) a device view with the compute stream that wrote it. Buckets
-//! and shards are sub-ranges of it, handed to the communicator without a copy.
+//! A backend's flat buffer (all gradients, or all parameters) as the communicators see it: a
+//! host f32 slice, or (feature `cuda`) a device view with the compute stream that wrote it
+//! (f32, or the 16-bit working weights a ZeRO step all-gathers). Buckets and shards are
+//! sub-ranges of it, handed to the communicator without a copy.
 
 use std::ops::Range;
 
@@ -17,6 +18,12 @@ pub enum FlatBuffer<'a> {
         /// The stream the backend computes on: what communication must be ordered against.
         stream: std::sync::Arc<cudarc::driver::CudaStream>,
     },
+    /// 16-bit device data (the GPU engine's working weights under ZeRO).
+    #[cfg(feature = "cuda")]
+    DeviceHalf {
+        view: crate::gpu::HalfViewMut<'a>,
+        stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    },
 }
 
 impl FlatBuffer<'_> {
@@ -25,6 +32,11 @@ impl FlatBuffer<'_> {
             FlatBuffer::Host(s) => s.len(),
             #[cfg(feature = "cuda")]
             FlatBuffer::Device { view, .. } => view.len(),
+            #[cfg(feature = "cuda")]
+            FlatBuffer::DeviceHalf { view, .. } => match view {
+                crate::gpu::HalfViewMut::Bf16(v) => v.len(),
+                crate::gpu::HalfViewMut::F16(v) => v.len(),
+            },
         }
     }
 
@@ -38,8 +50,31 @@ impl FlatBuffer<'_> {
         match self {
             FlatBuffer::Host(s) => Some(s),
             #[cfg(feature = "cuda")]
-            FlatBuffer::Device { .. } => None,
+            FlatBuffer::Device { .. } | FlatBuffer::DeviceHalf { .. } => None,
         }
+    }
+
+    /// Sets elements `range` to zero (on the device: queued on the compute stream, after
+    /// which collectives on the buffer are ordered).
+    pub fn zero(&mut self, range: Range<usize>) -> Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        match self {
+            FlatBuffer::Host(s) => s[range].fill(0.0),
+            #[cfg(feature = "cuda")]
+            FlatBuffer::Device { view, stream } => stream
+                .memset_zeros(&mut view.slice_mut(range))
+                .map_err(|e| crate::gpu::cuda_err("zeroing gradients outside the shard", e))?,
+            #[cfg(feature = "cuda")]
+            FlatBuffer::DeviceHalf { .. } => {
+                return Err(crate::EngineError::InvalidArgument {
+                    argument: "FlatBuffer::zero".into(),
+                    message: "internal: only f32 buffers are zeroed".into(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Elements `range` as a communicator buffer (a view, no copy).
@@ -48,6 +83,11 @@ impl FlatBuffer<'_> {
             FlatBuffer::Host(s) => BufferMut::from(&mut s[range]),
             #[cfg(feature = "cuda")]
             FlatBuffer::Device { view, .. } => BufferMut::from(view.slice_mut(range)),
+            #[cfg(feature = "cuda")]
+            FlatBuffer::DeviceHalf { view, .. } => match view {
+                crate::gpu::HalfViewMut::Bf16(v) => BufferMut::from(v.slice_mut(range)),
+                crate::gpu::HalfViewMut::F16(v) => BufferMut::from(v.slice_mut(range)),
+            },
         }
     }
 
@@ -73,6 +113,30 @@ impl FlatBuffer<'_> {
                     },
                 )
             }
+            #[cfg(feature = "cuda")]
+            FlatBuffer::DeviceHalf { view, stream } => {
+                use crate::gpu::HalfViewMut;
+                let (a, b) = match view {
+                    HalfViewMut::Bf16(v) => {
+                        let (a, b) = v.split_at_mut(mid);
+                        (HalfViewMut::Bf16(a), HalfViewMut::Bf16(b))
+                    }
+                    HalfViewMut::F16(v) => {
+                        let (a, b) = v.split_at_mut(mid);
+                        (HalfViewMut::F16(a), HalfViewMut::F16(b))
+                    }
+                };
+                (
+                    FlatBuffer::DeviceHalf {
+                        view: a,
+                        stream: stream.clone(),
+                    },
+                    FlatBuffer::DeviceHalf {
+                        view: b,
+                        stream: stream.clone(),
+                    },
+                )
+            }
         }
     }
 
@@ -81,7 +145,9 @@ impl FlatBuffer<'_> {
         match self {
             FlatBuffer::Host(_) => Completion::Host,
             #[cfg(feature = "cuda")]
-            FlatBuffer::Device { stream, .. } => Completion::Stream(stream.clone()),
+            FlatBuffer::Device { stream, .. } | FlatBuffer::DeviceHalf { stream, .. } => {
+                Completion::Stream(stream.clone())
+            }
         }
     }
 }

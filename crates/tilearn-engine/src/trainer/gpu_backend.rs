@@ -7,11 +7,17 @@
 //! kernel. Clipping happens inside that kernel, so `clip_grad_norm` only records the limit and
 //! `optimizer_step` reports the norm it measured.
 //!
+//! ZeRO (see `gpu/zero.rs`): the fused AdamW steps the rank's shard, clipping with the global
+//! sum of squares the ranks gathered ([`StepBackend::clip_shard`] hands it to the kernel's
+//! clip input instead of a norm the kernel measures), and with one 16-bit precision the fp32
+//! master weights are sharded too, so the working copy is what data parallelism all-gathers.
+//!
 //! Saves, loads and the random initialisation stream through the engine's page-locked staging
 //! buffer ([`GpuLlama::with_params_source`], [`GpuLlama::fill_params`], and the moments'
 //! counterparts) in the CPU engine's file formats, so a run saved on the GPU resumes on either
 //! device and host memory never holds the model or its optimizer state.
 
+use std::ops::Range;
 use std::path::Path;
 
 use tilearn_ops::DType;
@@ -20,14 +26,14 @@ use tilearn_optim::{AdamWConfig, ParamGroup};
 
 use super::backend::{ModelInit, StepBackend};
 use super::flat_buffer::FlatBuffer;
-use super::optimizer_shards::OptimizerCheckpoint;
+use super::optimizer_shards::{OptimizerCheckpoint, groups_within};
 use super::zero::{RankState, StateBytes};
 use super::{TrainingArguments, adamw_setup, optimizer_file};
 use crate::Result;
 use crate::checkpoint::{load_into, save_pretrained_from};
 use crate::config::LlamaConfig;
 use crate::data::Batch;
-use crate::gpu::{GpuLlama, GradientSink};
+use crate::gpu::{GatheredWeights, GpuLlama, GradientSink};
 use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore, init_random_into};
 
@@ -41,6 +47,10 @@ pub struct GpuBackend {
     optimizer_config: AdamWConfig,
     optimizer_groups: Vec<ParamGroup>,
     max_grad_norm: f64,
+    /// The parameters the optimizer steps (all of them unless ZeRO sharded it).
+    shard: Range<usize>,
+    /// Whether the device AdamW exists (made for `shard` at its first use).
+    optimizer_made: bool,
     name: String,
 }
 
@@ -81,10 +91,9 @@ impl GpuBackend {
     }
 
     fn use_precision(&mut self, precision: DType) -> Result<()> {
-        if precision != self.gpu.precision() {
-            self.gpu.set_precision(precision)?;
-        }
-        Ok(())
+        // Also when the precision is unchanged: a ZeRO gather of whole master weights leaves
+        // the working copy stale, and this re-casts it (a no-op when it is current).
+        self.gpu.set_precision(precision)
     }
 
     /// Builds the model `config` describes on GPU `ordinal` and fills its weights from `init`
@@ -122,7 +131,7 @@ impl GpuBackend {
         precisions: &[DType],
     ) -> Result<GpuBackend> {
         let device = GpuDevice::new(ordinal)?;
-        let mut gpu = GpuLlama::for_config(
+        let gpu = GpuLlama::for_config(
             &device,
             config,
             args.per_device_train_batch_size,
@@ -131,12 +140,9 @@ impl GpuBackend {
             args.gradient_checkpointing,
         )?;
         let specs = ParamStore::specs_for(config);
+        // The fused AdamW is set up at its first use (see `optimizer_ready`), so that under
+        // ZeRO its moments are only ever allocated for the rank's shard.
         let (optimizer_config, optimizer_groups) = adamw_setup(args, &specs);
-        gpu.configure_optimizer(
-            optimizer_config,
-            optimizer_groups.clone(),
-            args.max_grad_norm,
-        )?;
         let mut features: Vec<String> = vec![
             precisions
                 .iter()
@@ -150,6 +156,7 @@ impl GpuBackend {
         if gpu.gradient_checkpointing() {
             features.push("gradient checkpointing".into());
         }
+        let specs_numel: usize = specs.iter().map(ParamSpec::numel).sum();
         let name = format!(
             "cuda:{ordinal} {} ({})",
             device.name().unwrap_or_else(|_| "GPU".into()),
@@ -158,18 +165,35 @@ impl GpuBackend {
         Ok(GpuBackend {
             gpu,
             config: config.clone(),
-            numel: specs.iter().map(ParamSpec::numel).sum(),
+            numel: specs_numel,
             specs,
             host: None,
             optimizer_config,
             optimizer_groups,
             max_grad_norm: args.max_grad_norm,
+            shard: 0..specs_numel,
+            optimizer_made: false,
             name,
         })
     }
 }
 
 impl GpuBackend {
+    /// Makes the fused AdamW for `shard` if it does not exist yet: at the first step, save,
+    /// resume or ZeRO cut, never at build, so a ZeRO rank never holds the whole model's moments.
+    fn optimizer_ready(&mut self) -> Result<()> {
+        if !self.optimizer_made {
+            self.gpu.configure_optimizer_for(
+                self.optimizer_config,
+                self.optimizer_groups.clone(),
+                self.max_grad_norm,
+                self.shard.clone(),
+            )?;
+            self.optimizer_made = true;
+        }
+        Ok(())
+    }
+
     /// The stream the engine computes on (what data parallelism's communication is ordered
     /// against, and where the host communicator stages device buffers).
     pub fn stream(&self) -> std::sync::Arc<cudarc::driver::CudaStream> {
@@ -223,6 +247,7 @@ impl StepBackend for GpuBackend {
     }
 
     fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {
+        self.optimizer_ready()?;
         self.gpu.unscale_and_check(inv_scale)
     }
 
@@ -235,6 +260,7 @@ impl StepBackend for GpuBackend {
     }
 
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
+        self.optimizer_ready()?;
         self.gpu.step(lr)?;
         Ok(Some(self.gpu.last_grad_norm()?))
     }
@@ -266,18 +292,21 @@ impl StepBackend for GpuBackend {
     }
 
     fn save_optimizer(&mut self, path: &Path) -> Result<()> {
+        self.optimizer_ready()?;
         let step = self.gpu.optimizer().map_or(0, |o| o.step_count());
-        let numel = self.numel;
-        let (config, groups) = (&self.optimizer_config, &self.optimizer_groups);
+        // The file of a shard records the groups cut and shifted to it, as the CPU engine's.
+        let groups = groups_within(&self.optimizer_groups, &self.shard);
+        let (config, len) = (&self.optimizer_config, self.shard.len());
         self.gpu.with_moments_source(|source| {
-            optimizer_file::write(path, config, groups, step, numel, source)
+            optimizer_file::write(path, config, &groups, step, len, source)
         })
     }
 
     fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
-        let numel = self.numel;
+        self.optimizer_ready()?;
+        let (numel, shard) = (self.numel, self.shard.clone());
         self.gpu
-            .fill_moments(|dest| optimizer.read(numel, 0..numel, dest))?;
+            .fill_moments(|dest| optimizer.read(numel, shard, dest))?;
         let specs = &self.specs;
         self.gpu.fill_params(|dest| load_into(dir, specs, dest))?;
         self.host = None;
@@ -296,24 +325,91 @@ impl StepBackend for GpuBackend {
         Ok(FlatBuffer::Device { view, stream })
     }
 
+    fn flat_parameters(&mut self) -> Result<FlatBuffer<'_>> {
+        let (weights, stream) = self.gpu.gathered_weights_mut()?;
+        Ok(match weights {
+            GatheredWeights::Master(view) => FlatBuffer::Device { view, stream },
+            GatheredWeights::Working(view) => FlatBuffer::DeviceHalf { view, stream },
+        })
+    }
+
+    fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
+        // Made for the shard directly when it does not exist yet (the usual case: before the
+        // first step), then the master weights are cut.
+        self.shard = shard.clone();
+        self.optimizer_ready()?;
+        self.gpu.shard_optimizer(shard)
+    }
+
+    fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {
+        self.optimizer_ready()?;
+        self.gpu.grad_sum_of_squares(range)
+    }
+
+    fn clip_shard(
+        &mut self,
+        range: Range<usize>,
+        sum_of_squares: f64,
+        max_norm: f64,
+    ) -> Result<()> {
+        debug_assert_eq!(range, self.shard, "the optimizer steps the owned shard");
+        debug_assert_eq!(
+            max_norm, self.max_grad_norm,
+            "clipping is configured at build"
+        );
+        // The fused AdamW clips with it (and reports its root as the step's norm).
+        self.optimizer_ready()?;
+        self.gpu.use_global_grad_sum_of_squares(sum_of_squares)
+    }
+
+    fn stage_whole_weights(&mut self) -> Result<Option<FlatBuffer<'_>>> {
+        Ok(self
+            .gpu
+            .stage_params_in_grads()?
+            .map(|(view, stream)| FlatBuffer::Device { view, stream }))
+    }
+
     fn state_layout(&self) -> StateBytes {
-        let held = self.state_held();
-        let per_param = |bytes: f64| (bytes / self.numel.max(1) as f64).round() as u64;
-        // Mixed precision: bf16/fp16 working copy (none when built for fp32 only), fp32
-        // gradients, K = fp32 master + two moments.
-        StateBytes {
-            weights: per_param(held.weights),
-            grads: per_param(held.grads),
-            optimizer: per_param(held.optimizer),
+        // Bytes per parameter before partitioning. fp32 master weights that a forward reads
+        // (fp32 among the precisions, or two 16-bit types re-cast from them) are working
+        // weights, as on the CPU engine; otherwise they belong to the optimizer state (K).
+        let m = self.gpu.memory();
+        let per_param = |bytes: usize| (bytes as f64 / self.numel.max(1) as f64).round() as u64;
+        let working = per_param(m.working_copy_bytes);
+        let moments = 8;
+        if self.gpu.master_shardable() {
+            StateBytes {
+                weights: working,
+                grads: 4,
+                optimizer: 4 + moments,
+            }
+        } else {
+            StateBytes {
+                weights: working + 4,
+                grads: 4,
+                optimizer: moments,
+            }
         }
     }
 
     fn state_held(&self) -> RankState {
         let m = self.gpu.memory();
+        // Before its first use the optimizer is not allocated yet; count the moments it will
+        // hold from the first step (two f32 per parameter of the shard).
+        let optimizer_bytes = if self.optimizer_made {
+            m.optimizer_bytes
+        } else {
+            8 * self.shard.len()
+        };
+        let (master_as_weights, master_as_state) = if self.gpu.master_shardable() {
+            (0, m.master_bytes)
+        } else {
+            (m.master_bytes, 0)
+        };
         RankState {
-            weights: m.working_copy_bytes as f64,
+            weights: (m.working_copy_bytes + master_as_weights) as f64,
             grads: m.grad_bytes as f64,
-            optimizer: (m.master_bytes + m.optimizer_bytes) as f64,
+            optimizer: (master_as_state + optimizer_bytes) as f64,
         }
     }
 

@@ -592,7 +592,7 @@ impl Trainer {
                     scaled && last && a.debug_inject_overflow.contains(&(state.global_step + 1));
                 // The last micro-batch all-reduces its gradients during its own backward where
                 // the run allows it (never when a fault is injected after the backward).
-                if last && !poison {
+                if (last || self.dp.reduces_each_micro_batch()) && !poison {
                     let backend = self.backend.as_mut();
                     let overlapped = self.dp.overlapped_backward(
                         backend,
@@ -734,6 +734,9 @@ impl Trainer {
         // The final model first: a checkpoint that cannot be written never costs the model.
         // Rank 0 holds every weight (ZeRO all-gathers them after each step) and writes it once;
         // under tensor parallelism every rank of its group takes part (the model is gathered).
+        // Where ranks hold only shards of the fp32 weights (ZeRO on the GPU), gather them
+        // for rank 0's saves first: every rank takes part.
+        self.dp.gather_whole_weights(self.backend.as_mut())?;
         // With --load-best-model-at-end the last checkpoint comes first (it holds the state
         // training ended in and may be the best), then the best weights are loaded; the best
         // checkpoint keeps the model on disk whatever happens to the final save.

@@ -157,6 +157,8 @@ impl Trainer {
         schedule: &LrSchedule,
         scaler: &GradScaler,
     ) -> Result<Result<()>> {
+        // Collective: rank 0 writes whole weights, which ZeRO on the GPU may hold in shards.
+        self.dp.gather_whole_weights(self.backend.as_mut())?;
         let primary = self.dp.is_primary();
         let shards = self.dp.is_sharded() && !self.args.save_only_model;
         let staging = if primary {

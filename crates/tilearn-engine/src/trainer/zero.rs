@@ -12,9 +12,13 @@
 //! moments: K = 12) gives the paper's 4Ψ + 12Ψ/N and 2Ψ + 14Ψ/N. The CPU engine is fp32 only:
 //! its working weights *are* the fp32 master weights (4 bytes, needed whole by every rank's
 //! forward, so not partitioned), gradients are fp32 (4) and the optimizer state is the two
-//! moments (K = 8). The GPU engine keeps fp32 gradients: a bf16 working copy (2), gradients 4,
-//! K = 12 (fp32 master + moments), 18Ψ unpartitioned. Each backend reports its own layout
-//! (`StepBackend::state_layout`) and what it holds (`StepBackend::state_held`).
+//! moments (K = 8). The GPU engine keeps fp32 gradients: with one 16-bit precision a bf16/fp16
+//! working copy (2), gradients 4, K = 12 (fp32 master + moments, sharded together), 18Ψ
+//! unpartitioned, 6Ψ + 12Ψ/N at stage 1 and 2Ψ + 16Ψ/N at stage 2 (the paper's 2Ψ + 14Ψ/N with
+//! 4-byte gradients); when fp32 may run, the forward reads the fp32 master weights, which are
+//! then working weights (4, plus 2 for a working copy) and K = 8, as on the CPU. Each backend
+//! reports its own layout (`StepBackend::state_layout`) and what it holds
+//! (`StepBackend::state_held`).
 
 use serde::{Deserialize, Serialize};
 
@@ -164,6 +168,20 @@ mod tests {
         assert_eq!(gb(ZeroStage::Off).round(), 120.0);
         assert!((gb(ZeroStage::One) - 31.4).abs() < 0.05);
         assert!((gb(ZeroStage::Two) - 16.6).abs() < 0.05);
+    }
+
+    #[test]
+    fn gpu_engine_mixed_precision_mapping() {
+        let gpu = StateBytes {
+            weights: 2,
+            grads: 4,
+            optimizer: 12,
+        };
+        assert_eq!(formula_text(gpu, ZeroStage::Off), "18Ψ");
+        assert_eq!(formula_text(gpu, ZeroStage::One), "6Ψ + 12Ψ/N");
+        assert_eq!(formula_text(gpu, ZeroStage::Two), "2Ψ + 16Ψ/N");
+        let s2 = per_rank(gpu, 1000, 4, ZeroStage::Two);
+        assert_eq!(s2.total(), 2.0 * 1000.0 + 16.0 * 250.0);
     }
 
     #[test]

@@ -254,8 +254,15 @@ impl Communicator for HostCommunicator {
 
     fn batch_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
         for op in ops.iter() {
-            let (P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. }) = op;
-            self.check_member("batch_p2p", *peer)?;
+            self.check_member("batch_p2p", op.peer())?;
+            if !op.is_host() {
+                return Err(ParallelError::Usage {
+                    flag: "batch_p2p".into(),
+                    reason: "the host backend's batched point-to-point operations take host \
+                             buffers; copy device data to the host or use NCCL"
+                        .into(),
+                });
+            }
         }
         let _mesh = lock(&self.mesh.op_lock);
         // Every message's sequence number, in list order per peer and direction.
@@ -271,6 +278,9 @@ impl Communicator for HostCommunicator {
                         s.p2p_recv[*peer] += 1;
                         s.p2p_recv[*peer]
                     }
+                    // Refused above.
+                    #[cfg(feature = "cuda")]
+                    P2pOp::SendDevice { .. } | P2pOp::RecvDevice { .. } => 0,
                 })
                 .collect()
         };
@@ -280,6 +290,8 @@ impl Communicator for HostCommunicator {
             match op {
                 P2pOp::Send { buf, peer } => sends.push((*peer, seq, buf)),
                 P2pOp::Recv { buf, peer } => recvs.push((*peer, seq, buf)),
+                #[cfg(feature = "cuda")]
+                P2pOp::SendDevice { .. } | P2pOp::RecvDevice { .. } => {}
             }
         }
         let mut peers: Vec<usize> = sends.iter().map(|s| s.0).collect();

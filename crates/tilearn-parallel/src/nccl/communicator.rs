@@ -12,7 +12,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut
 use tilearn_ops::DType;
 
 use crate::buffer::{Buffer, BufferMut};
-use crate::communicator::{Communicator, check_group_ranks, shard_range};
+use crate::communicator::{Communicator, P2pOp, check_group_ranks, shard_range};
 use crate::device::{DeviceSlice, DeviceSliceMut};
 use crate::error::{ParallelError, Result};
 use crate::nccl::library::{self, CommHandle, UniqueId};
@@ -372,6 +372,42 @@ impl Communicator for NcclCommunicator {
         })
     }
 
+    fn reduce<'a>(&'a self, buf: BufferMut<'a>, op: ReduceOp, root: usize) -> Result<Work<'a>> {
+        if root >= self.world_size {
+            return Err(ParallelError::InvalidRank {
+                op: "reduce",
+                rank: root,
+                world_size: self.world_size,
+            });
+        }
+        self.enqueue_mut("reduce", buf, |ptr, dtype, len| {
+            let nccl = self.handle.nccl;
+            let (red, created) = self.red_op(op, dtype)?;
+            let p = ptr as *mut c_void;
+            // SAFETY: in-place reduce of `len` elements of a live device buffer, enqueued on
+            // our stream.
+            let status = unsafe {
+                (nccl.reduce)(
+                    p,
+                    p,
+                    len,
+                    nccl_dtype(dtype),
+                    red,
+                    root as i32,
+                    self.handle.comm,
+                    self.stream.cu_stream().cast(),
+                )
+            };
+            if created {
+                // SAFETY: NCCL allows destroying an op once the calls using it are enqueued.
+                unsafe {
+                    (nccl.red_op_destroy)(red, self.handle.comm);
+                }
+            }
+            nccl.check("ncclReduce", status)
+        })
+    }
+
     fn send<'a>(&'a self, buf: Buffer<'a>, peer: usize) -> Result<Work<'a>> {
         if peer >= self.world_size {
             return Err(ParallelError::InvalidRank {
@@ -431,6 +467,97 @@ impl Communicator for NcclCommunicator {
             };
             nccl.check("ncclRecv", status)
         })
+    }
+
+    fn batch_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        for op in ops.iter() {
+            let peer = op.peer();
+            if peer >= self.world_size {
+                return Err(ParallelError::InvalidRank {
+                    op: "batch_p2p",
+                    rank: peer,
+                    world_size: self.world_size,
+                });
+            }
+            if op.is_host() {
+                return Err(self.device_only("batch_p2p"));
+            }
+        }
+        let _serial = self.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+        for op in ops.iter() {
+            match op {
+                P2pOp::SendDevice { buf, .. } => self.order_after(buf.stream())?,
+                P2pOp::RecvDevice { buf, .. } => self.order_after(buf.stream())?,
+                P2pOp::Send { .. } | P2pOp::Recv { .. } => {}
+            }
+        }
+        let nccl = self.handle.nccl;
+        let (comm, stream) = (self.handle.comm, self.stream.cu_stream().cast());
+        // The guards record each buffer's event on our stream when they drop, after the group
+        // is enqueued, so later users of the buffers wait for it.
+        let mut guards = Vec::with_capacity(ops.len());
+        // SAFETY: opens a group; every path below closes it before returning.
+        nccl.check("ncclGroupStart", unsafe { (nccl.group_start)() })?;
+        let mut posted = Ok(());
+        for op in ops.iter_mut() {
+            let status = match op {
+                P2pOp::SendDevice { buf, peer } => {
+                    let (ptr, guard) = match &*buf {
+                        DeviceSlice::F32(v) => v.device_ptr(&self.stream),
+                        DeviceSlice::BF16(v) => v.device_ptr(&self.stream),
+                        DeviceSlice::F16(v) => v.device_ptr(&self.stream),
+                    };
+                    guards.push(guard);
+                    // SAFETY: sends `len` elements of a live device buffer on our stream; the
+                    // buffer is borrowed until this call returns, after the group completed.
+                    let status = unsafe {
+                        (nccl.send)(
+                            ptr as *const c_void,
+                            buf.len(),
+                            nccl_dtype(buf.dtype()),
+                            *peer as i32,
+                            comm,
+                            stream,
+                        )
+                    };
+                    nccl.check("ncclSend", status)
+                }
+                P2pOp::RecvDevice { buf, peer } => {
+                    let (dtype, len) = (buf.dtype(), buf.len());
+                    let (ptr, guard) = match buf {
+                        DeviceSliceMut::F32(v) => v.device_ptr_mut(&self.stream),
+                        DeviceSliceMut::BF16(v) => v.device_ptr_mut(&self.stream),
+                        DeviceSliceMut::F16(v) => v.device_ptr_mut(&self.stream),
+                    };
+                    guards.push(guard);
+                    // SAFETY: receives `len` elements into a live device buffer on our stream,
+                    // borrowed mutably until this call returns.
+                    let status = unsafe {
+                        (nccl.recv)(
+                            ptr as *mut c_void,
+                            len,
+                            nccl_dtype(dtype),
+                            *peer as i32,
+                            comm,
+                            stream,
+                        )
+                    };
+                    nccl.check("ncclRecv", status)
+                }
+                P2pOp::Send { .. } | P2pOp::Recv { .. } => Ok(()),
+            };
+            if status.is_err() {
+                posted = status;
+                break;
+            }
+        }
+        // SAFETY: closes the group opened above (also after a failed post, as NCCL requires).
+        let ended = nccl.check("ncclGroupEnd", unsafe { (nccl.group_end)() });
+        drop(guards);
+        posted?;
+        ended?;
+        // Returns once all are done, as the trait says (bounded by the timeout).
+        self.record("batch_p2p")?.wait()
     }
 
     fn all_to_all<'a>(&'a self, _buf: BufferMut<'a>) -> Result<Work<'a>> {

@@ -72,6 +72,33 @@ impl ShardLayout {
         rank * q..end
     }
 
+    /// The rank that owns element `index` (< `numel`).
+    pub fn owner_of(&self, index: usize) -> usize {
+        match self.per_rank() {
+            0 => self.world - 1,
+            q => (index / q).min(self.world - 1),
+        }
+    }
+
+    /// ZeRO-2's reductions of a finished part of the gradient buffer: `part` cut at the shard
+    /// boundaries and into pieces of at most `cap` elements, each with the rank that owns it,
+    /// from the end of the part (the order the backward finished it).
+    pub fn pieces_to_owners(&self, part: Range<usize>, cap: usize) -> Vec<(Range<usize>, usize)> {
+        let mut pieces = Vec::new();
+        let mut hi = part.end.min(self.numel);
+        while hi > part.start {
+            let owner = self.owner_of(hi - 1);
+            let lo = self
+                .owned(owner)
+                .start
+                .max(part.start)
+                .max(hi.saturating_sub(cap.max(1)));
+            pieces.push((lo..hi, owner));
+            hi = lo;
+        }
+        pieces
+    }
+
     /// The rank that owns the tail (and broadcasts it after each step).
     pub fn tail_owner(&self) -> usize {
         self.world - 1
@@ -102,6 +129,25 @@ mod tests {
     }
 
     #[test]
+    fn pieces_go_to_their_owners_in_backward_order() {
+        for (numel, world, cap) in [(1001, 4, 100), (10, 3, 1), (7, 5, 1000), (64, 2, 64)] {
+            let layout = ShardLayout::new(numel, world);
+            for part in [0..numel, 3..numel - 2, numel / 2..numel] {
+                let pieces = layout.pieces_to_owners(part.clone(), cap);
+                let mut end = part.end;
+                for (range, owner) in &pieces {
+                    assert_eq!(range.end, end, "contiguous from the end: {pieces:?}");
+                    assert!(!range.is_empty() && range.len() <= cap);
+                    let owned = layout.owned(*owner);
+                    assert!(owned.start <= range.start && range.end <= owned.end);
+                    end = range.start;
+                }
+                assert_eq!(end, part.start, "{numel} {world} {part:?}: {pieces:?}");
+            }
+        }
+    }
+
+    #[test]
     fn shards_partition_any_length() {
         for numel in [0, 1, 5, 7, 64, 1001] {
             for world in 1..=5 {
@@ -113,6 +159,13 @@ mod tests {
                     next = owned.end;
                 }
                 assert_eq!(next, numel);
+                for index in 0..numel {
+                    let owner = layout.owner_of(index);
+                    assert!(
+                        layout.owned(owner).contains(&index),
+                        "{numel} {world} {index}"
+                    );
+                }
                 assert_eq!(layout.bulk().len() % world, 0);
                 assert!(layout.tail().len() < world);
             }

@@ -294,7 +294,8 @@ impl DataParallel {
             return Ok(None);
         };
         let o = &self.options;
-        if !o.overlap || o.zero_stage != ZeroStage::Off {
+        let reduce_to_owners = self.reduces_each_micro_batch();
+        if !o.overlap || (o.zero_stage != ZeroStage::Off && !reduce_to_owners) {
             return Ok(None);
         }
         #[cfg(feature = "cuda")]
@@ -320,6 +321,31 @@ impl DataParallel {
             }
             let side = self.side.as_ref().expect("made above");
             let mut timeline = overlap::Timeline::default();
+            if reduce_to_owners {
+                let mut sink = overlap::ReduceToOwnersSink {
+                    comm: c.grads.as_ref(),
+                    layout: self.layout,
+                    cap: (self.options.bucket_cap_bytes() / 4).max(1),
+                    side,
+                    timeline: &mut timeline,
+                };
+                let loss = backend
+                    .forward_backward_into(batch, denominator, precision, loss_scale, &mut sink)
+                    .ok_or_else(|| EngineError::InvalidArgument {
+                        argument: "data parallel".into(),
+                        message: "internal: a backend with a compute stream lacks the hook".into(),
+                    })??;
+                // The owned shard holds the ranks' sum (accumulated onto what earlier
+                // micro-batches left there); the rest is zeroed for the next backward.
+                let owned = self.owned();
+                let mut grads = backend.flat_gradients()?;
+                let len = grads.len();
+                grads.zero(0..owned.start)?;
+                grads.zero(owned.end..len)?;
+                drop(grads);
+                self.keep_timeline(&timeline)?;
+                return Ok(Some(loss));
+            }
             let mut sink = overlap::OverlapSink {
                 comm: c.grads.as_ref(),
                 cap: (self.options.bucket_cap_bytes() / 4).max(1),
@@ -336,17 +362,7 @@ impl DataParallel {
                     argument: "data parallel".into(),
                     message: "internal: a backend with a compute stream lacks the hook".into(),
                 })??;
-            if let Some((stats, buckets)) = timeline.stats()? {
-                if std::env::var_os(TIMELINE_ENV).is_some_and(|v| v == "1") && self.is_primary() {
-                    for b in &buckets {
-                        eprintln!(
-                            "all-reduce bucket at {} ({} elements): ready {:.3} ms, done {:.3} ms",
-                            b.offset, b.elements, b.ready_ms, b.done_ms
-                        );
-                    }
-                }
-                self.last_overlap = Some(stats);
-            }
+            self.keep_timeline(&timeline)?;
             Ok(Some(loss))
         }
         #[cfg(not(feature = "cuda"))]
@@ -354,6 +370,31 @@ impl DataParallel {
             let _ = (c, backend, batch, denominator, precision, loss_scale);
             Ok(None)
         }
+    }
+
+    /// Summarises an overlapped backward's buckets for the log (and prints them with
+    /// [`TIMELINE_ENV`]).
+    #[cfg(feature = "cuda")]
+    fn keep_timeline(&mut self, timeline: &overlap::Timeline) -> Result<()> {
+        if let Some((stats, buckets)) = timeline.stats()? {
+            if std::env::var_os(TIMELINE_ENV).is_some_and(|v| v == "1") && self.is_primary() {
+                for b in &buckets {
+                    eprintln!(
+                        "reduction bucket at {} ({} elements): ready {:.3} ms, done {:.3} ms",
+                        b.offset, b.elements, b.ready_ms, b.done_ms
+                    );
+                }
+            }
+            self.last_overlap = Some(stats);
+        }
+        Ok(())
+    }
+
+    /// Whether every micro-batch's gradients are reduced during its own backward (ZeRO-2 with
+    /// the overlap on: each bucket goes to its owner as soon as it is final). On a backend
+    /// without the hook (the CPU engine) [`Self::after_backward`] reduces instead.
+    pub fn reduces_each_micro_batch(&self) -> bool {
+        self.is_sharded() && self.options.zero_stage == ZeroStage::Two && self.options.overlap
     }
 
     /// The last overlapped all-reduce's summary, once.
@@ -397,6 +438,18 @@ impl DataParallel {
                 reduce_scatter(grads_comm.as_ref(), &mut grads, self.layout)?;
             }
             ZeroStage::One => {}
+            ZeroStage::Two if backend.flat_gradients()?.host().is_none() => {
+                // On the device the owned part of the gradient buffer is the accumulator: after
+                // the reduce-scatter it holds the global sum so far, and the rest is zeroed, so
+                // the next backward adds into it and the next reduce-scatter sums the ranks'
+                // new gradients onto it (no second buffer, no host copy).
+                let owned = self.owned();
+                let mut grads = backend.flat_gradients()?;
+                reduce_scatter(grads_comm.as_ref(), &mut grads, self.layout)?;
+                grads.zero(0..owned.start)?;
+                let len = grads.len();
+                grads.zero(owned.end..len)?;
+            }
             ZeroStage::Two => {
                 let owned = self.owned();
                 {
@@ -446,13 +499,28 @@ impl DataParallel {
         }
         let owned = self.owned();
         let local = backend.grad_sum_of_squares(owned.clone())?;
-        let norm = self.sum_f64(local)?.sqrt();
-        if max_norm > 0.0
-            && let Some(coef) = tilearn_optim::clip::clip_coefficient(norm, max_norm)
-        {
-            backend.scale_gradients(owned, coef as f32)?;
+        let sum_of_squares = self.sum_f64(local)?;
+        backend.clip_shard(owned, sum_of_squares, max_norm)?;
+        Ok(sum_of_squares.sqrt())
+    }
+
+    /// Before a save (collective): where the backend holds only its shard of the fp32 weights
+    /// (the GPU engine's sharded master), every rank's shard is gathered into a whole-model
+    /// buffer the save then reads. Nothing to do otherwise.
+    pub fn gather_whole_weights(&mut self, backend: &mut dyn StepBackend) -> Result<()> {
+        let Some(c) = &self.comms else {
+            return Ok(());
+        };
+        if !self.is_sharded() {
+            return Ok(());
         }
-        Ok(norm)
+        let comm = c.grads.clone();
+        let layout = self.layout;
+        // Every rank answers the same way (the model and its precisions are the same).
+        let Some(mut whole) = backend.stage_whole_weights()? else {
+            return Ok(());
+        };
+        all_gather_shards(comm.as_ref(), &mut whole, layout)
     }
 
     /// After the optimizer stepped the owned shard: every rank gets every shard's new weights.
@@ -466,24 +534,33 @@ impl DataParallel {
         let comm = c.grads.clone();
         let layout = self.layout;
         let mut params = backend.flat_parameters()?;
-        let done = params.completion();
-        let bulk = layout.bulk();
-        if !bulk.is_empty() {
-            done.finish(comm.all_gather(params.part(bulk))?)?;
-        }
-        let tail = layout.tail();
-        if !tail.is_empty() {
-            done.finish(comm.broadcast(params.part(tail), layout.tail_owner())?)?;
-        }
-        Ok(())
+        all_gather_shards(comm.as_ref(), &mut params, layout)
     }
+}
+
+/// Every rank's owned shard of `buf` to every rank: the bulk with the in-place all-gather, the
+/// tail broadcast by its owner.
+fn all_gather_shards(
+    comm: &dyn Communicator,
+    buf: &mut FlatBuffer<'_>,
+    layout: ShardLayout,
+) -> Result<()> {
+    let done = buf.completion();
+    let bulk = layout.bulk();
+    if !bulk.is_empty() {
+        done.finish(comm.all_gather(buf.part(bulk))?)?;
+    }
+    let tail = layout.tail();
+    if !tail.is_empty() {
+        done.finish(comm.broadcast(buf.part(tail), layout.tail_owner())?)?;
+    }
+    Ok(())
 }
 
 fn zero_on_device() -> EngineError {
     EngineError::InvalidArgument {
         argument: "--zero-stage".into(),
-        message: "ZeRO runs on the CPU engine only for now; use --device cpu or drop --zero-stage"
-            .into(),
+        message: "internal: ZeRO-2's host accumulation reached a device gradient buffer".into(),
     }
 }
 

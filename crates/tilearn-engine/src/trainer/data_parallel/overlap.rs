@@ -17,7 +17,7 @@
 //! hidden behind the backward (what the step waited for).
 
 #[cfg(feature = "cuda")]
-pub(super) use device::{OverlapSink, Timeline};
+pub(super) use device::{OverlapSink, ReduceToOwnersSink, Timeline};
 
 /// One step's overlapped all-reduce, summarised.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -79,6 +79,7 @@ mod device {
     use super::{OverlapStats, summarize};
     use crate::Result;
     use crate::gpu::{GradientSink, cuda_err};
+    use crate::trainer::data_parallel::layout::ShardLayout;
 
     fn timed_event(stream: &CudaStream) -> Result<CudaEvent> {
         stream
@@ -192,6 +193,49 @@ mod device {
             stream
                 .join(self.side)
                 .map_err(|e| cuda_err("ordering the optimizer after the all-reduce", e))
+        }
+    }
+
+    /// ZeRO-2: reduces (sum) each part of the gradients handed on to the rank that owns it,
+    /// without waiting. A part is cut at the shard boundaries of `layout` (and into buckets of
+    /// at most `cap`), and each piece is reduced to its owner, so after the backward every
+    /// rank's owned shard holds the ranks' sum and the rest of its buffer is stale (the caller
+    /// zeroes it).
+    pub struct ReduceToOwnersSink<'a> {
+        pub comm: &'a dyn Communicator,
+        pub layout: ShardLayout,
+        pub cap: usize,
+        pub side: &'a Arc<CudaStream>,
+        pub timeline: &'a mut Timeline,
+    }
+
+    impl GradientSink for ReduceToOwnersSink<'_> {
+        fn ready(
+            &mut self,
+            offset: usize,
+            mut part: CudaViewMut<'_, f32>,
+            stream: &Arc<CudaStream>,
+        ) -> Result<()> {
+            let whole = offset..offset + part.len();
+            for (range, owner) in self.layout.pieces_to_owners(whole, self.cap) {
+                let ready = timed_event(stream)?;
+                let local = range.start - offset..range.end - offset;
+                let piece = BufferMut::from(part.slice_mut(local));
+                let work = self.comm.reduce(piece, ReduceOp::Sum, owner)?;
+                work.wait_on_stream(self.side)?;
+                let done = timed_event(self.side)?;
+                self.timeline
+                    .buckets
+                    .push((ready, done, range.start, range.len()));
+            }
+            Ok(())
+        }
+
+        fn finish(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
+            self.timeline.backward_end = Some(timed_event(stream)?);
+            stream
+                .join(self.side)
+                .map_err(|e| cuda_err("ordering the optimizer after the reduces", e))
         }
     }
 }

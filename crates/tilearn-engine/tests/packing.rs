@@ -173,7 +173,7 @@ fn packed_rows_equal_their_examples_run_alone_in_f32_with_checkpointing() {
         .to_string();
     assert!(err.contains("position_ids"), "{err}");
     // Bad position ids are refused when set.
-    assert!(acts.set_position_ids(Some(&vec![1; SEQ]), 1, SEQ).is_err());
+    assert!(acts.set_position_ids(Some(&[1; SEQ]), 1, SEQ).is_err());
 }
 
 #[test]

@@ -84,7 +84,7 @@ pub fn key_start(i: usize, pos: Option<i32>, window: Option<usize>) -> usize {
 /// Fails unless `positions` (`[batch, seq]`) is a restart sequence: each row starts at 0 and
 /// every next position is 0 or the previous one plus 1. The error names the row and column.
 pub fn check_positions(positions: &[i32], batch: usize, seq: usize) -> Result<()> {
-    let expected = batch.checked_mul(seq).unwrap_or(usize::MAX);
+    let expected = batch.saturating_mul(seq);
     if positions.len() != expected {
         return Err(OpsError::ShapeMismatch {
             op: "positions (batch x seq)",

@@ -533,10 +533,15 @@ fn example_starts(
         for (i, &m) in mask.payload().iter().enumerate() {
             let first = pos + i == 0;
             let row_start = m & MASK_ROW_START != 0;
+            // A packed row starts at token 0, on an example, and after a row of at most
+            // row_len tokens.
             let bad_row = packed
-                && ((first && !row_start)
-                    || (row_start && m & MASK_EXAMPLE_START == 0)
-                    || (row_start && rows.last().is_some_and(|&r| pos + i - r > row_len)));
+                && if row_start {
+                    m & MASK_EXAMPLE_START == 0
+                        || rows.last().is_some_and(|&r| pos + i - r > row_len)
+                } else {
+                    first
+                };
             if m & !known != 0 || (first && m & MASK_EXAMPLE_START == 0) || bad_row {
                 return Err(data_err(
                     dir.join(&listed.file),

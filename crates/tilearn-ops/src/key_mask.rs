@@ -126,8 +126,9 @@ mod tests {
         let windowed: Vec<usize> = (0..5).map(|i| key_start(i, None, Some(2))).collect();
         assert_eq!(windowed, [0, 0, 1, 2, 3]);
         assert_eq!(key_start(4, Some(pos[4]), Some(1)), 4);
-        // Out-of-range positions clamp instead of hiding the diagonal.
-        assert_eq!(key_start(2, Some(-5), None), 0);
+        // Out-of-range positions clamp to [0, i] (as the CUDA kernels do): a negative one
+        // leaves the query only itself, one past the row start the whole prefix.
+        assert_eq!(key_start(2, Some(-5), None), 2);
         assert_eq!(key_start(2, Some(9), None), 0);
     }
 

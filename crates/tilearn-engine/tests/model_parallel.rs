@@ -58,6 +58,7 @@ fn batch(seed: u64, vocab: usize) -> Batch {
     Batch {
         input_ids,
         labels,
+        positions: None,
         batch: BATCH,
         seq_len: SEQ,
     }

@@ -2,7 +2,8 @@
 // matrix products (S = scale·Q·Kᵀ, O = P·V and the four backward products) run on cuBLASLt, in
 // crates/tilearn-ops/src/cuda/attention.rs, which also documents the whole algorithm.
 //
-// Fused:     softmax: the causal mask, the row max, the sum of exponentials (one online pass),
+// Fused:     softmax: the causal mask (and the optional key mask: packed examples by restarting
+//            positions, a sliding window; query i sees keys lo(i) ..= i, see tilearn_key_mask), the row max, the sum of exponentials (one online pass),
 //            the probabilities and the log-sum-exp, in one kernel (S is read twice, P written
 //            once). probs: the backward's recomputation P = exp(S - lse) with the mask.
 //            dscores: dS = P ∘ (dP − delta) · scale with the mask, written over P in place.
@@ -47,6 +48,28 @@ __device__ __forceinline__ size_t warp_row() {
     return static_cast<size_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
 }
 
+// The key mask as the row kernels read it: positions from the chunk's first batch row, the
+// window (0: none), and the rows of one batch row (heads * seq).
+struct RowMask {
+    const int32_t* positions;
+    size_t window;
+    size_t rows_per_batch;
+};
+
+// The first key query i of row r sees (0 without a mask), clamped to [0, i]: the rule of
+// tilearn_key_mask and of the CPU reference's key_start.
+__device__ __forceinline__ size_t first_key(const RowMask& m, size_t r, size_t i, size_t seq) {
+    long long lo = 0;
+    const long long ii = static_cast<long long>(i);
+    if (m.positions != nullptr) lo = ii - m.positions[(r / m.rows_per_batch) * seq + i];
+    if (m.window > 0) {
+        const long long w = ii + 1 - static_cast<long long>(m.window);
+        lo = lo > w ? lo : w;
+    }
+    lo = lo < 0 ? 0 : (lo > ii ? ii : lo);
+    return static_cast<size_t>(lo);
+}
+
 // ---- swap_axes: dst[o, yi, xi, e] = src[o, xi, yi, e], moved in words of W bytes ----
 template <typename W>
 __global__ void swap_axes_kernel(const W* __restrict__ src, W* __restrict__ dst, size_t outer,
@@ -68,15 +91,17 @@ __global__ void swap_axes_kernel(const W* __restrict__ src, W* __restrict__ dst,
 // ---- softmax: P[r, j] = exp(S[r, j] - lse[r]) for j <= i, 0 for i < j < seq ----
 template <typename TP>
 __global__ void softmax_kernel(const float* __restrict__ scores, size_t ld, size_t rows,
-                               size_t seq, TP* __restrict__ probs, float* __restrict__ lse) {
+                               size_t seq, TP* __restrict__ probs, float* __restrict__ lse,
+                               RowMask mask) {
     const size_t r = warp_row();
     if (r >= rows) return;
     const int lane = threadIdx.x % kWarp;
     const size_t i = r % seq;
+    const size_t lo = first_key(mask, r, i, seq);
     const float* s = scores + r * ld;
     // Online max and sum of this lane's keys, then the warp's.
     float m = -INFINITY, l = 0.0f;
-    for (size_t j = lane; j <= i; j += kWarp) {
+    for (size_t j = lo + lane; j <= i; j += kWarp) {
         const float x = s[j];
         const float m_new = fmaxf(m, x);
         l = l * expf(m - m_new) + expf(x - m_new);
@@ -88,40 +113,44 @@ __global__ void softmax_kernel(const float* __restrict__ scores, size_t ld, size
     const float row_lse = m_all + logf(l_all);
     TP* p = probs + r * ld;
     for (size_t j = lane; j < seq; j += kWarp)
-        p[j] = tilearn::from_f32<TP>(j <= i ? expf(s[j] - row_lse) : 0.0f);
+        p[j] = tilearn::from_f32<TP>(lo <= j && j <= i ? expf(s[j] - row_lse) : 0.0f);
     if (lane == 0) lse[r] = row_lse;
 }
 
 // ---- probs: the backward's P = exp(S - lse) with the causal mask ----
 template <typename TP>
 __global__ void probs_kernel(const float* __restrict__ scores, size_t ld, size_t rows, size_t seq,
-                             const float* __restrict__ lse, TP* __restrict__ probs) {
+                             const float* __restrict__ lse, TP* __restrict__ probs,
+                             RowMask mask) {
     const size_t r = warp_row();
     if (r >= rows) return;
     const int lane = threadIdx.x % kWarp;
     const size_t i = r % seq;
+    const size_t lo = first_key(mask, r, i, seq);
     const float row_lse = lse[r];
     const float* s = scores + r * ld;
     TP* p = probs + r * ld;
     for (size_t j = lane; j < seq; j += kWarp)
-        p[j] = tilearn::from_f32<TP>(j <= i ? expf(s[j] - row_lse) : 0.0f);
+        p[j] = tilearn::from_f32<TP>(lo <= j && j <= i ? expf(s[j] - row_lse) : 0.0f);
 }
 
 // ---- dscores: dS = P * (dP - delta) * scale, in place over P, with the causal mask ----
 template <typename TP>
 __global__ void dscores_kernel(TP* __restrict__ probs_ds, const float* __restrict__ dprobs,
                                size_t ld, size_t rows, size_t seq,
-                               const float* __restrict__ delta, float scale) {
+                               const float* __restrict__ delta, float scale, RowMask mask) {
     const size_t r = warp_row();
     if (r >= rows) return;
     const int lane = threadIdx.x % kWarp;
     const size_t i = r % seq;
+    const size_t lo = first_key(mask, r, i, seq);
     const float row_delta = delta[r];
     TP* p = probs_ds + r * ld;
     const float* dp = dprobs + r * ld;
     for (size_t j = lane; j < seq; j += kWarp) {
         // Each element is read and written by the same thread, so in place is race-free.
-        const float v = j <= i ? tilearn::to_f32(p[j]) * (dp[j] - row_delta) * scale : 0.0f;
+        const float v =
+            lo <= j && j <= i ? tilearn::to_f32(p[j]) * (dp[j] - row_delta) * scale : 0.0f;
         p[j] = tilearn::from_f32<TP>(v);
     }
 }
@@ -158,42 +187,60 @@ bool row_args_ok(const void* a, const void* b, size_t ld, size_t rows, size_t se
            rows <= SIZE_MAX / ld;
 }
 
+// The row kernels' view of `mask` (NULL: causal), or false when it is unusable.
+bool row_mask(const tilearn_key_mask* mask, size_t heads, size_t seq, RowMask* out) {
+    *out = RowMask{nullptr, 0, 1};
+    if (mask == nullptr) return true;
+    if (heads == 0 || heads > SIZE_MAX / seq) return false;
+    if (mask->positions != nullptr && reinterpret_cast<uintptr_t>(mask->positions) % 4 != 0)
+        return false;
+    *out = RowMask{mask->positions, mask->sliding_window, heads * seq};
+    return true;
+}
+
 template <typename TP>
 int launch_softmax(const float* scores, size_t ld, size_t rows, size_t seq, void* probs,
-                   float* lse, cudaStream_t stream) {
+                   float* lse, const tilearn_key_mask* km, size_t heads, cudaStream_t stream) {
     if (rows == 0) return static_cast<int>(cudaSuccess);
-    if (!row_args_ok(scores, probs, ld, rows, seq) || lse == nullptr)
+    RowMask mask;
+    if (!row_args_ok(scores, probs, ld, rows, seq) || lse == nullptr ||
+        !row_mask(km, heads, seq, &mask))
         return static_cast<int>(cudaErrorInvalidValue);
     unsigned blocks;
     if (!row_grid(rows, &blocks)) return static_cast<int>(cudaErrorInvalidValue);
     softmax_kernel<TP><<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(
-        scores, ld, rows, seq, static_cast<TP*>(probs), lse);
+        scores, ld, rows, seq, static_cast<TP*>(probs), lse, mask);
     return static_cast<int>(cudaGetLastError());
 }
 
 template <typename TP>
 int launch_probs(const float* scores, size_t ld, size_t rows, size_t seq, const float* lse,
-                 void* probs, cudaStream_t stream) {
+                 void* probs, const tilearn_key_mask* km, size_t heads, cudaStream_t stream) {
     if (rows == 0) return static_cast<int>(cudaSuccess);
-    if (!row_args_ok(scores, probs, ld, rows, seq) || lse == nullptr)
+    RowMask mask;
+    if (!row_args_ok(scores, probs, ld, rows, seq) || lse == nullptr ||
+        !row_mask(km, heads, seq, &mask))
         return static_cast<int>(cudaErrorInvalidValue);
     unsigned blocks;
     if (!row_grid(rows, &blocks)) return static_cast<int>(cudaErrorInvalidValue);
-    probs_kernel<TP><<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(scores, ld, rows, seq, lse,
-                                                                   static_cast<TP*>(probs));
+    probs_kernel<TP><<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(
+        scores, ld, rows, seq, lse, static_cast<TP*>(probs), mask);
     return static_cast<int>(cudaGetLastError());
 }
 
 template <typename TP>
 int launch_dscores(void* probs_ds, const float* dprobs, size_t ld, size_t rows, size_t seq,
-                   const float* delta, float scale, cudaStream_t stream) {
+                   const float* delta, float scale, const tilearn_key_mask* km, size_t heads,
+                   cudaStream_t stream) {
     if (rows == 0) return static_cast<int>(cudaSuccess);
-    if (!row_args_ok(probs_ds, dprobs, ld, rows, seq) || delta == nullptr)
+    RowMask mask;
+    if (!row_args_ok(probs_ds, dprobs, ld, rows, seq) || delta == nullptr ||
+        !row_mask(km, heads, seq, &mask))
         return static_cast<int>(cudaErrorInvalidValue);
     unsigned blocks;
     if (!row_grid(rows, &blocks)) return static_cast<int>(cudaErrorInvalidValue);
     dscores_kernel<TP><<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(
-        static_cast<TP*>(probs_ds), dprobs, ld, rows, seq, delta, scale);
+        static_cast<TP*>(probs_ds), dprobs, ld, rows, seq, delta, scale, mask);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -254,26 +301,31 @@ extern "C" int tilearn_attention_swap_axes(const void* src, void* dst, size_t ou
 
 extern "C" int tilearn_attention_softmax(int dtype, const float* scores, size_t ld, size_t rows,
                                          size_t seq, void* probs, float* lse,
+                                         const tilearn_key_mask* mask, size_t heads,
                                          cudaStream_t stream) {
     return tilearn::dispatch(dtype, [&](auto tag) {
-        return launch_softmax<decltype(tag)>(scores, ld, rows, seq, probs, lse, stream);
+        return launch_softmax<decltype(tag)>(scores, ld, rows, seq, probs, lse, mask, heads,
+                                             stream);
     });
 }
 
 extern "C" int tilearn_attention_probs(int dtype, const float* scores, size_t ld, size_t rows,
                                        size_t seq, const float* lse, void* probs,
+                                       const tilearn_key_mask* mask, size_t heads,
                                        cudaStream_t stream) {
     return tilearn::dispatch(dtype, [&](auto tag) {
-        return launch_probs<decltype(tag)>(scores, ld, rows, seq, lse, probs, stream);
+        return launch_probs<decltype(tag)>(scores, ld, rows, seq, lse, probs, mask, heads,
+                                           stream);
     });
 }
 
 extern "C" int tilearn_attention_dscores(int dtype, void* probs_ds, const float* dprobs, size_t ld,
                                          size_t rows, size_t seq, const float* delta, float scale,
+                                         const tilearn_key_mask* mask, size_t heads,
                                          cudaStream_t stream) {
     return tilearn::dispatch(dtype, [&](auto tag) {
-        return launch_dscores<decltype(tag)>(probs_ds, dprobs, ld, rows, seq, delta, scale,
-                                             stream);
+        return launch_dscores<decltype(tag)>(probs_ds, dprobs, ld, rows, seq, delta, scale, mask,
+                                             heads, stream);
     });
 }
 

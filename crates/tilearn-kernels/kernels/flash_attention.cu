@@ -14,9 +14,17 @@
 //            scale), and writes dK, dV once; dq: one CTA per (query block, batch, query head)
 //            walks the key blocks up to the diagonal and accumulates dQ += dS·K. delta =
 //            rowsum(dO ∘ O) comes from attention.cu's delta kernel.
+//            Key mask (optional, the MASK instantiations): per query i a first visible key
+//            lo(i) = max(i − position_ids[b, i], i + 1 − sliding_window), clamped to [0, i]:
+//            packed examples (positions restart at 0 per example) and Mistral's sliding
+//            window; scores of keys j < lo(i) are masked like those above the diagonal. lo
+//            never decreases along a row (positions are a restart sequence), so the forward
+//            and dQ start at key block lo(q0) / BC and dK/dV stop at the last query block
+//            that sees the CTA's keys: key tiles no row of a tile sees are never loaded. The
+//            unmasked instantiations are the plain causal kernels, unchanged.
 // Layout:    q / out / dout / dq [batch, seq, q_heads, head_dim], k / v / dk / dv [batch, seq,
 //            kv_heads, head_dim] (the projections' layout: no permutes), lse / delta f32
-//            [batch, q_heads, seq]; query head h reads kv head h / (q_heads / kv_heads). Every
+//            [batch, q_heads, seq], position_ids int32 [batch, seq] (or null); query head h reads kv head h / (q_heads / kv_heads). Every
 //            tensor of the element type starts on a 16-byte boundary (cp.async of 16 bytes).
 //            Tiles live in shared memory with 16-byte chunks XOR-swizzled by row (chunk c of row
 //            r at c ^ (r & 7)), so ldmatrix and cp.async are free of bank conflicts.
@@ -326,12 +334,23 @@ struct Args {
     const float* delta;    // backward
     void* dk;              // backward
     void* dv;              // backward
+    const int* positions;  // [batch, seq] restarting position ids, or null (one sequence a row)
+    int window;            // sliding window in keys, 0 for none
     int batch;
     int seq;
     int q_heads;
     int kv_heads;
     float scale;
 };
+
+// The first key that query i (clamped to the last row) of batch row b sees: see the header.
+__device__ __forceinline__ int key_start(const Args& a, int b, int i) {
+    i = min(i, a.seq - 1);
+    int lo = 0;
+    if (a.positions != nullptr) lo = i - a.positions[static_cast<size_t>(b) * a.seq + i];
+    if (a.window > 0) lo = max(lo, i + 1 - a.window);
+    return min(max(lo, 0), i);
+}
 
 // The thread's index, warp and lane, and its place in the mma fragments: row g = lane / 4 and
 // column pair tq = lane % 4.
@@ -422,7 +441,7 @@ __device__ __forceinline__ KvTiles<T> next_kv_block(T* sK, T* sV, const T* kg, c
 
 // ---- forward: one CTA per (query block, batch, query head) ----
 // WARPS warps of MT m-tiles (16 query rows each): BR = 16 WARPS MT query rows; key blocks of BC.
-template <typename T, int D, int WARPS, int MT, int BC>
+template <typename T, int D, int WARPS, int MT, int BC, bool MASK>
 __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
     constexpr int kThreads = WARPS * 32;
     constexpr int BR = WARPS * MT * 16;
@@ -439,12 +458,27 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
     const auto [q0, nkb, q_stride, kv_stride, q_base, kg, vg, b, h] =
         query_block<T, D, BR, BC>(a);
 
+    // Key blocks before the block's first visible key are seen by no row of it.
+    const int kb_first = MASK ? key_start(a, b, q0) / BC : 0;
     load_tile<T, BR, D, kThreads>(sQ, static_cast<const T*>(a.q) + q_base, q_stride, q0, seq,
                                   tid);
-    load_kv<T, BC, D, kThreads>(sK, sV, kg, vg, kv_stride, 0, seq, tid);
+    load_kv<T, BC, D, kThreads>(sK + (kb_first & 1) * BC * D, sV + (kb_first & 1) * BC * D, kg,
+                                vg, kv_stride, kb_first * BC, seq, tid);
     cp_async_commit();
 
     const int row_w = warp * MT * 16;  // this warp's first row in the block
+    // The first visible key of this thread's rows and of the warp's first and last rows.
+    int lo_r[MT][2];
+    int lo_w_first = 0, lo_w_last = 0;
+    if constexpr (MASK) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) lo_r[mt][r] = key_start(a, b, q0 + row_w + mt * 16 + g + 8 * r);
+        }
+        lo_w_first = key_start(a, b, q0 + row_w);
+        lo_w_last = key_start(a, b, q0 + row_w + MT * 16 - 1);
+    }
     const float sl2 = a.scale * kLog2e;
     float o[MT][ND][4];
     float row_max[MT][2];
@@ -454,18 +488,20 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
     fill(row_max, -INFINITY);
     fill(row_sum, 0.0f);
 
-    for (int kb = 0; kb < nkb; ++kb) {
+    for (int kb = kb_first; kb < nkb; ++kb) {
         const auto [k_s, v_s] =
             next_kv_block<T, BC, D, kThreads>(sK, sV, kg, vg, kv_stride, kb, nkb, seq, tid);
-        if (kb == 0) load_a_frags<T, D>(sQ, row_w, lane, qf);
+        if (kb == kb_first) load_a_frags<T, D>(sQ, row_w, lane, qf);
         const int k0 = kb * BC;
-        // A warp whose rows all precede the block's first key has nothing to add.
-        if (k0 <= q0 + row_w + MT * 16 - 1) {
+        // A warp whose rows all precede the block's first key, or (masked) all start past its
+        // last key, has nothing to add.
+        if (k0 <= q0 + row_w + MT * 16 - 1 && (!MASK || k0 + BC - 1 >= lo_w_first)) {
             float s[MT][NS][4];
             fill(s, 0.0f);
             mma_bt<T, D>(s, qf, k_s, lane);
-            // Causal mask and the sequence end, only where some key can pass a row or seq.
-            if (k0 + BC - 1 > q0 + row_w || k0 + BC > seq) {
+            // Causal mask, key mask and the sequence end, only where some key can pass a row's
+            // range or seq.
+            if (k0 + BC - 1 > q0 + row_w || k0 + BC > seq || (MASK && k0 < lo_w_last)) {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -475,6 +511,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
                             const int col = k0 + nt * 8 + 2 * tq + (e & 1);
                             const int row = q0 + row_w + mt * 16 + g + 8 * (e >> 1);
                             if (col > row || col >= seq) s[mt][nt][e] = -INFINITY;
+                            if constexpr (MASK) {
+                                if (col < lo_r[mt][e >> 1]) s[mt][nt][e] = -INFINITY;
+                            }
                         }
                     }
                 }
@@ -490,8 +529,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
                         mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
                     mx = quad_max(mx);
                     const float m_new = fmaxf(row_max[mt][r], mx);
-                    // Key 0 is valid for every row, so m_new is finite from the first block on;
-                    // the guard keeps a fully masked row at p = 0 instead of NaN regardless.
+                    // Without a key mask key 0 is valid for every row, so m_new is finite from
+                    // the first block on; with one a row may see no key of this block: the guard
+                    // keeps it at p = 0 (and corr = 0 later) instead of NaN.
                     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
                     const float corr = exp2_approx((row_max[mt][r] - m_use) * sl2);
                     row_max[mt][r] = m_new;
@@ -557,7 +597,7 @@ __device__ __forceinline__ void mma_rows_bt(Acc& acc, const uint32_t (&regs)[R][
 
 // WARPS warps of 16 keys each (BC = 16 WARPS keys); query blocks of BR rows. KV_REGS keeps the
 // warp's K and V A-fragments in registers for the whole loop (else reloaded per query block).
-template <typename T, int D, int WARPS, int BR, bool KV_REGS>
+template <typename T, int D, int WARPS, int BR, bool KV_REGS, bool MASK>
 __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
     constexpr int kThreads = WARPS * 32;
     constexpr int BC = WARPS * 16;
@@ -571,6 +611,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
     T* sdO = sQ + 2 * BR * D;  // two buffers of BR x D
     float* sL = reinterpret_cast<float*>(sdO + 2 * BR * D);  // two buffers of BR lse
     float* sDelta = sL + 2 * BR;                              // two buffers of BR delta
+    int* sLo = reinterpret_cast<int*>(sDelta + 2 * BR);  // MASK: two buffers of BR key_start
 
     const auto [tid, warp, lane, g, tq] = thread_ids();
     const int seq = a.seq;
@@ -583,7 +624,19 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
     const int group = a.q_heads / a.kv_heads;
     const int k0 = kb * BC;
     const int qb_first = k0 / BR;  // the first query block holding a query >= k0
-    const int nq = (seq + BR - 1) / BR - qb_first;
+    // The queries that see a key of this block end before the first i with key_start(i) past
+    // the block's last key (key_start never decreases: a binary search over [k0, seq)).
+    int q_end = seq;
+    if constexpr (MASK) {
+        const int k_last = min(k0 + BC, seq) - 1;
+        int lo = k0, hi = seq;  // key_start(k0) <= k0 <= k_last: the answer lies in (k0, seq]
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (key_start(a, b, mid) > k_last) hi = mid; else lo = mid + 1;
+        }
+        q_end = lo;
+    }
+    const int nq = (q_end + BR - 1) / BR - qb_first;
     const int n_it = group * nq;
     const size_t q_stride = static_cast<size_t>(a.q_heads) * D;
     const size_t kv_stride = static_cast<size_t>(a.kv_heads) * D;
@@ -608,6 +661,11 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
             const float* src = (i < BR ? a.lse_in : a.delta) + row_base + (valid ? t : 0);
             float* dst = (i < BR ? sL : sDelta) + buf * BR + r;
             cp_async4(smem_addr(dst), src, valid);
+        }
+        if constexpr (MASK) {
+            // Plain stores: visible after cp_async_next_stage's barrier; the buffer's previous
+            // readers finished before the last iteration's closing barrier.
+            for (int r = tid; r < BR; r += kThreads) sLo[buf * BR + r] = key_start(a, b, q0 + r);
         }
     };
 
@@ -640,14 +698,17 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
         const T* do_s = sdO + buf * BR * D;
         const float* l_s = sL + buf * BR;
         const float* d_s = sDelta + buf * BR;
-        // A warp whose keys all follow the block's last query has nothing to add.
-        if (q0 + BR - 1 >= kw) {
+        const int* lo_s = sLo + buf * BR;
+        // A warp whose keys all follow the block's last query, or (masked) all precede the
+        // first visible key of every query of the block, has nothing to add.
+        if (q0 + BR - 1 >= kw && (!MASK || lo_s[0] <= kw + 15)) {
             // Sᵀ = K·Qᵀ (rows: this warp's 16 keys; columns: the block's BR queries).
             float st[NS][4];
             fill(st, 0.0f);
             mma_rows_bt<T, D, KV_REGS>(st, kf, sK, warp * 16, q_s, lane);
             // Pᵀ = exp(scale·Sᵀ − lse[query]), zero for key > query and for queries >= seq.
-            const bool need_mask = q0 < kw + 15 || q0 + BR > seq;
+            const bool need_mask =
+                q0 < kw + 15 || q0 + BR > seq || (MASK && lo_s[BR - 1] > kw);
 #pragma unroll
             for (int nt = 0; nt < NS; ++nt) {
 #pragma unroll
@@ -658,6 +719,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
                         const int i = q0 + il;
                         const int j = kw + g + 8 * (e >> 1);
                         if (j > i || i >= seq) p = 0.0f;
+                        if constexpr (MASK) {
+                            if (j < lo_s[il]) p = 0.0f;
+                        }
                     }
                     st[nt][e] = p;
                 }
@@ -697,7 +761,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
 
 // ---- backward dQ: one CTA per (query block, batch, query head) ----
 // WARPS warps of 16 queries (BR = 16 WARPS); key blocks of BC.
-template <typename T, int D, int WARPS, int BC>
+template <typename T, int D, int WARPS, int BC, bool MASK>
 __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
     constexpr int kThreads = WARPS * 32;
     constexpr int BR = WARPS * 16;
@@ -719,7 +783,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
                                   tid);
     load_tile<T, BR, D, kThreads>(sdO, static_cast<const T*>(a.dout) + q_base, q_stride, q0, seq,
                                   tid);
-    load_kv<T, BC, D, kThreads>(sK, sV, kg, vg, kv_stride, 0, seq, tid);
+    const int kb_first = MASK ? key_start(a, b, q0) / BC : 0;
+    load_kv<T, BC, D, kThreads>(sK + (kb_first & 1) * BC * D, sV + (kb_first & 1) * BC * D, kg,
+                                vg, kv_stride, kb_first * BC, seq, tid);
     cp_async_commit();
 
     const float sl2 = a.scale * kLog2e;
@@ -737,23 +803,33 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
     fill(dq, 0.0f);
     uint32_t qf[KD][4];
     uint32_t dof[KD][4];
+    // The first visible key of this thread's rows and of the warp's first and last rows.
+    int lo_r[2] = {0, 0};
+    int lo_w_first = 0, lo_w_last = 0;
+    if constexpr (MASK) {
+        lo_r[0] = key_start(a, b, row_w + g);
+        lo_r[1] = key_start(a, b, row_w + g + 8);
+        lo_w_first = key_start(a, b, row_w);
+        lo_w_last = key_start(a, b, row_w + 15);
+    }
 
-    for (int kb = 0; kb < nkb; ++kb) {
+    for (int kb = kb_first; kb < nkb; ++kb) {
         const auto [k_s, v_s] =
             next_kv_block<T, BC, D, kThreads>(sK, sV, kg, vg, kv_stride, kb, nkb, seq, tid);
-        if (kb == 0) {
+        if (kb == kb_first) {
             load_a_frags<T, D>(sQ, warp * 16, lane, qf);
             load_a_frags<T, D>(sdO, warp * 16, lane, dof);
         }
         const int k0 = kb * BC;
-        if (k0 <= row_w + 15) {
+        if (k0 <= row_w + 15 && (!MASK || k0 + BC - 1 >= lo_w_first)) {
             // S = Q·Kᵀ, then P = exp(scale·S − lse), masked.
             float s[NS][4];
             float dp[NS][4];
             fill(s, 0.0f);
             fill(dp, 0.0f);
             mma_bt<T, D>(s, qf, k_s, lane);
-            const bool need_mask = k0 + BC - 1 > row_w || k0 + BC > seq;
+            const bool need_mask =
+                k0 + BC - 1 > row_w || k0 + BC > seq || (MASK && k0 < lo_w_last);
 #pragma unroll
             for (int nt = 0; nt < NS; ++nt) {
 #pragma unroll
@@ -763,6 +839,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
                         const int col = k0 + nt * 8 + 2 * tq + (e & 1);
                         const int row = row_w + g + 8 * (e >> 1);
                         if (col > row || col >= seq) p = 0.0f;
+                        if constexpr (MASK) {
+                            if (col < lo_r[e >> 1]) p = 0.0f;
+                        }
                     }
                     s[nt][e] = p;
                 }
@@ -839,7 +918,7 @@ cudaError_t launch(K kernel, unsigned grid, int threads, size_t smem, const Args
     return cudaGetLastError();
 }
 
-template <typename T, int D, int WARPS, int MT, int BC>
+template <typename T, int D, int WARPS, int MT, int BC, bool MASK>
 int run_forward(const Args& a, cudaStream_t stream) {
     constexpr int BR = WARPS * MT * 16;
     const size_t smem = static_cast<size_t>(BR + 4 * BC) * D * sizeof(T);
@@ -847,10 +926,11 @@ int run_forward(const Args& a, cudaStream_t stream) {
     if (!grid_ok((a.seq + BR - 1) / BR, static_cast<size_t>(a.batch) * a.q_heads, &grid))
         return static_cast<int>(cudaErrorInvalidValue);
     return static_cast<int>(
-        launch(flash_fwd_kernel<T, D, WARPS, MT, BC>, grid, WARPS * 32, smem, a, stream));
+        launch(flash_fwd_kernel<T, D, WARPS, MT, BC, MASK>, grid, WARPS * 32, smem, a, stream));
 }
 
-template <typename T, int D, int KV_WARPS, int KV_BR, bool KV_REGS, int Q_WARPS, int Q_BC>
+template <typename T, int D, int KV_WARPS, int KV_BR, bool KV_REGS, int Q_WARPS, int Q_BC,
+          bool MASK>
 int run_backward(const Args& a, cudaStream_t stream) {
     constexpr int KV_BC = KV_WARPS * 16;
     constexpr int Q_BR = Q_WARPS * 16;
@@ -859,13 +939,13 @@ int run_backward(const Args& a, cudaStream_t stream) {
                  &grid_kv) ||
         !grid_ok((a.seq + Q_BR - 1) / Q_BR, static_cast<size_t>(a.batch) * a.q_heads, &grid_q))
         return static_cast<int>(cudaErrorInvalidValue);
-    const size_t smem_kv =
-        static_cast<size_t>(2 * KV_BC + 4 * KV_BR) * D * sizeof(T) + 4 * KV_BR * sizeof(float);
-    cudaError_t e = launch(flash_bwd_dkdv_kernel<T, D, KV_WARPS, KV_BR, KV_REGS>, grid_kv,
+    const size_t smem_kv = static_cast<size_t>(2 * KV_BC + 4 * KV_BR) * D * sizeof(T) +
+                           4 * KV_BR * sizeof(float) + (MASK ? 2 * KV_BR * sizeof(int) : 0);
+    cudaError_t e = launch(flash_bwd_dkdv_kernel<T, D, KV_WARPS, KV_BR, KV_REGS, MASK>, grid_kv,
                            KV_WARPS * 32, smem_kv, a, stream);
     if (e != cudaSuccess) return static_cast<int>(e);
     const size_t smem_q = static_cast<size_t>(2 * Q_BR + 4 * Q_BC) * D * sizeof(T);
-    e = launch(flash_bwd_dq_kernel<T, D, Q_WARPS, Q_BC>, grid_q, Q_WARPS * 32, smem_q, a,
+    e = launch(flash_bwd_dq_kernel<T, D, Q_WARPS, Q_BC, MASK>, grid_q, Q_WARPS * 32, smem_q, a,
                stream);
     return static_cast<int>(e);
 }
@@ -877,33 +957,49 @@ int run_backward(const Args& a, cudaStream_t stream) {
 //                 dQ 64 queries x 64 keys, 48 KB.
 //   head_dim 128: forward 64 queries x 64 keys, 80 KB; dK/dV 64 keys x 32 queries, 64.5 KB;
 //                 dQ 64 queries x 32 keys, 64 KB.
-template <typename T>
-int run(bool backward, size_t head_dim, const Args& a, cudaStream_t stream) {
+// A key mask (positions or a window) takes the MASK instantiations (dK/dV + 512 / 256 bytes).
+template <typename T, bool MASK>
+int run_masked(bool backward, size_t head_dim, const Args& a, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, float>) {
         return static_cast<int>(cudaErrorInvalidValue);
     } else {
         switch (head_dim) {
             case 64:
-                return backward ? run_backward<T, 64, 4, 64, true, 4, 64>(a, stream)
-                                : run_forward<T, 64, 4, 2, 64>(a, stream);
+                return backward ? run_backward<T, 64, 4, 64, true, 4, 64, MASK>(a, stream)
+                                : run_forward<T, 64, 4, 2, 64, MASK>(a, stream);
             case 128:
-                return backward ? run_backward<T, 128, 4, 32, false, 4, 32>(a, stream)
-                                : run_forward<T, 128, 4, 1, 64>(a, stream);
+                return backward ? run_backward<T, 128, 4, 32, false, 4, 32, MASK>(a, stream)
+                                : run_forward<T, 128, 4, 1, 64, MASK>(a, stream);
             default:
                 return static_cast<int>(cudaErrorInvalidValue);
         }
     }
 }
 
+template <typename T>
+int run(bool backward, size_t head_dim, const Args& a, cudaStream_t stream) {
+    if (a.positions != nullptr || a.window > 0)
+        return run_masked<T, true>(backward, head_dim, a, stream);
+    return run_masked<T, false>(backward, head_dim, a, stream);
+}
+
 // The entry points' checks, in this order: a supported dtype and head_dim; an empty problem is
 // done; valid sizes (filled into `a`); the pass's tensors aligned. Then the launch.
 int checked_run(int dtype, bool backward, Args a, size_t batch, size_t seq, size_t q_heads,
-                size_t kv_heads, size_t head_dim, float scale, cudaStream_t stream) {
+                size_t kv_heads, size_t head_dim, float scale, const tilearn_key_mask* mask,
+                cudaStream_t stream) {
     if (!tilearn_flash_attention_supported(dtype, head_dim))
         return static_cast<int>(cudaErrorInvalidValue);
     if (batch == 0 || seq == 0 || q_heads == 0) return static_cast<int>(cudaSuccess);
     if (!shape_ok(batch, seq, q_heads, kv_heads, scale, &a) || !pointers_ok(a, backward))
         return static_cast<int>(cudaErrorInvalidValue);
+    if (mask != nullptr) {
+        if (mask->sliding_window > 0x3fffffff ||
+            (mask->positions != nullptr && !aligned4(mask->positions)))
+            return static_cast<int>(cudaErrorInvalidValue);
+        a.positions = mask->positions;
+        a.window = static_cast<int>(mask->sliding_window);
+    }
     return tilearn::dispatch(dtype, [&](auto tag) {
         return run<decltype(tag)>(backward, head_dim, a, stream);
     });
@@ -920,9 +1016,10 @@ extern "C" int tilearn_flash_attention_forward(int dtype, const void* q, const v
                                                const void* v, void* out, float* lse,
                                                size_t batch, size_t seq, size_t q_heads,
                                                size_t kv_heads, size_t head_dim, float scale,
-                                               cudaStream_t stream) {
+                                               const tilearn_key_mask* mask, cudaStream_t stream) {
     const Args a{q, k, v, out, lse};
-    return checked_run(dtype, false, a, batch, seq, q_heads, kv_heads, head_dim, scale, stream);
+    return checked_run(dtype, false, a, batch, seq, q_heads, kv_heads, head_dim, scale, mask,
+                       stream);
 }
 
 extern "C" int tilearn_flash_attention_backward(int dtype, const void* dout, const void* q,
@@ -930,7 +1027,9 @@ extern "C" int tilearn_flash_attention_backward(int dtype, const void* dout, con
                                                 const float* delta, void* dq, void* dk, void* dv,
                                                 size_t batch, size_t seq, size_t q_heads,
                                                 size_t kv_heads, size_t head_dim, float scale,
+                                                const tilearn_key_mask* mask,
                                                 cudaStream_t stream) {
     const Args a{q, k, v, dq, nullptr, dout, lse, delta, dk, dv};
-    return checked_run(dtype, true, a, batch, seq, q_heads, kv_heads, head_dim, scale, stream);
+    return checked_run(dtype, true, a, batch, seq, q_heads, kv_heads, head_dim, scale, mask,
+                       stream);
 }

@@ -5,8 +5,9 @@
 // The backward applies the inverse (transposed) rotation, i.e. the same formula with -sin.
 //
 // Fused:     nothing beyond the rotation; applied in place to q or k.
-// Layout:    x is [batch, seq, heads, head_dim] row-major, rotated in place; position t of a row
-//            uses row t of the tables. cos and sin are [table_seq, h] row-major f32
+// Layout:    x is [batch, seq, heads, head_dim] row-major, rotated in place; token (b, t) uses
+//            row positions[b, t] of the tables (int32 [batch, seq]: packed examples restart
+//            at 0), or row t when positions is null. cos and sin are [table_seq, h] row-major f32
 //            (table_seq >= seq), computed on the host in f64 (tilearn_ops::cpu::RopeTable,
 //            which applies the rope_scaling variants) and uploaded rounded to f32. One thread
 //            rotates a group of pairs: 16 bytes of x from each half (4 f32, or 8 bf16 / f16
@@ -39,8 +40,9 @@ struct alignas(N * sizeof(T) < 16 ? N * sizeof(T) : 16) Pack {
 // One work item = kVec pairs (i, i + h) of one head of one row.
 template <typename T, int kVec, bool kInverse>
 __global__ void rope_kernel(T* __restrict__ x, const float* __restrict__ cos_table,
-                            const float* __restrict__ sin_table, size_t rows, size_t seq,
-                            size_t heads, size_t half) {
+                            const float* __restrict__ sin_table,
+                            const int* __restrict__ positions, size_t table_seq,
+                            size_t rows, size_t seq, size_t heads, size_t half) {
     const size_t groups = half / kVec;  // launch guarantees half % kVec == 0
     const size_t work = rows * groups;
     const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
@@ -48,7 +50,13 @@ __global__ void rope_kernel(T* __restrict__ x, const float* __restrict__ cos_tab
          w += stride) {
         const size_t row = w / groups;  // (b, t, head) flattened
         const size_t i0 = (w - row * groups) * kVec;
-        const size_t t = (row / heads) % seq;
+        const size_t token = row / heads;  // b * seq + t
+        // A position outside the table (the caller checks; a bad one must not read out of
+        // bounds) is clamped to it.
+        const size_t t = positions != nullptr
+                             ? static_cast<size_t>(min(max(positions[token], 0),
+                                                       static_cast<int>(table_seq - 1)))
+                             : token % seq;
         Pack<T, kVec>* lo = reinterpret_cast<Pack<T, kVec>*>(x + row * 2 * half + i0);
         Pack<T, kVec>* hi = reinterpret_cast<Pack<T, kVec>*>(x + row * 2 * half + half + i0);
         const Pack<float, kVec> c =
@@ -86,10 +94,10 @@ bool mul_ok(size_t a, size_t b, size_t* out) {
 }
 
 template <typename T, bool kInverse>
-int launch_rope(void* x, const float* cos_table, const float* sin_table, size_t batch,
-                size_t seq, size_t heads, size_t head_dim, size_t table_seq,
-                cudaStream_t stream) {
-    if (head_dim == 0 || head_dim % 2 != 0 || seq > table_seq)
+int launch_rope(void* x, const float* cos_table, const float* sin_table,
+                const int32_t* positions, size_t batch, size_t seq, size_t heads,
+                size_t head_dim, size_t table_seq, cudaStream_t stream) {
+    if (head_dim == 0 || head_dim % 2 != 0 || seq > table_seq || table_seq > 0x7fffffff)
         return static_cast<int>(cudaErrorInvalidValue);
     size_t bt = 0, rows = 0, elems = 0, table_elems = 0;
     if (!mul_ok(batch, seq, &bt) || !mul_ok(bt, heads, &rows) || !mul_ok(rows, head_dim, &elems) ||
@@ -103,10 +111,10 @@ int launch_rope(void* x, const float* cos_table, const float* sin_table, size_t 
     constexpr int kVec = 16 / sizeof(T);
     if (half % kVec == 0 && aligned16(x) && aligned16(cos_table) && aligned16(sin_table)) {
         rope_kernel<T, kVec, kInverse><<<blocks_for(rows * (half / kVec)), kThreads, 0, stream>>>(
-            xt, cos_table, sin_table, rows, seq, heads, half);
+            xt, cos_table, sin_table, positions, table_seq, rows, seq, heads, half);
     } else {
         rope_kernel<T, 1, kInverse><<<blocks_for(rows * half), kThreads, 0, stream>>>(
-            xt, cos_table, sin_table, rows, seq, heads, half);
+            xt, cos_table, sin_table, positions, table_seq, rows, seq, heads, half);
     }
     return static_cast<int>(cudaGetLastError());
 }
@@ -114,21 +122,21 @@ int launch_rope(void* x, const float* cos_table, const float* sin_table, size_t 
 }  // namespace
 
 extern "C" int tilearn_rope_forward(int dtype, void* x, const float* cos_table,
-                                    const float* sin_table, size_t batch, size_t seq,
-                                    size_t heads, size_t head_dim, size_t table_seq,
-                                    cudaStream_t stream) {
+                                    const float* sin_table, const int32_t* positions,
+                                    size_t batch, size_t seq, size_t heads, size_t head_dim,
+                                    size_t table_seq, cudaStream_t stream) {
     return tilearn::dispatch(dtype, [&](auto tag) {
-        return launch_rope<decltype(tag), false>(x, cos_table, sin_table, batch, seq, heads,
-                                                 head_dim, table_seq, stream);
+        return launch_rope<decltype(tag), false>(x, cos_table, sin_table, positions, batch, seq,
+                                                 heads, head_dim, table_seq, stream);
     });
 }
 
 extern "C" int tilearn_rope_backward(int dtype, void* dx, const float* cos_table,
-                                     const float* sin_table, size_t batch, size_t seq,
-                                     size_t heads, size_t head_dim, size_t table_seq,
-                                     cudaStream_t stream) {
+                                     const float* sin_table, const int32_t* positions,
+                                     size_t batch, size_t seq, size_t heads, size_t head_dim,
+                                     size_t table_seq, cudaStream_t stream) {
     return tilearn::dispatch(dtype, [&](auto tag) {
-        return launch_rope<decltype(tag), true>(dx, cos_table, sin_table, batch, seq, heads,
-                                                head_dim, table_seq, stream);
+        return launch_rope<decltype(tag), true>(dx, cos_table, sin_table, positions, batch, seq,
+                                                heads, head_dim, table_seq, stream);
     });
 }

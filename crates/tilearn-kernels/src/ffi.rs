@@ -121,6 +121,12 @@ pub struct tilearn_sparse_rule {
     pub one_minus_beta2: f32,
     pub neg_step_size: f32,
 }
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct tilearn_key_mask {
+    pub positions: *const i32,
+    pub sliding_window: usize,
+}
 unsafe extern "C" {
     pub fn tilearn_status_name(status: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
     pub fn tilearn_status_string(status: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
@@ -341,6 +347,7 @@ unsafe extern "C" {
         x: *mut ::std::os::raw::c_void,
         cos_table: *const f32,
         sin_table: *const f32,
+        positions: *const i32,
         batch: usize,
         seq: usize,
         heads: usize,
@@ -353,6 +360,7 @@ unsafe extern "C" {
         dx: *mut ::std::os::raw::c_void,
         cos_table: *const f32,
         sin_table: *const f32,
+        positions: *const i32,
         batch: usize,
         seq: usize,
         heads: usize,
@@ -440,6 +448,8 @@ unsafe extern "C" {
         seq: usize,
         probs: *mut ::std::os::raw::c_void,
         lse: *mut f32,
+        mask: *const tilearn_key_mask,
+        heads: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_attention_probs(
@@ -450,6 +460,8 @@ unsafe extern "C" {
         seq: usize,
         lse: *const f32,
         probs: *mut ::std::os::raw::c_void,
+        mask: *const tilearn_key_mask,
+        heads: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_attention_dscores(
@@ -461,6 +473,8 @@ unsafe extern "C" {
         seq: usize,
         delta: *const f32,
         scale: f32,
+        mask: *const tilearn_key_mask,
+        heads: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_attention_delta(
@@ -491,6 +505,7 @@ unsafe extern "C" {
         kv_heads: usize,
         head_dim: usize,
         scale: f32,
+        mask: *const tilearn_key_mask,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_flash_attention_backward(
@@ -510,6 +525,7 @@ unsafe extern "C" {
         kv_heads: usize,
         head_dim: usize,
         scale: f32,
+        mask: *const tilearn_key_mask,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
 }

@@ -131,3 +131,110 @@ fn prepare_sft_then_train_a_few_cpu_steps() {
         assert!(loss.is_finite() && loss > 3.0 && loss < 8.0, "{record}");
     }
 }
+
+/// `prepare-data --format sft --packing --max-seq-length 48`: the examples are packed into
+/// fewer rows than examples, every row holds whole examples within 48 tokens, positions
+/// restart per example, and `train` runs a few CPU steps on the packed rows. Without
+/// `--max-seq-length` the flag is refused with the fix.
+#[test]
+fn prepare_sft_with_packing_then_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let tokenizer = model.join("tokenizer.json");
+    tilearn_engine::data::byte_level_tokenizer()
+        .save(&tokenizer, false)
+        .unwrap();
+    std::fs::write(model.join("tokenizer_config.json"), TOKENIZER_CONFIG).unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, CONFIG).unwrap();
+    let lines: Vec<String> = (0..20)
+        .map(|i| {
+            format!(
+                r#"{{"prompt": "Q{i}? ", "response": "{}"}}"#,
+                "a".repeat(1 + i % 7)
+            )
+        })
+        .collect();
+    let input = dir.path().join("train.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let data = dir.path().join("data");
+    let base = [
+        "prepare-data",
+        "--format",
+        "sft",
+        "--tokenizer",
+        path_str(&tokenizer),
+        "--input",
+        path_str(&input),
+        "--output",
+        path_str(&data),
+        "--packing",
+    ];
+
+    let out = tilearn(&base);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("--max-seq-length"), "{err}");
+
+    let mut args = base.to_vec();
+    args.extend_from_slice(&["--max-seq-length", "48"]);
+    let stdout = support::ok(tilearn(&args));
+    assert!(
+        stdout.contains("20 examples") && stdout.contains("packed into"),
+        "{stdout}"
+    );
+
+    let ds = tilearn_engine::data::TokenDataset::open(&data).unwrap();
+    assert_eq!(ds.layout(), tilearn_engine::data::RowLayout::Packed);
+    let rows = ds.num_rows(48);
+    assert!(
+        rows < 20,
+        "{rows} rows for 20 short examples: nothing was packed"
+    );
+    let (mut ids, mut labels, mut pos) = (vec![0; 48], vec![0; 48], vec![0; 48]);
+    let mut starts = 0;
+    for r in 0..rows {
+        ds.read_row_at(r, &mut ids, &mut labels, Some(&mut pos))
+            .unwrap();
+        tilearn_ops::check_positions(&pos, 1, 48).unwrap();
+        // Every example start (position 0 inside the data, not the padding) has label -100.
+        for t in 0..48 {
+            if pos[t] == 0 {
+                assert_eq!(labels[t], -100, "row {r} token {t}");
+                starts += 1;
+            }
+        }
+    }
+    // 20 examples, plus one padding run per row that is not full.
+    assert!(
+        starts >= 20 && starts <= 20 + rows,
+        "{starts} segment starts in {rows} rows"
+    );
+
+    let run = dir.path().join("run");
+    let out = tilearn(&[
+        "train",
+        "--config",
+        path_str(&config),
+        "--data",
+        path_str(&data),
+        "--output-dir",
+        path_str(&run),
+        "--max-steps",
+        "2",
+        "--per-device-train-batch-size",
+        "2",
+        "--seq-len",
+        "48",
+        "--logging-steps",
+        "1",
+        "--save-strategy",
+        "no",
+        "--device",
+        "cpu",
+    ]);
+    support::ok(out);
+    let log = std::fs::read_to_string(run.join("train_log.jsonl")).unwrap();
+    assert_eq!(log.lines().count(), 2, "{log}");
+}

@@ -31,6 +31,15 @@ pub enum OpsError {
         position: usize,
         vocab: usize,
     },
+    #[error(
+        "position_ids row {row}, column {column}: {value} after {previous:?}; packed rows need positions that start at 0 and either restart at 0 (a new example) or count up by 1"
+    )]
+    InvalidPositions {
+        row: usize,
+        column: usize,
+        value: i32,
+        previous: Option<i32>,
+    },
     #[error("CUDA error in {context}: {message}")]
     Cuda {
         context: &'static str,

@@ -14,9 +14,11 @@ pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod fs;
+pub mod key_mask;
 pub(crate) mod shape;
 pub mod tensor;
 
 pub use dtype::{DType, ParseDTypeError};
 pub use error::{OpsError, Result};
+pub use key_mask::{KeyMask, check_positions, key_start};
 pub use tensor::{Device, Tensor};

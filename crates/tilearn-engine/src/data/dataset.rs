@@ -4,7 +4,10 @@
 //! dataset (pretraining) is cut into non-overlapping windows of `seq_len` tokens whose labels
 //! are their ids; an `examples` dataset (supervised fine-tuning) gives one row per example,
 //! truncated to `seq_len` and padded with the pad id, whose labels are the ids of the trained
-//! tokens and -100 (`IGNORE_INDEX`) for the prompt and the padding.
+//! tokens and -100 (`IGNORE_INDEX`) for the prompt and the padding. A `packed` dataset gives one
+//! row per packed row of examples, with position ids that restart at 0 for each example (and
+//! for the padding after the last one) and label -100 on each example's first token
+//! ([`TokenDataset::read_row_at`]).
 
 use std::fs::File;
 use std::ops::Range;
@@ -16,8 +19,8 @@ use rayon::prelude::*;
 use tilearn_ops::cpu::IGNORE_INDEX;
 
 use super::format::{
-    DatasetMeta, Fnv1a64, MASK_EXAMPLE_START, MASK_TRAINED, META_FILE, META_FORMAT, META_VERSION,
-    RowLayout, SHARD_HEADER_LEN, ShardHeader, ShardKind, ShardMeta,
+    DatasetMeta, Fnv1a64, MASK_EXAMPLE_START, MASK_ROW_START, MASK_TRAINED, META_FILE, META_FORMAT,
+    META_VERSION, RowLayout, SHARD_HEADER_LEN, ShardHeader, ShardKind, ShardMeta,
 };
 use crate::error::{EngineError, Result};
 
@@ -39,6 +42,9 @@ pub struct TokenDataset {
     /// Stream position of every example's first token and one extra entry holding the total
     /// (`examples` layout; empty for `stream`).
     examples: Vec<usize>,
+    /// Stream position of every packed row's first token and the total (`packed` layout;
+    /// empty otherwise).
+    packed_rows: Vec<usize>,
 }
 
 /// How many rows of an `examples` dataset a sequence length cuts.
@@ -182,8 +188,8 @@ impl TokenDataset {
             .par_iter()
             .map(|s| open_shard(dir, s, &meta, ShardKind::LossMask))
             .collect::<Result<Vec<_>>>()?;
-        let examples = if masks.is_empty() {
-            Vec::new()
+        let (examples, packed_rows) = if masks.is_empty() {
+            (Vec::new(), Vec::new())
         } else {
             example_starts(dir, &meta, &masks)?
         };
@@ -201,6 +207,7 @@ impl TokenDataset {
             starts,
             masks,
             examples,
+            packed_rows,
         })
     }
 
@@ -254,6 +261,7 @@ impl TokenDataset {
         match self.layout() {
             RowLayout::Stream => self.num_tokens() / seq_len.max(1),
             RowLayout::Examples => self.examples.len().saturating_sub(1),
+            RowLayout::Packed => self.packed_rows.len().saturating_sub(1),
         }
     }
 
@@ -261,9 +269,29 @@ impl TokenDataset {
     /// `seq_len` long): window `row` of the stream with labels equal to the ids, or example
     /// `row` truncated to `seq_len`, padded with the pad id, with label -100 on every token
     /// that is not trained and on the padding.
+    ///
+    /// A `packed` row needs its position ids: read it with [`Self::read_row_at`].
     pub fn read_row(&self, row: usize, ids: &mut [u32], labels: &mut [i32]) -> Result<()> {
+        self.read_row_at(row, ids, labels, None)
+    }
+
+    /// [`Self::read_row`] that also writes the row's position ids into `positions` (`seq_len`
+    /// long) for a `packed` dataset, where they are required: positions restart at 0 for each
+    /// example and for the padding after the last one, and each example's first label is
+    /// -100 (its predecessor's last token does not predict across the boundary). Other layouts
+    /// leave `positions` untouched (their rows are one sequence, positions `0..seq_len`).
+    pub fn read_row_at(
+        &self,
+        row: usize,
+        ids: &mut [u32],
+        labels: &mut [i32],
+        positions: Option<&mut [i32]>,
+    ) -> Result<()> {
         let seq_len = ids.len();
-        if labels.len() != seq_len || row >= self.num_rows(seq_len) {
+        if labels.len() != seq_len
+            || row >= self.num_rows(seq_len)
+            || positions.as_ref().is_some_and(|p| p.len() != seq_len)
+        {
             return Err(EngineError::InvalidArgument {
                 argument: "row".into(),
                 message: format!(
@@ -297,21 +325,79 @@ impl TokenDataset {
                 ids[len..].fill(pad);
                 labels[len..].fill(IGNORE_INDEX);
             }
+            RowLayout::Packed => {
+                let Some(positions) = positions else {
+                    return Err(EngineError::InvalidArgument {
+                        argument: "positions".into(),
+                        message: format!(
+                            "{} holds packed rows, whose examples need their position ids; \
+                             read them with read_row_at",
+                            self.dir.display()
+                        ),
+                    });
+                };
+                self.read_packed_row(row, ids, labels, positions)?;
+            }
         }
         Ok(())
     }
 
+    /// Packed row `row` (see [`Self::read_row_at`]).
+    fn read_packed_row(
+        &self,
+        row: usize,
+        ids: &mut [u32],
+        labels: &mut [i32],
+        positions: &mut [i32],
+    ) -> Result<()> {
+        let seq_len = ids.len();
+        let start = self.packed_rows[row];
+        let len = (self.packed_rows[row + 1] - start).min(seq_len);
+        self.read_into(start, &mut ids[..len])?;
+        let mut mask = vec![0u8; len];
+        self.read_mask_into(start, &mut mask);
+        let mut pos = 0i32;
+        for t in 0..len {
+            let m = mask[t];
+            if m & MASK_EXAMPLE_START != 0 {
+                pos = 0;
+            }
+            positions[t] = pos;
+            pos += 1;
+            labels[t] = if m & MASK_TRAINED != 0 && m & MASK_EXAMPLE_START == 0 {
+                ids[t] as i32
+            } else {
+                IGNORE_INDEX
+            };
+        }
+        let pad = self.meta.pad_id.unwrap_or(self.meta.eos_id);
+        ids[len..].fill(pad);
+        labels[len..].fill(IGNORE_INDEX);
+        for (p, slot) in positions[len..].iter_mut().enumerate() {
+            *slot = p as i32;
+        }
+        Ok(())
+    }
+
+    /// Whether rows carry position ids ([`Self::read_row_at`]): the `packed` layout.
+    pub fn has_positions(&self) -> bool {
+        self.layout() == RowLayout::Packed
+    }
+
     /// For an `examples` dataset: how many examples `seq_len` truncates (`None` for a stream).
     pub fn truncation(&self, seq_len: usize) -> Option<Truncation> {
-        if self.layout() != RowLayout::Examples {
-            return None;
-        }
+        let units = match self.layout() {
+            RowLayout::Stream => return None,
+            RowLayout::Examples => &self.examples,
+            // A packed row longer than seq_len loses the examples at its end.
+            RowLayout::Packed => &self.packed_rows,
+        };
         let mut report = Truncation {
             examples: self.num_rows(seq_len),
             ..Truncation::default()
         };
         let mut mask = Vec::new();
-        for pair in self.examples.windows(2) {
+        for pair in units.windows(2) {
             let (start, len) = (pair[0], pair[1] - pair[0]);
             if len <= seq_len {
                 continue;
@@ -402,7 +488,12 @@ fn check_layout(meta: &DatasetMeta, meta_path: &Path) -> Result<()> {
             "layout `examples` needs meta.json version 2, found {}; re-run `tilearn prepare-data`",
             meta.version
         )),
-        RowLayout::Examples => {
+        RowLayout::Packed if meta.version < 3 || meta.max_seq_length.is_none() => bad(format!(
+            "layout `packed` needs meta.json version 3 and max_seq_length (the row length), \
+             found version {} and {:?}; re-run `tilearn prepare-data --format sft --packing`",
+            meta.version, meta.max_seq_length
+        )),
+        RowLayout::Examples | RowLayout::Packed => {
             let counts = |list: &[ShardMeta]| list.iter().map(|s| s.num_tokens).collect::<Vec<_>>();
             if counts(&meta.mask_shards) != counts(&meta.shards) {
                 return bad(
@@ -423,21 +514,41 @@ fn check_layout(meta: &DatasetMeta, meta_path: &Path) -> Result<()> {
     }
 }
 
-/// Stream positions of the examples' first tokens (mask bit [`MASK_EXAMPLE_START`]) and the
-/// total; checks that the stream starts with an example and that no other bits are set.
-fn example_starts(dir: &Path, meta: &DatasetMeta, masks: &[MappedShard]) -> Result<Vec<usize>> {
+/// Stream positions of the examples' first tokens (mask bit [`MASK_EXAMPLE_START`]) and of
+/// the packed rows' (bit [`MASK_ROW_START`], `packed` layout), each list with the total
+/// appended; checks that the stream starts with an example (and a row, when packed), that
+/// rows start on examples, no row is longer than `max_seq_length`, and no other bits are set.
+fn example_starts(
+    dir: &Path,
+    meta: &DatasetMeta,
+    masks: &[MappedShard],
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    let packed = meta.layout == RowLayout::Packed;
+    let known = MASK_TRAINED | MASK_EXAMPLE_START | if packed { MASK_ROW_START } else { 0 };
+    let row_len = meta.max_seq_length.unwrap_or(usize::MAX);
     let mut starts = Vec::with_capacity(meta.num_documents as usize + 1);
+    let mut rows = Vec::new();
     let mut pos = 0usize;
     for (mask, listed) in masks.iter().zip(&meta.mask_shards) {
         for (i, &m) in mask.payload().iter().enumerate() {
-            if m & !(MASK_TRAINED | MASK_EXAMPLE_START) != 0
-                || (pos + i == 0 && m & MASK_EXAMPLE_START == 0)
-            {
+            let first = pos + i == 0;
+            let row_start = m & MASK_ROW_START != 0;
+            // A packed row starts at token 0, on an example, and after a row of at most
+            // row_len tokens.
+            let bad_row = packed
+                && if row_start {
+                    m & MASK_EXAMPLE_START == 0
+                        || rows.last().is_some_and(|&r| pos + i - r > row_len)
+                } else {
+                    first
+                };
+            if m & !known != 0 || (first && m & MASK_EXAMPLE_START == 0) || bad_row {
                 return Err(data_err(
                     dir.join(&listed.file),
                     format!(
-                        "mask byte {m:#04x} at token {i} is not valid (unknown bits, or the \
-                         first token does not start an example); re-run `tilearn prepare-data \
+                        "mask byte {m:#04x} at token {i} is not valid (unknown bits, the first \
+                         token does not start an example, or a packed row does not start on an \
+                         example or exceeds max_seq_length); re-run `tilearn prepare-data \
                          --format sft`"
                     ),
                 ));
@@ -445,8 +556,20 @@ fn example_starts(dir: &Path, meta: &DatasetMeta, masks: &[MappedShard]) -> Resu
             if m & MASK_EXAMPLE_START != 0 {
                 starts.push(pos + i);
             }
+            if packed && row_start {
+                rows.push(pos + i);
+            }
         }
         pos += mask.num_tokens;
+    }
+    if packed && rows.last().is_some_and(|&r| pos - r > row_len) {
+        return Err(data_err(
+            dir.join(META_FILE),
+            format!(
+                "the last packed row exceeds max_seq_length {row_len}; re-run `tilearn \
+                 prepare-data --format sft --packing`"
+            ),
+        ));
     }
     if starts.len() as u64 != meta.num_documents {
         return Err(data_err(
@@ -460,7 +583,10 @@ fn example_starts(dir: &Path, meta: &DatasetMeta, masks: &[MappedShard]) -> Resu
         ));
     }
     starts.push(pos);
-    Ok(starts)
+    if packed {
+        rows.push(pos);
+    }
+    Ok((starts, rows))
 }
 
 fn open_shard(

@@ -24,6 +24,14 @@
 //! [`super::dataset::TokenDataset::read_row`]). `meta.json` version 2 adds `layout`, `pad_id`,
 //! `mask_shards` and `max_seq_length`; a version-1 `meta.json` (which has none of them) reads
 //! as the `stream` layout, and stream datasets are still written as version 1.
+//!
+//! **Version 3, the `packed` layout** (`prepare-data --format sft --packing`): the examples
+//! are stored row by row, each row a run of whole examples packed into `max_seq_length`
+//! tokens, and a third mask bit ([`MASK_ROW_START`]) marks the first token of every row.
+//! Examples keep bit 1, so a row knows where its examples start: at training time each
+//! example's positions restart at 0 and attention stays inside it. Unpacked examples are still
+//! written as version 2, so readers of version 2 keep reading them; a version-2 reader refuses
+//! a packed dataset (its `layout` is unknown there) instead of training across examples.
 
 use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
@@ -40,9 +48,11 @@ pub const SHARD_VERSION: u32 = 1;
 pub const SHARD_HEADER_LEN: usize = 32;
 /// The `format` field of `meta.json`.
 pub const META_FORMAT: &str = "tilearn-tokens";
-/// Newest version of `meta.json` this library reads and writes (2: the `examples` layout with
-/// loss masks; stream datasets are still written as version 1).
-pub const META_VERSION: u32 = 2;
+/// Newest version of `meta.json` this library reads and writes (3: the `packed` layout;
+/// `examples` datasets are still written as version 2, stream datasets as version 1).
+pub const META_VERSION: u32 = 3;
+/// The `meta.json` version of a dataset in the `examples` layout.
+pub const META_VERSION_EXAMPLES: u32 = 2;
 /// The `meta.json` version of a dataset in the stream layout.
 pub const META_VERSION_STREAM: u32 = 1;
 /// Magic bytes at the start of every loss-mask file.
@@ -51,6 +61,9 @@ pub const MASK_MAGIC: &[u8; 8] = b"TILMSK01";
 pub const MASK_TRAINED: u8 = 1;
 /// Mask bit: the token is the first of an example.
 pub const MASK_EXAMPLE_START: u8 = 2;
+/// Mask bit: the token is the first of a packed row (`packed` layout; always also the first
+/// of an example).
+pub const MASK_ROW_START: u8 = 4;
 /// File name of the dataset description inside a dataset directory.
 pub const META_FILE: &str = "meta.json";
 
@@ -118,6 +131,10 @@ pub enum RowLayout {
     /// padded with `pad_id` and label -100), only tokens whose mask has [`MASK_TRAINED`] are
     /// targets.
     Examples,
+    /// Supervised fine-tuning with packing: every row holds whole examples (marked by
+    /// [`MASK_ROW_START`]), padded with `pad_id`; position ids restart at 0 with each example
+    /// and no example attends to another.
+    Packed,
 }
 
 /// What a shard file holds: token ids or a loss mask.
@@ -182,7 +199,8 @@ pub struct DatasetMeta {
     /// The loss-mask files, one per shard with the same token counts (`examples` layout).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mask_shards: Vec<ShardMeta>,
-    /// The `--max-seq-length` examples were truncated to when prepared, if any.
+    /// The `--max-seq-length` examples were truncated to when prepared, if any (the row
+    /// length of a `packed` dataset).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_seq_length: Option<usize>,
 }

@@ -5,7 +5,8 @@
 //!   into non-overlapping windows of `seq_len` tokens starting at 0, like Hugging Face's
 //!   `group_texts`; the tail shorter than `seq_len` is dropped. A fine-tuning dataset (the
 //!   `examples` layout) has one row per example instead, truncated and padded to `seq_len`
-//!   ([`TokenDataset::read_row`]); everything below treats both the same.
+//!   ([`TokenDataset::read_row`]), and a `packed` one a row per packed row of examples, with
+//!   position ids ([`Batch::positions`]); everything below treats all three the same.
 //! * Order: each epoch visits the windows in a permutation drawn by Fisher–Yates from a ChaCha8
 //!   generator seeded with `seed + epoch` (wrapping), the convention of PyTorch's
 //!   `DistributedSampler`. Windows that do not fill a whole global batch at the end of an epoch
@@ -52,6 +53,10 @@ pub struct Batch {
     /// (prompt and padding of fine-tuning examples); the model shifts them for next-token
     /// prediction.
     pub labels: Vec<i32>,
+    /// Position ids `batch × seq_len` of packed rows (restarting at 0 for each example; the
+    /// model must keep every example's attention inside it), `None` when every row is one
+    /// sequence (positions `0..seq_len`).
+    pub positions: Option<Vec<i32>>,
     /// Rows.
     pub batch: usize,
     /// Tokens per row.
@@ -129,15 +134,19 @@ impl Plan {
         let first = batch_index as usize * global + self.rank * b;
         let mut input_ids = vec![0u32; b * t];
         let mut labels = vec![0i32; b * t];
+        let mut positions = dataset.has_positions().then(|| vec![0i32; b * t]);
+        let mut pos_rows = positions.as_mut().map(|p| p.chunks_mut(t));
         let rows = input_ids.chunks_mut(t).zip(labels.chunks_mut(t));
         for (&window, (ids, row_labels)) in order[first..first + b].iter().zip(rows) {
+            let pos = pos_rows.as_mut().and_then(|p| p.next());
             dataset
-                .read_row(window as usize, ids, row_labels)
+                .read_row_at(window as usize, ids, row_labels, pos)
                 .expect("every row index is below the dataset's row count");
         }
         Batch {
             input_ids,
             labels,
+            positions,
             batch: b,
             seq_len: t,
         }
@@ -337,6 +346,10 @@ fn plan(dataset: &TokenDataset, o: &LoaderOptions) -> Result<Plan> {
                 RowLayout::Examples => format!(
                     "dataset has {num_windows} examples (one per row), fewer than one batch of \
                      {shape}; lower --per-device-train-batch-size or add examples"
+                ),
+                RowLayout::Packed => format!(
+                    "dataset has {num_windows} packed rows, fewer than one batch of {shape}; \
+                     lower --per-device-train-batch-size or add examples"
                 ),
             },
         });

@@ -18,6 +18,7 @@ pub mod documents;
 pub mod format;
 pub mod grammar;
 pub mod loader;
+pub mod packing;
 pub mod prepare;
 pub mod sft;
 pub mod sft_encode;

@@ -5,8 +5,15 @@
 //! assistant turns are trained, everything else gets label -100 when batched). The dataset is
 //! written in the `examples` layout ([`super::format`], `meta.json` version 2): at training time
 //! every example is its own row, truncated to the sequence length and padded with the pad id
-//! (label -100). Examples are never packed together, because the attention kernels do not yet
-//! keep packed examples from attending to each other.
+//! (label -100).
+//!
+//! With `packing` (`--packing`, TRL's `packing=True`) the examples, truncated to
+//! `max_seq_length`, are packed into rows of `max_seq_length` tokens by best-fit decreasing
+//! ([`super::packing`]) and written in the `packed` layout (version 3): at training time each
+//! example's position ids restart at 0, the attention kernels keep every query inside its own
+//! example, and its first label is -100 (the previous example's last token predicts nothing
+//! across the boundary), so a packed row trains exactly like its examples one by one, with far
+//! less padding. Packing holds the tokenized examples in memory until all are read.
 //!
 //! * Pad id: the `pad_token` of the `tokenizer_config.json` beside the tokenizer, else the EOS
 //!   id (what most Llama fine-tuning recipes set, `tokenizer.pad_token = tokenizer.eos_token`).
@@ -27,6 +34,7 @@ use tokenizers::Tokenizer;
 
 use super::chat_template::{ChatTemplate, TOKENIZER_CONFIG_FILE, special_token_text};
 use super::documents::read_utf8;
+use super::packing::best_fit_decreasing;
 use super::prepare::{
     DEFAULT_SHARD_TOKENS, TOKENIZER_FILE, copy_tokenizer, disable_truncation_and_padding,
     eos_id_of, load_tokenizer, progress_bar, vocab_size_of,
@@ -59,6 +67,8 @@ pub struct SftOptions {
     pub max_seq_length: Option<usize>,
     /// Skip (and count) bad lines instead of stopping at the first (`--skip-bad-lines`).
     pub skip_bad_lines: bool,
+    /// Pack the examples into rows of `max_seq_length` tokens (`--packing`).
+    pub packing: bool,
 }
 
 impl SftOptions {
@@ -72,6 +82,7 @@ impl SftOptions {
             eos_token: None,
             max_seq_length: None,
             skip_bad_lines: false,
+            packing: false,
         }
     }
 }
@@ -114,6 +125,9 @@ pub struct SftSummary {
     /// Examples cut by `max_seq_length`, and those of them left with no trained token.
     pub truncated: u64,
     pub truncated_to_nothing: u64,
+    /// With packing: the rows written and the share of their tokens that are examples' (the
+    /// rest is padding).
+    pub packed_rows: Option<(u64, f64)>,
 }
 
 impl fmt::Display for SftSummary {
@@ -125,6 +139,14 @@ impl fmt::Display for SftSummary {
         )?;
         if let Some(t) = &self.template {
             write!(f, "; chat template from {}", t.display())?;
+        }
+        if let Some((rows, fill)) = self.packed_rows {
+            write!(
+                f,
+                "; packed into {rows} rows ({:.1}% of their tokens are examples, the rest \
+                 padding)",
+                100.0 * fill
+            )?;
         }
         if self.truncated > 0 {
             write!(
@@ -159,6 +181,14 @@ pub fn prepare_sft(opts: &SftOptions, progress: bool) -> Result<SftSummary> {
         return Err(EngineError::InvalidArgument {
             argument: "--max-seq-length".into(),
             message: "must be at least 1".into(),
+        });
+    }
+    if opts.packing && opts.max_seq_length.is_none() {
+        return Err(EngineError::InvalidArgument {
+            argument: "--packing".into(),
+            message: "needs --max-seq-length N, the length of the packed rows (pass the \
+                      training --seq-len)"
+                .into(),
         });
     }
     let mut tokenizer = load_tokenizer(&opts.tokenizer)?;
@@ -197,16 +227,29 @@ pub fn prepare_sft(opts: &SftOptions, progress: bool) -> Result<SftSummary> {
         sizes += meta.len();
     }
     let bar = progress_bar(progress, sizes);
-    let mut writer = ShardWriter::for_examples(
-        &opts.output_dir,
-        vocab_size_of(&tokenizer),
-        eos_id,
-        pad_id,
-        opts.max_seq_length,
-        opts.shard_tokens,
-    )?;
+    let mut writer = match (opts.packing, opts.max_seq_length) {
+        (true, Some(row_len)) => ShardWriter::for_packed_examples(
+            &opts.output_dir,
+            vocab_size_of(&tokenizer),
+            eos_id,
+            pad_id,
+            row_len,
+            opts.shard_tokens,
+        )?,
+        _ => ShardWriter::for_examples(
+            &opts.output_dir,
+            vocab_size_of(&tokenizer),
+            eos_id,
+            pad_id,
+            opts.max_seq_length,
+            opts.shard_tokens,
+        )?,
+    };
     copy_tokenizer(&opts.tokenizer, &opts.output_dir)?;
-    let mut run = Run::default();
+    let mut run = Run {
+        pending: opts.packing.then(Vec::new),
+        ..Run::default()
+    };
     for input in &opts.inputs {
         bar.set_message(format!("{}", input.display()));
         let content = read_utf8(input)?;
@@ -250,6 +293,10 @@ pub fn prepare_sft(opts: &SftOptions, progress: bool) -> Result<SftSummary> {
             }
         }
     }
+    let packed_rows = match (run.pending.take(), opts.max_seq_length) {
+        (Some(examples), Some(row_len)) => Some(write_packed(&mut writer, &examples, row_len)?),
+        _ => None,
+    };
     if writer.num_documents() == 0 {
         return Err(EngineError::Data {
             file: opts.inputs[0].clone(),
@@ -275,7 +322,33 @@ pub fn prepare_sft(opts: &SftOptions, progress: bool) -> Result<SftSummary> {
         skipped: run.skipped,
         truncated: run.truncated,
         truncated_to_nothing: run.truncated_to_nothing,
+        packed_rows,
     })
+}
+
+/// Packs `examples` (each at most `row_len` tokens) into rows and writes them; returns the
+/// number of rows and the share of their tokens that are examples'.
+fn write_packed(
+    writer: &mut ShardWriter,
+    examples: &[MaskedTokens],
+    row_len: usize,
+) -> Result<(u64, f64)> {
+    let lengths: Vec<usize> = examples.iter().map(|e| e.ids.len()).collect();
+    let rows =
+        best_fit_decreasing(&lengths, row_len).ok_or_else(|| EngineError::InvalidArgument {
+            argument: "--packing".into(),
+            message: format!("an example is empty or longer than the row length {row_len}"),
+        })?;
+    for row in &rows {
+        let parts: Vec<(&[u32], &[bool])> = row
+            .iter()
+            .map(|&e| (examples[e].ids.as_slice(), examples[e].trained.as_slice()))
+            .collect();
+        writer.push_packed_row(&parts)?;
+    }
+    let tokens: usize = lengths.iter().sum();
+    let fill = tokens as f64 / (rows.len().max(1) * row_len) as f64;
+    Ok((rows.len() as u64, fill))
 }
 
 /// Counts of one prepare run.
@@ -288,6 +361,8 @@ struct Run {
     skipped: Vec<BadLine>,
     truncated: u64,
     truncated_to_nothing: u64,
+    /// With packing: the examples kept so far, packed and written once all are read.
+    pending: Option<Vec<MaskedTokens>>,
 }
 
 impl Run {
@@ -307,7 +382,13 @@ impl Run {
             }
         }
         self.trained_tokens += tokens.num_trained() as u64;
-        writer.push_example(&tokens.ids, &tokens.trained)
+        match &mut self.pending {
+            Some(pending) => {
+                pending.push(tokens);
+                Ok(())
+            }
+            None => writer.push_example(&tokens.ids, &tokens.trained),
+        }
     }
 
     fn skip(&mut self, bad: BadLine) {

@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use tilearn_ops::fs::write_bytes_atomic;
 
 use super::format::{
-    DatasetMeta, MASK_EXAMPLE_START, MASK_TRAINED, META_FILE, META_FORMAT, META_VERSION,
-    META_VERSION_STREAM, RowLayout, ShardMeta, mask_file_name, shard_file_name,
-    token_width_for_vocab, write_mask_shard, write_shard,
+    DatasetMeta, MASK_EXAMPLE_START, MASK_ROW_START, MASK_TRAINED, META_FILE, META_FORMAT,
+    META_VERSION, META_VERSION_EXAMPLES, META_VERSION_STREAM, RowLayout, ShardMeta, mask_file_name,
+    shard_file_name, token_width_for_vocab, write_mask_shard, write_shard,
 };
 use crate::error::{EngineError, Result};
 
@@ -34,6 +34,7 @@ impl std::fmt::Display for PrepareSummary {
         let unit = match self.layout {
             RowLayout::Stream => "documents",
             RowLayout::Examples => "examples, each one training row",
+            RowLayout::Packed => "examples, packed into training rows",
         };
         write!(
             f,
@@ -55,6 +56,8 @@ impl std::fmt::Display for PrepareSummary {
 struct MaskBuffer {
     pad_id: u32,
     max_seq_length: Option<usize>,
+    /// Whether rows are packed (`packed` layout: [`ShardWriter::push_packed_row`]).
+    packed: bool,
     /// One byte per token of the writer's token buffer (see [`super::format`]).
     bytes: Vec<u8>,
     files: Vec<ShardMeta>,
@@ -140,9 +143,29 @@ impl ShardWriter {
         writer.masks = Some(MaskBuffer {
             pad_id,
             max_seq_length,
+            packed: false,
             bytes: Vec::new(),
             files: Vec::new(),
         });
+        Ok(writer)
+    }
+
+    /// Start a packed fine-tuning dataset (the `packed` layout): every
+    /// [`Self::push_packed_row`] becomes one training row of at most `row_len` tokens, holding
+    /// whole examples.
+    pub fn for_packed_examples(
+        dir: &Path,
+        vocab_size: usize,
+        eos_id: u32,
+        pad_id: u32,
+        row_len: usize,
+        shard_tokens: usize,
+    ) -> Result<Self> {
+        let mut writer =
+            Self::for_examples(dir, vocab_size, eos_id, pad_id, Some(row_len), shard_tokens)?;
+        if let Some(m) = writer.masks.as_mut() {
+            m.packed = true;
+        }
         Ok(writer)
     }
 
@@ -184,6 +207,46 @@ impl ShardWriter {
     /// caller's tokens end as the example should) and, per token, whether it is a training
     /// target.
     pub fn push_example(&mut self, tokens: &[u32], trained: &[bool]) -> Result<()> {
+        if self.masks.as_ref().is_some_and(|m| m.packed) {
+            return Err(EngineError::InvalidArgument {
+                argument: "push_example".into(),
+                message: "this writer packs rows; use push_packed_row".into(),
+            });
+        }
+        self.push_masked(tokens, trained, false)
+    }
+
+    /// Append one packed row (packed layout): its examples in order, each `(tokens, trained)`,
+    /// together at most the row length given to [`Self::for_packed_examples`].
+    pub fn push_packed_row(&mut self, examples: &[(&[u32], &[bool])]) -> Result<()> {
+        let Some(m) = self.masks.as_ref().filter(|m| m.packed) else {
+            return Err(EngineError::InvalidArgument {
+                argument: "push_packed_row".into(),
+                message: "this writer does not pack rows; start it with \
+                          ShardWriter::for_packed_examples"
+                    .into(),
+            });
+        };
+        let len: usize = examples.iter().map(|(t, _)| t.len()).sum();
+        let row_len = m.max_seq_length.unwrap_or(usize::MAX);
+        if examples.is_empty() || len > row_len {
+            return Err(EngineError::InvalidArgument {
+                argument: "push_packed_row".into(),
+                message: format!(
+                    "a packed row needs at least one example and at most {row_len} tokens (got \
+                     {} examples, {len} tokens)",
+                    examples.len()
+                ),
+            });
+        }
+        for (i, (tokens, trained)) in examples.iter().enumerate() {
+            self.push_masked(tokens, trained, i == 0)?;
+        }
+        Ok(())
+    }
+
+    /// One example into the token and mask buffers; `starts_row` marks a packed row's first.
+    fn push_masked(&mut self, tokens: &[u32], trained: &[bool], starts_row: bool) -> Result<()> {
         let Some(masks) = &self.masks else {
             return Err(EngineError::InvalidArgument {
                 argument: "push_example".into(),
@@ -210,7 +273,11 @@ impl ShardWriter {
         masks
             .bytes
             .extend(trained.iter().enumerate().map(|(i, &t)| {
-                let start = if i == 0 { MASK_EXAMPLE_START } else { 0 };
+                let start = match (i, starts_row) {
+                    (0, true) => MASK_EXAMPLE_START | MASK_ROW_START,
+                    (0, false) => MASK_EXAMPLE_START,
+                    _ => 0,
+                };
                 start | if t { MASK_TRAINED } else { 0 }
             }));
         self.num_documents += 1;
@@ -266,8 +333,15 @@ impl ShardWriter {
                 Vec::new(),
                 None,
             ),
-            Some(m) => (
+            Some(m) if m.packed => (
                 META_VERSION,
+                RowLayout::Packed,
+                Some(m.pad_id),
+                m.files.clone(),
+                m.max_seq_length,
+            ),
+            Some(m) => (
+                META_VERSION_EXAMPLES,
                 RowLayout::Examples,
                 Some(m.pad_id),
                 m.files.clone(),

@@ -41,6 +41,9 @@ pub(crate) struct Cx<'a> {
     pub norm_scratch: &'a mut RmsNormScratch,
     /// Sort buffers of the embedding backward (allocated once at build).
     pub embed_scratch: &'a mut EmbeddingBackwardScratch,
+    /// Position ids `[batch, seq]` of packed rows (restarting at 0 per example): RoPE rotates
+    /// by them and attention keeps each query inside its example. `None`: one sequence a row.
+    pub positions: Option<CudaView<'a, i32>>,
 }
 
 /// Where a block writes the norm of its output: the next layer's `input_layernorm` buffers, or
@@ -378,11 +381,17 @@ fn block_forward<T: DeviceFloat>(
     linear_fwd(cx, w, &lay.q, &xn1, n, c, q, &mut a.q)?;
     linear_fwd(cx, w, &lay.k, &xn1, n, c, kv, &mut a.k)?;
     linear_fwd(cx, w, &lay.v, &xn1, n, c, kv, &mut a.v)?;
-    k::rope_forward(s, &mut a.q, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope)?;
-    k::rope_forward(s, &mut a.k, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope)?;
+    let pos = cx.positions.as_ref();
+    k::rope_forward_at(
+        s, &mut a.q, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
+    )?;
+    k::rope_forward_at(
+        s, &mut a.k, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
+    )?;
     cx.mm.attention_forward(
         s,
         d,
+        pos,
         &a.q.as_view(),
         &a.k.as_view(),
         &a.v.as_view(),
@@ -505,9 +514,11 @@ fn block_backward<T: DeviceFloat>(
         c,
         Some(&mut gb.datt),
     )?;
+    let pos = cx.positions.as_ref();
     cx.mm.attention_backward(
         s,
         d,
+        pos,
         &gb.datt.as_view(),
         &a.q.as_view(),
         &a.k.as_view(),
@@ -518,11 +529,11 @@ fn block_backward<T: DeviceFloat>(
         &mut gb.dk,
         &mut gb.dv,
     )?;
-    k::rope_backward(
-        s, &mut gb.dq, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope,
+    k::rope_backward_at(
+        s, &mut gb.dq, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
     )?;
-    k::rope_backward(
-        s, &mut gb.dk, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope,
+    k::rope_backward_at(
+        s, &mut gb.dk, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
     )?;
     linear_bwd(
         cx,

@@ -26,6 +26,17 @@ impl GpuLlama {
             ));
         }
         check_token_ids(ids, self.config.vocab_size)?;
+        if let Some((_, pb, ps)) = &self.position_ids
+            && (*pb, *ps) != (batch, seq)
+        {
+            return Err(invalid(
+                "position_ids",
+                format!(
+                    "were set for batch {pb} x seq {ps}, but the call is batch {batch} x seq \
+                     {seq}; call set_position_ids for every packed batch (None for unpacked)"
+                ),
+            ));
+        }
         let n = batch * seq;
         self.host_ids
             .as_mut_slice()
@@ -38,6 +49,39 @@ impl GpuLlama {
             .memcpy_htod(&self.host_ids, &mut self.ids)
             .map_err(|e| cuda_err("uploading the token ids", e))?;
         Ok(Dims::new(&self.config, batch, seq))
+    }
+
+    /// Sets the position ids (`[batch, seq]`) of the packed rows of the following calls of
+    /// shape `batch x seq` (`None`: one sequence a row, positions `0..seq`). Positions restart
+    /// at 0 where an example starts ([`tilearn_ops::check_positions`]); RoPE rotates by them and
+    /// attention keeps every query inside its example, as if each example ran alone. A call of
+    /// another shape is refused until they are set again. Checked here and uploaded once.
+    pub fn set_position_ids(
+        &mut self,
+        positions: Option<&[i32]>,
+        batch: usize,
+        seq: usize,
+    ) -> Result<()> {
+        let Some(pos) = positions else {
+            self.position_ids = None;
+            return Ok(());
+        };
+        if batch > self.batch || seq > self.seq {
+            return Err(invalid(
+                "position_ids",
+                format!(
+                    "batch {batch} x seq {seq} exceeds the device model's batch {} x seq {}",
+                    self.batch, self.seq
+                ),
+            ));
+        }
+        tilearn_ops::check_positions(pos, batch, seq)?;
+        let stream = self.device.stream().clone();
+        let buf = stream
+            .clone_htod(pos)
+            .map_err(|e| cuda_err("uploading the position ids", e))?;
+        self.position_ids = Some((buf, batch, seq));
+        Ok(())
     }
 
     /// Shifts Hugging Face *unshifted* `labels` into targets (position `t` predicts

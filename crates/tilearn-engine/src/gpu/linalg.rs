@@ -14,9 +14,10 @@ use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
 use tilearn_ops::cpu::AttnShape;
 use tilearn_ops::cuda::{
-    self as k, AttentionWorkspace, CudaStream, DeviceFloat, Gemm, flash_attention_supports,
+    self as k, AttentionImpl, AttentionWorkspace, CudaStream, DeviceFloat, Gemm,
+    flash_attention_supports,
 };
-use tilearn_ops::{OpsError, Result};
+use tilearn_ops::{KeyMask, OpsError, Result};
 
 use super::arena::Dims;
 use crate::error::Result as EngineResult;
@@ -135,12 +136,14 @@ impl Matmul {
         k::linear_backward(&self.gemm, dout, x, w, rows, in_f, out_f, dx, dw, db)
     }
 
-    /// Causal GQA: `out` `[B, T, Hq, D]` and f32 `lse` `[B, Hq, T]` written.
+    /// Causal GQA: `out` `[B, T, Hq, D]` and f32 `lse` `[B, Hq, T]` written; with
+    /// `positions` (packed examples) a query sees only the keys of its own example.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_forward<T: DeviceFloat>(
         &mut self,
         s: &Arc<CudaStream>,
         d: &Dims,
+        positions: Option<&CudaView<'_, i32>>,
         q: &CudaView<'_, T>,
         k: &CudaView<'_, T>,
         v: &CudaView<'_, T>,
@@ -148,7 +151,21 @@ impl Matmul {
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         self.same_stream(s, "attention_forward")?;
-        k::attention_forward(&self.gemm, &mut self.attn, attn_shape(d), q, k, v, out, lse)
+        k::attention_forward_masked(
+            AttentionImpl::Auto,
+            &self.gemm,
+            &mut self.attn,
+            attn_shape(d),
+            KeyMask {
+                positions,
+                sliding_window: None,
+            },
+            q,
+            k,
+            v,
+            out,
+            lse,
+        )
     }
 
     /// `dq`, `dk`, `dv` written.
@@ -157,6 +174,7 @@ impl Matmul {
         &mut self,
         s: &Arc<CudaStream>,
         d: &Dims,
+        positions: Option<&CudaView<'_, i32>>,
         dout: &CudaView<'_, T>,
         q: &CudaView<'_, T>,
         k: &CudaView<'_, T>,
@@ -168,10 +186,15 @@ impl Matmul {
         dv: &mut CudaViewMut<'_, T>,
     ) -> Result<()> {
         self.same_stream(s, "attention_backward")?;
-        k::attention_backward(
+        k::attention_backward_masked(
+            AttentionImpl::Auto,
             &self.gemm,
             &mut self.attn,
             attn_shape(d),
+            KeyMask {
+                positions,
+                sliding_window: None,
+            },
             dout,
             q,
             k,

@@ -153,6 +153,9 @@ pub struct GpuLlama {
     /// wait only for that buffer's previous copy.
     host_ids: PinnedHostSlice<u32>,
     host_targets: PinnedHostSlice<i32>,
+    /// Position ids of packed rows for the calls of their shape (see
+    /// [`GpuLlama::set_position_ids`]), with that `(batch, seq)`.
+    position_ids: Option<(CudaSlice<i32>, usize, usize)>,
     check: TokenIdCheck,
     totals: CeTotals,
     mm: Matmul,
@@ -416,6 +419,7 @@ impl GpuLlama {
             targets,
             host_ids,
             host_targets,
+            position_ids: None,
             check,
             totals,
             mm,
@@ -556,6 +560,7 @@ impl GpuLlama {
             norm_scratch,
             embed_scratch,
             precision,
+            position_ids,
             ..
         } = self;
         Pass {
@@ -567,6 +572,7 @@ impl GpuLlama {
                 check,
                 norm_scratch,
                 embed_scratch,
+                positions: position_ids.as_ref().map(|(p, _, _)| p.as_view()),
             },
             master,
             work: work.as_ref(),

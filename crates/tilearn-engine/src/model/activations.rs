@@ -163,6 +163,9 @@ pub struct Activations<R: Real = f32> {
     pub(crate) logits: Vec<R>,
     /// Shifted targets `[N]` (-100 = ignored).
     pub(crate) targets: Vec<i32>,
+    /// Position ids of packed rows for the calls of their `(batch, seq)` (see
+    /// [`Activations::set_position_ids`]).
+    pub(crate) position_ids: Option<(Vec<i32>, usize, usize)>,
     pub(crate) grad: GradScratch<R>,
 }
 
@@ -210,8 +213,29 @@ impl<R: Real> Activations<R> {
             final_xn: vec![R::zero(); n * c],
             logits: vec![R::zero(); n * config.vocab_size],
             targets: vec![0; n],
+            position_ids: None,
             grad: GradScratch::new(config, batch, seq),
         }
+    }
+
+    /// Sets the position ids (`[batch, seq]`) of the packed rows of the following calls of
+    /// shape `batch x seq` (`None`: one sequence a row, positions `0..seq`). Positions restart
+    /// at 0 where an example starts ([`tilearn_ops::check_positions`]); RoPE rotates by them and
+    /// attention keeps every query inside its example, so each example computes as if it ran
+    /// alone. A call of another shape is refused until they are set again.
+    pub fn set_position_ids(
+        &mut self,
+        positions: Option<&[i32]>,
+        batch: usize,
+        seq: usize,
+    ) -> crate::error::Result<()> {
+        let Some(pos) = positions else {
+            self.position_ids = None;
+            return Ok(());
+        };
+        tilearn_ops::check_positions(pos, batch, seq)?;
+        self.position_ids = Some((pos.to_vec(), batch, seq));
+        Ok(())
     }
 
     /// Largest batch this arena holds.

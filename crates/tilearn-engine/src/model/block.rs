@@ -9,10 +9,11 @@
 
 use std::ops::Range;
 
+use tilearn_ops::KeyMask;
 use tilearn_ops::cpu::{
-    AttnShape, Real, RopeTable, add_inplace, attention_backward, attention_forward,
-    linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward, rope_backward,
-    rope_forward, swiglu_backward, swiglu_forward,
+    AttnShape, Real, RopeTable, add_inplace, attention_backward_masked, attention_forward_masked,
+    linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward, rope_backward_at,
+    rope_forward_at, swiglu_backward, swiglu_forward,
 };
 
 use super::activations::{GradScratch, LayerActs};
@@ -122,6 +123,24 @@ fn linear_bwd<R: Real>(
     }
 }
 
+/// Where the tokens of a call sit: the rotary table and, for packed rows, the position ids
+/// `[batch, seq]` (restarting per example: RoPE rotates by them and attention stays inside
+/// each example).
+#[derive(Clone, Copy)]
+pub(crate) struct Positions<'a> {
+    pub rope: &'a RopeTable,
+    pub ids: Option<&'a [i32]>,
+}
+
+impl Positions<'_> {
+    fn mask(&self) -> KeyMask<&[i32]> {
+        KeyMask {
+            positions: self.ids,
+            sliding_window: None,
+        }
+    }
+}
+
 /// Forward of one block from `x` (`[n, C]`) into `a`. `out` (`[n, C]`) receives the block
 /// output; `None` (recomputation inside the backward) skips `down_proj`, which the backward
 /// does not need. Under tensor parallelism `sums` completes the row-parallel `o_proj` and
@@ -131,7 +150,7 @@ pub(crate) fn block_forward<R: Real>(
     d: &Dims,
     lay: &LayerLayout,
     p: &[R],
-    rope: &RopeTable,
+    pos: Positions<'_>,
     x: &[R],
     a: &mut LayerActs<R>,
     out: Option<&mut [R]>,
@@ -154,10 +173,12 @@ pub(crate) fn block_forward<R: Real>(
     linear_fwd(p, &lay.q, xn1, n, c, q, qb)?;
     linear_fwd(p, &lay.k, xn1, n, c, kv, kb)?;
     linear_fwd(p, &lay.v, xn1, n, c, kv, vb)?;
-    rope_forward(qb, d.batch, d.seq, d.q_heads, d.head_dim, rope)?;
-    rope_forward(kb, d.batch, d.seq, d.kv_heads, d.head_dim, rope)?;
+    let rope = pos.rope;
+    rope_forward_at(qb, d.batch, d.seq, d.q_heads, d.head_dim, rope, pos.ids)?;
+    rope_forward_at(kb, d.batch, d.seq, d.kv_heads, d.head_dim, rope, pos.ids)?;
     let att = &mut a.att[..n * q];
-    attention_forward(d.attn(), qb, kb, vb, att, &mut a.lse[..n * d.q_heads])?;
+    let lse = &mut a.lse[..n * d.q_heads];
+    attention_forward_masked(d.attn(), pos.mask(), qb, kb, vb, att, lse)?;
     let h = &mut a.h[..n * c];
     linear_fwd(p, &lay.o, att, n, q, c, h)?;
     sums.sum(h)?;
@@ -196,7 +217,7 @@ pub(crate) fn block_backward<R: Real>(
     lay: &LayerLayout,
     p: &[R],
     g: &mut [R],
-    rope: &RopeTable,
+    pos: Positions<'_>,
     x: &[R],
     a: &LayerActs<R>,
     s: &mut GradScratch<R>,
@@ -249,8 +270,9 @@ pub(crate) fn block_backward<R: Real>(
     let (dq, dk, dv) = (&mut s.dq[..n * q], &mut s.dk[..n * kv], &mut s.dv[..n * kv]);
     let att = &a.att[..n * q];
     linear_bwd(p, g, &lay.o, dres, att, n, q, c, Some(&mut *datt))?;
-    attention_backward(
+    attention_backward_masked(
         d.attn(),
+        pos.mask(),
         datt,
         &a.q[..n * q],
         &a.k[..n * kv],
@@ -261,8 +283,10 @@ pub(crate) fn block_backward<R: Real>(
         dk,
         dv,
     )?;
-    rope_backward(dq, d.batch, d.seq, d.q_heads, d.head_dim, rope)?;
-    rope_backward(dk, d.batch, d.seq, d.kv_heads, d.head_dim, rope)?;
+    rope_backward_at(dq, d.batch, d.seq, d.q_heads, d.head_dim, pos.rope, pos.ids)?;
+    rope_backward_at(
+        dk, d.batch, d.seq, d.kv_heads, d.head_dim, pos.rope, pos.ids,
+    )?;
     linear_bwd(p, g, &lay.q, dq, xn1, n, c, q, Some(&mut *dxn))?;
     linear_bwd(p, g, &lay.k, dk, xn1, n, c, kv, Some(&mut *dtmp))?;
     add_inplace(dxn, dtmp)?;

@@ -14,7 +14,7 @@ use tilearn_ops::cpu::{
 };
 
 use super::activations::Activations;
-use super::block::{Dims, block_backward, block_forward};
+use super::block::{Dims, Positions, block_backward, block_forward};
 use super::layout::LayerLayout;
 use super::{Split, vocab_parallel};
 use crate::error::{EngineError, Result};
@@ -45,6 +45,30 @@ pub(crate) struct StageLoss {
     pub valid: usize,
 }
 
+/// The rotary table and the position ids set for this call's shape (see
+/// [`Activations::set_position_ids`]).
+fn positions<'a>(
+    d: &Dims,
+    rope: &'a tilearn_ops::cpu::RopeTable,
+    ids: &'a Option<(Vec<i32>, usize, usize)>,
+) -> Result<Positions<'a>> {
+    let ids = match ids {
+        None => None,
+        Some((p, b, s)) if (*b, *s) == (d.batch, d.seq) => Some(p.as_slice()),
+        Some((_, b, s)) => {
+            return Err(EngineError::InvalidArgument {
+                argument: "position_ids".into(),
+                message: format!(
+                    "were set for batch {b} x seq {s}, but the call is batch {} x seq {}; call \
+                     Activations::set_position_ids for every packed batch (None for unpacked)",
+                    d.batch, d.seq
+                ),
+            });
+        }
+    };
+    Ok(Positions { rope, ids })
+}
+
 fn missing(what: &str) -> EngineError {
     EngineError::InvalidArgument {
         argument: what.into(),
@@ -72,8 +96,10 @@ pub(crate) fn stage_forward<R: Real>(
         final_rstd,
         final_xn,
         logits,
+        position_ids,
         ..
     } = acts;
+    let pos = positions(d, rope, position_ids)?;
     let (n, c) = (d.n, d.c);
     let slab = n * c;
     let nl = parts.layers.len();
@@ -103,7 +129,7 @@ pub(crate) fn stage_forward<R: Real>(
         let x = &before[i * slab..];
         let out = &mut after[..slab];
         let a = &mut layers[if single { 0 } else { i }];
-        block_forward(d, lay, params, rope, x, a, Some(out), split.sums)?;
+        block_forward(d, lay, params, pos, x, a, Some(out), split.sums)?;
     }
     if let Some((norm, lm_head)) = parts.head {
         rmsnorm_forward(
@@ -152,8 +178,10 @@ pub(crate) fn stage_backward<R: Real>(
         logits,
         targets,
         grad,
+        position_ids,
         ..
     } = acts;
+    let pos = positions(d, rope, position_ids)?;
     let (n, c) = (d.n, d.c);
     let slab = n * c;
     let nl = parts.layers.len();
@@ -203,13 +231,13 @@ pub(crate) fn stage_backward<R: Real>(
         let a = if *checkpointing {
             // The scratch still holds the last layer from the forward.
             if i + 1 != nl {
-                block_forward(d, lay, params, rope, x, &mut layers[0], None, split.sums)?;
+                block_forward(d, lay, params, pos, x, &mut layers[0], None, split.sums)?;
             }
             &layers[0]
         } else {
             &layers[i]
         };
-        block_backward(d, lay, params, grads, rope, x, a, grad, split.sums)?;
+        block_backward(d, lay, params, grads, pos, x, a, grad, split.sums)?;
     }
     if let Some(embed) = parts.embed {
         let dembed = &mut grads[embed.clone()];

@@ -86,6 +86,8 @@ impl StepBackend for CpuBackend {
     ) -> Result<f64> {
         // Gradients of loss_sum * scale / denominator: fold the scale into the denominator.
         let denom = denominator / loss_scale as f64;
+        self.acts
+            .set_position_ids(batch.positions.as_deref(), batch.batch, batch.seq_len)?;
         let stats = if precision == DType::F32 {
             self.model.forward_backward(
                 &batch.input_ids,
@@ -124,6 +126,8 @@ impl StepBackend for CpuBackend {
             round_into(&self.model.params.data, &mut self.working, precision);
             &self.working
         };
+        self.acts
+            .set_position_ids(batch.positions.as_deref(), batch.batch, batch.seq_len)?;
         self.model.forward_loss_with(
             params,
             &batch.input_ids,

@@ -123,14 +123,18 @@ impl EvalSet {
         let rows = windows.1 - windows.0;
         let mut input_ids = vec![0u32; rows * t];
         let mut labels = vec![0i32; rows * t];
+        let mut positions = self.dataset.has_positions().then(|| vec![0i32; rows * t]);
+        let mut pos_rows = positions.as_mut().map(|p| p.chunks_mut(t));
         let out = input_ids.chunks_mut(t).zip(labels.chunks_mut(t));
         for (row, (ids, row_labels)) in out.enumerate() {
+            let pos = pos_rows.as_mut().and_then(|p| p.next());
             self.dataset
-                .read_row(self.first_window + windows.0 + row, ids, row_labels)?;
+                .read_row_at(self.first_window + windows.0 + row, ids, row_labels, pos)?;
         }
         Ok(Batch {
             input_ids,
             labels,
+            positions,
             batch: rows,
             seq_len: t,
         })

@@ -78,6 +78,8 @@ impl GpuBackend {
         sink: Option<&mut dyn GradientSink>,
     ) -> Result<f64> {
         self.use_precision(precision)?;
+        self.gpu
+            .set_position_ids(batch.positions.as_deref(), batch.batch, batch.seq_len)?;
         let stats = self.gpu.forward_backward_into(
             &batch.input_ids,
             &batch.labels,
@@ -242,6 +244,8 @@ impl StepBackend for GpuBackend {
 
     fn eval_loss(&mut self, batch: &Batch, precision: DType) -> Result<LossStats> {
         self.use_precision(precision)?;
+        self.gpu
+            .set_position_ids(batch.positions.as_deref(), batch.batch, batch.seq_len)?;
         self.gpu
             .forward_loss(&batch.input_ids, &batch.labels, batch.batch, batch.seq_len)
     }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod golden;
+pub mod packing;
 pub mod sft;
 
 use std::io::Write;

@@ -342,13 +342,15 @@ int tilearn_embedding_bag_backward_update(float *weights, float *state1, float *
 
 /* ---- rope.cu: rotary embedding (Hugging Face rotate_half: element i pairs with i + D/2),
  *      in place on x [batch, seq, heads, head_dim]; cos / sin: [table_seq, head_dim / 2] f32,
- *      row t for position t (seq <= table_seq). The backward rotates by -angle. ---- */
+ *      row t for position t (seq <= table_seq). Token (b, t) takes the position
+ *      positions[b * seq + t] (int32 [batch, seq], each < table_seq; the caller checks) or,
+ *      with positions NULL, t. The backward rotates by -angle. ---- */
 int tilearn_rope_forward(int dtype, void *x, const float *cos_table, const float *sin_table,
-                         size_t batch, size_t seq, size_t heads, size_t head_dim,
-                         size_t table_seq, cudaStream_t stream);
+                         const int32_t *positions, size_t batch, size_t seq, size_t heads,
+                         size_t head_dim, size_t table_seq, cudaStream_t stream);
 int tilearn_rope_backward(int dtype, void *dx, const float *cos_table, const float *sin_table,
-                          size_t batch, size_t seq, size_t heads, size_t head_dim,
-                          size_t table_seq, cudaStream_t stream);
+                          const int32_t *positions, size_t batch, size_t seq, size_t heads,
+                          size_t head_dim, size_t table_seq, cudaStream_t stream);
 
 /* ---- activation.cu: SwiGLU, out = silu(gate) * up, element-wise over n elements;
  *      the backward writes (=) dgate and dup ---- */
@@ -389,6 +391,16 @@ size_t tilearn_bias_grad_scratch_len(size_t rows, size_t cols);
 int tilearn_bias_grad(int dtype, const void *dout, size_t rows, size_t cols, float *db,
                       float *scratch, size_t scratch_len, cudaStream_t stream);
 
+/* A causal attention mask's extra restrictions (crates/tilearn-ops/src/key_mask.rs): query i
+ * of batch row b sees the keys lo(i) ..= i, lo(i) = max(i - positions[b * seq + i],
+ * i + 1 - sliding_window) clamped to [0, i]. positions: int32 [batch, seq] restarting at 0 for
+ * each packed example (0, or the previous position + 1; the caller checks), 4-byte aligned, or
+ * NULL; sliding_window: 0 for none. A NULL mask pointer is plain causal attention. */
+typedef struct tilearn_key_mask {
+    const int32_t *positions;
+    size_t sliding_window;
+} tilearn_key_mask;
+
 /* ---- attention.cu: the row-wise kernels of causal grouped-query attention (the matrix
  *      products run on cuBLASLt; see crates/tilearn-ops/src/cuda/attention.rs) ----
  * scores / dprobs: f32 [rows, ld]; probs (P, or dS in place): [rows, ld] of the dtype; rows are
@@ -398,16 +410,22 @@ int tilearn_bias_grad(int dtype, const void *dout, size_t rows, size_t cols, flo
 /* dst[o, yi, xi, :] = src[o, xi, yi, :] for rows of inner_bytes bytes (src != dst). */
 int tilearn_attention_swap_axes(const void *src, void *dst, size_t outer, size_t x, size_t y,
                                 size_t inner_bytes, cudaStream_t stream);
-/* Causal softmax of each row: probs = exp(scores - lse), lse = log sum_{j <= i} exp(scores). */
+/* The three row kernels take a key mask (NULL: causal) whose positions start at the batch row of
+ * row 0; row r belongs to batch row r / (heads * seq).
+ * Causal softmax of each row: probs = exp(scores - lse), lse = log sum_{lo(i) <= j <= i}
+ * exp(scores); keys outside [lo(i), i] get exact zeros. */
 int tilearn_attention_softmax(int dtype, const float *scores, size_t ld, size_t rows, size_t seq,
-                              void *probs, float *lse, cudaStream_t stream);
-/* Backward recomputation: probs = exp(scores - lse) (causal), lse from the forward. */
+                              void *probs, float *lse, const tilearn_key_mask *mask,
+                              size_t heads, cudaStream_t stream);
+/* Backward recomputation: probs = exp(scores - lse) (masked), lse from the forward. */
 int tilearn_attention_probs(int dtype, const float *scores, size_t ld, size_t rows, size_t seq,
-                            const float *lse, void *probs, cudaStream_t stream);
-/* In place: probs_ds = probs * (dprobs - delta[row]) * scale for keys j <= i, 0 above. */
+                            const float *lse, void *probs, const tilearn_key_mask *mask,
+                            size_t heads, cudaStream_t stream);
+/* In place: probs_ds = probs * (dprobs - delta[row]) * scale for keys lo(i) <= j <= i, 0
+ * elsewhere. */
 int tilearn_attention_dscores(int dtype, void *probs_ds, const float *dprobs, size_t ld,
                               size_t rows, size_t seq, const float *delta, float scale,
-                              cudaStream_t stream);
+                              const tilearn_key_mask *mask, size_t heads, cudaStream_t stream);
 /* delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d] (f32, written); dout, out:
  * [batch, seq, heads, head_dim]; delta: [batch, heads, seq]. */
 int tilearn_attention_delta(int dtype, const void *dout, const void *out, size_t batch,
@@ -425,18 +443,19 @@ int tilearn_attention_delta(int dtype, const void *dout, const void *out, size_t
 /* 1 when the kernels serve this dtype and head_dim, else 0. */
 int tilearn_flash_attention_supported(int dtype, size_t head_dim);
 /* out = softmax(scale * q k^T, causal) v and lse = log sum_{j <= i} exp(scale * q_i . k_j)
- * (natural log), both written (=). */
+ * (natural log), both written (=); under a key mask (NULL: causal) the keys lo(i) <= j <= i. */
 int tilearn_flash_attention_forward(int dtype, const void *q, const void *k, const void *v,
                                     void *out, float *lse, size_t batch, size_t seq,
                                     size_t q_heads, size_t kv_heads, size_t head_dim, float scale,
-                                    cudaStream_t stream);
+                                    const tilearn_key_mask *mask, cudaStream_t stream);
 /* dq, dk, dv written (=) from dout, the inputs, the forward's lse and delta = rowsum(dout * out)
  * (tilearn_attention_delta). Deterministic: no atomics, fixed summation order. */
 int tilearn_flash_attention_backward(int dtype, const void *dout, const void *q, const void *k,
                                      const void *v, const float *lse, const float *delta,
                                      void *dq, void *dk, void *dv, size_t batch, size_t seq,
                                      size_t q_heads, size_t kv_heads, size_t head_dim,
-                                     float scale, cudaStream_t stream);
+                                     float scale, const tilearn_key_mask *mask,
+                                     cudaStream_t stream);
 
 #ifdef __cplusplus
 }

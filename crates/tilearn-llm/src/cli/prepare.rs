@@ -36,6 +36,13 @@ pub struct PrepareArgs {
     /// stopping at the first.
     #[arg(long)]
     pub skip_bad_lines: bool,
+    /// `--format sft`: pack short examples into rows of --max-seq-length tokens (TRL's
+    /// `packing`, best-fit decreasing) instead of one example per padded row. Each example
+    /// keeps its own position ids (restarting at 0) and attention never crosses from one
+    /// example to another, so the loss and gradients are those of the examples one by one,
+    /// with far less padding. Needs --max-seq-length (use the training --seq-len).
+    #[arg(long, requires = "max_seq_length")]
+    pub packing: bool,
     /// Hugging Face `tokenizer.json` to tokenize with.
     #[arg(long, required_unless_present = "random_tokens")]
     pub tokenizer: Option<PathBuf>,
@@ -78,6 +85,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     for (set, flag) in [
         (args.max_seq_length.is_some(), "--max-seq-length"),
         (args.skip_bad_lines, "--skip-bad-lines"),
+        (args.packing, "--packing"),
     ] {
         if set {
             return Err(LlmError::Usage {
@@ -117,6 +125,7 @@ fn sft(args: PrepareArgs) -> Result<()> {
         eos_token: args.eos_token,
         max_seq_length: args.max_seq_length,
         skip_bad_lines: args.skip_bad_lines,
+        packing: args.packing,
     };
     let summary = prepare_sft(&opts, std::io::stderr().is_terminal())?;
     println!("{summary}");

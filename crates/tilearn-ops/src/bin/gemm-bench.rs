@@ -16,10 +16,17 @@
 //! JSON line per (shape, path) with the medians, then a table. FLOPs counted for causal
 //! attention: forward 2·2·B·Hq·T²·D/2 (the two products over the lower triangle), backward 2.5×
 //! that (five products), whatever the path actually computes.
+//!
+//! `gemm-bench attention --example-len L`: the same with every row packed with examples of `L`
+//! tokens (position ids restarting every `L`: the key-masked kernels, which skip the key tiles
+//! outside each example), and with `--sliding-window W` a sliding window; the FLOPs counted are
+//! then those of the keys each query sees (for packing `T/L` causal blocks of `L`), so TFLOP/s
+//! stay comparable with the causal rows.
 
 use std::process::ExitCode;
 
 use half::{bf16, f16};
+use tilearn_ops::KeyMask;
 use tilearn_ops::cpu::AttnShape;
 use tilearn_ops::cuda::{
     self, AttentionImpl, AttentionWorkspace, CudaSlice, DeviceFloat, Gemm, GpuDevice, MatmulSpec,
@@ -45,10 +52,22 @@ fn run() -> Result<String, String> {
     let mut dims = Vec::new();
     let mut dtype = "bf16".to_string();
     let mut attention = false;
+    let mut mask = BenchMask::default();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         if arg == "attention" {
             attention = true;
+        } else if arg == "--example-len" || arg == "--sliding-window" {
+            let n: usize = args
+                .next()
+                .and_then(|v| v.parse().ok())
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("{arg} needs a positive token count"))?;
+            if arg == "--example-len" {
+                mask.example_len = Some(n);
+            } else {
+                mask.window = Some(n);
+            }
         } else if arg == "--dtype" {
             dtype = args.next().ok_or("--dtype needs bf16, f16 or f32")?;
         } else {
@@ -65,8 +84,8 @@ fn run() -> Result<String, String> {
         let dev = GpuDevice::new(0).map_err(|e| e.to_string())?;
         let gemm = Gemm::new(dev.stream()).map_err(|e| e.to_string())?;
         return match dtype.as_str() {
-            "bf16" => attention_bench::<bf16>(&dev, &gemm),
-            "f16" => attention_bench::<f16>(&dev, &gemm),
+            "bf16" => attention_bench::<bf16>(&dev, &gemm, mask),
+            "f16" => attention_bench::<f16>(&dev, &gemm, mask),
             other => Err(format!(
                 "attention: unknown --dtype {other:?} (bf16 or f16: f32 has no flash path)"
             )),
@@ -164,19 +183,51 @@ const ATTN_PRESETS: [(&str, AttnShape); 2] = [
     ),
 ];
 
+/// The key mask of an attention bench: packed examples of one length, a sliding window.
+#[derive(Clone, Copy, Debug, Default)]
+struct BenchMask {
+    example_len: Option<usize>,
+    window: Option<usize>,
+}
+
+impl BenchMask {
+    /// Keys each query of a row of `seq` sees, summed over the row.
+    fn visible_keys(&self, seq: usize) -> f64 {
+        let len = self.example_len.unwrap_or(seq).min(seq);
+        (0..seq)
+            .map(|i| {
+                let lo = tilearn_ops::key_start(i, Some((i % len) as i32), self.window);
+                (i + 1 - lo) as f64
+            })
+            .sum()
+    }
+
+    /// Position ids `[batch, seq]` restarting every `example_len` tokens.
+    fn positions(&self, batch: usize, seq: usize) -> Option<Vec<i32>> {
+        self.example_len.map(|len| {
+            (0..batch)
+                .flat_map(|_| (0..seq).map(move |t| (t % len) as i32))
+                .collect()
+        })
+    }
+}
+
 /// Forward and backward medians (ms) of both paths at both presets; JSON lines, then a table.
-fn attention_bench<T: DeviceFloat>(dev: &GpuDevice, gemm: &Gemm) -> Result<String, String> {
+fn attention_bench<T: DeviceFloat>(
+    dev: &GpuDevice,
+    gemm: &Gemm,
+    mask: BenchMask,
+) -> Result<String, String> {
     let name = dev.name().unwrap_or_else(|_| "unknown".into());
     let mut table = vec![format!(
         "{:<11} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "shape", "path", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "total ms"
     )];
     for (preset, s) in ATTN_PRESETS {
-        let fwd_flops =
-            4.0 * (s.batch * s.q_heads * s.head_dim) as f64 * (s.seq as f64).powi(2) / 2.0;
+        let fwd_flops = 4.0 * (s.batch * s.q_heads * s.head_dim) as f64 * mask.visible_keys(s.seq);
         let bwd_flops = 2.5 * fwd_flops;
         for imp in [AttentionImpl::Gemm, AttentionImpl::Flash] {
-            let (fwd, bwd) = time_attention::<T>(dev, gemm, s, imp)?;
+            let (fwd, bwd) = time_attention::<T>(dev, gemm, s, imp, mask)?;
             let (tf_f, tf_b) = (fwd_flops / fwd / 1e9, bwd_flops / bwd / 1e9);
             let path = format!("{imp:?}").to_lowercase();
             println!(
@@ -184,7 +235,8 @@ fn attention_bench<T: DeviceFloat>(dev: &GpuDevice, gemm: &Gemm) -> Result<Strin
                     "{{\"bench\":\"attention\",\"shape\":\"{}\",\"batch\":{},\"seq\":{},",
                     "\"q_heads\":{},\"kv_heads\":{},\"head_dim\":{},\"dtype\":\"{}\",",
                     "\"path\":\"{}\",\"fwd_ms\":{:.4},\"fwd_tflops\":{:.1},\"bwd_ms\":{:.4},",
-                    "\"bwd_tflops\":{:.1},\"device\":{:?}}}"
+                    "\"bwd_tflops\":{:.1},\"example_len\":{:?},\"sliding_window\":{:?},",
+                    "\"device\":{:?}}}"
                 ),
                 preset,
                 s.batch,
@@ -198,6 +250,8 @@ fn attention_bench<T: DeviceFloat>(dev: &GpuDevice, gemm: &Gemm) -> Result<Strin
                 tf_f,
                 bwd,
                 tf_b,
+                mask.example_len,
+                mask.window,
                 name
             );
             table.push(format!(
@@ -215,6 +269,7 @@ fn time_attention<T: DeviceFloat>(
     gemm: &Gemm,
     s: AttnShape,
     imp: AttentionImpl,
+    mask: BenchMask,
 ) -> Result<(f64, f64), String> {
     let st = dev.stream();
     let err = |e: cudarc::driver::DriverError| e.to_string();
@@ -231,16 +286,31 @@ fn time_attention<T: DeviceFloat>(
     let mut dq: CudaSlice<T> = st.alloc_zeros(ql).map_err(err)?;
     let mut dk: CudaSlice<T> = st.alloc_zeros(kvl).map_err(err)?;
     let mut dv: CudaSlice<T> = st.alloc_zeros(kvl).map_err(err)?;
+    let pos: Option<CudaSlice<i32>> = match mask.positions(s.batch, s.seq) {
+        Some(p) => Some(st.clone_htod(&p).map_err(err)?),
+        None => None,
+    };
+    let key_mask = KeyMask {
+        positions: pos.as_ref(),
+        sliding_window: mask.window,
+    };
     // The whole batch in one pass for the GEMM path (the flash path leaves it unused).
     let mut ws = AttentionWorkspace::new(st, s, size_of::<T>()).map_err(ops)?;
     let fwd = |ws: &mut AttentionWorkspace, out: &mut CudaSlice<T>, lse: &mut CudaSlice<f32>| {
-        cuda::attention_forward_with(imp, gemm, ws, s, &q, &k, &v, out, lse)
+        cuda::attention_forward_masked(imp, gemm, ws, s, key_mask, &q, &k, &v, out, lse)
+    };
+    let bwd = |ws: &mut AttentionWorkspace,
+               dq: &mut CudaSlice<T>,
+               dk: &mut CudaSlice<T>,
+               dv: &mut CudaSlice<T>,
+               out: &CudaSlice<T>,
+               lse: &CudaSlice<f32>| {
+        cuda::attention_backward_masked(
+            imp, gemm, ws, s, key_mask, &dout, &q, &k, &v, out, lse, dq, dk, dv,
+        )
     };
     fwd(&mut ws, &mut out, &mut lse).map_err(ops)?;
-    cuda::attention_backward_with(
-        imp, gemm, &mut ws, s, &dout, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv,
-    )
-    .map_err(ops)?;
+    bwd(&mut ws, &mut dq, &mut dk, &mut dv, &out, &lse).map_err(ops)?;
     dev.synchronize().map_err(ops)?;
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut fwd_ms = Vec::with_capacity(RUNS);
@@ -253,10 +323,7 @@ fn time_attention<T: DeviceFloat>(
     }
     for _ in 0..RUNS {
         let start = st.record_event(flags).map_err(err)?;
-        cuda::attention_backward_with(
-            imp, gemm, &mut ws, s, &dout, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv,
-        )
-        .map_err(ops)?;
+        bwd(&mut ws, &mut dq, &mut dk, &mut dv, &out, &lse).map_err(ops)?;
         let end = st.record_event(flags).map_err(err)?;
         bwd_ms.push(start.elapsed_ms(&end).map_err(err)? as f64);
     }

@@ -1,5 +1,7 @@
 //! Causal grouped-query scaled-dot-product attention (Llama): query head `h` attends with kv
 //! head `h / (q_heads / kv_heads)`, scores `s = q·k / sqrt(head_dim)`, keys `j <= i` only.
+//! The `_masked` variants take a [`KeyMask`] (packed examples by restarting positions, a
+//! sliding window): query `i` then sees the keys `key_start(i) ..= i` only.
 //!
 //! The forward stores the per-row log-sum-exp `lse = log sum_j exp(s_ij)` so the backward
 //! recomputes probabilities as `p_ij = exp(s_ij - lse_i)` instead of storing them.
@@ -11,6 +13,11 @@
 //! `gemm`; scores against the diagonal keys `[i0, i]` are dot products, so only keys `<= i` are
 //! ever scored. Probabilities above the diagonal are stored as exact zeros, so the products
 //! with `V` (and, in the backward, with `K`, `Q`, `dout`) can use `gemm` over `[0, i1)`.
+//! Under a [`KeyMask`] every range starts at the block's first visible key `j0 =
+//! key_start(i0)` instead of 0 (keys before it are seen by no row of the block, since
+//! `key_start` never decreases along a row), and the probabilities of keys in
+//! `[j0, key_start(i))` are exact zeros too; with plain causal attention `j0 = 0` and the
+//! calls are exactly the unmasked ones.
 //!
 //! Parallelism and determinism: the forward runs one task per (batch, query head); the backward
 //! one task per (batch, kv head), which walks its query heads and query blocks in a fixed order,
@@ -23,8 +30,31 @@ use rayon::prelude::*;
 
 use super::Real;
 use super::real::dot;
+use crate::key_mask::{KeyMask, check_positions, key_start};
 use crate::shape::expect_product;
 use crate::{OpsError, Result};
+
+/// The host form of a mask: positions `[batch, seq]` as a slice.
+pub type HostKeyMask<'a> = KeyMask<&'a [i32]>;
+
+/// Checks `mask` against `s` (positions a restart sequence of `batch x seq`, a window of at
+/// least one key).
+fn check_mask(op: &'static str, s: &AttnShape, mask: &HostKeyMask<'_>) -> Result<()> {
+    mask.check_window(op)?;
+    if let Some(pos) = mask.positions {
+        check_positions(pos, s.batch, s.seq)?;
+    }
+    Ok(())
+}
+
+/// `key_start` of query `i` of batch row `b`.
+fn row_start(mask: &HostKeyMask<'_>, seq: usize, b: usize, i: usize) -> usize {
+    key_start(
+        i,
+        mask.positions.map(|p| p[b * seq + i]),
+        mask.sliding_window,
+    )
+}
 
 /// Shape of an attention call: `q`/`out` are `[batch, seq, q_heads, head_dim]`, `k`/`v`
 /// `[batch, seq, kv_heads, head_dim]`, `lse` `[batch, q_heads, seq]`.
@@ -123,8 +153,9 @@ impl HeadView {
 }
 
 /// `buf[r, j] = alpha * a_{i0+r} · b_j` for the causal part of a block: rows `r < i1 - i0`,
-/// keys `j <= i0 + r`. `a` is q-shaped, `b` kv-shaped; `buf` has row stride `ld`. Entries
-/// `j` in `(i0 + r, i1)` are set to zero; nothing at `j >= i1` is touched.
+/// keys `j0 <= j <= i0 + r` (`j0 <= i0`). `a` is q-shaped, `b` kv-shaped; `buf` has row stride
+/// `ld`. Entries `j` in `(i0 + r, i1)` are set to zero; nothing at `j < j0` or `j >= i1` is
+/// touched.
 #[allow(clippy::too_many_arguments)]
 fn causal_block_products<R: Real>(
     hv: HeadView,
@@ -133,25 +164,26 @@ fn causal_block_products<R: Real>(
     alpha: R,
     i0: usize,
     i1: usize,
+    j0: usize,
     buf: &mut [R],
     ld: usize,
 ) {
     let bm = i1 - i0;
-    if i0 > 0 {
-        // Keys [0, i0): A = rows i0..i1 of `a` (bm×d), B = (rows 0..i0 of `b`)ᵀ (d×i0).
+    if i0 > j0 {
+        // Keys [j0, i0): A = rows i0..i1 of `a` (bm×d), B = (rows j0..i0 of `b`)ᵀ (d×(i0-j0)).
         R::gemm(
             bm,
             hv.d,
-            i0,
+            i0 - j0,
             alpha,
             &a[hv.qb + i0 * hv.qs..],
             hv.qs,
             1,
-            &b[hv.kb..],
+            &b[hv.kb + j0 * hv.ks..],
             1,
             hv.ks,
             R::zero(),
-            buf,
+            &mut buf[j0..],
             ld,
             1,
         );
@@ -179,7 +211,22 @@ pub fn attention_forward<R: Real>(
     out: &mut [R],
     lse: &mut [R],
 ) -> Result<()> {
+    attention_forward_masked(s, KeyMask::causal(), q, k, v, out, lse)
+}
+
+/// [`attention_forward`] under `mask`: query `i` of row `b` attends to the keys
+/// `key_start(i) ..= i` only (see [`KeyMask`]).
+pub fn attention_forward_masked<R: Real>(
+    s: AttnShape,
+    mask: HostKeyMask<'_>,
+    q: &[R],
+    k: &[R],
+    v: &[R],
+    out: &mut [R],
+    lse: &mut [R],
+) -> Result<()> {
     s.check()?;
+    check_mask("attention_forward (mask)", &s, &mask)?;
     expect_product("attention_forward (q)", &s.q_dims(), q.len())?;
     expect_product("attention_forward (k)", &s.kv_dims(), k.len())?;
     expect_product("attention_forward (v)", &s.kv_dims(), v.len())?;
@@ -205,10 +252,13 @@ pub fn attention_forward<R: Real>(
             let mut p = vec![R::zero(); BLOCK * t_len];
             for i0 in (0..t_len).step_by(BLOCK) {
                 let i1 = (i0 + BLOCK).min(t_len);
-                causal_block_products(hv, q, k, scale, i0, i1, &mut p, t_len);
+                let j0 = row_start(&mask, t_len, b, i0);
+                causal_block_products(hv, q, k, scale, i0, i1, j0, &mut p, t_len);
                 for r in 0..i1 - i0 {
                     let i = i0 + r;
-                    let row = &mut p[r * t_len..r * t_len + i + 1];
+                    let lo = row_start(&mask, t_len, b, i);
+                    p[r * t_len + j0..r * t_len + lo].fill(R::zero());
+                    let row = &mut p[r * t_len + lo..r * t_len + i + 1];
                     let m = row.iter().fold(R::neg_infinity(), |m, &x| m.max(x));
                     let mut l = R::zero();
                     for x in row.iter_mut() {
@@ -221,16 +271,17 @@ pub fn attention_forward<R: Real>(
                     }
                     lse_bh[i] = m + l.ln();
                 }
-                // O[i0..i1] = P[:, 0..i1] · V[0..i1] (P is zero above the diagonal).
+                // O[i0..i1] = P[:, j0..i1] · V[j0..i1] (P is zero above the diagonal and
+                // before each row's first key).
                 R::gemm(
                     i1 - i0,
-                    i1,
+                    i1 - j0,
                     d,
                     R::one(),
-                    &p,
+                    &p[j0..],
                     t_len,
                     1,
-                    &v[hv.kb..],
+                    &v[hv.kb + j0 * hv.ks..],
                     hv.ks,
                     1,
                     R::zero(),
@@ -276,7 +327,27 @@ pub fn attention_backward<R: Real>(
     dk: &mut [R],
     dv: &mut [R],
 ) -> Result<()> {
+    attention_backward_masked(s, KeyMask::causal(), dout, q, k, v, out, lse, dq, dk, dv)
+}
+
+/// Backward of [`attention_forward_masked`] under the same `mask` (`p_ij = 0` for the keys a
+/// query does not see, so they get no gradient from it).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_masked<R: Real>(
+    s: AttnShape,
+    mask: HostKeyMask<'_>,
+    dout: &[R],
+    q: &[R],
+    k: &[R],
+    v: &[R],
+    out: &[R],
+    lse: &[R],
+    dq: &mut [R],
+    dk: &mut [R],
+    dv: &mut [R],
+) -> Result<()> {
     s.check()?;
+    check_mask("attention_backward (mask)", &s, &mask)?;
     let (q_dims, kv_dims) = (&s.q_dims()[..], &s.kv_dims()[..]);
     for (op, dims, len) in [
         ("attention_backward (dout)", q_dims, dout.len()),
@@ -315,31 +386,35 @@ pub fn attention_backward<R: Real>(
                 for i0 in (0..t_len).step_by(BLOCK) {
                     let i1 = (i0 + BLOCK).min(t_len);
                     let bm = i1 - i0;
+                    let j0 = row_start(&mask, t_len, b, i0);
                     // P (zero above the diagonal) and dP = dout · Vᵀ on the causal part.
-                    causal_block_products(hv, q, k, scale, i0, i1, &mut p, t_len);
-                    causal_block_products(hv, dout, v, R::one(), i0, i1, &mut ds, t_len);
+                    causal_block_products(hv, q, k, scale, i0, i1, j0, &mut p, t_len);
+                    causal_block_products(hv, dout, v, R::one(), i0, i1, j0, &mut ds, t_len);
                     for r in 0..bm {
                         let i = i0 + r;
+                        let lo = row_start(&mask, t_len, b, i);
+                        p[r * t_len + j0..r * t_len + lo].fill(R::zero());
+                        ds[r * t_len + j0..r * t_len + lo].fill(R::zero());
                         let delta = dot(hv.qrow(dout, i), hv.qrow(out, i));
                         let (pr, dsr) = (
-                            &mut p[r * t_len..r * t_len + i + 1],
-                            &mut ds[r * t_len..r * t_len + i + 1],
+                            &mut p[r * t_len + lo..r * t_len + i + 1],
+                            &mut ds[r * t_len + lo..r * t_len + i + 1],
                         );
                         for (pj, dsj) in pr.iter_mut().zip(dsr.iter_mut()) {
                             *pj = (*pj - lse_h[i]).exp();
                             *dsj = *pj * (*dsj - delta) * scale;
                         }
                     }
-                    // dQ[i0..i1] = dS[:, 0..i1] · K[0..i1].
+                    // dQ[i0..i1] = dS[:, j0..i1] · K[j0..i1].
                     R::gemm(
                         bm,
-                        i1,
+                        i1 - j0,
                         d,
                         R::one(),
-                        &ds,
+                        &ds[j0..],
                         t_len,
                         1,
-                        &k[hv.kb..],
+                        &k[hv.kb + j0 * hv.ks..],
                         hv.ks,
                         1,
                         R::zero(),
@@ -347,36 +422,36 @@ pub fn attention_backward<R: Real>(
                         d,
                         1,
                     );
-                    // dK[0..i1] += dSᵀ · Q[i0..i1];  dV[0..i1] += Pᵀ · dout[i0..i1].
+                    // dK[j0..i1] += dSᵀ · Q[i0..i1];  dV[j0..i1] += Pᵀ · dout[i0..i1].
                     R::gemm(
-                        i1,
+                        i1 - j0,
                         bm,
                         d,
                         R::one(),
-                        &ds,
+                        &ds[j0..],
                         1,
                         t_len,
                         &q[hv.qb + i0 * hv.qs..],
                         hv.qs,
                         1,
                         R::one(),
-                        &mut dk_g,
+                        &mut dk_g[j0 * d..],
                         d,
                         1,
                     );
                     R::gemm(
-                        i1,
+                        i1 - j0,
                         bm,
                         d,
                         R::one(),
-                        &p,
+                        &p[j0..],
                         1,
                         t_len,
                         &dout[hv.qb + i0 * hv.qs..],
                         hv.qs,
                         1,
                         R::one(),
-                        &mut dv_g,
+                        &mut dv_g[j0 * d..],
                         d,
                         1,
                     );

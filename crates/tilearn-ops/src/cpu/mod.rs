@@ -24,7 +24,10 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
 
-pub use attention::{AttnShape, attention_backward, attention_forward};
+pub use attention::{
+    AttnShape, HostKeyMask, attention_backward, attention_backward_masked, attention_forward,
+    attention_forward_masked,
+};
 pub use cross_entropy::{CeStats, IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
 pub use embedding::{check_token_ids, embedding_backward, embedding_forward};
 pub use linear::{linear_backward, linear_forward};
@@ -32,5 +35,8 @@ pub use real::Real;
 pub use reduce::{global_norm, unscale_and_check};
 pub use residual::add_inplace;
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
-pub use rope::{RopeScaling, RopeTable, rope_backward, rope_forward, rope_inv_freq};
+pub use rope::{
+    RopeScaling, RopeTable, rope_backward, rope_backward_at, rope_forward, rope_forward_at,
+    rope_inv_freq,
+};
 pub use swiglu::{swiglu_backward, swiglu_forward};

@@ -9,6 +9,9 @@
 //! Tables are computed in f64. `rope_scaling` types `linear`, `dynamic` (NTK) and `llama3`
 //! modify `inv_freq` as transformers' `ROPE_INIT_FUNCTIONS` do; their `attention_scaling` is 1.
 //!
+//! The `_at` variants take explicit `position_ids` (`[batch, seq]`, e.g. restarting at 0 for
+//! each packed example) instead of the row index `t`.
+//!
 //! Gradient convention: `rope_backward` *writes* (`=`, in place) the activation gradient: it
 //! applies the inverse (transposed) rotation to the incoming gradient. No parameters.
 
@@ -186,7 +189,34 @@ fn check_shape<R>(
     )
 }
 
-/// Rotates `x` (`[batch, seq, heads, head_dim]`) by `sign * angle`.
+/// Fails unless `positions` holds `batch * seq` entries, each a row of `table`.
+fn check_positions_in_table(
+    positions: &[i32],
+    batch: usize,
+    seq: usize,
+    table: &RopeTable,
+) -> Result<()> {
+    expect_product(
+        "rope (positions = batch x seq)",
+        &[batch, seq],
+        positions.len(),
+    )?;
+    if let Some(&bad) = positions
+        .iter()
+        .find(|&&p| usize::try_from(p).map_or(true, |p| p >= table.seq_len))
+    {
+        return Err(OpsError::ShapeMismatch {
+            op: "rope (a position id outside the table's positions 0..seq_len; build the RopeTable for the longest example)",
+            expected: table.seq_len,
+            actual: usize::try_from(bad).unwrap_or(usize::MAX),
+        });
+    }
+    Ok(())
+}
+
+/// Rotates `x` (`[batch, seq, heads, head_dim]`) by `sign * angle`; token `(b, t)` by the
+/// angle of `positions[b * seq + t]`, or of `t` without positions.
+#[allow(clippy::too_many_arguments)]
 fn rotate<R: Real>(
     x: &mut [R],
     batch: usize,
@@ -194,9 +224,13 @@ fn rotate<R: Real>(
     heads: usize,
     head_dim: usize,
     table: &RopeTable,
+    positions: Option<&[i32]>,
     inverse: bool,
 ) -> Result<()> {
     check_shape(x, batch, seq, heads, head_dim, table)?;
+    if let Some(pos) = positions {
+        check_positions_in_table(pos, batch, seq, table)?;
+    }
     let h = table.half_dim;
     let row = heads * head_dim;
     if row == 0 {
@@ -206,7 +240,8 @@ fn rotate<R: Real>(
         .enumerate()
         .with_min_len(4)
         .for_each(|(bt, xr)| {
-            let t = bt % seq;
+            // Checked above: every position is a row of the table.
+            let t = positions.map_or(bt % seq, |p| p[bt] as usize);
             let cos: Vec<R> = table.cos[t * h..(t + 1) * h]
                 .iter()
                 .map(|&c| R::from_f64(c))
@@ -237,7 +272,33 @@ pub fn rope_forward<R: Real>(
     head_dim: usize,
     table: &RopeTable,
 ) -> Result<()> {
-    rotate(x, batch, seq, heads, head_dim, table, false)
+    rotate(x, batch, seq, heads, head_dim, table, None, false)
+}
+
+/// [`rope_forward`] with explicit `positions` (`[batch, seq]`, each `< table.seq_len`).
+pub fn rope_forward_at<R: Real>(
+    x: &mut [R],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &RopeTable,
+    positions: Option<&[i32]>,
+) -> Result<()> {
+    rotate(x, batch, seq, heads, head_dim, table, positions, false)
+}
+
+/// [`rope_backward`] with explicit `positions` (those of the forward).
+pub fn rope_backward_at<R: Real>(
+    dx: &mut [R],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &RopeTable,
+    positions: Option<&[i32]>,
+) -> Result<()> {
+    rotate(dx, batch, seq, heads, head_dim, table, positions, true)
 }
 
 /// Backward of [`rope_forward`], in place: `dx = Rᵀ · dy` (rotation by the opposite angle).
@@ -249,5 +310,5 @@ pub fn rope_backward<R: Real>(
     head_dim: usize,
     table: &RopeTable,
 ) -> Result<()> {
-    rotate(dx, batch, seq, heads, head_dim, table, true)
+    rotate(dx, batch, seq, heads, head_dim, table, None, true)
 }

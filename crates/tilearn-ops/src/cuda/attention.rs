@@ -60,6 +60,14 @@
 //! switches precision without reallocating). Batches larger than the chunk that fits run in
 //! several passes.
 //!
+//! Key masks ([`KeyMask`], the `_masked` functions): packed examples (restarting `position_ids`
+//! `[B, T]` i32 on the device) and a sliding window. Both implementations honour them: the
+//! flash kernels in their masked instantiations (key tiles that no query of a tile sees are
+//! skipped), the cuBLASLt path in its row kernels (still computing the full score square). The
+//! positions must be a restart sequence (`crate::check_positions` on the host: the engine
+//! checks them before upload); the kernels clamp a bad one so that no read leaves the buffers.
+//! Without a mask every call runs exactly the unmasked kernels.
+//!
 //! Precision: all products accumulate in f32 (`CUBLAS_COMPUTE_32F`, no TF32); scores, dP, lse
 //! and delta are f32. f32 path: everything f32. bf16 / f16 paths: 16-bit Q/K/V/dO, P and dS
 //! rounded once to the element type before their GEMMs (as FlashAttention does; P lies in
@@ -80,6 +88,7 @@ use super::DeviceFloat;
 use super::gemm::{Epilogue, Gemm, MatmulSpec, Operand};
 use super::launch::{Launch, check, raw_stream};
 use crate::cpu::AttnShape;
+use crate::key_mask::KeyMask;
 use crate::shape::expect_len;
 use crate::{OpsError, Result};
 
@@ -606,6 +615,52 @@ fn checked_sizes<T: DeviceFloat>(
     Ok((p, [q_len, kv_len, rows_len]))
 }
 
+/// The launchers' form of `mask` with its positions at `positions` (null when absent), or
+/// `None` for plain causal attention (a null mask pointer).
+fn ffi_mask<P>(mask: &KeyMask<&P>, positions: *const c_void) -> Option<ffi::tilearn_key_mask> {
+    (!mask.is_causal()).then(|| ffi::tilearn_key_mask {
+        positions: positions.cast(),
+        sliding_window: mask.sliding_window.unwrap_or(0),
+    })
+}
+
+/// A pointer to `m`, or null.
+fn mask_ptr(m: &Option<ffi::tilearn_key_mask>) -> *const ffi::tilearn_key_mask {
+    m.as_ref().map_or(std::ptr::null(), |m| m as *const _)
+}
+
+/// `m` for the batch rows from `b0` on (positions advanced by `b0 · seq`).
+fn mask_from(
+    m: &Option<ffi::tilearn_key_mask>,
+    b0: usize,
+    seq: usize,
+) -> Option<ffi::tilearn_key_mask> {
+    m.map(|m| ffi::tilearn_key_mask {
+        positions: if m.positions.is_null() {
+            m.positions
+        } else {
+            m.positions.wrapping_add(b0 * seq)
+        },
+        ..m
+    })
+}
+
+/// Fails on a window of 0 keys or a window the kernels' 32-bit indexing cannot hold.
+fn check_mask<P>(op: &'static str, mask: &KeyMask<&P>) -> Result<()> {
+    mask.check_window(op)?;
+    if mask.sliding_window.is_some_and(|w| w > FLASH_MAX_DIM) {
+        return Err(OpsError::Cuda {
+            context: op,
+            message: format!(
+                "sliding_window {:?} exceeds {FLASH_MAX_DIM} keys; leave it unset for an \
+                 unbounded window",
+                mask.sliding_window
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Whether the problem is empty (nothing to launch).
 fn is_empty(s: &AttnShape) -> bool {
     s.batch == 0 || s.seq == 0 || s.q_heads == 0
@@ -655,7 +710,37 @@ pub fn attention_forward_with<T: DeviceFloat>(
     out: &mut impl DevicePtrMut<T>,
     lse: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
+    attention_forward_masked(
+        imp,
+        gemm,
+        ws,
+        s,
+        KeyMask::<&CudaSlice<i32>>::causal(),
+        q,
+        k,
+        v,
+        out,
+        lse,
+    )
+}
+
+/// [`attention_forward_with`] under `mask` (see [`KeyMask`]): query `i` of row `b` attends to
+/// the keys `key_start(i) ..= i` only. `mask.positions`, when set, holds `B·T` i32.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_masked<T: DeviceFloat, P: DevicePtr<i32>>(
+    imp: AttentionImpl,
+    gemm: &Gemm,
+    ws: &mut AttentionWorkspace,
+    s: AttnShape,
+    mask: KeyMask<&P>,
+    q: &impl DevicePtr<T>,
+    k: &impl DevicePtr<T>,
+    v: &impl DevicePtr<T>,
+    out: &mut impl DevicePtrMut<T>,
+    lse: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
     let op = "attention_forward";
+    check_mask(op, &mask)?;
     let (p, [q_len, kv_len, rows_len]) = checked_sizes::<T>(op, ws, &s)?;
     let flash = wants_flash::<T>(op, imp, &s)?;
     // Only the GEMM path carves the workspace, so only it reports a workspace too small.
@@ -668,16 +753,19 @@ pub fn attention_forward_with<T: DeviceFloat>(
         .input("q", q, q_len)
         .input("k", k, kv_len)
         .input("v", v, kv_len)
+        .optional_input("positions", mask.positions, s.batch * s.seq)
         .output("out", out, q_len)
         .output("lse", lse, rows_len)
         .workspace("workspace", &mut ws.buf)
         .skip_launch_if(is_empty(&s))
-        .run_steps(|[q, k, v], [out, lse, ws_base], raw| {
+        .run_steps(|[q, k, v, positions], [out, lse, ws_base], raw| {
             let [q0, k0, v0] = [q, k, v].map(|ptr| ptr as u64);
             let [o0, l0] = [out, lse].map(|ptr| ptr as u64);
+            let km = ffi_mask(&mask, positions);
             if flash && flash_aligned(op, imp, &[q0, k0, v0, o0])? {
                 // SAFETY: the launcher reads q (`q_len` elements of T, `T::DTYPE`), k and v
-                // (`kv_len`) and writes out (`q_len`) and lse (`rows_len` f32) for shape `s`.
+                // (`kv_len`), the mask's B·T positions when present, and writes out (`q_len`)
+                // and lse (`rows_len` f32) for shape `s`; `km` outlives the call.
                 let status = unsafe {
                     ffi::tilearn_flash_attention_forward(
                         T::DTYPE,
@@ -692,6 +780,7 @@ pub fn attention_forward_with<T: DeviceFloat>(
                         s.kv_heads,
                         s.head_dim,
                         plan.scale,
+                        mask_ptr(&km),
                         raw,
                     )
                 };
@@ -707,6 +796,7 @@ pub fn attention_forward_with<T: DeviceFloat>(
                 let q_off = (b0 * p.q) as u64 * e;
                 let kv_off = (b0 * p.kv) as u64 * e;
                 let rows = row_count(&plan, nb);
+                let km_chunk = mask_from(&km, b0, t);
                 // SAFETY (whole block): the user buffers hold `batch` sequences (the builder
                 // checked their lengths), so the offsets of sequences [b0, b0 + nb) stay inside
                 // them; the workspace holds `chunk >= nb` sequences of this shape in type T
@@ -729,6 +819,8 @@ pub fn attention_forward_with<T: DeviceFloat>(
                         t,
                         w.probs as *mut c_void,
                         (l0 + (b0 * p.rows * 4) as u64) as *mut f32,
+                        mask_ptr(&km_chunk),
+                        hq,
                         raw,
                     );
                     check(op, status)?;
@@ -811,7 +903,44 @@ pub fn attention_backward_with<T: DeviceFloat>(
     dk: &mut impl DevicePtrMut<T>,
     dv: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
+    attention_backward_masked(
+        imp,
+        gemm,
+        ws,
+        s,
+        KeyMask::<&CudaSlice<i32>>::causal(),
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+    )
+}
+
+/// Backward of [`attention_forward_masked`] under the same `mask`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_masked<T: DeviceFloat, P: DevicePtr<i32>>(
+    imp: AttentionImpl,
+    gemm: &Gemm,
+    ws: &mut AttentionWorkspace,
+    s: AttnShape,
+    mask: KeyMask<&P>,
+    dout: &impl DevicePtr<T>,
+    q: &impl DevicePtr<T>,
+    k: &impl DevicePtr<T>,
+    v: &impl DevicePtr<T>,
+    out: &impl DevicePtr<T>,
+    lse: &impl DevicePtr<f32>,
+    dq: &mut impl DevicePtrMut<T>,
+    dk: &mut impl DevicePtrMut<T>,
+    dv: &mut impl DevicePtrMut<T>,
+) -> Result<()> {
     let op = "attention_backward";
+    check_mask(op, &mask)?;
     let (p, [q_len, kv_len, rows_len]) = checked_sizes::<T>(op, ws, &s)?;
     for (what, want, have) in [
         ("dout", q_len, dout.len()),
@@ -849,14 +978,16 @@ pub fn attention_backward_with<T: DeviceFloat>(
         .input("v", v, kv_len)
         .input("out", out, q_len)
         .input("lse", lse, rows_len)
+        .optional_input("positions", mask.positions, s.batch * s.seq)
         .output("dq", dq, q_len)
         .output("dk", dk, kv_len)
         .output("dv", dv, kv_len)
         .workspace("workspace", &mut ws.buf)
         .skip_launch_if(is_empty(&s))
         .run_steps(|inputs, outputs, raw| {
-            let [do0, q0, k0, v0, o0, l0] = inputs.map(|ptr| ptr as u64);
+            let [do0, q0, k0, v0, o0, l0, pos0] = inputs.map(|ptr| ptr as u64);
             let [dq0, dk0, dv0, ws_base] = outputs.map(|ptr| ptr as u64);
+            let km = ffi_mask(&mask, pos0 as *const c_void);
             if flash && flash_aligned(op, imp, &[do0, q0, k0, v0, o0, dq0, dk0, dv0])? {
                 // delta: the workspace's first aligned bytes when they hold it (always for real
                 // shapes: one sequence's score region alone is Hq·T·ld f32), else a temporary
@@ -914,6 +1045,7 @@ pub fn attention_backward_with<T: DeviceFloat>(
                         s.kv_heads,
                         s.head_dim,
                         plan.scale,
+                        mask_ptr(&km),
                         raw,
                     );
                     return check(op, status);
@@ -930,6 +1062,7 @@ pub fn attention_backward_with<T: DeviceFloat>(
                 let kv_off = (b0 * p.kv) as u64 * e;
                 let row_off = (b0 * p.rows * 4) as u64;
                 let rows = row_count(&plan, nb);
+                let km_chunk = mask_from(&km, b0, t);
                 // SAFETY (whole block): as in `attention_forward`: offsets inside the user buffers
                 // (lengths checked), the workspace holds `chunk >= nb` sequences, and the inputs
                 // and output of every step are distinct buffers — the workspace's reuse (dV into
@@ -950,6 +1083,8 @@ pub fn attention_backward_with<T: DeviceFloat>(
                         t,
                         (l0 + row_off) as *const f32,
                         w.probs as *mut c_void,
+                        mask_ptr(&km_chunk),
+                        hq,
                         raw,
                     );
                     check(op, status)?;
@@ -990,6 +1125,8 @@ pub fn attention_backward_with<T: DeviceFloat>(
                         t,
                         w.delta as *const f32,
                         plan.scale,
+                        mask_ptr(&km_chunk),
+                        hq,
                         raw,
                     );
                     check(op, status)?;

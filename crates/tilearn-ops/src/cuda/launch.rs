@@ -96,6 +96,22 @@ impl<'a> Launch<'a> {
         self
     }
 
+    /// A buffer the launcher reads when present (`len` elements of `T`); `None` passes a null
+    /// pointer, which the launcher must accept for this operand.
+    pub fn optional_input<T, P>(self, name: &'static str, buf: Option<&'a P>, len: usize) -> Self
+    where
+        P: DevicePtr<T> + ?Sized,
+    {
+        match buf {
+            Some(buf) => self.input(name, buf, len),
+            None => {
+                let mut this = self;
+                this.inputs.push(Box::new(|_| (0, SyncOnDrop::Sync(None))));
+                this
+            }
+        }
+    }
+
     /// A buffer the launcher writes (or reads and writes): `len` elements of `T`.
     pub fn output<T, P>(mut self, name: &'static str, buf: &'a mut P, len: usize) -> Self
     where

@@ -7,7 +7,7 @@
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use tilearn_kernels::ffi;
 
 use super::dtype::DeviceFloat;
@@ -23,6 +23,7 @@ type Launcher = unsafe extern "C" fn(
     *mut c_void,
     *const f32,
     *const f32,
+    *const i32,
     usize,
     usize,
     usize,
@@ -113,7 +114,7 @@ fn check_shape(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn rotate<T: DeviceFloat>(
+fn rotate<T: DeviceFloat, P: DevicePtr<i32>>(
     op: &'static str,
     launcher: Launcher,
     stream: &Arc<CudaStream>,
@@ -123,6 +124,7 @@ fn rotate<T: DeviceFloat>(
     heads: usize,
     head_dim: usize,
     table: &GpuRopeTable,
+    positions: Option<&P>,
 ) -> Result<()> {
     let elems = check_shape(op, batch, seq, heads, head_dim, table)?;
     // `upload` built both tables with exactly seq_len * half_dim elements.
@@ -131,17 +133,20 @@ fn rotate<T: DeviceFloat>(
         .output("x", x, elems)
         .input("table.cos", &table.cos, table_len)
         .input("table.sin", &table.sin, table_len)
+        .optional_input("positions", positions, batch * seq)
         .skip_launch_if(elems == 0)
-        .run(|[cos, sin], [x], stream| {
+        .run(|[cos, sin, positions], [x], stream| {
             // SAFETY: the launcher rewrites batch * seq * heads * head_dim elements of T
-            // (`T::DTYPE`) of x in place and reads rows t < seq <= table.seq_len of the
-            // [table.seq_len, head_dim / 2] f32 tables (head_dim == 2 * half_dim checked).
+            // (`T::DTYPE`) of x in place, reads batch * seq positions when not null (clamping
+            // each to the table) and rows t < table.seq_len of the [table.seq_len,
+            // head_dim / 2] f32 tables (head_dim == 2 * half_dim checked).
             unsafe {
                 launcher(
                     T::DTYPE,
                     x,
                     cos.cast(),
                     sin.cast(),
+                    positions.cast(),
                     batch,
                     seq,
                     heads,
@@ -166,6 +171,23 @@ pub fn rope_forward<T: DeviceFloat>(
     head_dim: usize,
     table: &GpuRopeTable,
 ) -> Result<()> {
+    rope_forward_at::<T, CudaSlice<i32>>(stream, x, batch, seq, heads, head_dim, table, None)
+}
+
+/// [`rope_forward`] with explicit `positions` (`[batch, seq]` i32, e.g. restarting at 0 for
+/// each packed example; each `< table.seq_len()`, which the caller checks: the kernel clamps a
+/// bad one to the table instead of reading past it), or the row index without.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_forward_at<T: DeviceFloat, P: DevicePtr<i32>>(
+    stream: &Arc<CudaStream>,
+    x: &mut impl DevicePtrMut<T>,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+    positions: Option<&P>,
+) -> Result<()> {
     rotate(
         "tilearn_rope_forward",
         ffi::tilearn_rope_forward,
@@ -176,6 +198,7 @@ pub fn rope_forward<T: DeviceFloat>(
         heads,
         head_dim,
         table,
+        positions,
     )
 }
 
@@ -190,6 +213,21 @@ pub fn rope_backward<T: DeviceFloat>(
     head_dim: usize,
     table: &GpuRopeTable,
 ) -> Result<()> {
+    rope_backward_at::<T, CudaSlice<i32>>(stream, dx, batch, seq, heads, head_dim, table, None)
+}
+
+/// [`rope_backward`] with the forward's `positions` (see [`rope_forward_at`]).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_backward_at<T: DeviceFloat, P: DevicePtr<i32>>(
+    stream: &Arc<CudaStream>,
+    dx: &mut impl DevicePtrMut<T>,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+    positions: Option<&P>,
+) -> Result<()> {
     rotate(
         "tilearn_rope_backward",
         ffi::tilearn_rope_backward,
@@ -200,5 +238,6 @@ pub fn rope_backward<T: DeviceFloat>(
         heads,
         head_dim,
         table,
+        positions,
     )
 }

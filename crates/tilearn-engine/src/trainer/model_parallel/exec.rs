@@ -209,6 +209,7 @@ fn forward_chunk(
     } else {
         &b.working
     };
+    acts.set_position_ids(batch.positions.as_deref(), batch.batch, batch.seq_len)?;
     b.model.forward(
         chunk,
         params,

@@ -12,6 +12,8 @@
 use std::fmt;
 use std::num::NonZeroUsize;
 
+use serde::{Deserialize, Serialize};
+
 /// Budget of the logits chunk under [`LceChunk::Auto`]: 256 MiB, an eighth to a quarter of the
 /// full logits at the bench presets, and large enough that each chunk's products stay
 /// efficient GEMMs (at vocab 32 000 in bf16 a chunk is 4 096 tokens, an M of 4 096 that
@@ -19,7 +21,7 @@ use std::num::NonZeroUsize;
 pub const LCE_CHUNK_BUDGET_BYTES: usize = 256 << 20;
 
 /// How many tokens the loss head processes per chunk.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LceChunk {
     /// Every token of a call at once: the arena holds the whole `[tokens × vocab]` logits.
     Unchunked,

@@ -233,8 +233,7 @@ fn chunked_arena_is_smaller_by_the_logits() {
     let (ids, labels) = random_batch(&mut rng, config.vocab_size, batch, seq);
     let measure = |lce: LceChunk| {
         let mut gpu =
-            GpuLlama::with_lce_chunk(&dev, &model, batch, seq, &[DType::BF16], false, lce)
-                .unwrap();
+            GpuLlama::with_lce_chunk(&dev, &model, batch, seq, &[DType::BF16], false, lce).unwrap();
         let stats = gpu
             .forward_backward(&ids, &labels, batch, seq, None)
             .unwrap();

@@ -122,13 +122,14 @@ impl GpuBackend {
         precisions: &[DType],
     ) -> Result<GpuBackend> {
         let device = GpuDevice::new(ordinal)?;
-        let mut gpu = GpuLlama::for_config(
+        let mut gpu = GpuLlama::for_config_with_lce_chunk(
             &device,
             config,
             args.per_device_train_batch_size,
             args.seq_len,
             precisions,
             args.gradient_checkpointing,
+            args.lce_chunk,
         )?;
         let specs = ParamStore::specs_for(config);
         let (optimizer_config, optimizer_groups) = adamw_setup(args, &specs);
@@ -149,6 +150,13 @@ impl GpuBackend {
         }
         if gpu.gradient_checkpointing() {
             features.push("gradient checkpointing".into());
+        }
+        let tokens = args.per_device_train_batch_size * args.seq_len;
+        if gpu.lce_chunk_tokens() < tokens {
+            features.push(format!(
+                "loss head in chunks of {} tokens",
+                gpu.lce_chunk_tokens()
+            ));
         }
         let name = format!(
             "cuda:{ordinal} {} ({})",

@@ -355,6 +355,6 @@ mod tests {
         assert_eq!(d.main_len(d.layers, 10_000), d.main_len(d.layers, d.n));
         // A chunk that does not divide the tokens is padded like any buffer.
         assert_eq!(d.logits_len(7), padded(7 * d.vocab));
-        assert!(d.logits_len(7) >= 7 * d.vocab && d.logits_len(7) % ALIGN_ELEMS == 0);
+        assert!(d.logits_len(7) >= 7 * d.vocab && d.logits_len(7).is_multiple_of(ALIGN_ELEMS));
     }
 }

@@ -225,4 +225,25 @@ mod tests {
             );
         }
     }
+    fn lce_chunk(flags: &[&str]) -> std::result::Result<LceChunk, clap::Error> {
+        let argv = ["bench", "--preset", "llama-134m"].iter().chain(flags);
+        Cli::try_parse_from(argv).map(|cli| cli.bench.lce_chunk_tokens)
+    }
+
+    #[test]
+    fn lce_chunk_flag_defaults_to_auto_and_takes_zero_or_a_count() {
+        assert_eq!(lce_chunk(&[]).unwrap(), LceChunk::Auto);
+        assert_eq!(
+            lce_chunk(&["--lce-chunk-tokens", "0"]).unwrap(),
+            LceChunk::Unchunked
+        );
+        assert_eq!(
+            lce_chunk(&["--lce-chunk-tokens", "1000"]).unwrap(),
+            LceChunk::from_tokens(1000)
+        );
+        let err = lce_chunk(&["--lce-chunk-tokens", "lots"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`lots` is not a token count"), "{err}");
+    }
 }

@@ -7,6 +7,7 @@ pub mod data;
 pub mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod lce_chunk;
 pub mod model;
 pub mod params;
 pub mod plan;

@@ -6,7 +6,10 @@
 //            fused variant makes a second pass that OVERWRITES the logits row in place with its
 //            gradient (softmax - onehot(target)) * grad_scale. No f32 copy of the logits and no
 //            probability buffer exist. A second, one-block kernel reduces the per-row losses
-//            and the valid-target count, and finds the first out-of-range label.
+//            and the valid-target count, and finds the first out-of-range label; it also has a
+//            launcher of its own (tilearn_cross_entropy_totals), for row losses written by
+//            several launches over chunks of rows (the engine's chunked linear + cross entropy),
+//            so the totals of a chunked step are those of one launch over all rows, bit for bit.
 // Layout:    logits [rows, vocab] row-major (any vocab: no alignment or multiple is assumed);
 //            targets [rows] i32; row_loss [rows] f32; totals [4] f64 (layout below). One thread
 //            block per row.
@@ -269,6 +272,15 @@ extern "C" int tilearn_cross_entropy_fused(int dtype, void* logits, const int32_
         return launch_fused<decltype(tag)>(logits, targets, rows, vocab, grad_scale, row_loss,
                                            totals, stream);
     });
+}
+
+extern "C" int tilearn_cross_entropy_totals(const float* row_loss, const int32_t* targets,
+                                            size_t rows, size_t vocab, double* totals,
+                                            cudaStream_t stream) {
+    if (!shape_ok(rows, vocab) || totals == nullptr ||
+        (rows > 0 && (row_loss == nullptr || targets == nullptr)))
+        return static_cast<int>(cudaErrorInvalidValue);
+    return launch_totals(row_loss, targets, rows, vocab, totals, stream);
 }
 
 extern "C" int tilearn_cross_entropy_forward(int dtype, const void* logits,

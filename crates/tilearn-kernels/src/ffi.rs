@@ -286,6 +286,14 @@ unsafe extern "C" {
         totals: *mut f64,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cross_entropy_totals(
+        row_loss: *const f32,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        totals: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
     pub fn tilearn_embedding_forward(
         dtype: ::std::os::raw::c_int,
         ids: *const u32,

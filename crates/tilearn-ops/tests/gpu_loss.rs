@@ -1237,3 +1237,115 @@ fn unscale_rejects_bad_scalars() {
         "a rejected call wrote output"
     );
 }
+
+/// The fused kernel over consecutive chunks of the rows (the engine's chunked linear + cross
+/// entropy: each launch sees only its chunk's logits, targets and row losses), then
+/// `cross_entropy_totals` over all rows: row losses, gradients and totals bit-identical to one
+/// launch over all rows (the per-row work depends only on the row; the totals reduction runs
+/// over the same rows in the same order), also with an out-of-range label in a later chunk.
+fn check_chunked_matches_whole<T: DeviceFloat>(dev: &GpuDevice, seed: u64) {
+    let s = dev.stream();
+    // Chunks that do not divide the rows, and a chunk of one row.
+    for (case_no, &(rows, vocab, chunk)) in [(37, 1000, 10), (300, 32003, 128), (5, 7, 1)]
+        .iter()
+        .enumerate()
+    {
+        let what = format!("ce chunked {} {rows}x{vocab} by {chunk}", T::NAME);
+        let x: Vec<T> = rounded(&normal_logits(seed + case_no as u64, rows, vocab, 3.0));
+        let mut targets_h = random_targets(seed + 100 + case_no as u64, rows, vocab);
+        let grad_scale = grad_scale_for(&targets_h);
+        let whole = |targets_h: &[i32]| {
+            let targets = upload(s, targets_h);
+            let mut totals = CeTotals::new(s).unwrap();
+            let mut logits = upload(s, &x);
+            let mut row_loss = upload(s, &vec![f32::NAN; rows]);
+            cuda::cross_entropy_fused(
+                s,
+                &mut logits,
+                &targets,
+                vocab,
+                grad_scale,
+                &mut row_loss,
+                &mut totals,
+            )
+            .unwrap();
+            let stats = totals.read(s);
+            (stats, download(dev, &row_loss), download(dev, &logits))
+        };
+        let chunked = |targets_h: &[i32]| {
+            let targets = upload(s, targets_h);
+            let mut totals = CeTotals::new(s).unwrap();
+            let mut row_loss = upload(s, &vec![f32::NAN; rows]);
+            let mut grads = Vec::with_capacity(rows * vocab);
+            let mut start = 0;
+            while start < rows {
+                let end = (start + chunk).min(rows);
+                // Only this chunk's logits exist on the device.
+                let mut logits = upload(s, &x[start * vocab..end * vocab]);
+                cuda::cross_entropy_fused(
+                    s,
+                    &mut logits,
+                    &targets.slice(start..end),
+                    vocab,
+                    grad_scale,
+                    &mut row_loss.slice_mut(start..end),
+                    &mut totals,
+                )
+                .unwrap();
+                grads.extend(download(dev, &logits));
+                start = end;
+            }
+            cuda::cross_entropy_totals(s, &row_loss, &targets, vocab, &mut totals).unwrap();
+            let stats = totals.read(s);
+            (stats, download(dev, &row_loss), grads)
+        };
+        let (s1, l1, g1) = whole(&targets_h);
+        let (s2, l2, g2) = chunked(&targets_h);
+        let (s1, s2) = (s1.unwrap(), s2.unwrap());
+        let grad_diff = g1
+            .iter()
+            .zip(&g2)
+            .filter(|&(&a, &b)| bits(a) != bits(b))
+            .count();
+        report(&format!(
+            "{what}: loss_sum {:.17e} / {:.17e}, valid {} / {}, gradient elements differing: \
+             {grad_diff}",
+            s1.loss_sum, s2.loss_sum, s1.valid, s2.valid
+        ));
+        assert_eq!(
+            s1.loss_sum.to_bits(),
+            s2.loss_sum.to_bits(),
+            "{what}: loss_sum"
+        );
+        assert_eq!(s1.valid, s2.valid, "{what}: valid");
+        assert!(
+            l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: row losses differ"
+        );
+        assert_eq!(g1.len(), g2.len(), "{what}: gradient length");
+        assert_eq!(grad_diff, 0, "{what}: gradients differ");
+
+        // An out-of-range label in the last chunk is reported with its whole-step position.
+        let bad_at = rows - 1;
+        targets_h[bad_at] = vocab as i32 + 3;
+        match chunked(&targets_h).0 {
+            Err(OpsError::LabelOutOfRange {
+                label, position, ..
+            }) => {
+                assert_eq!((label, position), (vocab as i32 + 3, bad_at), "{what}");
+            }
+            other => panic!("{what}: expected LabelOutOfRange at {bad_at}, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn cross_entropy_in_chunks_matches_one_launch() {
+    let Some(dev) = gpu_or_skip("cross_entropy_in_chunks_matches_one_launch") else {
+        return;
+    };
+    check_chunked_matches_whole::<f32>(&dev, 1300);
+    check_chunked_matches_whole::<bf16>(&dev, 1310);
+    check_chunked_matches_whole::<f16>(&dev, 1320);
+}

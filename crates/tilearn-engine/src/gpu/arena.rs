@@ -7,6 +7,10 @@
 //! log-sum-exp are contiguous for the call's shape. Every buffer starts on a multiple of
 //! [`ALIGN_ELEMS`] elements (256 bytes for f32, 128 for bf16 and f16) so vectorised kernels and
 //! cuBLASLt see aligned pointers.
+//!
+//! The logits buffer holds one chunk of the loss head's tokens, `[chunk × vocab]` (see
+//! [`crate::lce_chunk`]), not the whole call's `[n × vocab]`: the fused linear + cross entropy
+//! computes, differentiates and discards the logits chunk by chunk.
 
 use cudarc::driver::{CudaSlice, CudaViewMut};
 use tilearn_ops::cuda::{CudaStream, DeviceFloat};
@@ -102,12 +106,18 @@ impl Dims {
     }
 
     /// Elements of `T` the arena needs for this call's shape with `sets` sets of per-layer
-    /// buffers (the carving below takes exactly these, in the same order).
-    pub(crate) fn main_len(&self, sets: usize) -> usize {
+    /// buffers and a logits chunk of `logit_rows` tokens (the carving below takes exactly
+    /// these, in the same order).
+    pub(crate) fn main_len(&self, sets: usize, logit_rows: usize) -> usize {
         let slab = padded(self.n * self.c);
         let layer: usize = self.layer_lens().iter().map(|&l| padded(l)).sum();
         let grad: usize = self.grad_lens().iter().map(|&l| padded(l)).sum();
-        (self.layers + 1) * slab + sets * layer + slab + padded(self.n * self.vocab) + grad
+        (self.layers + 1) * slab + sets * layer + slab + self.logits_len(logit_rows) + grad
+    }
+
+    /// Elements of `T` the logits chunk of `logit_rows` tokens takes (padded).
+    pub(crate) fn logits_len(&self, logit_rows: usize) -> usize {
+        padded(logit_rows.min(self.n) * self.vocab)
     }
 
     /// f32 elements of the statistics arena for this call's shape and `sets`.
@@ -130,21 +140,24 @@ pub(crate) struct Arena {
     main: CudaSlice<u8>,
     stats: CudaSlice<f32>,
     checkpointing: bool,
+    /// Tokens per logits chunk at capacity; a call carves `min(logit_rows, n)`.
+    logit_rows: usize,
 }
 
 impl Arena {
     /// Allocates (zero-filled, so nothing uninitialised is ever read) for `capacity` in
     /// elements of up to `max_elem_bytes` bytes, with one set of layer buffers per layer or,
-    /// when `checkpointing`, one shared set.
+    /// when `checkpointing`, one shared set, and a logits chunk of `logit_rows` tokens.
     pub(crate) fn new(
         stream: &Arc<CudaStream>,
         capacity: &Dims,
         max_elem_bytes: usize,
         checkpointing: bool,
+        logit_rows: usize,
     ) -> Result<Self> {
         let sets = Self::sets(capacity, checkpointing);
         let main = stream
-            .alloc_zeros::<u8>(capacity.main_len(sets) * max_elem_bytes)
+            .alloc_zeros::<u8>(capacity.main_len(sets, logit_rows) * max_elem_bytes)
             .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
         let stats = stream
             .alloc_zeros::<f32>(capacity.stats_len(sets))
@@ -153,6 +166,7 @@ impl Arena {
             main,
             stats,
             checkpointing,
+            logit_rows,
         })
     }
 
@@ -207,7 +221,8 @@ impl Arena {
             });
         }
         let final_xn = aligned(&mut m, d.n * d.c)?;
-        let logits = aligned(&mut m, d.n * d.vocab)?;
+        let logit_rows = self.logit_rows.min(d.n);
+        let logit_chunk = aligned(&mut m, logit_rows * d.vocab)?;
         let [dres, dxn, dtmp, dq, dk, dv, datt, dgate, dup, dact] = d.grad_lens();
         let grad = GradBufs {
             dres: aligned(&mut m, dres)?,
@@ -228,7 +243,8 @@ impl Arena {
             layers,
             final_xn,
             final_rstd,
-            logits,
+            logit_chunk,
+            logit_rows,
             row_loss,
             grad,
         })
@@ -294,9 +310,51 @@ pub(crate) struct Bufs<'a, T> {
     /// `model.norm(resid[L])`, `[N, C]`.
     pub final_xn: CudaViewMut<'a, T>,
     pub final_rstd: CudaViewMut<'a, f32>,
-    /// Logits `[N, V]`; after the fused cross entropy, d(loss)/d(logits).
-    pub logits: CudaViewMut<'a, T>,
+    /// One chunk of the loss head's logits, `[logit_rows, V]`; after the fused cross entropy,
+    /// d(loss)/d(logits) of that chunk (see `lce.rs`).
+    pub logit_chunk: CudaViewMut<'a, T>,
+    /// Tokens per chunk of this call (`1..=N`).
+    pub logit_rows: usize,
     /// Per-row cross-entropy losses (f32, 0 for ignored rows), `[N]`.
     pub row_loss: CudaViewMut<'a, f32>,
     pub grad: GradBufs<'a, T>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lce_chunk::LceChunk;
+
+    fn tiny_llama(batch: usize, seq: usize) -> Dims {
+        // TinyLlama-1.1B's shape (the bench preset).
+        let json = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
+            "hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "intermediate_size": 5632}"#;
+        let config = LlamaConfig::from_json_str(json, "<test>").unwrap();
+        Dims::new(&config, batch, seq)
+    }
+
+    #[test]
+    fn the_arena_shrinks_by_the_logits_outside_the_chunk() {
+        let d = tiny_llama(8, 2048);
+        let sets = d.layers;
+        let full = d.main_len(sets, LceChunk::Unchunked.rows(d.n, d.vocab, 2));
+        let rows = LceChunk::Auto.rows(d.n, d.vocab, 2);
+        assert_eq!(rows, 4096);
+        let chunked = d.main_len(sets, rows);
+        // Exactly the logits of the tokens outside the chunk: 12 288 × 32 000 elements,
+        // 750 MiB in bf16.
+        assert_eq!(full - chunked, (d.n - rows) * d.vocab);
+        assert_eq!((full - chunked) * 2, 750 << 20);
+        assert_eq!(d.logits_len(rows), rows * d.vocab);
+    }
+
+    #[test]
+    fn a_chunk_larger_than_the_call_is_the_unchunked_arena() {
+        let d = tiny_llama(1, 64);
+        assert_eq!(d.main_len(d.layers, 10_000), d.main_len(d.layers, d.n));
+        // A chunk that does not divide the tokens is padded like any buffer.
+        assert_eq!(d.logits_len(7), padded(7 * d.vocab));
+        assert!(d.logits_len(7) >= 7 * d.vocab && d.logits_len(7).is_multiple_of(ALIGN_ELEMS));
+    }
 }

@@ -19,8 +19,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cuda::{
-    self as k, CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuRopeTable,
-    RmsNormScratch, TokenIdCheck,
+    self as k, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuRopeTable, RmsNormScratch,
+    TokenIdCheck,
 };
 
 use super::arena::{Bufs, Dims, LayerBufs};
@@ -123,7 +123,8 @@ fn linear_bwd<T: DeviceFloat>(
     }
 }
 
-/// Forward through the final norm and `lm_head` into `b.logits`.
+/// Forward through the final norm into `b.final_xn` (the loss head, `lm_head` and the cross
+/// entropy, runs chunk by chunk in `lce.rs`).
 pub(crate) fn forward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
@@ -145,7 +146,7 @@ pub(crate) fn forward<T: DeviceFloat>(
         for i in 0..d.layers {
             run_block_checkpointed(cx, d, w, b, i)?;
         }
-        return lm_head_forward(cx, d, w, b);
+        return Ok(());
     }
     // The first norm has no residual add before it; every later one is fused into the block
     // that produces its input.
@@ -192,25 +193,6 @@ pub(crate) fn forward<T: DeviceFloat>(
             next,
         )?;
     }
-    lm_head_forward(cx, d, w, b)
-}
-
-fn lm_head_forward<T: DeviceFloat>(
-    cx: &mut Cx<'_>,
-    d: &Dims,
-    w: &CudaView<'_, T>,
-    b: &mut Bufs<'_, T>,
-) -> Result<()> {
-    cx.mm.linear_forward(
-        cx.stream,
-        &b.final_xn.as_view(),
-        &w.slice(cx.layout.lm_head.clone()),
-        None,
-        d.n,
-        d.c,
-        d.vocab,
-        &mut b.logits,
-    )?;
     Ok(())
 }
 
@@ -268,50 +250,21 @@ fn run_block_checkpointed<T: DeviceFloat>(
     )
 }
 
-/// Backward from the fused cross entropy down to the embedding: `b.logits` must hold the
-/// forward's logits; they are overwritten with d(loss)/d(logits) (`grad_scale` = 1 / the loss
-/// denominator). Parameter gradients are added into `g`'s view, which hands finished parts on
-/// as it goes (see `sink.rs`).
-#[allow(clippy::too_many_arguments)]
+/// Backward from the final norm down to the embedding: `b.grad.dxn` must hold
+/// d(loss)/d(final norm output) and lm_head's gradient must already be in `g`, as the chunked
+/// loss head (`lce::loss_and_head_backward`) leaves them (a tied lm_head's in the embedding's
+/// range, as on the CPU). Parameter gradients are added into `g`'s view, which hands finished
+/// parts on as it goes (see `sink.rs`).
 pub(crate) fn backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     w: &CudaView<'_, T>,
     mut g: Handoff<'_, '_>,
     ids: &CudaView<'_, u32>,
-    targets: &CudaView<'_, i32>,
-    grad_scale: f64,
-    totals: &mut CeTotals,
     b: &mut Bufs<'_, T>,
 ) -> Result<()> {
     let layout = cx.layout;
-    let (n, c) = (d.n, d.c);
-    k::cross_entropy_fused(
-        cx.stream,
-        &mut b.logits,
-        targets,
-        d.vocab,
-        grad_scale,
-        &mut b.row_loss,
-        totals,
-    )?;
-    // lm_head (its weight gradient lands in the embedding's range when tied, as on the CPU).
-    let lm_head = LinearLayout {
-        weight: layout.lm_head.clone(),
-        bias: None,
-    };
-    linear_bwd(
-        cx,
-        w,
-        g.grads()?,
-        &lm_head,
-        &b.logits.as_view(),
-        &b.final_xn.as_view(),
-        n,
-        c,
-        d.vocab,
-        Some(&mut b.grad.dxn),
-    )?;
+    let c = d.c;
     {
         let mut dnorm = sub_mut(g.grads()?.slice_mut(..), layout.norm.clone())?;
         k::rmsnorm_backward(

@@ -39,6 +39,7 @@
 mod arena;
 mod compute;
 mod inputs;
+mod lce;
 mod linalg;
 mod optim;
 mod precision;
@@ -59,8 +60,8 @@ use cudarc::driver::{
 };
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
-    self as k, CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuDevice,
-    GpuRopeTable, RmsNormScratch, TokenIdCheck,
+    CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuDevice, GpuRopeTable,
+    RmsNormScratch, TokenIdCheck,
 };
 use tilearn_ops::{DType, OpsError};
 use tilearn_optim::cuda::ParamCopy;
@@ -77,6 +78,7 @@ use precision::{WorkingCopy, weights, with_elem};
 
 use crate::config::{LlamaConfig, RopeScalingConfig};
 use crate::error::{EngineError, Result};
+use crate::lce_chunk::LceChunk;
 use crate::model::{LlamaForCausalLM, LossStats, ModelLayout};
 use crate::params::{ParamSpec, ParamStore};
 
@@ -127,6 +129,9 @@ pub struct GpuLlama {
     precisions: Vec<DType>,
     precision: DType,
     gradient_checkpointing: bool,
+    /// Tokens per chunk of the loss head at capacity, and the bytes of its logits buffer.
+    lce_rows: usize,
+    logits_buffer_bytes: usize,
     /// Capacity of the arena.
     batch: usize,
     seq: usize,
@@ -285,6 +290,28 @@ impl GpuLlama {
         precisions: &[DType],
         gradient_checkpointing: bool,
     ) -> Result<GpuLlama> {
+        Self::with_lce_chunk(
+            device,
+            model,
+            batch,
+            seq,
+            precisions,
+            gradient_checkpointing,
+            LceChunk::Auto,
+        )
+    }
+
+    /// As [`GpuLlama::with_options`], with the loss head's chunking `lce` (how many tokens'
+    /// logits exist at once; see [`crate::lce_chunk`]).
+    pub fn with_lce_chunk(
+        device: &GpuDevice,
+        model: &LlamaForCausalLM,
+        batch: usize,
+        seq: usize,
+        precisions: &[DType],
+        gradient_checkpointing: bool,
+        lce: LceChunk,
+    ) -> Result<GpuLlama> {
         let layout = model.layout();
         if model.params.numel() != layout.numel {
             return Err(invalid(
@@ -296,13 +323,14 @@ impl GpuLlama {
                 ),
             ));
         }
-        let mut gpu = Self::for_config(
+        let mut gpu = Self::for_config_with_lce_chunk(
             device,
             &model.config,
             batch,
             seq,
             precisions,
             gradient_checkpointing,
+            lce,
         )?;
         gpu.upload_params(&model.params)?;
         gpu.device.synchronize()?;
@@ -319,6 +347,28 @@ impl GpuLlama {
         seq: usize,
         precisions: &[DType],
         gradient_checkpointing: bool,
+    ) -> Result<GpuLlama> {
+        Self::for_config_with_lce_chunk(
+            device,
+            config,
+            batch,
+            seq,
+            precisions,
+            gradient_checkpointing,
+            LceChunk::Auto,
+        )
+    }
+
+    /// As [`GpuLlama::for_config`], with the loss head's chunking `lce`: the arena holds the
+    /// logits of `lce.rows(batch * seq, vocab, widest element)` tokens instead of all of them.
+    pub fn for_config_with_lce_chunk(
+        device: &GpuDevice,
+        config: &LlamaConfig,
+        batch: usize,
+        seq: usize,
+        precisions: &[DType],
+        gradient_checkpointing: bool,
+        lce: LceChunk,
     ) -> Result<GpuLlama> {
         if batch == 0 || seq == 0 {
             return Err(invalid("batch/seq", "must both be positive".into()));
@@ -354,7 +404,9 @@ impl GpuLlama {
             .map_err(|e| cuda_err("allocating the master weights", e))?;
         let grads = untracked(&stream, || stream.alloc_zeros::<f32>(numel.max(1)))
             .map_err(|e| cuda_err("allocating the gradient buffer", e))?;
-        let arena = Arena::new(&stream, &cap, widest, gradient_checkpointing)?;
+        let lce_rows = lce.rows(n, config.vocab_size, widest);
+        let logits_buffer_bytes = cap.logits_len(lce_rows) * widest;
+        let arena = Arena::new(&stream, &cap, widest, gradient_checkpointing, lce_rows)?;
         let arena_bytes = arena.bytes();
         let mut work = if allowed.iter().any(|p| p.is_half()) {
             Some(WorkingCopy::new(&stream, numel)?)
@@ -405,6 +457,8 @@ impl GpuLlama {
             precisions: allowed,
             precision,
             gradient_checkpointing,
+            lce_rows,
+            logits_buffer_bytes,
             batch,
             seq,
             rope_prefix_ok,
@@ -468,6 +522,19 @@ impl GpuLlama {
     /// Whether the backward recomputes each block's forward (see [`GpuLlama::with_options`]).
     pub fn gradient_checkpointing(&self) -> bool {
         self.gradient_checkpointing
+    }
+
+    /// Tokens per chunk of the fused linear + cross entropy for a full-capacity call (equal to
+    /// `batch * seq` when unchunked).
+    pub fn lce_chunk_tokens(&self) -> usize {
+        self.lce_rows
+    }
+
+    /// Bytes of the arena's logits buffer (one chunk of `lce_chunk_tokens` tokens, in the
+    /// widest element type the model may run in); part of
+    /// [`GpuMemory::activation_bytes`].
+    pub fn logits_buffer_bytes(&self) -> usize {
+        self.logits_buffer_bytes
     }
 
     /// Whether 16-bit periods run attention through the fused flash kernels at this model's
@@ -919,10 +986,21 @@ fn train_pass<T: DeviceFloat>(
 ) -> Result<()> {
     let mut b = arena.carve::<T>(d)?;
     compute::forward(cx, d, w, ids, &mut b)?;
-    compute::backward(cx, d, w, grads, ids, targets, grad_scale, totals, &mut b)
+    let mut grads = grads;
+    lce::loss_and_head_backward(
+        cx,
+        d,
+        w,
+        grads.grads()?,
+        targets,
+        grad_scale,
+        totals,
+        &mut b,
+    )?;
+    compute::backward(cx, d, w, grads, ids, &mut b)
 }
 
-/// Forward only; downloads the logits (synchronises).
+/// Forward only; downloads the logits chunk by chunk (synchronises).
 fn logits_pass<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
@@ -932,14 +1010,7 @@ fn logits_pass<T: DeviceFloat>(
 ) -> Result<Vec<f32>> {
     let mut b = arena.carve::<T>(d)?;
     compute::forward(cx, d, w, ids, &mut b)?;
-    let host = cx
-        .stream
-        .clone_dtoh(&b.logits)
-        .map_err(|e| cuda_err("downloading the logits", e))?;
-    cx.stream
-        .synchronize()
-        .map_err(|e| cuda_err("downloading the logits", e))?;
-    Ok(host.into_iter().map(T::to_f32).collect())
+    lce::logits_to_host(cx, d, w, &mut b)
 }
 
 /// Forward and the loss-only cross entropy.
@@ -954,13 +1025,5 @@ fn loss_pass<T: DeviceFloat>(
 ) -> Result<()> {
     let mut b = arena.carve::<T>(d)?;
     compute::forward(cx, d, w, ids, &mut b)?;
-    k::cross_entropy_forward(
-        cx.stream,
-        &b.logits,
-        targets,
-        d.vocab,
-        &mut b.row_loss,
-        totals,
-    )?;
-    Ok(())
+    lce::loss_only(cx, d, w, targets, totals, &mut b)
 }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use tilearn_ops::DType;
 
+use crate::lce_chunk::LceChunk;
 use crate::{EngineError, Result};
 
 /// When checkpoints are written (Hugging Face's `save_strategy`; `epoch` and `best` are not
@@ -102,6 +103,10 @@ pub struct TrainingArguments {
     #[serde(default)]
     pub metric_for_best_model: Option<String>,
     pub gradient_checkpointing: bool,
+    /// Tokens per chunk of the GPU engine's fused linear + cross entropy
+    /// (`--lce-chunk-tokens`; see [`crate::lce_chunk`]). The CPU engine ignores it.
+    #[serde(default)]
+    pub lce_chunk: LceChunk,
     /// When the eval set ([`Trainer::set_eval_dataset`](super::Trainer::set_eval_dataset)) is
     /// evaluated.
     #[serde(default)]
@@ -167,6 +172,7 @@ impl Default for TrainingArguments {
             load_best_model_at_end: false,
             metric_for_best_model: None,
             gradient_checkpointing: false,
+            lce_chunk: LceChunk::Auto,
             eval_strategy: EvalStrategy::No,
             eval_steps: None,
             per_device_eval_batch_size: None,

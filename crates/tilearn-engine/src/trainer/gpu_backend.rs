@@ -133,13 +133,14 @@ impl GpuBackend {
         precisions: &[DType],
     ) -> Result<GpuBackend> {
         let device = GpuDevice::new(ordinal)?;
-        let gpu = GpuLlama::for_config(
+        let gpu = GpuLlama::for_config_with_lce_chunk(
             &device,
             config,
             args.per_device_train_batch_size,
             args.seq_len,
             precisions,
             args.gradient_checkpointing,
+            args.lce_chunk,
         )?;
         let specs = ParamStore::specs_for(config);
         // The fused AdamW is set up at its first use (see `optimizer_ready`), so that under
@@ -157,6 +158,13 @@ impl GpuBackend {
         }
         if gpu.gradient_checkpointing() {
             features.push("gradient checkpointing".into());
+        }
+        let tokens = args.per_device_train_batch_size * args.seq_len;
+        if gpu.lce_chunk_tokens() < tokens {
+            features.push(format!(
+                "loss head in chunks of {} tokens",
+                gpu.lce_chunk_tokens()
+            ));
         }
         let specs_numel: usize = specs.iter().map(ParamSpec::numel).sum();
         let name = format!(

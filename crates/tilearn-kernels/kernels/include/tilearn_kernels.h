@@ -262,6 +262,10 @@ int tilearn_cross_entropy_fused(int dtype, void *logits, const int32_t *targets,
 int tilearn_cross_entropy_forward(int dtype, const void *logits, const int32_t *targets,
                                   size_t rows, size_t vocab, float *row_loss, double *totals,
                                   cudaStream_t stream);
+/* Totals only, from row losses already written (e.g. by fused or forward launches over chunks
+ * of the rows): the same reduction, so the same bits, as one launch over all rows. */
+int tilearn_cross_entropy_totals(const float *row_loss, const int32_t *targets, size_t rows,
+                                 size_t vocab, double *totals, cudaStream_t stream);
 
 /* ---- embedding.cu: token embedding, out[r] = table[ids[r]]; dtable[ids[r]] += dout[r] ----
  * ids: [rows] u32; table / dtable: [vocab, dim]; out / dout: [rows, dim].

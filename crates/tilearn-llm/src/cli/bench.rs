@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
+use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig};
@@ -54,6 +55,12 @@ pub struct BenchArgs {
     /// (as `tilearn train --gradient-checkpointing`).
     #[arg(long)]
     pub gradient_checkpointing: bool,
+    /// Tokens per chunk of the GPU engine's fused linear + cross entropy: the lm_head product,
+    /// the loss and its gradient run chunk by chunk, so only one chunk's [tokens × vocab]
+    /// logits exist. `auto` (default, as in `tilearn train`): the largest power of two of tokens whose logits fit in
+    /// 256 MiB; `0`: no chunking (all logits at once); N: at most N tokens.
+    #[arg(long, default_value = "auto", value_parser = LceChunk::parse)]
+    pub lce_chunk_tokens: LceChunk,
     /// Print only the JSON line.
     #[arg(long)]
     pub json: bool,
@@ -96,7 +103,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.steps,
             args.precision,
             args.gradient_checkpointing,
+            args.lce_chunk_tokens,
         )?,
+    };
+    // The chunk the GPU model sized its logits buffer for (built for one precision, so the
+    // element is that precision's); the CPU engine keeps all logits.
+    let lce_chunk_tokens = match args.device {
+        BenchDevice::Cuda => Some(args.lce_chunk_tokens.rows(
+            batch * seq,
+            config.vocab_size,
+            args.precision.size_in_bytes(),
+        )),
+        BenchDevice::Cpu => None,
     };
     let num_params = result.num_params;
     let tokens_per_sec = (batch * seq) as f64 / result.step_seconds;
@@ -107,6 +125,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "device": result.device,
         "precision": result.precision,
         "gradient_checkpointing": args.gradient_checkpointing,
+        "lce_chunk_tokens": lce_chunk_tokens,
         "batch": batch,
         "seq": seq,
         "params": num_params,
@@ -205,5 +224,26 @@ mod tests {
                 "{bad}: {err}"
             );
         }
+    }
+    fn lce_chunk(flags: &[&str]) -> std::result::Result<LceChunk, clap::Error> {
+        let argv = ["bench", "--preset", "llama-134m"].iter().chain(flags);
+        Cli::try_parse_from(argv).map(|cli| cli.bench.lce_chunk_tokens)
+    }
+
+    #[test]
+    fn lce_chunk_flag_defaults_to_auto_and_takes_zero_or_a_count() {
+        assert_eq!(lce_chunk(&[]).unwrap(), LceChunk::Auto);
+        assert_eq!(
+            lce_chunk(&["--lce-chunk-tokens", "0"]).unwrap(),
+            LceChunk::Unchunked
+        );
+        assert_eq!(
+            lce_chunk(&["--lce-chunk-tokens", "1000"]).unwrap(),
+            LceChunk::from_tokens(1000)
+        );
+        let err = lce_chunk(&["--lce-chunk-tokens", "lots"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`lots` is not a token count"), "{err}");
     }
 }

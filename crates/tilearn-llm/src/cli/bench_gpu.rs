@@ -4,6 +4,7 @@
 //! unscale with the non-finite check (one extra host read), skipped step on overflow.
 
 use tilearn_engine::config::LlamaConfig;
+use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_ops::DType;
 
 use super::bench_loop::BenchResult;
@@ -17,6 +18,7 @@ pub fn bench(
     steps: usize,
     precision: DType,
     gradient_checkpointing: bool,
+    lce: LceChunk,
 ) -> Result<BenchResult> {
     use std::time::Instant;
 
@@ -36,13 +38,14 @@ pub fn bench(
     } else {
         GradScaler::disabled()
     };
-    let mut gpu = GpuLlama::with_options(
+    let mut gpu = GpuLlama::with_lce_chunk(
         &device,
         &model,
         batch,
         seq,
         &[precision],
         gradient_checkpointing,
+        lce,
     )?;
     drop(model);
     let groups = gpu.default_groups(0.0);
@@ -177,6 +180,7 @@ pub fn bench(
     _steps: usize,
     _precision: DType,
     _gradient_checkpointing: bool,
+    _lce: LceChunk,
 ) -> Result<BenchResult> {
     Err(crate::LlmError::Usage {
         flag: "--device cuda".into(),

@@ -64,6 +64,8 @@ pub enum SaveStrategyChoice {
     Steps,
 }
 
+use tilearn_engine::lce_chunk::LceChunk;
+
 fn parse_dtype(name: &str) -> std::result::Result<DType, String> {
     DType::parse(name).ok_or_else(|| format!("`{name}` is not a dtype; use bf16, fp16 or f32"))
 }
@@ -178,6 +180,12 @@ pub struct TrainArgs {
     /// Recompute each block's forward in its backward to save activation memory.
     #[arg(long)]
     pub gradient_checkpointing: bool,
+    /// Tokens per chunk of the GPU engine's fused linear + cross entropy: the lm_head product,
+    /// the loss and its gradient run chunk by chunk, so only one chunk's [tokens × vocab]
+    /// logits exist. `auto` (default): the largest power of two of tokens whose logits fit in
+    /// 256 MiB; `0`: no chunking (all logits at once); N: at most N tokens.
+    #[arg(long, default_value = "auto", value_parser = LceChunk::parse)]
+    pub lce_chunk_tokens: LceChunk,
     /// A `checkpoint-N` directory of an earlier run with the same flags.
     #[arg(long)]
     pub resume_from_checkpoint: Option<PathBuf>,
@@ -438,6 +446,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         load_best_model_at_end: args.load_best_model_at_end,
         metric_for_best_model: args.metric_for_best_model.clone(),
         gradient_checkpointing: args.gradient_checkpointing,
+        lce_chunk: args.lce_chunk_tokens,
         eval_strategy: match args.eval_strategy {
             Some(EvalStrategyChoice::No) => EvalStrategy::No,
             Some(EvalStrategyChoice::Steps) => EvalStrategy::Steps,

@@ -232,6 +232,50 @@ pub fn cross_entropy_forward<T: DeviceFloat>(
     Ok(())
 }
 
+/// Totals only: the f64 sum of `row_loss` over the rows whose target is not `-100`, the
+/// valid-target count and the first out-of-range label, written into `totals` (`=`), from row
+/// losses that earlier launches wrote, typically [`cross_entropy_fused`] or
+/// [`cross_entropy_forward`] over consecutive chunks of the rows (a chunked linear + cross
+/// entropy never holds every row's logits at once). The reduction is the one those launches run
+/// after their rows, so over the same `row_loss` and `targets` the totals are bit-identical to
+/// one launch over all rows.
+pub fn cross_entropy_totals(
+    stream: &Arc<CudaStream>,
+    row_loss: &impl DevicePtr<f32>,
+    targets: &impl DevicePtr<i32>,
+    vocab: usize,
+    totals: &mut CeTotals,
+) -> Result<()> {
+    const OP: &str = "tilearn_cross_entropy_totals";
+    let rows = targets.len();
+    if rows > i32::MAX as usize {
+        return Err(OpsError::Cuda {
+            context: OP,
+            message: format!("{rows} rows exceed the kernel's limit of {} rows", i32::MAX),
+        });
+    }
+    Launch::new(OP, stream)
+        .input("row_loss", row_loss, rows)
+        .input("targets", targets, rows)
+        .output("totals", &mut totals.buf, TOTALS_LEN)
+        .run(|[row_loss, targets], [totals], stream| {
+            // SAFETY: the launcher reads rows f32 of row_loss and rows i32 of targets and
+            // writes TOTALS_LEN f64 of totals.
+            unsafe {
+                ffi::tilearn_cross_entropy_totals(
+                    row_loss.cast(),
+                    targets.cast(),
+                    rows,
+                    vocab,
+                    totals.cast(),
+                    stream,
+                )
+            }
+        })?;
+    totals.vocab = vocab;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,179 @@
+//! The loss head in chunks of tokens (fused linear + cross entropy): for each chunk of the
+//! arena's `logit_rows` tokens,
+//!
+//! ```text
+//! logits[chunk]      = final_xn[chunk] · lm_headᵀ                    (cuBLASLt, written)
+//! row_loss[chunk], logits[chunk] ← cross_entropy_fused(logits[chunk]) (dlogits, in place)
+//! dxn[chunk]         = dlogits · lm_head                             (written)
+//! d(lm_head)        += dlogitsᵀ · final_xn[chunk]                    (beta = 1, f32)
+//! ```
+//!
+//! then one totals launch over all rows, so the `[tokens × vocab]` logits never exist in full
+//! and the hidden states' and lm_head's gradients come out of the same pass. The gradient factor
+//! is the whole call's (`1 / loss denominator`, times the loss scale), ignored (`-100`) rows get
+//! zero gradients, and a tied lm_head accumulates into the embedding's range (the layout's
+//! `lm_head` range is the embedding's).
+//!
+//! Numerics: every kernel and product is the unchunked path's, row for row; the row losses and
+//! dlogits depend only on the row, the totals reduce the same `row_loss` in the same order (so
+//! the loss is the unchunked one up to the logits GEMM's choice of algorithm for a different
+//! M). The only intended difference is d(lm_head)'s f32 accumulation order: a sum of per-chunk
+//! products instead of one product (relative difference ~ f32 rounding, 1e-6, in every
+//! precision, since the accumulator is f32). With one chunk (`logit_rows ≥ n`) this is the
+//! unchunked path exactly: the fused launch's own totals are the call's.
+
+use cudarc::driver::{CudaView, CudaViewMut};
+use tilearn_ops::cuda::{self as k, CeTotals, DeviceFloat};
+
+use super::arena::{Bufs, Dims};
+use super::compute::Cx;
+use super::cuda_err;
+use super::views::{arena_error, sub_mut};
+use crate::error::Result;
+use crate::lce_chunk::chunk_ranges;
+
+fn view<'b, T>(v: &'b CudaView<'_, T>, r: std::ops::Range<usize>) -> Result<CudaView<'b, T>> {
+    let len = v.len();
+    v.try_slice(r.clone())
+        .ok_or_else(|| arena_error(format!("range {r:?} lies outside a view of {len}")))
+}
+
+fn view_mut<'b, T>(
+    v: &'b mut CudaViewMut<'_, T>,
+    r: std::ops::Range<usize>,
+) -> Result<CudaViewMut<'b, T>> {
+    let len = v.len();
+    v.try_slice_mut(r.clone())
+        .ok_or_else(|| arena_error(format!("range {r:?} lies outside a view of {len}")))
+}
+
+/// `logits[rows] = final_xn[rows] · lm_headᵀ` into the front of the chunk buffer.
+fn head_forward<'b, T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    head: &CudaView<'_, T>,
+    x: &CudaView<'_, T>,
+    rows: usize,
+    chunk: &'b mut CudaViewMut<'_, T>,
+) -> Result<CudaViewMut<'b, T>> {
+    let mut logits = view_mut(chunk, 0..rows * d.vocab)?;
+    cx.mm
+        .linear_forward(cx.stream, x, head, None, rows, d.c, d.vocab, &mut logits)?;
+    Ok(logits)
+}
+
+/// Training: the loss of every target (row losses, and the call's totals in `totals`) and the
+/// loss head's backward. `b.final_xn` must hold the forward's final norm; on return
+/// `b.grad.dxn` holds d(loss)/d(final_xn) (`=`) and d(lm_head) has been added into `g`'s
+/// lm_head range. `grad_scale` is the whole call's factor (`loss_scale / denominator`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    w: &CudaView<'_, T>,
+    g: &mut CudaViewMut<'_, f32>,
+    targets: &CudaView<'_, i32>,
+    grad_scale: f64,
+    totals: &mut CeTotals,
+    b: &mut Bufs<'_, T>,
+) -> Result<()> {
+    let (n, c) = (d.n, d.c);
+    let head = w.slice(cx.layout.lm_head.clone());
+    let mut dhead = sub_mut(g.slice_mut(..), cx.layout.lm_head.clone())?;
+    let final_xn = b.final_xn.as_view();
+    for r in chunk_ranges(n, b.logit_rows) {
+        let rows = r.len();
+        let x = view(&final_xn, r.start * c..r.end * c)?;
+        let mut logits = head_forward(cx, d, &head, &x, rows, &mut b.logit_chunk)?;
+        k::cross_entropy_fused(
+            cx.stream,
+            &mut logits,
+            &view(targets, r.clone())?,
+            d.vocab,
+            grad_scale,
+            &mut view_mut(&mut b.row_loss, r.clone())?,
+            totals,
+        )?;
+        cx.mm.linear_backward(
+            cx.stream,
+            &logits.as_view(),
+            &x,
+            &head,
+            rows,
+            c,
+            d.vocab,
+            Some(&mut view_mut(&mut b.grad.dxn, r.start * c..r.end * c)?),
+            &mut dhead,
+            None,
+        )?;
+    }
+    call_totals(cx, d, targets, totals, b)
+}
+
+/// Evaluation: row losses and the call's totals, the logits left as computed (no gradient).
+pub(crate) fn loss_only<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    w: &CudaView<'_, T>,
+    targets: &CudaView<'_, i32>,
+    totals: &mut CeTotals,
+    b: &mut Bufs<'_, T>,
+) -> Result<()> {
+    let head = w.slice(cx.layout.lm_head.clone());
+    let final_xn = b.final_xn.as_view();
+    for r in chunk_ranges(d.n, b.logit_rows) {
+        let x = view(&final_xn, r.start * d.c..r.end * d.c)?;
+        let logits = head_forward(cx, d, &head, &x, r.len(), &mut b.logit_chunk)?;
+        k::cross_entropy_forward(
+            cx.stream,
+            &logits,
+            &view(targets, r.clone())?,
+            d.vocab,
+            &mut view_mut(&mut b.row_loss, r.clone())?,
+            totals,
+        )?;
+    }
+    call_totals(cx, d, targets, totals, b)
+}
+
+/// With several chunks, each cross-entropy launch wrote totals of its own rows only: reduce
+/// the whole call's row losses once (the same reduction, so the same bits, as one launch).
+fn call_totals<T>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    targets: &CudaView<'_, i32>,
+    totals: &mut CeTotals,
+    b: &Bufs<'_, T>,
+) -> Result<()> {
+    if b.logit_rows < d.n {
+        k::cross_entropy_totals(cx.stream, &b.row_loss.as_view(), targets, d.vocab, totals)?;
+    }
+    Ok(())
+}
+
+/// The whole call's logits `[n × vocab]` on the host (widened to f32), computed chunk by chunk
+/// into the chunk buffer and downloaded after each (synchronises once per chunk): the host
+/// holds the full logits, the device never does.
+pub(crate) fn logits_to_host<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    w: &CudaView<'_, T>,
+    b: &mut Bufs<'_, T>,
+) -> Result<Vec<f32>> {
+    let head = w.slice(cx.layout.lm_head.clone());
+    let final_xn = b.final_xn.as_view();
+    let mut host = Vec::with_capacity(d.n * d.vocab);
+    for r in chunk_ranges(d.n, b.logit_rows) {
+        let x = view(&final_xn, r.start * d.c..r.end * d.c)?;
+        let logits = head_forward(cx, d, &head, &x, r.len(), &mut b.logit_chunk)?;
+        let chunk = cx
+            .stream
+            .clone_dtoh(&logits)
+            .map_err(|e| cuda_err("downloading the logits", e))?;
+        cx.stream
+            .synchronize()
+            .map_err(|e| cuda_err("downloading the logits", e))?;
+        host.extend(chunk.into_iter().map(T::to_f32));
+    }
+    Ok(host)
+}

@@ -38,6 +38,7 @@
 
 mod arena;
 mod compute;
+mod decode;
 mod inputs;
 mod linalg;
 mod optim;
@@ -49,6 +50,7 @@ mod views;
 
 use std::sync::Arc;
 
+pub use decode::GpuDecoder;
 pub use sink::GradientSink;
 use sink::Handoff;
 

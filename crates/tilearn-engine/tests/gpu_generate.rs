@@ -7,8 +7,10 @@
 //! f32 with the same operations; cuBLASLt (TF32 off) and the CPU's matmuls differ in
 //! summation order only (~1e-7 per product, amplified over two layers to ~1e-6), as the CPU's
 //! cached-vs-full check; a wrong position or a missed key moves the logits by > 1e-2. bf16
-//! 3e-2 — the weights, activations and cache round to 8-bit mantissas (3.9e-3 relative each),
-//! compounded over two layers and the lm_head; the f32 CPU decoder is the reference.
+//! 5e-2 — the weights, activations and cache round to 8-bit mantissas (3.9e-3 relative each,
+//! ~2.3e-3 rms), some twenty roundings in sequence over two layers and the lm_head (~1e-2 rms
+//! expected), with margin; the f32 CPU decoder is the reference, so this bound checks the bf16
+//! path's plumbing (a wrong row or type is far larger), not its rounding.
 //!
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]
@@ -28,7 +30,7 @@ use tilearn_engine::model::generate::{
 use tilearn_ops::DType;
 
 const F32_TOL: f64 = 1e-5;
-const BF16_TOL: f64 = 3e-2;
+const BF16_TOL: f64 = 5e-2;
 
 fn load(case: &str) -> LlamaForCausalLM {
     let dir = golden_dir().join(case);

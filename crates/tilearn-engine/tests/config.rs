@@ -1,8 +1,8 @@
 //! `LlamaConfig` parsing: both Hugging Face forms, the round trip, and one-line errors that name
-//! the file and the field.
+//! the file and the field; `GenerationConfig` (`generation_config.json`) likewise.
 
 use tilearn_engine::EngineError;
-use tilearn_engine::config::{LlamaConfig, RopeScalingConfig};
+use tilearn_engine::config::{GenerationConfig, LlamaConfig, RopeScalingConfig};
 use tilearn_ops::DType;
 
 const V4: &str = r#"{
@@ -320,4 +320,65 @@ fn golden_configs_round_trip_without_losing_keys() {
         "expected the golden fixtures in {}",
         golden.display()
     );
+}
+
+#[test]
+fn generation_config_reads_its_fields_keeps_the_rest_and_round_trips() {
+    // A Llama-2-chat-like file, with a key we do not interpret.
+    let text = r#"{"bos_token_id": 1, "eos_token_id": [2, 32000], "pad_token_id": 0,
+        "do_sample": true, "temperature": 0.6, "top_p": 0.9, "top_k": 0, "max_length": 4096,
+        "repetition_penalty": 1.05, "transformers_version": "4.31.0"}"#;
+    let g = GenerationConfig::from_json_str(text, "generation_config.json").unwrap();
+    assert_eq!(g.bos_token_id, Some(1));
+    assert_eq!(g.eos_token_ids, Some(vec![2, 32000]));
+    assert_eq!(g.pad_token_id, Some(0));
+    assert_eq!(
+        (g.do_sample, g.temperature, g.top_p),
+        (Some(true), Some(0.6), Some(0.9))
+    );
+    assert_eq!(
+        (g.top_k, g.max_length, g.max_new_tokens),
+        (Some(0), Some(4096), None)
+    );
+    assert_eq!(g.extra["repetition_penalty"], 1.05);
+    let back = GenerationConfig::from_json_str(&g.to_json(), "<written>").unwrap();
+    assert_eq!(back, g);
+    // One id is an id; an absent one stays absent (config.json's ids then apply).
+    let one = GenerationConfig::from_json_str(r#"{"eos_token_id": 7}"#, "g.json").unwrap();
+    assert_eq!(one.eos_token_ids, Some(vec![7]));
+    let none = GenerationConfig::from_json_str("{}", "g.json").unwrap();
+    assert_eq!(none, GenerationConfig::default());
+}
+
+#[test]
+fn generation_config_errors_name_the_file_and_field() {
+    for (text, field) in [
+        (r#"{"eos_token_id": "two"}"#, "eos_token_id"),
+        (r#"{"max_new_tokens": -3}"#, "max_new_tokens"),
+        (r#"{"do_sample": "yes"}"#, "do_sample"),
+        (r#"{"temperature": -1}"#, "temperature"),
+        (r#"{"top_p": 1.5}"#, "top_p"),
+    ] {
+        let err = GenerationConfig::from_json_str(text, "/m/generation_config.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("generation_config.json") && err.contains(field),
+            "{text}: {err}"
+        );
+    }
+    assert!(GenerationConfig::from_json_str("[1]", "g.json").is_err());
+}
+
+#[test]
+fn generation_config_from_the_model_config_holds_its_token_ids() {
+    let config = LlamaConfig::from_json_str(V4, "config.json").unwrap();
+    let g = GenerationConfig::from_model_config(&config);
+    assert_eq!(g.bos_token_id, Some(128000));
+    assert_eq!(g.eos_token_ids, Some(vec![128001, 128008, 128009]));
+    assert_eq!((g.do_sample, g.max_new_tokens), (None, None));
+    let dir = tempfile::tempdir().unwrap();
+    assert_eq!(GenerationConfig::from_dir(dir.path()).unwrap(), None);
+    std::fs::write(dir.path().join("generation_config.json"), g.to_json()).unwrap();
+    assert_eq!(GenerationConfig::from_dir(dir.path()).unwrap(), Some(g));
 }

@@ -536,4 +536,18 @@ unsafe extern "C" {
         mask: *const tilearn_key_mask,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cached_attention(
+        dtype: ::std::os::raw::c_int,
+        q: *const ::std::os::raw::c_void,
+        k: *const ::std::os::raw::c_void,
+        v: *const ::std::os::raw::c_void,
+        out: *mut ::std::os::raw::c_void,
+        n: usize,
+        start: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
 }

@@ -1,6 +1,8 @@
 //! `tilearn generate` end to end: a model saved by a short `tilearn train --device cpu` run
 //! continues a prompt (text through the run's tokenizer, or raw ids), a seed reproduces sampled
-//! output, and bad input ends in one `error:` line naming the flag or file.
+//! output, and bad input ends in one `error:` line naming the flag or file. The training run
+//! ends with samples (or not, with `--no-samples`) and saves a `generation_config.json`, whose
+//! values `generate` takes as defaults under its flags, and which fine-tuning keeps.
 
 mod support;
 
@@ -14,6 +16,11 @@ fn tilearn(args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("the tilearn binary runs")
+}
+
+fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
 }
 
 fn path_str(p: &Path) -> &str {
@@ -40,7 +47,7 @@ fn assert_clean_error(out: &Output, needles: &[&str]) {
 fn generate_from_a_trained_model() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    ok(tilearn(&[
+    let trained = ok(tilearn(&[
         "train",
         "--output-dir",
         path_str(&run),
@@ -53,6 +60,18 @@ fn generate_from_a_trained_model() {
         "--device",
         "cpu",
     ]));
+    // The run ends with two greedy samples prompted from its own data, generated on the CPU.
+    let samples: Vec<&str> = trained
+        .lines()
+        .skip_while(|l| !l.starts_with("samples (greedy"))
+        .collect();
+    assert!(samples[0].contains("on the CPU"), "{trained}");
+    assert!(samples.len() >= 3, "{trained}");
+    assert!(samples[1].starts_with("  [1] \"") && samples[1].contains(" -> "));
+    assert!(samples[2].starts_with("  [2] \""), "{trained}");
+    // transformers' generation_config.json, from config.json's special ids.
+    let generation = read_json(&run.join("generation_config.json"));
+    assert_eq!(generation["eos_token_id"], 256, "{generation}");
     // The run keeps the embedded corpus's byte-level tokenizer beside its data.
     let tokenizer = run.join("data").join("tokenizer.json");
     let model = path_str(&run);
@@ -110,7 +129,7 @@ fn generate_from_a_trained_model() {
     // Without --do-sample the sampling flags are ignored with a note, as transformers warns.
     let ignored = run_text(&["--temperature", "0.5"]);
     let note = String::from_utf8_lossy(&ignored.stderr).into_owned();
-    assert!(note.contains("only with --do-sample"), "{note}");
+    assert!(note.contains("apply only when sampling"), "{note}");
     assert_eq!(greedy, ok(ignored));
 
     // Raw ids need no tokenizer and print ids.
@@ -153,4 +172,87 @@ fn generate_from_a_trained_model() {
     assert_clean_error(&out, &["--model", "config.json"]);
     let out = tilearn(&["generate", "--model", model, "--prompt-ids", "999"]);
     assert_clean_error(&out, &["--prompt-ids", "999"]);
+}
+
+#[test]
+fn generation_config_gives_the_defaults_flags_override_and_fine_tuning_keeps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    let quick_train = |out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--output-dir",
+            path_str(out),
+            "--max-steps",
+            "1",
+            "--per-device-train-batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--device",
+            "cpu",
+            "--no-samples",
+        ];
+        args.extend_from_slice(extra);
+        ok(tilearn(&args))
+    };
+    let stdout = quick_train(&base, &[]);
+    assert!(
+        !stdout.contains("samples (greedy"),
+        "--no-samples: {stdout}"
+    );
+    // A source model with generation defaults of its own (and a key we do not interpret).
+    let source_generation = serde_json::json!({
+        "do_sample": true, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 5,
+        "eos_token_id": [256], "bos_token_id": 84, "repetition_penalty": 1.1,
+    });
+    std::fs::write(
+        base.join("generation_config.json"),
+        source_generation.to_string(),
+    )
+    .unwrap();
+    let generate = |extra: &[&str]| -> Output {
+        let mut args = vec![
+            "generate",
+            "--model",
+            path_str(&base),
+            "--prompt-ids",
+            "84,104,101",
+        ];
+        args.extend_from_slice(extra);
+        tilearn(&args)
+    };
+    // The file's defaults: sampling at temperature 0.7, top-p 0.9, at most 5 tokens.
+    let out = generate(&[]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        err.contains("sampling: temperature 0.7") && err.contains("top-p 0.9"),
+        "{err}"
+    );
+    let ids = ok(out);
+    assert!(ids.trim().split(',').count() <= 5, "{ids}");
+    // Flags win: greedy with --do-sample false, and a longer length.
+    let out = generate(&["--do-sample", "false", "--max-new-tokens", "7"]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(err.contains("greedy"), "{err}");
+    ok(out);
+    // Fine-tuning the model writes the source's generation_config.json back, whole.
+    let tuned = dir.path().join("tuned");
+    quick_train(
+        &tuned,
+        &[
+            "--model",
+            path_str(&base),
+            "--data",
+            path_str(&base.join("data")),
+        ],
+    );
+    let mut written = read_json(&tuned.join("generation_config.json"));
+    written
+        .as_object_mut()
+        .unwrap()
+        .remove("transformers_version");
+    let mut want = source_generation.clone();
+    want["eos_token_id"] = 256.into(); // a one-element list is written as the id itself
+    assert_eq!(written, want);
 }

@@ -11,7 +11,7 @@ use tilearn_ops::fs::write_bytes_atomic;
 
 use super::stream::{StreamedTensor, write_streamed};
 use super::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, shard_file_name};
-use crate::config::LlamaConfig;
+use crate::config::{GENERATION_CONFIG_FILE, GenerationConfig, LlamaConfig};
 use crate::error::{EngineError, Result};
 use crate::params::{ParamSpec, ParamStore};
 use crate::tensor_io::TensorSource;
@@ -64,6 +64,16 @@ pub fn save_pretrained_from(
     let mut config = config.clone();
     config.dtype = Some(dtype);
     write_small_file(&dir.join(CONFIG_FILE), config.to_json().as_bytes())?;
+    // The source model's generation defaults when it had them (fine-tuning), else the ids of
+    // config.json, as transformers' save_pretrained writes for any generative model.
+    let generation = config
+        .generation
+        .clone()
+        .unwrap_or_else(|| GenerationConfig::from_model_config(&config));
+    write_small_file(
+        &dir.join(GENERATION_CONFIG_FILE),
+        generation.to_json().as_bytes(),
+    )?;
 
     // Pack tensors into shards in order.
     let esize = dtype.size_in_bytes();

@@ -38,6 +38,7 @@
 
 mod arena;
 mod compute;
+mod decode;
 mod inputs;
 mod lce;
 mod linalg;
@@ -51,6 +52,7 @@ mod zero;
 
 use std::sync::Arc;
 
+pub use decode::GpuDecoder;
 pub use sink::GradientSink;
 use sink::Handoff;
 

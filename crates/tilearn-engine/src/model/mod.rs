@@ -29,7 +29,7 @@ use block::Dims;
 use stage::{StageParts, stage_backward, stage_forward};
 
 use crate::checkpoint;
-use crate::config::LlamaConfig;
+use crate::config::{GenerationConfig, LlamaConfig};
 use crate::error::{EngineError, Result};
 use crate::params::ParamStore;
 
@@ -127,7 +127,8 @@ impl LlamaForCausalLM {
     /// Loads `config.json` and the safetensors weights of a Hugging Face checkpoint directory.
     pub fn from_pretrained(dir: impl AsRef<Path>) -> Result<LlamaForCausalLM> {
         let dir = dir.as_ref();
-        let config = LlamaConfig::from_file(dir.join(checkpoint::CONFIG_FILE))?;
+        let mut config = LlamaConfig::from_file(dir.join(checkpoint::CONFIG_FILE))?;
+        config.generation = GenerationConfig::from_dir(dir)?;
         let params = checkpoint::load_params(dir, &config)?;
         Ok(LlamaForCausalLM { config, params })
     }

@@ -301,12 +301,15 @@ impl Trainer {
             });
         }
         let saved = LlamaConfig::from_file(dir.join(CONFIG_FILE))?;
-        // The dtype field records how the weights were stored, not the model.
+        // The dtype field records how the weights were stored, not the model, and
+        // generation_config.json is not part of the model either.
         let same_model = LlamaConfig {
             dtype: None,
+            generation: None,
             ..saved
         } == LlamaConfig {
             dtype: None,
+            generation: None,
             ..self.config.clone()
         };
         if !same_model {

@@ -67,7 +67,7 @@ pub struct BenchArgs {
 }
 
 /// `--precision`'s parser: exactly the names `DType` parses, listed by `--help`.
-fn precision_names() -> impl TypedValueParser<Value = DType> {
+pub(crate) fn precision_names() -> impl TypedValueParser<Value = DType> {
     PossibleValuesParser::new(DType::ALL.map(DType::as_str)).try_map(|name| name.parse::<DType>())
 }
 

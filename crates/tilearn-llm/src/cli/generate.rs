@@ -1,19 +1,24 @@
-//! `tilearn generate`: continue a prompt with a trained model, on the CPU with a KV cache.
+//! `tilearn generate`: continue a prompt with a trained model with a KV cache, on the GPU
+//! (`--device auto` when one is present, as `train`) or the CPU.
 //!
-//! Decoding follows transformers' `generate`: greedy unless `--do-sample` (then temperature,
-//! top-k and top-p, drawn from a generator seeded by `--seed`); `--do-sample --temperature 0`
-//! is greedy too. Generation stops at any of the config's `eos_token_id`s or after
-//! `--max-new-tokens`.
+//! Decoding follows transformers' `generate`: greedy unless sampling is on (then temperature,
+//! top-k and top-p, drawn from a generator seeded by `--seed`); sampling at temperature 0 is
+//! greedy too. Generation stops at any `eos_token_id` or after the length. The model
+//! directory's `generation_config.json` gives the defaults, the flags override them
+//! (`generate_settings.rs`).
 
 use std::path::PathBuf;
 
 use clap::Args;
 use tilearn_engine::data::load_tokenizer;
 use tilearn_engine::model::LlamaForCausalLM;
-use tilearn_engine::model::generate::{
-    Decoding, GenerateOptions, Generation, SamplingParams, StopReason, generate,
-};
+use tilearn_engine::model::generate::{Decoding, GenerateOptions, Generation, StopReason};
+use tilearn_ops::DType;
 
+use super::bench::precision_names;
+use super::decode::{DecodeDevice, generate_one};
+use super::device::{DeviceChoice, choose_device};
+use super::generate_settings::{GenerationFlags, bos_for_empty_prompt};
 use crate::{LlmError, Result};
 
 #[derive(Debug, Args)]
@@ -33,26 +38,39 @@ pub struct GenerateArgs {
     /// tokenizer.json to use with --prompt (default: <model>/tokenizer.json).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Most tokens to generate.
-    #[arg(long, default_value_t = 64)]
-    pub max_new_tokens: usize,
-    /// Sample instead of taking the most likely token (transformers' `do_sample`).
+    /// Most tokens to generate [default: generation_config.json's max_new_tokens, or its
+    /// max_length minus the prompt, else 64].
     #[arg(long)]
-    pub do_sample: bool,
-    /// Divides the logits before sampling; 0 means greedy. Used with --do-sample [default: 1].
+    pub max_new_tokens: Option<usize>,
+    /// Sample instead of taking the most likely token (transformers' `do_sample`); `--do-sample
+    /// false` decodes greedily when generation_config.json turns sampling on [default: the
+    /// file's do_sample, else false].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub do_sample: Option<bool>,
+    /// Divides the logits before sampling; 0 means greedy. Used when sampling [default: the
+    /// file's, else 1].
     #[arg(long)]
     pub temperature: Option<f32>,
-    /// Sample only among the K most likely tokens; 0 means no limit. Used with --do-sample
-    /// [default: 50].
+    /// Sample only among the K most likely tokens; 0 means no limit. Used when sampling
+    /// [default: the file's, else 50].
     #[arg(long)]
     pub top_k: Option<usize>,
     /// Sample only among the most likely tokens whose probabilities sum to P, in (0, 1]; 1
-    /// keeps all. Used with --do-sample [default: 1].
+    /// keeps all. Used when sampling [default: the file's, else 1].
     #[arg(long)]
     pub top_p: Option<f32>,
     /// Seed of the sampler: the same seed gives the same text.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Where to run: the GPU when one is present and the CUDA kernels are built in (auto), or
+    /// the one named.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+    /// Storage type of the weights, activations and KV cache on the GPU: fp32 (the CPU's and
+    /// transformers' default numbers), bf16 or fp16 (faster, rounded). The CPU always runs
+    /// fp32.
+    #[arg(long, default_value_t = DType::F32, value_parser = precision_names())]
+    pub precision: DType,
 }
 
 fn usage(flag: &str, message: String) -> LlmError {
@@ -62,49 +80,31 @@ fn usage(flag: &str, message: String) -> LlmError {
     }
 }
 
-/// Checks the sampling flags (always, so a typo is caught before a long load) and picks the
-/// decoding.
-fn decoding(args: &GenerateArgs) -> Result<Decoding> {
-    let defaults = SamplingParams::default();
-    let temperature = args.temperature.unwrap_or(defaults.temperature);
-    let top_p = args.top_p.unwrap_or(defaults.top_p);
-    let top_k = args.top_k.or(defaults.top_k).unwrap_or(0);
-    if !(temperature.is_finite() && temperature >= 0.0) {
-        return Err(usage(
-            "--temperature",
-            format!(
-                "{temperature} is negative or not a number; use 0 (greedy) or a positive value"
-            ),
-        ));
-    }
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(usage(
-            "--top-p",
-            format!("{top_p} is outside (0, 1]; 1 disables the filter"),
-        ));
-    }
-    if !args.do_sample {
-        // transformers warns and decodes greedily in this case; so do we.
-        if args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() {
-            eprintln!(
-                "generate: note: --temperature/--top-k/--top-p apply only with --do-sample; \
-                 decoding greedily"
-            );
+impl GenerateArgs {
+    fn generation_flags(&self) -> GenerationFlags {
+        GenerationFlags {
+            max_new_tokens: self.max_new_tokens,
+            do_sample: self.do_sample,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
         }
-        return Ok(Decoding::Greedy);
     }
-    if temperature == 0.0 {
-        return Ok(Decoding::Greedy);
-    }
-    Ok(Decoding::Sample(SamplingParams {
-        temperature,
-        top_k: (top_k > 0).then_some(top_k),
-        top_p,
-    }))
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let decoding = decoding(&args)?;
+    let flags = args.generation_flags();
+    flags.validate()?;
+    let device = DecodeDevice {
+        on_gpu: choose_device(args.device)?,
+        precision: args.precision,
+    };
+    if !device.on_gpu && args.precision != DType::F32 {
+        eprintln!(
+            "generate: note: --precision {} applies on the GPU only; the CPU runs fp32",
+            args.precision
+        );
+    }
     if !args.model.join("config.json").is_file() {
         return Err(usage(
             "--model",
@@ -138,7 +138,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         None => None,
     };
     let model = LlamaForCausalLM::from_pretrained(&args.model)?;
-    let prompt: Vec<u32> = match (&args.prompt, &tokenizer) {
+    let mut prompt: Vec<u32> = match (&args.prompt, &tokenizer) {
         (Some(text), Some((tok, path))) => tok
             .encode(text.as_str(), true)
             .map_err(|e| LlmError::Input {
@@ -151,10 +151,18 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         _ => args.prompt_ids.clone().unwrap_or_default(),
     };
     if prompt.is_empty() {
-        return Err(usage(
-            "--prompt",
-            "has no tokens; give a non-empty --prompt or --prompt-ids".into(),
-        ));
+        // transformers' generate without input starts from the BOS token; so do we.
+        match bos_for_empty_prompt(&model.config) {
+            Some(bos) if args.prompt.is_some() => prompt.push(bos),
+            _ => {
+                return Err(usage(
+                    "--prompt",
+                    "has no tokens and the model names no bos_token_id to start from; give a \
+                     non-empty --prompt or --prompt-ids"
+                        .into(),
+                ));
+            }
+        }
     }
     let vocab = model.config.vocab_size;
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -163,7 +171,15 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             format!("{bad} is not a token id of this model (vocabulary 0..{vocab})"),
         ));
     }
-    let total = prompt.len() + args.max_new_tokens;
+    let settings = flags.resolve(&model.config, prompt.len())?;
+    if settings.ignored_sampling_flags {
+        // transformers warns and decodes greedily in this case; so do we.
+        eprintln!(
+            "generate: note: --temperature/--top-k/--top-p apply only when sampling \
+             (--do-sample, or do_sample in generation_config.json); decoding greedily"
+        );
+    }
+    let total = prompt.len() + settings.max_new_tokens;
     if total > model.config.max_position_embeddings {
         eprintln!(
             "generate: warning: {total} positions exceed the model's max_position_embeddings ({}); \
@@ -172,14 +188,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         );
     }
     eprintln!(
-        "generate: on the CPU with a KV cache{} ({} prompt tokens, {})",
-        if cfg!(feature = "cuda") {
-            " (generation has no GPU path yet)"
-        } else {
-            ""
-        },
+        "generate: on {} with a KV cache ({} prompt tokens, {})",
+        device.describe(),
         prompt.len(),
-        match decoding {
+        match settings.decoding {
             Decoding::Greedy => "greedy".to_string(),
             Decoding::Sample(p) => format!(
                 "sampling: temperature {}, top-k {}, top-p {}, seed {}",
@@ -191,12 +203,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
     );
     let options = GenerateOptions {
-        max_new_tokens: args.max_new_tokens,
-        decoding,
+        max_new_tokens: settings.max_new_tokens,
+        decoding: settings.decoding,
         seed: args.seed,
-        stop_ids: model.config.eos_token_ids.clone(),
+        stop_ids: settings.stop_ids,
     };
-    let generation = generate(&model, &prompt, &options)?;
+    let generation = generate_one(device, &model, &prompt, &options)?;
     match &tokenizer {
         Some((tok, path)) => {
             let text = tok
@@ -220,7 +232,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
 fn summary(g: &Generation, prompt_len: usize) -> String {
     let stop = match g.stop {
         StopReason::EndOfSequence => "end-of-sequence token",
-        StopReason::MaxNewTokens => "--max-new-tokens",
+        StopReason::MaxNewTokens => "the length limit",
     };
     let speed = g
         .decode_tokens_per_second()

@@ -4,8 +4,11 @@ mod bench;
 mod bench_gpu;
 mod bench_loop;
 mod ctr;
+mod decode;
+mod device;
 mod eval;
 mod generate;
+mod generate_settings;
 mod hybrid;
 mod info;
 mod launch;
@@ -18,6 +21,7 @@ mod tokenizer_files;
 mod topology;
 mod train;
 mod train_ranks;
+mod train_samples;
 
 use clap::{Parser, Subcommand};
 

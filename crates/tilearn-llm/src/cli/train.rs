@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use tilearn_engine::EngineError;
-use tilearn_engine::config::LlamaConfig;
+use tilearn_engine::config::{GenerationConfig, LlamaConfig};
 use tilearn_engine::data::{TokenDataset, prepare_embedded_default};
 use tilearn_engine::model::model_parallel::PipelineShard;
 use tilearn_engine::model::tensor_parallel::TensorShard;
@@ -27,6 +27,7 @@ use tilearn_engine::trainer::{
 use tilearn_ops::DType;
 use tilearn_parallel::pipeline::ScheduleKind;
 
+use super::device::{DeviceChoice, choose_device};
 use super::hybrid::{HybridGroups, HybridSizes};
 use super::topology::BindCores;
 use super::train_ranks::{DdpBackend, Quiet, Ranks};
@@ -34,14 +35,6 @@ use crate::{LlmError, Result};
 
 /// Documents generated for the embedded corpus (about 1.5 M byte tokens).
 const EMBEDDED_DOCUMENTS: usize = 20_000;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum DeviceChoice {
-    /// The GPU when one is present and the CUDA path is built, else the CPU.
-    Auto,
-    Cpu,
-    Cuda,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum EvalStrategyChoice {
@@ -139,6 +132,10 @@ pub struct TrainArgs {
     /// but training cannot resume from them.
     #[arg(long)]
     pub save_only_model: bool,
+    /// Do not end the run with the few greedy samples generated from the saved model (the
+    /// first tokens of two training documents continued; on the GPU when training ran there).
+    #[arg(long)]
+    pub no_samples: bool,
     /// dtype of the final model files: bf16, fp16 or f32 (default: the config's dtype /
     /// torch_dtype, else f32). Resumable checkpoints always hold f32 weights.
     #[arg(long, value_parser = parse_dtype)]
@@ -571,6 +568,8 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         Box::new(Quiet)
     };
     let summary = trainer.train(resume.as_deref(), sink.as_mut())?;
+    // The samples below load the saved model afresh; free the trainer's (device) memory first.
+    drop(trainer);
     if primary {
         if let Some(model_dir) = &args.model {
             let copied = super::tokenizer_files::copy_tokenizer_files(model_dir, &args.output_dir)?;
@@ -584,6 +583,13 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         }
         print_summary(&summary);
         super::plot::plot_after_training(&args.output_dir);
+        if !args.no_samples {
+            let data = args
+                .data
+                .clone()
+                .unwrap_or_else(|| args.output_dir.join("data"));
+            super::train_samples::print_after_training(&summary.output_dir, &data, trains_on_gpu);
+        }
     }
     Ok(())
 }
@@ -654,42 +660,6 @@ fn print_summary(summary: &tilearn_engine::trainer::TrainSummary) {
     );
 }
 
-/// Whether to train on the GPU: `cpu` never, `cuda` always (a clear error when this build or
-/// machine has no GPU), `auto` when the CUDA kernels are built in and a device is present.
-fn choose_device(choice: DeviceChoice) -> Result<bool> {
-    let info = tilearn_ops::backend::probe();
-    let usable = info.cuda_usable();
-    match choice {
-        DeviceChoice::Cpu => Ok(false),
-        DeviceChoice::Auto => Ok(usable),
-        DeviceChoice::Cuda if usable => Ok(true),
-        DeviceChoice::Cuda => Err(LlmError::Usage {
-            flag: "--device cuda".into(),
-            message: if info.cuda_compiled {
-                let why = info
-                    .cuda_driver
-                    .err()
-                    .unwrap_or_else(|| "no device found".into());
-                format!("no usable CUDA device ({why}); use --device cpu")
-            } else {
-                "this build has no CUDA kernels; rebuild with --features cuda (cargo xtask train does when nvcc is found) or use --device cpu".into()
-            },
-        }),
-    }
-}
-
-/// The GPU of this process: torchrun's LOCAL_RANK among the visible devices (else 0). Ranks
-/// beyond the visible devices share them round-robin, which only the host communicator allows
-/// (`--ddp-backend host`; NCCL refuses two ranks on one GPU).
-#[cfg(feature = "cuda")]
-fn local_gpu() -> usize {
-    let local_rank: usize = std::env::var("LOCAL_RANK")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    local_rank % tilearn_ops::backend::probe().devices.len().max(1)
-}
-
 /// The gradients' communicator of a data-parallel run (`None` alone).
 type GradientComm = Option<std::sync::Arc<dyn tilearn_parallel::Communicator>>;
 
@@ -708,7 +678,13 @@ fn gpu_trainer(
     use tilearn_engine::trainer::gpu_backend::GpuBackend;
     // Built for every precision the plan may choose, so periods switch without rebuilding.
     let precisions = amp.possible_precisions();
-    let backend = GpuBackend::from_init(config, init, &training, local_gpu(), &precisions)?;
+    let backend = GpuBackend::from_init(
+        config,
+        init,
+        &training,
+        super::device::local_gpu(),
+        &precisions,
+    )?;
     let gradients = ranks
         .map(|r| r.gpu_gradient_communicator(ddp_backend, backend.stream()))
         .transpose()?;
@@ -762,7 +738,9 @@ fn amp_plan(args: &TrainArgs, on_gpu: bool) -> Result<adaptfp16::AmpPlan> {
 /// The model's config, where its weights come from, and the matching recipe.
 fn model_start(args: &TrainArgs) -> Result<(LlamaConfig, ModelInit, Recipe)> {
     if let Some(dir) = &args.model {
-        let config = LlamaConfig::from_file(dir.join(tilearn_engine::checkpoint::CONFIG_FILE))?;
+        let mut config = LlamaConfig::from_file(dir.join(tilearn_engine::checkpoint::CONFIG_FILE))?;
+        // Saves of the fine-tuned model keep the source's generation defaults.
+        config.generation = GenerationConfig::from_dir(dir)?;
         return Ok((config, ModelInit::Pretrained(dir.clone()), FINE_TUNE));
     }
     let config = match &args.config {

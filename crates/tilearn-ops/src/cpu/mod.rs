@@ -14,6 +14,7 @@
 //! the CUDA wrappers do; none panics on a caller's lengths.
 
 pub mod attention;
+pub mod cached_attention;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod linear;
@@ -28,6 +29,7 @@ pub use attention::{
     AttnShape, HostKeyMask, attention_backward, attention_backward_masked, attention_forward,
     attention_forward_masked,
 };
+pub use cached_attention::{CachedAttnShape, cached_attention};
 pub use cross_entropy::{CeStats, IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
 pub use embedding::{check_token_ids, embedding_backward, embedding_forward};
 pub use linear::{linear_backward, linear_forward};

@@ -18,6 +18,7 @@
 pub use tilearn_kernels::ffi;
 
 mod attention;
+mod cached_attention;
 mod cast;
 mod cross_entropy;
 mod device;
@@ -33,6 +34,7 @@ mod swiglu;
 
 // Each op module exports exactly its public wrappers and workspace types.
 pub use attention::*;
+pub use cached_attention::*;
 pub use cast::{cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16};
 pub use cross_entropy::*;
 pub use cudarc::driver::{

@@ -202,6 +202,63 @@ pub fn rope_forward_at<T: DeviceFloat, P: DevicePtr<i32>>(
     )
 }
 
+/// Rotates `x` (`[seq, heads, head_dim]`, one sequence) in place (`=`) as the positions
+/// `first_position..first_position + seq`: row `t` uses row `first_position + t` of `table`,
+/// which must hold them. For generation, whose new tokens sit after the cached ones; the same
+/// kernel and precision as [`rope_forward`] (the tables are read from row `first_position` on).
+pub fn rope_forward_at<T: DeviceFloat>(
+    stream: &Arc<CudaStream>,
+    x: &mut impl DevicePtrMut<T>,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+    first_position: usize,
+) -> Result<()> {
+    const OP: &str = "tilearn_rope_forward (at a position)";
+    let end = first_position.checked_add(seq);
+    if end.is_none_or(|end| end > table.seq_len) {
+        return Err(OpsError::Cuda {
+            context: OP,
+            message: format!(
+                "positions {first_position}..{first_position}+{seq} exceed the table's {} \
+                 positions (build the RopeTable for the longest sequence)",
+                table.seq_len
+            ),
+        });
+    }
+    let rows = table.seq_len - first_position;
+    let elems = check_shape(OP, 1, seq, heads, head_dim, table)?;
+    let from = first_position * table.half_dim;
+    let (cos, sin) = (table.cos.slice(from..), table.sin.slice(from..));
+    let table_len = rows * table.half_dim;
+    Launch::new(OP, stream)
+        .output("x", x, elems)
+        .input("table.cos", &cos, table_len)
+        .input("table.sin", &sin, table_len)
+        .skip_launch_if(elems == 0)
+        .run(|[cos, sin], [x], stream| {
+            // SAFETY: the launcher rewrites seq * heads * head_dim elements of T (`T::DTYPE`) of
+            // x in place and reads rows t < seq <= rows of the [rows, head_dim / 2] f32 tables
+            // starting at row first_position (first_position + seq <= table.seq_len and
+            // head_dim == 2 * half_dim checked).
+            unsafe {
+                ffi::tilearn_rope_forward(
+                    T::DTYPE,
+                    x,
+                    cos.cast(),
+                    sin.cast(),
+                    1,
+                    seq,
+                    heads,
+                    head_dim,
+                    rows,
+                    stream,
+                )
+            }
+        })
+}
+
 /// Backward of [`rope_forward`], in place (`dx` replaces `dy`): `dx = Rᵀ · dy`, the rotation by
 /// the opposite angle. Same shape rules and precision as the forward.
 pub fn rope_backward<T: DeviceFloat>(

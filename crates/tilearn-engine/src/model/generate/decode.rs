@@ -3,11 +3,10 @@
 //! call (decode). The layer math is the model's (`block.rs`), with attention reading the cache.
 
 use tilearn_ops::cpu::{
-    add_inplace, check_token_ids, embedding_forward, linear_forward, rmsnorm_forward, rope_forward,
-    swiglu_forward,
+    CachedAttnShape, add_inplace, cached_attention, check_token_ids, embedding_forward,
+    linear_forward, rmsnorm_forward, rope_forward, swiglu_forward,
 };
 
-use super::attention::{CachedAttn, cached_attention};
 use super::kv_cache::KvCache;
 use super::rotary::rope_rows;
 use crate::error::{EngineError, Result};
@@ -125,14 +124,15 @@ impl<'m> CachedDecoder<'m> {
             layer_forward(model, lay, p, &rope, n, s)?;
             kv.k[cached.clone()].copy_from_slice(&s.k);
             kv.v[cached].copy_from_slice(&s.v);
-            let shape = CachedAttn {
+            let shape = CachedAttnShape {
+                n,
                 start,
                 q_heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
             };
             let seen = (start + n) * row;
-            cached_attention(shape, &s.q, &kv.k[..seen], &kv.v[..seen], &mut s.att);
+            cached_attention(shape, &s.q, &kv.k[..seen], &kv.v[..seen], &mut s.att)?;
             layer_finish(model, lay, p, n, s)?;
         }
         self.cache.advance(n);

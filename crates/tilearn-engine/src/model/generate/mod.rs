@@ -3,13 +3,14 @@
 //! that attends to the cache (decode), until an end-of-sequence id of the config or
 //! `max_new_tokens`. Greedy decoding reproduces transformers' `generate(do_sample=False)`.
 //!
-//! One sequence at a time (no batching, no padding). A GPU path is not written yet: callers on a
-//! GPU machine run this on the CPU.
+//! One sequence at a time (no batching, no padding). The loop ([`generate_with`]) runs any
+//! [`Decoder`]: the CPU's [`CachedDecoder`] here, or the CUDA engine's `gpu::GpuDecoder`
+//! (feature `cuda`), which keeps the cache in device memory; sampling runs on the host from the
+//! last position's logits either way.
 
-mod attention;
 mod decode;
 mod kv_cache;
-mod rotary;
+pub(crate) mod rotary;
 mod sampling;
 
 use std::time::{Duration, Instant};
@@ -64,9 +65,48 @@ impl Generation {
     }
 }
 
-/// Continues `prompt` with up to `options.max_new_tokens` tokens.
+/// A forward over new tokens of one sequence that keeps the keys and values of the tokens
+/// before them: what [`generate_with`] drives.
+pub trait Decoder {
+    /// Appends `ids` to the sequence and returns the logits `[vocab]` of the last of them.
+    fn forward(&mut self, ids: &[u32]) -> Result<&[f32]>;
+    /// Tokens of the sequence so far.
+    fn position(&self) -> usize;
+    /// Positions the decoder has room for.
+    fn capacity(&self) -> usize;
+    /// Starts a new sequence.
+    fn reset(&mut self);
+}
+
+impl Decoder for CachedDecoder<'_> {
+    fn forward(&mut self, ids: &[u32]) -> Result<&[f32]> {
+        CachedDecoder::forward(self, ids)
+    }
+    fn position(&self) -> usize {
+        CachedDecoder::position(self)
+    }
+    fn capacity(&self) -> usize {
+        self.cache().capacity()
+    }
+    fn reset(&mut self) {
+        CachedDecoder::reset(self)
+    }
+}
+
+/// Continues `prompt` with up to `options.max_new_tokens` tokens on the CPU.
 pub fn generate(
     model: &LlamaForCausalLM,
+    prompt: &[u32],
+    options: &GenerateOptions,
+) -> Result<Generation> {
+    let mut decoder = CachedDecoder::new(model, prompt.len() + options.max_new_tokens);
+    generate_with(&mut decoder, prompt, options)
+}
+
+/// Continues `prompt` with `decoder`, starting a new sequence in it; its capacity must hold
+/// the prompt and `options.max_new_tokens`.
+pub fn generate_with(
+    decoder: &mut dyn Decoder,
     prompt: &[u32],
     options: &GenerateOptions,
 ) -> Result<Generation> {
@@ -78,7 +118,18 @@ pub fn generate(
     }
     let mut sampler = Sampler::new(options.decoding, options.seed)?;
     let max_new = options.max_new_tokens;
-    let mut decoder = CachedDecoder::new(model, prompt.len() + max_new);
+    if prompt.len() + max_new > decoder.capacity() {
+        return Err(EngineError::InvalidArgument {
+            argument: "max_new_tokens".into(),
+            message: format!(
+                "{} prompt tokens + {max_new} new ones exceed the decoder's capacity of {} \
+                 positions; build it with a larger capacity",
+                prompt.len(),
+                decoder.capacity()
+            ),
+        });
+    }
+    decoder.reset();
     let mut tokens = Vec::with_capacity(max_new);
     let started = Instant::now();
     let mut logits = decoder.forward(prompt)?;

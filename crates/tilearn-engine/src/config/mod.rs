@@ -10,12 +10,16 @@
 //! (`attention_dropout`, `use_cache`, …) are kept in [`LlamaConfig::extra`] and written back, so
 //! a load → save round trip loses nothing.
 
+mod generation;
+
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 use tilearn_ops::DType;
 
 use crate::error::{EngineError, Result};
+
+pub use generation::{GENERATION_CONFIG_FILE, GenerationConfig};
 
 /// The transformers version we write into `config.json`.
 pub const TRANSFORMERS_VERSION: &str = "5.17.0";
@@ -115,6 +119,11 @@ pub struct LlamaConfig {
     pub dtype: Option<DType>,
     /// Keys of the source `config.json` that we do not interpret, written back unchanged.
     pub extra: Map<String, Value>,
+    /// The model directory's `generation_config.json`, when the model was loaded from one that
+    /// has it (`LlamaForCausalLM::from_pretrained`, `tilearn train --model`; not
+    /// [`LlamaConfig::from_file`], which reads `config.json` alone). Saving writes it back, or,
+    /// when `None`, one holding this config's special token ids, as transformers does.
+    pub generation: Option<GenerationConfig>,
 }
 
 /// Keys [`LlamaConfig`] interprets (or rewrites) itself; everything else goes to `extra`.
@@ -147,13 +156,13 @@ const KNOWN_KEYS: &[&str] = &[
 ];
 
 /// Reads typed fields out of a JSON object, with errors that name the file and the field.
-struct Fields<'a> {
-    obj: &'a Map<String, Value>,
-    file: &'a Path,
+pub(crate) struct Fields<'a> {
+    pub(crate) obj: &'a Map<String, Value>,
+    pub(crate) file: &'a Path,
 }
 
 impl<'a> Fields<'a> {
-    fn err(&self, field: &str, message: impl Into<String>) -> EngineError {
+    pub(crate) fn err(&self, field: &str, message: impl Into<String>) -> EngineError {
         EngineError::Config {
             file: self.file.to_path_buf(),
             field: field.to_string(),
@@ -162,11 +171,11 @@ impl<'a> Fields<'a> {
     }
 
     /// The value of `key`, treating JSON `null` as absent.
-    fn get(&self, key: &str) -> Option<&'a Value> {
+    pub(crate) fn get(&self, key: &str) -> Option<&'a Value> {
         self.obj.get(key).filter(|v| !v.is_null())
     }
 
-    fn missing(&self, key: &str, kind: &str) -> EngineError {
+    pub(crate) fn missing(&self, key: &str, kind: &str) -> EngineError {
         self.err(
             key,
             format!(
@@ -176,14 +185,14 @@ impl<'a> Fields<'a> {
         )
     }
 
-    fn wrong_type(&self, key: &str, kind: &str, v: &Value) -> EngineError {
+    pub(crate) fn wrong_type(&self, key: &str, kind: &str, v: &Value) -> EngineError {
         self.err(
             key,
             format!("expected {kind}, found {v}; write it as \"{key}\": <{kind}>"),
         )
     }
 
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+    pub(crate) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -194,11 +203,11 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn usize(&self, key: &str) -> Result<usize> {
+    pub(crate) fn usize(&self, key: &str) -> Result<usize> {
         self.opt_usize(key)?.ok_or_else(|| self.missing(key, "int"))
     }
 
-    fn positive(&self, key: &str) -> Result<usize> {
+    pub(crate) fn positive(&self, key: &str) -> Result<usize> {
         let n = self.usize(key)?;
         if n == 0 {
             return Err(self.err(key, "must be positive, found 0"));
@@ -206,7 +215,7 @@ impl<'a> Fields<'a> {
         Ok(n)
     }
 
-    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+    pub(crate) fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -216,7 +225,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+    pub(crate) fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -226,7 +235,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn opt_str(&self, key: &str) -> Result<Option<&'a str>> {
+    pub(crate) fn opt_str(&self, key: &str) -> Result<Option<&'a str>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -236,7 +245,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {
+    pub(crate) fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -247,7 +256,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn token_ids(&self, key: &str) -> Result<Vec<u32>> {
+    pub(crate) fn token_ids(&self, key: &str) -> Result<Vec<u32>> {
         let bad = |v: &Value| self.wrong_type(key, "token id or list of token ids", v);
         match self.get(key) {
             None => Ok(Vec::new()),
@@ -404,6 +413,7 @@ impl LlamaConfig {
             pad_token_id: f.opt_token_id("pad_token_id")?,
             dtype,
             extra,
+            generation: None,
         })
     }
 

@@ -10,9 +10,12 @@
 //!   [`metrics`]: exact AUC.
 //! * [`data`]: Criteo's TSV format, a synthetic Criteo-shaped generator with a known
 //!   ground-truth model, binary shards and their loader.
-//! * [`train`]: the training loop (held-out exact AUC, samples/s) of `tilearn ctr train`;
-//!   [`checkpoint`]: its checkpoints with exact resume ([`tensor_file`]: the safetensors files).
+//! * [`train`]: the training loop (held-out exact AUC, samples/s) of `tilearn ctr train`, over
+//!   any [`CtrStepper`] (the CPU [`CtrModel`], or `cuda::GpuCtrTrainer`);
+//!   [`checkpoint`]: its checkpoints with exact resume ([`tensor_file`]: the safetensors files);
+//!   [`bench`]: end-to-end samples/s and AUC of `tilearn ctr bench`.
 
+pub mod bench;
 pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -24,6 +27,7 @@ pub mod jagged;
 pub mod metrics;
 pub mod model;
 pub mod sparse_optim;
+pub mod stepper;
 pub mod tables;
 pub mod tensor_file;
 pub mod train;
@@ -36,5 +40,6 @@ pub use jagged::JaggedBatch;
 pub use metrics::auc;
 pub use model::{CtrConfig, CtrModel, ModelKind};
 pub use sparse_optim::{RowRule, RowStateMut, SparseOptimizer, SparseState};
+pub use stepper::CtrStepper;
 pub use tables::{EmbeddingTables, Pooling, TableLayout, TableSpec};
 pub use zipf::Zipf;

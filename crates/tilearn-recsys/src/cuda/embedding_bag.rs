@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use tilearn_kernels::ffi;
 use tilearn_ops::OpsError;
 use tilearn_ops::cuda::launch::{Launch, bind};
@@ -225,7 +225,7 @@ impl DeviceEmbeddingBag {
         &self,
         stream: &Arc<CudaStream>,
         batch: &DeviceJaggedBatch,
-        out: &mut CudaSlice<f32>,
+        out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         self.check_batch(batch)?;
         let layout = &self.layout;
@@ -283,7 +283,7 @@ impl DeviceEmbeddingBag {
         &mut self,
         stream: &Arc<CudaStream>,
         batch: &DeviceJaggedBatch,
-        dout: &CudaSlice<f32>,
+        dout: &impl DevicePtr<f32>,
     ) -> Result<()> {
         self.check_batch(batch)?;
         let need = if batch.entries == 0 {

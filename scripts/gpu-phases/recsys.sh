@@ -18,7 +18,7 @@ grep -h '^{' "$OUT/recsys_ctr_bench_tilearn.log" "$OUT/recsys_ctr_bench_torch.lo
 rm -rf "$ctr_data"
 
 if ! python3 -c "import fbgemm_gpu" > /dev/null 2>&1; then
-  for wheel in /work/wheels/fbgemm_gpu-*.whl shared/wheels/fbgemm_gpu-*.whl wheels/fbgemm_gpu-*.whl; do
+  for wheel in .whl/fbgemm_gpu-*.whl shared/wheels/fbgemm_gpu-*.whl wheels/fbgemm_gpu-*.whl /work/wheels/fbgemm_gpu-*.whl; do
     [ -f "$wheel" ] || continue
     python3 -m pip install --no-deps --no-index --target /tmp/recsys_fbgemm "$wheel" > "$OUT/recsys_fbgemm_install.log" 2>&1 \
       && export PYTHONPATH="/tmp/recsys_fbgemm${PYTHONPATH:+:$PYTHONPATH}"

@@ -6,6 +6,8 @@
 //! * [`embedding_bag`]: its CPU reference, forward (sum / mean pooling) and backward fused with
 //!   the sparse optimizers of [`sparse_optim`] (SGD, row-wise Adagrad, SparseAdam), which update
 //!   touched rows in place from de-duplicated gradients.
+//! * [`cache`]: tables larger than the device, rows in a backing store behind an LRU cache of
+//!   hot rows with write-back.
 //! * [`model`]: DeepFM and Wide & Deep (CPU), the dense part stepped by tilearn-optim's AdamW;
 //!   [`metrics`]: exact AUC.
 //! * [`data`]: Criteo's TSV format, a synthetic Criteo-shaped generator with a known
@@ -16,6 +18,7 @@
 //!   [`bench`]: end-to-end samples/s and AUC of `tilearn ctr bench`.
 
 pub mod bench;
+pub mod cache;
 pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -320,6 +320,11 @@ impl SparseState {
         Ok(())
     }
 
+    /// Sets the step count (a cache of rows steps its own state and hands the count back).
+    pub(crate) fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
     /// The state of stacked row `row` whose weights are `elements` of the flat buffer.
     pub fn row_mut(&mut self, row: usize, elements: std::ops::Range<usize>) -> RowStateMut<'_> {
         match self.optimizer {

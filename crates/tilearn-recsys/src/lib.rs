@@ -8,6 +8,7 @@
 //!   touched rows in place from de-duplicated gradients.
 //! * [`cache`]: tables larger than the device, rows in a backing store behind an LRU cache of
 //!   hot rows with write-back.
+//! * [`shard`]: the embedding bag sharded table-wise or row-wise over a communicator's ranks.
 //! * [`model`]: DeepFM and Wide & Deep (CPU), the dense part stepped by tilearn-optim's AdamW;
 //!   [`metrics`]: exact AUC.
 //! * [`data`]: Criteo's TSV format, a synthetic Criteo-shaped generator with a known
@@ -29,6 +30,7 @@ pub mod hash;
 pub mod jagged;
 pub mod metrics;
 pub mod model;
+pub mod shard;
 pub mod sparse_optim;
 pub mod stepper;
 pub mod tables;

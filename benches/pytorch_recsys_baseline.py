@@ -13,15 +13,26 @@ and written + its optimizer state). The update is the matching optimizer: `torch
 tables, FM, MLP over embeddings + 13 dense features, BCE-with-logits), sparse row-wise Adagrad on
 the tables and fused AdamW on the dense part, on random zipf batches: samples/s.
 
+`--deepfm-data DIR`: the same DeepFM trained on the batches `tilearn ctr bench --export DIR`
+wrote (synthetic Criteo-shaped samples, ids already hashed into tilearn's tables, in tilearn's
+step order), with tilearn's initialisation scheme and hyper-parameters from DIR/meta.json; it
+reports samples/s (every step synchronised by reading its loss, as tilearn's loop does) and the
+exact AUC on the exported held-out split after the same samples. The samples are moved to the
+GPU once before timing (tilearn uploads each batch inside its timed loop).
+
 One JSON line per measurement. Run on the GPU machine in the same call as `recsys-bench`:
 
     python3 benches/pytorch_recsys_baseline.py --op --rows 100000 --dim 16 --batch 16384
     python3 benches/pytorch_recsys_baseline.py --deepfm --batch 16384
+    python3 benches/pytorch_recsys_baseline.py --deepfm-data DIR
 """
 import argparse
 import json
+import pathlib
 import statistics
+import time
 
+import numpy as np
 import torch
 
 
@@ -144,23 +155,35 @@ def bench_fbgemm(a, ids, entries, fwd_bytes, bwd_bytes, copy):
 class DeepFM(torch.nn.Module):
     """tilearn_recsys' DeepFM: first-order + FM over field embeddings + MLP(emb, dense)."""
 
-    def __init__(self, fields, rows, k, dense, hidden):
+    def __init__(self, field_rows, k, dense, hidden):
         super().__init__()
         self.emb = torch.nn.ModuleList(
-            [torch.nn.EmbeddingBag(rows, k, mode="sum", sparse=True) for _ in range(fields)])
+            [torch.nn.EmbeddingBag(r, k, mode="sum", sparse=True) for r in field_rows])
         self.first = torch.nn.ModuleList(
-            [torch.nn.EmbeddingBag(rows, 1, mode="sum", sparse=True) for _ in range(fields)])
+            [torch.nn.EmbeddingBag(r, 1, mode="sum", sparse=True) for r in field_rows])
         self.dense_w = torch.nn.Linear(dense, 1)
-        layers, width = [], fields * k + dense
+        layers, width = [], len(field_rows) * k + dense
         for h in hidden:
             layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
             width = h
         layers.append(torch.nn.Linear(width, 1))
         self.mlp = torch.nn.Sequential(*layers)
 
+    def tilearn_init_(self):
+        """tilearn's scheme: tables uniform in +-1/sqrt(rows) (FBGEMM's default), the global
+        bias 0; torch's Linear default (+-1/sqrt(fan_in)) is tilearn's for the rest."""
+        with torch.no_grad():
+            for table in list(self.emb) + list(self.first):
+                bound = table.weight.shape[0] ** -0.5
+                table.weight.uniform_(-bound, bound)
+            self.dense_w.bias.zero_()
+
     def forward(self, ids, offsets, dense):
-        v = torch.stack([e(i, offsets) for e, i in zip(self.emb, ids)], dim=1)  # [B, F, k]
-        first = sum(f(i, offsets) for f, i in zip(self.first, ids)).squeeze(1)
+        """ids / offsets: one (ids, offsets) per field, or ids per field sharing `offsets`."""
+        if not isinstance(offsets, list):
+            offsets = [offsets] * len(ids)
+        v = torch.stack([e(i, o) for e, i, o in zip(self.emb, ids, offsets)], dim=1)  # [B, F, k]
+        first = sum(f(i, o) for f, i, o in zip(self.first, ids, offsets)).squeeze(1)
         fm = 0.5 * (v.sum(1).pow(2) - v.pow(2).sum(1)).sum(1)
         deep = self.mlp(torch.cat([v.flatten(1), dense], dim=1)).squeeze(1)
         return first + fm + deep + self.dense_w(dense).squeeze(1)
@@ -168,7 +191,7 @@ class DeepFM(torch.nn.Module):
 
 def bench_deepfm(a):
     gen = torch.Generator().manual_seed(2)
-    model = DeepFM(a.tables, a.rows, a.dim, 13, a.hidden).cuda()
+    model = DeepFM([a.rows] * a.tables, a.dim, 13, a.hidden).cuda()
     sparse = [p for n, p in model.named_parameters() if n.startswith(("emb", "first"))]
     dense = [p for n, p in model.named_parameters() if not n.startswith(("emb", "first"))]
     adamw = torch.optim.AdamW(dense, lr=1e-3, weight_decay=0.0, fused=True)
@@ -195,11 +218,111 @@ def bench_deepfm(a):
                           samples_per_sec=a.batch / (ms * 1e-3), torch=torch.__version__)))
 
 
+MISSING = 2**32 - 1  # an empty field in the exported ids
+
+
+def exact_auc(scores, labels):
+    """Mann-Whitney AUC with tied scores sharing their mean rank (tilearn_recsys::auc)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    positive = np.asarray(labels) > 0.5
+    p, n = int(positive.sum()), int((~positive).sum())
+    if p == 0 or n == 0:
+        return None
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    starts = np.cumsum(counts) - counts  # 0-based first rank of each distinct score
+    mean_rank = starts + (counts + 1) / 2.0
+    rank_sum = mean_rank[inverse][positive].sum()
+    return float((rank_sum - p * (p + 1) / 2.0) / (p * n))
+
+
+def load_split(d, name, meta, dev):
+    n, fields, nd = meta[f"{name}_samples"], len(meta["field_rows"]), meta["num_dense"]
+    ids = np.fromfile(d / f"{name}_ids.u32", dtype=np.uint32).reshape(n, fields)
+    dense = np.fromfile(d / f"{name}_dense.f32", dtype=np.float32).reshape(n, nd)
+    labels = np.fromfile(d / f"{name}_labels.f32", dtype=np.float32)
+    return (torch.from_numpy(ids.astype(np.int64)).to(dev), torch.from_numpy(dense).to(dev),
+            torch.from_numpy(labels).to(dev))
+
+
+def jagged(ids):
+    """Per field: the present ids and the offsets of one bag (0 or 1 id) per sample."""
+    out = []
+    for f in range(ids.shape[1]):
+        col = ids[:, f]
+        present = col != MISSING
+        counts = present.long()
+        offsets = torch.cumsum(counts, 0) - counts
+        out.append((col[present], offsets))
+    return [i for i, _ in out], [o for _, o in out]
+
+
+def train_deepfm_on(a):
+    d = pathlib.Path(a.deepfm_data)
+    meta = json.loads((d / "meta.json").read_text())
+    # The CPU only for a smoke test of the script on a machine without a GPU.
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(a.seed)
+    model = DeepFM(meta["field_rows"], meta["embed_dim"], meta["num_dense"], meta["hidden"]).to(dev)
+    model.tilearn_init_()
+    sparse = [p for n, p in model.named_parameters() if n.startswith(("emb", "first"))]
+    dense = [p for n, p in model.named_parameters() if not n.startswith(("emb", "first"))]
+    adamw = torch.optim.AdamW(dense, lr=meta["learning_rate"], weight_decay=0.0, fused=True)
+    accs = [torch.zeros(p.shape[0], device=dev) for p in sparse]
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    ids, x, y = load_split(d, "train", meta, dev)
+    batch, steps = meta["batch_size"], meta["steps"]
+    sparse_lr = meta["sparse_learning_rate"]
+
+    def step(i):
+        rows = slice(i * batch, (i + 1) * batch)
+        field_ids, offsets = jagged(ids[rows])
+        loss = loss_fn(model(field_ids, offsets, x[rows]), y[rows])
+        loss.backward()
+        with torch.no_grad():
+            for p, acc in zip(sparse, accs):
+                rowwise_adagrad_(p, acc, p.grad, sparse_lr)
+                p.grad = None
+        adamw.step()
+        adamw.zero_grad(set_to_none=True)
+        return loss.item()  # synchronises, as tilearn reads each step's loss
+
+    sync()
+    start = time.perf_counter()
+    ends, loss = [], float("nan")
+    for i in range(steps):
+        loss = step(i)
+        ends.append(time.perf_counter() - start)
+    warmup = min(meta.get("warmup", 5), steps - 1)
+    durations = sorted(np.diff([0.0] + ends))
+    steady = (steps - warmup) * batch / (ends[-1] - (ends[warmup - 1] if warmup else 0.0))
+    eids, ex, ey = load_split(d, "eval", meta, dev)
+    logits = []
+    with torch.no_grad():
+        for s in range(0, ex.shape[0], 16384):
+            field_ids, offsets = jagged(eids[s:s + 16384])
+            logits.append(model(field_ids, offsets, ex[s:s + 16384]))
+    logits = torch.cat(logits)
+    eval_loss = float(loss_fn(logits, ey))
+    print(json.dumps(dict(
+        bench="ctr_e2e", impl="pytorch", model="DeepFm",
+        device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        batch=batch, steps=steps, samples=steps * batch,
+        samples_per_sec=steps * batch / ends[-1], steady_samples_per_sec=steady,
+        step_ms_median=durations[len(durations) // 2] * 1e3, final_train_loss=loss,
+        eval_loss=eval_loss, eval_auc=exact_auc(logits.float().cpu().numpy(), ey.cpu().numpy()),
+        ground_truth_auc=meta.get("ground_truth_auc"), data=f"preloaded on {dev.type}",
+        torch=torch.__version__)))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--op", action="store_true", help="the embedding operator alone")
     p.add_argument("--deepfm", action="store_true", help="a DeepFM training step")
+    p.add_argument("--deepfm-data", metavar="DIR",
+                   help="train the DeepFM on the batches of `tilearn ctr bench --export DIR`")
     p.add_argument("--fbgemm", action="store_true", help="also time fbgemm_gpu's TBE")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tables", type=int, default=26)
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=16)
@@ -210,12 +333,14 @@ def main():
     p.add_argument("--hidden", type=lambda s: [int(x) for x in s.split(",")], default=[256, 128])
     p.add_argument("--iters", type=int, default=50)
     a = p.parse_args()
-    if not (a.op or a.deepfm):
-        p.error("choose --op and/or --deepfm")
+    if not (a.op or a.deepfm or a.deepfm_data):
+        p.error("choose --op, --deepfm and/or --deepfm-data")
     if a.op:
         bench_op(a)
     if a.deepfm:
         bench_deepfm(a)
+    if a.deepfm_data:
+        train_deepfm_on(a)
 
 
 if __name__ == "__main__":

@@ -350,6 +350,71 @@ unsafe extern "C" {
         scratch_bytes: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_ctr_mlp_input(
+        emb: *const f32,
+        width: usize,
+        deep: usize,
+        dense: *const f32,
+        num_dense: usize,
+        batch: usize,
+        x0: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_ctr_relu_forward(
+        z: *const f32,
+        a: *mut f32,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_ctr_relu_backward(
+        dx: *mut f32,
+        z: *const f32,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_ctr_logits_loss(
+        fm: ::std::os::raw::c_int,
+        emb: *const f32,
+        width: usize,
+        fields: usize,
+        k: usize,
+        dense: *const f32,
+        num_dense: usize,
+        w_dense: *const f32,
+        bias: *const f32,
+        mlp: *const f32,
+        labels: *const f32,
+        batch: usize,
+        dlogit_scale: f32,
+        logits: *mut f32,
+        dlogits: *mut f32,
+        loss_terms: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_ctr_head_backward(
+        fm: ::std::os::raw::c_int,
+        emb: *const f32,
+        width: usize,
+        fields: usize,
+        k: usize,
+        dlogits: *const f32,
+        dx0: *const f32,
+        mlp_in: usize,
+        batch: usize,
+        demb: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_ctr_batch_sums(
+        dlogits: *const f32,
+        dense: *const f32,
+        num_dense: usize,
+        loss_terms: *const f64,
+        batch: usize,
+        dw_dense: *mut f32,
+        dbias: *mut f32,
+        loss_sum: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
     pub fn tilearn_rope_forward(
         dtype: ::std::os::raw::c_int,
         x: *mut ::std::os::raw::c_void,

@@ -217,3 +217,71 @@ fn train_checkpoints_and_resumes_exactly() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("`model`"), "{err}");
 }
+
+#[test]
+fn bench_reports_throughput_and_auc_and_exports_its_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let export = dir.path().join("export");
+    let out = tilearn(&[
+        "ctr",
+        "bench",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "256",
+        "--steps",
+        "12",
+        "--warmup",
+        "2",
+        "--eval-samples",
+        "2048",
+        "--synthetic-vocab",
+        "50",
+        "--hash-rows",
+        "500",
+        "--embed-dim",
+        "4",
+        "--hidden",
+        "16",
+        "--export",
+        p(&export),
+    ]);
+    let record = json(&out.stdout);
+    assert_eq!(record["impl"], "tilearn");
+    assert_eq!(record["device"], "cpu");
+    assert_eq!(record["samples"], 12 * 256);
+    for field in [
+        "samples_per_sec",
+        "steady_samples_per_sec",
+        "step_ms_median",
+    ] {
+        assert!(record[field].as_f64().unwrap() > 0.0, "{field}: {record}");
+    }
+    let (auc, truth) = (
+        record["eval_auc"].as_f64().unwrap(),
+        record["ground_truth_auc"].as_f64().unwrap(),
+    );
+    assert!(auc > 0.6 && auc <= truth + 0.02, "{record}");
+    // The baseline's inputs: every split's arrays at their sizes, and what it needs to know.
+    let meta = json(&std::fs::read(export.join("meta.json")).unwrap());
+    assert_eq!(meta["train_samples"], 12 * 256);
+    assert_eq!(meta["eval_samples"], 2048);
+    assert_eq!(meta["field_rows"].as_array().unwrap().len(), 26);
+    for (split, n) in [("train", 12 * 256), ("eval", 2048)] {
+        let size = |name: &str| {
+            std::fs::metadata(export.join(format!("{split}_{name}")))
+                .unwrap()
+                .len()
+        };
+        assert_eq!(size("ids.u32"), n * 26 * 4);
+        assert_eq!(size("dense.f32"), n * 13 * 4);
+        assert_eq!(size("labels.f32"), n * 4);
+    }
+    let ids = std::fs::read(export.join("train_ids.u32")).unwrap();
+    let ids: Vec<u32> = ids
+        .chunks(4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert!(ids.iter().all(|&id| id < 500 || id == u32::MAX));
+    assert!(ids.contains(&u32::MAX), "no empty field among 3072 samples");
+}

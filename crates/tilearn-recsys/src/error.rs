@@ -32,6 +32,10 @@ pub enum RecsysError {
     /// A tensor op or CUDA launch failed.
     #[error(transparent)]
     Ops(#[from] tilearn_ops::OpsError),
+    /// The fused CUDA AdamW of the dense part refused or failed a step.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    FusedOptim(#[from] tilearn_optim::cuda::FusedError),
 }
 
 impl RecsysError {

@@ -5,6 +5,8 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use crate::error::{RecsysError, Result};
 use crate::hash::hash_to_row;
 use crate::tables::TableLayout;
@@ -64,9 +66,13 @@ impl JaggedBatch {
         let mut ids = vec![0u32; raw.len()];
         for (t, spec) in layout.specs().iter().enumerate() {
             let entries = offsets[t * batch] as usize..offsets[(t + 1) * batch] as usize;
-            for j in entries {
-                ids[j] = hash_to_row(raw[j], spec.rows);
-            }
+            // Hashing is most of the host work of a training step: spread over the cores for
+            // large batches (each id depends only on its own value, so the result is the same).
+            ids[entries.clone()]
+                .par_iter_mut()
+                .zip(raw[entries].par_iter())
+                .with_min_len(8192)
+                .for_each(|(id, &value)| *id = hash_to_row(value, spec.rows));
         }
         Ok(JaggedBatch {
             num_tables: layout.num_tables(),

@@ -6,13 +6,20 @@
 //! * [`embedding_bag`]: its CPU reference, forward (sum / mean pooling) and backward fused with
 //!   the sparse optimizers of [`sparse_optim`] (SGD, row-wise Adagrad, SparseAdam), which update
 //!   touched rows in place from de-duplicated gradients.
+//! * [`cache`]: tables larger than the device, rows in a backing store behind an LRU cache of
+//!   hot rows with write-back.
+//! * [`shard`]: the embedding bag sharded table-wise or row-wise over a communicator's ranks.
 //! * [`model`]: DeepFM and Wide & Deep (CPU), the dense part stepped by tilearn-optim's AdamW;
 //!   [`metrics`]: exact AUC.
 //! * [`data`]: Criteo's TSV format, a synthetic Criteo-shaped generator with a known
 //!   ground-truth model, binary shards and their loader.
-//! * [`train`]: the training loop (held-out exact AUC, samples/s) of `tilearn ctr train`;
-//!   [`checkpoint`]: its checkpoints with exact resume ([`tensor_file`]: the safetensors files).
+//! * [`train`]: the training loop (held-out exact AUC, samples/s) of `tilearn ctr train`, over
+//!   any [`CtrStepper`] (the CPU [`CtrModel`], or `cuda::GpuCtrTrainer`);
+//!   [`checkpoint`]: its checkpoints with exact resume ([`tensor_file`]: the safetensors files);
+//!   [`bench`]: end-to-end samples/s and AUC of `tilearn ctr bench`.
 
+pub mod bench;
+pub mod cache;
 pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -23,7 +30,9 @@ pub mod hash;
 pub mod jagged;
 pub mod metrics;
 pub mod model;
+pub mod shard;
 pub mod sparse_optim;
+pub mod stepper;
 pub mod tables;
 pub mod tensor_file;
 pub mod train;
@@ -36,5 +45,6 @@ pub use jagged::JaggedBatch;
 pub use metrics::auc;
 pub use model::{CtrConfig, CtrModel, ModelKind};
 pub use sparse_optim::{RowRule, RowStateMut, SparseOptimizer, SparseState};
+pub use stepper::CtrStepper;
 pub use tables::{EmbeddingTables, Pooling, TableLayout, TableSpec};
 pub use zipf::Zipf;

@@ -298,6 +298,33 @@ impl SparseState {
         Ok(())
     }
 
+    /// Replaces the buffers and the step count with those a device copy kept (e.g.
+    /// `cuda::DeviceEmbeddingBag::download`), so that [`SparseState::save_state`] writes them.
+    /// Lengths must equal the current ones (empty for a buffer the rule does not keep).
+    pub fn set_state(&mut self, state1: Vec<f32>, state2: Vec<f32>, step: u64) -> Result<()> {
+        let lens = [
+            ("state1", self.state1.len(), state1.len()),
+            ("state2", self.state2.len(), state2.len()),
+        ];
+        for (what, want, got) in lens {
+            if want != got {
+                return Err(RecsysError::invalid(
+                    "sparse optimizer state",
+                    format!("{what} has {got} values, this state keeps {want}"),
+                ));
+            }
+        }
+        self.state1 = state1;
+        self.state2 = state2;
+        self.step = step;
+        Ok(())
+    }
+
+    /// Sets the step count (a cache of rows steps its own state and hands the count back).
+    pub(crate) fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
     /// The state of stacked row `row` whose weights are `elements` of the flat buffer.
     pub fn row_mut(&mut self, row: usize, elements: std::ops::Range<usize>) -> RowStateMut<'_> {
         match self.optimizer {

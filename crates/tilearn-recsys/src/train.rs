@@ -10,8 +10,10 @@ use serde::Serialize;
 use crate::checkpoint::{TrainerState, save_checkpoint};
 use crate::data::{CtrBatch, Prefetcher};
 use crate::error::{RecsysError, Result};
+use crate::jagged::JaggedBatch;
 use crate::metrics::auc;
-use crate::model::{CtrModel, bce_with_logits};
+use crate::model::{CtrConfig, bce_with_logits};
+use crate::stepper::CtrStepper;
 
 /// Where and how often to write checkpoints ([`crate::checkpoint`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -113,7 +115,7 @@ pub struct LogRecord {
 }
 
 /// Mean BCE loss and exact AUC of `model` on `data` (AUC `None` when one class is absent).
-pub fn evaluate(model: &CtrModel, data: &CtrBatch) -> Result<(f64, Option<f64>)> {
+pub fn evaluate(model: &mut impl CtrStepper, data: &CtrBatch) -> Result<(f64, Option<f64>)> {
     let mut logits = Vec::with_capacity(data.len());
     for start in (0..data.len()).step_by(4096) {
         logits.extend(model.predict(&data.slice(start..(start + 4096).min(data.len())))?);
@@ -124,10 +126,28 @@ pub fn evaluate(model: &CtrModel, data: &CtrBatch) -> Result<(f64, Option<f64>)>
     ))
 }
 
+/// The loader's batches with their jagged ids, built on a thread of their own (hashing every
+/// categorical value is the costliest host work of a step; here it overlaps the step).
+fn with_jagged(
+    batches: Prefetcher,
+    config: CtrConfig,
+) -> impl Iterator<Item = Result<(CtrBatch, JaggedBatch)>> {
+    let (sender, receiver) = std::sync::mpsc::sync_channel(Prefetcher::DEPTH);
+    std::thread::spawn(move || {
+        for batch in batches {
+            let item = config.jagged(&batch).map(|jagged| (batch, jagged));
+            if sender.send(item).is_err() {
+                return;
+            }
+        }
+    });
+    receiver.into_iter()
+}
+
 /// Trains `model` on `train` for `options.steps` steps, calling `on_log` with each record
 /// (every `eval_every` steps and after the last) and `on_step` after every step.
 pub fn train(
-    model: &mut CtrModel,
+    model: &mut impl CtrStepper,
     train: Arc<CtrBatch>,
     eval: &CtrBatch,
     options: &TrainOptions,
@@ -152,9 +172,10 @@ pub fn train(
         options.seed,
         first,
     );
-    for (i, batch) in (first..).zip(batches) {
+    for (i, item) in (first..).zip(with_jagged(batches, model.config().clone())) {
+        let (batch, jagged) = item?;
         let started = Instant::now();
-        let stats = model.train_step(&batch, options.dense_lr)?;
+        let stats = model.step(&batch, &jagged, options.dense_lr)?;
         window_time += started.elapsed().as_secs_f64();
         loss_sum += stats.loss;
         steps_in_window += 1;
@@ -164,7 +185,7 @@ pub fn train(
         on_step(step, stats.loss);
         if let Some(save) = options.save.as_ref().filter(|s| step % s.every.max(1) == 0) {
             let state = options.state(step, samples_seen, train_samples);
-            save_checkpoint(&save.output_dir, model, &state, save.keep)?;
+            save_checkpoint(&save.output_dir, model.host()?, &state, save.keep)?;
         }
         if step % options.eval_every.max(1) == 0 || step == options.steps {
             let (eval_loss, eval_auc) = if eval.is_empty() {

@@ -5,6 +5,9 @@
 //! relative; row-wise Adagrad sums its squares in a warp tree instead of the CPU's serial order,
 //! checked to 1e-5 relative. A second GPU run must reproduce the first bit for bit.
 //!
+//! The device row cache (tables in host memory, hot rows on the GPU) must give the uncached
+//! GPU operator's outputs, weights and optimizer state bit for bit.
+//!
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]
 
@@ -14,7 +17,7 @@ use std::io::Write;
 
 use common::{odd_layout, random_batch, random_values};
 use tilearn_ops::cuda::GpuDevice;
-use tilearn_recsys::cuda::{DeviceEmbeddingBag, DeviceJaggedBatch};
+use tilearn_recsys::cuda::{DeviceCachedEmbeddingBag, DeviceEmbeddingBag, DeviceJaggedBatch};
 use tilearn_recsys::{
     EmbeddingTables, JaggedBatch, SparseOptimizer, SparseState, TableLayout,
     embedding_bag_backward_update, embedding_bag_forward,
@@ -159,4 +162,65 @@ fn a_batch_checked_for_other_tables_is_refused() {
     let dbatch = DeviceJaggedBatch::upload(stream, &other, &batch).unwrap();
     let mut out = stream.alloc_zeros::<f32>(4 * layout.total_dim()).unwrap();
     assert!(device.forward(stream, &dbatch, &mut out).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn device_row_cache_equals_the_uncached_operator() {
+    let Some(dev) = gpu_or_skip("device_row_cache_equals_the_uncached_operator") else {
+        return;
+    };
+    let stream = dev.stream();
+    let layout = odd_layout();
+    let width = layout.total_dim();
+    for opt in [
+        SparseOptimizer::row_wise_adagrad(0.1),
+        SparseOptimizer::adam(0.01),
+    ] {
+        let tables = EmbeddingTables::new(layout.clone(), 4);
+        let state = SparseState::new(opt, &layout).unwrap();
+        let mut full = DeviceEmbeddingBag::new(stream, &tables, &state).unwrap();
+        // A third of each table, at least one batch's rows (24 bags of <= 3 ids).
+        let slots: Vec<usize> = (layout.specs().iter())
+            .map(|s| s.rows.min((s.rows / 3).max(72)))
+            .collect();
+        let mut cached = DeviceCachedEmbeddingBag::new(stream, tables, state, &slots).unwrap();
+        for step in 0..30u64 {
+            let batch = random_batch(&layout, 24, 3, 1.1, 500 + step);
+            let dout = stream
+                .clone_htod(&random_values(24 * width, 600 + step))
+                .unwrap();
+            let dfull = DeviceJaggedBatch::upload(stream, &layout, &batch).unwrap();
+            let mut want = stream.alloc_zeros::<f32>(24 * width).unwrap();
+            full.forward(stream, &dfull, &mut want).unwrap();
+            full.backward_update(stream, &dfull, &dout).unwrap();
+            let dslots = cached.map_batch(stream, &batch, true).unwrap();
+            let mut got = stream.clone_htod(&vec![f32::NAN; 24 * width]).unwrap();
+            cached.forward(stream, &dslots, &mut got).unwrap();
+            cached.backward_update(stream, &dslots, &dout).unwrap();
+            let (got, want) = (
+                stream.clone_dtoh(&got).unwrap(),
+                stream.clone_dtoh(&want).unwrap(),
+            );
+            assert!(
+                got == want,
+                "{opt:?} step {step}: forward through the cache differs"
+            );
+        }
+        let stats = cached.stats();
+        let (weights, state1, state2) = full.download(stream).unwrap();
+        let (tables, state) = cached.flush(stream).unwrap();
+        eprintln!("{opt:?}: {stats:?}");
+        assert!(stats.evictions > 0 && stats.write_backs > 0, "{stats:?}");
+        assert!(tables.weights == weights, "{opt:?}: weights differ");
+        assert!(
+            state.state1() == state1.as_slice(),
+            "{opt:?}: state1 differs"
+        );
+        assert!(
+            state.state2() == state2.as_slice(),
+            "{opt:?}: state2 differs"
+        );
+        assert_eq!(state.step(), full.step());
+    }
 }

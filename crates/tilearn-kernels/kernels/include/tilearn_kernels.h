@@ -344,6 +344,37 @@ int tilearn_embedding_bag_backward_update(float *weights, float *state1, float *
                                           tilearn_sparse_rule rule, void *scratch,
                                           size_t scratch_bytes, cudaStream_t stream);
 
+/* ---- ctr_head.cu: tilearn-recsys' DeepFM / Wide & Deep between the embedding bag and the
+ *      dense optimizer, except the matrix products (cuBLASLt) ----
+ * emb / demb: [batch, width] f32, the fields' dim-k embeddings at columns 0 .. fields * k, the
+ * dim-1 first-order and cross weights after them; dense: [batch, num_dense]; x0 / dx0: [batch,
+ * mlp_in] (the embeddings' deep part, then dense); mlp, labels, logits, dlogits: [batch];
+ * loss_terms: [batch] f64. fm != 0 adds DeepFM's interaction term. Deterministic. */
+
+/* x0 (=) = [emb[:, 0:deep], dense]. */
+int tilearn_ctr_mlp_input(const float *emb, size_t width, size_t deep, const float *dense,
+                          size_t num_dense, size_t batch, float *x0, cudaStream_t stream);
+/* a (=) = max(z, 0). */
+int tilearn_ctr_relu_forward(const float *z, float *a, size_t n, cudaStream_t stream);
+/* dx = 0 where z <= 0, in place. */
+int tilearn_ctr_relu_backward(float *dx, const float *z, size_t n, cudaStream_t stream);
+/* logits (=) = bias + mlp + first-order sum + dense . w_dense [+ FM]; with labels (else NULL):
+ * loss_terms (=) the BCE-with-logits terms, dlogits (=) (sigmoid(z) - y) * dlogit_scale. */
+int tilearn_ctr_logits_loss(int fm, const float *emb, size_t width, size_t fields, size_t k,
+                            const float *dense, size_t num_dense, const float *w_dense,
+                            const float *bias, const float *mlp, const float *labels,
+                            size_t batch, float dlogit_scale, float *logits, float *dlogits,
+                            double *loss_terms, cudaStream_t stream);
+/* demb (=): dlogit on the dim-1 columns, [FM gradient +] dx0 on the embeddings. */
+int tilearn_ctr_head_backward(int fm, const float *emb, size_t width, size_t fields, size_t k,
+                              const float *dlogits, const float *dx0, size_t mlp_in,
+                              size_t batch, float *demb, cudaStream_t stream);
+/* dw_dense[i] += sum_b dlogits[b] dense[b, i]; dbias[0] += sum_b dlogits[b];
+ * loss_sum[0] (=) sum_b loss_terms[b] (f64). */
+int tilearn_ctr_batch_sums(const float *dlogits, const float *dense, size_t num_dense,
+                           const double *loss_terms, size_t batch, float *dw_dense, float *dbias,
+                           double *loss_sum, cudaStream_t stream);
+
 /* ---- rope.cu: rotary embedding (Hugging Face rotate_half: element i pairs with i + D/2),
  *      in place on x [batch, seq, heads, head_dim]; cos / sin: [table_seq, head_dim / 2] f32,
  *      row t for position t (seq <= table_seq). Token (b, t) takes the position

@@ -10,9 +10,13 @@
 //!   steps and `--resume-from-checkpoint DIR` continues one exactly (tilearn-recsys'
 //!   `checkpoint` module).
 //! * `ctr eval`: loss and exact AUC of a saved model on shards or synthetic samples.
+//! * `ctr bench`: end-to-end samples/s and held-out AUC of one epoch of synthetic samples (one
+//!   JSON line); `--export DIR` writes the same batches for `benches/pytorch_recsys_baseline.py
+//!   --deepfm-data DIR`, which trains the PyTorch DeepFM on them beside it.
 //!
-//! Training runs on the CPU reference (the CUDA embedding-bag kernels exist; the GPU DeepFM
-//! step does not yet, see docs/ARCHITECTURE.md).
+//! `--device cuda` trains on the GPU (tilearn-recsys' `cuda::GpuCtrTrainer`: the embedding-bag
+//! kernels, cuBLASLt for the MLP, the fused AdamW); `auto` (the default) picks it when this
+//! build has the CUDA kernels and a device is present. Checkpoints are the same on both.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -21,15 +25,20 @@ use std::sync::Arc;
 use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tilearn_optim::AdamWConfig;
+use tilearn_recsys::bench::{CtrBenchData, CtrBenchOptions, run_bench as run_ctr_bench};
 use tilearn_recsys::checkpoint::load_checkpoint;
+use tilearn_recsys::data::export::export_splits;
 use tilearn_recsys::data::{
     CRITEO_DENSE, CRITEO_FIELDS, CtrBatch, SyntheticCriteo, read_shards, read_tsv_file,
     write_shards,
 };
 use tilearn_recsys::model::io::{load_model, save_model};
 use tilearn_recsys::train::{LogRecord, SavePolicy, TrainOptions, evaluate, train};
-use tilearn_recsys::{CtrConfig, CtrModel, ModelKind, RecsysError, SparseOptimizer, auc};
+use tilearn_recsys::{
+    CtrConfig, CtrModel, CtrStepper, ModelKind, RecsysError, SparseOptimizer, auc,
+};
 
+use super::train::DeviceChoice;
 use crate::{LlmError, Result};
 
 #[derive(Debug, Args)]
@@ -46,6 +55,9 @@ enum CtrCommand {
     Prepare(PrepareArgs),
     /// Loss and exact AUC of a saved model.
     Eval(EvalArgs),
+    /// End-to-end training samples/s and held-out AUC on synthetic Criteo-shaped data (one
+    /// JSON line); `--export DIR` also writes the same batches for the PyTorch baseline.
+    Bench(BenchArgs),
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -86,6 +98,10 @@ struct DataArgs {
 struct TrainArgs {
     #[arg(long, value_enum, default_value = "deepfm")]
     model: ModelArg,
+    /// Where to train: `auto` takes the GPU when the CUDA kernels are built in and a device
+    /// is present.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceChoice,
     #[command(flatten)]
     data: DataArgs,
     #[arg(long, default_value = "runs/ctr")]
@@ -144,6 +160,43 @@ struct PrepareArgs {
 }
 
 #[derive(Debug, Args)]
+struct BenchArgs {
+    #[arg(long, value_enum, default_value = "deepfm")]
+    model: ModelArg,
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceChoice,
+    #[arg(long, default_value_t = 16_384)]
+    batch_size: usize,
+    /// Timed steps, one epoch of fresh samples (steps x batch size).
+    #[arg(long, default_value_t = 100)]
+    steps: usize,
+    /// Steps left out of the steady-state rate.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    #[arg(long, default_value_t = 131_072)]
+    eval_samples: usize,
+    #[arg(long, default_value_t = 1000)]
+    synthetic_vocab: usize,
+    #[arg(long, default_value_t = 100_000)]
+    hash_rows: usize,
+    #[arg(long, default_value_t = 16)]
+    embed_dim: usize,
+    #[arg(long, value_delimiter = ',', default_value = "256,128")]
+    hidden: Vec<usize>,
+    #[arg(long, default_value_t = 3e-3)]
+    learning_rate: f32,
+    /// Row-wise Adagrad's learning rate for the embedding rows.
+    #[arg(long, default_value_t = 0.02)]
+    sparse_learning_rate: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Write the training batches (in step order) and the held-out split here for
+    /// `benches/pytorch_recsys_baseline.py --deepfm-data DIR`.
+    #[arg(long)]
+    export: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
 struct EvalArgs {
     /// A directory holding `model.safetensors` from `tilearn ctr train`.
     #[arg(long)]
@@ -157,6 +210,7 @@ pub fn run(args: CtrArgs) -> Result<()> {
         CtrCommand::Train(a) => run_train(a),
         CtrCommand::Prepare(a) => run_prepare(a),
         CtrCommand::Eval(a) => run_eval(a),
+        CtrCommand::Bench(a) => run_bench(a),
     }
 }
 
@@ -209,12 +263,8 @@ fn run_train(args: TrainArgs) -> Result<()> {
     if splits.train.is_empty() {
         return Err(usage("--data", "no training samples"));
     }
-    let model = match args.model {
-        ModelArg::Deepfm => ModelKind::DeepFm,
-        ModelArg::WideDeep => ModelKind::WideDeep,
-    };
     let config = CtrConfig::for_fields(
-        model,
+        model_kind(args.model),
         splits.train.num_dense,
         splits.train.num_fields,
         args.hash_rows,
@@ -240,7 +290,7 @@ fn run_train(args: TrainArgs) -> Result<()> {
     std::fs::create_dir_all(&args.output_dir).map_err(|e| RecsysError::io(&args.output_dir, e))?;
     let log_path = args.output_dir.join("train_log.jsonl");
     // A resumed run continues the log of the run it resumes.
-    let mut log = std::fs::OpenOptions::new()
+    let log = std::fs::OpenOptions::new()
         .create(true)
         .write(true)
         .append(resume.is_some())
@@ -271,43 +321,209 @@ fn run_train(args: TrainArgs) -> Result<()> {
         bar.set_position(options.resume.as_ref().map_or(0, |r| r.step as u64));
         bar
     });
-    let truth_auc = splits.truth_auc;
-    let on_log = |r: &LogRecord| -> tilearn_recsys::Result<()> {
-        let mut line = serde_json::to_value(r).expect("a log record serialises");
-        line["model"] = serde_json::json!(
-            args.model
-                .to_possible_value()
-                .map(|v| v.get_name().to_string())
-        );
-        if let Some(truth) = truth_auc {
-            line["ground_truth_auc"] = serde_json::json!(truth);
-        }
-        writeln!(log, "{line}").map_err(|e| RecsysError::io(&log_path, e))?;
-        match &bar {
-            Some(bar) => bar.println(line.to_string()),
-            None => println!("{line}"),
-        }
-        Ok(())
+    let mut run = TrainLoop {
+        splits,
+        options,
+        model_name: args
+            .model
+            .to_possible_value()
+            .map(|v| v.get_name().to_string()),
+        log,
+        log_path,
+        bar,
     };
-    let on_step = |step: usize, loss: f64| {
-        if let Some(bar) = &bar {
-            bar.set_position(step as u64);
-            bar.set_message(format!("loss {loss:.4}"));
-        }
+    let ctr = if choose_device(args.device)? {
+        train_on_gpu(ctr, &mut run)?
+    } else {
+        run.drive(&mut ctr)?;
+        ctr
     };
-    train(
-        &mut ctr,
-        Arc::new(splits.train),
-        &splits.eval,
-        &options,
-        on_step,
-        on_log,
-    )?;
-    if let Some(bar) = &bar {
+    if let Some(bar) = &run.bar {
         bar.finish_and_clear();
     }
     save_model(&args.output_dir, &ctr.config, &ctr.tables, &ctr.dense)?;
     Ok(())
+}
+
+/// Everything of `ctr train` but the model: data, options, the log and the progress bar.
+struct TrainLoop {
+    splits: Splits,
+    options: TrainOptions,
+    model_name: Option<String>,
+    log: std::fs::File,
+    log_path: PathBuf,
+    bar: Option<ProgressBar>,
+}
+
+impl TrainLoop {
+    /// Trains `model` (on whichever device it lives), logging every evaluation.
+    fn drive(&mut self, model: &mut impl CtrStepper) -> Result<()> {
+        let truth_auc = self.splits.truth_auc;
+        let (log, log_path, bar) = (&mut self.log, &self.log_path, &self.bar);
+        let model_name = &self.model_name;
+        let on_log = |r: &LogRecord| -> tilearn_recsys::Result<()> {
+            let mut line = serde_json::to_value(r).expect("a log record serialises");
+            line["model"] = serde_json::json!(model_name);
+            if let Some(truth) = truth_auc {
+                line["ground_truth_auc"] = serde_json::json!(truth);
+            }
+            writeln!(log, "{line}").map_err(|e| RecsysError::io(log_path, e))?;
+            match bar {
+                Some(bar) => bar.println(line.to_string()),
+                None => println!("{line}"),
+            }
+            Ok(())
+        };
+        let on_step = |step: usize, loss: f64| {
+            if let Some(bar) = bar {
+                bar.set_position(step as u64);
+                bar.set_message(format!("loss {loss:.4}"));
+            }
+        };
+        let train_data = std::mem::take(&mut self.splits.train);
+        train(
+            model,
+            Arc::new(train_data),
+            &self.splits.eval,
+            &self.options,
+            on_step,
+            on_log,
+        )?;
+        Ok(())
+    }
+}
+
+/// Whether to train on the GPU: `cpu` never, `cuda` always (an error naming the fix when this
+/// build or machine has none), `auto` when the CUDA kernels are built in and a device works.
+fn choose_device(choice: DeviceChoice) -> Result<bool> {
+    let info = tilearn_ops::backend::probe();
+    let usable = info.cuda_usable();
+    match choice {
+        DeviceChoice::Cpu => Ok(false),
+        DeviceChoice::Auto => Ok(usable),
+        DeviceChoice::Cuda if usable => Ok(true),
+        DeviceChoice::Cuda => Err(usage(
+            "--device cuda",
+            if info.cuda_compiled {
+                "no usable CUDA device; use --device cpu"
+            } else {
+                "this build has no CUDA kernels; rebuild with --features cuda or use --device cpu"
+            },
+        )),
+    }
+}
+
+/// Trains `ctr` on GPU 0 and returns it with the trained weights and optimizer state.
+#[cfg(feature = "cuda")]
+fn train_on_gpu(ctr: CtrModel, run: &mut TrainLoop) -> Result<CtrModel> {
+    let device = tilearn_ops::cuda::GpuDevice::new(0)?;
+    let mut trainer = tilearn_recsys::cuda::GpuCtrTrainer::new(device.stream(), ctr)?;
+    run.drive(&mut trainer)?;
+    Ok(trainer.into_host()?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_on_gpu(_ctr: CtrModel, _run: &mut TrainLoop) -> Result<CtrModel> {
+    // choose_device only picks the GPU when the CUDA kernels are compiled in.
+    Err(usage(
+        "--device cuda",
+        "this build has no CUDA kernels; rebuild with --features cuda",
+    ))
+}
+
+fn model_kind(model: ModelArg) -> ModelKind {
+    match model {
+        ModelArg::Deepfm => ModelKind::DeepFm,
+        ModelArg::WideDeep => ModelKind::WideDeep,
+    }
+}
+
+fn run_bench(args: BenchArgs) -> Result<()> {
+    if args.steps == 0 || args.batch_size == 0 {
+        return Err(usage("--steps", "--steps and --batch-size must be >= 1"));
+    }
+    let generator = SyntheticCriteo::criteo_shaped(args.seed, args.synthetic_vocab);
+    let options = CtrBenchOptions {
+        batch_size: args.batch_size,
+        steps: args.steps,
+        warmup: args.warmup,
+        eval_samples: args.eval_samples,
+        seed: args.seed,
+        dense_lr: args.learning_rate,
+    };
+    let data = CtrBenchData::generate(&generator, &options);
+    let config = CtrConfig::for_fields(
+        model_kind(args.model),
+        generator.num_dense,
+        generator.num_fields(),
+        args.hash_rows,
+        args.embed_dim,
+        args.hidden.clone(),
+    );
+    if let Some(dir) = &args.export {
+        let meta = serde_json::json!({
+            "model": config.model,
+            "num_dense": config.num_dense,
+            "field_rows": config.field_rows,
+            "embed_dim": config.embed_dim,
+            "hidden": config.hidden,
+            "batch_size": args.batch_size,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "learning_rate": args.learning_rate,
+            "sparse_learning_rate": args.sparse_learning_rate,
+            "ground_truth_auc": data.truth_auc,
+        });
+        let train = data.train_in_step_order(args.seed);
+        export_splits(
+            dir,
+            &[("train", &train), ("eval", &data.eval)],
+            &config.field_rows,
+            meta,
+        )?;
+    }
+    let dense = AdamWConfig {
+        lr: args.learning_rate,
+        weight_decay: 0.0,
+        ..AdamWConfig::default()
+    };
+    let sparse = SparseOptimizer::row_wise_adagrad(args.sparse_learning_rate);
+    let ctr = CtrModel::new(config, sparse, dense, args.seed)?;
+    let record = if choose_device(args.device)? {
+        bench_on_gpu(ctr, &data, &options)?
+    } else {
+        let mut ctr = ctr;
+        run_ctr_bench(&mut ctr, &data, &options, "cpu")?
+    };
+    println!(
+        "{}",
+        serde_json::to_string(&record).expect("a bench record serialises")
+    );
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn bench_on_gpu(
+    ctr: CtrModel,
+    data: &CtrBenchData,
+    options: &CtrBenchOptions,
+) -> Result<tilearn_recsys::bench::CtrBenchRecord> {
+    let device = tilearn_ops::cuda::GpuDevice::new(0)?;
+    let name = device.name()?;
+    let mut trainer = tilearn_recsys::cuda::GpuCtrTrainer::new(device.stream(), ctr)?;
+    Ok(run_ctr_bench(&mut trainer, data, options, &name)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_on_gpu(
+    _ctr: CtrModel,
+    _data: &CtrBenchData,
+    _options: &CtrBenchOptions,
+) -> Result<tilearn_recsys::bench::CtrBenchRecord> {
+    Err(usage(
+        "--device cuda",
+        "this build has no CUDA kernels; rebuild with --features cuda",
+    ))
 }
 
 fn run_prepare(args: PrepareArgs) -> Result<()> {
@@ -365,7 +581,7 @@ fn run_eval(args: EvalArgs) -> Result<()> {
     )?;
     ctr.tables = saved.tables;
     ctr.dense = saved.dense;
-    let (loss, model_auc) = evaluate(&ctr, &data)?;
+    let (loss, model_auc) = evaluate(&mut ctr, &data)?;
     println!(
         "{}",
         serde_json::json!({"model_dir": Path::new(&args.model_dir), "samples": data.len(), "loss": loss, "auc": model_auc})

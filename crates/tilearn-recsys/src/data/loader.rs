@@ -21,9 +21,16 @@ pub fn epoch_order(samples: usize, seed: u64, epoch: u64) -> Vec<usize> {
 
 /// The samples `order` of `data`, as one batch.
 pub fn gather(data: &CtrBatch, order: &[usize]) -> CtrBatch {
-    let mut out = CtrBatch::new(data.num_dense, data.num_fields);
+    let (nd, nf) = (data.num_dense, data.num_fields);
+    let mut out = CtrBatch::new(nd, nf);
+    out.labels.reserve(order.len());
+    out.dense.reserve(order.len() * nd);
+    out.cats.reserve(order.len() * nf);
     for &i in order {
-        out.extend(&data.slice(i..i + 1));
+        out.labels.push(data.labels[i]);
+        out.dense
+            .extend_from_slice(&data.dense[i * nd..(i + 1) * nd]);
+        out.cats.extend_from_slice(&data.cats[i * nf..(i + 1) * nf]);
     }
     out
 }

@@ -1,8 +1,9 @@
 //! CTR data: the batch type, Criteo's TSV format, the synthetic Criteo-shaped generator, binary
-//! shards and the prefetching loader.
+//! shards, the prefetching loader, and raw arrays for a PyTorch baseline ([`export`]).
 
 pub mod batch;
 pub mod criteo;
+pub mod export;
 pub mod loader;
 pub mod shards;
 pub mod synthetic;

@@ -14,6 +14,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::batch::{CtrBatch, MISSING, transform_dense};
@@ -128,6 +129,28 @@ impl SyntheticCriteo {
                 .labels
                 .push(if rng.random_bool(p) { 1.0 } else { 0.0 });
             logits.push(z);
+        }
+        (batch, logits)
+    }
+}
+
+impl SyntheticCriteo {
+    /// [`generate`](Self::generate) split over the cores (each sample depends only on the seed
+    /// and its index, so the result is identical): for benchmarks of millions of samples.
+    pub fn generate_parallel(&self, start: u64, n: usize) -> (CtrBatch, Vec<f64>) {
+        const CHUNK: usize = 8192;
+        let parts: Vec<(CtrBatch, Vec<f64>)> = (0..n.div_ceil(CHUNK))
+            .into_par_iter()
+            .map(|c| {
+                let first = c * CHUNK;
+                self.generate(start + first as u64, CHUNK.min(n - first))
+            })
+            .collect();
+        let mut batch = CtrBatch::new(self.num_dense, self.num_fields());
+        let mut logits = Vec::with_capacity(n);
+        for (part, part_logits) in parts {
+            batch.extend(&part);
+            logits.extend(part_logits);
         }
         (batch, logits)
     }

@@ -16,6 +16,7 @@ pub use head::{HeadCache, bce_with_logits, head_backward, head_forward};
 use crate::data::CtrBatch;
 use crate::embedding_bag::{embedding_bag_backward_update, embedding_bag_forward};
 use crate::error::{RecsysError, Result};
+use crate::jagged::JaggedBatch;
 use crate::sparse_optim::{SparseOptimizer, SparseState};
 use crate::tables::EmbeddingTables;
 
@@ -35,8 +36,9 @@ pub struct CtrModel {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepStats {
     pub loss: f64,
-    /// Distinct embedding rows the sparse optimizer updated.
-    pub rows_updated: usize,
+    /// Distinct embedding rows the sparse optimizer updated (`None` on the GPU, whose fused
+    /// backward keeps the count on the device).
+    pub rows_updated: Option<usize>,
 }
 
 /// PyTorch's `nn.Linear` initialisation: weight and bias uniform in `±1/sqrt(fan_in)`.
@@ -81,7 +83,8 @@ impl CtrModel {
         })
     }
 
-    fn check_batch(&self, batch: &CtrBatch) -> Result<()> {
+    /// Fails unless `batch` has this model's numbers of dense and categorical features.
+    pub fn check_batch(&self, batch: &CtrBatch) -> Result<()> {
         if batch.num_dense != self.config.num_dense || batch.num_fields != self.config.num_fields()
         {
             return Err(RecsysError::invalid(
@@ -98,7 +101,7 @@ impl CtrModel {
         Ok(())
     }
 
-    fn pooled(&self, batch: &CtrBatch) -> Result<(crate::JaggedBatch, Vec<f32>)> {
+    fn pooled(&self, batch: &CtrBatch) -> Result<(JaggedBatch, Vec<f32>)> {
         self.check_batch(batch)?;
         let jagged = self.config.jagged(batch)?;
         let mut emb = vec![0.0f32; batch.len() * self.tables.layout.total_dim()];
@@ -123,7 +126,22 @@ impl CtrModel {
     /// One step: forward, mean BCE loss, backward; the embedding rows of the batch are updated
     /// inside the embedding backward, the dense parameters by AdamW at `dense_lr`.
     pub fn train_step(&mut self, batch: &CtrBatch, dense_lr: f32) -> Result<StepStats> {
-        let (jagged, emb) = self.pooled(batch)?;
+        self.check_batch(batch)?;
+        let jagged = self.config.jagged(batch)?;
+        self.train_step_jagged(batch, &jagged, dense_lr)
+    }
+
+    /// [`train_step`](Self::train_step) with the batch's jagged ids already built by
+    /// `self.config.jagged(batch)` (the training loop builds them on its loader thread).
+    pub fn train_step_jagged(
+        &mut self,
+        batch: &CtrBatch,
+        jagged: &JaggedBatch,
+        dense_lr: f32,
+    ) -> Result<StepStats> {
+        self.check_batch(batch)?;
+        let mut emb = vec![0.0f32; batch.len() * self.tables.layout.total_dim()];
+        embedding_bag_forward(&self.tables, jagged, &mut emb)?;
         let n = batch.len();
         let (logits, cache) = head_forward(
             &self.config,
@@ -154,9 +172,12 @@ impl CtrModel {
             &mut demb,
         )?;
         let rows_updated =
-            embedding_bag_backward_update(&mut self.tables, &jagged, &demb, &mut self.sparse)?;
+            embedding_bag_backward_update(&mut self.tables, jagged, &demb, &mut self.sparse)?;
         self.adamw.step(&mut self.dense, &dparams, dense_lr)?;
-        Ok(StepStats { loss, rows_updated })
+        Ok(StepStats {
+            loss,
+            rows_updated: Some(rows_updated),
+        })
     }
 }
 

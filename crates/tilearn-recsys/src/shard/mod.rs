@@ -1,0 +1,15 @@
+//! The fused embedding bag sharded over the ranks of a tilearn-parallel [`Communicator`]
+//! (tables too large or too many for one device): a [`ShardPlan`] places each table whole on
+//! one rank or cut into row ranges, and [`ShardedEmbeddingBag`] runs the forward and the fused
+//! backward + sparse rule with three all-to-all exchanges a step ([`exchange`]: messages of any
+//! length over the communicator's equal-shard `all_to_all`). Host buffers; the CPU tests run
+//! several ranks in one process over the host communicator.
+//!
+//! [`Communicator`]: tilearn_parallel::Communicator
+
+pub mod exchange;
+mod plan;
+mod sharded_bag;
+
+pub use plan::{ShardPlan, ShardTable, Sharding};
+pub use sharded_bag::{ShardedEmbeddingBag, ShardedForward};

@@ -1,0 +1,233 @@
+//! The fused embedding bag sharded over the ranks of a communicator (model parallel), each rank
+//! feeding its own data-parallel batch:
+//!
+//! 1. ids to their rows' owners (one exchange): for every shard table of rank `d`, the ids of
+//!    each local bag that fall in its rows, as rows of the shard;
+//! 2. each owner runs the fused forward on its shard for every rank's samples (rank 0's first)
+//!    and sends each rank its pooled shard rows (second exchange); a rank adds them into its
+//!    `[batch, total_dim]` output (one term per table-wise table, one per row range otherwise);
+//! 3. backward: each rank sends each owner the output gradient of that owner's tables (third
+//!    exchange), and the owner runs the fused backward + sparse rule on its shard.
+//!
+//! The owner's batch is the concatenation of the ranks' batches, so it sees every row's
+//! contributions in the order one process would over the concatenated batch: weights and
+//! optimizer state equal the single-process run's bit for bit; the forward too for table-wise
+//! tables (row-wise ones add per-rank partial sums, a different order of the same sum).
+
+use tilearn_parallel::Communicator;
+
+use super::exchange::{exchange_f32, exchange_u32};
+use super::plan::ShardPlan;
+use crate::embedding_bag::{embedding_bag_backward_update, embedding_bag_forward};
+use crate::error::{RecsysError, Result};
+use crate::jagged::JaggedBatch;
+use crate::sparse_optim::{SparseOptimizer, SparseState};
+use crate::tables::EmbeddingTables;
+
+/// This rank's shard: its tables (`None` when the plan gives it none) and their state.
+#[derive(Debug)]
+pub struct ShardedEmbeddingBag {
+    plan: ShardPlan,
+    rank: usize,
+    shard: Option<(EmbeddingTables, SparseState)>,
+}
+
+/// What a forward leaves for its backward: the shard's batch over every rank's samples and
+/// each rank's number of samples.
+#[derive(Debug)]
+pub struct ShardedForward {
+    shard_batch: Option<JaggedBatch>,
+    samples: Vec<usize>,
+}
+
+impl ShardedEmbeddingBag {
+    /// Rank `rank`'s shard of `full` (the whole tables, e.g. the same seeded initialisation on
+    /// every rank) with fresh `optimizer` state.
+    pub fn from_full(
+        plan: ShardPlan,
+        rank: usize,
+        full: &EmbeddingTables,
+        optimizer: SparseOptimizer,
+    ) -> Result<Self> {
+        if full.layout != *plan.layout() || rank >= plan.world() {
+            return Err(RecsysError::invalid(
+                "sharded embedding bag",
+                format!(
+                    "rank {rank} of {} with tables of another layout than the plan's",
+                    plan.world()
+                ),
+            ));
+        }
+        let shard = match plan.shard_layout(rank)? {
+            None => None,
+            Some(layout) => {
+                let mut weights = Vec::with_capacity(layout.total_elements());
+                for s in plan.shard(rank) {
+                    let first = full.layout.row_range(s.table, s.rows.start).start;
+                    let dim = full.layout.specs()[s.table].dim;
+                    weights.extend_from_slice(&full.weights[first..first + s.rows.len() * dim]);
+                }
+                let state = SparseState::new(optimizer, &layout)?;
+                Some((EmbeddingTables::from_weights(layout, weights)?, state))
+            }
+        };
+        Ok(ShardedEmbeddingBag { plan, rank, shard })
+    }
+
+    pub fn plan(&self) -> &ShardPlan {
+        &self.plan
+    }
+
+    /// This rank's shard tables and state (`None` when it holds none).
+    pub fn shard(&self) -> Option<&(EmbeddingTables, SparseState)> {
+        self.shard.as_ref()
+    }
+
+    /// The forward of this rank's `batch` (ids of the whole tables) into `out` (`[batch,
+    /// total_dim]`, written `=`). Collective: every rank calls it, each with its own batch.
+    pub fn forward(
+        &mut self,
+        comm: &dyn Communicator,
+        batch: &JaggedBatch,
+        out: &mut [f32],
+    ) -> Result<ShardedForward> {
+        let layout = self.plan.layout().clone();
+        batch.check_layout(&layout)?;
+        let (world, b) = (self.plan.world(), batch.batch());
+        if out.len() != b * layout.total_dim() || comm.world_size() != world {
+            return Err(RecsysError::invalid(
+                "sharded forward",
+                format!(
+                    "{} outputs for {b} x {} and {} ranks for a plan of {world}",
+                    out.len(),
+                    layout.total_dim(),
+                    comm.world_size()
+                ),
+            ));
+        }
+        // 1. Each owner's ids: [samples, per (shard table, sample) bag length.., ids..].
+        let messages: Vec<Vec<u32>> = (0..world)
+            .map(|d| {
+                let shard = self.plan.shard(d);
+                let mut lens = Vec::with_capacity(1 + shard.len() * b);
+                let mut ids = Vec::new();
+                lens.push(b as u32);
+                for s in shard {
+                    for sample in 0..b {
+                        let before = ids.len();
+                        ids.extend(
+                            batch.ids()[batch.bag(s.table, sample)]
+                                .iter()
+                                .filter(|&&id| s.rows.contains(&(id as usize)))
+                                .map(|&id| id - s.rows.start as u32),
+                        );
+                        lens.push((ids.len() - before) as u32);
+                    }
+                }
+                lens.extend(ids);
+                lens
+            })
+            .collect();
+        let received = exchange_u32(comm, &messages)?;
+        let samples: Vec<usize> = received.iter().map(|m| m[0] as usize).collect();
+        let total: usize = samples.iter().sum();
+        let my_tables = self.plan.shard(self.rank).len();
+        let width = self.plan.shard_width(self.rank);
+        // The shard's batch over every rank's samples (rank 0's first), table-major.
+        let (shard_batch, pooled) = match &self.shard {
+            None => (None, vec![0.0f32; 0]),
+            Some((tables, _)) => {
+                let mut offsets = vec![0u32];
+                let mut ids = Vec::new();
+                for lt in 0..my_tables {
+                    for (m, &n) in received.iter().zip(&samples) {
+                        let lens = &m[1..1 + my_tables * n];
+                        let mut at = 1
+                            + my_tables * n
+                            + lens[..lt * n].iter().map(|&l| l as usize).sum::<usize>();
+                        for &len in &lens[lt * n..(lt + 1) * n] {
+                            ids.extend_from_slice(&m[at..at + len as usize]);
+                            at += len as usize;
+                            offsets.push(ids.len() as u32);
+                        }
+                    }
+                }
+                let shard_batch = JaggedBatch::new(&tables.layout, total, offsets, ids)?;
+                let mut pooled = vec![0.0f32; total * width];
+                embedding_bag_forward(tables, &shard_batch, &mut pooled)?;
+                (Some(shard_batch), pooled)
+            }
+        };
+        // 2. Each rank's pooled shard rows back to it; added into the output's columns.
+        let mut first = 0;
+        let replies: Vec<Vec<f32>> = (samples.iter())
+            .map(|&n| {
+                let rows = pooled[first * width..(first + n) * width].to_vec();
+                first += n;
+                rows
+            })
+            .collect();
+        let pooled_parts = exchange_f32(comm, &replies)?;
+        out.fill(0.0);
+        let total_dim = layout.total_dim();
+        for (d, part) in pooled_parts.iter().enumerate() {
+            let mut col = 0;
+            let w = self.plan.shard_width(d);
+            for s in self.plan.shard(d) {
+                let (dim, dst) = (layout.specs()[s.table].dim, layout.col_offset()[s.table]);
+                for sample in 0..b {
+                    let src = &part[sample * w + col..sample * w + col + dim];
+                    for (o, &x) in out[sample * total_dim + dst..][..dim].iter_mut().zip(src) {
+                        *o += x;
+                    }
+                }
+                col += dim;
+            }
+        }
+        Ok(ShardedForward {
+            shard_batch,
+            samples,
+        })
+    }
+
+    /// The backward of [`forward`](Self::forward) fused with the sparse rule: `dout` is this
+    /// rank's `[batch, total_dim]` output gradient. Collective. Counts one optimizer step on
+    /// every rank holding a shard.
+    pub fn backward_update(
+        &mut self,
+        comm: &dyn Communicator,
+        forward: &ShardedForward,
+        dout: &[f32],
+    ) -> Result<()> {
+        let layout = self.plan.layout();
+        let total_dim = layout.total_dim();
+        let b = forward.samples[self.rank];
+        if dout.len() != b * total_dim {
+            return Err(RecsysError::invalid(
+                "sharded backward",
+                format!("{} gradients for {b} x {total_dim}", dout.len()),
+            ));
+        }
+        // 3. Each owner gets the columns of its shard tables, [batch, shard width].
+        let messages: Vec<Vec<f32>> = (0..self.plan.world())
+            .map(|d| {
+                let mut m = Vec::with_capacity(b * self.plan.shard_width(d));
+                for sample in 0..b {
+                    for s in self.plan.shard(d) {
+                        let (dim, col) =
+                            (layout.specs()[s.table].dim, layout.col_offset()[s.table]);
+                        m.extend_from_slice(&dout[sample * total_dim + col..][..dim]);
+                    }
+                }
+                m
+            })
+            .collect();
+        let received = exchange_f32(comm, &messages)?;
+        if let (Some((tables, state)), Some(shard_batch)) = (&mut self.shard, &forward.shard_batch)
+        {
+            let shard_dout: Vec<f32> = received.concat();
+            embedding_bag_backward_update(tables, shard_batch, &shard_dout, state)?;
+        }
+        Ok(())
+    }
+}

@@ -5,7 +5,7 @@
 //!   cache, a prefill, a continued prefill chunk, head sizes 64, 80 (not a multiple of the warp)
 //!   and 128, with the cache's unused tail and the output poisoned with NaN (a read past
 //!   `start + n`, or an output the kernel forgets, fails the test);
-//! * `rope_forward_at` (RoPE of a chunk at absolute positions) bit-identical to the same kernel
+//! * `rope_forward_from` (RoPE of a chunk at absolute positions) bit-identical to the same kernel
 //!   over the whole sequence, and within f32 rounding of the CPU rotation.
 //!
 //! Tolerances (‖got − want‖₂ / ‖want‖₂ against the f32 CPU reference on the same inputs): f32
@@ -198,11 +198,11 @@ fn rope_at_case<T: DeviceFloat>(test: &str) {
     let gpu_table = GpuRopeTable::upload(s, &table).unwrap();
     let row = heads * head_dim;
     let x: Vec<T> = values(&mut rng, len * row);
-    // The whole sequence through rope_forward, and its tail through rope_forward_at.
+    // The whole sequence through rope_forward, and its tail through rope_forward_from.
     let mut whole = s.clone_htod(&x).unwrap();
     cuda::rope_forward(s, &mut whole, 1, len, heads, head_dim, &gpu_table).unwrap();
     let mut dev_tail = s.clone_htod(&x[start * row..]).unwrap();
-    cuda::rope_forward_at(
+    cuda::rope_forward_from(
         s,
         &mut dev_tail,
         len - start,
@@ -230,7 +230,7 @@ fn rope_at_case<T: DeviceFloat>(test: &str) {
         tol::<T>()
     ));
     assert!(err <= tol::<T>());
-    let err = cuda::rope_forward_at(
+    let err = cuda::rope_forward_from(
         s,
         &mut dev_tail,
         len - start,

@@ -38,7 +38,7 @@ use tilearn_recsys::{
     CtrConfig, CtrModel, CtrStepper, ModelKind, RecsysError, SparseOptimizer, auc,
 };
 
-use super::train::DeviceChoice;
+use super::device::{DeviceChoice, choose_device};
 use crate::{LlmError, Result};
 
 #[derive(Debug, Args)]
@@ -390,26 +390,6 @@ impl TrainLoop {
             on_log,
         )?;
         Ok(())
-    }
-}
-
-/// Whether to train on the GPU: `cpu` never, `cuda` always (an error naming the fix when this
-/// build or machine has none), `auto` when the CUDA kernels are built in and a device works.
-fn choose_device(choice: DeviceChoice) -> Result<bool> {
-    let info = tilearn_ops::backend::probe();
-    let usable = info.cuda_usable();
-    match choice {
-        DeviceChoice::Cpu => Ok(false),
-        DeviceChoice::Auto => Ok(usable),
-        DeviceChoice::Cuda if usable => Ok(true),
-        DeviceChoice::Cuda => Err(usage(
-            "--device cuda",
-            if info.cuda_compiled {
-                "no usable CUDA device; use --device cpu"
-            } else {
-                "this build has no CUDA kernels; rebuild with --features cuda or use --device cpu"
-            },
-        )),
     }
 }
 

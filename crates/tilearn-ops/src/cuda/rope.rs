@@ -206,7 +206,7 @@ pub fn rope_forward_at<T: DeviceFloat, P: DevicePtr<i32>>(
 /// `first_position..first_position + seq`: row `t` uses row `first_position + t` of `table`,
 /// which must hold them. For generation, whose new tokens sit after the cached ones; the same
 /// kernel and precision as [`rope_forward`] (the tables are read from row `first_position` on).
-pub fn rope_forward_at<T: DeviceFloat>(
+pub fn rope_forward_from<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     x: &mut impl DevicePtrMut<T>,
     seq: usize,
@@ -248,6 +248,7 @@ pub fn rope_forward_at<T: DeviceFloat>(
                     x,
                     cos.cast(),
                     sin.cast(),
+                    std::ptr::null(),
                     1,
                     seq,
                     heads,

@@ -6,7 +6,7 @@
 //! then one token per call, each layer's keys and values appended to a cache in device memory
 //! in the decoder's type. The layer math reuses the training kernels (`embedding_forward`,
 //! `rmsnorm_forward` and the residual-fused `add_rmsnorm_forward`, cuBLASLt linears,
-//! `swiglu_forward`), RoPE through `rope_forward_at` (the table read from the chunk's first
+//! `swiglu_forward`), RoPE through `rope_forward_from` (the table read from the chunk's first
 //! absolute position) and attention through `cached_attention.cu` (n queries against the
 //! cache, GQA). The k and v projections are written straight into the cache rows of their
 //! positions and rotated there. Only the last position goes through `lm_head`; its logits
@@ -367,8 +367,8 @@ fn forward_chunk<T: DeviceFloat>(
         linear(cx, w, &lay.q, &xn.as_view(), n, c, q, &mut qb)?;
         let mut k_new = kvc.k.slice_mut(rows.clone());
         linear(cx, w, &lay.k, &xn.as_view(), n, c, kv, &mut k_new)?;
-        k::rope_forward_at(s, &mut qb, n, qh, d, cx.rope, cx.rope_first)?;
-        k::rope_forward_at(s, &mut k_new, n, kvh, d, cx.rope, cx.rope_first)?;
+        k::rope_forward_from(s, &mut qb, n, qh, d, cx.rope, cx.rope_first)?;
+        k::rope_forward_from(s, &mut k_new, n, kvh, d, cx.rope, cx.rope_first)?;
         let mut v_new = kvc.v.slice_mut(rows.clone());
         linear(cx, w, &lay.v, &xn.as_view(), n, c, kv, &mut v_new)?;
         let seen = ..(start + n) * kv;

@@ -165,20 +165,27 @@ impl Trainer {
             };
         }
         let saved = self.try_checkpoint(state, schedule, scaler, sink)?;
-        if saved.is_err() {
+        // Only rank 0 knows whether the files were written; every rank keeps the same record.
+        let failed = if self.args.load_best_model_at_end {
+            self.dp.any(saved.is_err())?
+        } else {
+            saved.is_err()
+        };
+        if failed {
             state.best = previous;
         }
         Ok(saved)
     }
 
-    /// Loads the best checkpoint's weights (unless the weights are already the last step's and
-    /// that step was the best), saying which it loaded.
+    /// Loads the best checkpoint's weights on every rank (unless the weights are already the
+    /// last step's and that step was the best), saying which it loaded; whether it loaded.
+    /// Collective: every rank holds the same record.
     pub(super) fn load_best_model(
         &mut self,
         state: &TrainerState,
         metric: BestMetric,
         sink: &mut dyn ProgressSink,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let (Some(dir), Some(value)) = (
             state.best.best_model_checkpoint.as_deref(),
             state.best.best_metric,
@@ -186,7 +193,7 @@ impl Trainer {
             sink.warn(
                 "--load-best-model-at-end: no checkpoint was written at an evaluated step, so                  the final model is the last step's",
             );
-            return Ok(());
+            return Ok(false);
         };
         let name = dir.file_name().map_or_else(
             || dir.display().to_string(),
@@ -198,7 +205,7 @@ impl Trainer {
                  last step's",
                 metric.name()
             ));
-            return Ok(());
+            return Ok(false);
         }
         self.backend
             .load_weights(dir)
@@ -214,7 +221,7 @@ impl Trainer {
             "loaded the best model ({name}, {} {value:.6}) for the final save",
             metric.name()
         ));
-        Ok(())
+        Ok(true)
     }
 }
 

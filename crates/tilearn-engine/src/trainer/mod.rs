@@ -746,8 +746,10 @@ impl Trainer {
             let saved = self.checkpoint_judged(&mut state, last_eval, &schedule, &scaler, sink)?;
             checkpoint_failures.extend(saved.err());
         }
-        if a.load_best_model_at_end && self.dp.is_primary() {
-            self.load_best_model(&state, best_metric, sink)?;
+        if a.load_best_model_at_end && self.load_best_model(&state, best_metric, sink)? {
+            // Every rank loaded the best weights (under ZeRO each its shard of the fp32
+            // masters); stage the whole weights again for rank 0's save.
+            self.dp.gather_whole_weights(self.backend.as_mut())?;
         }
         let final_save_seconds = if self.dp.is_primary() {
             self.save_final_model(sink)?

@@ -256,4 +256,14 @@ fn prepare_with_packing_writes_every_example_once_in_rows_that_restart_positions
     expected.sort();
     got.sort();
     assert_eq!(got, expected, "every example exactly once, with its labels");
+
+    // Training shorter than the rows cuts examples: the warning counts the packed rows.
+    assert!(ds.truncation(48).unwrap().warning(ds.dir(), 48).is_none());
+    let cut = ds.truncation(20).unwrap();
+    assert!(cut.packed && cut.truncated > 0);
+    let warning = cut.warning(ds.dir(), 20).unwrap();
+    assert!(
+        warning.contains("packed rows") && warning.contains("--max-seq-length 20"),
+        "{warning}"
+    );
 }

@@ -54,14 +54,30 @@ pub struct Truncation {
     pub truncated: usize,
     /// Of those, the ones left with no target (all their trained tokens were cut).
     pub left_without_targets: usize,
-    /// Examples in the dataset.
+    /// Examples in the dataset (packed rows, for a packed dataset).
     pub examples: usize,
+    /// Whether the units counted are packed rows.
+    pub packed: bool,
 }
 
 impl Truncation {
     /// The warning to print for a run with `seq_len` on the dataset in `dir`, or `None` when
     /// nothing is cut.
     pub fn warning(&self, dir: &Path, seq_len: usize) -> Option<String> {
+        if self.packed {
+            return (self.truncated > 0).then(|| {
+                format!(
+                    "warning: {} of the {} packed rows in {} are longer than the training \
+                     --seq-len {seq_len} and are truncated to it, cutting the examples at their \
+                     ends ({} of them keep no trained token); prepare with --max-seq-length \
+                     {seq_len}",
+                    self.truncated,
+                    self.examples,
+                    dir.display(),
+                    self.left_without_targets
+                )
+            });
+        }
         (self.truncated > 0).then(|| {
             format!(
                 "warning: {} of the {} examples in {} are longer than the training --seq-len \
@@ -394,6 +410,7 @@ impl TokenDataset {
         };
         let mut report = Truncation {
             examples: self.num_rows(seq_len),
+            packed: self.layout() == RowLayout::Packed,
             ..Truncation::default()
         };
         let mut mask = Vec::new();

@@ -19,7 +19,8 @@ pub enum DataFormat {
     Text,
     /// Supervised fine-tuning JSON lines: `prompt`/`response` strings or chat `messages`
     /// (rendered with the chat_template of the tokenizer_config.json beside --tokenizer); only
-    /// the response/assistant tokens are trained, one example per training row.
+    /// the response/assistant tokens are trained, one example per training row (or packed
+    /// into full rows with --packing).
     Sft,
 }
 

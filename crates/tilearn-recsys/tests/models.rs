@@ -131,3 +131,40 @@ fn jagged_ids_follow_the_table_order_and_skip_missing_fields() {
         jagged.ids()[jagged.bag(3, 0)]
     );
 }
+
+#[test]
+fn jagged_ids_are_each_tables_hash_of_its_value() {
+    use tilearn_recsys::data::SyntheticCriteo;
+    use tilearn_recsys::hash::{hash_to_row, mix64};
+    let (data, _) = SyntheticCriteo::criteo_shaped(3, 50).generate(0, 300);
+    assert!(
+        data.cats.contains(&MISSING),
+        "the sample has no empty field"
+    );
+    for model in [ModelKind::DeepFm, ModelKind::WideDeep] {
+        let cfg = CtrConfig::for_fields(model, 13, 26, 97, 4, vec![8]);
+        let jagged = cfg.jagged(&data).unwrap();
+        let layout = cfg.table_layout().unwrap();
+        let fields = 26;
+        for (t, spec) in layout.specs().iter().enumerate() {
+            for b in 0..data.len() {
+                let cat = |f: usize| Some(data.cats[b * fields + f]).filter(|&v| v != MISSING);
+                let value = if t < 2 * fields {
+                    cat(t % fields)
+                } else {
+                    let (fa, fb) = cfg.crosses[t - 2 * fields];
+                    cat(fa).zip(cat(fb)).map(|(a, c)| mix64(a) ^ c)
+                };
+                let want: Vec<u32> = value
+                    .map(|v| hash_to_row(v, spec.rows))
+                    .into_iter()
+                    .collect();
+                assert_eq!(
+                    jagged.ids()[jagged.bag(t, b)],
+                    want[..],
+                    "{model:?} table {t} sample {b}"
+                );
+            }
+        }
+    }
+}

@@ -8,9 +8,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::{CtrBatch, MISSING};
 use crate::error::{RecsysError, Result};
-use crate::hash::mix64;
+use crate::hash::{hash_to_row, mix64};
 use crate::jagged::JaggedBatch;
 use crate::tables::{Pooling, TableLayout, TableSpec};
+use rayon::prelude::*;
 
 /// The two models.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,34 +140,48 @@ impl CtrConfig {
 
     /// The jagged ids of this model's tables for `data`: each field's value (or an empty bag)
     /// for its embedding and first-order tables, and each cross's combined value when both
-    /// fields are present.
+    /// fields are present, hashed into the table ([`hash_to_row`]). The tables are built in
+    /// parallel (this is the largest host cost of a training step at large batches).
     pub fn jagged(&self, data: &CtrBatch) -> Result<JaggedBatch> {
         let layout = self.table_layout()?;
         let (batch, fields) = (data.len(), data.num_fields);
-        let mut offsets = Vec::with_capacity(layout.num_tables() * batch + 1);
-        let mut raw = Vec::with_capacity(batch * (2 * fields + self.crosses.len()));
-        offsets.push(0u32);
-        let mut push = |value: Option<u64>, offsets: &mut Vec<u32>| {
-            if let Some(v) = value {
-                raw.push(v);
-            }
-            offsets.push(raw.len() as u32);
-        };
         let field = |b: usize, f: usize| Some(data.cats[b * fields + f]).filter(|&v| v != MISSING);
-        for _copy in 0..2 {
-            for f in 0..fields {
+        // Table t's value of sample b: fields (twice), then crosses.
+        let value = |t: usize, b: usize| {
+            if t < 2 * fields {
+                field(b, t % fields)
+            } else {
+                let (fa, fb) = self.crosses[t - 2 * fields];
+                field(b, fa).zip(field(b, fb)).map(|(a, c)| mix64(a) ^ c)
+            }
+        };
+        let per_table: Vec<(Vec<u32>, Vec<u32>)> = (0..layout.num_tables())
+            .into_par_iter()
+            .map(|t| {
+                let rows = layout.specs()[t].rows;
+                let mut lens = Vec::with_capacity(batch);
+                let mut ids = Vec::with_capacity(batch);
                 for b in 0..batch {
-                    push(field(b, f), &mut offsets);
+                    let before = ids.len();
+                    if let Some(v) = value(t, b) {
+                        ids.push(hash_to_row(v, rows));
+                    }
+                    lens.push((ids.len() - before) as u32);
                 }
+                (lens, ids)
+            })
+            .collect();
+        let entries: usize = per_table.iter().map(|(_, ids)| ids.len()).sum();
+        let mut offsets = Vec::with_capacity(layout.num_tables() * batch + 1);
+        let mut ids = Vec::with_capacity(entries);
+        offsets.push(0u32);
+        for (lens, table_ids) in per_table {
+            for len in lens {
+                offsets.push(offsets[offsets.len() - 1] + len);
             }
+            ids.extend(table_ids);
         }
-        for &(fa, fb) in &self.crosses {
-            for b in 0..batch {
-                let cross = field(b, fa).zip(field(b, fb)).map(|(a, c)| mix64(a) ^ c);
-                push(cross, &mut offsets);
-            }
-        }
-        JaggedBatch::from_raw(&layout, batch, offsets, &raw)
+        JaggedBatch::new(&layout, batch, offsets, ids)
     }
 
     /// Where each dense parameter lives in the flat buffer.

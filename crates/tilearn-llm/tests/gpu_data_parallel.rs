@@ -442,7 +442,9 @@ fn a_two_rank_gpu_zero_checkpoint_resumes_on_two_and_on_one() {
         "one",
         &[&["--gradient-accumulation-steps", "2"][..], &resume[..]].concat(),
     );
-    assert!(stdout.contains("step      3"), "{stdout}");
+    // It resumed after step 2 (the GPU's progress lines are sparser than the CPU's, so the
+    // run's own summary of its steps is what says so).
+    assert!(stdout.contains("training: steps 2..4"), "{stdout}");
     let diff = max_abs_diff(&full, &weights(&dir.path().join("one")));
     println!("GPU ZeRO-2 checkpoint of 2 ranks resumed alone: max |Δw| = {diff:e}");
     assert!(diff <= 1e-4, "resumed alone: max |Δw| = {diff}");

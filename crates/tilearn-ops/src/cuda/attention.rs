@@ -66,7 +66,9 @@
 //! skipped), the cuBLASLt path in its row kernels (still computing the full score square). The
 //! positions must be a restart sequence (`crate::check_positions` on the host: the engine
 //! checks them before upload); the kernels clamp a bad one so that no read leaves the buffers.
-//! Without a mask every call runs exactly the unmasked kernels.
+//! Without a mask every call runs exactly the unmasked kernels. Measured (H200, bf16 flash,
+//! fwd + bwd): rows packed with examples of 256 tokens 0.327 ms at llama-134m and 0.662 ms at
+//! TinyLlama (causal: 0.588 / 2.468 ms); a sliding window of 512 keys 0.515 / 1.424 ms.
 //!
 //! Precision: all products accumulate in f32 (`CUBLAS_COMPUTE_32F`, no TF32); scores, dP, lse
 //! and delta are f32. f32 path: everything f32. bf16 / f16 paths: 16-bit Q/K/V/dO, P and dS

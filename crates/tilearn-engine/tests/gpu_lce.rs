@@ -44,12 +44,18 @@ struct Run {
 /// on their row, and the totals reduce the same row losses in the same order, so the loss
 /// differs only if cuBLASLt picks another algorithm for the logits GEMM at a smaller M (f32:
 /// rounding of one dot product, ~1e-7 relative; bf16: that difference can flip the rounding of
-/// a few stored logits by one bf16 ulp, 4e-3 of one element, ~1e-6 on the mean loss). The
-/// gradients differ by lm_head's f32 accumulation order across chunks (~1e-7 relative), by
-/// those flipped roundings in bf16, which propagate through the backward as a small
-/// perturbation (bound 2e-3, well below a missing or doubled chunk: ≥ 1e-1).
+/// a few stored logits by one bf16 ulp, ~1e-6 on the mean loss). An untied lm_head's gradient
+/// differs by its f32 accumulation order across chunks (~1e-7 relative; measured 1.3e-7 to
+/// 1.9e-7 in f32 and bf16 alike), plus in bf16 the effect of those flipped logits (bound 1e-3).
+/// Below lm_head: in f32 every gradient agrees to ~5e-7 (measured; bound 1e-5). In bf16 the
+/// dxn product of a chunk (another M, so possibly another cuBLASLt algorithm) rounds a few
+/// elements of the bf16 dxn the other way, and the bf16 backward carries any such change on
+/// through its own roundings, so the layers' gradients agree only to bf16's noise: 2e-3 to
+/// 4.4e-3 measured at chunk 32 (the loss and logits bit-identical, lm_head 1.9e-7); bound
+/// 1e-2, the project's bf16 tolerance, against ≥ 2e-1 for a missing or doubled chunk.
 struct Bounds {
     loss: f64,
+    head_grad: f64,
     grad: f64,
 }
 
@@ -57,11 +63,13 @@ fn bounds(precision: DType) -> Bounds {
     match precision {
         DType::F32 => Bounds {
             loss: 1e-6,
+            head_grad: 1e-5,
             grad: 1e-5,
         },
         _ => Bounds {
             loss: 1e-4,
-            grad: 2e-3,
+            head_grad: 1e-3,
+            grad: 1e-2,
         },
     }
 }
@@ -161,7 +169,12 @@ fn check_chunked_matches_unchunked(dev: &GpuDevice, tied: bool) {
                 if err.is_nan() || err > worst.0 {
                     worst = (err, spec.name.clone());
                 }
-                if err.is_nan() || err > b.grad {
+                let bound = if spec.name == "lm_head.weight" {
+                    b.head_grad
+                } else {
+                    b.grad
+                };
+                if err.is_nan() || err > bound {
                     failures.push(format!("{}: {err:.3e}", spec.name));
                 }
             }

@@ -10,7 +10,11 @@ generate` prints) and the greedy tokens, to compare with tilearn's in the same c
 
     python3 benches/generate_baseline.py --dir /tmp/gen134m --precision fp32 bf16
     tilearn generate --model /tmp/gen134m --prompt-ids "$(cat /tmp/gen134m/prompt_ids.txt)" \\
-        --max-new-tokens 256 --device cuda --precision bf16
+        --max-new-tokens 256 --device cuda --precision bf16 > ours_bf16.txt
+    python3 benches/generate_baseline.py --compare ours_bf16.txt --with torch.log --precision bf16
+
+`--compare FILE --with LOG` prints how many leading tokens of tilearn's output (the ids line of
+FILE) equal those of this script's JSON line for that precision in LOG.
 """
 import argparse
 import json
@@ -74,13 +78,40 @@ def bench(directory, precision, new_tokens, repeats):
     torch.cuda.empty_cache()
 
 
+def compare(ours_log, torch_log, precision):
+    ours = next(line.strip() for line in open(ours_log)
+                if line.strip() and all(c.isdigit() or c == "," for c in line.strip()))
+    ours = [int(t) for t in ours.split(",")]
+    theirs = None
+    for line in open(torch_log):
+        start = line.find('{"impl"')
+        if start >= 0:
+            record = json.loads(line[start:])
+            if record["precision"] == precision:
+                theirs = record["tokens"]
+    if theirs is None:
+        raise SystemExit(f"{torch_log}: no {precision} record")
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                min(len(ours), len(theirs)))
+    print(json.dumps({"greedy_agreement": precision, "equal_leading_tokens": same,
+                      "tilearn_tokens": len(ours), "transformers_tokens": len(theirs)}))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", required=True, help="model directory (created when missing)")
+    ap.add_argument("--dir", help="model directory (created when missing)")
+    ap.add_argument("--compare", help="a `tilearn generate --prompt-ids` log to compare")
+    ap.add_argument("--with", dest="torch_log", help="this script's log, for --compare")
     ap.add_argument("--precision", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    if args.compare:
+        for p in args.precision:
+            compare(args.compare, args.torch_log, p)
+        return
+    if not args.dir:
+        ap.error("--dir is required (or --compare with --with)")
     if not os.path.exists(os.path.join(args.dir, "config.json")):
         create(args.dir)
     for p in args.precision:

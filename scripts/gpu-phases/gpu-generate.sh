@@ -14,6 +14,8 @@ if [ -f "$G/prompt_ids.txt" ]; then
     run "gen_tilearn_$p" "$B/bin/tilearn" generate --model "$G" --prompt-ids "$(cat "$G/prompt_ids.txt")" \
       --max-new-tokens 256 --device cuda --precision "$p"
     grep -h "tokens/s" "$OUT/gen_tilearn_$p.log"
+    python3 benches/generate_baseline.py --compare "$OUT/gen_tilearn_$p.log" --with "$OUT/gen_torch.log" \
+      --precision "$p"
   done
 fi
 rm -rf "$G"

@@ -292,7 +292,6 @@ impl TrainingArguments {
                 "is 0; keep at least 1 checkpoint, or write none with --save-strategy no".into(),
             );
         }
-        super::best_model::validate(self)?;
         match self.length {
             TrainLength::MaxSteps(0) => bad("--max-steps", "must be at least 1".into()),
             TrainLength::Epochs(e) if !(e.is_finite() && e > 0.0) => bad(

@@ -6,13 +6,12 @@
 //! Only checkpoints written at a step that was also evaluated can be judged, so (as Hugging
 //! Face requires) checkpoints must come at multiples of the evaluation interval.
 
-use std::path::PathBuf;
-
 use adaptfp16::GradScaler;
 use tilearn_optim::LrSchedule;
 
 use super::args::{EvalStrategy, SaveStrategy, TrainingArguments};
 use super::log::EvalRecord;
+use super::state::BestCheckpoint;
 use super::{ProgressSink, Trainer, TrainerState, checkpoint};
 use crate::{EngineError, Result};
 
@@ -129,13 +128,6 @@ impl LastEval {
     pub fn at(&self, step: u64) -> Option<f64> {
         self.evaluated.filter(|&(s, _)| s == step).map(|(_, v)| v)
     }
-}
-
-/// What the trainer state records about the best checkpoint (Hugging Face's field names).
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct BestCheckpoint {
-    pub best_metric: Option<f64>,
-    pub best_model_checkpoint: Option<PathBuf>,
 }
 
 impl Trainer {

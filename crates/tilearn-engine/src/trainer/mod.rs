@@ -181,6 +181,7 @@ impl Trainer {
         dataset: TokenDataset,
     ) -> Result<Trainer> {
         args.validate()?;
+        best_model::validate(&args)?;
         let optimizer = adamw_for(&args, &model.params)?;
         let config = model.config.clone();
         let backend = CpuBackend::new(
@@ -201,6 +202,7 @@ impl Trainer {
         dataset: TokenDataset,
     ) -> Result<Trainer> {
         args.validate()?;
+        best_model::validate(&args)?;
         let max_pos = config.max_position_embeddings;
         if args.seq_len > max_pos {
             return Err(EngineError::InvalidArgument {

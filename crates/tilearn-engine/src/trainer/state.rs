@@ -1,11 +1,10 @@
 //! What a checkpoint holds besides the model and optimizer: the step, the epoch, the data
 //! loader's position (our only source of randomness during training) and the schedule.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::best_model::BestCheckpoint;
 use crate::data::LoaderState;
 use crate::{EngineError, Result};
 
@@ -16,6 +15,14 @@ pub const SCHEDULER_FILE: &str = "scheduler.json";
 pub const SCALER_FILE: &str = "scaler.json";
 /// An adaptive precision policy's memory (e.g. auto's overflow window), present with a policy.
 pub const AMP_POLICY_FILE: &str = "amp_policy.json";
+
+/// With `--load-best-model-at-end` (see [`super::best_model`]), what the trainer state records
+/// about the best checkpoint (Hugging Face's field names).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct BestCheckpoint {
+    pub best_metric: Option<f64>,
+    pub best_model_checkpoint: Option<PathBuf>,
+}
 
 /// Progress of a run, saved as `trainer_state.json` in every checkpoint.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -143,15 +143,17 @@ fn fine_tune_a_chat_model_end_to_end() {
     ok(tilearn(&["plot", s(&ft)]));
     assert!(ft.join("loss.png").is_file());
 
-    // 4. Ask the fine-tuned model (its own directory has the tokenizer).
-    let out = ok(tilearn(&[
-        "generate",
-        "--model",
-        s(&ft),
-        "--prompt",
-        "[INST] What is 3 plus 3? [/INST]",
-        "--max-new-tokens",
-        "8",
-    ]));
+    // 4. Ask the fine-tuned model in its chat format (its own directory has the tokenizer and
+    // the template): the same greedy answer as the template's text typed by hand.
+    let ask = |input: &[&str]| {
+        let mut args = vec!["generate", "--model", s(&ft), "--max-new-tokens", "8"];
+        args.extend_from_slice(input);
+        ok(tilearn(&args))
+    };
+    let out = ask(&["--chat", "What is 3 plus 3?"]);
+    assert_eq!(
+        out,
+        ask(&["--prompt", "<s>[INST] What is 3 plus 3? [/INST]"])
+    );
     assert!(!out.trim().is_empty(), "no generated text");
 }

@@ -7,10 +7,10 @@
 //! directory's `generation_config.json` gives the defaults, the flags override them
 //! (`generate_settings.rs`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
-use tilearn_engine::data::load_tokenizer;
+use tilearn_engine::data::{ChatMessage, ChatTemplate, load_tokenizer};
 use tilearn_engine::model::LlamaForCausalLM;
 use tilearn_engine::model::generate::{Decoding, GenerateOptions, Generation, StopReason};
 use tilearn_ops::DType;
@@ -22,7 +22,7 @@ use super::generate_settings::{GenerationFlags, bos_for_empty_prompt};
 use crate::{LlmError, Result};
 
 #[derive(Debug, Args)]
-#[command(group = clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_ids"]))]
+#[command(group = clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_ids", "chat"]))]
 pub struct GenerateArgs {
     /// Hugging Face checkpoint directory (config.json + safetensors).
     #[arg(long)]
@@ -35,7 +35,15 @@ pub struct GenerateArgs {
     /// generated ids, comma-separated.
     #[arg(long, value_delimiter = ',', num_args = 1..)]
     pub prompt_ids: Option<Vec<u32>>,
-    /// tokenizer.json to use with --prompt (default: <model>/tokenizer.json).
+    /// A user message to answer: rendered with the chat template of the model's
+    /// tokenizer_config.json (as transformers' `apply_chat_template` with
+    /// `add_generation_prompt=True`), so the model continues with its assistant turn.
+    #[arg(long, value_name = "MESSAGE")]
+    pub chat: Option<String>,
+    /// A system message before --chat's user message (for templates that take one).
+    #[arg(long, requires = "chat", value_name = "MESSAGE")]
+    pub system: Option<String>,
+    /// tokenizer.json to use with --prompt or --chat (default: <model>/tokenizer.json).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Most tokens to generate [default: generation_config.json's max_new_tokens, or its
@@ -116,8 +124,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ));
     }
     // Text needs the tokenizer; load it before the weights so a missing file fails fast.
-    let tokenizer = match &args.prompt {
-        Some(_) => {
+    let tokenizer = match args.prompt.is_some() || args.chat.is_some() {
+        true => {
             let path = args
                 .tokenizer
                 .clone()
@@ -135,12 +143,19 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             }
             Some((load_tokenizer(&path)?, path))
         }
-        None => None,
+        false => None,
+    };
+    // A chat message becomes the template's text, whose special tokens the template wrote.
+    let text = match (&args.chat, &tokenizer) {
+        (Some(message), Some((_, path))) => {
+            Some((chat_prompt(path, args.system.as_deref(), message)?, false))
+        }
+        _ => args.prompt.clone().map(|p| (p, true)),
     };
     let model = LlamaForCausalLM::from_pretrained(&args.model)?;
-    let mut prompt: Vec<u32> = match (&args.prompt, &tokenizer) {
-        (Some(text), Some((tok, path))) => tok
-            .encode(text.as_str(), true)
+    let mut prompt: Vec<u32> = match (&text, &tokenizer) {
+        (Some((text, add_special)), Some((tok, path))) => tok
+            .encode(text.as_str(), *add_special)
             .map_err(|e| LlmError::Input {
                 file: path.clone(),
                 message: format!("cannot encode the prompt: {e}"),
@@ -229,6 +244,33 @@ pub fn run(args: GenerateArgs) -> Result<()> {
 }
 
 /// One stderr line: tokens, why it stopped, prefill time and decode speed.
+/// `message` (after `system`, if any) as the chat template beside `tokenizer` renders a
+/// conversation awaiting the assistant's answer.
+fn chat_prompt(tokenizer: &Path, system: Option<&str>, message: &str) -> Result<String> {
+    let Some(template) = ChatTemplate::beside(tokenizer)? else {
+        return Err(usage(
+            "--chat",
+            format!(
+                "no chat_template in the tokenizer_config.json beside {}; write the prompt in \
+                 the model's format with --prompt",
+                tokenizer.display()
+            ),
+        ));
+    };
+    let turn = |role: &str, content: &str| ChatMessage {
+        role: role.into(),
+        content: content.into(),
+    };
+    let mut messages: Vec<ChatMessage> = system.map(|s| turn("system", s)).into_iter().collect();
+    messages.push(turn("user", message));
+    template
+        .render(&messages, true)
+        .map_err(|e| LlmError::Input {
+            file: template.source().to_path_buf(),
+            message: format!("the chat template rejected the conversation: {e}"),
+        })
+}
+
 fn summary(g: &Generation, prompt_len: usize) -> String {
     let stop = match g.stop {
         StopReason::EndOfSequence => "end-of-sequence token",

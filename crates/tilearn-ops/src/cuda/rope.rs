@@ -113,33 +113,38 @@ fn check_shape(
         })
 }
 
+/// One launch of `launcher` over `x` with the tables read from row `first_row` on (the rows a
+/// chunk of generated tokens starts at; 0 otherwise) and optional per-token `positions` into
+/// those rows. Callers check `first_row + seq <= table.seq_len`.
 #[allow(clippy::too_many_arguments)]
 fn rotate<T: DeviceFloat, P: DevicePtr<i32>>(
     op: &'static str,
     launcher: Launcher,
     stream: &Arc<CudaStream>,
     x: &mut impl DevicePtrMut<T>,
-    batch: usize,
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
+    (batch, seq, heads, head_dim): (usize, usize, usize, usize),
     table: &GpuRopeTable,
+    first_row: usize,
     positions: Option<&P>,
 ) -> Result<()> {
     let elems = check_shape(op, batch, seq, heads, head_dim, table)?;
+    let rows = table.seq_len - first_row;
     // `upload` built both tables with exactly seq_len * half_dim elements.
-    let table_len = table.seq_len * table.half_dim;
+    let from = first_row * table.half_dim;
+    let (cos, sin) = (table.cos.slice(from..), table.sin.slice(from..));
+    let table_len = rows * table.half_dim;
     Launch::new(op, stream)
         .output("x", x, elems)
-        .input("table.cos", &table.cos, table_len)
-        .input("table.sin", &table.sin, table_len)
+        .input("table.cos", &cos, table_len)
+        .input("table.sin", &sin, table_len)
         .optional_input("positions", positions, batch * seq)
         .skip_launch_if(elems == 0)
         .run(|[cos, sin, positions], [x], stream| {
             // SAFETY: the launcher rewrites batch * seq * heads * head_dim elements of T
             // (`T::DTYPE`) of x in place, reads batch * seq positions when not null (clamping
-            // each to the table) and rows t < table.seq_len of the [table.seq_len,
-            // head_dim / 2] f32 tables (head_dim == 2 * half_dim checked).
+            // each to the rows given) and rows t < rows of the [rows, head_dim / 2] f32 tables
+            // starting at row first_row (head_dim == 2 * half_dim checked; first_row + seq <=
+            // table.seq_len checked by the callers, first_row = 0 where positions are given).
             unsafe {
                 launcher(
                     T::DTYPE,
@@ -151,7 +156,7 @@ fn rotate<T: DeviceFloat, P: DevicePtr<i32>>(
                     seq,
                     heads,
                     head_dim,
-                    table.seq_len,
+                    rows,
                     stream,
                 )
             }
@@ -193,11 +198,9 @@ pub fn rope_forward_at<T: DeviceFloat, P: DevicePtr<i32>>(
         ffi::tilearn_rope_forward,
         stream,
         x,
-        batch,
-        seq,
-        heads,
-        head_dim,
+        (batch, seq, heads, head_dim),
         table,
+        0,
         positions,
     )
 }
@@ -227,37 +230,16 @@ pub fn rope_forward_from<T: DeviceFloat>(
             ),
         });
     }
-    let rows = table.seq_len - first_position;
-    let elems = check_shape(OP, 1, seq, heads, head_dim, table)?;
-    let from = first_position * table.half_dim;
-    let (cos, sin) = (table.cos.slice(from..), table.sin.slice(from..));
-    let table_len = rows * table.half_dim;
-    Launch::new(OP, stream)
-        .output("x", x, elems)
-        .input("table.cos", &cos, table_len)
-        .input("table.sin", &sin, table_len)
-        .skip_launch_if(elems == 0)
-        .run(|[cos, sin], [x], stream| {
-            // SAFETY: the launcher rewrites seq * heads * head_dim elements of T (`T::DTYPE`) of
-            // x in place and reads rows t < seq <= rows of the [rows, head_dim / 2] f32 tables
-            // starting at row first_position (first_position + seq <= table.seq_len and
-            // head_dim == 2 * half_dim checked).
-            unsafe {
-                ffi::tilearn_rope_forward(
-                    T::DTYPE,
-                    x,
-                    cos.cast(),
-                    sin.cast(),
-                    std::ptr::null(),
-                    1,
-                    seq,
-                    heads,
-                    head_dim,
-                    rows,
-                    stream,
-                )
-            }
-        })
+    rotate::<T, CudaSlice<i32>>(
+        OP,
+        ffi::tilearn_rope_forward,
+        stream,
+        x,
+        (1, seq, heads, head_dim),
+        table,
+        first_position,
+        None,
+    )
 }
 
 /// Backward of [`rope_forward`], in place (`dx` replaces `dy`): `dx = Rᵀ · dy`, the rotation by
@@ -291,11 +273,9 @@ pub fn rope_backward_at<T: DeviceFloat, P: DevicePtr<i32>>(
         ffi::tilearn_rope_backward,
         stream,
         dx,
-        batch,
-        seq,
-        heads,
-        head_dim,
+        (batch, seq, heads, head_dim),
         table,
+        0,
         positions,
     )
 }

@@ -1,21 +1,29 @@
 #!/usr/bin/env python3
 """PyTorch + Hugging Face transformers baseline for `tilearn bench`.
 
-Runs the same presets as `tilearn bench` (LlamaForCausalLM from random weights, bf16 autocast
-over fp32 master weights, or fp16 autocast with torch.amp.GradScaler for `--precision fp16`, SDPA
-attention, fused AdamW) in eager mode and with torch.compile, and
-prints one JSON line per run with the same fields tilearn prints: step time, tokens/s, MFU and
-peak device memory. Run it on the GPU machine in the same call as `tilearn bench`.
+Runs the same presets as `tilearn bench` (LlamaForCausalLM from random weights, SDPA attention,
+fused AdamW) in eager mode, with torch.compile, and with Liger-Kernel's Llama patch (`liger`:
+fused RMSNorm, RoPE, SwiGLU and linear + cross entropy), and prints one JSON line per run with
+the same fields tilearn prints: step time, tokens/s, MFU and peak device memory. Run it on the GPU
+machine in the same call as `tilearn bench`.
 
-    python3 benches/pytorch_baseline.py --preset llama-134m --mode eager compile
+Weights: `--weights fp32` (default) keeps fp32 master weights under bf16 autocast (or fp16
+autocast with torch.amp.GradScaler for `--precision fp16`), as the HF Trainer's `--bf16` does;
+`--weights bf16` casts the model to bf16 and steps AdamW on bf16 parameters (no master copy),
+the lean setting Liger's own benchmarks use.
+
+    python3 benches/pytorch_baseline.py --preset llama-134m --mode eager compile liger
+    python3 benches/pytorch_baseline.py --preset llama-134m --mode liger --weights bf16
 """
 import argparse
+import contextlib
 import json
 import statistics
 import time
 
 import torch
 import transformers
+from liger_patch import liger_llama, liger_version
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # Keep in sync with crates/tilearn-llm/src/presets.rs.
@@ -53,10 +61,12 @@ def llama_config(preset, batch=None, seq=None):
     return cfg, batch, seq
 
 
-def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing):
+def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing, weights):
     cfg, batch, seq = llama_config(preset, batch, seq)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).cuda()
+    if weights == "bf16":
+        model = model.to(torch.bfloat16)
     if checkpointing:
         # Non-reentrant checkpointing per decoder layer, as transformers recommends.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -72,7 +82,7 @@ def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing):
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
 
     def step():
-        with torch.autocast("cuda", dtype=dtype):
+        with torch.autocast("cuda", dtype=dtype, enabled=weights == "fp32"):
             out = step_fn(input_ids=ids, labels=ids)
         scaler.scale(out.loss).backward()
         scaler.step(opt)
@@ -99,6 +109,7 @@ def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing):
     mfu = tps * flops_per_token(cfg, n_params, seq) / PEAK_BF16_FLOPS
     return {
         "impl": "pytorch", "preset": preset, "mode": mode, "precision": precision,
+        "weights": weights,
         "gradient_checkpointing": checkpointing,
         "batch": batch, "seq": seq,
         "params": n_params, "step_ms": step_s * 1e3, "tokens_per_sec": tps, "mfu": mfu,
@@ -112,20 +123,32 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     ap.add_argument("--mode", nargs="+", default=["eager", "compile"],
-                    choices=["eager", "compile"])
+                    choices=["eager", "compile", "liger"])
     ap.add_argument("--batch", type=int)
     ap.add_argument("--seq", type=int)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--precision", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
+                    help="fp32 master weights under autocast, or pure bf16 weights")
     args = ap.parse_args()
+    if args.weights == "bf16" and args.precision != "bf16":
+        ap.error("--weights bf16 needs --precision bf16")
+    liger, liger_error = liger_version()
     for preset in args.preset:
         for mode in args.mode:
+            if mode == "liger" and liger is None:
+                print(json.dumps({"impl": "pytorch", "preset": preset, "mode": mode,
+                                  "skipped": liger_error}), flush=True)
+                continue
             t0 = time.time()
-            result = run(preset, mode, args.batch, args.seq, args.steps, args.warmup,
-                         args.precision, args.gradient_checkpointing)
+            with liger_llama() if mode == "liger" else contextlib.nullcontext():
+                result = run(preset, mode, args.batch, args.seq, args.steps, args.warmup,
+                             args.precision, args.gradient_checkpointing, args.weights)
             result["wall_s"] = time.time() - t0
+            if mode == "liger":
+                result["liger_kernel"] = liger
             print(json.dumps(result), flush=True)
             torch.cuda.empty_cache()
 

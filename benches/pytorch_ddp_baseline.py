@@ -50,12 +50,12 @@ import contextlib
 import gc
 import statistics
 import time
-from importlib.metadata import version
 
 import bench_dist
 import torch
 import torch.distributed as dist
 import transformers
+from liger_patch import liger_llama, liger_version
 from pytorch_baseline import PEAK_BF16_FLOPS, PRESETS, flops_per_token, llama_config
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import LlamaForCausalLM
@@ -70,37 +70,6 @@ SHARDING = {
 # --tiny shrinks the preset to something a CPU runs in seconds (smoke tests only).
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512)
-
-
-@contextlib.contextmanager
-def liger_llama():
-    """Liger-Kernel's Llama patch for the duration of one mode. apply_liger_kernel_to_llama
-    rebinds names in transformers' modeling_llama module (the RoPE function is looked up there at
-    every call, LlamaForCausalLM.forward is replaced), so the patch must hold while the model
-    runs and be undone afterwards, or the modes after it would silently run Liger too."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
-    from transformers.models.llama import modeling_llama
-
-    saved_names = dict(vars(modeling_llama))
-    saved_forward = vars(modeling_llama.LlamaForCausalLM)["forward"]
-    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                fused_linear_cross_entropy=True)
-    try:
-        yield
-    finally:
-        modeling_llama.LlamaForCausalLM.forward = saved_forward
-        for name, value in saved_names.items():
-            if vars(modeling_llama).get(name) is not value:
-                setattr(modeling_llama, name, value)
-
-
-def liger_version():
-    """The installed liger_kernel's version, or an error string when it cannot be imported."""
-    try:
-        import liger_kernel.transformers  # noqa: F401
-        return version("liger-kernel"), None
-    except Exception as e:  # noqa: BLE001 — any import failure means "no Liger run"
-        return None, f"liger_kernel not importable: {type(e).__name__}: {e}"
 
 
 def build(cfg, mode, device):

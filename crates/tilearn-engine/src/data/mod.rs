@@ -20,6 +20,7 @@ pub mod grammar;
 pub mod loader;
 pub mod packing;
 pub mod prepare;
+pub mod sentencepiece;
 pub mod sft;
 pub mod sft_encode;
 pub mod sft_record;

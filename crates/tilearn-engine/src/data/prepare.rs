@@ -41,7 +41,7 @@ const ENCODE_CHUNK: usize = 4096;
 /// What `prepare_data` reads and writes.
 #[derive(Debug, Clone)]
 pub struct PrepareOptions {
-    /// A Hugging Face `tokenizer.json`.
+    /// A Hugging Face `tokenizer.json` or a SentencePiece `tokenizer.model`.
     pub tokenizer: PathBuf,
     /// Text or JSON-lines files (see [`super::documents`] for how documents are found).
     pub inputs: Vec<PathBuf>,
@@ -176,13 +176,20 @@ pub fn prepare_embedded_default(
     writer.finish(Some(TOKENIZER_FILE.to_string()))
 }
 
-/// Load a `tokenizer.json`, with a [`EngineError::Tokenizer`] naming the file on failure.
+/// Load a `tokenizer.json` (or a SentencePiece `tokenizer.model`, converted as transformers
+/// does: see [`super::sentencepiece`]), with a [`EngineError::Tokenizer`] naming the file on
+/// failure.
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     if !path.is_file() {
         return Err(EngineError::Tokenizer {
             file: path.to_path_buf(),
-            message: "file not found; pass the path of a Hugging Face tokenizer.json".into(),
+            message: "file not found; pass the path of a Hugging Face tokenizer.json (or a \
+                      SentencePiece tokenizer.model)"
+                .into(),
         });
+    }
+    if super::sentencepiece::is_sentencepiece_model(path) {
+        return super::sentencepiece::load_sentencepiece(path);
     }
     Tokenizer::from_file(path).map_err(|e| EngineError::Tokenizer {
         file: path.to_path_buf(),
@@ -284,6 +291,21 @@ fn eos_from_tokenizer_config(tokenizer_path: &Path) -> Option<String> {
     }
 }
 
+/// The tokenizer of a model directory: its `tokenizer.json`, else its SentencePiece
+/// `tokenizer.model` (Baichuan ships only that), else the `tokenizer.json` path (for the
+/// caller's "not found" error).
+pub fn tokenizer_in(dir: &Path) -> PathBuf {
+    let json = dir.join(TOKENIZER_FILE);
+    let model = dir.join("tokenizer.model");
+    if !json.is_file() && model.is_file() {
+        model
+    } else {
+        json
+    }
+}
+
+/// Writes the tokenizer beside the prepared data as `tokenizer.json`: the file itself, or the
+/// conversion of a SentencePiece model (so the data directory always has a fast tokenizer).
 pub(crate) fn copy_tokenizer(source: &Path, output_dir: &Path) -> Result<()> {
     let dest = output_dir.join(TOKENIZER_FILE);
     if let (Ok(a), Ok(b)) = (fs::canonicalize(source), fs::canonicalize(&dest))
@@ -291,7 +313,17 @@ pub(crate) fn copy_tokenizer(source: &Path, output_dir: &Path) -> Result<()> {
     {
         return Ok(());
     }
-    let bytes = fs::read(source).map_err(|e| EngineError::io(source, "read tokenizer", e))?;
+    let bytes = if super::sentencepiece::is_sentencepiece_model(source) {
+        super::sentencepiece::load_sentencepiece(source)?
+            .to_string(true)
+            .map_err(|e| EngineError::Tokenizer {
+                file: source.to_path_buf(),
+                message: format!("cannot write the converted tokenizer: {e}"),
+            })?
+            .into_bytes()
+    } else {
+        fs::read(source).map_err(|e| EngineError::io(source, "read tokenizer", e))?
+    };
     write_bytes_atomic(&dest, &bytes).map_err(|e| EngineError::io(&dest, "write tokenizer", e))
 }
 

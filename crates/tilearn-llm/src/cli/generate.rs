@@ -43,7 +43,8 @@ pub struct GenerateArgs {
     /// A system message before --chat's user message (for templates that take one).
     #[arg(long, requires = "chat", value_name = "MESSAGE")]
     pub system: Option<String>,
-    /// tokenizer.json to use with --prompt or --chat (default: <model>/tokenizer.json).
+    /// tokenizer.json (or SentencePiece tokenizer.model) to use with --prompt or --chat (default:
+    /// <model>/tokenizer.json, else <model>/tokenizer.model).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Most tokens to generate [default: generation_config.json's max_new_tokens, or its
@@ -129,7 +130,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             let path = args
                 .tokenizer
                 .clone()
-                .unwrap_or_else(|| args.model.join("tokenizer.json"));
+                .unwrap_or_else(|| tilearn_engine::data::prepare::tokenizer_in(&args.model));
             if !path.is_file() {
                 return Err(usage(
                     "--tokenizer",

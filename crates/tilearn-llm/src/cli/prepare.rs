@@ -44,7 +44,8 @@ pub struct PrepareArgs {
     /// with far less padding. Needs --max-seq-length (use the training --seq-len).
     #[arg(long, requires = "max_seq_length")]
     pub packing: bool,
-    /// Hugging Face `tokenizer.json` to tokenize with.
+    /// Hugging Face `tokenizer.json` to tokenize with, or a SentencePiece `tokenizer.model`
+    /// (Baichuan ships only that; converted as transformers does, saved as tokenizer.json).
     #[arg(long, required_unless_present = "random_tokens")]
     pub tokenizer: Option<PathBuf>,
     /// Input files: plain text (documents separated by blank lines) or JSON-lines

@@ -6,7 +6,13 @@
 //            one pass per row; a second small kernel reduces the dweight partials.
 // Layout:    x, out, dout, dx are row-major [rows, dim]; weight and dweight are [dim]; rstd is
 //            [rows]. One thread block per row in the forward; one block per chunk of consecutive
-//            rows in the backward.
+//            rows in the backward. The backward's fast path (16-byte aligned tensors, dim a
+//            multiple of 16 bytes' elements, at most 8 such vectors per lane: dim <= 2048 in
+//            bf16/f16, 1024 in f32) gives each row to one warp: a lane loads its 16-byte
+//            vectors of dy and x once into registers, the row's dot product is a warp shuffle
+//            (no block barrier per row), and each lane keeps its columns' dweight sums in
+//            registers; the block's warps take the chunk's rows round-robin and their sums are
+//            added in warp order at the end. Other shapes take the scalar block-per-chunk kernel.
 // Precision: inputs f32, bf16 or f16 (one launcher per op, `dtype` picks the kernel template);
 //            all arithmetic and accumulation in f32; rstd and dweight are always f32; out / dx are
 //            stored in the input type. The 16-bit forwards round like PyTorch's LlamaRMSNorm
@@ -14,9 +20,11 @@
 //            out = T(w * T(x * rstd)) for T = bf16 or f16 (for f32 the inner cast is exact).
 // Gradients: dx is written (`=`); dweight is accumulated (`+=`), deterministically: each block
 //            sums its rows' dy * x * rstd into its own partial (shared memory, or its own slice
-//            of scratch for very wide rows), then one thread per column adds the partials in
-//            chunk order. No float atomics, so the result is bit-identical run to run.
-//            The chunking depends only on (rows, dim).
+//            of scratch for very wide rows; the fast path: per warp in registers, then the warps
+//            in order), then the partials are added in chunk order (the fast reduction: 32
+//            groups of chunks per column, summed in order, then the groups in order). No float
+//            atomics, so the result is bit-identical run to run. The chunking and the path
+//            depend only on (rows, dim, dtype, alignment).
 // Residual-fused variants (so the Llama block's residual adds need no launch of their own):
 //   add_rmsnorm_forward:   resid += y (in place: the residual stream update h = x + y), then
 //                          out = RMSNorm(resid) from the stored (rounded) resid, so the result
@@ -26,12 +34,17 @@
 //                          the f32 dx is added to the widened dresid and rounded once (one
 //                          rounding fewer than rmsnorm_backward + residual_add_inplace).
 
+#include <initializer_list>
+#include <type_traits>
+
 #include "tilearn_dtype.cuh"
 #include "tilearn_kernels.h"
 
 namespace {
 
 constexpr size_t kMaxChunks = 512;          // dweight partials: at most this many rows of scratch
+constexpr unsigned kBwdWarps = 4;           // warps per block of the fast backward
+constexpr int kMaxBwdVecs = 8;              // 16-byte vectors per lane of the fast backward
 // Widest row whose dweight partial lives in shared memory: 47 KiB of dynamic shared memory, so
 // with block_sum's 128 static bytes a block stays under the 48 KiB that needs no opt-in.
 constexpr size_t kMaxSharedDweight = 12032;
@@ -158,6 +171,194 @@ __global__ void reduce_partials_kernel(const float* __restrict__ partials, size_
     dweight[j] += s;
 }
 
+// Fast backward: one warp per row (see the header). kVecs 16-byte vectors per lane cover the
+// row (dim = kVecs * 32 * Vec16<T>::kLen at most; lanes past the end hold nothing). The same
+// formulas as rmsnorm_backward_kernel; only the summation order of the dot product and of the
+// chunk's dweight partial differ.
+template <typename T, int kVecs, bool kAccumulate>
+__global__ void __launch_bounds__(kBwdWarps * 32)
+rmsnorm_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ x,
+                             const T* __restrict__ weight, const float* __restrict__ rstd,
+                             size_t rows, size_t dim, size_t rows_per_chunk, T* __restrict__ dx,
+                             float* __restrict__ partials) {
+    using V = tilearn::Vec16<T>;
+    constexpr int kLen = V::kLen;
+    extern __shared__ float warp_acc[];  // [kBwdWarps, dim]
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const size_t vecs = dim / kLen;
+    float acc[kVecs][kLen];
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k)
+#pragma unroll
+        for (int e = 0; e < kLen; ++e) acc[k][e] = 0.0f;
+    const size_t begin = blockIdx.x * rows_per_chunk;
+    const size_t end = begin + rows_per_chunk < rows ? begin + rows_per_chunk : rows;
+    for (size_t row = begin + warp; row < end; row += kBwdWarps) {
+        const V* dyr = reinterpret_cast<const V*>(dout + row * dim);
+        const V* xr = reinterpret_cast<const V*>(x + row * dim);
+        const V* wr = reinterpret_cast<const V*>(weight);
+        const float r = rstd[row];
+        V dy[kVecs], xv[kVecs];
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) {
+            const size_t i = lane + static_cast<size_t>(k) * 32;
+            if (i < vecs) {
+                dy[k] = dyr[i];
+                xv[k] = xr[i];
+                const V w = wr[i];
+#pragma unroll
+                for (int e = 0; e < kLen; ++e)
+                    dot += to_f32(w.v[e]) * to_f32(dy[k].v[e]) * to_f32(xv[k].v[e]);
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        const float c = dot * r * r / static_cast<float>(dim);
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) {
+            const size_t i = lane + static_cast<size_t>(k) * 32;
+            if (i < vecs) {
+                const V w = wr[i];
+                V* out = reinterpret_cast<V*>(dx + row * dim) + i;
+                V prev;
+                if (kAccumulate) prev = *out;
+                V g;
+#pragma unroll
+                for (int e = 0; e < kLen; ++e) {
+                    const float d = to_f32(dy[k].v[e]);
+                    const float xe = to_f32(xv[k].v[e]);
+                    const float ge = r * (to_f32(w.v[e]) * d - xe * c);
+                    // As in the scalar kernel: __fadd_rn is never contracted into an FMA.
+                    g.v[e] = from_f32<T>(kAccumulate ? __fadd_rn(to_f32(prev.v[e]), ge) : ge);
+                    acc[k][e] += d * xe * r;
+                }
+                *out = g;
+            }
+        }
+    }
+    // The chunk's partial: the warps' sums added in warp order.
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+        const size_t i = lane + static_cast<size_t>(k) * 32;
+        if (i < vecs)
+#pragma unroll
+            for (int e = 0; e < kLen; ++e) warp_acc[warp * dim + i * kLen + e] = acc[k][e];
+    }
+    __syncthreads();
+    float* mine = partials + blockIdx.x * dim;
+    for (size_t j = threadIdx.x; j < dim; j += blockDim.x) {
+        float sum = warp_acc[j];
+        for (unsigned w = 1; w < kBwdWarps; ++w) sum += warp_acc[w * dim + j];
+        mine[j] = sum;
+    }
+}
+
+// dweight[j] += the sum of partials[c, j] over the chunks: thread (tx, ty) of a 32 x 32 block
+// sums the chunks c = ty, ty + 32, ... of column j = block * 32 + tx in order, then thread
+// (tx, 0) adds the 32 group sums in group order (coalesced: a warp reads 32 adjacent columns).
+__global__ void reduce_partials_wide_kernel(const float* __restrict__ partials, size_t chunks,
+                                            size_t dim, float* __restrict__ dweight) {
+    __shared__ float group[32][33];
+    const size_t j = static_cast<size_t>(blockIdx.x) * 32 + threadIdx.x;
+    float s = 0.0f;
+    if (j < dim)
+        for (size_t c = threadIdx.y; c < chunks; c += 32) s += partials[c * dim + j];
+    group[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < dim) {
+        float total = 0.0f;
+        for (int g = 0; g < 32; ++g) total += group[g][threadIdx.x];
+        dweight[j] += total;
+    }
+}
+
+// Fast forwards (the backward's conditions: 16-byte aligned, whole vectors, <= kMaxBwdVecs per
+// lane): one warp per row, the row held in registers, the sum of squares a warp shuffle.
+// kAdd: resid += y first (the stored, rounded sum is what is normalised, as in the block
+// kernels). Both forwards share this code, so the fused and the plain forward give the same
+// bits on the same residual (the gradient-checkpointing recompute relies on it).
+template <typename T, int kVecs, bool kAdd>
+__global__ void __launch_bounds__(kBwdWarps * 32)
+rmsnorm_forward_warp_kernel(T* __restrict__ x, const T* __restrict__ y,
+                            const T* __restrict__ weight, size_t rows, size_t dim, float eps,
+                            T* __restrict__ out, float* __restrict__ rstd) {
+    using V = tilearn::Vec16<T>;
+    constexpr int kLen = V::kLen;
+    const size_t row = static_cast<size_t>(blockIdx.x) * kBwdWarps + threadIdx.x / 32;
+    if (row >= rows) return;
+    const unsigned lane = threadIdx.x % 32;
+    const size_t vecs = dim / kLen;
+    V* xr = reinterpret_cast<V*>(x + row * dim);
+    V h[kVecs];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+        const size_t i = lane + static_cast<size_t>(k) * 32;
+        if (i < vecs) {
+            h[k] = xr[i];
+            if (kAdd) {
+                const V yv = reinterpret_cast<const V*>(y + row * dim)[i];
+#pragma unroll
+                for (int e = 0; e < kLen; ++e)
+                    h[k].v[e] = from_f32<T>(to_f32(h[k].v[e]) + to_f32(yv.v[e]));
+                xr[i] = h[k];
+            }
+#pragma unroll
+            for (int e = 0; e < kLen; ++e) {
+                const float v = to_f32(h[k].v[e]);
+                ss += v * v;
+            }
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float r = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+        const size_t i = lane + static_cast<size_t>(k) * 32;
+        if (i < vecs) {
+            const V w = reinterpret_cast<const V*>(weight)[i];
+            V o;
+#pragma unroll
+            for (int e = 0; e < kLen; ++e) {
+                const float normed = to_f32(from_f32<T>(to_f32(h[k].v[e]) * r));
+                o.v[e] = from_f32<T>(to_f32(w.v[e]) * normed);
+            }
+            reinterpret_cast<V*>(out + row * dim)[i] = o;
+        }
+    }
+    if (lane == 0) rstd[row] = r;
+}
+
+// Vectors per lane of the warp-per-row kernels for rows of `dim` elements of T at these
+// addresses, or 0 when they do not apply (the block kernels run).
+template <typename T>
+int warp_row_vecs(size_t dim, std::initializer_list<const void*> ptrs) {
+    constexpr size_t kLen = tilearn::Vec16<T>::kLen;
+    if (dim == 0 || dim % kLen != 0) return 0;
+    for (const void* p : ptrs)
+        if (!tilearn::aligned16(p)) return 0;
+    const size_t per_lane = (dim / kLen + 31) / 32;
+    for (int v = 1; v <= kMaxBwdVecs; v *= 2)
+        if (per_lane <= static_cast<size_t>(v)) return v;
+    return 0;
+}
+
+// Calls f(std::integral_constant<int, V>) for V = vecs in {1, 2, 4, 8} (from warp_row_vecs), so a
+// launcher instantiates its warp kernel for the vector count at hand.
+template <typename F>
+void with_vecs(int vecs, F&& f) {
+    switch (vecs) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        default: f(std::integral_constant<int, 8>{}); break;
+    }
+}
+
+unsigned warp_row_blocks(size_t rows) {
+    return static_cast<unsigned>((rows + kBwdWarps - 1) / kBwdWarps);
+}
+
 size_t rows_per_chunk(size_t rows) { return (rows + kMaxChunks - 1) / kMaxChunks; }
 
 size_t chunk_count(size_t rows) {
@@ -178,6 +379,18 @@ int launch_forward(const void* x, const void* weight, size_t rows, size_t dim, f
     if (rows == 0) return static_cast<int>(cudaSuccess);
     if (dim == 0 || x == nullptr || weight == nullptr || out == nullptr || rstd == nullptr)
         return static_cast<int>(cudaErrorInvalidValue);
+    const int vecs = warp_row_vecs<T>(dim, {x, weight, out});
+    if (vecs > 0) {
+        // The warp kernel's x is writable for the fused add; here it is only read (kAdd false).
+        T* xs = const_cast<T*>(static_cast<const T*>(x));
+        with_vecs(vecs, [&](auto k) {
+            rmsnorm_forward_warp_kernel<T, decltype(k)::value, false>
+                <<<warp_row_blocks(rows), kBwdWarps * 32, 0, stream>>>(
+                    xs, nullptr, static_cast<const T*>(weight), rows, dim, eps,
+                    static_cast<T*>(out), rstd);
+        });
+        return static_cast<int>(cudaGetLastError());
+    }
     rmsnorm_forward_kernel<T><<<static_cast<unsigned>(rows), threads_for(dim), 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(weight), dim, eps, static_cast<T*>(out),
         rstd);
@@ -193,6 +406,16 @@ int launch_add_forward(void* resid, const void* y, const void* weight, size_t ro
     if (dim == 0 || resid == nullptr || y == nullptr || weight == nullptr || out == nullptr ||
         rstd == nullptr)
         return static_cast<int>(cudaErrorInvalidValue);
+    const int vecs = warp_row_vecs<T>(dim, {resid, y, weight, out});
+    if (vecs > 0) {
+        with_vecs(vecs, [&](auto k) {
+            rmsnorm_forward_warp_kernel<T, decltype(k)::value, true>
+                <<<warp_row_blocks(rows), kBwdWarps * 32, 0, stream>>>(
+                    static_cast<T*>(resid), static_cast<const T*>(y),
+                    static_cast<const T*>(weight), rows, dim, eps, static_cast<T*>(out), rstd);
+        });
+        return static_cast<int>(cudaGetLastError());
+    }
     add_rmsnorm_forward_kernel<T><<<static_cast<unsigned>(rows), threads_for(dim), 0, stream>>>(
         static_cast<T*>(resid), static_cast<const T*>(y), static_cast<const T*>(weight), dim, eps,
         static_cast<T*>(out), rstd);
@@ -215,6 +438,21 @@ int launch_backward(const void* dout, const void* x, const void* weight, const f
     const T* xs = static_cast<const T*>(x);
     const T* w = static_cast<const T*>(weight);
     T* dxs = static_cast<T*>(dx);
+    const int vecs = warp_row_vecs<T>(dim, {dout, x, weight, dx});
+    if (vecs > 0) {
+        const size_t smem = kBwdWarps * dim * sizeof(float);  // <= 32 KiB
+        const size_t per = rows_per_chunk(rows);
+        with_vecs(vecs, [&](auto k) {
+            rmsnorm_backward_warp_kernel<T, decltype(k)::value, kAccumulate>
+                <<<static_cast<unsigned>(chunks), kBwdWarps * 32, smem, stream>>>(
+                    dy, xs, w, rstd, rows, dim, per, dxs, scratch);
+        });
+        const cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess) return static_cast<int>(err);
+        reduce_partials_wide_kernel<<<static_cast<unsigned>((dim + 31) / 32), dim3(32, 32), 0,
+                                      stream>>>(scratch, chunks, dim, dweight);
+        return static_cast<int>(cudaGetLastError());
+    }
     if (dim <= kMaxSharedDweight) {
         rmsnorm_backward_kernel<T, true, kAccumulate>
             <<<static_cast<unsigned>(chunks), threads, dim * sizeof(float), stream>>>(

@@ -291,6 +291,10 @@ fn cast_rejects_length_mismatch() {
 /// (12032) and one above it (13000, the global-scratch path), and more rows (1025) than the
 /// backward has chunks (512). Not dim 1: there dx is ~eps/x² times its terms, a cancellation no
 /// f32 kernel can resolve to 1e-5.
+/// Odd and wide rows take the scalar backward; rows of whole 16-byte vectors (≤ 8 per lane)
+/// the warp-per-row one: 768 and 2048 (the presets' hidden sizes, 2048 at 8 vectors per lane
+/// in bf16/f16 and past the fast path in f32), 1000 (a lane range that ends mid-warp), 64
+/// (most lanes idle), with row counts that leave a short last chunk.
 const NORM_SHAPES: &[(usize, usize)] = &[
     (1, 3),
     (3, 13),
@@ -299,6 +303,9 @@ const NORM_SHAPES: &[(usize, usize)] = &[
     (2, 12032),
     (5, 13000),
     (1025, 64),
+    (4099, 2048),
+    (600, 1000),
+    (33, 1024),
 ];
 const EPS: f64 = 1e-6;
 

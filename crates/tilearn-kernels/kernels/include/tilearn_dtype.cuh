@@ -31,6 +31,18 @@ __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
 template <>
 __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 
+// 16 bytes of T (4 f32, or 8 bf16 / f16), moved with one vector load / store; the pointer
+// must be 16-byte aligned.
+template <typename T>
+struct alignas(16) Vec16 {
+    static constexpr int kLen = 16 / sizeof(T);
+    T v[kLen];
+};
+
+__host__ __device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15u) == 0;
+}
+
 // Calls `f(T{})` with T the storage type of `dtype` and returns its status; an unknown dtype
 // launches nothing and returns cudaErrorInvalidValue. Launchers use it as
 //   return tilearn::dispatch(dtype, [&](auto tag) { return launch<decltype(tag)>(...); });

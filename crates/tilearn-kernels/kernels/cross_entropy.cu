@@ -12,7 +12,9 @@
 //            so the totals of a chunked step are those of one launch over all rows, bit for bit.
 // Layout:    logits [rows, vocab] row-major (any vocab: no alignment or multiple is assumed);
 //            targets [rows] i32; row_loss [rows] f32; totals [4] f64 (layout below). One thread
-//            block per row.
+//            block per row. A row that starts on a 16-byte boundary and holds whole 16-byte
+//            vectors (vocab a multiple of 8 in bf16/f16, of 4 in f32) is read and written as
+//            vectors (each thread's elements in a fixed order either way).
 // Precision: logits f32, bf16 or f16, read as f32; max, exp and the per-thread and block sums in
 //            f32 (expf, not the fast-math __expf); the row loss is formed in f64 as
 //            max + log(sum) - logit[target] and stored as f32. Gradients are computed in f32 and
@@ -65,20 +67,40 @@ __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
 // Each thread scans i = threadIdx.x + k * blockDim.x; the partials are merged by warp
 // butterflies and then across warps in warp order: a fixed order for a given blockDim.
 // blockDim.x must be a multiple of 32.
+// One logit into a thread's running (max, sum of exp(x - max)).
+__device__ __forceinline__ void online_add(float& m, float& s, float v) {
+    if (v > m) {
+        // exp(-inf - v) is 0 for the first element, so (m, s) = (v, 1).
+        s = s * expf(m - v) + 1.0f;
+        m = v;
+    } else if (v != -INFINITY) {
+        // A NaN logit lands here and makes s NaN (and the loss with it), as it should.
+        s += expf(v - m);
+    }
+}
+
+// Whether a row of `vocab` elements starting at `x` is read as 16-byte vectors: thread i then
+// takes the vectors i, i + blockDim.x, ... and their elements in order, instead of the
+// elements i, i + blockDim.x, ... (a different but equally fixed order).
+template <typename T>
+__device__ __forceinline__ bool row_vectorized(const T* x, size_t vocab) {
+    return vocab % tilearn::Vec16<T>::kLen == 0 && tilearn::aligned16(x);
+}
+
 template <typename T>
 __device__ void row_max_sumexp(const T* __restrict__ x, size_t vocab, float& m_out,
                                float& s_out) {
     float m = -INFINITY, s = 0.0f;
-    for (size_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = to_f32(x[i]);
-        if (v > m) {
-            // exp(-inf - v) is 0 for the first element, so (m, s) = (v, 1).
-            s = s * expf(m - v) + 1.0f;
-            m = v;
-        } else if (v != -INFINITY) {
-            // A NaN logit lands here and makes s NaN (and the loss with it), as it should.
-            s += expf(v - m);
+    if (row_vectorized(x, vocab)) {
+        using V = tilearn::Vec16<T>;
+        const V* xv = reinterpret_cast<const V*>(x);
+        for (size_t i = threadIdx.x; i < vocab / V::kLen; i += blockDim.x) {
+            const V v = xv[i];
+#pragma unroll
+            for (int e = 0; e < V::kLen; ++e) online_add(m, s, to_f32(v.v[e]));
         }
+    } else {
+        for (size_t i = threadIdx.x; i < vocab; i += blockDim.x) online_add(m, s, to_f32(x[i]));
     }
     for (int o = 16; o > 0; o >>= 1) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
@@ -142,6 +164,21 @@ __global__ void ce_fused_kernel(T* __restrict__ logits, const int32_t* __restric
     }
     const float p_scale = grad_scale / s;
     const size_t target = static_cast<size_t>(t);
+    if (row_vectorized(x, vocab)) {
+        using V = tilearn::Vec16<T>;
+        V* xv = reinterpret_cast<V*>(x);
+        for (size_t i = threadIdx.x; i < vocab / V::kLen; i += blockDim.x) {
+            V v = xv[i];
+#pragma unroll
+            for (int e = 0; e < V::kLen; ++e) {
+                float g = expf(to_f32(v.v[e]) - m) * p_scale;
+                if (i * V::kLen + e == target) g -= grad_scale;
+                v.v[e] = from_f32<T>(g);
+            }
+            xv[i] = v;
+        }
+        return;
+    }
     for (size_t i = threadIdx.x; i < vocab; i += blockDim.x) {
         float g = expf(to_f32(x[i]) - m) * p_scale;
         if (i == target) g -= grad_scale;

@@ -79,10 +79,14 @@ const IGNORE: i32 = cpu::IGNORE_INDEX;
 
 /// (rows, vocab): batch 4 x seq 1000 at Llama-2's (32000 + 3: odd, prime-ish) and Llama-3's
 /// vocabulary, and small odd shapes (fewer elements than threads per block, partial blocks).
+/// Vocabularies of whole 16-byte vectors (8, 1000, 32000 — the presets' —, 128256) take the
+/// vectorized row path, the odd ones the scalar path.
 const CE_SHAPES: &[(usize, usize)] = &[
     (3, 5),
     (5, 7),
+    (7, 8),
     (17, 1000),
+    (64, 32000),
     (33, 4099),
     (9, 32003),
     (4000, 32003),

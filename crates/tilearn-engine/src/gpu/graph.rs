@@ -64,7 +64,8 @@ pub struct TrainStep {
     /// The global gradient norm before clipping.
     pub grad_norm: f64,
     pub run: StepRun,
-    /// Why the step ran eagerly although graphs were asked for (`None` otherwise).
+    /// Why the step ran eagerly although graphs were asked for (`None` otherwise, and for the
+    /// eager warm-up step before the first capture).
     pub eager_reason: Option<String>,
 }
 
@@ -146,6 +147,22 @@ impl GpuLlama {
         self.graphs.stats
     }
 
+    /// What the `--cuda-graphs` setting says for a step of `conditions` on this model (the
+    /// engine's own reasons added, and a failed capture under `auto`): `Err` names why `on`
+    /// refuses it.
+    pub fn cuda_graph_decision(
+        &self,
+        conditions: StepConditions,
+    ) -> std::result::Result<GraphDecision, String> {
+        let decision = self.graphs.mode.decide(&self.step_conditions(conditions))?;
+        Ok(match (decision, &self.graphs.failed) {
+            (GraphDecision::Graph, Some(why)) => GraphDecision::Eager {
+                reason: Some(why.clone()),
+            },
+            (d, _) => d,
+        })
+    }
+
     /// The engine's own reasons a step cannot be replayed (the caller's, such as gradient
     /// accumulation, are in the [`StepConditions`] it passes).
     fn step_conditions(&self, mut given: StepConditions) -> StepConditions {
@@ -202,8 +219,9 @@ impl GpuLlama {
             ));
         }
         if reason.is_none() && self.graphs.graph_mode_steps < WARMUP_STEPS {
+            // Eager by design (kernels loaded, cuBLASLt warmed), not a fallback: no reason.
             self.graphs.graph_mode_steps += 1;
-            reason = Some(Some("warm-up step before the capture".into()));
+            reason = Some(None);
         }
         if let Some(reason) = reason {
             return self.eager_step(ids, labels, batch, seq, loss_denominator, lr, reason);

@@ -256,4 +256,25 @@ mod tests {
             .to_string();
         assert!(err.contains("`lots` is not a token count"), "{err}");
     }
+
+    fn cuda_graphs(flags: &[&str]) -> std::result::Result<CudaGraphs, clap::Error> {
+        let argv = ["bench", "--preset", "llama-134m"].iter().chain(flags);
+        Cli::try_parse_from(argv).map(|cli| cli.bench.cuda_graphs)
+    }
+
+    #[test]
+    fn cuda_graphs_flag_defaults_to_the_engine_default_and_takes_on_off_auto() {
+        assert_eq!(cuda_graphs(&[]).unwrap(), DEFAULT_CUDA_GRAPHS);
+        for (text, mode) in [
+            ("on", CudaGraphs::On),
+            ("off", CudaGraphs::Off),
+            ("auto", CudaGraphs::Auto),
+        ] {
+            assert_eq!(cuda_graphs(&["--cuda-graphs", text]).unwrap(), mode);
+        }
+        let err = cuda_graphs(&["--cuda-graphs", "maybe"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`maybe` is not a CUDA graph setting"), "{err}");
+    }
 }

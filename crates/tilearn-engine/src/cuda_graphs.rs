@@ -160,9 +160,9 @@ impl fmt::Display for GraphBlocker {
                 f,
                 "{n} processes (their collectives are not captured; single-GPU runs only)"
             ),
-            GraphBlocker::ShardedOptimizer => f.write_str(
-                "a ZeRO optimizer shard (the host gathers the global gradient norm)",
-            ),
+            GraphBlocker::ShardedOptimizer => {
+                f.write_str("a ZeRO optimizer shard (the host gathers the global gradient norm)")
+            }
             GraphBlocker::Accumulation(n) => write!(
                 f,
                 "gradient accumulation over {n} micro-batches (the graph holds one forward \
@@ -172,9 +172,9 @@ impl fmt::Display for GraphBlocker {
                 "fp16 loss scaling (the GradScaler decides on the host whether the optimizer \
                  step runs)",
             ),
-            GraphBlocker::PackedRows => f.write_str(
-                "packed rows (their position ids are uploaded per batch)",
-            ),
+            GraphBlocker::PackedRows => {
+                f.write_str("packed rows (their position ids are uploaded per batch)")
+            }
         }
     }
 }
@@ -278,7 +278,10 @@ mod tests {
                 other => panic!("{conditions:?}: auto gave {other:?}"),
             }
             let err = CudaGraphs::On.decide(&conditions).unwrap_err();
-            assert!(err.contains(words) && err.contains("--cuda-graphs auto"), "{err}");
+            assert!(
+                err.contains(words) && err.contains("--cuda-graphs auto"),
+                "{err}"
+            );
             assert_eq!(
                 CudaGraphs::Off.decide(&conditions),
                 Ok(GraphDecision::Eager { reason: None })

@@ -67,12 +67,7 @@ struct Trajectory {
     moments: (Vec<f32>, Vec<f32>),
 }
 
-fn train(
-    dev: &GpuDevice,
-    precision: DType,
-    checkpointing: bool,
-    mode: CudaGraphs,
-) -> Trajectory {
+fn train(dev: &GpuDevice, precision: DType, checkpointing: bool, mode: CudaGraphs) -> Trajectory {
     let config = config();
     let model = LlamaForCausalLM::from_config(config.clone(), 71);
     let mut gpu = GpuLlama::with_lce_chunk(
@@ -159,10 +154,18 @@ fn check_graph_matches_eager(dev: &GpuDevice, precision: DType, checkpointing: b
     );
     for (i, (a, b)) in eager.losses.iter().zip(&graph.losses).enumerate() {
         assert!(a.is_finite(), "{what}: step {i} loss {a}");
-        assert_eq!(a.to_bits(), b.to_bits(), "{what}: loss of step {i}: {a} vs {b}");
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "{what}: loss of step {i}: {a} vs {b}"
+        );
     }
     for (i, (a, b)) in eager.norms.iter().zip(&graph.norms).enumerate() {
-        assert_eq!(a.to_bits(), b.to_bits(), "{what}: norm of step {i}: {a} vs {b}");
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "{what}: norm of step {i}: {a} vs {b}"
+        );
     }
     assert_eq!(eager.evals.len(), 1);
     assert_eq!(
@@ -221,13 +224,23 @@ fn a_different_learning_rate_changes_the_weights() {
         for step in 0..4 {
             let (ids, labels) = random_batch(&mut rng, config.vocab_size, BATCH, SEQ);
             let lr = if constant { lr_at(1) } else { lr_at(step) };
-            gpu.train_step(&ids, &labels, BATCH, SEQ, None, lr, StepConditions::single())
-                .unwrap();
+            gpu.train_step(
+                &ids,
+                &labels,
+                BATCH,
+                SEQ,
+                None,
+                lr,
+                StepConditions::single(),
+            )
+            .unwrap();
         }
         gpu.download_params().unwrap().data
     };
     let differing = same_bits(&run(false), &run(true));
-    report(&format!("scheduled vs constant lr: {differing} weights differ"));
+    report(&format!(
+        "scheduled vs constant lr: {differing} weights differ"
+    ));
     assert!(differing > 0);
 }
 
@@ -256,7 +269,10 @@ fn on_refuses_and_auto_falls_back_where_a_step_cannot_be_captured() {
         .unwrap_err()
         .to_string();
     report(&format!("on + accumulation: {err}"));
-    assert!(err.contains("accumulation") && err.contains("auto"), "{err}");
+    assert!(
+        err.contains("accumulation") && err.contains("auto"),
+        "{err}"
+    );
     gpu.set_cuda_graphs(CudaGraphs::Auto);
     let out = gpu
         .train_step(&ids, &labels, BATCH, SEQ, None, 1e-3, accumulate)
@@ -270,14 +286,30 @@ fn on_refuses_and_auto_falls_back_where_a_step_cannot_be_captured() {
         .collect();
     gpu.set_position_ids(Some(&positions), BATCH, SEQ).unwrap();
     let out = gpu
-        .train_step(&ids, &labels, BATCH, SEQ, None, 1e-3, StepConditions::single())
+        .train_step(
+            &ids,
+            &labels,
+            BATCH,
+            SEQ,
+            None,
+            1e-3,
+            StepConditions::single(),
+        )
         .unwrap();
     report(&format!("auto + packed rows: {:?}", out.eager_reason));
     assert_eq!(out.run, StepRun::Eager);
     assert!(out.eager_reason.unwrap().contains("packed rows"));
     gpu.set_cuda_graphs(CudaGraphs::On);
     let err = gpu
-        .train_step(&ids, &labels, BATCH, SEQ, None, 1e-3, StepConditions::single())
+        .train_step(
+            &ids,
+            &labels,
+            BATCH,
+            SEQ,
+            None,
+            1e-3,
+            StepConditions::single(),
+        )
         .unwrap_err()
         .to_string();
     assert!(err.contains("packed rows"), "{err}");

@@ -31,8 +31,7 @@ use rand_chacha::ChaCha8Rng;
 use tilearn_ops::cuda::{CudaSlice, CudaStream, GpuDevice};
 use tilearn_optim::cuda::{
     ADAM_GROUP_WORDS, AdamGroupScalars, AdamState, Clip, FusedError, GradNorm, Grads, ParamCopy,
-    Rounding, SegmentPlan, StepIo, adam_step, adam_step_device_groups, adamw_step,
-    local_segments,
+    Rounding, SegmentPlan, StepIo, adam_step, adam_step_device_groups, adamw_step, local_segments,
 };
 use tilearn_optim::{
     AdamW, AdamWConfig, OptimError, ParamGroup, Segment, clip_grad_norm, validate_groups,

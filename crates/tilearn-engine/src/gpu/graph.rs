@@ -16,6 +16,7 @@
 //!   that the fused cross entropy reads when it runs (`cross_entropy_fused_device_scale`);
 //! * the optimizer's per-group scalars (learning rate, bias corrections, decay factor): a
 //!   device table the fused AdamW reads when it runs (`adam_step_device_groups`).
+//!
 //! Both are computed on the host exactly as an eager step computes its kernel arguments and
 //! copied up before each launch, so a replayed step gives the eager step's bits.
 //!
@@ -213,7 +214,12 @@ impl GpuLlama {
         {
             reason = Some(Some(why));
         }
-        if reason.is_none() && self.optimizer.as_ref().is_some_and(|o| o.has_prepared_norm()) {
+        if reason.is_none()
+            && self
+                .optimizer
+                .as_ref()
+                .is_some_and(|o| o.has_prepared_norm())
+        {
             reason = Some(Some(
                 "a gradient norm or unscale was prepared on the host for this step".into(),
             ));
@@ -417,7 +423,9 @@ impl GpuLlama {
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| format!("cuStreamBeginCapture: {e}"));
         let recorded = match &began {
-            Ok(()) => self.record_step(d, factor, table).map_err(|e| e.to_string()),
+            Ok(()) => self
+                .record_step(d, factor, table)
+                .map_err(|e| e.to_string()),
             Err(e) => Err(e.clone()),
         };
         // End a begun capture whatever happened inside it, so the stream leaves capture mode.
@@ -436,9 +444,7 @@ impl GpuLlama {
                     .map_err(|e| GraphFailure::Capture(format!("cuGraphUpload: {e}")))?;
                 Ok(graph)
             }
-            Some(Ok(None)) => Err(GraphFailure::Capture(
-                "the capture recorded no work".into(),
-            )),
+            Some(Ok(None)) => Err(GraphFailure::Capture("the capture recorded no work".into())),
             Some(Err(e)) => Err(GraphFailure::Capture(format!(
                 "cuStreamEndCapture / cuGraphInstantiate: {e}"
             ))),

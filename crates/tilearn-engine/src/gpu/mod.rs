@@ -76,8 +76,8 @@ pub use precision::HalfViewMut;
 pub use zero::GatheredWeights;
 
 use arena::{Arena, Dims};
-use graph::GraphState;
 use compute::Cx;
+use graph::GraphState;
 use lce::GradFactor;
 use linalg::Matmul;
 use precision::{WorkingCopy, weights, with_elem};
@@ -998,16 +998,7 @@ fn train_pass<T: DeviceFloat>(
     let mut b = arena.carve::<T>(d)?;
     compute::forward(cx, d, w, ids, &mut b)?;
     let mut grads = grads;
-    lce::loss_and_head_backward(
-        cx,
-        d,
-        w,
-        grads.grads()?,
-        targets,
-        factor,
-        totals,
-        &mut b,
-    )?;
+    lce::loss_and_head_backward(cx, d, w, grads.grads()?, targets, factor, totals, &mut b)?;
     compute::backward(cx, d, w, grads, ids, &mut b)
 }
 

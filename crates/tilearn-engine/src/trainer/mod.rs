@@ -611,9 +611,12 @@ impl Trainer {
                 None => {
                     self.backend.zero_grads();
                     let mut loss_sum = 0.0;
-                    let whole_step =
-                        self.backend
-                            .forward_backward_step(&micro, denominator, precision, loss_scale);
+                    let whole_step = self.backend.forward_backward_step(
+                        &micro,
+                        denominator,
+                        precision,
+                        loss_scale,
+                    );
                     let ran_whole_step = whole_step.is_some();
                     if let Some(step_loss) = whole_step {
                         loss_sum = step_loss?;
@@ -624,8 +627,9 @@ impl Trainer {
                     }
                     for (i, b) in micro.iter().enumerate().filter(|_| !ran_whole_step) {
                         let last = i + 1 == micro.len();
-                        let poison =
-                            scaled && last && a.debug_inject_overflow.contains(&(state.global_step + 1));
+                        let poison = scaled
+                            && last
+                            && a.debug_inject_overflow.contains(&(state.global_step + 1));
                         // The last micro-batch all-reduces its gradients during its own backward where
                         // the run allows it (never when a fault is injected after the backward).
                         if (last || self.dp.reduces_each_micro_batch()) && !poison {
@@ -642,9 +646,9 @@ impl Trainer {
                                 continue;
                             }
                         }
-                        loss_sum += self
-                            .backend
-                            .forward_backward(b, denominator, precision, loss_scale)?;
+                        loss_sum +=
+                            self.backend
+                                .forward_backward(b, denominator, precision, loss_scale)?;
                         if poison {
                             self.backend.poison_gradients()?;
                         }

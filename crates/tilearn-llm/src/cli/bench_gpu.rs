@@ -15,6 +15,7 @@ use super::bench_loop::BenchResult;
 use crate::Result;
 
 #[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
 pub fn bench(
     config: &LlamaConfig,
     batch: usize,
@@ -71,12 +72,12 @@ pub fn bench(
         loss_scaling: scaler.is_enabled(),
         ..StepConditions::single()
     };
-    let decision = gpu
-        .cuda_graph_decision(conditions)
-        .map_err(|message| crate::LlmError::Usage {
-            flag: "--cuda-graphs".into(),
-            message,
-        })?;
+    let decision =
+        gpu.cuda_graph_decision(conditions)
+            .map_err(|message| crate::LlmError::Usage {
+                flag: "--cuda-graphs".into(),
+                message,
+            })?;
     let mut report = GraphReport {
         mode: graphs.to_string(),
         ..GraphReport::default()
@@ -226,6 +227,7 @@ pub fn bench_optimizers(_names: &[String], _params: usize, _steps: usize) -> Res
 }
 
 #[cfg(not(feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
 pub fn bench(
     _config: &LlamaConfig,
     _batch: usize,

@@ -216,7 +216,12 @@ pub fn adam_step_device_groups(
     io: StepIo<'_>,
 ) -> Result<()> {
     const OP: &str = "tilearn_optim_adam_device_groups";
-    check_len(OP, "groups", plan.n_groups() * ADAM_GROUP_WORDS, groups.len())?;
+    check_len(
+        OP,
+        "groups",
+        plan.n_groups() * ADAM_GROUP_WORDS,
+        groups.len(),
+    )?;
     same_device(OP, "groups", stream, groups.stream())?;
     launch_adam(OP, stream, plan, GroupSource::Device(groups), state, io)
 }

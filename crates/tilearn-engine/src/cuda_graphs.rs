@@ -158,7 +158,7 @@ impl fmt::Display for GraphBlocker {
         match self {
             GraphBlocker::MultiRank(n) => write!(
                 f,
-                "{n} processes (their collectives are not captured; single-GPU runs only)"
+                "{n} processes (their collectives are not captured, single-GPU runs only)"
             ),
             GraphBlocker::ShardedOptimizer => {
                 f.write_str("a ZeRO optimizer shard (the host gathers the global gradient norm)")

@@ -24,9 +24,10 @@
 //! step, as in an eager step). Capture runs with cudarc's event tracking switched off: its
 //! per-buffer events were recorded outside the capture, and waiting on such an event inside
 //! one is illegal; every buffer of the step is used on the one compute stream, whose order is
-//! what the graph records. The first step in graph mode runs eagerly (it loads the kernels and
-//! warms cuBLASLt's algorithm choice), the second is captured and launched, the later ones
-//! replay. A new shape or precision captures again; a new optimizer drops the graph.
+//! what the graph records. The first step of a shape (batch × seq) and precision runs eagerly
+//! (it loads the kernels and makes cuBLASLt's algorithm choices outside any capture), the next
+//! one of that key is captured and launched, the later ones replay. One graph is kept: a step
+//! of another key warms up and captures anew; a new optimizer drops the graph.
 //!
 //! A CUDA error during capture or instantiation does not end the run under `auto`: the step
 //! runs eagerly, the reason is kept ([`GpuLlama::cuda_graph_fallback`]) and no capture is tried
@@ -42,9 +43,6 @@ use crate::model::LossStats;
 
 use super::lce::GradFactor;
 use super::sink::Handoff;
-
-/// Eager steps in graph mode before the first capture.
-const WARMUP_STEPS: usize = 1;
 
 /// How one [`GpuLlama::train_step`] ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,8 +108,9 @@ impl std::fmt::Debug for StepGraph {
 pub(crate) struct GraphState {
     pub mode: CudaGraphs,
     graph: Option<StepGraph>,
-    /// Steps run in graph mode so far (the first [`WARMUP_STEPS`] run eagerly).
-    graph_mode_steps: usize,
+    /// The shape and precision of the last eager warm-up step: a step is captured only after
+    /// one eager step of its key (kernels loaded, cuBLASLt's choices made outside capture).
+    warmed: Option<GraphKey>,
     /// A capture or instantiation failed: why (no capture is tried again).
     failed: Option<String>,
     pub stats: GraphStats,
@@ -224,15 +223,25 @@ impl GpuLlama {
                 "a gradient norm or unscale was prepared on the host for this step".into(),
             ));
         }
-        if reason.is_none() && self.graphs.graph_mode_steps < WARMUP_STEPS {
-            // Eager by design (kernels loaded, cuBLASLt warmed), not a fallback: no reason.
-            self.graphs.graph_mode_steps += 1;
+        let key = GraphKey {
+            batch,
+            seq,
+            precision: self.precision,
+        };
+        let captured = self
+            .graphs
+            .graph
+            .as_ref()
+            .and_then(|g| g.captured.as_ref().map(|(_, k)| *k));
+        if reason.is_none() && captured != Some(key) && self.graphs.warmed != Some(key) {
+            // Eager by design before a capture (the kernels of this shape loaded, cuBLASLt's
+            // algorithms chosen outside the capture), not a fallback: no reason.
+            self.graphs.warmed = Some(key);
             reason = Some(None);
         }
         if let Some(reason) = reason {
             return self.eager_step(ids, labels, batch, seq, loss_denominator, lr, reason);
         }
-        self.graphs.graph_mode_steps += 1;
         match self.graph_step(ids, labels, batch, seq, loss_denominator, lr) {
             Ok(step) => Ok(step),
             Err(GraphFailure::Step(e)) => Err(e),

@@ -246,13 +246,16 @@ impl GpuLlama {
             Ok(step) => Ok(step),
             Err(GraphFailure::Step(e)) => Err(e),
             Err(GraphFailure::Capture(why)) => {
-                let why = format!("CUDA graph capture failed, steps run eagerly: {why}");
                 if self.graphs.mode == CudaGraphs::On {
                     return Err(invalid(
                         "--cuda-graphs",
-                        format!("on: {why}; use --cuda-graphs auto or off"),
+                        format!(
+                            "on: capturing the step as a CUDA graph failed: {why}; use \
+                             --cuda-graphs auto (eager steps after such a failure) or off"
+                        ),
                     ));
                 }
+                let why = format!("CUDA graph capture failed, steps run eagerly: {why}");
                 self.graphs.failed = Some(why.clone());
                 self.eager_step(ids, labels, batch, seq, loss_denominator, lr, Some(why))
             }

@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod cuda_graphs;
 pub mod data;
 pub mod error;
 #[cfg(feature = "cuda")]

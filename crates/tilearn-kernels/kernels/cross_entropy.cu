@@ -23,6 +23,9 @@
 //            grad_scale = loss_scale / tokens, loss_scale up to 65536) becomes +-inf, never a
 //            clamped value, so the scaler's non-finite check sees the overflow and skips the
 //            step; the row loss is f32 and stays finite.
+//            tilearn_cross_entropy_fused_device_scale reads grad_scale from device memory
+//            when the kernel runs (a CUDA graph replays the step with each step's factor); the
+//            arithmetic is the same, so the same factor gives the same bits.
 // Output:    row_loss is written (`=`): 0 for ignored rows; the gradient is written (`=`, in
 //            place), all zeros for ignored rows. totals is written (`=`):
 //              totals[0] = sum of row losses over non-ignored rows, f64, in a fixed order
@@ -141,9 +144,13 @@ __device__ __forceinline__ float row_loss_of(float m, float s, float x_target) {
 
 template <typename T>
 __global__ void ce_fused_kernel(T* __restrict__ logits, const int32_t* __restrict__ targets,
-                                size_t vocab, float grad_scale, float* __restrict__ row_loss) {
+                                size_t vocab, float host_grad_scale,
+                                const float* __restrict__ device_grad_scale,
+                                float* __restrict__ row_loss) {
     const size_t row = blockIdx.x;
     T* x = logits + row * vocab;
+    // A CUDA graph replays the launch with the factor of each step read from device memory.
+    const float grad_scale = device_grad_scale != nullptr ? *device_grad_scale : host_grad_scale;
     const int32_t t = targets[row];
     if (t == kIgnoreIndex) {
         for (size_t i = threadIdx.x; i < vocab; i += blockDim.x) x[i] = from_f32<T>(0.0f);
@@ -271,13 +278,14 @@ int launch_totals(const float* row_loss, const int32_t* targets, size_t rows, si
 
 template <typename T>
 int launch_fused(void* logits, const int32_t* targets, size_t rows, size_t vocab,
-                 float grad_scale, float* row_loss, double* totals, cudaStream_t stream) {
+                 float grad_scale, const float* device_grad_scale, float* row_loss,
+                 double* totals, cudaStream_t stream) {
     if (!shape_ok(rows, vocab) || !isfinite(grad_scale) ||
         !pointers_ok(logits, targets, rows, vocab, row_loss, totals))
         return static_cast<int>(cudaErrorInvalidValue);
     if (rows > 0) {
         ce_fused_kernel<T><<<static_cast<unsigned>(rows), threads_for(vocab), 0, stream>>>(
-            static_cast<T*>(logits), targets, vocab, grad_scale, row_loss);
+            static_cast<T*>(logits), targets, vocab, grad_scale, device_grad_scale, row_loss);
         const cudaError_t err = cudaGetLastError();
         if (err != cudaSuccess) return static_cast<int>(err);
     }
@@ -306,8 +314,21 @@ extern "C" int tilearn_cross_entropy_fused(int dtype, void* logits, const int32_
                                            float* row_loss, double* totals,
                                            cudaStream_t stream) {
     return tilearn::dispatch(dtype, [&](auto tag) {
-        return launch_fused<decltype(tag)>(logits, targets, rows, vocab, grad_scale, row_loss,
-                                           totals, stream);
+        return launch_fused<decltype(tag)>(logits, targets, rows, vocab, grad_scale, nullptr,
+                                           row_loss, totals, stream);
+    });
+}
+
+extern "C" int tilearn_cross_entropy_fused_device_scale(int dtype, void* logits,
+                                                        const int32_t* targets, size_t rows,
+                                                        size_t vocab, const float* grad_scale,
+                                                        float* row_loss, double* totals,
+                                                        cudaStream_t stream) {
+    if (grad_scale == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        // 1.0f only passes the host-side finiteness check; the kernel reads *grad_scale.
+        return launch_fused<decltype(tag)>(logits, targets, rows, vocab, 1.0f, grad_scale,
+                                           row_loss, totals, stream);
     });
 }
 

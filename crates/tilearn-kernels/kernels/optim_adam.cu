@@ -17,6 +17,9 @@
 //              p = p + (neg_step * m) / (sqrt(v or vmax) / sqrt(bc2) + eps)
 //            The step scalars (bias corrections, step size) come from the host, computed in f64
 //            and rounded once (AdamWStepScalars). The working copy rounds the new f32 master.
+//            tilearn_optim_adam_device_groups reads the groups' scalars from device memory
+//            when the kernel runs instead of from its argument (a CUDA graph replays one launch
+//            with each step's learning rate and bias corrections); same values, same bits.
 // Output:    params, moments written in place (=); param copy written (=); grads only read.
 
 #include "optim_common.cuh"
@@ -87,8 +90,10 @@ struct AdamBody {
 
 template <typename G, typename O>
 __global__ void __launch_bounds__(kThreads)
-    adam_kernel(const Context ctx, const AdamGroups groups, float* __restrict__ p,
-                float* __restrict__ m, float* __restrict__ v, float* __restrict__ vmax) {
+    adam_kernel(const Context ctx, const AdamGroups groups,
+                const tilearn_optim_adam_group* __restrict__ device_groups,
+                float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
+                float* __restrict__ vmax) {
     if (skip_step(ctx)) return;
     const GradTransform gt = grad_transform(ctx);
     for_chunks(ctx, [&](uint64_t, const tilearn_optim_segment& seg, uint64_t begin,
@@ -96,7 +101,8 @@ __global__ void __launch_bounds__(kThreads)
         // The host validates groups; this guard only keeps a corrupt table from reading past
         // the kernel argument.
         if (seg.group >= TILEARN_OPTIM_MAX_GROUPS) return;
-        const tilearn_optim_adam_group s = groups.g[seg.group];
+        const tilearn_optim_adam_group s =
+            device_groups != nullptr ? device_groups[seg.group] : groups.g[seg.group];
         AdamBody<G, O> body{ctx, s, gt, p, m, v, vmax};
         for_range(ctx, begin, end, body);
     });
@@ -105,6 +111,7 @@ __global__ void __launch_bounds__(kThreads)
 struct LaunchAdam {
     const Context& ctx;
     const AdamGroups& groups;
+    const tilearn_optim_adam_group* device_groups;
     float* p;
     float* m;
     float* v;
@@ -115,7 +122,7 @@ struct LaunchAdam {
     cudaError_t operator()() const {
         auto kernel = adam_kernel<G, O>;
         const unsigned blocks = grid_for(kernel, ctx.n_chunks);
-        kernel<<<blocks, kThreads, 0, stream>>>(ctx, groups, p, m, v, vmax);
+        kernel<<<blocks, kThreads, 0, stream>>>(ctx, groups, device_groups, p, m, v, vmax);
         return cudaGetLastError();
     }
 };
@@ -138,5 +145,24 @@ extern "C" int tilearn_optim_adam(const tilearn_optim_launch* launch,
     for (uint32_t k = 0; k < n_groups; ++k) g.g[k] = groups[k];
     return static_cast<int>(dispatch_dtypes(
         launch->grad_dtype, launch->copy_dtype,
-        LaunchAdam{ctx, g, params, exp_avg, exp_avg_sq, max_exp_avg_sq, stream}));
+        LaunchAdam{ctx, g, nullptr, params, exp_avg, exp_avg_sq, max_exp_avg_sq, stream}));
+}
+
+extern "C" int tilearn_optim_adam_device_groups(const tilearn_optim_launch* launch,
+                                                const tilearn_optim_adam_group* groups,
+                                                uint32_t n_groups, float* params, float* exp_avg,
+                                                float* exp_avg_sq, float* max_exp_avg_sq,
+                                                cudaStream_t stream) {
+    if (groups == nullptr || n_groups == 0 || n_groups > TILEARN_OPTIM_MAX_GROUPS)
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (exp_avg == nullptr || exp_avg_sq == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+    const float* state[4] = {params, exp_avg, exp_avg_sq, max_exp_avg_sq};
+    Context ctx;
+    const cudaError_t err = make_context(launch, state, 4, &ctx);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    if (ctx.n_chunks == 0) return static_cast<int>(cudaSuccess);
+    const AdamGroups unused{};
+    return static_cast<int>(dispatch_dtypes(
+        launch->grad_dtype, launch->copy_dtype,
+        LaunchAdam{ctx, unused, groups, params, exp_avg, exp_avg_sq, max_exp_avg_sq, stream}));
 }

@@ -236,6 +236,16 @@ unsafe extern "C" {
         max_exp_avg_sq: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_optim_adam_device_groups(
+        launch: *const tilearn_optim_launch,
+        groups: *const tilearn_optim_adam_group,
+        n_groups: u32,
+        params: *mut f32,
+        exp_avg: *mut f32,
+        exp_avg_sq: *mut f32,
+        max_exp_avg_sq: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
     pub fn tilearn_optim_sgd(
         launch: *const tilearn_optim_launch,
         groups: *const tilearn_optim_sgd_group,
@@ -272,6 +282,17 @@ unsafe extern "C" {
         rows: usize,
         vocab: usize,
         grad_scale: f32,
+        row_loss: *mut f32,
+        totals: *mut f64,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_cross_entropy_fused_device_scale(
+        dtype: ::std::os::raw::c_int,
+        logits: *mut ::std::os::raw::c_void,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        grad_scale: *const f32,
         row_loss: *mut f32,
         totals: *mut f64,
         stream: cudaStream_t,

@@ -737,6 +737,87 @@ fn cross_entropy_is_deterministic() {
     check_deterministic::<f16>(&dev, 920, F16_LOSS_SCALE);
 }
 
+/// The fused launch with its factor read from device memory (what a replayed CUDA graph runs)
+/// against the factor as a kernel argument (checked against the CPU reference above): the
+/// same loss, row losses and gradients bit for bit, the factor rewritten between launches as
+/// the host rewrites it before each replay.
+fn check_device_factor<T: DeviceFloat>(dev: &GpuDevice, seed: u64, loss_scale: f64) {
+    let s = dev.stream();
+    let mut factor = upload(s, &[f32::NAN]);
+    for (case_no, &(rows, vocab)) in [(17, 1000), (300, 32003)].iter().enumerate() {
+        let what = format!("ce device factor {} {rows}x{vocab}", T::NAME);
+        let x: Vec<T> = rounded(&normal_logits(seed + case_no as u64, rows, vocab, 3.0));
+        let targets_h = random_targets(seed + 100 + case_no as u64, rows, vocab);
+        let targets = upload(s, &targets_h);
+        // Not a power of two: the factor's rounding shows in every gradient element.
+        let grad_scale = loss_scale * grad_scale_for(&targets_h) * 0.7;
+        let run = |device: Option<&mut CudaSlice<f32>>| {
+            let mut totals = CeTotals::new(s).unwrap();
+            let mut logits = upload(s, &x);
+            let mut row_loss = upload(s, &vec![f32::NAN; rows]);
+            match device {
+                None => cuda::cross_entropy_fused(
+                    s,
+                    &mut logits,
+                    &targets,
+                    vocab,
+                    grad_scale,
+                    &mut row_loss,
+                    &mut totals,
+                ),
+                Some(f) => {
+                    s.memcpy_htod(&[grad_scale as f32], f).unwrap();
+                    cuda::cross_entropy_fused_device_scale(
+                        s,
+                        &mut logits,
+                        &targets,
+                        vocab,
+                        &*f,
+                        &mut row_loss,
+                        &mut totals,
+                    )
+                }
+            }
+            .unwrap();
+            let stats = totals.read(s).unwrap();
+            (stats, download(dev, &row_loss), download(dev, &logits))
+        };
+        let (s1, l1, g1) = run(None);
+        let (s2, l2, g2) = run(Some(&mut factor));
+        let grad_diff = g1
+            .iter()
+            .zip(&g2)
+            .filter(|&(&a, &b)| bits(a) != bits(b))
+            .count();
+        report(&format!(
+            "{what}: loss_sum {:.17e} / {:.17e}, gradient elements differing: {grad_diff}",
+            s1.loss_sum, s2.loss_sum
+        ));
+        assert_eq!(s1.loss_sum.to_bits(), s2.loss_sum.to_bits(), "{what}");
+        assert_eq!(s1.valid, s2.valid, "{what}");
+        assert!(
+            l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: row losses differ"
+        );
+        assert_eq!(grad_diff, 0, "{what}: gradients differ");
+        assert!(
+            g2.iter().any(|&v| widen(v) != 0.0),
+            "{what}: no gradient written"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn cross_entropy_device_factor_matches_argument_factor() {
+    let Some(dev) = gpu_or_skip("cross_entropy_device_factor_matches_argument_factor") else {
+        return;
+    };
+    check_device_factor::<f32>(&dev, 1900, 1.0);
+    check_device_factor::<bf16>(&dev, 1910, 1.0);
+    check_device_factor::<f16>(&dev, 1920, F16_LOSS_SCALE);
+}
+
 /// Out-of-range labels on `T` logits: the totals name the lowest bad position and its label,
 /// `read` returns `LabelOutOfRange`, the bad rows get NaN losses and NaN gradients, and the good
 /// rows are still right (losses within 1e-5, the gradient within `grad_tol`, at `grad_scale`).

@@ -30,8 +30,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tilearn_ops::cuda::{CudaSlice, CudaStream, GpuDevice};
 use tilearn_optim::cuda::{
-    AdamGroupScalars, AdamState, Clip, FusedError, GradNorm, Grads, ParamCopy, Rounding,
-    SegmentPlan, StepIo, adam_step, adamw_step, local_segments,
+    ADAM_GROUP_WORDS, AdamGroupScalars, AdamState, Clip, FusedError, GradNorm, Grads, ParamCopy,
+    Rounding, SegmentPlan, StepIo, adam_step, adam_step_device_groups, adamw_step, local_segments,
 };
 use tilearn_optim::{
     AdamW, AdamWConfig, OptimError, ParamGroup, Segment, clip_grad_norm, validate_groups,
@@ -252,6 +252,9 @@ struct AdamCase {
     misaligned: bool,
     shard: Range<usize>,
     steps: usize,
+    /// The groups' scalars go in a device table the kernel reads (`adam_step_device_groups`,
+    /// what a replayed CUDA graph launches) instead of the kernel's argument.
+    device_groups: bool,
 }
 
 impl AdamCase {
@@ -266,6 +269,7 @@ impl AdamCase {
             misaligned: false,
             shard: 0..N,
             steps: 4,
+            device_groups: false,
         }
     }
 }
@@ -417,7 +421,17 @@ fn run_adamw_case(dev: &GpuDevice, c: &AdamCase) {
                 None
             },
         };
-        adamw_step(s, &plan, &scalars, state, io).expect("fused step");
+        if c.device_groups {
+            let words: Vec<u32> = scalars
+                .iter()
+                .flat_map(|x| AdamGroupScalars::from(x).to_words().expect("valid scalars"))
+                .collect();
+            assert_eq!(words.len(), groups.len() * ADAM_GROUP_WORDS);
+            let table = upload(s, &words);
+            adam_step_device_groups(s, &plan, &table, state, io).expect("fused step");
+        } else {
+            adamw_step(s, &plan, &scalars, state, io).expect("fused step");
+        }
     }
 
     // Back to global indexing (elements outside the shard keep their initial values).
@@ -544,6 +558,27 @@ fn adamw_global_norm_clip_is_fused() {
     // max_norm above the norm: no clipping (coefficient must not be applied).
     let mut c = AdamCase::new("adamw_clip_not_triggered");
     c.max_norm = Some(1e6);
+    run_adamw_case(&dev, &c);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn adamw_with_device_group_table_matches_cpu() {
+    let Some(dev) = gpu_or_skip("adamw_with_device_group_table_matches_cpu") else {
+        return;
+    };
+    // The learning rate changes every step (run_adamw_case's schedule) and the table is
+    // rewritten for each: the same bounds as the argument path, with clipping and a bf16 copy,
+    // and with amsgrad, f32 gradients and an f16 copy.
+    let mut c = AdamCase::new("adamw_device_groups_clip");
+    c.device_groups = true;
+    c.max_norm = Some(1.0);
+    run_adamw_case(&dev, &c);
+    let mut c = AdamCase::new("adamw_device_groups_amsgrad_f16_copy");
+    c.device_groups = true;
+    c.amsgrad = true;
+    c.grads = GradKind::F32;
+    c.copy = CopyKind::F16;
     run_adamw_case(&dev, &c);
 }
 

@@ -62,10 +62,19 @@ fn head_forward<'b, T: DeviceFloat>(
     Ok(logits)
 }
 
+/// The cross entropy's gradient factor (`loss_scale / denominator`): a kernel argument in an
+/// eager step, or one f32 in device memory that a captured CUDA graph reads when it replays
+/// (see `graph.rs`), written by the host before each replay.
+#[derive(Clone, Copy)]
+pub(crate) enum GradFactor<'a> {
+    Host(f64),
+    Device(&'a CudaView<'a, f32>),
+}
+
 /// Training: the loss of every target (row losses, and the call's totals in `totals`) and the
 /// loss head's backward. `b.final_xn` must hold the forward's final norm; on return
 /// `b.grad.dxn` holds d(loss)/d(final_xn) (`=`) and d(lm_head) has been added into `g`'s
-/// lm_head range. `grad_scale` is the whole call's factor (`loss_scale / denominator`).
+/// lm_head range. `factor` is the whole call's (`loss_scale / denominator`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
@@ -73,7 +82,7 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
     w: &CudaView<'_, T>,
     g: &mut CudaViewMut<'_, f32>,
     targets: &CudaView<'_, i32>,
-    grad_scale: f64,
+    factor: GradFactor<'_>,
     totals: &mut CeTotals,
     b: &mut Bufs<'_, T>,
 ) -> Result<()> {
@@ -85,15 +94,28 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
         let rows = r.len();
         let x = view(&final_xn, r.start * c..r.end * c)?;
         let mut logits = head_forward(cx, d, &head, &x, rows, &mut b.logit_chunk)?;
-        k::cross_entropy_fused(
-            cx.stream,
-            &mut logits,
-            &view(targets, r.clone())?,
-            d.vocab,
-            grad_scale,
-            &mut view_mut(&mut b.row_loss, r.clone())?,
-            totals,
-        )?;
+        let chunk_targets = view(targets, r.clone())?;
+        let mut row_loss = view_mut(&mut b.row_loss, r.clone())?;
+        match factor {
+            GradFactor::Host(grad_scale) => k::cross_entropy_fused(
+                cx.stream,
+                &mut logits,
+                &chunk_targets,
+                d.vocab,
+                grad_scale,
+                &mut row_loss,
+                totals,
+            )?,
+            GradFactor::Device(grad_scale) => k::cross_entropy_fused_device_scale(
+                cx.stream,
+                &mut logits,
+                &chunk_targets,
+                d.vocab,
+                grad_scale,
+                &mut row_loss,
+                totals,
+            )?,
+        }
         cx.mm.linear_backward(
             cx.stream,
             &logits.as_view(),

@@ -39,6 +39,7 @@
 mod arena;
 mod compute;
 mod decode;
+mod graph;
 mod inputs;
 mod lce;
 mod linalg;
@@ -53,6 +54,7 @@ mod zero;
 use std::sync::Arc;
 
 pub use decode::GpuDecoder;
+pub use graph::{GraphStats, StepRun, TrainStep};
 pub use sink::GradientSink;
 use sink::Handoff;
 
@@ -75,6 +77,8 @@ pub use zero::GatheredWeights;
 
 use arena::{Arena, Dims};
 use compute::Cx;
+use graph::GraphState;
+use lce::GradFactor;
 use linalg::Matmul;
 use precision::{WorkingCopy, weights, with_elem};
 
@@ -172,6 +176,8 @@ pub struct GpuLlama {
     embed_scratch: EmbeddingBackwardScratch,
     optimizer: Option<GpuAdamW>,
     memory: GpuMemory,
+    /// `--cuda-graphs` and the recorded step (see `graph.rs`).
+    graphs: GraphState,
 }
 
 /// The model's buffers split for one forward (and backward) pass: what every op needs, and the
@@ -482,6 +488,7 @@ impl GpuLlama {
             norm_scratch,
             embed_scratch,
             optimizer: None,
+            graphs: GraphState::default(),
             memory: GpuMemory {
                 master_bytes,
                 working_copy_bytes: work_bytes,
@@ -749,7 +756,7 @@ impl GpuLlama {
             Handoff::new(p.grads.as_view_mut(), sink, layout),
             &p.ids.slice(..d.n),
             &p.targets.slice(..d.n),
-            grad_scale,
+            GradFactor::Host(grad_scale),
             p.totals,
             p.arena,
         ))?;
@@ -849,7 +856,9 @@ impl GpuLlama {
                 format!("{shard:?} is not a range of the model's {numel} parameters"),
             ));
         }
-        // Free a previous optimizer's state before allocating the new one.
+        // Free a previous optimizer's state before allocating the new one; a recorded step
+        // graph points at it.
+        self.graphs.invalidate();
         self.optimizer = None;
         let opt = GpuAdamW::new(self.stream(), config, groups, (numel, shard), max_grad_norm)?;
         self.memory.optimizer_bytes = opt.bytes();
@@ -982,23 +991,14 @@ fn train_pass<T: DeviceFloat>(
     grads: Handoff<'_, '_>,
     ids: &CudaView<'_, u32>,
     targets: &CudaView<'_, i32>,
-    grad_scale: f64,
+    factor: GradFactor<'_>,
     totals: &mut CeTotals,
     arena: &mut Arena,
 ) -> Result<()> {
     let mut b = arena.carve::<T>(d)?;
     compute::forward(cx, d, w, ids, &mut b)?;
     let mut grads = grads;
-    lce::loss_and_head_backward(
-        cx,
-        d,
-        w,
-        grads.grads()?,
-        targets,
-        grad_scale,
-        totals,
-        &mut b,
-    )?;
+    lce::loss_and_head_backward(cx, d, w, grads.grads()?, targets, factor, totals, &mut b)?;
     compute::backward(cx, d, w, grads, ids, &mut b)
 }
 

@@ -26,7 +26,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use tilearn_ops::cuda::CudaStream;
 use tilearn_optim::cuda::{
-    AdamState, Clip, FusedError, GradNorm, Grads, ParamCopy, SegmentPlan, StepIo, adamw_step,
+    ADAM_GROUP_WORDS, AdamGroupScalars, AdamState, Clip, FusedError, GradNorm, Grads, ParamCopy,
+    SegmentPlan, StepIo, adam_step_device_groups, adamw_step,
 };
 use tilearn_optim::{
     AdamWConfig, AdamWStepScalars, OptimError, ParamGroup, decimal_f64, validate_groups,
@@ -278,14 +279,7 @@ impl GpuAdamW {
         param_copy: ParamCopy<'_>,
         lr: f32,
     ) -> Result<()> {
-        if !(lr.is_finite() && lr >= 0.0) {
-            return Err(OptimError::InvalidHyperParameter {
-                name: "lr",
-                value: f64::from(lr),
-                message: "must be finite and >= 0",
-            }
-            .into());
-        }
+        check_lr(lr)?;
         let numel = self.plan.len();
         self.check_shard_len("params", params.len())?;
         self.check_shard_len("grads", grads.len())?;
@@ -301,18 +295,7 @@ impl GpuAdamW {
         }
         self.last_norm = ready;
         let next = self.step + 1;
-        let scalars: Vec<AdamWStepScalars> = self
-            .groups
-            .iter()
-            .map(|g| {
-                AdamWStepScalars::new(
-                    &self.config,
-                    decimal_f64(lr) * decimal_f64(g.lr_scale),
-                    decimal_f64(g.weight_decay),
-                    next,
-                )
-            })
-            .collect();
+        let scalars = self.scalars_at(lr, next);
         let io = StepIo {
             grads: Grads::F32(grads.slice(..numel)),
             param_copy,
@@ -334,6 +317,22 @@ impl GpuAdamW {
         adamw_step(stream, &self.plan, &scalars, state, io).map_err(fused)?;
         self.step = next;
         Ok(())
+    }
+
+    /// Every group's scalars of step `step` at learning rate `lr` (the CPU AdamW's f64
+    /// formulas, rounded to f32 once).
+    fn scalars_at(&self, lr: f32, step: u64) -> Vec<AdamWStepScalars> {
+        self.groups
+            .iter()
+            .map(|g| {
+                AdamWStepScalars::new(
+                    &self.config,
+                    decimal_f64(lr) * decimal_f64(g.lr_scale),
+                    decimal_f64(g.weight_decay),
+                    step,
+                )
+            })
+            .collect()
     }
 
     /// The global gradient norm (before clipping) of the last step. Cost: a 16-byte
@@ -408,6 +407,92 @@ impl GpuAdamW {
         self.step = step;
         Ok(())
     }
+}
+
+/// What a whole-step CUDA graph needs of the optimizer (see `graph.rs`): the launch that reads
+/// the groups' scalars from a device table, the table's words for the next step, and the
+/// bookkeeping of a replayed step.
+impl GpuAdamW {
+    /// Words of the device table (`n_groups * ADAM_GROUP_WORDS`).
+    pub(crate) fn group_table_len(&self) -> usize {
+        self.groups.len() * ADAM_GROUP_WORDS
+    }
+
+    /// Whether the next step would use a norm or an unscale prepared on the host
+    /// ([`GpuAdamW::unscaled_norm`], [`GpuAdamW::use_global_sum_of_squares`]): such a step
+    /// cannot be replayed from a graph that measures the norm itself.
+    pub(crate) fn has_prepared_norm(&self) -> bool {
+        self.unscale || self.norm_ready.is_some()
+    }
+
+    /// The device table's words for the next step at learning rate `lr` (the scalars
+    /// [`GpuAdamW::step`] would pass as the kernel's argument, validated as it validates them).
+    pub(crate) fn next_group_words(&self, lr: f32) -> Result<Vec<u32>> {
+        check_lr(lr)?;
+        let mut words = Vec::with_capacity(self.group_table_len());
+        for s in self.scalars_at(lr, self.step + 1) {
+            words.extend(AdamGroupScalars::from(&s).to_words().map_err(fused)?);
+        }
+        Ok(words)
+    }
+
+    /// Queues what [`GpuAdamW::step`] queues without a prepared norm (the gradient norm, then
+    /// the fused update with clipping) with the groups' scalars read from `table` when the
+    /// kernel runs; changes no host state (it is recorded into a graph, which the caller
+    /// launches and then reports with [`GpuAdamW::replayed_step`]).
+    pub(crate) fn queue_device_step(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        params: CudaViewMut<'_, f32>,
+        grads: CudaView<'_, f32>,
+        param_copy: ParamCopy<'_>,
+        table: &CudaSlice<u32>,
+    ) -> Result<()> {
+        let numel = self.plan.len();
+        self.check_shard_len("params", params.len())?;
+        self.check_shard_len("grads", grads.len())?;
+        self.norm
+            .compute(stream, &Grads::F32(grads.slice(..numel)), None)
+            .map_err(fused)?;
+        let io = StepIo {
+            grads: Grads::F32(grads.slice(..numel)),
+            param_copy,
+            inv_scale: None,
+            found_inf: None,
+            clip: (self.max_grad_norm > 0.0).then(|| Clip {
+                grad_sumsq: self.norm.result(),
+                max_norm: self.max_grad_norm,
+            }),
+            // Only stochastic rounding reads it, and the engine rounds to nearest.
+            step: self.step + 1,
+        };
+        let mut params = params;
+        let state = AdamState {
+            params: params.slice_mut(..numel),
+            exp_avg: self.exp_avg.slice_mut(..numel),
+            exp_avg_sq: self.exp_avg_sq.slice_mut(..numel),
+            max_exp_avg_sq: self.max_exp_avg_sq.as_mut().map(|m| m.slice_mut(..numel)),
+        };
+        adam_step_device_groups(stream, &self.plan, &table.slice(..), state, io).map_err(fused)
+    }
+
+    /// Counts a step that a graph launch performed (the norm lives in the device buffer).
+    pub(crate) fn replayed_step(&mut self) {
+        self.step += 1;
+        self.last_norm = None;
+    }
+}
+
+fn check_lr(lr: f32) -> Result<()> {
+    if lr.is_finite() && lr >= 0.0 {
+        return Ok(());
+    }
+    Err(OptimError::InvalidHyperParameter {
+        name: "lr",
+        value: f64::from(lr),
+        message: "must be finite and >= 0",
+    }
+    .into())
 }
 
 /// A fused-optimizer error as an engine error.

@@ -57,6 +57,8 @@ impl GpuLlama {
             ));
         }
         let stream = self.stream().clone();
+        // A recorded step graph points at the buffers this replaces.
+        self.graphs.invalidate();
         let Some(opt) = self.optimizer.as_mut() else {
             return Err(invalid(
                 "GpuLlama::shard_optimizer",

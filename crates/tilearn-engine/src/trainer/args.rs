@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use tilearn_ops::DType;
 
+use crate::cuda_graphs::CudaGraphs;
 use crate::lce_chunk::LceChunk;
 use crate::{EngineError, Result};
 
@@ -107,6 +108,10 @@ pub struct TrainingArguments {
     /// (`--lce-chunk-tokens`; see [`crate::lce_chunk`]). The CPU engine ignores it.
     #[serde(default)]
     pub lce_chunk: LceChunk,
+    /// Whether the GPU engine replays each step as one CUDA graph (`--cuda-graphs`; see
+    /// [`crate::cuda_graphs`]). The CPU engine ignores it.
+    #[serde(default)]
+    pub cuda_graphs: CudaGraphs,
     /// When the eval set ([`Trainer::set_eval_dataset`](super::Trainer::set_eval_dataset)) is
     /// evaluated.
     #[serde(default)]
@@ -173,6 +178,7 @@ impl Default for TrainingArguments {
             metric_for_best_model: None,
             gradient_checkpointing: false,
             lce_chunk: LceChunk::Auto,
+            cuda_graphs: CudaGraphs::default(),
             eval_strategy: EvalStrategy::No,
             eval_steps: None,
             per_device_eval_batch_size: None,

@@ -10,6 +10,7 @@ use super::flat_buffer::FlatBuffer;
 use super::optimizer_shards::OptimizerCheckpoint;
 use super::zero::{RankState, StateBytes};
 use crate::config::LlamaConfig;
+use crate::cuda_graphs::StepConditions;
 use crate::data::Batch;
 use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::ParamSpec;
@@ -37,6 +38,15 @@ impl ModelInit {
             }
         }
     }
+}
+
+/// What [`StepBackend::whole_step`] returns.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WholeStep {
+    /// The step's summed token losses (as [`StepBackend::forward_backward`] returns them).
+    pub loss_sum: f64,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
 }
 
 /// One device's model, gradients and optimizer state.
@@ -78,6 +88,29 @@ pub trait StepBackend {
         loss_scale: f32,
     ) -> Option<Result<f64>> {
         let _ = (batches, denominator, precision, loss_scale);
+        None
+    }
+
+    /// The whole optimizer step in one call (zero the gradients, forward and backward of the
+    /// step's one micro-batch, the optimizer at `lr` with the configured clipping), for a
+    /// backend that replays it as a CUDA graph (`--cuda-graphs`). `conditions` is the
+    /// Trainer's view of the step (accumulation, ranks, loss scaling, packing). `None`: the
+    /// backend does not take this step whole, and the Trainer runs it piece by piece.
+    fn whole_step(
+        &mut self,
+        batches: &[Batch],
+        denominator: f64,
+        precision: DType,
+        lr: f32,
+        conditions: StepConditions,
+    ) -> Option<Result<WholeStep>> {
+        let _ = (batches, denominator, precision, lr, conditions);
+        None
+    }
+
+    /// A message for the run's log, once per new message (e.g. why steps run eagerly though
+    /// CUDA graphs were asked for).
+    fn take_note(&mut self) -> Option<String> {
         None
     }
 

@@ -24,7 +24,7 @@ use tilearn_ops::DType;
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
-use super::backend::{ModelInit, StepBackend};
+use super::backend::{ModelInit, StepBackend, WholeStep};
 use super::flat_buffer::FlatBuffer;
 use super::optimizer_shards::{OptimizerCheckpoint, groups_within};
 use super::zero::{RankState, StateBytes};
@@ -32,8 +32,9 @@ use super::{TrainingArguments, adamw_setup, optimizer_file};
 use crate::Result;
 use crate::checkpoint::{load_into, save_pretrained_from};
 use crate::config::LlamaConfig;
+use crate::cuda_graphs::{CudaGraphs, GraphDecision, StepConditions};
 use crate::data::Batch;
-use crate::gpu::{GatheredWeights, GpuLlama, GradientSink};
+use crate::gpu::{GatheredWeights, GpuLlama, GradientSink, StepRun};
 use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore, init_random_into};
 
@@ -52,6 +53,9 @@ pub struct GpuBackend {
     /// Whether the device AdamW exists (made for `shard` at its first use).
     optimizer_made: bool,
     name: String,
+    /// The last note handed to the log (`--cuda-graphs` fallbacks), and one waiting.
+    last_note: Option<String>,
+    pending_note: Option<String>,
 }
 
 impl GpuBackend {
@@ -142,6 +146,8 @@ impl GpuBackend {
             args.gradient_checkpointing,
             args.lce_chunk,
         )?;
+        let mut gpu = gpu;
+        gpu.set_cuda_graphs(args.cuda_graphs);
         let specs = ParamStore::specs_for(config);
         // The fused AdamW is set up at its first use (see `optimizer_ready`), so that under
         // ZeRO its moments are only ever allocated for the rank's shard.
@@ -158,6 +164,9 @@ impl GpuBackend {
         }
         if gpu.gradient_checkpointing() {
             features.push("gradient checkpointing".into());
+        }
+        if args.cuda_graphs != CudaGraphs::Off {
+            features.push(format!("CUDA graphs {}", args.cuda_graphs));
         }
         let tokens = args.per_device_train_batch_size * args.seq_len;
         if gpu.lce_chunk_tokens() < tokens {
@@ -184,6 +193,8 @@ impl GpuBackend {
             shard: 0..specs_numel,
             optimizer_made: false,
             name,
+            last_note: None,
+            pending_note: None,
         })
     }
 }
@@ -202,6 +213,74 @@ impl GpuBackend {
             self.optimizer_made = true;
         }
         Ok(())
+    }
+
+    /// Queues `note` for the log unless it is the last one handed out.
+    fn note(&mut self, note: Option<String>) {
+        if let Some(n) = note
+            && self.last_note.as_ref() != Some(&n)
+        {
+            self.pending_note = Some(n);
+        }
+    }
+
+    /// Whether a step of `conditions` is taken whole (replayed as a graph); `false` notes why
+    /// not; `Err` is `--cuda-graphs on` refusing it.
+    fn take_whole(&mut self, conditions: StepConditions) -> Result<bool> {
+        match self.gpu.cuda_graph_decision(conditions) {
+            Ok(GraphDecision::Graph) => Ok(true),
+            Ok(GraphDecision::Eager { reason }) => {
+                self.note(reason.map(|r| format!("CUDA graphs: this step runs eagerly: {r}")));
+                Ok(false)
+            }
+            Err(message) => Err(crate::EngineError::InvalidArgument {
+                argument: "--cuda-graphs".into(),
+                message,
+            }),
+        }
+    }
+
+    /// The whole step through [`GpuLlama::train_step`] (see [`StepBackend::whole_step`]).
+    fn graph_step(
+        &mut self,
+        batch: &Batch,
+        denominator: f64,
+        precision: DType,
+        lr: f32,
+        conditions: StepConditions,
+    ) -> Option<Result<WholeStep>> {
+        match self.take_whole(conditions) {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(e) => return Some(Err(e)),
+        }
+        let run = (|| {
+            self.optimizer_ready()?;
+            self.gpu.train_step(
+                &batch.input_ids,
+                &batch.labels,
+                batch.batch,
+                batch.seq_len,
+                Some(denominator),
+                lr,
+                conditions,
+            )
+        })();
+        Some(run.map(|out| {
+            if let Some(r) = out.eager_reason {
+                self.note(Some(format!("CUDA graphs: {r}")));
+            } else if out.run == StepRun::Captured {
+                self.note(Some(format!(
+                    "CUDA graphs: step captured ({} x {} tokens, {precision}); later steps \
+                     replay it",
+                    batch.batch, batch.seq_len
+                )));
+            }
+            WholeStep {
+                loss_sum: out.loss.loss_sum,
+                grad_norm: out.grad_norm,
+            }
+        }))
     }
 
     /// The stream the engine computes on (what data parallelism's communication is ordered
@@ -248,6 +327,42 @@ impl StepBackend for GpuBackend {
         sink: &mut dyn GradientSink,
     ) -> Option<Result<f64>> {
         Some(self.run_forward_backward(batch, denominator, precision, loss_scale, Some(sink)))
+    }
+
+    fn whole_step(
+        &mut self,
+        batches: &[Batch],
+        denominator: f64,
+        precision: DType,
+        lr: f32,
+        conditions: StepConditions,
+    ) -> Option<Result<WholeStep>> {
+        if self.gpu.cuda_graphs() == CudaGraphs::Off {
+            return None;
+        }
+        let [batch] = batches else {
+            // Several micro-batches never take the graph: `on` refuses, `auto` notes why.
+            let conditions = StepConditions {
+                micro_batches: batches.len().max(2),
+                ..conditions
+            };
+            return self.take_whole(conditions).err().map(Err);
+        };
+        if let Err(e) = self.use_precision(precision).and_then(|()| {
+            self.gpu
+                .set_position_ids(batch.positions.as_deref(), batch.batch, batch.seq_len)
+        }) {
+            return Some(Err(e));
+        }
+        self.graph_step(batch, denominator, precision, lr, conditions)
+    }
+
+    fn take_note(&mut self) -> Option<String> {
+        let note = self.pending_note.take();
+        if note.is_some() {
+            self.last_note.clone_from(&note);
+        }
+        note
     }
 
     fn eval_loss(&mut self, batch: &Batch, precision: DType) -> Result<LossStats> {

@@ -35,7 +35,7 @@ use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig, LrSchedule, ParamGroup, SchedulerType};
 
 pub use args::{EvalStrategy, ReportTo, SaveStrategy, TrainLength, TrainingArguments};
-pub use backend::{ModelInit, StepBackend};
+pub use backend::{ModelInit, StepBackend, WholeStep};
 pub use cpu_backend::CpuBackend;
 pub use data_parallel::{DataParallel, DdpOptions, ZeroStage};
 pub use disk::{FilesystemSpace, FreeSpace};
@@ -45,6 +45,7 @@ pub use state::{SchedulerState, TrainerState};
 pub use tensorboard::TensorBoardLog;
 
 use crate::config::LlamaConfig;
+use crate::cuda_graphs::StepConditions;
 use crate::data::{DataLoader, LoaderOptions, LoaderState, TokenDataset, WorkerHook};
 use crate::model::{LlamaForCausalLM, count_valid_targets};
 use crate::params::{ParamSpec, ParamStore};
@@ -575,81 +576,114 @@ impl Trainer {
                 .map(|b| count_valid_targets(&b.labels, batch, seq) as u64)
                 .sum::<u64>();
             let denominator = self.dp.sum_count(local_targets)?.max(1) as f64;
-            self.backend.zero_grads();
-            let mut loss_sum = 0.0;
-            let whole_step =
-                self.backend
-                    .forward_backward_step(&micro, denominator, precision, loss_scale);
-            let ran_whole_step = whole_step.is_some();
-            if let Some(step_loss) = whole_step {
-                loss_sum = step_loss?;
-                if scaled && a.debug_inject_overflow.contains(&(state.global_step + 1)) {
-                    self.backend.poison_gradients()?;
-                }
-                self.dp.after_backward(self.backend.as_mut(), true)?;
+            let diverged = |loss: f64, norm: f64| EngineError::InvalidArgument {
+                argument: "--learning-rate".into(),
+                message: format!(
+                    "step {}: loss {loss} / grad norm {norm} is not finite in {precision}; training stopped, the last checkpoint on disk is intact; lower the learning rate, enable clipping or use --fp16 with its loss scaler",
+                    state.global_step + 1
+                ),
+            };
+            // The whole step as one replayed CUDA graph where the backend can (--cuda-graphs).
+            let conditions = StepConditions {
+                micro_batches: accum,
+                world_size: world,
+                loss_scaling: scaled,
+                packed_rows: micro.iter().any(|b| b.positions.is_some()),
+                sharded_optimizer: false,
+            };
+            let whole = self
+                .backend
+                .whole_step(&micro, denominator, precision, lr, conditions);
+            if let Some(note) = self.backend.take_note() {
+                sink.note(&note);
             }
-            for (i, b) in micro.iter().enumerate().filter(|_| !ran_whole_step) {
-                let last = i + 1 == micro.len();
-                let poison =
-                    scaled && last && a.debug_inject_overflow.contains(&(state.global_step + 1));
-                // The last micro-batch all-reduces its gradients during its own backward where
-                // the run allows it (never when a fault is injected after the backward).
-                if (last || self.dp.reduces_each_micro_batch()) && !poison {
-                    let backend = self.backend.as_mut();
-                    let overlapped = self.dp.overlapped_backward(
-                        backend,
-                        b,
+            let (loss, skipped, grad_norm) = match whole {
+                Some(step) => {
+                    let step = step?;
+                    let loss = step.loss_sum / denominator;
+                    // The step already ran (its update is in the weights); stop before anything
+                    // is saved from them.
+                    if !loss.is_finite() || !step.grad_norm.is_finite() {
+                        return Err(diverged(loss, step.grad_norm));
+                    }
+                    (loss, false, step.grad_norm)
+                }
+                None => {
+                    self.backend.zero_grads();
+                    let mut loss_sum = 0.0;
+                    let whole_step = self.backend.forward_backward_step(
+                        &micro,
                         denominator,
                         precision,
                         loss_scale,
-                    )?;
-                    if let Some(loss) = overlapped {
-                        loss_sum += loss;
-                        continue;
+                    );
+                    let ran_whole_step = whole_step.is_some();
+                    if let Some(step_loss) = whole_step {
+                        loss_sum = step_loss?;
+                        if scaled && a.debug_inject_overflow.contains(&(state.global_step + 1)) {
+                            self.backend.poison_gradients()?;
+                        }
+                        self.dp.after_backward(self.backend.as_mut(), true)?;
                     }
-                }
-                loss_sum += self
-                    .backend
-                    .forward_backward(b, denominator, precision, loss_scale)?;
-                if poison {
-                    self.backend.poison_gradients()?;
-                }
-                self.dp.after_backward(self.backend.as_mut(), last)?;
-            }
-            let loss = self.dp.sum_f64(loss_sum)? / denominator;
+                    for (i, b) in micro.iter().enumerate().filter(|_| !ran_whole_step) {
+                        let last = i + 1 == micro.len();
+                        let poison = scaled
+                            && last
+                            && a.debug_inject_overflow.contains(&(state.global_step + 1));
+                        // The last micro-batch all-reduces its gradients during its own backward where
+                        // the run allows it (never when a fault is injected after the backward).
+                        if (last || self.dp.reduces_each_micro_batch()) && !poison {
+                            let backend = self.backend.as_mut();
+                            let overlapped = self.dp.overlapped_backward(
+                                backend,
+                                b,
+                                denominator,
+                                precision,
+                                loss_scale,
+                            )?;
+                            if let Some(loss) = overlapped {
+                                loss_sum += loss;
+                                continue;
+                            }
+                        }
+                        loss_sum +=
+                            self.backend
+                                .forward_backward(b, denominator, precision, loss_scale)?;
+                        if poison {
+                            self.backend.poison_gradients()?;
+                        }
+                        self.dp.after_backward(self.backend.as_mut(), last)?;
+                    }
+                    let loss = self.dp.sum_f64(loss_sum)? / denominator;
 
-            let mut skipped = false;
-            if scaled {
-                let mut grads = BackendGrads {
-                    backend: self.backend.as_mut(),
-                    dp: &self.dp,
-                    found_inf: false,
-                };
-                scaler.unscale(&mut grads)?;
-                skipped = scaler.update(&mut grads)?.skipped();
-            }
-            let grad_norm = if skipped {
-                f64::NAN
-            } else {
-                let clip_norm = self
-                    .dp
-                    .clip_grad_norm(self.backend.as_mut(), a.max_grad_norm)?;
-                let diverged = |norm: f64| EngineError::InvalidArgument {
-                    argument: "--learning-rate".into(),
-                    message: format!(
-                        "step {}: loss {loss} / grad norm {norm} is not finite in {precision}; training stopped, the last checkpoint on disk is intact; lower the learning rate, enable clipping or use --fp16 with its loss scaler",
-                        state.global_step + 1
-                    ),
-                };
-                if !loss.is_finite() || !clip_norm.is_finite() {
-                    return Err(diverged(clip_norm));
+                    let mut skipped = false;
+                    if scaled {
+                        let mut grads = BackendGrads {
+                            backend: self.backend.as_mut(),
+                            dp: &self.dp,
+                            found_inf: false,
+                        };
+                        scaler.unscale(&mut grads)?;
+                        skipped = scaler.update(&mut grads)?.skipped();
+                    }
+                    let grad_norm = if skipped {
+                        f64::NAN
+                    } else {
+                        let clip_norm = self
+                            .dp
+                            .clip_grad_norm(self.backend.as_mut(), a.max_grad_norm)?;
+                        if !loss.is_finite() || !clip_norm.is_finite() {
+                            return Err(diverged(loss, clip_norm));
+                        }
+                        let norm = self.backend.optimizer_step(lr)?.unwrap_or(clip_norm);
+                        self.dp.gather_parameters(self.backend.as_mut())?;
+                        if !norm.is_finite() {
+                            return Err(diverged(loss, norm));
+                        }
+                        norm
+                    };
+                    (loss, skipped, grad_norm)
                 }
-                let norm = self.backend.optimizer_step(lr)?.unwrap_or(clip_norm);
-                self.dp.gather_parameters(self.backend.as_mut())?;
-                if !norm.is_finite() {
-                    return Err(diverged(norm));
-                }
-                norm
             };
             state.global_step += 1;
             state.tokens_seen += tokens_per_step;

@@ -176,6 +176,12 @@ typedef struct tilearn_optim_adam_group {
 int tilearn_optim_adam(const tilearn_optim_launch *launch, const tilearn_optim_adam_group *groups,
                        uint32_t n_groups, float *params, float *exp_avg, float *exp_avg_sq,
                        float *max_exp_avg_sq, cudaStream_t stream);
+/* As tilearn_optim_adam with groups (n_groups entries) in DEVICE memory, read by the kernel when
+ * it runs: a captured CUDA graph replays the launch with each step's scalars. */
+int tilearn_optim_adam_device_groups(const tilearn_optim_launch *launch,
+                                     const tilearn_optim_adam_group *groups, uint32_t n_groups,
+                                     float *params, float *exp_avg, float *exp_avg_sq,
+                                     float *max_exp_avg_sq, cudaStream_t stream);
 
 /* optim_sgd.cu: SGD (torch.optim.SGD). Per group:
  *   g = g + weight_decay * p                        (when weight_decay != 0)
@@ -258,6 +264,12 @@ int tilearn_optim_lamb(const tilearn_optim_launch *launch, const tilearn_optim_l
 int tilearn_cross_entropy_fused(int dtype, void *logits, const int32_t *targets, size_t rows,
                                 size_t vocab, float grad_scale, float *row_loss, double *totals,
                                 cudaStream_t stream);
+/* As tilearn_cross_entropy_fused with the factor read from device memory (*grad_scale, one
+ * f32) when the kernel runs: a captured CUDA graph replays it with each step's factor. */
+int tilearn_cross_entropy_fused_device_scale(int dtype, void *logits, const int32_t *targets,
+                                             size_t rows, size_t vocab, const float *grad_scale,
+                                             float *row_loss, double *totals,
+                                             cudaStream_t stream);
 /* Loss only (evaluation): logits are not modified. */
 int tilearn_cross_entropy_forward(int dtype, const void *logits, const int32_t *targets,
                                   size_t rows, size_t vocab, float *row_loss, double *totals,

@@ -8,12 +8,13 @@ use std::time::Instant;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
+use tilearn_engine::cuda_graphs::{CudaGraphs, DEFAULT_CUDA_GRAPHS};
 use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig};
 
-use super::bench_loop::{BenchResult, median, random_tokens};
+use super::bench_loop::{BenchResult, GraphReport, median, random_tokens};
 use crate::presets::{PEAK_BF16_FLOPS, PRESETS, Preset, flops_per_token};
 use crate::{LlmError, Result};
 
@@ -61,6 +62,12 @@ pub struct BenchArgs {
     /// 256 MiB; `0`: no chunking (all logits at once); N: at most N tokens.
     #[arg(long, default_value = "auto", value_parser = LceChunk::parse)]
     pub lce_chunk_tokens: LceChunk,
+    /// Replay each GPU step as one CUDA graph captured once (`on`), run every step eagerly
+    /// (`off`), or replay where the step can be captured (`auto`; as in `tilearn train`). fp16
+    /// steps (the GradScaler decides on the host) run eagerly under `auto` and are refused
+    /// under `on`.
+    #[arg(long, default_value_t = DEFAULT_CUDA_GRAPHS, value_parser = CudaGraphs::parse)]
+    pub cuda_graphs: CudaGraphs,
     /// Print only the JSON line.
     #[arg(long)]
     pub json: bool,
@@ -104,6 +111,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.precision,
             args.gradient_checkpointing,
             args.lce_chunk_tokens,
+            args.cuda_graphs,
         )?,
     };
     // The chunk the GPU model sized its logits buffer for (built for one precision, so the
@@ -135,6 +143,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "peak_mem_gib": result.peak_memory_bytes as f64 / (1u64 << 30) as f64,
         "loss": result.last_loss,
         "skipped_steps": result.skipped_steps,
+        "cuda_graphs": result.cuda_graphs.as_ref().map(GraphReport::to_json),
         "version": env!("CARGO_PKG_VERSION"),
     });
     if !args.json {
@@ -189,6 +198,7 @@ fn bench_cpu(
         num_params: numel,
         step_seconds: median(times),
         peak_memory_bytes: bytes,
+        cuda_graphs: None,
         last_loss,
         skipped_steps: 0,
     })
@@ -245,5 +255,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("`lots` is not a token count"), "{err}");
+    }
+
+    fn cuda_graphs(flags: &[&str]) -> std::result::Result<CudaGraphs, clap::Error> {
+        let argv = ["bench", "--preset", "llama-134m"].iter().chain(flags);
+        Cli::try_parse_from(argv).map(|cli| cli.bench.cuda_graphs)
+    }
+
+    #[test]
+    fn cuda_graphs_flag_defaults_to_the_engine_default_and_takes_on_off_auto() {
+        assert_eq!(cuda_graphs(&[]).unwrap(), DEFAULT_CUDA_GRAPHS);
+        for (text, mode) in [
+            ("on", CudaGraphs::On),
+            ("off", CudaGraphs::Off),
+            ("auto", CudaGraphs::Auto),
+        ] {
+            assert_eq!(cuda_graphs(&["--cuda-graphs", text]).unwrap(), mode);
+        }
+        let err = cuda_graphs(&["--cuda-graphs", "maybe"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`maybe` is not a CUDA graph setting"), "{err}");
     }
 }

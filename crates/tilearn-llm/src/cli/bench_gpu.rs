@@ -2,8 +2,12 @@
 //! mixed precision or fp32 (fp32 master weights, fused AdamW with clipping), timed after a
 //! device sync. fp16 steps go through the GradScaler exactly as training does: scaled loss,
 //! unscale with the non-finite check (one extra host read), skipped step on overflow.
+//! With `--cuda-graphs on|auto` a bf16 or fp32 step is one [`GpuLlama::train_step`]: captured
+//! as a CUDA graph at the second step and replayed after (the step then also reads the
+//! gradient norm back, as training does: a 16-byte copy after the loss's).
 
 use tilearn_engine::config::LlamaConfig;
+use tilearn_engine::cuda_graphs::CudaGraphs;
 use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_ops::DType;
 
@@ -11,6 +15,7 @@ use super::bench_loop::BenchResult;
 use crate::Result;
 
 #[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
 pub fn bench(
     config: &LlamaConfig,
     batch: usize,
@@ -19,8 +24,13 @@ pub fn bench(
     precision: DType,
     gradient_checkpointing: bool,
     lce: LceChunk,
+    graphs: CudaGraphs,
 ) -> Result<BenchResult> {
     use std::time::Instant;
+
+    use tilearn_engine::cuda_graphs::{GraphDecision, StepConditions};
+
+    use super::bench_loop::GraphReport;
 
     use adaptfp16::GradScaler;
     use tilearn_engine::gpu::GpuLlama;
@@ -57,6 +67,28 @@ pub fn bench(
         groups,
         1.0,
     )?;
+    gpu.set_cuda_graphs(graphs);
+    let conditions = StepConditions {
+        loss_scaling: scaler.is_enabled(),
+        ..StepConditions::single()
+    };
+    let decision =
+        gpu.cuda_graph_decision(conditions)
+            .map_err(|message| crate::LlmError::Usage {
+                flag: "--cuda-graphs".into(),
+                message,
+            })?;
+    let mut report = GraphReport {
+        mode: graphs.to_string(),
+        ..GraphReport::default()
+    };
+    let whole_steps = match decision {
+        GraphDecision::Graph => true,
+        GraphDecision::Eager { reason } => {
+            report.fallback = reason;
+            false
+        }
+    };
     const WARMUP: usize = 3;
     let batches: Vec<(Vec<u32>, Vec<i32>)> = (0..WARMUP + steps)
         .map(|i| {
@@ -69,6 +101,19 @@ pub fn bench(
     let mut last_loss = f64::NAN;
     let mut skipped_steps = 0;
     for (i, (ids, labels)) in batches.iter().enumerate() {
+        if whole_steps {
+            let start = Instant::now();
+            let out = gpu.train_step(ids, labels, batch, seq, None, 1e-4, conditions)?;
+            device.synchronize()?;
+            if i >= WARMUP {
+                times.push(start.elapsed().as_secs_f64());
+            }
+            if out.eager_reason.is_some() {
+                report.fallback = out.eager_reason;
+            }
+            last_loss = out.loss.mean();
+            continue;
+        }
         let start = Instant::now();
         gpu.zero_grad()?;
         let scale = if scaler.is_enabled() {
@@ -100,7 +145,16 @@ pub fn bench(
         }
         last_loss = stats.mean();
     }
+    let stats = gpu.cuda_graph_stats();
+    report.eager_steps = if whole_steps {
+        stats.eager
+    } else {
+        batches.len() as u64
+    };
+    report.captured_steps = stats.captures;
+    report.replayed_steps = stats.replays;
     Ok(BenchResult {
+        cuda_graphs: Some(report),
         device: format!("cuda:0 {}", device.name()?),
         precision,
         num_params,
@@ -173,6 +227,7 @@ pub fn bench_optimizers(_names: &[String], _params: usize, _steps: usize) -> Res
 }
 
 #[cfg(not(feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
 pub fn bench(
     _config: &LlamaConfig,
     _batch: usize,
@@ -181,6 +236,7 @@ pub fn bench(
     _precision: DType,
     _gradient_checkpointing: bool,
     _lce: LceChunk,
+    _graphs: CudaGraphs,
 ) -> Result<BenchResult> {
     Err(crate::LlmError::Usage {
         flag: "--device cuda".into(),

@@ -18,6 +18,35 @@ pub struct BenchResult {
     pub last_loss: f64,
     /// Steps the GradScaler skipped (fp16 only), warm-up included.
     pub skipped_steps: u64,
+    /// GPU only: how the steps ran under `--cuda-graphs` (warm-up included), and why they ran
+    /// eagerly when graphs were asked for and not used.
+    pub cuda_graphs: Option<GraphReport>,
+}
+
+/// `cuda_graphs` in the JSON line.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GraphReport {
+    /// The setting (`on`, `off`, `auto`).
+    pub mode: String,
+    pub eager_steps: u64,
+    pub captured_steps: u64,
+    pub replayed_steps: u64,
+    /// Why steps ran eagerly though graphs were asked for (none: they did not, or graphs are
+    /// off).
+    pub fallback: Option<String>,
+}
+
+impl GraphReport {
+    /// The JSON object of the bench line.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "mode": self.mode,
+            "eager_steps": self.eager_steps,
+            "captured_steps": self.captured_steps,
+            "replayed_steps": self.replayed_steps,
+            "fallback": self.fallback,
+        })
+    }
 }
 
 /// Random token batches (never constant), seeded so runs are comparable.

@@ -57,6 +57,7 @@ pub enum SaveStrategyChoice {
     Steps,
 }
 
+use tilearn_engine::cuda_graphs::{CudaGraphs, DEFAULT_CUDA_GRAPHS};
 use tilearn_engine::lce_chunk::LceChunk;
 
 fn parse_dtype(name: &str) -> std::result::Result<DType, String> {
@@ -183,6 +184,13 @@ pub struct TrainArgs {
     /// 256 MiB; `0`: no chunking (all logits at once); N: at most N tokens.
     #[arg(long, default_value = "auto", value_parser = LceChunk::parse)]
     pub lce_chunk_tokens: LceChunk,
+    /// Replay each GPU training step as one CUDA graph, captured once (zeroing, forward,
+    /// backward, clipping and AdamW; token ids, the loss factor and the learning rate reach it
+    /// through device buffers): `on` (refuse steps that cannot be captured), `off`, or `auto`
+    /// (capture where the step is static; gradient accumulation, fp16 loss scaling, packed
+    /// rows and several processes run eagerly, with the reason logged once).
+    #[arg(long, default_value_t = DEFAULT_CUDA_GRAPHS, value_parser = CudaGraphs::parse)]
+    pub cuda_graphs: CudaGraphs,
     /// A `checkpoint-N` directory of an earlier run with the same flags.
     #[arg(long)]
     pub resume_from_checkpoint: Option<PathBuf>,
@@ -444,6 +452,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         metric_for_best_model: args.metric_for_best_model.clone(),
         gradient_checkpointing: args.gradient_checkpointing,
         lce_chunk: args.lce_chunk_tokens,
+        cuda_graphs: args.cuda_graphs,
         eval_strategy: match args.eval_strategy {
             Some(EvalStrategyChoice::No) => EvalStrategy::No,
             Some(EvalStrategyChoice::Steps) => EvalStrategy::Steps,

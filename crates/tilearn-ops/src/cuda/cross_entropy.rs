@@ -162,32 +162,113 @@ pub fn cross_entropy_fused<T: DeviceFloat>(
     totals: &mut CeTotals,
 ) -> Result<()> {
     const OP: &str = "tilearn_cross_entropy_fused";
-    let rows = targets.len();
-    let logits_len = logits_len(OP, rows, vocab, logits.len())?;
     let grad_scale = grad_scale_f32(OP, grad_scale)?;
-    Launch::new(OP, stream)
+    fused_launch::<T, CudaView<'_, f32>>(
+        OP,
+        stream,
+        logits,
+        targets,
+        vocab,
+        GradFactor::Host(grad_scale),
+        row_loss,
+        totals,
+    )
+}
+
+/// [`cross_entropy_fused`] with the gradient factor read from device memory (`grad_scale`:
+/// one f32) when the kernel runs, not when it is queued: a captured CUDA graph replays the
+/// launch with each step's factor (the host writes it into the buffer before the replay). The
+/// arithmetic is the host-factor variant's, so the same factor gives the same bits. The value
+/// is not checked on the host; a non-finite factor gives non-finite gradients.
+pub fn cross_entropy_fused_device_scale<T: DeviceFloat>(
+    stream: &Arc<CudaStream>,
+    logits: &mut impl DevicePtrMut<T>,
+    targets: &impl DevicePtr<i32>,
+    vocab: usize,
+    grad_scale: &impl DevicePtr<f32>,
+    row_loss: &mut impl DevicePtrMut<f32>,
+    totals: &mut CeTotals,
+) -> Result<()> {
+    fused_launch::<T, _>(
+        "tilearn_cross_entropy_fused_device_scale",
+        stream,
+        logits,
+        targets,
+        vocab,
+        GradFactor::Device(grad_scale),
+        row_loss,
+        totals,
+    )
+}
+
+/// Where the fused launch takes its gradient factor from.
+enum GradFactor<'a, D: ?Sized> {
+    /// A kernel argument.
+    Host(f32),
+    /// One f32 in device memory, read by the kernel.
+    Device(&'a D),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn fused_launch<T: DeviceFloat, D: DevicePtr<f32>>(
+    op: &'static str,
+    stream: &Arc<CudaStream>,
+    logits: &mut impl DevicePtrMut<T>,
+    targets: &impl DevicePtr<i32>,
+    vocab: usize,
+    factor: GradFactor<'_, D>,
+    row_loss: &mut impl DevicePtrMut<f32>,
+    totals: &mut CeTotals,
+) -> Result<()> {
+    let rows = targets.len();
+    let logits_len = logits_len(op, rows, vocab, logits.len())?;
+    let launch = Launch::new(op, stream)
         .output("logits", logits, logits_len)
         .input("targets", targets, rows)
         .output("row_loss", row_loss, rows)
-        .output("totals", &mut totals.buf, TOTALS_LEN)
-        .run(|[targets], [logits, row_loss, totals], stream| {
-            // SAFETY: the launcher reads rows i32 targets, rewrites rows * vocab elements of T
-            // (`T::DTYPE`) of logits in place (never indexing a row with an out-of-range
-            // target), and writes rows f32 of row_loss and TOTALS_LEN f64 of totals.
-            unsafe {
-                ffi::tilearn_cross_entropy_fused(
-                    T::DTYPE,
-                    logits,
-                    targets.cast(),
-                    rows,
-                    vocab,
-                    grad_scale,
-                    row_loss.cast(),
-                    totals.cast(),
-                    stream,
-                )
-            }
-        })?;
+        .output("totals", &mut totals.buf, TOTALS_LEN);
+    match factor {
+        GradFactor::Host(grad_scale) => {
+            launch.run(|[targets], [logits, row_loss, totals], stream| {
+                // SAFETY: the launcher reads rows i32 targets, rewrites rows * vocab elements
+                // of T (`T::DTYPE`) of logits in place (never indexing a row with an
+                // out-of-range target), and writes rows f32 of row_loss and TOTALS_LEN f64 of
+                // totals.
+                unsafe {
+                    ffi::tilearn_cross_entropy_fused(
+                        T::DTYPE,
+                        logits,
+                        targets.cast(),
+                        rows,
+                        vocab,
+                        grad_scale,
+                        row_loss.cast(),
+                        totals.cast(),
+                        stream,
+                    )
+                }
+            })?
+        }
+        GradFactor::Device(scale) => launch.input("grad_scale", scale, 1).run(
+            |[targets, scale], [logits, row_loss, totals], stream| {
+                // SAFETY: as the host-factor launch, plus one f32 read from `scale` by the
+                // kernel (a live device allocation of one element, checked by the builder).
+                unsafe {
+                    ffi::tilearn_cross_entropy_fused_device_scale(
+                        T::DTYPE,
+                        logits,
+                        targets.cast(),
+                        rows,
+                        vocab,
+                        scale.cast(),
+                        row_loss.cast(),
+                        totals.cast(),
+                        stream,
+                    )
+                }
+            },
+        )?,
+    }
     totals.vocab = vocab;
     Ok(())
 }

@@ -2,11 +2,13 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, CudaViewMut};
+use cudarc::driver::{CudaStream, CudaViewMut, DevicePtr};
 use tilearn_kernels::ffi;
 
 use super::error::{FusedError, Result};
-use super::io::{Prepared, StepIo, bind, check_status, finite, prepare, unit_interval};
+use super::io::{
+    Prepared, StepIo, bind, check_len, check_status, finite, prepare, same_device, unit_interval,
+};
 use super::plan::SegmentPlan;
 use crate::adam::AdamStepScalars;
 use crate::adamw::AdamWStepScalars;
@@ -84,6 +86,26 @@ impl AdamGroupScalars {
         Ok(())
     }
 
+    /// The group as the device reads it (`tilearn_optim_adam_group`, ten 4-byte fields in
+    /// declaration order), for a table in device memory ([`adam_step_device_groups`]).
+    /// Validated as a launch validates it.
+    pub fn to_words(self) -> Result<[u32; ADAM_GROUP_WORDS]> {
+        self.validate()?;
+        let f = self.to_ffi();
+        Ok([
+            f.decay_factor.to_bits(),
+            f.l2_weight_decay.to_bits(),
+            f.one_minus_beta1.to_bits(),
+            f.beta2.to_bits(),
+            f.one_minus_beta2.to_bits(),
+            f.bias_correction2_sqrt.to_bits(),
+            f.neg_step_size.to_bits(),
+            f.eps.to_bits(),
+            f.decoupled_decay,
+            f.l2_decay,
+        ])
+    }
+
     fn to_ffi(self) -> ffi::tilearn_optim_adam_group {
         ffi::tilearn_optim_adam_group {
             decay_factor: self.decay_factor,
@@ -99,6 +121,13 @@ impl AdamGroupScalars {
         }
     }
 }
+
+/// 4-byte words of one group's scalars in device memory (the C struct's size).
+pub const ADAM_GROUP_WORDS: usize = 10;
+const _: () = assert!(
+    std::mem::size_of::<ffi::tilearn_optim_adam_group>() == 4 * ADAM_GROUP_WORDS,
+    "tilearn_optim_adam_group changed: update AdamGroupScalars::to_words"
+);
 
 /// The f32 buffers an Adam-family step updates in place, each `plan.len()` elements.
 pub struct AdamState<'a> {
@@ -144,8 +173,8 @@ pub fn adam_step(
     stream: &Arc<CudaStream>,
     plan: &SegmentPlan,
     groups: &[AdamGroupScalars],
-    mut state: AdamState<'_>,
-    mut io: StepIo<'_>,
+    state: AdamState<'_>,
+    io: StepIo<'_>,
 ) -> Result<()> {
     const OP: &str = "tilearn_optim_adam";
     if groups.len() != plan.n_groups() {
@@ -163,38 +192,100 @@ pub fn adam_step(
     }
     let ffi_groups: Vec<ffi::tilearn_optim_adam_group> =
         groups.iter().map(|g| g.to_ffi()).collect();
-    let mut prep: Prepared<'_> = prepare(OP, stream, plan, &mut io)?;
-    let p = prep.state(OP, "params", stream, plan, &mut state.params)?;
-    let m = prep.state(OP, "exp_avg", stream, plan, &mut state.exp_avg)?;
-    let v = prep.state(OP, "exp_avg_sq", stream, plan, &mut state.exp_avg_sq)?;
+    launch_adam(
+        OP,
+        stream,
+        plan,
+        GroupSource::<cudarc::driver::CudaView<u32>>::Host(&ffi_groups),
+        state,
+        io,
+    )
+}
+
+/// [`adam_step`] with the groups' scalars in a device table (`plan.n_groups()` groups of
+/// [`ADAM_GROUP_WORDS`] words from [`AdamGroupScalars::to_words`]) that the kernel reads when
+/// it runs, not when it is queued: a captured CUDA graph replays the launch with each step's
+/// learning rate and bias corrections, written into the table before the replay. The same
+/// scalars give the same bits as [`adam_step`]. The table's values are validated by
+/// `to_words` on the host, not here.
+pub fn adam_step_device_groups(
+    stream: &Arc<CudaStream>,
+    plan: &SegmentPlan,
+    groups: &impl DevicePtr<u32>,
+    state: AdamState<'_>,
+    io: StepIo<'_>,
+) -> Result<()> {
+    const OP: &str = "tilearn_optim_adam_device_groups";
+    check_len(
+        OP,
+        "groups",
+        plan.n_groups() * ADAM_GROUP_WORDS,
+        groups.len(),
+    )?;
+    same_device(OP, "groups", stream, groups.stream())?;
+    launch_adam(OP, stream, plan, GroupSource::Device(groups), state, io)
+}
+
+/// Where a launch takes its groups' scalars from.
+enum GroupSource<'a, D: ?Sized> {
+    /// Host memory, copied into the kernel's argument by the launcher.
+    Host(&'a [ffi::tilearn_optim_adam_group]),
+    /// A device table the kernel reads.
+    Device(&'a D),
+}
+
+fn launch_adam<D: DevicePtr<u32> + ?Sized>(
+    op: &'static str,
+    stream: &Arc<CudaStream>,
+    plan: &SegmentPlan,
+    groups: GroupSource<'_, D>,
+    mut state: AdamState<'_>,
+    mut io: StepIo<'_>,
+) -> Result<()> {
+    let mut prep: Prepared<'_> = prepare(op, stream, plan, &mut io)?;
+    let p = prep.state(op, "params", stream, plan, &mut state.params)?;
+    let m = prep.state(op, "exp_avg", stream, plan, &mut state.exp_avg)?;
+    let v = prep.state(op, "exp_avg_sq", stream, plan, &mut state.exp_avg_sq)?;
     let vmax = match &mut state.max_exp_avg_sq {
-        Some(x) => prep.state(OP, "max_exp_avg_sq", stream, plan, x)?,
+        Some(x) => prep.state(op, "max_exp_avg_sq", stream, plan, x)?,
         None => std::ptr::null_mut(),
     };
     if plan.n_chunks() == 0 {
         return Ok(());
     }
-    bind(OP, stream)?;
+    bind(op, stream)?;
+    let n_groups = plan.n_groups() as u32;
+    let raw = stream.cu_stream() as ffi::cudaStream_t;
     // SAFETY: every pointer in `prep.launch` and p/m/v/vmax is a live device allocation of the
     // stream's context holding `plan.len()` elements of its type (lengths and devices checked
     // by `prepare` / `Prepared::state`), or NULL where the launcher allows it; the segment
-    // table lies within `0..plan.len()` with groups `< groups.len()` (checked when the plan was
+    // table lies within `0..plan.len()` with groups `< n_groups` (checked when the plan was
     // built). The mutable buffers are distinct `&mut` borrows, so they do not alias each other
-    // or the read-only inputs. `launch` and `ffi_groups` are host memory read by the launcher
-    // before it returns. The buffers stay borrowed until the guards in `prep` record the launch
-    // (cudarc frees device memory stream-ordered), and the launcher only enqueues work.
-    let status = unsafe {
-        ffi::tilearn_optim_adam(
-            &prep.launch,
-            ffi_groups.as_ptr(),
-            ffi_groups.len() as u32,
-            p,
-            m,
-            v,
-            vmax,
-            stream.cu_stream() as ffi::cudaStream_t,
-        )
+    // or the read-only inputs. Host groups are read by the launcher before it returns; a device
+    // table holds `n_groups` structs (length checked by the caller) and its guard, like the
+    // others, is held until the launch is queued. The buffers stay borrowed until the guards in
+    // `prep` record the launch (cudarc frees device memory stream-ordered), and the launcher
+    // only enqueues work.
+    let status = match groups {
+        GroupSource::Host(g) => unsafe {
+            ffi::tilearn_optim_adam(&prep.launch, g.as_ptr(), n_groups, p, m, v, vmax, raw)
+        },
+        GroupSource::Device(table) => {
+            let (ptr, _guard) = table.device_ptr(stream);
+            unsafe {
+                ffi::tilearn_optim_adam_device_groups(
+                    &prep.launch,
+                    ptr as *const ffi::tilearn_optim_adam_group,
+                    n_groups,
+                    p,
+                    m,
+                    v,
+                    vmax,
+                    raw,
+                )
+            }
+        }
     };
     drop(prep);
-    check_status(OP, status)
+    check_status(op, status)
 }

@@ -24,7 +24,10 @@ mod norm;
 mod plan;
 mod sgd;
 
-pub use adam::{AdamGroupScalars, AdamState, adam_l2_step, adam_step, adamw_step};
+pub use adam::{
+    ADAM_GROUP_WORDS, AdamGroupScalars, AdamState, adam_l2_step, adam_step,
+    adam_step_device_groups, adamw_step,
+};
 pub use error::{FusedError, Result};
 pub use io::{Clip, Grads, ParamCopy, Rounding, StepIo};
 pub use lamb::{

@@ -17,6 +17,8 @@
 //! `--device cuda` trains on the GPU (tilearn-recsys' `cuda::GpuCtrTrainer`: the embedding-bag
 //! kernels, cuBLASLt for the MLP, the fused AdamW); `auto` (the default) picks it when this
 //! build has the CUDA kernels and a device is present. Checkpoints are the same on both.
+//! `--gpu-embedding-budget` / `--host-rows` keep tables over the budget in pinned host memory
+//! behind a GPU cache of hot rows (`ctr_gpu`).
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -26,6 +28,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tilearn_optim::AdamWConfig;
 use tilearn_recsys::bench::{CtrBenchData, CtrBenchOptions, run_bench as run_ctr_bench};
+use tilearn_recsys::cache::ResidencyPlan;
 use tilearn_recsys::checkpoint::load_checkpoint;
 use tilearn_recsys::data::export::export_splits;
 use tilearn_recsys::data::{
@@ -38,6 +41,7 @@ use tilearn_recsys::{
     CtrConfig, CtrModel, CtrStepper, ModelKind, RecsysError, SparseOptimizer, auc,
 };
 
+use super::ctr_gpu::{GpuArgs, PrecisionArg};
 use super::device::{DeviceChoice, choose_device};
 use crate::{LlmError, Result};
 
@@ -139,6 +143,8 @@ struct TrainArgs {
     /// --batch-size and data) up to --steps; the log is appended to.
     #[arg(long)]
     resume_from_checkpoint: Option<PathBuf>,
+    #[command(flatten)]
+    gpu: GpuArgs,
 }
 
 #[derive(Debug, Args)]
@@ -194,6 +200,8 @@ struct BenchArgs {
     /// `benches/pytorch_recsys_baseline.py --deepfm-data DIR`.
     #[arg(long)]
     export: Option<PathBuf>,
+    #[command(flatten)]
+    gpu: GpuArgs,
 }
 
 #[derive(Debug, Args)]
@@ -333,8 +341,10 @@ fn run_train(args: TrainArgs) -> Result<()> {
         bar,
     };
     let ctr = if choose_device(args.device)? {
-        train_on_gpu(ctr, &mut run)?
+        let plan = args.gpu.plan(&ctr, args.batch_size)?;
+        train_on_gpu(ctr, &mut run, plan.as_ref(), args.gpu.precision)?
     } else {
+        args.gpu.check_cpu()?;
         run.drive(&mut ctr)?;
         ctr
     };
@@ -393,17 +403,28 @@ impl TrainLoop {
     }
 }
 
-/// Trains `ctr` on GPU 0 and returns it with the trained weights and optimizer state.
+/// Trains `ctr` on GPU 0 (rows placed by `plan`) and returns it with the trained weights and
+/// optimizer state.
 #[cfg(feature = "cuda")]
-fn train_on_gpu(ctr: CtrModel, run: &mut TrainLoop) -> Result<CtrModel> {
+fn train_on_gpu(
+    ctr: CtrModel,
+    run: &mut TrainLoop,
+    plan: Option<&ResidencyPlan>,
+    precision: PrecisionArg,
+) -> Result<CtrModel> {
     let device = tilearn_ops::cuda::GpuDevice::new(0)?;
-    let mut trainer = tilearn_recsys::cuda::GpuCtrTrainer::new(device.stream(), ctr)?;
+    let mut trainer = super::ctr_gpu::gpu_trainer(device.stream(), ctr, plan, precision)?;
     run.drive(&mut trainer)?;
     Ok(trainer.into_host()?)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn train_on_gpu(_ctr: CtrModel, _run: &mut TrainLoop) -> Result<CtrModel> {
+fn train_on_gpu(
+    _ctr: CtrModel,
+    _run: &mut TrainLoop,
+    _plan: Option<&ResidencyPlan>,
+    _precision: PrecisionArg,
+) -> Result<CtrModel> {
     // choose_device only picks the GPU when the CUDA kernels are compiled in.
     Err(usage(
         "--device cuda",
@@ -470,8 +491,21 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     let sparse = SparseOptimizer::row_wise_adagrad(args.sparse_learning_rate);
     let ctr = CtrModel::new(config, sparse, dense, args.seed)?;
     let record = if choose_device(args.device)? {
-        bench_on_gpu(ctr, &data, &options)?
+        let plan = args.gpu.plan(&ctr, args.batch_size)?;
+        let precision = args.gpu.precision;
+        let mut record = bench_on_gpu(ctr, &data, &options, plan.as_ref(), precision)?;
+        record.mlp_precision = Some(format!("{precision:?}").to_lowercase());
+        record.placement = plan.map(|p| {
+            serde_json::json!({
+                "gpu_embedding_budget": args.gpu.gpu_embedding_budget,
+                "host_tables": p.host_tables,
+                "device_embedding_bytes": p.device_bytes,
+                "host_embedding_bytes": p.host_bytes,
+            })
+        });
+        record
     } else {
+        args.gpu.check_cpu()?;
         let mut ctr = ctr;
         run_ctr_bench(&mut ctr, &data, &options, "cpu")?
     };
@@ -487,10 +521,12 @@ fn bench_on_gpu(
     ctr: CtrModel,
     data: &CtrBenchData,
     options: &CtrBenchOptions,
+    plan: Option<&ResidencyPlan>,
+    precision: PrecisionArg,
 ) -> Result<tilearn_recsys::bench::CtrBenchRecord> {
     let device = tilearn_ops::cuda::GpuDevice::new(0)?;
     let name = device.name()?;
-    let mut trainer = tilearn_recsys::cuda::GpuCtrTrainer::new(device.stream(), ctr)?;
+    let mut trainer = super::ctr_gpu::gpu_trainer(device.stream(), ctr, plan, precision)?;
     Ok(run_ctr_bench(&mut trainer, data, options, &name)?)
 }
 
@@ -499,6 +535,8 @@ fn bench_on_gpu(
     _ctr: CtrModel,
     _data: &CtrBenchData,
     _options: &CtrBenchOptions,
+    _plan: Option<&ResidencyPlan>,
+    _precision: PrecisionArg,
 ) -> Result<tilearn_recsys::bench::CtrBenchRecord> {
     Err(usage(
         "--device cuda",

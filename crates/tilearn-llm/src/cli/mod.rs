@@ -4,6 +4,7 @@ mod bench;
 mod bench_gpu;
 mod bench_loop;
 mod ctr;
+mod ctr_gpu;
 mod decode;
 mod device;
 mod eval;

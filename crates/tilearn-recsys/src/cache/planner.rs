@@ -3,6 +3,10 @@
 //! then missing rows into their slots) and the batch's ids remapped to slots. The host cache
 //! ([`super::CachedEmbeddingBag`]) and the device one (`cuda::DeviceCachedEmbeddingBag`) only
 //! carry the copies out.
+//!
+//! A table given at least as many slots as it has rows is *resident*: it lives in the cache
+//! whole (copied in when the cache is made, out when it is flushed), its ids are not remapped
+//! and it has no slot map; only the other tables' rows move per batch and count in the stats.
 
 use std::collections::HashSet;
 
@@ -37,7 +41,8 @@ pub enum RowMove {
 pub struct RowCachePlanner {
     backing: TableLayout,
     cache: TableLayout,
-    slots: Vec<LruSlots>,
+    /// Per table: its slot map, or `None` for a resident table.
+    slots: Vec<Option<LruSlots>>,
     /// Per stacked cache row: changed by a step since it was loaded.
     dirty: Vec<bool>,
     stats: CacheStats,
@@ -64,8 +69,8 @@ impl RowCachePlanner {
             .collect();
         let cache = TableLayout::new(specs)?;
         Ok(RowCachePlanner {
-            slots: (cache.specs().iter())
-                .map(|s| LruSlots::new(s.rows))
+            slots: (cache.specs().iter().zip(backing.specs()).zip(slots))
+                .map(|((c, b), &n)| (n < b.rows).then(|| LruSlots::new(c.rows)).transpose())
                 .collect::<Result<_>>()?,
             dirty: vec![false; cache.total_rows()],
             backing: backing.clone(),
@@ -83,6 +88,13 @@ impl RowCachePlanner {
         &self.backing
     }
 
+    /// The tables that live in the cache whole.
+    pub fn resident_tables(&self) -> Vec<usize> {
+        (self.slots.iter().enumerate())
+            .filter_map(|(t, s)| s.is_none().then_some(t))
+            .collect()
+    }
+
     pub fn stats(&self) -> CacheStats {
         self.stats
     }
@@ -98,6 +110,7 @@ impl RowCachePlanner {
     ) -> Result<(Vec<RowMove>, JaggedBatch)> {
         batch.check_layout(&self.backing)?;
         for (t, slots) in self.slots.iter().enumerate() {
+            let Some(slots) = slots else { continue };
             let distinct: HashSet<u32> = batch.ids()[batch.table_entries(t)]
                 .iter()
                 .copied()
@@ -116,8 +129,11 @@ impl RowCachePlanner {
         let mut moves = Vec::new();
         let mut ids = batch.ids().to_vec();
         for t in 0..self.slots.len() {
+            let Some(slots) = self.slots[t].as_mut() else {
+                continue;
+            };
             let entries = batch.table_entries(t);
-            let plan = self.slots[t].plan(&batch.ids()[entries.clone()])?;
+            let plan = slots.plan(&batch.ids()[entries.clone()])?;
             let base = self.cache.row_base()[t];
             self.stats.hits += plan.hits as u64;
             for &(row, slot) in &plan.evictions {
@@ -140,7 +156,7 @@ impl RowCachePlanner {
                 });
             }
             for id in &mut ids[entries] {
-                *id = self.slots[t].slot(*id).expect("planned rows are cached");
+                *id = slots.slot(*id).expect("planned rows are cached");
                 if training {
                     self.dirty[base + *id as usize] = true;
                 }
@@ -154,6 +170,7 @@ impl RowCachePlanner {
     pub fn flush(&mut self) -> Vec<RowMove> {
         let mut moves = Vec::new();
         for (t, slots) in self.slots.iter().enumerate() {
+            let Some(slots) = slots else { continue };
             let base = self.cache.row_base()[t];
             for (row, slot) in slots.cached() {
                 if std::mem::take(&mut self.dirty[base + slot as usize]) {

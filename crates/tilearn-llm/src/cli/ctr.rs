@@ -18,7 +18,9 @@
 //! kernels, cuBLASLt for the MLP, the fused AdamW); `auto` (the default) picks it when this
 //! build has the CUDA kernels and a device is present. Checkpoints are the same on both.
 //! `--gpu-embedding-budget` / `--host-rows` keep tables over the budget in pinned host memory
-//! behind a GPU cache of hot rows (`ctr_gpu`).
+//! behind a GPU cache of hot rows, `--precision bf16` runs the MLP's GEMMs in bf16 (`ctr_gpu`).
+//! Under `tilearn launch --nproc-per-node N` (N > 1), `ctr train` shards the tables over the
+//! ranks and trains the dense part data parallel (`ctr_sharded`; CPU, host communicator).
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -42,7 +44,9 @@ use tilearn_recsys::{
 };
 
 use super::ctr_gpu::{GpuArgs, PrecisionArg};
+use super::ctr_sharded::{ShardArgs, sharded_trainer};
 use super::device::{DeviceChoice, choose_device};
+use super::train_ranks::Ranks;
 use crate::{LlmError, Result};
 
 #[derive(Debug, Args)]
@@ -145,6 +149,8 @@ struct TrainArgs {
     resume_from_checkpoint: Option<PathBuf>,
     #[command(flatten)]
     gpu: GpuArgs,
+    #[command(flatten)]
+    shard: ShardArgs,
 }
 
 #[derive(Debug, Args)]
@@ -267,6 +273,19 @@ fn usage(flag: &str, message: &str) -> LlmError {
 }
 
 fn run_train(args: TrainArgs) -> Result<()> {
+    // Under `tilearn launch` with several ranks: the tables sharded over them (`ctr_sharded`).
+    match Ranks::join()?.filter(|r| r.group.world_size() > 1) {
+        None => train_ranks(args, None),
+        Some(ranks) => train_ranks(args, Some(&ranks)).map_err(|e| ranks.report(e)),
+    }
+}
+
+/// `ctr train` alone (`ranks` `None`) or as one rank of a sharded job.
+fn train_ranks(args: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
+    if ranks.is_some() {
+        check_sharded_flags(&args)?;
+    }
+    let primary = ranks.is_none_or(|r| r.is_primary());
     let splits = load_splits(&args.data)?;
     if splits.train.is_empty() {
         return Err(usage("--data", "no training samples"));
@@ -297,14 +316,19 @@ fn run_train(args: TrainArgs) -> Result<()> {
     };
     std::fs::create_dir_all(&args.output_dir).map_err(|e| RecsysError::io(&args.output_dir, e))?;
     let log_path = args.output_dir.join("train_log.jsonl");
-    // A resumed run continues the log of the run it resumes.
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .append(resume.is_some())
-        .truncate(resume.is_none())
-        .open(&log_path)
-        .map_err(|e| RecsysError::io(&log_path, e))?;
+    // A resumed run continues the log of the run it resumes; rank 0 alone writes it.
+    let log = if primary {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(resume.is_some())
+            .truncate(resume.is_none())
+            .open(&log_path)
+            .map_err(|e| RecsysError::io(&log_path, e))?;
+        Some(file)
+    } else {
+        None
+    };
     let save = (args.save_steps > 0).then(|| SavePolicy {
         output_dir: args.output_dir.clone(),
         every: args.save_steps,
@@ -319,7 +343,7 @@ fn run_train(args: TrainArgs) -> Result<()> {
         save,
         resume,
     };
-    let bar = std::io::stderr().is_terminal().then(|| {
+    let bar = (primary && std::io::stderr().is_terminal()).then(|| {
         let bar = ProgressBar::new(args.steps as u64);
         bar.set_style(
             ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps  {msg}")
@@ -340,7 +364,11 @@ fn run_train(args: TrainArgs) -> Result<()> {
         log_path,
         bar,
     };
-    let ctr = if choose_device(args.device)? {
+    let ctr = if let Some(ranks) = ranks {
+        let mut trainer = sharded_trainer(ctr, ranks, &args.shard)?;
+        run.drive(&mut trainer)?;
+        trainer.into_host()?
+    } else if choose_device(args.device)? {
         let plan = args.gpu.plan(&ctr, args.batch_size)?;
         train_on_gpu(ctr, &mut run, plan.as_ref(), args.gpu.precision)?
     } else {
@@ -351,8 +379,27 @@ fn run_train(args: TrainArgs) -> Result<()> {
     if let Some(bar) = &run.bar {
         bar.finish_and_clear();
     }
-    save_model(&args.output_dir, &ctr.config, &ctr.tables, &ctr.dense)?;
+    if primary {
+        save_model(&args.output_dir, &ctr.config, &ctr.tables, &ctr.dense)?;
+    }
     Ok(())
+}
+
+/// Fails, naming the flag, for what a sharded run does not do yet.
+fn check_sharded_flags(args: &TrainArgs) -> Result<()> {
+    if matches!(args.device, DeviceChoice::Cuda) {
+        return Err(usage(
+            "--device cuda",
+            "sharded training (tilearn launch with several ranks) runs on the CPU over the host communicator for now; use --device cpu",
+        ));
+    }
+    if args.save_steps > 0 || args.resume_from_checkpoint.is_some() {
+        return Err(usage(
+            "--save-steps",
+            "checkpoints of sharded training are not written yet; drop --save-steps / --resume-from-checkpoint (the final model is saved)",
+        ));
+    }
+    args.gpu.check_cpu()
 }
 
 /// Everything of `ctr train` but the model: data, options, the log and the progress bar.
@@ -360,7 +407,8 @@ struct TrainLoop {
     splits: Splits,
     options: TrainOptions,
     model_name: Option<String>,
-    log: std::fs::File,
+    /// The log file, on rank 0 only (other ranks of a sharded run print nothing).
+    log: Option<std::fs::File>,
     log_path: PathBuf,
     bar: Option<ProgressBar>,
 }
@@ -377,6 +425,9 @@ impl TrainLoop {
             if let Some(truth) = truth_auc {
                 line["ground_truth_auc"] = serde_json::json!(truth);
             }
+            let Some(log) = log.as_mut() else {
+                return Ok(());
+            };
             writeln!(log, "{line}").map_err(|e| RecsysError::io(log_path, e))?;
             match bar {
                 Some(bar) => bar.println(line.to_string()),

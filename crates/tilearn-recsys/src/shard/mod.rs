@@ -15,5 +15,5 @@ mod sharded_bag;
 mod trainer;
 
 pub use plan::{ShardPlan, ShardTable, Sharding};
-pub use sharded_bag::{ShardedEmbeddingBag, ShardedForward};
+pub use sharded_bag::{GatheredTables, ShardedEmbeddingBag, ShardedForward};
 pub use trainer::ShardedCtrTrainer;

@@ -33,6 +33,17 @@ pub struct ShardedEmbeddingBag {
     shard: Option<(EmbeddingTables, SparseState)>,
 }
 
+/// Every table whole, gathered from the shards ([`ShardedEmbeddingBag::gather_full`]): the
+/// weights and the rule's state buffers (as `SparseState` lays them out; empty where the rule
+/// keeps none) and the optimizer steps taken.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatheredTables {
+    pub weights: Vec<f32>,
+    pub state1: Vec<f32>,
+    pub state2: Vec<f32>,
+    pub steps: u64,
+}
+
 /// What a forward leaves for its backward: the shard's batch over every rank's samples and
 /// each rank's number of samples.
 #[derive(Debug)]
@@ -239,12 +250,9 @@ impl ShardedEmbeddingBag {
 
     /// Every table's weights and optimizer state, whole, on every rank (collective): each
     /// rank sends its shard (weights, then the state buffers its rule keeps) to all, in chunks
-    /// below the exchange's message limit, and every rank places each shard's rows. Returns
-    /// (weights, state1, state2, steps) laid out as the plan's full tables.
-    pub fn gather_full(
-        &self,
-        comm: &dyn Communicator,
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>, u64)> {
+    /// below the exchange's message limit, and every rank places each shard's rows, laid out
+    /// as the plan's full tables.
+    pub fn gather_full(&self, comm: &dyn Communicator) -> Result<GatheredTables> {
         const CHUNK: usize = 1 << 22;
         let layout = self.plan.layout();
         let world = self.plan.world();
@@ -321,6 +329,11 @@ impl ShardedEmbeddingBag {
         (comm.all_reduce((&mut steps[..]).into(), tilearn_parallel::ReduceOp::Max))
             .and_then(|w| w.wait())
             .map_err(|e| RecsysError::invalid("sharded gather", e.to_string()))?;
-        Ok((weights, state1, state2, steps[0] as u64))
+        Ok(GatheredTables {
+            weights,
+            state1,
+            state2,
+            steps: steps[0] as u64,
+        })
     }
 }

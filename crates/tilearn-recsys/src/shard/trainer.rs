@@ -208,9 +208,9 @@ impl CtrStepper for ShardedCtrTrainer {
 
     fn host(&mut self) -> Result<&CtrModel> {
         if !self.host_current {
-            let (weights, state1, state2, steps) = self.bag.gather_full(&*self.comm)?;
-            self.model.tables.weights = weights;
-            self.model.sparse.set_state(state1, state2, steps)?;
+            let full = self.bag.gather_full(&*self.comm)?;
+            self.model.tables.weights = full.weights;
+            (self.model.sparse).set_state(full.state1, full.state2, full.steps)?;
             self.host_current = true;
         }
         Ok(&self.model)

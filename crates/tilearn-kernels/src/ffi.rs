@@ -371,6 +371,13 @@ unsafe extern "C" {
         scratch_bytes: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_copy_rows(
+        src: *const f32,
+        dst: *mut f32,
+        moves: *const u64,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
     pub fn tilearn_ctr_mlp_input(
         emb: *const f32,
         width: usize,

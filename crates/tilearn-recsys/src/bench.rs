@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::cache::RowCacheLog;
 use crate::data::{CtrBatch, SyntheticCriteo, epoch_order, gather};
 use crate::error::Result;
 use crate::metrics::auc;
@@ -80,6 +81,15 @@ pub struct CtrBenchRecord {
     pub eval_loss: Option<f64>,
     pub eval_auc: Option<f64>,
     pub ground_truth_auc: Option<f64>,
+    /// The row cache over the timed steps (tables over the device's embedding budget).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub row_cache: Option<RowCacheLog>,
+    /// Set by the caller: the MLP's GEMM precision on the GPU (`fp32`, `bf16`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlp_precision: Option<String>,
+    /// Set by the caller: where the tables lived (e.g. which were in host memory).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement: Option<serde_json::Value>,
 }
 
 /// Trains `model` on `data` as `options` say and measures it.
@@ -145,5 +155,8 @@ pub fn run_bench(
         eval_loss: record.and_then(|r| r.eval_loss),
         eval_auc: record.and_then(|r| r.eval_auc),
         ground_truth_auc: data.truth_auc,
+        row_cache: record.and_then(|r| r.row_cache.clone()),
+        mlp_precision: None,
+        placement: None,
     })
 }

@@ -325,6 +325,12 @@ impl SparseState {
         self.step = step;
     }
 
+    /// Both state buffers, mutable (empty where the rule keeps none): for whole-row copies
+    /// (the row cache), which keep the lengths.
+    pub(crate) fn buffers_mut(&mut self) -> (&mut [f32], &mut [f32]) {
+        (&mut self.state1, &mut self.state2)
+    }
+
     /// The state of stacked row `row` whose weights are `elements` of the flat buffer.
     pub fn row_mut(&mut self, row: usize, elements: std::ops::Range<usize>) -> RowStateMut<'_> {
         match self.optimizer {

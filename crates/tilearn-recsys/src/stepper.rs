@@ -3,6 +3,7 @@
 //! the model on the host for checkpoints. [`CtrModel`] is the CPU one; the GPU one is
 //! `cuda::GpuCtrTrainer` (feature `cuda`).
 
+use crate::cache::RowCacheReport;
 use crate::data::CtrBatch;
 use crate::error::Result;
 use crate::jagged::JaggedBatch;
@@ -18,6 +19,11 @@ pub trait CtrStepper {
 
     /// Logits of every sample of `batch`.
     fn predict(&mut self, batch: &CtrBatch) -> Result<Vec<f32>>;
+
+    /// A row cache's counts and traffic so far (`None`: every row lives where the step runs).
+    fn row_cache(&mut self) -> Result<Option<RowCacheReport>> {
+        Ok(None)
+    }
 
     /// The model and its optimizers' state on the host, current (a device model copies its
     /// state back first).

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::cache::RowCacheLog;
 use crate::checkpoint::{TrainerState, save_checkpoint};
 use crate::data::{CtrBatch, Prefetcher};
 use crate::error::{RecsysError, Result};
@@ -112,13 +113,20 @@ pub struct LogRecord {
     pub eval_auc: Option<f64>,
     /// Training samples per second since the previous record (evaluation time excluded).
     pub samples_per_sec: f64,
+    /// The row cache since the previous record (tables larger than the device's budget).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub row_cache: Option<RowCacheLog>,
 }
+
+/// Samples per prediction call of [`evaluate`] (a row cache needs this many slots at least).
+pub const EVAL_CHUNK: usize = 4096;
 
 /// Mean BCE loss and exact AUC of `model` on `data` (AUC `None` when one class is absent).
 pub fn evaluate(model: &mut impl CtrStepper, data: &CtrBatch) -> Result<(f64, Option<f64>)> {
     let mut logits = Vec::with_capacity(data.len());
-    for start in (0..data.len()).step_by(4096) {
-        logits.extend(model.predict(&data.slice(start..(start + 4096).min(data.len())))?);
+    for start in (0..data.len()).step_by(EVAL_CHUNK) {
+        let end = (start + EVAL_CHUNK).min(data.len());
+        logits.extend(model.predict(&data.slice(start..end))?);
     }
     Ok((
         bce_with_logits(&logits, &data.labels),
@@ -157,6 +165,7 @@ pub fn train(
     let mut records = Vec::new();
     let (mut loss_sum, mut steps_in_window, mut samples_in_window) = (0.0, 0usize, 0usize);
     let mut window_time = 0.0f64;
+    let mut cache_before = model.row_cache()?;
     let train_samples = train.len();
     let (first, mut samples_seen) = match &options.resume {
         Some(resume) => {
@@ -188,6 +197,11 @@ pub fn train(
             save_checkpoint(&save.output_dir, model.host()?, &state, save.keep)?;
         }
         if step % options.eval_every.max(1) == 0 || step == options.steps {
+            // The training window's cache traffic (evaluation's loads come after).
+            let cache_now = model.row_cache()?;
+            let row_cache = cache_now
+                .zip(cache_before)
+                .map(|(now, before)| now.since(&before).log());
             let (eval_loss, eval_auc) = if eval.is_empty() {
                 (None, None)
             } else {
@@ -200,7 +214,9 @@ pub fn train(
                 eval_loss,
                 eval_auc,
                 samples_per_sec: samples_in_window as f64 / window_time.max(1e-9),
+                row_cache,
             };
+            cache_before = model.row_cache()?;
             on_log(&record)?;
             records.push(record);
             (loss_sum, steps_in_window, samples_in_window, window_time) = (0.0, 0, 0, 0.0);

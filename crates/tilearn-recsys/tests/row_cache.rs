@@ -6,11 +6,224 @@
 mod common;
 
 use common::{odd_layout, random_batch, random_values};
-use tilearn_recsys::cache::{CachedEmbeddingBag, LruSlots};
-use tilearn_recsys::{
-    EmbeddingTables, SparseOptimizer, SparseState, embedding_bag_backward_update,
-    embedding_bag_forward,
+use tilearn_recsys::cache::{
+    BatchCopies, CachedEmbeddingBag, HostRows, LruSlots, RowCachePlanner, RowMove, parse_bytes,
+    plan_residency,
 };
+use tilearn_recsys::{
+    EmbeddingTables, JaggedBatch, Pooling, SparseOptimizer, SparseState, TableLayout, TableSpec,
+    embedding_bag_backward_update, embedding_bag_forward,
+};
+
+/// Table 0: 10 rows of dim 3 behind 2 slots; table 1: 4 rows of dim 2, resident (4 slots).
+fn two_tables() -> TableLayout {
+    TableLayout::new(vec![
+        TableSpec {
+            rows: 10,
+            dim: 3,
+            pooling: Pooling::Sum,
+        },
+        TableSpec {
+            rows: 4,
+            dim: 2,
+            pooling: Pooling::Sum,
+        },
+    ])
+    .unwrap()
+}
+
+/// A batch of 2 samples: table 0's bags `a`, table 1's bags `b`.
+fn batch_of(layout: &TableLayout, a: [&[u32]; 2], b: [&[u32]; 2]) -> JaggedBatch {
+    let mut offsets = vec![0u32];
+    let mut ids = Vec::new();
+    for bag in a.into_iter().chain(b) {
+        ids.extend_from_slice(bag);
+        offsets.push(ids.len() as u32);
+    }
+    JaggedBatch::new(layout, 2, offsets, ids).unwrap()
+}
+
+#[test]
+fn planner_loads_new_rows_writes_back_only_dirty_evictions_and_leaves_resident_tables_alone() {
+    let layout = two_tables();
+    let mut planner = RowCachePlanner::new(&layout, &[2, 4]).unwrap();
+    assert_eq!(planner.resident_tables(), vec![1]);
+    // Rows seen for the first time: loaded into free slots in first-use order, nothing evicted;
+    // the resident table's ids pass through unchanged and move nothing.
+    let (moves, mapped) = planner
+        .map_batch(&batch_of(&layout, [&[7], &[3, 7]], [&[3], &[0, 2]]), true)
+        .unwrap();
+    assert_eq!(
+        moves,
+        vec![
+            RowMove::Load {
+                table: 0,
+                row: 7,
+                slot: 0
+            },
+            RowMove::Load {
+                table: 0,
+                row: 3,
+                slot: 1
+            },
+        ]
+    );
+    assert_eq!(mapped.ids(), &[0, 1, 0, 3, 0, 2]);
+    // An evaluation batch (not training): row 5 evicts row 7 (least recently used, dirty from
+    // the training batch: written back first) and is loaded clean.
+    let (moves, _) = planner
+        .map_batch(&batch_of(&layout, [&[3], &[5]], [&[], &[]]), false)
+        .unwrap();
+    assert_eq!(
+        moves,
+        vec![
+            RowMove::WriteBack {
+                table: 0,
+                row: 7,
+                slot: 0
+            },
+            RowMove::Load {
+                table: 0,
+                row: 5,
+                slot: 0
+            },
+        ]
+    );
+    // Evicting the clean row 5 writes nothing back; row 3 (still dirty) stays.
+    let (moves, _) = planner
+        .map_batch(&batch_of(&layout, [&[9], &[3]], [&[1], &[]]), true)
+        .unwrap();
+    assert_eq!(
+        moves,
+        vec![RowMove::Load {
+            table: 0,
+            row: 9,
+            slot: 0
+        }]
+    );
+    let stats = planner.stats();
+    assert_eq!(
+        (stats.hits, stats.loads, stats.evictions, stats.write_backs),
+        (2, 4, 2, 1)
+    );
+    // A flush writes back the dirty cached rows (3 and 9), once.
+    let mut flushed = planner.flush();
+    flushed.sort_by_key(|m| format!("{m:?}"));
+    assert_eq!(
+        flushed,
+        vec![
+            RowMove::WriteBack {
+                table: 0,
+                row: 3,
+                slot: 1
+            },
+            RowMove::WriteBack {
+                table: 0,
+                row: 9,
+                slot: 0
+            },
+        ]
+    );
+    assert!(planner.flush().is_empty());
+}
+
+#[test]
+fn moves_become_copies_of_whole_rows_and_their_state() {
+    let backing = two_tables();
+    let planner = RowCachePlanner::new(&backing, &[2, 4]).unwrap();
+    let cache = planner.cache_layout().clone();
+    let moves = [
+        RowMove::WriteBack {
+            table: 0,
+            row: 7,
+            slot: 0,
+        },
+        RowMove::Load {
+            table: 0,
+            row: 4,
+            slot: 1,
+        },
+    ];
+    let copies = BatchCopies::new(&moves, &backing, &cache);
+    // Table 0 starts both buffers; table 0's row 7 is elements 21..24 and stacked row 7.
+    assert_eq!(copies.write_backs.elements, vec![[0, 21, 3]]);
+    assert_eq!(copies.write_backs.rows, vec![[0, 7, 1]]);
+    assert_eq!(copies.loads.elements, vec![[12, 3, 3]]);
+    assert_eq!(copies.loads.rows, vec![[4, 1, 1]]);
+    // Bytes: weights only (SGD), + one accumulator (Adagrad), + two moments (Adam).
+    let l = &copies.loads;
+    assert_eq!(l.bytes(&SparseOptimizer::Sgd { lr: 0.1 }), 12);
+    assert_eq!(l.bytes(&SparseOptimizer::row_wise_adagrad(0.1)), 16);
+    assert_eq!(l.bytes(&SparseOptimizer::adam(0.1)), 36);
+    // The resident table 1: backing elements 30..38 / rows 10..14, cache 6..14 / 2..6.
+    let whole = BatchCopies::whole_tables(&[1], &backing, &cache, true);
+    assert_eq!(whole.elements, vec![[30, 6, 8]]);
+    assert_eq!(whole.rows, vec![[10, 2, 4]]);
+}
+
+#[test]
+fn residency_fits_the_budget_largest_tables_to_host_first() {
+    let layout = TableLayout::new(
+        [(1000, 4), (50, 4), (5000, 8), (100, 1)]
+            .iter()
+            .map(|&(rows, dim)| TableSpec {
+                rows,
+                dim,
+                pooling: Pooling::Sum,
+            })
+            .collect(),
+    )
+    .unwrap();
+    let adagrad = SparseOptimizer::row_wise_adagrad(0.1);
+    // Row bytes with Adagrad: 4 * (dim + 1): 20, 20, 36, 8. Whole tables: 20,000 + 1,000 +
+    // 180,000 + 800 = 201,800 bytes.
+    let all = plan_residency(&layout, &adagrad, 201_800, &HostRows::Auto, 64).unwrap();
+    assert!(all.all_on_device());
+    assert_eq!(all.slots, vec![1000, 50, 5000, 100]);
+    // 100 KB: the largest table (2) goes to host and the rest (21,800 bytes) stays; its cache
+    // gets the minimum of 64 rows plus the spare 75,896 bytes' 2,108 rows of 36 bytes.
+    let plan = plan_residency(&layout, &adagrad, 100_000, &HostRows::Auto, 64).unwrap();
+    assert_eq!(plan.host_tables, vec![2]);
+    assert_eq!(plan.slots, vec![1000, 50, 2172, 100]);
+    assert!(plan.device_bytes <= 100_000, "{plan:?}");
+    assert_eq!(plan.host_bytes, 180_000);
+    // Explicit tables; a table no bigger than a batch's rows stays whole (nothing to gain).
+    let plan = plan_residency(
+        &layout,
+        &adagrad,
+        200_000,
+        &HostRows::Tables(vec![0, 1]),
+        64,
+    )
+    .unwrap();
+    assert_eq!(plan.host_tables, vec![0]);
+    assert!(plan.slots[0] >= 64 && plan.slots[0] < 1000, "{plan:?}");
+    // Too small even with every large table cached: refused, naming the fix.
+    let err = plan_residency(&layout, &adagrad, 5_000, &HostRows::Auto, 64)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("raise the budget"), "{err}");
+    let err = plan_residency(&layout, &adagrad, 1 << 30, &HostRows::Tables(vec![9]), 64)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("table 9"), "{err}");
+    assert_eq!("auto".parse::<HostRows>().unwrap(), HostRows::Auto);
+    assert_eq!(
+        "2, 0".parse::<HostRows>().unwrap(),
+        HostRows::Tables(vec![2, 0])
+    );
+    assert!("big".parse::<HostRows>().is_err());
+}
+
+#[test]
+fn byte_sizes_parse_with_binary_and_decimal_units() {
+    assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+    assert_eq!(parse_bytes("512 MiB").unwrap(), 512 << 20);
+    assert_eq!(parse_bytes("1.5GB").unwrap(), 1_500_000_000);
+    assert_eq!(parse_bytes("4096").unwrap(), 4096);
+    assert!(parse_bytes("2 parsecs").unwrap_err().contains("2GiB"));
+    assert!(parse_bytes("0").is_err());
+}
 
 #[test]
 fn lru_gives_up_the_least_recently_used_slot_never_one_of_the_batch() {

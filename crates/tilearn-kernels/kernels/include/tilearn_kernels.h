@@ -356,6 +356,15 @@ int tilearn_embedding_bag_backward_update(float *weights, float *state1, float *
                                           tilearn_sparse_rule rule, void *scratch,
                                           size_t scratch_bytes, cudaStream_t stream);
 
+/* ---- row_copy.cu: tilearn-recsys' row cache moves (rows between pinned host tables and the
+ *      device cache) ----
+ * dst (=) [dst_i .. dst_i + len_i] = src[src_i .. src_i + len_i] for each of the n moves
+ * ([n, 3] u64: src element offset, dst element offset, element count). One of src / dst may be
+ * page-locked host memory mapped into the device's address space. Moves must lie inside both
+ * buffers and must not write the same element twice. */
+int tilearn_copy_rows(const float *src, float *dst, const uint64_t *moves, size_t n,
+                      cudaStream_t stream);
+
 /* ---- ctr_head.cu: tilearn-recsys' DeepFM / Wide & Deep between the embedding bag and the
  *      dense optimizer, except the matrix products (cuBLASLt) ----
  * emb / demb: [batch, width] f32, the fields' dim-k embeddings at columns 0 .. fields * k, the

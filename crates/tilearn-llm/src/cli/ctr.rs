@@ -17,6 +17,10 @@
 //! `--device cuda` trains on the GPU (tilearn-recsys' `cuda::GpuCtrTrainer`: the embedding-bag
 //! kernels, cuBLASLt for the MLP, the fused AdamW); `auto` (the default) picks it when this
 //! build has the CUDA kernels and a device is present. Checkpoints are the same on both.
+//! `--gpu-embedding-budget` / `--host-rows` keep tables over the budget in pinned host memory
+//! behind a GPU cache of hot rows, `--precision bf16` runs the MLP's GEMMs in bf16 (`ctr_gpu`).
+//! Under `tilearn launch --nproc-per-node N` (N > 1), `ctr train` shards the tables over the
+//! ranks and trains the dense part data parallel (`ctr_sharded`; CPU, host communicator).
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -26,6 +30,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tilearn_optim::AdamWConfig;
 use tilearn_recsys::bench::{CtrBenchData, CtrBenchOptions, run_bench as run_ctr_bench};
+use tilearn_recsys::cache::ResidencyPlan;
 use tilearn_recsys::checkpoint::load_checkpoint;
 use tilearn_recsys::data::export::export_splits;
 use tilearn_recsys::data::{
@@ -38,7 +43,10 @@ use tilearn_recsys::{
     CtrConfig, CtrModel, CtrStepper, ModelKind, RecsysError, SparseOptimizer, auc,
 };
 
+use super::ctr_gpu::{GpuArgs, PrecisionArg};
+use super::ctr_sharded::{ShardArgs, sharded_trainer};
 use super::device::{DeviceChoice, choose_device};
+use super::train_ranks::Ranks;
 use crate::{LlmError, Result};
 
 #[derive(Debug, Args)]
@@ -139,6 +147,10 @@ struct TrainArgs {
     /// --batch-size and data) up to --steps; the log is appended to.
     #[arg(long)]
     resume_from_checkpoint: Option<PathBuf>,
+    #[command(flatten)]
+    gpu: GpuArgs,
+    #[command(flatten)]
+    shard: ShardArgs,
 }
 
 #[derive(Debug, Args)]
@@ -194,6 +206,8 @@ struct BenchArgs {
     /// `benches/pytorch_recsys_baseline.py --deepfm-data DIR`.
     #[arg(long)]
     export: Option<PathBuf>,
+    #[command(flatten)]
+    gpu: GpuArgs,
 }
 
 #[derive(Debug, Args)]
@@ -259,6 +273,19 @@ fn usage(flag: &str, message: &str) -> LlmError {
 }
 
 fn run_train(args: TrainArgs) -> Result<()> {
+    // Under `tilearn launch` with several ranks: the tables sharded over them (`ctr_sharded`).
+    match Ranks::join()?.filter(|r| r.group.world_size() > 1) {
+        None => train_ranks(args, None),
+        Some(ranks) => train_ranks(args, Some(&ranks)).map_err(|e| ranks.report(e)),
+    }
+}
+
+/// `ctr train` alone (`ranks` `None`) or as one rank of a sharded job.
+fn train_ranks(args: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
+    if ranks.is_some() {
+        check_sharded_flags(&args)?;
+    }
+    let primary = ranks.is_none_or(|r| r.is_primary());
     let splits = load_splits(&args.data)?;
     if splits.train.is_empty() {
         return Err(usage("--data", "no training samples"));
@@ -289,14 +316,19 @@ fn run_train(args: TrainArgs) -> Result<()> {
     };
     std::fs::create_dir_all(&args.output_dir).map_err(|e| RecsysError::io(&args.output_dir, e))?;
     let log_path = args.output_dir.join("train_log.jsonl");
-    // A resumed run continues the log of the run it resumes.
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .append(resume.is_some())
-        .truncate(resume.is_none())
-        .open(&log_path)
-        .map_err(|e| RecsysError::io(&log_path, e))?;
+    // A resumed run continues the log of the run it resumes; rank 0 alone writes it.
+    let log = if primary {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(resume.is_some())
+            .truncate(resume.is_none())
+            .open(&log_path)
+            .map_err(|e| RecsysError::io(&log_path, e))?;
+        Some(file)
+    } else {
+        None
+    };
     let save = (args.save_steps > 0).then(|| SavePolicy {
         output_dir: args.output_dir.clone(),
         every: args.save_steps,
@@ -311,7 +343,7 @@ fn run_train(args: TrainArgs) -> Result<()> {
         save,
         resume,
     };
-    let bar = std::io::stderr().is_terminal().then(|| {
+    let bar = (primary && std::io::stderr().is_terminal()).then(|| {
         let bar = ProgressBar::new(args.steps as u64);
         bar.set_style(
             ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps  {msg}")
@@ -332,17 +364,42 @@ fn run_train(args: TrainArgs) -> Result<()> {
         log_path,
         bar,
     };
-    let ctr = if choose_device(args.device)? {
-        train_on_gpu(ctr, &mut run)?
+    let ctr = if let Some(ranks) = ranks {
+        let mut trainer = sharded_trainer(ctr, ranks, &args.shard)?;
+        run.drive(&mut trainer)?;
+        trainer.into_host()?
+    } else if choose_device(args.device)? {
+        let plan = args.gpu.plan(&ctr, args.batch_size)?;
+        train_on_gpu(ctr, &mut run, plan.as_ref(), args.gpu.precision)?
     } else {
+        args.gpu.check_cpu()?;
         run.drive(&mut ctr)?;
         ctr
     };
     if let Some(bar) = &run.bar {
         bar.finish_and_clear();
     }
-    save_model(&args.output_dir, &ctr.config, &ctr.tables, &ctr.dense)?;
+    if primary {
+        save_model(&args.output_dir, &ctr.config, &ctr.tables, &ctr.dense)?;
+    }
     Ok(())
+}
+
+/// Fails, naming the flag, for what a sharded run does not do yet.
+fn check_sharded_flags(args: &TrainArgs) -> Result<()> {
+    if matches!(args.device, DeviceChoice::Cuda) {
+        return Err(usage(
+            "--device cuda",
+            "sharded training (tilearn launch with several ranks) runs on the CPU over the host communicator for now; use --device cpu",
+        ));
+    }
+    if args.save_steps > 0 || args.resume_from_checkpoint.is_some() {
+        return Err(usage(
+            "--save-steps",
+            "checkpoints of sharded training are not written yet; drop --save-steps / --resume-from-checkpoint (the final model is saved)",
+        ));
+    }
+    args.gpu.check_cpu()
 }
 
 /// Everything of `ctr train` but the model: data, options, the log and the progress bar.
@@ -350,7 +407,8 @@ struct TrainLoop {
     splits: Splits,
     options: TrainOptions,
     model_name: Option<String>,
-    log: std::fs::File,
+    /// The log file, on rank 0 only (other ranks of a sharded run print nothing).
+    log: Option<std::fs::File>,
     log_path: PathBuf,
     bar: Option<ProgressBar>,
 }
@@ -367,6 +425,9 @@ impl TrainLoop {
             if let Some(truth) = truth_auc {
                 line["ground_truth_auc"] = serde_json::json!(truth);
             }
+            let Some(log) = log.as_mut() else {
+                return Ok(());
+            };
             writeln!(log, "{line}").map_err(|e| RecsysError::io(log_path, e))?;
             match bar {
                 Some(bar) => bar.println(line.to_string()),
@@ -393,17 +454,28 @@ impl TrainLoop {
     }
 }
 
-/// Trains `ctr` on GPU 0 and returns it with the trained weights and optimizer state.
+/// Trains `ctr` on GPU 0 (rows placed by `plan`) and returns it with the trained weights and
+/// optimizer state.
 #[cfg(feature = "cuda")]
-fn train_on_gpu(ctr: CtrModel, run: &mut TrainLoop) -> Result<CtrModel> {
+fn train_on_gpu(
+    ctr: CtrModel,
+    run: &mut TrainLoop,
+    plan: Option<&ResidencyPlan>,
+    precision: PrecisionArg,
+) -> Result<CtrModel> {
     let device = tilearn_ops::cuda::GpuDevice::new(0)?;
-    let mut trainer = tilearn_recsys::cuda::GpuCtrTrainer::new(device.stream(), ctr)?;
+    let mut trainer = super::ctr_gpu::gpu_trainer(device.stream(), ctr, plan, precision)?;
     run.drive(&mut trainer)?;
     Ok(trainer.into_host()?)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn train_on_gpu(_ctr: CtrModel, _run: &mut TrainLoop) -> Result<CtrModel> {
+fn train_on_gpu(
+    _ctr: CtrModel,
+    _run: &mut TrainLoop,
+    _plan: Option<&ResidencyPlan>,
+    _precision: PrecisionArg,
+) -> Result<CtrModel> {
     // choose_device only picks the GPU when the CUDA kernels are compiled in.
     Err(usage(
         "--device cuda",
@@ -470,8 +542,21 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     let sparse = SparseOptimizer::row_wise_adagrad(args.sparse_learning_rate);
     let ctr = CtrModel::new(config, sparse, dense, args.seed)?;
     let record = if choose_device(args.device)? {
-        bench_on_gpu(ctr, &data, &options)?
+        let plan = args.gpu.plan(&ctr, args.batch_size)?;
+        let precision = args.gpu.precision;
+        let mut record = bench_on_gpu(ctr, &data, &options, plan.as_ref(), precision)?;
+        record.mlp_precision = Some(format!("{precision:?}").to_lowercase());
+        record.placement = plan.map(|p| {
+            serde_json::json!({
+                "gpu_embedding_budget": args.gpu.gpu_embedding_budget,
+                "host_tables": p.host_tables,
+                "device_embedding_bytes": p.device_bytes,
+                "host_embedding_bytes": p.host_bytes,
+            })
+        });
+        record
     } else {
+        args.gpu.check_cpu()?;
         let mut ctr = ctr;
         run_ctr_bench(&mut ctr, &data, &options, "cpu")?
     };
@@ -487,10 +572,12 @@ fn bench_on_gpu(
     ctr: CtrModel,
     data: &CtrBenchData,
     options: &CtrBenchOptions,
+    plan: Option<&ResidencyPlan>,
+    precision: PrecisionArg,
 ) -> Result<tilearn_recsys::bench::CtrBenchRecord> {
     let device = tilearn_ops::cuda::GpuDevice::new(0)?;
     let name = device.name()?;
-    let mut trainer = tilearn_recsys::cuda::GpuCtrTrainer::new(device.stream(), ctr)?;
+    let mut trainer = super::ctr_gpu::gpu_trainer(device.stream(), ctr, plan, precision)?;
     Ok(run_ctr_bench(&mut trainer, data, options, &name)?)
 }
 
@@ -499,6 +586,8 @@ fn bench_on_gpu(
     _ctr: CtrModel,
     _data: &CtrBenchData,
     _options: &CtrBenchOptions,
+    _plan: Option<&ResidencyPlan>,
+    _precision: PrecisionArg,
 ) -> Result<tilearn_recsys::bench::CtrBenchRecord> {
     Err(usage(
         "--device cuda",

@@ -11,7 +11,7 @@ use tilearn_parallel::launch::{DEFAULT_MASTER_PORT, LaunchConfig, Program};
 use crate::{LlmError, Result};
 
 /// The subcommands `tilearn launch` runs from this executable; any other word is a program.
-const SUBCOMMANDS: [&str; 5] = ["train", "eval", "bench", "prepare-data", "info"];
+const SUBCOMMANDS: [&str; 6] = ["train", "eval", "bench", "prepare-data", "info", "ctr"];
 
 #[derive(Debug, Args)]
 pub struct LaunchArgs {

@@ -4,6 +4,8 @@ mod bench;
 mod bench_gpu;
 mod bench_loop;
 mod ctr;
+mod ctr_gpu;
+mod ctr_sharded;
 mod decode;
 mod device;
 mod eval;

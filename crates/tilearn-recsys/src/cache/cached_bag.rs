@@ -17,9 +17,10 @@
 use crate::embedding_bag::{embedding_bag_backward_update, embedding_bag_forward};
 use crate::error::Result;
 use crate::jagged::JaggedBatch;
-use crate::sparse_optim::{RowStateMut, SparseState};
+use crate::sparse_optim::SparseState;
 use crate::tables::{EmbeddingTables, TableLayout};
 
+use super::copies::{BatchCopies, RowCopies, copy_elements, state_copies};
 use super::planner::{CacheStats, RowCachePlanner, RowMove};
 
 /// Embedding tables in a backing store with a host cache of hot rows (see the module docs).
@@ -32,16 +33,20 @@ pub struct CachedEmbeddingBag {
     planner: RowCachePlanner,
 }
 
-/// Copies one row's optimizer state.
-fn copy_row_state(from: RowStateMut<'_>, to: RowStateMut<'_>) {
-    match (from, to) {
-        (RowStateMut::None, RowStateMut::None) => {}
-        (RowStateMut::Accumulator(a), RowStateMut::Accumulator(b)) => *b = *a,
-        (RowStateMut::Moments(m, v), RowStateMut::Moments(m2, v2)) => {
-            m2.copy_from_slice(m);
-            v2.copy_from_slice(v);
-        }
-        _ => unreachable!("both states are of one optimizer"),
+/// Carries out `copies` from one set of tables and state into another (the same rule's).
+fn apply_copies(
+    copies: &RowCopies,
+    (src, src_state): (&[f32], &mut SparseState),
+    (dst, dst_state): (&mut [f32], &mut SparseState),
+) {
+    copy_elements(src, dst, &copies.elements);
+    let optimizer = *src_state.optimizer();
+    let (state1, both) = state_copies(&optimizer, copies);
+    let (s1, s2) = src_state.buffers_mut();
+    let (d1, d2) = dst_state.buffers_mut();
+    copy_elements(s1, d1, state1);
+    if both {
+        copy_elements(s2, d2, &copies.elements);
     }
 }
 
@@ -54,7 +59,7 @@ impl CachedEmbeddingBag {
         let cache_layout = planner.cache_layout().clone();
         let mut cache_state = SparseState::new(*state.optimizer(), &cache_layout)?;
         cache_state.set_step(state.step());
-        Ok(CachedEmbeddingBag {
+        let mut bag = CachedEmbeddingBag {
             cache: EmbeddingTables {
                 weights: vec![0.0; cache_layout.total_elements()],
                 layout: cache_layout,
@@ -63,7 +68,9 @@ impl CachedEmbeddingBag {
             backing,
             backing_state: state,
             planner,
-        })
+        };
+        bag.copy_resident(true);
+        Ok(bag)
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -75,30 +82,37 @@ impl CachedEmbeddingBag {
         &self.cache.layout
     }
 
-    fn apply(&mut self, moves: &[RowMove]) {
-        for &m in moves {
-            let (t, row, slot, to_backing) = match m {
-                RowMove::WriteBack { table, row, slot } => (table, row, slot, true),
-                RowMove::Load { table, row, slot } => (table, row, slot, false),
-            };
-            let cache_range = self.cache.layout.row_range(t, slot as usize);
-            let backing_range = self.backing.layout.row_range(t, row as usize);
-            let cache_row = self.cache.layout.row_base()[t] + slot as usize;
-            let backing_row = self.backing.layout.row_base()[t] + row as usize;
-            let cache_state = self.cache_state.row_mut(cache_row, cache_range.clone());
-            let backing_state = self
-                .backing_state
-                .row_mut(backing_row, backing_range.clone());
-            if to_backing {
-                self.backing.weights[backing_range]
-                    .copy_from_slice(&self.cache.weights[cache_range]);
-                copy_row_state(cache_state, backing_state);
-            } else {
-                self.cache.weights[cache_range]
-                    .copy_from_slice(&self.backing.weights[backing_range]);
-                copy_row_state(backing_state, cache_state);
-            }
+    /// The resident tables, whole, into the cache (`to_cache`) or back.
+    fn copy_resident(&mut self, to_cache: bool) {
+        let copies = BatchCopies::whole_tables(
+            &self.planner.resident_tables(),
+            &self.backing.layout,
+            &self.cache.layout,
+            to_cache,
+        );
+        self.apply_one_way(&copies, to_cache);
+    }
+
+    fn apply_one_way(&mut self, copies: &RowCopies, to_cache: bool) {
+        if to_cache {
+            apply_copies(
+                copies,
+                (&self.backing.weights, &mut self.backing_state),
+                (&mut self.cache.weights, &mut self.cache_state),
+            );
+        } else {
+            apply_copies(
+                copies,
+                (&self.cache.weights, &mut self.cache_state),
+                (&mut self.backing.weights, &mut self.backing_state),
+            );
         }
+    }
+
+    fn apply(&mut self, moves: &[RowMove]) {
+        let copies = BatchCopies::new(moves, &self.backing.layout, &self.cache.layout);
+        self.apply_one_way(&copies.write_backs, false);
+        self.apply_one_way(&copies.loads, true);
     }
 
     /// Brings every row of `batch` (ids of the backing tables) into the cache and returns the
@@ -126,6 +140,7 @@ impl CachedEmbeddingBag {
     pub fn flush(&mut self) -> (&EmbeddingTables, &SparseState) {
         let moves = self.planner.flush();
         self.apply(&moves);
+        self.copy_resident(false);
         self.backing_state.set_step(self.cache_state.step());
         (&self.backing, &self.backing_state)
     }

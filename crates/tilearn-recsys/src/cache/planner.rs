@@ -3,8 +3,14 @@
 //! then missing rows into their slots) and the batch's ids remapped to slots. The host cache
 //! ([`super::CachedEmbeddingBag`]) and the device one (`cuda::DeviceCachedEmbeddingBag`) only
 //! carry the copies out.
+//!
+//! A table given at least as many slots as it has rows is *resident*: it lives in the cache
+//! whole (copied in when the cache is made, out when it is flushed), its ids are not remapped
+//! and it has no slot map; only the other tables' rows move per batch and count in the stats.
 
 use std::collections::HashSet;
+
+use rayon::prelude::*;
 
 use crate::error::{RecsysError, Result};
 use crate::jagged::JaggedBatch;
@@ -37,9 +43,10 @@ pub enum RowMove {
 pub struct RowCachePlanner {
     backing: TableLayout,
     cache: TableLayout,
-    slots: Vec<LruSlots>,
-    /// Per stacked cache row: changed by a step since it was loaded.
-    dirty: Vec<bool>,
+    /// Per table: its slot map, or `None` for a resident table.
+    slots: Vec<Option<LruSlots>>,
+    /// Per table and slot: changed by a step since it was loaded (empty for resident tables).
+    dirty: Vec<Vec<bool>>,
     stats: CacheStats,
 }
 
@@ -64,10 +71,12 @@ impl RowCachePlanner {
             .collect();
         let cache = TableLayout::new(specs)?;
         Ok(RowCachePlanner {
-            slots: (cache.specs().iter())
-                .map(|s| LruSlots::new(s.rows))
+            slots: (cache.specs().iter().zip(backing.specs()).zip(slots))
+                .map(|((c, b), &n)| (n < b.rows).then(|| LruSlots::new(c.rows)).transpose())
                 .collect::<Result<_>>()?,
-            dirty: vec![false; cache.total_rows()],
+            dirty: (cache.specs().iter().zip(backing.specs()).zip(slots))
+                .map(|((c, b), &n)| vec![false; if n < b.rows { c.rows } else { 0 }])
+                .collect(),
             backing: backing.clone(),
             cache,
             stats: CacheStats::default(),
@@ -83,6 +92,13 @@ impl RowCachePlanner {
         &self.backing
     }
 
+    /// The tables that live in the cache whole.
+    pub fn resident_tables(&self) -> Vec<usize> {
+        (self.slots.iter().enumerate())
+            .filter_map(|(t, s)| s.is_none().then_some(t))
+            .collect()
+    }
+
     pub fn stats(&self) -> CacheStats {
         self.stats
     }
@@ -90,14 +106,16 @@ impl RowCachePlanner {
     /// Plans `batch` (ids of the backing tables): the copies to make, in order, and the batch
     /// with slot ids. With `training` its rows become dirty (the step that follows changes
     /// them). Fails, changing nothing, when a table's distinct rows in the batch outnumber
-    /// its slots.
+    /// its slots. The tables are planned in parallel (each has its own slot map and dirty
+    /// bits; the moves come out in table order either way).
     pub fn map_batch(
         &mut self,
         batch: &JaggedBatch,
         training: bool,
     ) -> Result<(Vec<RowMove>, JaggedBatch)> {
         batch.check_layout(&self.backing)?;
-        for (t, slots) in self.slots.iter().enumerate() {
+        (self.slots.par_iter().enumerate()).try_for_each(|(t, slots)| {
+            let Some(slots) = slots else { return Ok(()) };
             let distinct: HashSet<u32> = batch.ids()[batch.table_entries(t)]
                 .iter()
                 .copied()
@@ -112,39 +130,34 @@ impl RowCachePlanner {
                     ),
                 ));
             }
-        }
-        let mut moves = Vec::new();
+            Ok(())
+        })?;
         let mut ids = batch.ids().to_vec();
+        // Each table's ids, a contiguous run of the table-major batch.
+        let mut runs: Vec<&mut [u32]> = Vec::with_capacity(self.slots.len());
+        let mut rest = ids.as_mut_slice();
         for t in 0..self.slots.len() {
-            let entries = batch.table_entries(t);
-            let plan = self.slots[t].plan(&batch.ids()[entries.clone()])?;
-            let base = self.cache.row_base()[t];
-            self.stats.hits += plan.hits as u64;
-            for &(row, slot) in &plan.evictions {
-                self.stats.evictions += 1;
-                if std::mem::take(&mut self.dirty[base + slot as usize]) {
-                    self.stats.write_backs += 1;
-                    moves.push(RowMove::WriteBack {
-                        table: t,
-                        row,
-                        slot,
-                    });
-                }
-            }
-            for &(row, slot) in &plan.loads {
-                self.stats.loads += 1;
-                moves.push(RowMove::Load {
-                    table: t,
-                    row,
-                    slot,
-                });
-            }
-            for id in &mut ids[entries] {
-                *id = self.slots[t].slot(*id).expect("planned rows are cached");
-                if training {
-                    self.dirty[base + *id as usize] = true;
-                }
-            }
+            let (run, tail) = rest.split_at_mut(batch.table_entries(t).len());
+            runs.push(run);
+            rest = tail;
+        }
+        let planned: Vec<Result<(Vec<RowMove>, CacheStats)>> = (self.slots.par_iter_mut())
+            .zip(self.dirty.par_iter_mut())
+            .zip(runs.into_par_iter())
+            .enumerate()
+            .map(|(t, ((slots, dirty), ids))| match slots {
+                Some(slots) => plan_table(t, slots, dirty, ids, training),
+                None => Ok((Vec::new(), CacheStats::default())),
+            })
+            .collect();
+        let mut moves = Vec::new();
+        for result in planned {
+            let (table_moves, stats) = result?;
+            moves.extend(table_moves);
+            self.stats.hits += stats.hits;
+            self.stats.loads += stats.loads;
+            self.stats.evictions += stats.evictions;
+            self.stats.write_backs += stats.write_backs;
         }
         let mapped = JaggedBatch::new(&self.cache, batch.batch(), batch.offsets().to_vec(), ids)?;
         Ok((moves, mapped))
@@ -154,9 +167,9 @@ impl RowCachePlanner {
     pub fn flush(&mut self) -> Vec<RowMove> {
         let mut moves = Vec::new();
         for (t, slots) in self.slots.iter().enumerate() {
-            let base = self.cache.row_base()[t];
+            let Some(slots) = slots else { continue };
             for (row, slot) in slots.cached() {
-                if std::mem::take(&mut self.dirty[base + slot as usize]) {
+                if std::mem::take(&mut self.dirty[t][slot as usize]) {
                     self.stats.write_backs += 1;
                     moves.push(RowMove::WriteBack {
                         table: t,
@@ -168,4 +181,46 @@ impl RowCachePlanner {
         }
         moves
     }
+}
+
+/// One cached table's part of [`RowCachePlanner::map_batch`]: plans its rows, remaps its `ids`
+/// to slots in place and marks them dirty when `training`; returns its moves (write-backs of
+/// dirty evicted rows, then loads) and counts.
+fn plan_table(
+    t: usize,
+    slots: &mut LruSlots,
+    dirty: &mut [bool],
+    ids: &mut [u32],
+    training: bool,
+) -> Result<(Vec<RowMove>, CacheStats)> {
+    let plan = slots.plan(ids)?;
+    let mut stats = CacheStats {
+        hits: plan.hits as u64,
+        loads: plan.loads.len() as u64,
+        evictions: plan.evictions.len() as u64,
+        write_backs: 0,
+    };
+    let mut moves = Vec::with_capacity(plan.evictions.len() + plan.loads.len());
+    for &(row, slot) in &plan.evictions {
+        if std::mem::take(&mut dirty[slot as usize]) {
+            stats.write_backs += 1;
+            moves.push(RowMove::WriteBack {
+                table: t,
+                row,
+                slot,
+            });
+        }
+    }
+    moves.extend((plan.loads.iter()).map(|&(row, slot)| RowMove::Load {
+        table: t,
+        row,
+        slot,
+    }));
+    for id in ids.iter_mut() {
+        *id = slots.slot(*id).expect("planned rows are cached");
+        if training {
+            dirty[*id as usize] = true;
+        }
+    }
+    Ok((moves, stats))
 }

@@ -19,7 +19,10 @@ use tilearn_optim::cuda::{AdamState, Grads, SegmentPlan, StepIo, adamw_step};
 use tilearn_optim::{AdamWConfig, AdamWStepScalars, ParamGroup, decimal_f64};
 
 use super::ctr_head::{self, HeadParams, HeadShape, LossOutputs};
-use super::embedding_bag::{DeviceEmbeddingBag, DeviceJaggedBatch};
+use super::device_rows::DeviceRows;
+use super::embedding_bag::DeviceJaggedBatch;
+use super::mlp_bf16::{Bf16Mlp, MlpPrecision};
+use crate::cache::RowCacheReport;
 use crate::data::CtrBatch;
 use crate::error::{RecsysError, Result};
 use crate::jagged::JaggedBatch;
@@ -98,7 +101,7 @@ pub struct DeviceCtrModel {
     layout: DenseLayout,
     stream: Arc<CudaStream>,
     gemm: Gemm,
-    bags: DeviceEmbeddingBag,
+    bags: DeviceRows,
     params: CudaSlice<f32>,
     grads: CudaSlice<f32>,
     exp_avg: CudaSlice<f32>,
@@ -110,16 +113,41 @@ pub struct DeviceCtrModel {
     /// Dense optimizer steps taken (continues the host AdamW's count).
     dense_steps: u64,
     acts: Activations,
+    /// The MLP's bf16 shadow weights and activations (`--precision bf16`), or `None` for f32.
+    bf16: Option<Bf16Mlp>,
 }
 
 impl DeviceCtrModel {
     /// Uploads `model`: tables and sparse state, dense parameters and AdamW's moments (its step
     /// count continues on the device).
     pub fn new(stream: &Arc<CudaStream>, model: &CtrModel) -> Result<Self> {
+        let bags = DeviceRows::whole(stream, &model.tables, &model.sparse)?;
+        Self::with_rows(stream, model, bags)
+    }
+
+    /// [`new`](Self::new) with the embedding rows in pinned host memory behind a device cache
+    /// of `slots[t]` rows of table `t` (a table given all its rows stays on the device whole).
+    /// The host model's table weights are moved out (into the pinned memory), so they are held
+    /// once; [`download_into`](Self::download_into) gives them back. (The sparse state is
+    /// copied: `SparseState` keeps its buffers' lengths fixed.)
+    pub fn with_row_cache(
+        stream: &Arc<CudaStream>,
+        model: &mut CtrModel,
+        slots: &[usize],
+    ) -> Result<Self> {
+        let tables = crate::EmbeddingTables {
+            layout: model.tables.layout.clone(),
+            weights: std::mem::take(&mut model.tables.weights),
+        };
+        let state = model.sparse.clone();
+        let bags = DeviceRows::cached(stream, tables, state, slots)?;
+        Self::with_rows(stream, model, bags)
+    }
+
+    fn with_rows(stream: &Arc<CudaStream>, model: &CtrModel, bags: DeviceRows) -> Result<Self> {
         let err = driver("DeviceCtrModel::new");
         let layout = model.layout.clone();
         let numel = layout.numel;
-        let bags = DeviceEmbeddingBag::new(stream, &model.tables, &model.sparse)?;
         let plan = SegmentPlan::whole(
             stream,
             model.adamw.segments(),
@@ -130,7 +158,7 @@ impl DeviceCtrModel {
             Some(m) => Some(stream.clone_htod(m).map_err(&err)?),
             None => None,
         };
-        let width = model.tables.layout.total_dim();
+        let width = bags.width();
         Ok(DeviceCtrModel {
             gemm: Gemm::new(stream)?,
             params: stream.clone_htod(&model.dense).map_err(&err)?,
@@ -143,6 +171,7 @@ impl DeviceCtrModel {
             groups: model.adamw.groups().to_vec(),
             dense_steps: model.adamw.step_count(),
             acts: Activations::new(stream, &model.config, &layout, width, 1)?,
+            bf16: None,
             bags,
             layout,
             config: model.config.clone(),
@@ -158,13 +187,40 @@ impl DeviceCtrModel {
         &self.stream
     }
 
+    /// Runs the MLP's GEMMs in `precision` from the next step on (bf16: cuBLASLt bf16 inputs,
+    /// f32 accumulation and master weights; see `mlp_bf16`).
+    pub fn set_mlp_precision(&mut self, precision: MlpPrecision) -> Result<()> {
+        self.bf16 = match precision {
+            MlpPrecision::F32 => None,
+            MlpPrecision::Bf16 => Some(Bf16Mlp::new(
+                &self.stream,
+                &self.layout,
+                &self.params,
+                self.acts.capacity,
+            )?),
+        };
+        Ok(())
+    }
+
+    pub fn mlp_precision(&self) -> MlpPrecision {
+        match self.bf16 {
+            Some(_) => MlpPrecision::Bf16,
+            None => MlpPrecision::F32,
+        }
+    }
+
     fn width(&self) -> usize {
-        self.bags.layout().total_dim()
+        self.bags.width()
+    }
+
+    /// The row cache's counts and traffic so far (`None` when every row is on the device).
+    pub fn row_cache_report(&mut self) -> Result<Option<RowCacheReport>> {
+        self.bags.cache_report()
     }
 
     /// Copies the weights and both optimizers' state into `model` (built with the same config
     /// and optimizers), so it can be saved or evaluated on the host.
-    pub fn download_into(&self, model: &mut CtrModel) -> Result<()> {
+    pub fn download_into(&mut self, model: &mut CtrModel) -> Result<()> {
         let err = driver("DeviceCtrModel::download_into");
         let (weights, state1, state2) = self.bags.download(&self.stream)?;
         model.sparse.set_state(state1, state2, self.bags.step())?;
@@ -183,8 +239,14 @@ impl DeviceCtrModel {
         Ok(())
     }
 
-    /// Uploads `batch` (features, labels) and its jagged ids; grows the activations to fit.
-    fn upload(&mut self, batch: &CtrBatch, jagged: &JaggedBatch) -> Result<DeviceJaggedBatch> {
+    /// Uploads `batch` (features, labels) and its jagged ids (through the row cache, if any:
+    /// `training` marks the rows as changed); grows the activations to fit.
+    fn upload(
+        &mut self,
+        batch: &CtrBatch,
+        jagged: &JaggedBatch,
+        training: bool,
+    ) -> Result<DeviceJaggedBatch> {
         let n = batch.len();
         if n == 0 || jagged.batch() != n {
             return Err(RecsysError::invalid(
@@ -198,6 +260,9 @@ impl DeviceCtrModel {
         if n > self.acts.capacity {
             let width = self.width();
             self.acts = Activations::new(&self.stream, &self.config, &self.layout, width, n)?;
+            if self.bf16.is_some() {
+                self.bf16 = Some(Bf16Mlp::new(&self.stream, &self.layout, &self.params, n)?);
+            }
         }
         let err = driver("DeviceCtrModel::upload");
         let nd = self.config.num_dense;
@@ -211,7 +276,7 @@ impl DeviceCtrModel {
         self.stream
             .memcpy_htod(&batch.labels, &mut dst)
             .map_err(&err)?;
-        DeviceJaggedBatch::upload(&self.stream, self.bags.layout(), jagged)
+        self.bags.upload(&self.stream, jagged, training)
     }
 
     /// Embedding lookup and MLP of the uploaded batch of `n` samples: fills `emb`, `x0`, `z`,
@@ -231,22 +296,28 @@ impl DeviceCtrModel {
         )?;
         let last = self.layout.layers.len() - 1;
         for (l, layer) in self.layout.layers.iter().enumerate() {
-            let input: CudaView<'_, f32> = if l == 0 {
-                acts.x0.slice(..n * layer.fan_in)
-            } else {
-                acts.a[l - 1].slice(..n * layer.fan_in)
-            };
             let out_len = n * layer.fan_out;
-            linear_forward(
-                &self.gemm,
-                &input,
-                &self.params.slice(layer.weight.clone()),
-                Some(&self.params.slice(layer.bias.clone()) as &dyn DevicePtr<f32>),
-                n,
-                layer.fan_in,
-                layer.fan_out,
-                &mut acts.z[l].slice_mut(..out_len),
-            )?;
+            if let Some(h) = self.bf16.as_mut() {
+                let x0 = (l == 0).then(|| acts.x0.slice(..n * layer.fan_in));
+                let mut z = acts.z[l].slice_mut(..out_len);
+                h.forward_layer(&self.gemm, l, layer, x0.as_ref(), n, &mut z)?;
+            } else {
+                let input: CudaView<'_, f32> = if l == 0 {
+                    acts.x0.slice(..n * layer.fan_in)
+                } else {
+                    acts.a[l - 1].slice(..n * layer.fan_in)
+                };
+                linear_forward(
+                    &self.gemm,
+                    &input,
+                    &self.params.slice(layer.weight.clone()),
+                    Some(&self.params.slice(layer.bias.clone()) as &dyn DevicePtr<f32>),
+                    n,
+                    layer.fan_in,
+                    layer.fan_out,
+                    &mut acts.z[l].slice_mut(..out_len),
+                )?;
+            }
             if l < last {
                 ctr_head::relu_forward(
                     stream,
@@ -254,6 +325,9 @@ impl DeviceCtrModel {
                     &mut acts.a[l].slice_mut(..out_len),
                     out_len,
                 )?;
+                if let Some(h) = self.bf16.as_mut() {
+                    h.keep_hidden(stream, l, &acts.a[l].slice(..out_len), out_len)?;
+                }
             }
         }
         Ok(s)
@@ -261,7 +335,7 @@ impl DeviceCtrModel {
 
     /// Logits of every sample of `batch` (ids `jagged`).
     pub fn predict(&mut self, batch: &CtrBatch, jagged: &JaggedBatch) -> Result<Vec<f32>> {
-        let djag = self.upload(batch, jagged)?;
+        let djag = self.upload(batch, jagged, false)?;
         let n = batch.len();
         let s = self.forward_body(&djag, n)?;
         let last = self.layout.layers.len() - 1;
@@ -296,7 +370,7 @@ impl DeviceCtrModel {
         batch: &CtrBatch,
         jagged: &JaggedBatch,
     ) -> Result<(f64, Vec<f32>, Vec<f32>)> {
-        let djag = self.upload(batch, jagged)?;
+        let djag = self.upload(batch, jagged, false)?;
         let n = batch.len();
         let s = self.forward_backward(&djag, n)?;
         let err = driver("DeviceCtrModel::gradients");
@@ -318,7 +392,7 @@ impl DeviceCtrModel {
         jagged: &JaggedBatch,
         dense_lr: f32,
     ) -> Result<f64> {
-        let djag = self.upload(batch, jagged)?;
+        let djag = self.upload(batch, jagged, true)?;
         let n = batch.len();
         let s = self.forward_backward(&djag, n)?;
         self.bags
@@ -400,18 +474,22 @@ impl DeviceCtrModel {
                 acts.a[l - 1].slice(..n * layer.fan_in)
             };
             let mut dx = next.slice_mut(..n * layer.fan_in);
-            linear_backward(
-                &self.gemm,
-                &dout,
-                &input,
-                &self.params.slice(weight),
-                n,
-                layer.fan_in,
-                layer.fan_out,
-                Some(&mut dx as &mut dyn DevicePtrMut<f32>),
-                &mut dw,
-                Some(&mut db as &mut dyn DevicePtrMut<f32>),
-            )?;
+            if let Some(h) = self.bf16.as_mut() {
+                h.backward_layer(&self.gemm, l, layer, n, &dout, &mut dw, &mut db, &mut dx)?;
+            } else {
+                linear_backward(
+                    &self.gemm,
+                    &dout,
+                    &input,
+                    &self.params.slice(weight),
+                    n,
+                    layer.fan_in,
+                    layer.fan_out,
+                    Some(&mut dx as &mut dyn DevicePtrMut<f32>),
+                    &mut dw,
+                    Some(&mut db as &mut dyn DevicePtrMut<f32>),
+                )?;
+            }
             if l > 0 {
                 ctr_head::relu_backward(
                     &stream,
@@ -460,6 +538,9 @@ impl DeviceCtrModel {
         io.step = step;
         adamw_step(&self.stream, &self.plan, &scalars, state, io)?;
         self.dense_steps = step;
+        if let Some(h) = self.bf16.as_mut() {
+            h.refresh(&self.stream, &self.params)?;
+        }
         Ok(())
     }
 }
@@ -480,6 +561,21 @@ impl GpuCtrTrainer {
             device: DeviceCtrModel::new(stream, &host)?,
             host,
             host_current: true,
+        })
+    }
+
+    /// [`new`](Self::new) with the embedding rows in pinned host memory behind a device cache
+    /// of `slots[t]` rows of table `t` ([`DeviceCtrModel::with_row_cache`]).
+    pub fn with_row_cache(
+        stream: &Arc<CudaStream>,
+        mut host: CtrModel,
+        slots: &[usize],
+    ) -> Result<Self> {
+        Ok(GpuCtrTrainer {
+            device: DeviceCtrModel::with_row_cache(stream, &mut host, slots)?,
+            host,
+            // The host's weights moved into the pinned tables.
+            host_current: false,
         })
     }
 
@@ -516,6 +612,10 @@ impl CtrStepper for GpuCtrTrainer {
         }
         let jagged = self.host.config.jagged(batch)?;
         self.device.predict(batch, &jagged)
+    }
+
+    fn row_cache(&mut self) -> Result<Option<RowCacheReport>> {
+        self.device.row_cache_report()
     }
 
     fn host(&mut self) -> Result<&CtrModel> {

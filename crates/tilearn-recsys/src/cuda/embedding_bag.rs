@@ -18,7 +18,7 @@ use tilearn_ops::cuda::launch::{Launch, bind};
 
 use crate::error::{RecsysError, Result};
 use crate::jagged::JaggedBatch;
-use crate::sparse_optim::{RowRule, RowStateMut, SparseOptimizer, SparseState};
+use crate::sparse_optim::{RowRule, SparseOptimizer, SparseState};
 use crate::tables::{EmbeddingTables, TableLayout};
 
 fn driver(context: &'static str) -> impl Fn(cudarc::driver::DriverError) -> RecsysError {
@@ -210,80 +210,16 @@ impl DeviceEmbeddingBag {
         Ok((weights, state1, state2))
     }
 
-    /// Row `row` of table `t` and its optimizer state, copied to the host (`weights` has the
-    /// table's dim; `state` the rule's row state). One small copy each: for a row cache's
-    /// write-backs.
-    pub(crate) fn read_row(
-        &self,
-        stream: &Arc<CudaStream>,
-        t: usize,
-        row: usize,
-        weights: &mut [f32],
-        state: RowStateMut<'_>,
-    ) -> Result<()> {
-        let err = driver("DeviceEmbeddingBag::read_row");
-        let range = self.layout.row_range(t, row);
-        let stacked = self.layout.row_base()[t] + row;
-        stream
-            .memcpy_dtoh(&self.weights.slice(range.clone()), weights)
-            .map_err(&err)?;
-        match state {
-            RowStateMut::None => {}
-            RowStateMut::Accumulator(acc) => {
-                let mut value = [0.0f32];
-                stream
-                    .memcpy_dtoh(&self.state1.slice(stacked..stacked + 1), &mut value[..])
-                    .map_err(&err)?;
-                *acc = value[0];
-            }
-            RowStateMut::Moments(m, v) => {
-                stream
-                    .memcpy_dtoh(&self.state1.slice(range.clone()), m)
-                    .map_err(&err)?;
-                stream
-                    .memcpy_dtoh(&self.state2.slice(range), v)
-                    .map_err(&err)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes row `row` of table `t` and its optimizer state from the host (a row cache's
-    /// loads).
-    pub(crate) fn write_row(
+    /// The weights and both state buffers (placeholders of one element where the rule keeps
+    /// none): for a row cache's whole-row copies.
+    pub(crate) fn buffers_mut(
         &mut self,
-        stream: &Arc<CudaStream>,
-        t: usize,
-        row: usize,
-        weights: &[f32],
-        state: RowStateMut<'_>,
-    ) -> Result<()> {
-        let err = driver("DeviceEmbeddingBag::write_row");
-        let range = self.layout.row_range(t, row);
-        let stacked = self.layout.row_base()[t] + row;
-        stream
-            .memcpy_htod(weights, &mut self.weights.slice_mut(range.clone()))
-            .map_err(&err)?;
-        match state {
-            RowStateMut::None => {}
-            RowStateMut::Accumulator(acc) => {
-                stream
-                    .memcpy_htod(
-                        &[*acc][..],
-                        &mut self.state1.slice_mut(stacked..stacked + 1),
-                    )
-                    .map_err(&err)?;
-            }
-            RowStateMut::Moments(m, v) => {
-                stream
-                    .memcpy_htod(&*m, &mut self.state1.slice_mut(range.clone()))
-                    .map_err(&err)?;
-                stream
-                    .memcpy_htod(&*v, &mut self.state2.slice_mut(range))
-                    .map_err(&err)?;
-            }
-        }
-        Ok(())
+    ) -> (
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+    ) {
+        (&mut self.weights, &mut self.state1, &mut self.state2)
     }
 
     fn check_batch(&self, batch: &DeviceJaggedBatch) -> Result<()> {

@@ -85,6 +85,28 @@ impl ShardPlan {
         })
     }
 
+    /// A placement of `layout` on `world` ranks: sum-pooled tables of at least
+    /// `row_wise_rows` rows row-wise over every rank; the others table-wise, largest first,
+    /// each to the rank holding the fewest elements so far (ties to the lowest rank).
+    pub fn balanced(layout: &TableLayout, world: usize, row_wise_rows: usize) -> Result<Self> {
+        let specs = layout.specs();
+        let mut placement = vec![Sharding::RowWise; specs.len()];
+        let mut load = vec![0usize; world.max(1)];
+        let elements = |t: usize| specs[t].rows * specs[t].dim;
+        let mut table_wise: Vec<usize> = (0..specs.len())
+            .filter(|&t| specs[t].rows < row_wise_rows || specs[t].pooling != Pooling::Sum)
+            .collect();
+        // Largest first; equal sizes in table order (a stable sort), so every rank computes
+        // the same plan.
+        table_wise.sort_by_key(|&t| std::cmp::Reverse(elements(t)));
+        for t in table_wise {
+            let owner = (0..load.len()).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+            load[owner] += elements(t);
+            placement[t] = Sharding::TableWise { owner };
+        }
+        ShardPlan::new(layout, &placement, world)
+    }
+
     pub fn layout(&self) -> &TableLayout {
         &self.layout
     }

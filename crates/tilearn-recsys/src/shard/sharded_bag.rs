@@ -29,7 +29,19 @@ use crate::tables::EmbeddingTables;
 pub struct ShardedEmbeddingBag {
     plan: ShardPlan,
     rank: usize,
+    optimizer: SparseOptimizer,
     shard: Option<(EmbeddingTables, SparseState)>,
+}
+
+/// Every table whole, gathered from the shards ([`ShardedEmbeddingBag::gather_full`]): the
+/// weights and the rule's state buffers (as `SparseState` lays them out; empty where the rule
+/// keeps none) and the optimizer steps taken.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatheredTables {
+    pub weights: Vec<f32>,
+    pub state1: Vec<f32>,
+    pub state2: Vec<f32>,
+    pub steps: u64,
 }
 
 /// What a forward leaves for its backward: the shard's batch over every rank's samples and
@@ -71,7 +83,12 @@ impl ShardedEmbeddingBag {
                 Some((EmbeddingTables::from_weights(layout, weights)?, state))
             }
         };
-        Ok(ShardedEmbeddingBag { plan, rank, shard })
+        Ok(ShardedEmbeddingBag {
+            plan,
+            rank,
+            optimizer,
+            shard,
+        })
     }
 
     pub fn plan(&self) -> &ShardPlan {
@@ -229,5 +246,94 @@ impl ShardedEmbeddingBag {
             embedding_bag_backward_update(tables, shard_batch, &shard_dout, state)?;
         }
         Ok(())
+    }
+
+    /// Every table's weights and optimizer state, whole, on every rank (collective): each
+    /// rank sends its shard (weights, then the state buffers its rule keeps) to all, in chunks
+    /// below the exchange's message limit, and every rank places each shard's rows, laid out
+    /// as the plan's full tables.
+    pub fn gather_full(&self, comm: &dyn Communicator) -> Result<GatheredTables> {
+        const CHUNK: usize = 1 << 22;
+        let layout = self.plan.layout();
+        let world = self.plan.world();
+        let (uses1, uses2) = self.optimizer.state_buffers();
+        let per_row = matches!(self.optimizer, SparseOptimizer::RowWiseAdagrad { .. });
+        let shard_layouts: Vec<_> = (0..world)
+            .map(|r| self.plan.shard_layout(r))
+            .collect::<Result<_>>()?;
+        let sizes = |l: &Option<crate::tables::TableLayout>| -> (usize, usize, usize) {
+            let Some(l) = l else { return (0, 0, 0) };
+            let s1 = match (uses1, per_row) {
+                (false, _) => 0,
+                (true, true) => l.total_rows(),
+                (true, false) => l.total_elements(),
+            };
+            let s2 = if uses2 { l.total_elements() } else { 0 };
+            (l.total_elements(), s1, s2)
+        };
+        let mine: Vec<f32> = match &self.shard {
+            None => Vec::new(),
+            Some((tables, state)) => {
+                let (_, s1, s2) = sizes(&shard_layouts[self.rank]);
+                let mut m = tables.weights.clone();
+                m.extend_from_slice(&state.state1()[..s1]);
+                m.extend_from_slice(&state.state2()[..s2]);
+                m
+            }
+        };
+        let total = |r: usize| {
+            let (w, s1, s2) = sizes(&shard_layouts[r]);
+            w + s1 + s2
+        };
+        let longest = (0..world).map(total).max().unwrap_or(0);
+        let mut received = vec![Vec::new(); world];
+        for round in 0..longest.div_ceil(CHUNK) {
+            let part = mine[(round * CHUNK).min(mine.len())..((round + 1) * CHUNK).min(mine.len())]
+                .to_vec();
+            for (r, got) in exchange_f32(comm, &vec![part; world])?
+                .into_iter()
+                .enumerate()
+            {
+                received[r].extend(got);
+            }
+        }
+        let full = SparseState::new(self.optimizer, layout)?;
+        let mut weights = vec![0.0f32; layout.total_elements()];
+        let (mut state1, mut state2) = (full.state1().to_vec(), full.state2().to_vec());
+        for (r, shard_layout) in shard_layouts.iter().enumerate() {
+            let Some(shard_layout) = shard_layout else {
+                continue;
+            };
+            let (w, s1, _) = sizes(&Some(shard_layout.clone()));
+            let buf = &received[r];
+            for (i, s) in self.plan.shard(r).iter().enumerate() {
+                let dim = layout.specs()[s.table].dim;
+                let (len, src) = (s.rows.len() * dim, shard_layout.weight_offset()[i]);
+                let dst = layout.row_range(s.table, s.rows.start).start;
+                weights[dst..dst + len].copy_from_slice(&buf[src..src + len]);
+                if uses1 && per_row {
+                    let (src, dst) = (shard_layout.row_base()[i], layout.row_base()[s.table]);
+                    let (src, dst) = (w + src, dst + s.rows.start);
+                    state1[dst..dst + s.rows.len()].copy_from_slice(&buf[src..src + s.rows.len()]);
+                } else if uses1 {
+                    state1[dst..dst + len].copy_from_slice(&buf[w + src..w + src + len]);
+                }
+                if uses2 {
+                    let at = w + s1 + src;
+                    state2[dst..dst + len].copy_from_slice(&buf[at..at + len]);
+                }
+            }
+        }
+        // Every rank holding a shard has taken every step; one without takes none.
+        let mut steps = [self.shard.as_ref().map_or(0.0, |(_, st)| st.step() as f32)];
+        (comm.all_reduce((&mut steps[..]).into(), tilearn_parallel::ReduceOp::Max))
+            .and_then(|w| w.wait())
+            .map_err(|e| RecsysError::invalid("sharded gather", e.to_string()))?;
+        Ok(GatheredTables {
+            weights,
+            state1,
+            state2,
+            steps: steps[0] as u64,
+        })
     }
 }

@@ -680,10 +680,137 @@ fn tensor_parallel_size_comes_from_the_environment_and_bad_layouts_are_named() {
         None,
         "--pp-layers",
     );
-    refused(
-        2,
-        &["--tp-size", "2", "--save-steps", "2"],
-        None,
-        "--save-strategy no",
+}
+
+/// The files of `dir` whose names start with `prefix`.
+fn files_starting(dir: &Path, prefix: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Checkpoints of split layouts resume. On the same layout exactly: the resumed run logs the
+/// uninterrupted run's losses of steps 3 and 4 and ends with its weights, bit for bit (the
+/// checkpoint holds the f32 weights and every rank's optimizer slices, read back into the same
+/// places). On another layout after re-sharding the optimizer state (each rank reads the parts
+/// of the saved slices that overlap its own), with the same global batch: within the
+/// composition test's bounds (|Δw| ≤ 2e-4, loss 2e-4 relative; the layouts sum the same f32
+/// values in other orders).
+#[test]
+fn split_checkpoints_resume_exactly_on_their_layout_and_on_others_after_resharding() {
+    let s = Setup::new();
+    let saves = ["--max-steps", "4", "--save-steps", "2"];
+    // (ranks, layout flags, optimizer files in the checkpoint, [(ranks, another layout with
+    // the same global batch)]): 2 windows a step for tp 2, pp 2 and one process; 4 (2
+    // micro-batches or 2 data-parallel ranks of 2 windows) for the others.
+    let cases: [(usize, &[&str], usize, Vec<(usize, Vec<&str>)>); 4] = [
+        (
+            2,
+            &["--tp-size", "2"],
+            2,
+            vec![(2, vec!["--pp-size", "2"]), (0, vec![])],
+        ),
+        (
+            2,
+            &["--pp-size", "2", "--gradient-accumulation-steps", "2"],
+            2,
+            vec![(
+                2,
+                vec!["--tp-size", "2", "--gradient-accumulation-steps", "2"],
+            )],
+        ),
+        (
+            4,
+            &["--tp-size", "2", "--zero-stage", "1"],
+            4,
+            vec![(2, vec!["--zero-stage", "1"])],
+        ),
+        // A plain ZeRO checkpoint (ranges of the whole model) into tensor-parallel slices.
+        (
+            2,
+            &["--zero-stage", "1"],
+            2,
+            vec![(
+                2,
+                vec!["--tp-size", "2", "--gradient-accumulation-steps", "2"],
+            )],
+        ),
+    ];
+    for (i, (ranks, layout, files, others)) in cases.iter().enumerate() {
+        let full = s.path(&format!("full{i}"));
+        s.train(*ranks, &full, &with(&saves, layout));
+        let ckpt = PathBuf::from(&full).join("checkpoint-2");
+        assert_eq!(
+            files_starting(&ckpt, "optimizer-rank").len(),
+            *files,
+            "{layout:?}"
+        );
+        assert!(ckpt.join("model.safetensors").exists());
+        let ckpt = ckpt.to_str().unwrap().to_string();
+        let resume = ["--resume-from-checkpoint", ckpt.as_str()];
+
+        let same = s.path(&format!("same{i}"));
+        s.train(*ranks, &same, &with(&with(&saves, layout), &resume));
+        assert_eq!(
+            weights(&full),
+            weights(&same),
+            "{layout:?}: resumed weights"
+        );
+        assert_eq!(
+            losses(&full)[2..],
+            losses(&same),
+            "{layout:?}: resumed losses"
+        );
+
+        for (j, (other_ranks, other)) in others.iter().enumerate() {
+            let moved = s.path(&format!("moved{i}_{j}"));
+            let flags = with(&with(NO_SAVES, other), &resume);
+            let stdout = s.train(*other_ranks, &moved, &flags);
+            assert!(stdout.contains("step      3"), "{stdout}");
+            let diff = max_abs_diff(&weights(&full), &weights(&moved));
+            eprintln!("{layout:?} → {other:?}: max |Δw| = {diff}");
+            assert!(
+                diff <= TP_TOLERANCE,
+                "{layout:?} → {other:?}: max |Δw| = {diff}"
+            );
+            for (a, b) in losses(&full)[2..].iter().zip(losses(&moved)) {
+                assert!(
+                    (a - b).abs() <= 2e-4 * a.abs(),
+                    "{layout:?} → {other:?}: loss {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    // A checkpoint missing one rank's optimizer file cannot be re-sharded: the error names the
+    // file and the way out.
+    let broken = s.path("broken");
+    std::fs::create_dir(&broken).unwrap();
+    let whole = PathBuf::from(s.path("full0")).join("checkpoint-2");
+    for name in files_starting(&whole, "") {
+        if name != "optimizer-rank00001-of-00002.safetensors" {
+            std::fs::copy(whole.join(&name), PathBuf::from(&broken).join(&name)).unwrap();
+        }
+    }
+    let out = s
+        .command(
+            2,
+            &s.path("from_broken"),
+            &with(
+                NO_SAVES,
+                &["--tp-size", "2", "--resume-from-checkpoint", &broken],
+            ),
+        )
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("optimizer-rank00001-of-00002.safetensors") && text.contains("--model"),
+        "{text}"
     );
 }

@@ -19,7 +19,9 @@ pub mod gpu_backend;
 pub mod host;
 pub mod log;
 pub mod model_parallel;
+mod model_parallel_checkpoint;
 pub mod optimizer_file;
+pub mod optimizer_layout;
 pub mod optimizer_shards;
 mod saving;
 pub mod state;
@@ -91,11 +93,28 @@ pub struct Trainer {
     dp: DataParallel,
     /// The held-out set evaluated as `args.eval_strategy` says.
     eval: Option<EvalSet>,
-    /// This rank's place in its model replica (tensor × pipeline parallelism; `0` unless
+    /// This rank's place in tensor × pipeline parallelism (`None` unless
     /// [`Trainer::set_model_parallel`]).
-    mp_rank: usize,
+    mp: Option<ModelParallelPlace>,
     /// The checkpoint this run resumed from (never deleted by rotation).
     resumed_from: Option<PathBuf>,
+}
+
+/// A rank's place in tensor × pipeline parallelism, as the Trainer's checkpoints need it.
+#[derive(Clone)]
+pub struct ModelParallelPlace {
+    /// This rank in its model replica (`tp_rank + tp · pp_rank`).
+    pub rank: usize,
+    pub tp: usize,
+    pub pp: usize,
+    /// Every rank of the job: the ranks of a checkpoint agree over it that each wrote its part.
+    pub world: Arc<dyn tilearn_parallel::Communicator>,
+}
+
+impl ModelParallelPlace {
+    pub fn size(&self) -> usize {
+        self.tp * self.pp
+    }
 }
 
 /// Observes progress (the CLI's progress bar); called after every optimizer step.
@@ -236,7 +255,7 @@ impl Trainer {
             space: Arc::new(FilesystemSpace),
             started: Instant::now(),
             eval: None,
-            mp_rank: 0,
+            mp: None,
             resumed_from: None,
         })
     }
@@ -308,21 +327,12 @@ impl Trainer {
         Ok(())
     }
 
-    /// Trains as rank `rank` of a model replica split over `size` ranks by tensor and pipeline
-    /// parallelism (the backend holds that rank's part; [`Self::set_data_parallel`] then spans
-    /// the ranks holding the same part). Only the replica's rank 0 writes files; the final model
-    /// is gathered from every rank.
-    pub fn set_model_parallel(&mut self, rank: usize, size: usize) -> Result<()> {
-        if size > 1 && self.args.checkpoints_between(0, u64::MAX) > 0 {
-            return Err(EngineError::InvalidArgument {
-                argument: "--save-steps".into(),
-                message: "resumable checkpoints of a tensor- or pipeline-parallel run are not \
-                          supported yet (the final model is saved, gathered from every rank); \
-                          use --save-strategy no"
-                    .into(),
-            });
-        }
-        self.mp_rank = rank;
+    /// Trains as one rank of a model replica split by tensor and pipeline parallelism (the
+    /// backend holds that rank's part; [`Self::set_data_parallel`] then spans the ranks holding
+    /// the same part). Only the replica's rank 0 writes the model files (gathered from every
+    /// rank); checkpoints add every rank's optimizer slices (see [`ModelParallelPlace`]).
+    pub fn set_model_parallel(&mut self, place: ModelParallelPlace) -> Result<()> {
+        self.mp = Some(place);
         Ok(())
     }
 
@@ -335,7 +345,7 @@ impl Trainer {
     /// Whether this rank writes the run's files (the log, the model, checkpoints): rank 0 of
     /// data parallelism and of its model replica.
     fn writes_files(&self) -> bool {
-        self.dp.is_primary() && self.mp_rank == 0
+        self.dp.is_primary() && self.mp.as_ref().is_none_or(|m| m.rank == 0)
     }
 
     /// This rank's place in data parallelism.

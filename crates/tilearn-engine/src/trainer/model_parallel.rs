@@ -11,6 +11,7 @@
 //! ranks that hold the same slice.
 
 mod exec;
+mod slices;
 
 use std::ops::Range;
 use std::path::Path;
@@ -22,11 +23,13 @@ use tilearn_parallel::pipeline::ScheduleKind;
 use tilearn_parallel::{BufferMut, Communicator, ReduceOp, scalars};
 
 use super::backend::StepBackend;
-use super::cpu_backend::{resharded, round_into, write_host_optimizer};
+use super::cpu_backend::{resharded, round_into};
 use super::flat_buffer::FlatBuffer;
+use super::optimizer_file::{self, HostMoments};
+use super::optimizer_layout::{TensorSlice, slices_within};
 use super::optimizer_shards::OptimizerCheckpoint;
 use super::zero::{CPU_FP32_ADAMW, RankState, StateBytes};
-use crate::checkpoint::save_pretrained;
+use crate::checkpoint::{load_into, save_pretrained};
 use crate::config::LlamaConfig;
 use crate::data::Batch;
 use crate::model::model_parallel::{PipelineShard, RankModel, assemble_ranks};
@@ -259,6 +262,17 @@ impl ModelParallelCpuBackend {
         assemble_ranks(&self.model.full_config, &parts)
     }
 
+    /// The slices of the whole model's tensors that elements `range` of the local buffer are
+    /// (the `layout` of this rank's optimizer file).
+    fn slices(&self, range: &Range<usize>) -> Vec<TensorSlice> {
+        let (plan, full) = (&self.model.plan, &self.full_specs);
+        slices_within(
+            &self.model.params.specs,
+            |spec| slices::place(plan, full, spec),
+            range,
+        )
+    }
+
     /// Whether this rank writes the gathered model (rank 0 of its replica).
     fn writes_model(&self) -> bool {
         self.comms.replica.as_ref().is_none_or(|c| c.rank() == 0)
@@ -376,16 +390,45 @@ impl StepBackend for ModelParallelCpuBackend {
     }
 
     fn save_optimizer(&mut self, path: &Path) -> Result<()> {
-        write_host_optimizer(&self.optimizer, self.shard.len(), path)
+        let o = &self.optimizer;
+        let mut source = HostMoments {
+            exp_avg: o.exp_avg(),
+            exp_avg_sq: o.exp_avg_sq(),
+        };
+        let layout = self.slices(&self.shard);
+        optimizer_file::write_sliced(
+            path,
+            o.config(),
+            o.groups(),
+            o.step_count(),
+            self.shard.len(),
+            Some(&layout),
+            &mut source,
+        )
     }
 
-    fn restore(&mut self, _dir: &Path, _optimizer: &OptimizerCheckpoint) -> Result<()> {
-        Err(EngineError::InvalidArgument {
-            argument: "--resume-from-checkpoint".into(),
-            message: "resuming a tensor- or pipeline-parallel run is not supported yet; start \
-                      it again from the saved model with --model"
-                .into(),
-        })
+    /// Reads this rank's slices of the weights and of the optimizer state (its ZeRO shard of
+    /// them), whatever layout wrote the checkpoint.
+    fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
+        let want = self.slices(&self.shard);
+        let len = self.shard.len();
+        let mut moments = vec![0.0f32; 2 * len];
+        let step = optimizer.read_slices(&want, &mut &mut moments[..])?;
+        let exp_avg_sq = moments.split_off(len);
+        self.load_weights(dir)?;
+        self.optimizer.set_state(moments, exp_avg_sq, None, step)?;
+        Ok(())
+    }
+
+    fn load_weights(&mut self, dir: &Path) -> Result<()> {
+        let params = &mut self.model.params;
+        let mut dest = slices::RankSlices::new(
+            &self.full_specs,
+            &params.specs,
+            &self.model.plan,
+            &mut params.data,
+        );
+        load_into(dir, &self.full_specs, &mut dest)
     }
 
     fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {

@@ -7,19 +7,27 @@
 //!
 //! The moments are addressed as one flat range: `0..numel` is `exp_avg`,
 //! `numel..2 * numel` is `exp_avg_sq`.
-
+//!
+//! The file of a rank that holds slices of the model (tensor or pipeline parallelism) also
+//! carries the metadata `layout`: JSON, the [`TensorSlice`]s its elements are, in order (full
+//! shape and the slice of each tensor), which is what lets another layout re-shard it. The key
+//! is optional: a file without it holds a range of the whole model's flat buffer, and
+//! tilearn-optim's reader ignores it.
+use std::ops::Range;
 use std::path::Path;
 
 use safetensors::Dtype;
 use serde::Serialize;
 use tilearn_optim::{AdamWConfig, OptimError, ParamGroup};
 
+use super::optimizer_layout::TensorSlice;
 use crate::Result;
 use crate::checkpoint::{MappedFile, StreamedTensor, TensorDest, TensorSource, decode_into};
 
 const FORMAT: &str = "tilearn-adamw";
 const FORMAT_VERSION: &str = "1";
 const TENSORS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+const LAYOUT_KEY: &str = "layout";
 
 /// Host moment buffers as the [`TensorSource`] of [`write`].
 pub struct HostMoments<'a> {
@@ -60,6 +68,19 @@ pub fn write(
     numel: usize,
     source: &mut dyn TensorSource,
 ) -> Result<()> {
+    write_sliced(path, config, groups, step, numel, None, source)
+}
+
+/// [`write`] with the `layout` metadata: the slices of the model the `numel` elements are.
+pub fn write_sliced(
+    path: &Path,
+    config: &AdamWConfig,
+    groups: &[ParamGroup],
+    step: u64,
+    numel: usize,
+    layout: Option<&[TensorSlice]>,
+    source: &mut dyn TensorSource,
+) -> Result<()> {
     let state_err = |message: String| OptimError::State {
         file: path.to_path_buf(),
         message,
@@ -84,8 +105,19 @@ pub fn write(
         .collect();
     let groups_json = serde_json::to_string(&groups)
         .map_err(|e| state_err(format!("cannot encode groups: {e}")))?;
+    let layout_json = layout
+        .map(|slices| {
+            if slices.iter().map(TensorSlice::len).sum::<usize>() != numel {
+                return Err(state_err(format!(
+                    "internal: the layout's slices do not add up to {numel} elements"
+                )));
+            }
+            serde_json::to_string(slices)
+                .map_err(|e| state_err(format!("cannot encode layout: {e}")))
+        })
+        .transpose()?;
     let (step, numel_text) = (step.to_string(), numel.to_string());
-    let metadata = [
+    let mut metadata = vec![
         ("format", FORMAT),
         ("format_version", FORMAT_VERSION),
         ("step", step.as_str()),
@@ -93,6 +125,9 @@ pub fn write(
         ("config", config_json.as_str()),
         ("groups", groups_json.as_str()),
     ];
+    if let Some(json) = &layout_json {
+        metadata.push((LAYOUT_KEY, json.as_str()));
+    }
     let tensors: Vec<StreamedTensor> = TENSORS
         .iter()
         .enumerate()
@@ -110,93 +145,165 @@ pub fn write(
 /// docs) and returns its step count. Every field is checked before any value is written; a
 /// bad file is `OptimError::State` naming it.
 pub fn read(path: &Path, numel: usize, dest: &mut dyn TensorDest) -> Result<u64> {
-    let state_err = |message: String| OptimError::State {
-        file: path.to_path_buf(),
-        message,
-    };
-    let mapped = MappedFile::open(path)?;
-    mapped.expect_sequential();
-    let st = mapped
-        .tensors()
-        .map_err(|e| state_err(format!("not a valid safetensors file: {e}")))?;
-    let (_, header) = safetensors::SafeTensors::read_metadata(mapped.bytes())
-        .map_err(|e| state_err(format!("not a valid safetensors file: {e}")))?;
-    let meta = header
-        .metadata()
-        .as_ref()
-        .ok_or_else(|| state_err("no metadata (not an AdamW state file)".into()))?;
-    let get = |key: &str| {
-        meta.get(key)
-            .ok_or_else(|| state_err(format!("metadata `{key}` missing")))
-    };
-    let format = get("format")?;
-    if format != FORMAT {
-        return Err(state_err(format!(
-            "metadata format is `{format}`, expected `{FORMAT}`"
-        ))
-        .into());
-    }
-    let version = get("format_version")?;
-    if version != FORMAT_VERSION {
-        return Err(state_err(format!(
-            "format version {version} is not supported (expected {FORMAT_VERSION})"
-        ))
-        .into());
-    }
-    let step: u64 = get("step")?
-        .parse()
-        .map_err(|e| state_err(format!("metadata `step` is not an integer: {e}")))?;
-    let file_numel: usize = get("numel")?
-        .parse()
-        .map_err(|e| state_err(format!("metadata `numel` is not an integer: {e}")))?;
-    if file_numel != numel {
-        return Err(state_err(format!(
-            "state is for {file_numel} parameters, this optimizer has {numel}"
-        ))
-        .into());
-    }
-    let config: AdamWConfig = serde_json::from_str(get("config")?)
-        .map_err(|e| state_err(format!("metadata `config` is not valid JSON: {e}")))?;
-    if config.amsgrad {
-        return Err(state_err(
-            "state was saved with amsgrad = true, this optimizer has amsgrad = false".into(),
-        )
-        .into());
-    }
-    let mut views = Vec::with_capacity(TENSORS.len());
-    for name in TENSORS {
-        let view = st
-            .tensor(name)
-            .map_err(|e| state_err(format!("tensor `{name}`: {e}")))?;
-        if view.dtype() != Dtype::F32 {
-            return Err(state_err(format!(
-                "tensor `{name}` has dtype {:?}, expected F32",
-                view.dtype()
-            ))
-            .into());
-        }
-        if view.shape() != [numel] {
-            return Err(state_err(format!(
-                "tensor `{name}` has shape {:?}, expected [{numel}]",
-                view.shape()
-            ))
-            .into());
-        }
-        views.push(view);
-    }
-    mapped.reading_ahead(|| -> Result<()> {
-        for (k, view) in views.iter().enumerate() {
-            let bytes = view.data();
-            dest.write(k * numel..(k + 1) * numel, &mut |offset, buf| {
-                let piece = &bytes[offset * 4..(offset + buf.len()) * 4];
-                decode_into(Dtype::F32, piece, buf).map_err(state_err)?;
-                mapped.release(piece);
-                Ok(())
-            })?;
+    let file = StateFile::open(path, Some(numel))?;
+    file.mapped.expect_sequential();
+    file.mapped.reading_ahead(|| -> Result<()> {
+        for moment in 0..TENSORS.len() {
+            file.read_into(moment, 0..numel, dest, moment * numel)?;
         }
         Ok(())
     })?;
-    Ok(step)
+    Ok(file.step)
+}
+
+/// An optimizer state file opened and checked, read piece by piece from its mapping (a
+/// re-sharding rank touches only the pages of the elements it takes).
+pub struct StateFile {
+    mapped: MappedFile,
+    pub step: u64,
+    pub numel: usize,
+    /// The `layout` metadata, checked against `numel` and the slices' shapes.
+    pub layout: Option<Vec<TensorSlice>>,
+    /// Byte offsets of `exp_avg` and `exp_avg_sq` in the file.
+    data: [usize; 2],
+}
+
+impl StateFile {
+    /// Opens and checks the file at `path` (of `numel` parameters when given). Every failure
+    /// is `OptimError::State` naming the file.
+    pub fn open(path: &Path, numel: Option<usize>) -> Result<StateFile> {
+        let state_err = |message: String| OptimError::State {
+            file: path.to_path_buf(),
+            message,
+        };
+        let mapped = MappedFile::open(path)?;
+        let st = mapped
+            .tensors()
+            .map_err(|e| state_err(format!("not a valid safetensors file: {e}")))?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(mapped.bytes())
+            .map_err(|e| state_err(format!("not a valid safetensors file: {e}")))?;
+        let meta = header
+            .metadata()
+            .as_ref()
+            .ok_or_else(|| state_err("no metadata (not an AdamW state file)".into()))?;
+        let get = |key: &str| {
+            meta.get(key)
+                .ok_or_else(|| state_err(format!("metadata `{key}` missing")))
+        };
+        let format = get("format")?;
+        if format != FORMAT {
+            return Err(state_err(format!(
+                "metadata format is `{format}`, expected `{FORMAT}`"
+            ))
+            .into());
+        }
+        let version = get("format_version")?;
+        if version != FORMAT_VERSION {
+            return Err(state_err(format!(
+                "format version {version} is not supported (expected {FORMAT_VERSION})"
+            ))
+            .into());
+        }
+        let step: u64 = get("step")?
+            .parse()
+            .map_err(|e| state_err(format!("metadata `step` is not an integer: {e}")))?;
+        let file_numel: usize = get("numel")?
+            .parse()
+            .map_err(|e| state_err(format!("metadata `numel` is not an integer: {e}")))?;
+        if let Some(numel) = numel
+            && file_numel != numel
+        {
+            return Err(state_err(format!(
+                "state is for {file_numel} parameters, this optimizer has {numel}"
+            ))
+            .into());
+        }
+        let numel = file_numel;
+        let config: AdamWConfig = serde_json::from_str(get("config")?)
+            .map_err(|e| state_err(format!("metadata `config` is not valid JSON: {e}")))?;
+        if config.amsgrad {
+            return Err(state_err(
+                "state was saved with amsgrad = true, this optimizer has amsgrad = false".into(),
+            )
+            .into());
+        }
+        let layout = meta
+            .get(LAYOUT_KEY)
+            .map(|json| {
+                let slices: Vec<TensorSlice> = serde_json::from_str(json)
+                    .map_err(|e| state_err(format!("metadata `layout` is not valid: {e}")))?;
+                if let Some(bad) = slices.iter().find(|s| !s.is_consistent()) {
+                    return Err(state_err(format!(
+                        "metadata `layout`: the slice of `{}` does not fit its shape {:?}",
+                        bad.name, bad.shape
+                    )));
+                }
+                let total: usize = slices.iter().map(TensorSlice::len).sum();
+                if total != numel {
+                    return Err(state_err(format!(
+                        "metadata `layout` describes {total} elements, the file holds {numel}"
+                    )));
+                }
+                Ok(slices)
+            })
+            .transpose()?;
+        let base = mapped.bytes().as_ptr() as usize;
+        let mut data = [0usize; 2];
+        for (k, name) in TENSORS.into_iter().enumerate() {
+            let view = st
+                .tensor(name)
+                .map_err(|e| state_err(format!("tensor `{name}`: {e}")))?;
+            if view.dtype() != Dtype::F32 {
+                return Err(state_err(format!(
+                    "tensor `{name}` has dtype {:?}, expected F32",
+                    view.dtype()
+                ))
+                .into());
+            }
+            if view.shape() != [numel] {
+                return Err(state_err(format!(
+                    "tensor `{name}` has shape {:?}, expected [{numel}]",
+                    view.shape()
+                ))
+                .into());
+            }
+            data[k] = view.data().as_ptr() as usize - base;
+        }
+        drop(st);
+        Ok(StateFile {
+            mapped,
+            step,
+            numel,
+            layout,
+            data,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.mapped.path
+    }
+
+    /// Decodes elements `src` of moment `moment` (0: `exp_avg`, 1: `exp_avg_sq`) into
+    /// `dest[at..at + src.len()]`.
+    pub fn read_into(
+        &self,
+        moment: usize,
+        src: Range<usize>,
+        dest: &mut dyn TensorDest,
+        at: usize,
+    ) -> Result<()> {
+        let start = self.data[moment] + src.start * 4;
+        let bytes = &self.mapped.bytes()[start..start + src.len() * 4];
+        dest.write(at..at + src.len(), &mut |offset, buf| {
+            let piece = &bytes[offset * 4..(offset + buf.len()) * 4];
+            decode_into(Dtype::F32, piece, buf).map_err(|message| OptimError::State {
+                file: self.mapped.path.clone(),
+                message,
+            })?;
+            self.mapped.release(piece);
+            Ok(())
+        })
+    }
 }
 
 #[cfg(test)]

@@ -21,7 +21,6 @@ use super::optimizer_shards::{MANIFEST_FILE, OptimizerCheckpoint, ShardManifest,
 use super::{SchedulerState, Trainer, TrainerState, checkpoint, state};
 use crate::checkpoint::{CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES};
 use crate::config::LlamaConfig;
-use crate::params::ParamSpec;
 use crate::{EngineError, Result};
 
 impl Trainer {
@@ -33,7 +32,7 @@ impl Trainer {
             .unwrap_or(DType::F32)
     }
 
-    fn save_sizes(&self) -> SaveSizes {
+    pub(super) fn save_sizes(&self) -> SaveSizes {
         SaveSizes::new(
             self.backend.saved_specs(),
             self.model_dtype(),
@@ -108,7 +107,7 @@ impl Trainer {
         let name = format!("checkpoint-{}", state.global_step);
         let start = Instant::now();
         let saved = self.save_checkpoint(&dir, &name, state, schedule, scaler)?;
-        if !self.dp.is_primary() {
+        if !self.writes_files() {
             // Rank 0 reports the outcome (it knows every rank's part of it).
             return Ok(Ok(()));
         }
@@ -159,6 +158,9 @@ impl Trainer {
     ) -> Result<Result<()>> {
         // Collective: rank 0 writes whole weights, which ZeRO on the GPU may hold in shards.
         self.dp.gather_whole_weights(self.backend.as_mut())?;
+        if let Some(place) = self.mp.clone().filter(|p| p.size() > 1) {
+            return self.save_split_checkpoint(dir, name, state, schedule, scaler, &place);
+        }
         let primary = self.dp.is_primary();
         let shards = self.dp.is_sharded() && !self.args.save_only_model;
         let staging = if primary {
@@ -222,6 +224,17 @@ impl Trainer {
         }
     }
 
+    /// The dtype of a checkpoint's weights: resumable checkpoints hold the f32 master weights
+    /// so a resume continues bit for bit; --save-only-model ones hold the model as the final
+    /// save does.
+    pub(super) fn checkpoint_weights_dtype(&self) -> DType {
+        if self.args.save_only_model {
+            self.model_dtype()
+        } else {
+            DType::F32
+        }
+    }
+
     fn write_checkpoint_files(
         &mut self,
         staging: &Path,
@@ -229,31 +242,13 @@ impl Trainer {
         schedule: &LrSchedule,
         scaler: &GradScaler,
     ) -> Result<()> {
-        let a = &self.args;
-        // Resumable checkpoints hold the f32 master weights so a resume continues bit for bit;
-        // --save-only-model ones hold the model as the final save does.
-        let weights_dtype = if a.save_only_model {
-            self.model_dtype()
-        } else {
-            DType::F32
-        };
         self.backend.save_model(
             staging,
             &self.config,
-            weights_dtype,
+            self.checkpoint_weights_dtype(),
             Some(DEFAULT_MAX_SHARD_BYTES),
         )?;
-        if a.debug_fail_checkpoint_write.contains(&state.global_step) {
-            return Err(EngineError::io(
-                staging.join(state::OPTIMIZER_FILE),
-                "write",
-                std::io::Error::new(
-                    std::io::ErrorKind::StorageFull,
-                    "no space left on device (simulated by --debug-fail-checkpoint-write)",
-                ),
-            ));
-        }
-        if !a.save_only_model {
+        if !self.args.save_only_model {
             if self.dp.is_sharded() {
                 let layout = self.dp.layout();
                 let manifest = ShardManifest::new(
@@ -267,6 +262,31 @@ impl Trainer {
                 self.backend
                     .save_optimizer(&staging.join(state::OPTIMIZER_FILE))?;
             }
+        }
+        self.write_state_files(staging, state, schedule, scaler)
+    }
+
+    /// The small files of a checkpoint (scheduler, scaler, precision policy; the trainer state
+    /// last), written by the rank that commits it.
+    pub(super) fn write_state_files(
+        &mut self,
+        staging: &Path,
+        state: &TrainerState,
+        schedule: &LrSchedule,
+        scaler: &GradScaler,
+    ) -> Result<()> {
+        let a = &self.args;
+        if a.debug_fail_checkpoint_write.contains(&state.global_step) {
+            return Err(EngineError::io(
+                staging.join(state::OPTIMIZER_FILE),
+                "write",
+                std::io::Error::new(
+                    std::io::ErrorKind::StorageFull,
+                    "no space left on device (simulated by --debug-fail-checkpoint-write)",
+                ),
+            ));
+        }
+        if !a.save_only_model {
             state::write_json(
                 &staging.join(state::SCHEDULER_FILE),
                 &SchedulerState {
@@ -322,8 +342,9 @@ impl Trainer {
                 ),
             });
         }
-        let numel = self.backend.specs().iter().map(ParamSpec::numel).sum();
-        let Some(optimizer) = OptimizerCheckpoint::open(dir, numel)? else {
+        // The whole model's tensors (a tensor/pipeline-parallel rank holds slices of them).
+        let specs = self.backend.saved_specs().to_vec();
+        let Some(optimizer) = OptimizerCheckpoint::open(dir, &specs)? else {
             return Err(EngineError::InvalidArgument {
                 argument: "--resume-from-checkpoint".into(),
                 message: format!(

@@ -21,8 +21,8 @@ use tilearn_engine::trainer::model_parallel::{
     ModelParallelComms, ModelParallelCpuBackend, ModelParallelLayout,
 };
 use tilearn_engine::trainer::{
-    DataParallel, DdpOptions, EvalStrategy, ModelInit, ReportTo, SaveStrategy, TrainLength,
-    Trainer, TrainingArguments, ZeroStage, adamw_for, host,
+    DataParallel, DdpOptions, EvalStrategy, ModelInit, ModelParallelPlace, ReportTo, SaveStrategy,
+    TrainLength, Trainer, TrainingArguments, ZeroStage, adamw_for, host,
 };
 use tilearn_ops::DType;
 use tilearn_parallel::pipeline::ScheduleKind;
@@ -534,10 +534,12 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         drop(full);
         let mut trainer =
             Trainer::with_backend(training, config.clone(), Box::new(backend), dataset)?;
-        trainer.set_model_parallel(
-            sizes.tp_rank + sizes.tp * sizes.pp_rank,
-            sizes.tp * sizes.pp,
-        )?;
+        trainer.set_model_parallel(ModelParallelPlace {
+            rank: sizes.tp_rank + sizes.tp * sizes.pp_rank,
+            tp: sizes.tp,
+            pp: sizes.pp,
+            world: ranks.host.clone(),
+        })?;
         if let Some(dp) = groups.dp {
             let local = trainer.local_parameter_count();
             trainer.set_data_parallel(DataParallel::new(dp.clone(), dp, ddp, local)?)?;

@@ -1,0 +1,94 @@
+//! Where a rank's tensors lie in the whole model's, for its checkpoints: the slices of its
+//! optimizer state ([`TensorPlace`]s for the state file's `layout`) and a [`TensorDest`] that
+//! loads a whole Hugging Face model into the rank's buffer, decoding only the elements the rank
+//! holds.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use crate::checkpoint::TensorDest;
+use crate::model::tensor_parallel::{Cut, ShardPlan, pieces};
+use crate::params::ParamSpec;
+use crate::trainer::optimizer_layout::TensorPlace;
+use crate::{EngineError, Result};
+
+/// Where the rank's tensor `spec` lies in the whole tensor (`full`: the whole model's specs).
+/// Replicated tensors are marked as copies on all but the rank that counts them in the norm.
+pub fn place(plan: &ShardPlan, full: &[ParamSpec], spec: &ParamSpec) -> TensorPlace {
+    let shape = full
+        .iter()
+        .find(|f| f.name == spec.name)
+        .map_or_else(|| spec.shape.clone(), |f| f.shape.clone());
+    let whole = TensorPlace::whole(&shape);
+    let copy = !plan.counts_in_norm(&spec.name);
+    match plan.cut(&spec.name) {
+        Cut::Rows(rows) => TensorPlace {
+            rows,
+            copy,
+            ..whole
+        },
+        Cut::Cols(cols) => TensorPlace {
+            cols,
+            copy,
+            ..whole
+        },
+        Cut::Whole => TensorPlace { copy, ..whole },
+    }
+}
+
+/// The whole model's flat addressing (tensor by tensor, as [`crate::checkpoint::load_into`]
+/// writes for the whole model's specs) mapped onto a rank's buffer of slices.
+pub struct RankSlices<'a> {
+    /// The whole model's tensors by their first element.
+    full: HashMap<usize, &'a ParamSpec>,
+    local: HashMap<&'a str, &'a ParamSpec>,
+    plan: &'a ShardPlan,
+    data: &'a mut [f32],
+}
+
+impl<'a> RankSlices<'a> {
+    pub fn new(
+        full: &'a [ParamSpec],
+        local: &'a [ParamSpec],
+        plan: &'a ShardPlan,
+        data: &'a mut [f32],
+    ) -> RankSlices<'a> {
+        RankSlices {
+            full: full.iter().map(|s| (s.offset, s)).collect(),
+            local: local.iter().map(|s| (s.name.as_str(), s)).collect(),
+            plan,
+            data,
+        }
+    }
+}
+
+impl TensorDest for RankSlices<'_> {
+    fn write(
+        &mut self,
+        range: Range<usize>,
+        fill: &mut dyn FnMut(usize, &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        let Some(full) = self
+            .full
+            .get(&range.start)
+            .filter(|s| s.numel() == range.len())
+        else {
+            return Err(EngineError::InvalidArgument {
+                argument: "--resume-from-checkpoint".into(),
+                message: format!(
+                    "internal: elements {range:?} are not one tensor of the model; a rank \
+                     loads whole tensors"
+                ),
+            });
+        };
+        let Some(local) = self.local.get(full.name.as_str()) else {
+            // Another stage's tensor: not read at all.
+            return Ok(());
+        };
+        for (f, l) in pieces(&full.shape, &self.plan.cut(&full.name)) {
+            let at = local.offset;
+            fill(f.start, &mut self.data[at + l.start..at + l.end])?;
+        }
+        Ok(())
+    }
+}

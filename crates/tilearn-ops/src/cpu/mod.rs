@@ -26,7 +26,8 @@ pub mod rope;
 pub mod swiglu;
 
 pub use attention::{
-    AttnShape, HostKeyMask, attention_backward, attention_backward_masked, attention_forward,
+    AttnShape, HostKeyMask, attention_backward, attention_backward_alibi,
+    attention_backward_masked, attention_forward, attention_forward_alibi,
     attention_forward_masked,
 };
 pub use cached_attention::{CachedAttnShape, cached_attention};

@@ -44,7 +44,10 @@ mod tests {
     #[test]
     fn powers_of_two_are_geometric_from_two_to_minus_eight_over_n() {
         assert_eq!(alibi_slopes(1), [2f32.powi(-8)]);
-        assert_eq!(alibi_slopes(8), (1..=8).map(|p| 0.5f32.powi(p)).collect::<Vec<_>>());
+        assert_eq!(
+            alibi_slopes(8),
+            (1..=8).map(|p| 0.5f32.powi(p)).collect::<Vec<_>>()
+        );
         assert_eq!(alibi_slopes(4), [0.25, 0.0625, 0.015625, 0.00390625]);
         assert!(alibi_slopes(0).is_empty());
     }

@@ -297,11 +297,17 @@ fn alibi_matches_blooms_dense_definition() {
             ("dv", &got.dv, &want.dv),
         ] {
             let e = rel_err(g, w);
-            assert!(e <= 1e-12, "{s:?} packed {packed_lens:?} window {window:?}: {what} {e:e}");
+            assert!(
+                e <= 1e-12,
+                "{s:?} packed {packed_lens:?} window {window:?}: {what} {e:e}"
+            );
         }
         // The bias changes the result (the test would catch a kernel that ignores it).
         let plain = run(s, mask, None, &q, &k, &v, &dout);
-        assert!(rel_err(&plain.out, &got.out) > 1e-3, "{s:?}: ALiBi had no effect");
+        assert!(
+            rel_err(&plain.out, &got.out) > 1e-3,
+            "{s:?}: ALiBi had no effect"
+        );
     }
 }
 

@@ -108,7 +108,10 @@ fn layernorm_backward_matches_finite_differences() {
     let (_, mean, rstd) = layernorm(&x, &w, &b);
     let mut dx = vec![f64::NAN; x.len()];
     // Accumulation onto a non-zero start.
-    let (start_w, start_b) = (uniform(&mut rng, DIM, 0.1, 1.0), uniform(&mut rng, DIM, 0.1, 1.0));
+    let (start_w, start_b) = (
+        uniform(&mut rng, DIM, 0.1, 1.0),
+        uniform(&mut rng, DIM, 0.1, 1.0),
+    );
     let (mut dw, mut db) = (start_w.clone(), start_b.clone());
     layernorm_backward(&dout, &x, &w, &mean, &rstd, DIM, &mut dx, &mut dw, &mut db).unwrap();
     let dw: Vec<f64> = dw.iter().zip(&start_w).map(|(a, s)| a - s).collect();
@@ -119,10 +122,18 @@ fn layernorm_backward_matches_finite_differences() {
     assert!(rel_err(&ana, &num) < 1e-7, "dx: {:e}", rel_err(&ana, &num));
     let (i, num) = finite_diff(&mut rng, &w, 20, |w| loss(layernorm(&x, w, &b).0));
     let ana: Vec<f64> = i.iter().map(|&i| dw[i]).collect();
-    assert!(rel_err(&ana, &num) < 1e-7, "dweight: {:e}", rel_err(&ana, &num));
+    assert!(
+        rel_err(&ana, &num) < 1e-7,
+        "dweight: {:e}",
+        rel_err(&ana, &num)
+    );
     let (i, num) = finite_diff(&mut rng, &b, 20, |b| loss(layernorm(&x, &w, b).0));
     let ana: Vec<f64> = i.iter().map(|&i| db[i]).collect();
-    assert!(rel_err(&ana, &num) < 1e-7, "dbias: {:e}", rel_err(&ana, &num));
+    assert!(
+        rel_err(&ana, &num) < 1e-7,
+        "dbias: {:e}",
+        rel_err(&ana, &num)
+    );
 }
 
 #[test]
@@ -147,7 +158,11 @@ fn gelu_tanh_is_blooms_formula_and_its_derivative() {
     };
     let (i, num) = finite_diff(&mut rng, &x, 80, loss);
     let ana: Vec<f64> = i.iter().map(|&i| dx[i]).collect();
-    assert!(rel_err(&ana, &num) < 1e-8, "gelu dx: {:e}", rel_err(&ana, &num));
+    assert!(
+        rel_err(&ana, &num) < 1e-8,
+        "gelu dx: {:e}",
+        rel_err(&ana, &num)
+    );
     // Saturation: gelu'(±30) is 1 and 0.
     assert!((dx[x.len() - 2] / dout[x.len() - 2] - 1.0).abs() < 1e-15);
     assert!(dx[x.len() - 1].abs() < 1e-300);
@@ -174,7 +189,18 @@ fn linear_bias_forward_and_gradient() {
     let mut dw = vec![0.0; w.len()];
     let start = uniform(&mut rng, out_f, 0.1, 1.0);
     let mut db = start.clone();
-    linear_backward(&dout, &x, &w, rows, in_f, out_f, None, &mut dw, Some(&mut db)).unwrap();
+    linear_backward(
+        &dout,
+        &x,
+        &w,
+        rows,
+        in_f,
+        out_f,
+        None,
+        &mut dw,
+        Some(&mut db),
+    )
+    .unwrap();
     let (i, num) = finite_diff(&mut rng, &b, 23, |b| {
         fwd(b).iter().zip(&dout).map(|(a, d)| a * d).sum()
     });

@@ -120,7 +120,9 @@ fn rel_err(what: &str, got: &[f64], want: &[f64]) -> f64 {
 }
 
 fn expect_within(test: &str, what: &str, err: f64, tol: f64) {
-    report(&format!("{test}: {what}: rel err {err:.3e} (tol {tol:.0e})"));
+    report(&format!(
+        "{test}: {what}: rel err {err:.3e} (tol {tol:.0e})"
+    ));
     assert!(err <= tol, "{test}: {what}: rel err {err:.3e} > {tol:.0e}");
 }
 
@@ -211,7 +213,12 @@ fn run_gpu<T: Elem>(
     let st = dev.stream();
     let s = c.s;
     let mut ws = AttentionWorkspace::new(st, s, size_of::<T>()).unwrap();
-    let (q_, k_, v_, do_) = (upload(st, q), upload(st, k), upload(st, v), upload(st, dout));
+    let (q_, k_, v_, do_) = (
+        upload(st, q),
+        upload(st, k),
+        upload(st, v),
+        upload(st, dout),
+    );
     let pos = c.positions.as_ref().map(|p| upload(st, p));
     let slopes = upload(st, &c.slopes);
     let mask = KeyMask {
@@ -255,7 +262,10 @@ fn run_gpu<T: Elem>(
         &mut dv,
     )
     .unwrap();
-    let raw: Vec<Vec<T>> = [&out, &dq, &dk, &dv].iter().map(|b| download(dev, b)).collect();
+    let raw: Vec<Vec<T>> = [&out, &dq, &dk, &dv]
+        .iter()
+        .map(|b| download(dev, b))
+        .collect();
     let lse_h = download(dev, &lse);
     let mut bits: Vec<u32> = raw.iter().flatten().map(|x| x.bits()).collect();
     bits.extend(lse_h.iter().map(|x| x.to_bits()));
@@ -308,7 +318,14 @@ fn qkv<T: Elem>(rng: &mut ChaCha8Rng, s: AttnShape) -> ([Vec<T>; 4], [Vec<f64>; 
 }
 
 /// Every ALiBi case in `T` through `imp` against the reference, and twice for bit-identity.
-fn alibi_case<T: Elem>(test: &str, imp: AttentionImpl, d: usize, seed: u64, tol: f64, tol_lse: f64) {
+fn alibi_case<T: Elem>(
+    test: &str,
+    imp: AttentionImpl,
+    d: usize,
+    seed: u64,
+    tol: f64,
+    tol_lse: f64,
+) {
     let Some((dev, gemm)) = gpu_or_skip(test) else {
         return;
     };
@@ -336,19 +353,40 @@ fn alibi_case<T: Elem>(test: &str, imp: AttentionImpl, d: usize, seed: u64, tol:
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn flash_bf16_alibi_matches_cpu_reference_d64() {
-    alibi_case::<bf16>("flash_bf16_alibi_d64", AttentionImpl::Flash, 64, 1, 1e-2, 1e-3);
+    alibi_case::<bf16>(
+        "flash_bf16_alibi_d64",
+        AttentionImpl::Flash,
+        64,
+        1,
+        1e-2,
+        1e-3,
+    );
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn flash_bf16_alibi_matches_cpu_reference_d128() {
-    alibi_case::<bf16>("flash_bf16_alibi_d128", AttentionImpl::Flash, 128, 2, 1e-2, 1e-3);
+    alibi_case::<bf16>(
+        "flash_bf16_alibi_d128",
+        AttentionImpl::Flash,
+        128,
+        2,
+        1e-2,
+        1e-3,
+    );
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn flash_f16_alibi_matches_cpu_reference_d64() {
-    alibi_case::<f16>("flash_f16_alibi_d64", AttentionImpl::Flash, 64, 3, 2e-3, 1e-3);
+    alibi_case::<f16>(
+        "flash_f16_alibi_d64",
+        AttentionImpl::Flash,
+        64,
+        3,
+        2e-3,
+        1e-3,
+    );
 }
 
 #[test]
@@ -387,7 +425,12 @@ fn zero_slopes_are_bit_identical_to_causal() {
         let zero = run_gpu(&dev, &gemm, imp, &c, &q, &k, &v, &dout);
         let st = dev.stream();
         let mut ws = AttentionWorkspace::new(st, s, 2).unwrap();
-        let (q_, k_, v_, do_) = (upload(st, &q), upload(st, &k), upload(st, &v), upload(st, &dout));
+        let (q_, k_, v_, do_) = (
+            upload(st, &q),
+            upload(st, &k),
+            upload(st, &v),
+            upload(st, &dout),
+        );
         let mut out = upload(st, &vec![bf16::NAN; q.len()]);
         let mut lse = upload(st, &vec![f32::NAN; s.batch * s.q_heads * s.seq]);
         cuda::attention_forward_with(imp, &gemm, &mut ws, s, &q_, &k_, &v_, &mut out, &mut lse)
@@ -405,8 +448,14 @@ fn zero_slopes_are_bit_identical_to_causal() {
             .map(|x| x.bits())
             .collect();
         bits.extend(download(&dev, &lse).iter().map(|x| x.to_bits()));
-        assert!(zero.bits == bits, "{TEST}: {imp:?}: zero slopes differ from causal");
-        report(&format!("{TEST}: {imp:?}: bit-identical ({} values)", bits.len()));
+        assert!(
+            zero.bits == bits,
+            "{TEST}: {imp:?}: zero slopes differ from causal"
+        );
+        report(&format!(
+            "{TEST}: {imp:?}: bit-identical ({} values)",
+            bits.len()
+        ));
     }
 }
 
@@ -429,15 +478,29 @@ fn layernorm_case<T: Elem>(test: &str, seed: u64, tol: f64) {
         let (dw0, dw064) = random::<f32>(&mut rng, dim, 0.05, 1.0);
         let (db0, db064) = random::<f32>(&mut rng, dim, 0.05, 1.0);
         let (mut out_r, mut mean_r, mut rstd_r) = (vec![0.0; n], vec![0.0; rows], vec![0.0; rows]);
-        cpu::layernorm_forward(&x64, &w64, &b64, dim, eps, &mut out_r, &mut mean_r, &mut rstd_r)
-            .unwrap();
+        cpu::layernorm_forward(
+            &x64,
+            &w64,
+            &b64,
+            dim,
+            eps,
+            &mut out_r,
+            &mut mean_r,
+            &mut rstd_r,
+        )
+        .unwrap();
         let (mut dx_r, mut dw_r, mut db_r) = (vec![0.0; n], dw064.clone(), db064.clone());
         cpu::layernorm_backward(
             &dout64, &x64, &w64, &mean_r, &rstd_r, dim, &mut dx_r, &mut dw_r, &mut db_r,
         )
         .unwrap();
 
-        let (xd, wd, bd, dod) = (upload(st, &x), upload(st, &w), upload(st, &b), upload(st, &dout));
+        let (xd, wd, bd, dod) = (
+            upload(st, &x),
+            upload(st, &w),
+            upload(st, &b),
+            upload(st, &dout),
+        );
         let mut out = upload(st, &vec![T::NAN; n]);
         let mut mean = upload(st, &vec![f32::NAN; rows]);
         let mut rstd = upload(st, &vec![f32::NAN; rows]);
@@ -447,7 +510,17 @@ fn layernorm_case<T: Elem>(test: &str, seed: u64, tol: f64) {
         let (mut dw, mut db) = (upload(st, &dw0), upload(st, &db0));
         let mut scratch = LayerNormScratch::new(st, rows, dim).unwrap();
         cuda::layernorm_backward(
-            st, &dod, &xd, &wd, &mean, &rstd, dim, &mut dx, &mut dw, &mut db, &mut scratch,
+            st,
+            &dod,
+            &xd,
+            &wd,
+            &mean,
+            &rstd,
+            dim,
+            &mut dx,
+            &mut dw,
+            &mut db,
+            &mut scratch,
         )
         .unwrap();
         let f = |v: Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
@@ -459,7 +532,12 @@ fn layernorm_case<T: Elem>(test: &str, seed: u64, tol: f64) {
             ("dweight (+=)", f(download(&dev, &dw)), &dw_r, 1e-5),
             ("dbias (+=)", f(download(&dev, &db)), &db_r, 1e-5),
         ] {
-            expect_within(test, &format!("{tag}: {what}"), rel_err(what, &got, want), tol);
+            expect_within(
+                test,
+                &format!("{tag}: {what}"),
+                rel_err(what, &got, want),
+                tol,
+            );
         }
     }
 }
@@ -506,8 +584,18 @@ fn gelu_case<T: Elem>(test: &str, seed: u64, tol: f64) {
     cuda::gelu_tanh_forward(st, &xd, &mut y).unwrap();
     cuda::gelu_tanh_backward(st, &dod, &xd, &mut dx).unwrap();
     let tag = format!("{} n={}", T::NAME, x.len());
-    expect_within(test, &format!("{tag}: out"), rel_err("out", &to_f64(&download(&dev, &y)), &y_r), tol);
-    expect_within(test, &format!("{tag}: dx"), rel_err("dx", &to_f64(&download(&dev, &dx)), &dx_r), tol);
+    expect_within(
+        test,
+        &format!("{tag}: out"),
+        rel_err("out", &to_f64(&download(&dev, &y)), &y_r),
+        tol,
+    );
+    expect_within(
+        test,
+        &format!("{tag}: dx"),
+        rel_err("dx", &to_f64(&download(&dev, &dx)), &dx_r),
+        tol,
+    );
 }
 
 #[test]
@@ -590,7 +678,12 @@ fn cpu_layernorm_and_gelu_match_pytorch() {
     }
     let want: serde_json::Value = serde_json::from_slice(&res.stdout).unwrap();
     let col = |k: &str| -> Vec<f64> {
-        want[k].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
+        want[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect()
     };
     let n = rows * dim;
     let (mut y, mut mean, mut rstd) = (vec![0.0; n], vec![0.0; rows], vec![0.0; rows]);

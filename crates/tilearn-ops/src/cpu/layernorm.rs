@@ -84,7 +84,10 @@ pub fn layernorm_backward<R: Real>(
         .par_chunks_mut(block)
         .zip(dout.par_chunks(block))
         .zip(x.par_chunks(block))
-        .zip(mean.par_chunks(ROWS_PER_BLOCK).zip(rstd.par_chunks(ROWS_PER_BLOCK)))
+        .zip(
+            mean.par_chunks(ROWS_PER_BLOCK)
+                .zip(rstd.par_chunks(ROWS_PER_BLOCK)),
+        )
         .map(|(((dxb, db), xb), (mb, rb))| {
             let (mut dw, mut dbi) = (vec![R::zero(); dim], vec![R::zero(); dim]);
             let (mut g, mut xhat) = (vec![R::zero(); dim], vec![R::zero(); dim]);

@@ -660,6 +660,7 @@ unsafe extern "C" {
         kv_heads: usize,
         head_dim: usize,
         scale: f32,
+        alibi_slopes: *const f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
 }

@@ -388,3 +388,47 @@ fn wrong_slope_count_is_a_shape_error() {
     .to_string();
     assert!(err.contains("alibi slopes"), "{err}");
 }
+
+/// Generation with ALiBi: the cached attention of the whole sequence at once (start 0) and of
+/// its last rows after a prefill (start > 0) equal the training attention's rows (f32, 1e-5:
+/// the same terms summed in another order).
+#[test]
+fn cached_attention_with_alibi_equals_training_rows() {
+    use tilearn_ops::cpu::{CachedAttnShape, cached_attention_alibi};
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    let s = shape(1, 23, 6, 2, 8);
+    let slopes = alibi_slopes(s.q_heads);
+    let f32s = |v: Vec<f64>| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    let q = f32s(uniform(&mut rng, s.seq * s.q_heads * s.head_dim));
+    let k = f32s(uniform(&mut rng, s.seq * s.kv_heads * s.head_dim));
+    let v = f32s(uniform(&mut rng, k.len()));
+    let mut want = vec![0.0f32; q.len()];
+    let mut lse = vec![0.0f32; s.q_heads * s.seq];
+    attention_forward_alibi(
+        s,
+        KeyMask::causal(),
+        Some(&slopes),
+        &q,
+        &k,
+        &v,
+        &mut want,
+        &mut lse,
+    )
+    .unwrap();
+    let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+    for start in [0, 17] {
+        let c = CachedAttnShape {
+            n: s.seq - start,
+            start,
+            q_heads: s.q_heads,
+            kv_heads: s.kv_heads,
+            head_dim: s.head_dim,
+        };
+        let row = s.q_heads * s.head_dim;
+        let mut out = vec![f32::NAN; c.q_len()];
+        cached_attention_alibi(c, Some(&slopes), &q[start * row..], &k, &v, &mut out).unwrap();
+        let got: Vec<f64> = out.iter().map(|&x| x as f64).collect();
+        let e = rel_err(&got, &want[start * row..]);
+        assert!(e <= 1e-5, "start {start}: cached vs training rows {e:e}");
+    }
+}

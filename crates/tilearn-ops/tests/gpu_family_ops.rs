@@ -13,6 +13,7 @@
 //!   (the last keeps its dweight/dbias partials in global scratch): out and dx 1e-5 (f32),
 //!   1e-2 (bf16: one rounding of 2^-9 per element), 2e-3 (f16: 2^-11); mean/rstd and the f32
 //!   accumulations dweight/dbias (`+=` onto random starts) 1e-5.
+//! * ALiBi in the generation kernel (cached attention), prefill and decode, f32 1e-5, bf16 1e-2.
 //! * tanh-GeLU, forward and backward, f32 1e-5 (tanhf, a few ulps), bf16 1e-2, f16 2e-3, with
 //!   saturated inputs (|x| up to 30) included.
 //! * The CPU references of LayerNorm and GeLU against PyTorch (`F.layer_norm` and its autograd,
@@ -456,6 +457,84 @@ fn zero_slopes_are_bit_identical_to_causal() {
             "{TEST}: {imp:?}: bit-identical ({} values)",
             bits.len()
         ));
+    }
+}
+
+/// ALiBi in the generation kernel (cached attention): GPU against the CPU reference (f32, which
+/// is itself checked against the training attention in cpu_alibi.rs) for a prefill and one
+/// decode step, 5 heads (not a power of two) over 5 kv heads and 12 over 4; f32 1e-5, bf16 1e-2.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn cached_attention_alibi_matches_cpu_reference() {
+    const TEST: &str = "cached_attention_alibi_matches_cpu_reference";
+    let Some((dev, _gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    let st = dev.stream();
+    let mut rng = ChaCha8Rng::seed_from_u64(61);
+    for (q_heads, kv_heads, head_dim) in [(5, 5, 64), (12, 4, 128)] {
+        let (positions, slopes) = (77, alibi_slopes(q_heads));
+        let slopes_dev = upload(st, &slopes);
+        // bf16 values, so the f32 and bf16 runs see the same numbers.
+        let (kb, k64) = random::<bf16>(&mut rng, positions * kv_heads * head_dim, 0.05, 2.0);
+        let (vb, v64) = random::<bf16>(&mut rng, kb.len(), 0.05, 1.0);
+        let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+        let (k, v) = (f32s(&k64), f32s(&v64));
+        for (start, n) in [(0, 60), (76, 1)] {
+            let shape = cpu::CachedAttnShape {
+                n,
+                start,
+                q_heads,
+                kv_heads,
+                head_dim,
+            };
+            let (qb, q64) = random::<bf16>(&mut rng, shape.q_len(), 0.05, 2.0);
+            let q = f32s(&q64);
+            let mut want = vec![0.0f32; shape.q_len()];
+            cpu::cached_attention_alibi(shape, Some(&slopes), &q, &k, &v, &mut want).unwrap();
+            let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+            let tag = format!("heads {q_heads}/{kv_heads} d {head_dim} start {start} n {n}");
+            // f32 storage.
+            let (qd, kd, vd) = (upload(st, &q), upload(st, &k), upload(st, &v));
+            let mut out = upload(st, &vec![f32::NAN; shape.q_len()]);
+            cuda::cached_attention_alibi_forward(
+                st,
+                shape,
+                Some(&slopes_dev),
+                &qd,
+                &kd,
+                &vd,
+                &mut out,
+            )
+            .unwrap();
+            let got: Vec<f64> = download(&dev, &out).iter().map(|&x| x as f64).collect();
+            expect_within(
+                TEST,
+                &format!("f32 {tag}"),
+                rel_err("out", &got, &want),
+                1e-5,
+            );
+            // bf16 storage of the same values.
+            let (qd, kd, vd) = (upload(st, &qb), upload(st, &kb), upload(st, &vb));
+            let mut out = upload(st, &vec![bf16::NAN; shape.q_len()]);
+            cuda::cached_attention_alibi_forward(
+                st,
+                shape,
+                Some(&slopes_dev),
+                &qd,
+                &kd,
+                &vd,
+                &mut out,
+            )
+            .unwrap();
+            let got = to_f64(&download(&dev, &out));
+            expect_within(
+                TEST,
+                &format!("bf16 {tag}"),
+                rel_err("out", &got, &want),
+                1e-2,
+            );
+        }
     }
 }
 

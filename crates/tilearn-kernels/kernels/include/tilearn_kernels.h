@@ -526,10 +526,12 @@ int tilearn_flash_attention_backward(int dtype, const void *dout, const void *q,
  * start + n positions; query row i (absolute position start + i) attends to keys 0..=start + i,
  * query head h to kv head h / (q_heads / kv_heads). out = softmax(scale * q k^T) v, written (=),
  * f32 arithmetic. head_dim <= 256, n <= 65535, q_heads a multiple of kv_heads; otherwise
- * nothing is launched and cudaErrorInvalidValue returned. */
+ * nothing is launched and cudaErrorInvalidValue returned. alibi_slopes: f32 [q_heads] ALiBi
+ * slopes (head h adds slope[h] * (j - (start + i)) to its scaled scores), or NULL. */
 int tilearn_cached_attention(int dtype, const void *q, const void *k, const void *v, void *out,
                              size_t n, size_t start, size_t q_heads, size_t kv_heads,
-                             size_t head_dim, float scale, cudaStream_t stream);
+                             size_t head_dim, float scale, const float *alibi_slopes,
+                             cudaStream_t stream);
 
 #ifdef __cplusplus
 }

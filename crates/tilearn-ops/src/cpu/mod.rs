@@ -32,7 +32,7 @@ pub use attention::{
     attention_backward_masked, attention_forward, attention_forward_alibi,
     attention_forward_masked,
 };
-pub use cached_attention::{CachedAttnShape, cached_attention};
+pub use cached_attention::{CachedAttnShape, cached_attention, cached_attention_alibi};
 pub use cross_entropy::{CeStats, IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
 pub use embedding::{check_token_ids, embedding_backward, embedding_forward};
 pub use gelu::{GELU_TANH_A, GELU_TANH_C, gelu_tanh_backward, gelu_tanh_forward};

@@ -6,6 +6,9 @@
 //            positions, a sliding window; query i sees keys lo(i) ..= i, see tilearn_key_mask), the row max, the sum of exponentials (one online pass),
 //            the probabilities and the log-sum-exp, in one kernel (S is read twice, P written
 //            once). probs: the backward's recomputation P = exp(S - lse) with the mask.
+//            ALiBi (optional slopes in the key mask): softmax and probs add slope[head] ·
+//            (j − i) to each score as they read it (head = row / seq % heads); dscores needs no
+//            bias (it is a constant of the scores).
 //            dscores: dS = P ∘ (dP − delta) · scale with the mask, written over P in place.
 //            delta: rowsum(dO ∘ O) straight from the [B, T, H, D] tensors (no permute).
 // Layout:    scores / dP: f32 [rows, ld] row-major with rows = (batch, head, query) and the
@@ -54,7 +57,21 @@ struct RowMask {
     const int32_t* positions;
     size_t window;
     size_t rows_per_batch;
+    const float* alibi;  // [heads] slopes, or null
+    size_t seq;          // rows of one head (to find a row's head for its slope)
+    size_t heads;
 };
+
+// The ALiBi slope of row r (0 without slopes): bias slope * (j - i) for key j.
+__device__ __forceinline__ float row_slope(const RowMask& m, size_t r) {
+    return m.alibi == nullptr ? 0.0f : m.alibi[(r / m.seq) % m.heads];
+}
+
+// Score j of query i with the row's ALiBi bias (exactly s[j] when slope is 0).
+__device__ __forceinline__ float biased(const float* s, size_t j, size_t i, float slope) {
+    return fmaf(slope, static_cast<float>(static_cast<long long>(j) - static_cast<long long>(i)),
+                s[j]);
+}
 
 // The first key query i of row r sees (0 without a mask), clamped to [0, i]: the rule of
 // tilearn_key_mask and of the CPU reference's key_start.
@@ -98,11 +115,12 @@ __global__ void softmax_kernel(const float* __restrict__ scores, size_t ld, size
     const int lane = threadIdx.x % kWarp;
     const size_t i = r % seq;
     const size_t lo = first_key(mask, r, i, seq);
+    const float slope = row_slope(mask, r);
     const float* s = scores + r * ld;
     // Online max and sum of this lane's keys, then the warp's.
     float m = -INFINITY, l = 0.0f;
     for (size_t j = lo + lane; j <= i; j += kWarp) {
-        const float x = s[j];
+        const float x = biased(s, j, i, slope);
         const float m_new = fmaxf(m, x);
         l = l * expf(m - m_new) + expf(x - m_new);
         m = m_new;
@@ -113,7 +131,8 @@ __global__ void softmax_kernel(const float* __restrict__ scores, size_t ld, size
     const float row_lse = m_all + logf(l_all);
     TP* p = probs + r * ld;
     for (size_t j = lane; j < seq; j += kWarp)
-        p[j] = tilearn::from_f32<TP>(lo <= j && j <= i ? expf(s[j] - row_lse) : 0.0f);
+        p[j] = tilearn::from_f32<TP>(lo <= j && j <= i ? expf(biased(s, j, i, slope) - row_lse)
+                                                       : 0.0f);
     if (lane == 0) lse[r] = row_lse;
 }
 
@@ -128,10 +147,12 @@ __global__ void probs_kernel(const float* __restrict__ scores, size_t ld, size_t
     const size_t i = r % seq;
     const size_t lo = first_key(mask, r, i, seq);
     const float row_lse = lse[r];
+    const float slope = row_slope(mask, r);
     const float* s = scores + r * ld;
     TP* p = probs + r * ld;
     for (size_t j = lane; j < seq; j += kWarp)
-        p[j] = tilearn::from_f32<TP>(lo <= j && j <= i ? expf(s[j] - row_lse) : 0.0f);
+        p[j] = tilearn::from_f32<TP>(lo <= j && j <= i ? expf(biased(s, j, i, slope) - row_lse)
+                                                       : 0.0f);
 }
 
 // ---- dscores: dS = P * (dP - delta) * scale, in place over P, with the causal mask ----
@@ -189,12 +210,16 @@ bool row_args_ok(const void* a, const void* b, size_t ld, size_t rows, size_t se
 
 // The row kernels' view of `mask` (NULL: causal), or false when it is unusable.
 bool row_mask(const tilearn_key_mask* mask, size_t heads, size_t seq, RowMask* out) {
-    *out = RowMask{nullptr, 0, 1};
+    *out = RowMask{nullptr, 0, 1, nullptr, 1, 1};
     if (mask == nullptr) return true;
     if (heads == 0 || heads > SIZE_MAX / seq) return false;
     if (mask->positions != nullptr && reinterpret_cast<uintptr_t>(mask->positions) % 4 != 0)
         return false;
-    *out = RowMask{mask->positions, mask->sliding_window, heads * seq};
+    if (mask->alibi_slopes != nullptr &&
+        reinterpret_cast<uintptr_t>(mask->alibi_slopes) % 4 != 0)
+        return false;
+    *out = RowMask{mask->positions, mask->sliding_window, heads * seq, mask->alibi_slopes, seq,
+                   heads};
     return true;
 }
 

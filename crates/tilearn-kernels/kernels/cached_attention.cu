@@ -2,7 +2,9 @@
 // (generation: the prompt's prefill with n = prompt length, then n = 1 per decoded token).
 // Query row i sits at absolute position start + i and attends to cached keys 0..=start + i;
 // query head h reads kv head h / (q_heads / kv_heads).
-//   out[i, h, :] = sum_j softmax_j(scale * q[i, h, :] . k[j, g, :]) v[j, g, :]
+//   out[i, h, :] = sum_j softmax_j(scale * q[i, h, :] . k[j, g, :] + b_h(j)) v[j, g, :]
+// with b_h(j) = slope[h] * (j - (start + i)) under ALiBi (slopes given: Bloom, Baichuan-13B),
+// else 0; without slopes the scores are exactly those of the plain kernel.
 //
 // Fused:     scores, the online softmax (running max and sum, rescaled accumulator) and the
 //            product with V in one kernel; scores never reach device memory.
@@ -41,7 +43,8 @@ template <typename T>
 __global__ void __launch_bounds__(kWarps* kWarp)
     cached_attention_kernel(const T* __restrict__ q, const T* __restrict__ k,
                             const T* __restrict__ v, T* __restrict__ out, size_t start,
-                            int q_heads, int kv_heads, int head_dim, float scale) {
+                            int q_heads, int kv_heads, int head_dim, float scale,
+                            const float* __restrict__ alibi) {
     __shared__ float part_max[kWarps];
     __shared__ float part_sum[kWarps];
     __shared__ float part_acc[kWarps][kMaxPerLane * kWarp];
@@ -52,6 +55,7 @@ __global__ void __launch_bounds__(kWarps* kWarp)
     const int warp = threadIdx.x / kWarp;
     const int lane = threadIdx.x % kWarp;
     const size_t keys = start + i + 1;
+    const float slope = alibi == nullptr ? 0.0f : alibi[h];
     const size_t kv_row = static_cast<size_t>(kv_heads) * head_dim;
 
     const T* qh = q + (i * q_heads + h) * static_cast<size_t>(head_dim);
@@ -73,7 +77,9 @@ __global__ void __launch_bounds__(kWarps* kWarp)
             const int e = lane + r * kWarp;
             if (e < head_dim) dot += qr[r] * to_f32(kj[e]);
         }
-        const float s = warp_sum(dot);
+        float s = warp_sum(dot);
+        // ALiBi: key j is keys - 1 - j positions behind the query.
+        if (alibi != nullptr) s = fmaf(slope, -static_cast<float>(keys - 1 - j), s);
         const float m_new = fmaxf(m, s);
         const float correction = expf(m - m_new);  // 0 for the first key (m = -inf)
         const float p = expf(s - m_new);
@@ -119,7 +125,7 @@ __global__ void __launch_bounds__(kWarps* kWarp)
 template <typename T>
 int launch_cached_attention(const void* q, const void* k, const void* v, void* out, size_t n,
                             size_t start, size_t q_heads, size_t kv_heads, size_t head_dim,
-                            float scale, cudaStream_t stream) {
+                            float scale, const float* alibi, cudaStream_t stream) {
     if (head_dim == 0 || head_dim > static_cast<size_t>(kMaxPerLane * kWarp) || kv_heads == 0 ||
         q_heads % kv_heads != 0 || q_heads > 0x7fffffffu || n > 65535u)
         return static_cast<int>(cudaErrorInvalidValue);
@@ -130,7 +136,7 @@ int launch_cached_attention(const void* q, const void* k, const void* v, void* o
     cached_attention_kernel<T><<<grid, kWarps * kWarp, 0, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
         static_cast<T*>(out), start, static_cast<int>(q_heads), static_cast<int>(kv_heads),
-        static_cast<int>(head_dim), scale);
+        static_cast<int>(head_dim), scale, alibi);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -139,9 +145,9 @@ int launch_cached_attention(const void* q, const void* k, const void* v, void* o
 extern "C" int tilearn_cached_attention(int dtype, const void* q, const void* k, const void* v,
                                         void* out, size_t n, size_t start, size_t q_heads,
                                         size_t kv_heads, size_t head_dim, float scale,
-                                        cudaStream_t stream) {
+                                        const float* alibi_slopes, cudaStream_t stream) {
     return tilearn::dispatch(dtype, [&](auto tag) {
         return launch_cached_attention<decltype(tag)>(q, k, v, out, n, start, q_heads, kv_heads,
-                                                      head_dim, scale, stream);
+                                                      head_dim, scale, alibi_slopes, stream);
     });
 }

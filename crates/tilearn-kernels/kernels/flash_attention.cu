@@ -22,9 +22,16 @@
 //            and dQ start at key block lo(q0) / BC and dK/dV stop at the last query block
 //            that sees the CTA's keys: key tiles no row of a tile sees are never loaded. The
 //            unmasked instantiations are the plain causal kernels, unchanged.
+//            ALiBi (optional, the ALIBI instantiations, always built with MASK): head h adds
+//            slope[h] · (j − i) to the scaled score of query i and key j (Bloom, Baichuan-13B;
+//            see crates/tilearn-ops/src/alibi.rs), folded into the raw score as
+//            (slope / scale) · (j − i) by one fma per score right after S = Q·Kᵀ, in the
+//            forward and in both backward kernels' recomputation of P; dS needs nothing more
+//            (the bias is a constant of the scores). lse is that of the biased scores.
 // Layout:    q / out / dout / dq [batch, seq, q_heads, head_dim], k / v / dk / dv [batch, seq,
 //            kv_heads, head_dim] (the projections' layout: no permutes), lse / delta f32
-//            [batch, q_heads, seq], position_ids int32 [batch, seq] (or null); query head h reads kv head h / (q_heads / kv_heads). Every
+//            [batch, q_heads, seq], position_ids int32 [batch, seq] (or null), ALiBi slopes f32
+//            [q_heads] (or null); query head h reads kv head h / (q_heads / kv_heads). Every
 //            tensor of the element type starts on a 16-byte boundary (cp.async of 16 bytes).
 //            Tiles live in shared memory with 16-byte chunks XOR-swizzled by row (chunk c of row
 //            r at c ^ (r & 7)), so ldmatrix and cp.async are free of bank conflicts.
@@ -336,6 +343,7 @@ struct Args {
     void* dv;              // backward
     const int* positions;  // [batch, seq] restarting position ids, or null (one sequence a row)
     int window;            // sliding window in keys, 0 for none
+    const float* alibi;    // [q_heads] ALiBi slopes, or null (no bias)
     int batch;
     int seq;
     int q_heads;
@@ -441,8 +449,9 @@ __device__ __forceinline__ KvTiles<T> next_kv_block(T* sK, T* sV, const T* kg, c
 
 // ---- forward: one CTA per (query block, batch, query head) ----
 // WARPS warps of MT m-tiles (16 query rows each): BR = 16 WARPS MT query rows; key blocks of BC.
-template <typename T, int D, int WARPS, int MT, int BC, bool MASK>
+template <typename T, int D, int WARPS, int MT, int BC, bool MASK, bool ALIBI>
 __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
+    static_assert(MASK || !ALIBI, "ALiBi is built on the masked kernels");
     constexpr int kThreads = WARPS * 32;
     constexpr int BR = WARPS * MT * 16;
     constexpr int KD = D / 16;  // k-steps over head_dim
@@ -480,6 +489,8 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
         lo_w_last = key_start(a, b, q0 + row_w + MT * 16 - 1);
     }
     const float sl2 = a.scale * kLog2e;
+    // ALiBi slope in units of the raw score Q·K (the bias is added before the scale).
+    const float alibi_raw = ALIBI ? a.alibi[h] / a.scale : 0.0f;
     float o[MT][ND][4];
     float row_max[MT][2];
     float row_sum[MT][2];
@@ -499,6 +510,21 @@ __global__ void __launch_bounds__(WARPS * 32) flash_fwd_kernel(Args a) {
             float s[MT][NS][4];
             fill(s, 0.0f);
             mma_bt<T, D>(s, qf, k_s, lane);
+            if constexpr (ALIBI) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                    for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int col = k0 + nt * 8 + 2 * tq + (e & 1);
+                            const int row = q0 + row_w + mt * 16 + g + 8 * (e >> 1);
+                            s[mt][nt][e] =
+                                fmaf(alibi_raw, static_cast<float>(col - row), s[mt][nt][e]);
+                        }
+                    }
+                }
+            }
             // Causal mask, key mask and the sequence end, only where some key can pass a row's
             // range or seq.
             if (k0 + BC - 1 > q0 + row_w || k0 + BC > seq || (MASK && k0 < lo_w_last)) {
@@ -597,8 +623,9 @@ __device__ __forceinline__ void mma_rows_bt(Acc& acc, const uint32_t (&regs)[R][
 
 // WARPS warps of 16 keys each (BC = 16 WARPS keys); query blocks of BR rows. KV_REGS keeps the
 // warp's K and V A-fragments in registers for the whole loop (else reloaded per query block).
-template <typename T, int D, int WARPS, int BR, bool KV_REGS, bool MASK>
+template <typename T, int D, int WARPS, int BR, bool KV_REGS, bool MASK, bool ALIBI>
 __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
+    static_assert(MASK || !ALIBI, "ALiBi is built on the masked kernels");
     constexpr int kThreads = WARPS * 32;
     constexpr int BC = WARPS * 16;
     constexpr int KD = D / 16;
@@ -709,12 +736,19 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
             // Pᵀ = exp(scale·Sᵀ − lse[query]), zero for key > query and for queries >= seq.
             const bool need_mask =
                 q0 < kw + 15 || q0 + BR > seq || (MASK && lo_s[BR - 1] > kw);
+            // ALiBi slope of this iteration's query head, in raw score units.
+            const float alibi_raw = ALIBI ? a.alibi[hk * group + it / nq] / a.scale : 0.0f;
 #pragma unroll
             for (int nt = 0; nt < NS; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int il = nt * 8 + 2 * tq + (e & 1);
-                    float p = exp2_approx(fmaf(st[nt][e], sl2, -l_s[il] * kLog2e));
+                    float sv = st[nt][e];
+                    if constexpr (ALIBI) {
+                        const int key = kw + g + 8 * (e >> 1);
+                        sv = fmaf(alibi_raw, static_cast<float>(key - (q0 + il)), sv);
+                    }
+                    float p = exp2_approx(fmaf(sv, sl2, -l_s[il] * kLog2e));
                     if (need_mask) {
                         const int i = q0 + il;
                         const int j = kw + g + 8 * (e >> 1);
@@ -761,8 +795,9 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dkdv_kernel(Args a) {
 
 // ---- backward dQ: one CTA per (query block, batch, query head) ----
 // WARPS warps of 16 queries (BR = 16 WARPS); key blocks of BC.
-template <typename T, int D, int WARPS, int BC, bool MASK>
+template <typename T, int D, int WARPS, int BC, bool MASK, bool ALIBI>
 __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
+    static_assert(MASK || !ALIBI, "ALiBi is built on the masked kernels");
     constexpr int kThreads = WARPS * 32;
     constexpr int BR = WARPS * 16;
     constexpr int KD = D / 16;
@@ -789,6 +824,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
     cp_async_commit();
 
     const float sl2 = a.scale * kLog2e;
+    const float alibi_raw = ALIBI ? a.alibi[h] / a.scale : 0.0f;  // raw score units
     const int row_w = q0 + warp * 16;  // this warp's first query
     const size_t row_base = (static_cast<size_t>(b) * a.q_heads + h) * seq;
     float lse2[2];
@@ -834,7 +870,13 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_dq_kernel(Args a) {
             for (int nt = 0; nt < NS; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float p = exp2_approx(fmaf(s[nt][e], sl2, -lse2[e >> 1]));
+                    float sv = s[nt][e];
+                    if constexpr (ALIBI) {
+                        const int col = k0 + nt * 8 + 2 * tq + (e & 1);
+                        const int row = row_w + g + 8 * (e >> 1);
+                        sv = fmaf(alibi_raw, static_cast<float>(col - row), sv);
+                    }
+                    float p = exp2_approx(fmaf(sv, sl2, -lse2[e >> 1]));
                     if (need_mask) {
                         const int col = k0 + nt * 8 + 2 * tq + (e & 1);
                         const int row = row_w + g + 8 * (e >> 1);
@@ -918,7 +960,7 @@ cudaError_t launch(K kernel, unsigned grid, int threads, size_t smem, const Args
     return cudaGetLastError();
 }
 
-template <typename T, int D, int WARPS, int MT, int BC, bool MASK>
+template <typename T, int D, int WARPS, int MT, int BC, bool MASK, bool ALIBI>
 int run_forward(const Args& a, cudaStream_t stream) {
     constexpr int BR = WARPS * MT * 16;
     const size_t smem = static_cast<size_t>(BR + 4 * BC) * D * sizeof(T);
@@ -926,11 +968,11 @@ int run_forward(const Args& a, cudaStream_t stream) {
     if (!grid_ok((a.seq + BR - 1) / BR, static_cast<size_t>(a.batch) * a.q_heads, &grid))
         return static_cast<int>(cudaErrorInvalidValue);
     return static_cast<int>(
-        launch(flash_fwd_kernel<T, D, WARPS, MT, BC, MASK>, grid, WARPS * 32, smem, a, stream));
+        launch(flash_fwd_kernel<T, D, WARPS, MT, BC, MASK, ALIBI>, grid, WARPS * 32, smem, a, stream));
 }
 
 template <typename T, int D, int KV_WARPS, int KV_BR, bool KV_REGS, int Q_WARPS, int Q_BC,
-          bool MASK>
+          bool MASK, bool ALIBI>
 int run_backward(const Args& a, cudaStream_t stream) {
     constexpr int KV_BC = KV_WARPS * 16;
     constexpr int Q_BR = Q_WARPS * 16;
@@ -941,11 +983,11 @@ int run_backward(const Args& a, cudaStream_t stream) {
         return static_cast<int>(cudaErrorInvalidValue);
     const size_t smem_kv = static_cast<size_t>(2 * KV_BC + 4 * KV_BR) * D * sizeof(T) +
                            4 * KV_BR * sizeof(float) + (MASK ? 2 * KV_BR * sizeof(int) : 0);
-    cudaError_t e = launch(flash_bwd_dkdv_kernel<T, D, KV_WARPS, KV_BR, KV_REGS, MASK>, grid_kv,
+    cudaError_t e = launch(flash_bwd_dkdv_kernel<T, D, KV_WARPS, KV_BR, KV_REGS, MASK, ALIBI>, grid_kv,
                            KV_WARPS * 32, smem_kv, a, stream);
     if (e != cudaSuccess) return static_cast<int>(e);
     const size_t smem_q = static_cast<size_t>(2 * Q_BR + 4 * Q_BC) * D * sizeof(T);
-    e = launch(flash_bwd_dq_kernel<T, D, Q_WARPS, Q_BC, MASK>, grid_q, Q_WARPS * 32, smem_q, a,
+    e = launch(flash_bwd_dq_kernel<T, D, Q_WARPS, Q_BC, MASK, ALIBI>, grid_q, Q_WARPS * 32, smem_q, a,
                stream);
     return static_cast<int>(e);
 }
@@ -957,19 +999,21 @@ int run_backward(const Args& a, cudaStream_t stream) {
 //                 dQ 64 queries x 64 keys, 48 KB.
 //   head_dim 128: forward 64 queries x 64 keys, 80 KB; dK/dV 64 keys x 32 queries, 64.5 KB;
 //                 dQ 64 queries x 32 keys, 64 KB.
-// A key mask (positions or a window) takes the MASK instantiations (dK/dV + 512 / 256 bytes).
-template <typename T, bool MASK>
+// A key mask (positions or a window) takes the MASK instantiations (dK/dV + 512 / 256 bytes);
+// ALiBi slopes the MASK + ALIBI ones (whatever the mask), so the plain causal kernels and the
+// masked ones stay exactly as they were and only three variants are compiled.
+template <typename T, bool MASK, bool ALIBI>
 int run_masked(bool backward, size_t head_dim, const Args& a, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, float>) {
         return static_cast<int>(cudaErrorInvalidValue);
     } else {
         switch (head_dim) {
             case 64:
-                return backward ? run_backward<T, 64, 4, 64, true, 4, 64, MASK>(a, stream)
-                                : run_forward<T, 64, 4, 2, 64, MASK>(a, stream);
+                return backward ? run_backward<T, 64, 4, 64, true, 4, 64, MASK, ALIBI>(a, stream)
+                                : run_forward<T, 64, 4, 2, 64, MASK, ALIBI>(a, stream);
             case 128:
-                return backward ? run_backward<T, 128, 4, 32, false, 4, 32, MASK>(a, stream)
-                                : run_forward<T, 128, 4, 1, 64, MASK>(a, stream);
+                return backward ? run_backward<T, 128, 4, 32, false, 4, 32, MASK, ALIBI>(a, stream)
+                                : run_forward<T, 128, 4, 1, 64, MASK, ALIBI>(a, stream);
             default:
                 return static_cast<int>(cudaErrorInvalidValue);
         }
@@ -978,9 +1022,10 @@ int run_masked(bool backward, size_t head_dim, const Args& a, cudaStream_t strea
 
 template <typename T>
 int run(bool backward, size_t head_dim, const Args& a, cudaStream_t stream) {
+    if (a.alibi != nullptr) return run_masked<T, true, true>(backward, head_dim, a, stream);
     if (a.positions != nullptr || a.window > 0)
-        return run_masked<T, true>(backward, head_dim, a, stream);
-    return run_masked<T, false>(backward, head_dim, a, stream);
+        return run_masked<T, true, false>(backward, head_dim, a, stream);
+    return run_masked<T, false, false>(backward, head_dim, a, stream);
 }
 
 // The entry points' checks, in this order: a supported dtype and head_dim; an empty problem is
@@ -995,10 +1040,12 @@ int checked_run(int dtype, bool backward, Args a, size_t batch, size_t seq, size
         return static_cast<int>(cudaErrorInvalidValue);
     if (mask != nullptr) {
         if (mask->sliding_window > 0x3fffffff ||
-            (mask->positions != nullptr && !aligned4(mask->positions)))
+            (mask->positions != nullptr && !aligned4(mask->positions)) ||
+            (mask->alibi_slopes != nullptr && !aligned4(mask->alibi_slopes)))
             return static_cast<int>(cudaErrorInvalidValue);
         a.positions = mask->positions;
         a.window = static_cast<int>(mask->sliding_window);
+        a.alibi = mask->alibi_slopes;
     }
     return tilearn::dispatch(dtype, [&](auto tag) {
         return run<decltype(tag)>(backward, head_dim, a, stream);

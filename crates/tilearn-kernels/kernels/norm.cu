@@ -1,5 +1,7 @@
 // norm.cu: RMSNorm forward and backward (Hugging Face LlamaRMSNorm),
-//   y = w * x * rstd,  rstd = 1 / sqrt(mean(x^2) + eps)   (mean over the last axis).
+//   y = w * x * rstd,  rstd = 1 / sqrt(mean(x^2) + eps)   (mean over the last axis),
+// and LayerNorm with weight and bias (PyTorch nn.LayerNorm, Bloom; see the end of this header),
+//   y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(mean((x - mean)^2) + eps).
 //
 // Fused:     forward: the sum of squares, rstd and the scaling by w in one pass per row (rstd
 //            is saved for the backward). Backward: dx and the per-row contribution to dweight in
@@ -33,6 +35,15 @@
 //   rmsnorm_backward_add:  dresid += dx (`+=`) instead of dx `=`; dweight as above. bf16/f16:
 //                          the f32 dx is added to the widened dresid and rounded once (one
 //                          rounding fewer than rmsnorm_backward + residual_add_inplace).
+// LayerNorm (layernorm_forward / layernorm_backward), same layout, launch shape and chunking:
+//   forward:  one block per row: mean, then the variance of (x - mean) from the row held in
+//             registers' reach (two passes over x, no E[x^2] - mean^2 cancellation), then
+//             out = T((x - mean) * rstd * w + b), one rounding as PyTorch's f32-accumulating
+//             layer_norm kernel; mean and rstd saved (f32 [rows]).
+//   backward: per row xhat = (x - mean) * rstd, g = dy * w,
+//             dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) written (`=`), rounded once;
+//             dweight += sum dy * xhat and dbias += sum dy accumulated (`+=`) through the same
+//             deterministic chunk partials (2 * dim of them per chunk) and ordered reduction.
 
 #include <initializer_list>
 #include <type_traits>
@@ -359,6 +370,81 @@ unsigned warp_row_blocks(size_t rows) {
     return static_cast<unsigned>((rows + kBwdWarps - 1) / kBwdWarps);
 }
 
+template <typename T>
+__global__ void layernorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+                                         const T* __restrict__ bias, size_t dim, float eps,
+                                         T* __restrict__ out, float* __restrict__ mean,
+                                         float* __restrict__ rstd) {
+    const size_t row = blockIdx.x;
+    const T* xr = x + row * dim;
+    T* outr = out + row * dim;
+    const float inv_dim = 1.0f / static_cast<float>(dim);
+    float s = 0.0f;
+    for (size_t i = threadIdx.x; i < dim; i += blockDim.x) s += to_f32(xr[i]);
+    const float mu = block_sum(s) * inv_dim;
+    float ss = 0.0f;
+    for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float d = to_f32(xr[i]) - mu;
+        ss += d * d;
+    }
+    const float r = rsqrtf(block_sum(ss) * inv_dim + eps);
+    for (size_t i = threadIdx.x; i < dim; i += blockDim.x)
+        outr[i] = from_f32<T>((to_f32(xr[i]) - mu) * r * to_f32(weight[i]) + to_f32(bias[i]));
+    if (threadIdx.x == 0) {
+        mean[row] = mu;
+        rstd[row] = r;
+    }
+}
+
+// One block per chunk of rows, as rmsnorm_backward_kernel; the chunk's dweight and dbias
+// partials live in shared memory (kSharedAcc: [2, dim]) or in its two scratch rows
+// (partials[blockIdx.x] and partials[gridDim.x + blockIdx.x]).
+template <typename T, bool kSharedAcc>
+__global__ void layernorm_backward_kernel(const T* __restrict__ dout, const T* __restrict__ x,
+                                          const T* __restrict__ weight,
+                                          const float* __restrict__ mean,
+                                          const float* __restrict__ rstd, size_t rows,
+                                          size_t dim, size_t rows_per_chunk, T* __restrict__ dx,
+                                          float* __restrict__ partials) {
+    extern __shared__ float shared_acc[];
+    float* acc_w = kSharedAcc ? shared_acc : partials + blockIdx.x * dim;
+    float* acc_b = kSharedAcc ? shared_acc + dim : partials + (gridDim.x + blockIdx.x) * dim;
+    for (size_t i = threadIdx.x; i < dim; i += blockDim.x) acc_w[i] = acc_b[i] = 0.0f;
+    const float inv_dim = 1.0f / static_cast<float>(dim);
+    const size_t begin = blockIdx.x * rows_per_chunk;
+    const size_t end = begin + rows_per_chunk < rows ? begin + rows_per_chunk : rows;
+    for (size_t row = begin; row < end; ++row) {
+        const T* dyr = dout + row * dim;
+        const T* xr = x + row * dim;
+        T* dxr = dx + row * dim;
+        const float mu = mean[row];
+        const float r = rstd[row];
+        float sg = 0.0f, sgx = 0.0f;
+        for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
+            const float g = to_f32(dyr[i]) * to_f32(weight[i]);
+            sg += g;
+            sgx += g * (to_f32(xr[i]) - mu) * r;
+        }
+        const float mean_g = block_sum(sg) * inv_dim;
+        const float mean_gx = block_sum(sgx) * inv_dim;
+        for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
+            const float dy = to_f32(dyr[i]);
+            const float xhat = (to_f32(xr[i]) - mu) * r;
+            dxr[i] = from_f32<T>(r * (dy * to_f32(weight[i]) - mean_g - xhat * mean_gx));
+            acc_w[i] += dy * xhat;
+            acc_b[i] += dy;
+        }
+    }
+    if (kSharedAcc) {
+        float* mine_w = partials + blockIdx.x * dim;
+        float* mine_b = partials + (gridDim.x + blockIdx.x) * dim;
+        for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
+            mine_w[i] = acc_w[i];
+            mine_b[i] = acc_b[i];
+        }
+    }
+}
+
 size_t rows_per_chunk(size_t rows) { return (rows + kMaxChunks - 1) / kMaxChunks; }
 
 size_t chunk_count(size_t rows) {
@@ -471,6 +557,60 @@ int launch_backward(const void* dout, const void* x, const void* weight, const f
     return static_cast<int>(cudaGetLastError());
 }
 
+template <typename T>
+int launch_layernorm_forward(const void* x, const void* weight, const void* bias, size_t rows,
+                             size_t dim, float eps, void* out, float* mean, float* rstd,
+                             cudaStream_t stream) {
+    if (!shape_ok(rows, dim) || !(eps >= 0.0f) || eps == INFINITY)
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (dim == 0 || x == nullptr || weight == nullptr || bias == nullptr || out == nullptr ||
+        mean == nullptr || rstd == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
+    layernorm_forward_kernel<T><<<static_cast<unsigned>(rows), threads_for(dim), 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<const T*>(bias), dim,
+        eps, static_cast<T*>(out), mean, rstd);
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+int launch_layernorm_backward(const void* dout, const void* x, const void* weight,
+                              const float* mean, const float* rstd, size_t rows, size_t dim,
+                              void* dx, float* dweight, float* dbias, float* scratch,
+                              size_t scratch_len, cudaStream_t stream) {
+    if (!shape_ok(rows, dim)) return static_cast<int>(cudaErrorInvalidValue);
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (dim == 0 || dout == nullptr || x == nullptr || weight == nullptr || mean == nullptr ||
+        rstd == nullptr || dx == nullptr || dweight == nullptr || dbias == nullptr ||
+        scratch == nullptr || scratch_len < tilearn_layernorm_backward_scratch_len(rows, dim))
+        return static_cast<int>(cudaErrorInvalidValue);
+    const size_t chunks = chunk_count(rows);
+    const unsigned threads = threads_for(dim);
+    const T* dy = static_cast<const T*>(dout);
+    const T* xs = static_cast<const T*>(x);
+    const T* w = static_cast<const T*>(weight);
+    T* dxs = static_cast<T*>(dx);
+    if (2 * dim <= kMaxSharedDweight) {
+        layernorm_backward_kernel<T, true>
+            <<<static_cast<unsigned>(chunks), threads, 2 * dim * sizeof(float), stream>>>(
+                dy, xs, w, mean, rstd, rows, dim, rows_per_chunk(rows), dxs, scratch);
+    } else {
+        layernorm_backward_kernel<T, false><<<static_cast<unsigned>(chunks), threads, 0, stream>>>(
+            dy, xs, w, mean, rstd, rows, dim, rows_per_chunk(rows), dxs, scratch);
+    }
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return static_cast<int>(err);
+    const unsigned reduce_threads = 256;
+    const size_t reduce_blocks = (dim + reduce_threads - 1) / reduce_threads;
+    reduce_partials_kernel<<<static_cast<unsigned>(reduce_blocks), reduce_threads, 0, stream>>>(
+        scratch, chunks, dim, dweight);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return static_cast<int>(err);
+    reduce_partials_kernel<<<static_cast<unsigned>(reduce_blocks), reduce_threads, 0, stream>>>(
+        scratch + chunks * dim, chunks, dim, dbias);
+    return static_cast<int>(cudaGetLastError());
+}
+
 }  // namespace
 
 extern "C" size_t tilearn_rmsnorm_backward_scratch_len(size_t rows, size_t dim) {
@@ -521,5 +661,37 @@ extern "C" int tilearn_rmsnorm_backward_add(int dtype, const void* dout, const v
     return tilearn::dispatch(dtype, [&](auto tag) {
         return launch_backward<decltype(tag), true>(dout, x, weight, rstd, rows, dim, dresid,
                                                     dweight, scratch, scratch_len, stream);
+    });
+}
+
+extern "C" size_t tilearn_layernorm_backward_scratch_len(size_t rows, size_t dim) {
+    const size_t one = tilearn_rmsnorm_backward_scratch_len(rows, dim);
+    return one > SIZE_MAX / 2 ? SIZE_MAX : 2 * one;
+}
+
+extern "C" size_t tilearn_layernorm_backward_scratch_len_max(size_t max_rows, size_t dim) {
+    const size_t one = tilearn_rmsnorm_backward_scratch_len_max(max_rows, dim);
+    return one > SIZE_MAX / 2 ? SIZE_MAX : 2 * one;
+}
+
+extern "C" int tilearn_layernorm_forward(int dtype, const void* x, const void* weight,
+                                         const void* bias, size_t rows, size_t dim, float eps,
+                                         void* out, float* mean, float* rstd,
+                                         cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_layernorm_forward<decltype(tag)>(x, weight, bias, rows, dim, eps, out, mean,
+                                                       rstd, stream);
+    });
+}
+
+extern "C" int tilearn_layernorm_backward(int dtype, const void* dout, const void* x,
+                                          const void* weight, const float* mean,
+                                          const float* rstd, size_t rows, size_t dim, void* dx,
+                                          float* dweight, float* dbias, float* scratch,
+                                          size_t scratch_len, cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_layernorm_backward<decltype(tag)>(dout, x, weight, mean, rstd, rows, dim,
+                                                        dx, dweight, dbias, scratch, scratch_len,
+                                                        stream);
     });
 }

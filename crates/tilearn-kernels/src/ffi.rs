@@ -126,6 +126,7 @@ pub struct tilearn_sparse_rule {
 pub struct tilearn_key_mask {
     pub positions: *const i32,
     pub sliding_window: usize,
+    pub alibi_slopes: *const f32,
 }
 unsafe extern "C" {
     pub fn tilearn_status_name(status: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
@@ -207,6 +208,52 @@ unsafe extern "C" {
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
     pub fn tilearn_rmsnorm_backward_scratch_len_max(max_rows: usize, dim: usize) -> usize;
+    pub fn tilearn_layernorm_forward(
+        dtype: ::std::os::raw::c_int,
+        x: *const ::std::os::raw::c_void,
+        weight: *const ::std::os::raw::c_void,
+        bias: *const ::std::os::raw::c_void,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: *mut ::std::os::raw::c_void,
+        mean: *mut f32,
+        rstd: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_layernorm_backward_scratch_len(rows: usize, dim: usize) -> usize;
+    pub fn tilearn_layernorm_backward_scratch_len_max(max_rows: usize, dim: usize) -> usize;
+    pub fn tilearn_layernorm_backward(
+        dtype: ::std::os::raw::c_int,
+        dout: *const ::std::os::raw::c_void,
+        x: *const ::std::os::raw::c_void,
+        weight: *const ::std::os::raw::c_void,
+        mean: *const f32,
+        rstd: *const f32,
+        rows: usize,
+        dim: usize,
+        dx: *mut ::std::os::raw::c_void,
+        dweight: *mut f32,
+        dbias: *mut f32,
+        scratch: *mut f32,
+        scratch_len: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_gelu_tanh_forward(
+        dtype: ::std::os::raw::c_int,
+        x: *const ::std::os::raw::c_void,
+        out: *mut ::std::os::raw::c_void,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_gelu_tanh_backward(
+        dtype: ::std::os::raw::c_int,
+        dout: *const ::std::os::raw::c_void,
+        x: *const ::std::os::raw::c_void,
+        dx: *mut ::std::os::raw::c_void,
+        n: usize,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
     pub fn tilearn_optim_norm_partials_len() -> usize;
     pub fn tilearn_optim_grad_sumsq_f32(
         grads: *const f32,
@@ -641,6 +688,7 @@ unsafe extern "C" {
         kv_heads: usize,
         head_dim: usize,
         scale: f32,
+        alibi_slopes: *const f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
 }

@@ -7,6 +7,7 @@
 //! Gradient convention for every backward: gradients of *activations* are written (`=`),
 //! gradients of *parameters* are accumulated (`+=`) so micro-batches can add into one buffer.
 
+pub mod alibi;
 pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -18,6 +19,7 @@ pub mod key_mask;
 pub(crate) mod shape;
 pub mod tensor;
 
+pub use alibi::alibi_slopes;
 pub use dtype::{DType, ParseDTypeError};
 pub use error::{OpsError, Result};
 pub use key_mask::{KeyMask, check_positions, key_start};

@@ -88,6 +88,41 @@ fn rmsnorm_bwd(dim: usize, [dout, x, weight, rstd, dx, dweight]: [usize; 6]) -> 
     (r, untouched(&[&dxv, &dw]))
 }
 
+fn layernorm_fwd([x, weight, bias, out, mean, rstd]: [usize; 6]) -> Outcome {
+    let (mut o, mut m, mut rs) = (output(out), output(mean), output(rstd));
+    let (w, b) = (input(weight), input(bias));
+    let r = layernorm_forward(&input(x), &w, &b, I, 1e-5, &mut o, &mut m, &mut rs);
+    (r, untouched(&[&o, &m, &rs]))
+}
+
+fn layernorm_bwd([dout, x, weight, mean, rstd, dx, dw, db]: [usize; 8]) -> Outcome {
+    let (mut dxv, mut dwv, mut dbv) = (output(dx), output(dw), output(db));
+    let r = layernorm_backward(
+        &input(dout),
+        &input(x),
+        &input(weight),
+        &input(mean),
+        &input(rstd),
+        I,
+        &mut dxv,
+        &mut dwv,
+        &mut dbv,
+    );
+    (r, untouched(&[&dxv, &dwv, &dbv]))
+}
+
+fn gelu_fwd([x, out]: [usize; 2]) -> Outcome {
+    let mut o = output(out);
+    let r = gelu_tanh_forward(&input(x), &mut o);
+    (r, untouched(&[&o]))
+}
+
+fn gelu_bwd([dout, x, dx]: [usize; 3]) -> Outcome {
+    let mut d = output(dx);
+    let r = gelu_tanh_backward(&input(dout), &input(x), &mut d);
+    (r, untouched(&[&d]))
+}
+
 fn swiglu_fwd([gate, up, out]: [usize; 3]) -> Outcome {
     let mut o = output(out);
     let r = swiglu_forward(&input(gate), &input(up), &mut o);
@@ -206,6 +241,16 @@ fn bad_lengths_are_shape_errors_that_leave_outputs_untouched() {
         ),
         ("swiglu_forward", swiglu_fwd([N; 3])),
         ("swiglu_backward", swiglu_bwd([N; 5])),
+        (
+            "layernorm_forward",
+            layernorm_fwd([R * I, I, I, R * I, R, R]),
+        ),
+        (
+            "layernorm_backward",
+            layernorm_bwd([R * I, R * I, I, R, R, R * I, I, I]),
+        ),
+        ("gelu_tanh_forward", gelu_fwd([N; 2])),
+        ("gelu_tanh_backward", gelu_bwd([N; 3])),
         ("add_inplace", add([N; 2])),
         (
             "embedding_forward",
@@ -572,6 +617,87 @@ fn bad_lengths_are_shape_errors_that_leave_outputs_untouched() {
             3 * VOCAB + 1,
             cross_entropy(true, 3 * VOCAB + 1),
         ),
+        (
+            "layernorm_forward (x)",
+            16,
+            13,
+            layernorm_fwd([13, I, I, 13, R, R]),
+        ),
+        (
+            "layernorm_forward (weight)",
+            I,
+            I + 1,
+            layernorm_fwd([R * I, I + 1, I, R * I, R, R]),
+        ),
+        (
+            "layernorm_forward (bias)",
+            I,
+            I + 1,
+            layernorm_fwd([R * I, I, I + 1, R * I, R, R]),
+        ),
+        (
+            "layernorm_forward (out)",
+            R * I,
+            R * I + 1,
+            layernorm_fwd([R * I, I, I, R * I + 1, R, R]),
+        ),
+        (
+            "layernorm_forward (mean)",
+            R,
+            R + 1,
+            layernorm_fwd([R * I, I, I, R * I, R + 1, R]),
+        ),
+        (
+            "layernorm_forward (rstd)",
+            R,
+            R + 1,
+            layernorm_fwd([R * I, I, I, R * I, R, R + 1]),
+        ),
+        (
+            "layernorm_backward (weight)",
+            I,
+            I + 1,
+            layernorm_bwd([R * I, R * I, I + 1, R, R, R * I, I, I]),
+        ),
+        (
+            "layernorm_backward (dweight)",
+            I,
+            I + 1,
+            layernorm_bwd([R * I, R * I, I, R, R, R * I, I + 1, I]),
+        ),
+        (
+            "layernorm_backward (dbias)",
+            I,
+            I + 1,
+            layernorm_bwd([R * I, R * I, I, R, R, R * I, I, I + 1]),
+        ),
+        (
+            "layernorm_backward (dout)",
+            R * I,
+            R * I + 1,
+            layernorm_bwd([R * I + 1, R * I, I, R, R, R * I, I, I]),
+        ),
+        (
+            "layernorm_backward (dx)",
+            R * I,
+            R * I + 1,
+            layernorm_bwd([R * I, R * I, I, R, R, R * I + 1, I, I]),
+        ),
+        (
+            "layernorm_backward (mean)",
+            R,
+            R + 1,
+            layernorm_bwd([R * I, R * I, I, R + 1, R, R * I, I, I]),
+        ),
+        (
+            "layernorm_backward (rstd)",
+            R,
+            R + 1,
+            layernorm_bwd([R * I, R * I, I, R, R + 1, R * I, I, I]),
+        ),
+        ("gelu_tanh_forward (out)", N, N + 1, gelu_fwd([N, N + 1])),
+        ("gelu_tanh_backward (x)", N, N + 1, gelu_bwd([N, N + 1, N])),
+        ("gelu_tanh_backward (dx)", N, N + 1, gelu_bwd([N, N, N + 1])),
     ];
     for (want_op, want_expected, want_actual, (result, outputs_untouched)) in cases {
         match result {

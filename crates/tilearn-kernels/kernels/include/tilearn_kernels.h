@@ -95,6 +95,30 @@ int tilearn_rmsnorm_backward_add(int dtype, const void *dout, const void *x, con
  * max_rows and this dim: size a caller-owned buffer once with it. */
 size_t tilearn_rmsnorm_backward_scratch_len_max(size_t max_rows, size_t dim);
 
+/* ---- norm.cu: LayerNorm with weight and bias (PyTorch nn.LayerNorm, Bloom),
+ *      y = (x - mean) / sqrt(var + eps) * w + b over the last axis (biased variance) ---- */
+/* x, out: [rows, dim]; weight, bias: [dim]; mean, rstd: [rows] (written, f32). */
+int tilearn_layernorm_forward(int dtype, const void *x, const void *weight, const void *bias,
+                              size_t rows, size_t dim, float eps, void *out, float *mean,
+                              float *rstd, cudaStream_t stream);
+/* f32 elements of scratch tilearn_layernorm_backward needs for (rows, dim), and a bound for
+ * every rows <= max_rows (size a caller-owned buffer once with it). */
+size_t tilearn_layernorm_backward_scratch_len(size_t rows, size_t dim);
+size_t tilearn_layernorm_backward_scratch_len_max(size_t max_rows, size_t dim);
+/* dout, x, dx: [rows, dim]; weight: [dim]; mean, rstd: [rows] from the forward; dx written (=),
+ * dweight and dbias (f32, [dim]) accumulated (+=) deterministically; scratch clobbered. */
+int tilearn_layernorm_backward(int dtype, const void *dout, const void *x, const void *weight,
+                               const float *mean, const float *rstd, size_t rows, size_t dim,
+                               void *dx, float *dweight, float *dbias, float *scratch,
+                               size_t scratch_len, cudaStream_t stream);
+
+/* ---- gelu.cu: Bloom's tanh GeLU, out = 0.5 x (1 + tanh(0.79788456 x (1 + 0.044715 x^2))),
+ *      element-wise over n elements; the backward writes (=) dx = dout * gelu'(x) ---- */
+int tilearn_gelu_tanh_forward(int dtype, const void *x, void *out, size_t n,
+                              cudaStream_t stream);
+int tilearn_gelu_tanh_backward(int dtype, const void *dout, const void *x, void *dx, size_t n,
+                               cudaStream_t stream);
+
 /* ---- optim_*.cu (shared machinery in kernels/optim_common.cuh): fused multi-tensor optimizer
  *      steps over flat buffers: fp32 master weights and state, f32 or bf16 gradients, an
  *      optional bf16/f16 working copy of the parameters written by the same kernel ---- */
@@ -451,10 +475,14 @@ int tilearn_bias_grad(int dtype, const void *dout, size_t rows, size_t cols, flo
  * of batch row b sees the keys lo(i) ..= i, lo(i) = max(i - positions[b * seq + i],
  * i + 1 - sliding_window) clamped to [0, i]. positions: int32 [batch, seq] restarting at 0 for
  * each packed example (0, or the previous position + 1; the caller checks), 4-byte aligned, or
- * NULL; sliding_window: 0 for none. A NULL mask pointer is plain causal attention. */
+ * NULL; sliding_window: 0 for none. A NULL mask pointer is plain causal attention.
+ * alibi_slopes: f32 [q_heads] ALiBi slopes (crates/tilearn-ops/src/alibi.rs), 4-byte aligned,
+ * or NULL: head h adds slope[h] * (j - i) to the scaled score of query i and key j before the
+ * softmax (a soft mask: Bloom, Baichuan-13B); lse is then that of the biased scores. */
 typedef struct tilearn_key_mask {
     const int32_t *positions;
     size_t sliding_window;
+    const float *alibi_slopes;
 } tilearn_key_mask;
 
 /* ---- attention.cu: the row-wise kernels of causal grouped-query attention (the matrix
@@ -519,10 +547,12 @@ int tilearn_flash_attention_backward(int dtype, const void *dout, const void *q,
  * start + n positions; query row i (absolute position start + i) attends to keys 0..=start + i,
  * query head h to kv head h / (q_heads / kv_heads). out = softmax(scale * q k^T) v, written (=),
  * f32 arithmetic. head_dim <= 256, n <= 65535, q_heads a multiple of kv_heads; otherwise
- * nothing is launched and cudaErrorInvalidValue returned. */
+ * nothing is launched and cudaErrorInvalidValue returned. alibi_slopes: f32 [q_heads] ALiBi
+ * slopes (head h adds slope[h] * (j - (start + i)) to its scaled scores), or NULL. */
 int tilearn_cached_attention(int dtype, const void *q, const void *k, const void *v, void *out,
                              size_t n, size_t start, size_t q_heads, size_t kv_heads,
-                             size_t head_dim, float scale, cudaStream_t stream);
+                             size_t head_dim, float scale, const float *alibi_slopes,
+                             cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -22,6 +22,9 @@
 //! outside each example), and with `--sliding-window W` a sliding window; the FLOPs counted are
 //! then those of the keys each query sees (for packing `T/L` causal blocks of `L`), so TFLOP/s
 //! stay comparable with the causal rows.
+//!
+//! `gemm-bench attention --alibi`: the same with ALiBi slopes (Bloom's, one per query head; the
+//! flash kernels' ALiBi instantiations), alone or with the flags above; same FLOPs counted.
 
 use std::process::ExitCode;
 
@@ -57,6 +60,8 @@ fn run() -> Result<String, String> {
     while let Some(arg) = args.next() {
         if arg == "attention" {
             attention = true;
+        } else if arg == "--alibi" {
+            mask.alibi = true;
         } else if arg == "--example-len" || arg == "--sliding-window" {
             let n: usize = args
                 .next()
@@ -183,11 +188,13 @@ const ATTN_PRESETS: [(&str, AttnShape); 2] = [
     ),
 ];
 
-/// The key mask of an attention bench: packed examples of one length, a sliding window.
+/// The key mask of an attention bench: packed examples of one length, a sliding window, ALiBi.
 #[derive(Clone, Copy, Debug, Default)]
 struct BenchMask {
     example_len: Option<usize>,
     window: Option<usize>,
+    /// ALiBi slopes on every query head.
+    alibi: bool,
 }
 
 impl BenchMask {
@@ -235,7 +242,7 @@ fn attention_bench<T: DeviceFloat>(
                     "{{\"bench\":\"attention\",\"shape\":\"{}\",\"batch\":{},\"seq\":{},",
                     "\"q_heads\":{},\"kv_heads\":{},\"head_dim\":{},\"dtype\":\"{}\",",
                     "\"path\":\"{}\",\"fwd_ms\":{:.4},\"fwd_tflops\":{:.1},\"bwd_ms\":{:.4},",
-                    "\"bwd_tflops\":{:.1},\"example_len\":{:?},\"sliding_window\":{:?},",
+                    "\"bwd_tflops\":{:.1},\"example_len\":{:?},\"sliding_window\":{:?},\"alibi\":{},",
                     "\"device\":{:?}}}"
                 ),
                 preset,
@@ -252,6 +259,7 @@ fn attention_bench<T: DeviceFloat>(
                 tf_b,
                 mask.example_len,
                 mask.window,
+                mask.alibi,
                 name
             );
             table.push(format!(
@@ -294,10 +302,19 @@ fn time_attention<T: DeviceFloat>(
         positions: pos.as_ref(),
         sliding_window: mask.window,
     };
+    let slopes: Option<CudaSlice<f32>> = if mask.alibi {
+        Some(
+            st.clone_htod(&tilearn_ops::alibi_slopes(s.q_heads))
+                .map_err(err)?,
+        )
+    } else {
+        None
+    };
+    let slopes = slopes.as_ref();
     // The whole batch in one pass for the GEMM path (the flash path leaves it unused).
     let mut ws = AttentionWorkspace::new(st, s, size_of::<T>()).map_err(ops)?;
     let fwd = |ws: &mut AttentionWorkspace, out: &mut CudaSlice<T>, lse: &mut CudaSlice<f32>| {
-        cuda::attention_forward_masked(imp, gemm, ws, s, key_mask, &q, &k, &v, out, lse)
+        cuda::attention_forward_alibi(imp, gemm, ws, s, key_mask, slopes, &q, &k, &v, out, lse)
     };
     let bwd = |ws: &mut AttentionWorkspace,
                dq: &mut CudaSlice<T>,
@@ -305,8 +322,8 @@ fn time_attention<T: DeviceFloat>(
                dv: &mut CudaSlice<T>,
                out: &CudaSlice<T>,
                lse: &CudaSlice<f32>| {
-        cuda::attention_backward_masked(
-            imp, gemm, ws, s, key_mask, &dout, &q, &k, &v, out, lse, dq, dk, dv,
+        cuda::attention_backward_alibi(
+            imp, gemm, ws, s, key_mask, slopes, &dout, &q, &k, &v, out, lse, dq, dk, dv,
         )
     };
     fwd(&mut ws, &mut out, &mut lse).map_err(ops)?;

@@ -1,7 +1,10 @@
 //! Causal grouped-query scaled-dot-product attention (Llama): query head `h` attends with kv
 //! head `h / (q_heads / kv_heads)`, scores `s = q·k / sqrt(head_dim)`, keys `j <= i` only.
 //! The `_masked` variants take a [`KeyMask`] (packed examples by restarting positions, a
-//! sliding window): query `i` then sees the keys `key_start(i) ..= i` only.
+//! sliding window): query `i` then sees the keys `key_start(i) ..= i` only. The `_alibi`
+//! variants also take ALiBi slopes (f32 `[q_heads]`, [`crate::alibi`]): head `h` adds
+//! `slope_h · (j − i)` to the scaled score before the softmax (Bloom, Baichuan-13B); the
+//! backward's formulas are unchanged (the bias is a constant of the scores).
 //!
 //! The forward stores the per-row log-sum-exp `lse = log sum_j exp(s_ij)` so the backward
 //! recomputes probabilities as `p_ij = exp(s_ij - lse_i)` instead of storing them.
@@ -30,6 +33,7 @@ use rayon::prelude::*;
 
 use super::Real;
 use super::real::dot;
+use crate::alibi::alibi_bias;
 use crate::key_mask::{KeyMask, check_positions, key_start};
 use crate::shape::expect_product;
 use crate::{OpsError, Result};
@@ -45,6 +49,27 @@ fn check_mask(op: &'static str, s: &AttnShape, mask: &HostKeyMask<'_>) -> Result
         check_positions(pos, s.batch, s.seq)?;
     }
     Ok(())
+}
+
+/// Fails unless `alibi` (when present) holds one slope per query head.
+fn check_alibi(op: &'static str, s: &AttnShape, alibi: Option<&[f32]>) -> Result<()> {
+    match alibi {
+        Some(slopes) if slopes.len() != s.q_heads => Err(OpsError::ShapeMismatch {
+            op,
+            expected: s.q_heads,
+            actual: slopes.len(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Adds head slope `slope`'s ALiBi bias to the scores `row` of query `i`, keys `lo..`.
+fn add_alibi<R: Real>(row: &mut [R], slope: Option<f32>, i: usize, lo: usize) {
+    if let Some(slope) = slope {
+        for (x, j) in row.iter_mut().zip(lo..) {
+            *x += R::from_f64(alibi_bias(slope, i, j));
+        }
+    }
 }
 
 /// `key_start` of query `i` of batch row `b`.
@@ -225,8 +250,25 @@ pub fn attention_forward_masked<R: Real>(
     out: &mut [R],
     lse: &mut [R],
 ) -> Result<()> {
+    attention_forward_alibi(s, mask, None, q, k, v, out, lse)
+}
+
+/// [`attention_forward_masked`] with ALiBi: head `h` adds `alibi[h] · (j − i)` to the scaled
+/// scores (`None`: no bias, exactly the masked op). `lse` is that of the biased scores.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_alibi<R: Real>(
+    s: AttnShape,
+    mask: HostKeyMask<'_>,
+    alibi: Option<&[f32]>,
+    q: &[R],
+    k: &[R],
+    v: &[R],
+    out: &mut [R],
+    lse: &mut [R],
+) -> Result<()> {
     s.check()?;
     check_mask("attention_forward (mask)", &s, &mask)?;
+    check_alibi("attention_forward (alibi slopes)", &s, alibi)?;
     expect_product("attention_forward (q)", &s.q_dims(), q.len())?;
     expect_product("attention_forward (k)", &s.kv_dims(), k.len())?;
     expect_product("attention_forward (v)", &s.kv_dims(), v.len())?;
@@ -247,6 +289,7 @@ pub fn attention_forward_masked<R: Real>(
         .map(|(bh, lse_bh)| {
             let (b, h) = (bh / s.q_heads, bh % s.q_heads);
             let hv = HeadView::new(&s, b, h, h / group);
+            let slope = alibi.map(|a| a[h]);
             let mut o = vec![R::zero(); t_len * d];
             // Scaled scores, then probabilities, of one query block: [BLOCK, T].
             let mut p = vec![R::zero(); BLOCK * t_len];
@@ -259,6 +302,7 @@ pub fn attention_forward_masked<R: Real>(
                     let lo = row_start(&mask, t_len, b, i);
                     p[r * t_len + j0..r * t_len + lo].fill(R::zero());
                     let row = &mut p[r * t_len + lo..r * t_len + i + 1];
+                    add_alibi(row, slope, i, lo);
                     let m = row.iter().fold(R::neg_infinity(), |m, &x| m.max(x));
                     let mut l = R::zero();
                     for x in row.iter_mut() {
@@ -346,8 +390,28 @@ pub fn attention_backward_masked<R: Real>(
     dk: &mut [R],
     dv: &mut [R],
 ) -> Result<()> {
+    attention_backward_alibi(s, mask, None, dout, q, k, v, out, lse, dq, dk, dv)
+}
+
+/// Backward of [`attention_forward_alibi`] under the same `mask` and slopes (`lse` from it).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_alibi<R: Real>(
+    s: AttnShape,
+    mask: HostKeyMask<'_>,
+    alibi: Option<&[f32]>,
+    dout: &[R],
+    q: &[R],
+    k: &[R],
+    v: &[R],
+    out: &[R],
+    lse: &[R],
+    dq: &mut [R],
+    dk: &mut [R],
+    dv: &mut [R],
+) -> Result<()> {
     s.check()?;
     check_mask("attention_backward (mask)", &s, &mask)?;
+    check_alibi("attention_backward (alibi slopes)", &s, alibi)?;
     let (q_dims, kv_dims) = (&s.q_dims()[..], &s.kv_dims()[..]);
     for (op, dims, len) in [
         ("attention_backward (dout)", q_dims, dout.len()),
@@ -382,6 +446,7 @@ pub fn attention_backward_masked<R: Real>(
             for hh in 0..group {
                 let h = g * group + hh;
                 let hv = HeadView::new(&s, b, h, g);
+                let slope = alibi.map(|a| a[h]);
                 let lse_h = &lse[(b * s.q_heads + h) * t_len..(b * s.q_heads + h + 1) * t_len];
                 for i0 in (0..t_len).step_by(BLOCK) {
                     let i1 = (i0 + BLOCK).min(t_len);
@@ -400,6 +465,7 @@ pub fn attention_backward_masked<R: Real>(
                             &mut p[r * t_len + lo..r * t_len + i + 1],
                             &mut ds[r * t_len + lo..r * t_len + i + 1],
                         );
+                        add_alibi(pr, slope, i, lo);
                         for (pj, dsj) in pr.iter_mut().zip(dsr.iter_mut()) {
                             *pj = (*pj - lse_h[i]).exp();
                             *dsj = *pj * (*dsj - delta) * scale;

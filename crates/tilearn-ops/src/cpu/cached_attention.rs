@@ -2,7 +2,8 @@
 //! query row `i` sits at absolute position `start + i` and attends to the cached positions
 //! `0..=start + i` (query head `h` uses kv head `h / (q_heads / kv_heads)`), scores
 //! `q·k / sqrt(head_dim)`, softmax with the row maximum subtracted. Forward only: generation
-//! needs no gradients.
+//! needs no gradients. [`cached_attention_alibi`] adds ALiBi (Bloom, Baichuan-13B):
+//! `slope_h · (j − (start + i))` on each scaled score, as the training attention does.
 //!
 //! f32 throughout, one task per (query row, head); each output is computed by one task in a
 //! fixed order, so results do not depend on the thread count. The reference of the CUDA kernel
@@ -10,6 +11,7 @@
 
 use rayon::prelude::*;
 
+use crate::alibi::alibi_bias;
 use crate::shape::expect_len;
 use crate::{OpsError, Result};
 
@@ -73,8 +75,24 @@ pub fn cached_attention(
     v: &[f32],
     out: &mut [f32],
 ) -> Result<()> {
+    cached_attention_alibi(s, None, q, k, v, out)
+}
+
+/// [`cached_attention`] with ALiBi slopes (`[q_heads]`, [`crate::alibi_slopes`]): head `h`
+/// adds `alibi[h] · (j − (start + i))` to its scaled scores; `None` is [`cached_attention`].
+pub fn cached_attention_alibi(
+    s: CachedAttnShape,
+    alibi: Option<&[f32]>,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
     const OP: &str = "cached_attention";
     s.check()?;
+    if let Some(slopes) = alibi {
+        expect_len("cached_attention (alibi slopes)", s.q_heads, slopes.len())?;
+    }
     expect_len(OP, s.q_len(), q.len())?;
     expect_len(OP, s.q_len(), out.len())?;
     for cache in [k, v] {
@@ -100,10 +118,15 @@ pub fn cached_attention(
             let (i, h) = (ih / s.q_heads, ih % s.q_heads);
             let g = h / group;
             let keys = s.start + i + 1;
+            let slope = alibi.map(|a| a[h]);
             let mut scores: Vec<f32> = (0..keys)
                 .map(|j| {
                     let kj = &k[j * kv_row + g * d..j * kv_row + (g + 1) * d];
-                    scale * qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>()
+                    let dot = scale * qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>();
+                    match slope {
+                        Some(sl) => dot + alibi_bias(sl, s.start + i, j) as f32,
+                        None => dot,
+                    }
                 })
                 .collect();
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);

@@ -17,6 +17,8 @@ pub mod attention;
 pub mod cached_attention;
 pub mod cross_entropy;
 pub mod embedding;
+pub mod gelu;
+pub mod layernorm;
 pub mod linear;
 pub mod real;
 pub mod reduce;
@@ -26,12 +28,15 @@ pub mod rope;
 pub mod swiglu;
 
 pub use attention::{
-    AttnShape, HostKeyMask, attention_backward, attention_backward_masked, attention_forward,
+    AttnShape, HostKeyMask, attention_backward, attention_backward_alibi,
+    attention_backward_masked, attention_forward, attention_forward_alibi,
     attention_forward_masked,
 };
-pub use cached_attention::{CachedAttnShape, cached_attention};
+pub use cached_attention::{CachedAttnShape, cached_attention, cached_attention_alibi};
 pub use cross_entropy::{CeStats, IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused};
 pub use embedding::{check_token_ids, embedding_backward, embedding_forward};
+pub use gelu::{GELU_TANH_A, GELU_TANH_C, gelu_tanh_backward, gelu_tanh_forward};
+pub use layernorm::{layernorm_backward, layernorm_forward};
 pub use linear::{linear_backward, linear_forward};
 pub use real::Real;
 pub use reduce::{global_norm, unscale_and_check};

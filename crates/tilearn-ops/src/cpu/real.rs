@@ -37,6 +37,7 @@ pub trait Real:
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
+    fn tanh(self) -> Self;
     fn abs(self) -> Self;
     /// The larger of the two (NaN-propagation is not specified).
     fn max(self, other: Self) -> Self;
@@ -126,6 +127,10 @@ macro_rules! impl_real {
             #[inline(always)]
             fn sqrt(self) -> Self {
                 <$t>::sqrt(self)
+            }
+            #[inline(always)]
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
             }
             #[inline(always)]
             fn abs(self) -> Self {

@@ -60,6 +60,12 @@
 //! switches precision without reallocating). Batches larger than the chunk that fits run in
 //! several passes.
 //!
+//! ALiBi (the `_alibi` functions, Bloom and Baichuan-13B): f32 slopes `[Hq]` on the device;
+//! head `h` adds `slope_h · (j − i)` to its scaled scores. The flash kernels take it in their
+//! ALiBi instantiations (built on the masked ones; the plain and masked kernels are unchanged),
+//! the cuBLASLt path in its softmax and probability row kernels. Without slopes every call runs
+//! exactly the kernels it ran before.
+//!
 //! Key masks ([`KeyMask`], the `_masked` functions): packed examples (restarting `position_ids`
 //! `[B, T]` i32 on the device) and a sliding window. Both implementations honour them: the
 //! flash kernels in their masked instantiations (key tiles that no query of a tile sees are
@@ -617,12 +623,17 @@ fn checked_sizes<T: DeviceFloat>(
     Ok((p, [q_len, kv_len, rows_len]))
 }
 
-/// The launchers' form of `mask` with its positions at `positions` (null when absent), or
-/// `None` for plain causal attention (a null mask pointer).
-fn ffi_mask<P>(mask: &KeyMask<&P>, positions: *const c_void) -> Option<ffi::tilearn_key_mask> {
-    (!mask.is_causal()).then(|| ffi::tilearn_key_mask {
+/// The launchers' form of `mask` with its positions at `positions` and ALiBi slopes at
+/// `slopes` (null when absent), or `None` for plain causal attention (a null mask pointer).
+fn ffi_mask<P>(
+    mask: &KeyMask<&P>,
+    positions: *const c_void,
+    slopes: *const c_void,
+) -> Option<ffi::tilearn_key_mask> {
+    (!mask.is_causal() || !slopes.is_null()).then(|| ffi::tilearn_key_mask {
         positions: positions.cast(),
         sliding_window: mask.sliding_window.unwrap_or(0),
+        alibi_slopes: slopes.cast(),
     })
 }
 
@@ -741,6 +752,39 @@ pub fn attention_forward_masked<T: DeviceFloat, P: DevicePtr<i32>>(
     out: &mut impl DevicePtrMut<T>,
     lse: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
+    attention_forward_alibi(
+        imp,
+        gemm,
+        ws,
+        s,
+        mask,
+        None::<&CudaSlice<f32>>,
+        q,
+        k,
+        v,
+        out,
+        lse,
+    )
+}
+
+/// [`attention_forward_masked`] with ALiBi: `alibi`, when set, holds `Hq` f32 slopes
+/// ([`crate::alibi_slopes`]) and head `h` adds `alibi[h] · (j − i)` to its scaled scores (both
+/// implementations: the flash kernels' ALiBi instantiations, the cuBLASLt path's row kernels);
+/// `lse` is that of the biased scores. `None` is exactly [`attention_forward_masked`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<f32>>(
+    imp: AttentionImpl,
+    gemm: &Gemm,
+    ws: &mut AttentionWorkspace,
+    s: AttnShape,
+    mask: KeyMask<&P>,
+    alibi: Option<&A>,
+    q: &impl DevicePtr<T>,
+    k: &impl DevicePtr<T>,
+    v: &impl DevicePtr<T>,
+    out: &mut impl DevicePtrMut<T>,
+    lse: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
     let op = "attention_forward";
     check_mask(op, &mask)?;
     let (p, [q_len, kv_len, rows_len]) = checked_sizes::<T>(op, ws, &s)?;
@@ -756,17 +800,18 @@ pub fn attention_forward_masked<T: DeviceFloat, P: DevicePtr<i32>>(
         .input("k", k, kv_len)
         .input("v", v, kv_len)
         .optional_input("positions", mask.positions, s.batch * s.seq)
+        .optional_input("alibi_slopes", alibi, s.q_heads)
         .output("out", out, q_len)
         .output("lse", lse, rows_len)
         .workspace("workspace", &mut ws.buf)
         .skip_launch_if(is_empty(&s))
-        .run_steps(|[q, k, v, positions], [out, lse, ws_base], raw| {
+        .run_steps(|[q, k, v, positions, slopes], [out, lse, ws_base], raw| {
             let [q0, k0, v0] = [q, k, v].map(|ptr| ptr as u64);
             let [o0, l0] = [out, lse].map(|ptr| ptr as u64);
-            let km = ffi_mask(&mask, positions);
+            let km = ffi_mask(&mask, positions, slopes);
             if flash && flash_aligned(op, imp, &[q0, k0, v0, o0])? {
                 // SAFETY: the launcher reads q (`q_len` elements of T, `T::DTYPE`), k and v
-                // (`kv_len`), the mask's B·T positions when present, and writes out (`q_len`)
+                // (`kv_len`), the mask's B·T positions and Hq slopes when present, and writes out (`q_len`)
                 // and lse (`rows_len` f32) for shape `s`; `km` outlives the call.
                 let status = unsafe {
                     ffi::tilearn_flash_attention_forward(
@@ -941,6 +986,44 @@ pub fn attention_backward_masked<T: DeviceFloat, P: DevicePtr<i32>>(
     dk: &mut impl DevicePtrMut<T>,
     dv: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
+    attention_backward_alibi(
+        imp,
+        gemm,
+        ws,
+        s,
+        mask,
+        None::<&CudaSlice<f32>>,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+    )
+}
+
+/// Backward of [`attention_forward_alibi`] under the same `mask` and slopes (its `lse`).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<f32>>(
+    imp: AttentionImpl,
+    gemm: &Gemm,
+    ws: &mut AttentionWorkspace,
+    s: AttnShape,
+    mask: KeyMask<&P>,
+    alibi: Option<&A>,
+    dout: &impl DevicePtr<T>,
+    q: &impl DevicePtr<T>,
+    k: &impl DevicePtr<T>,
+    v: &impl DevicePtr<T>,
+    out: &impl DevicePtr<T>,
+    lse: &impl DevicePtr<f32>,
+    dq: &mut impl DevicePtrMut<T>,
+    dk: &mut impl DevicePtrMut<T>,
+    dv: &mut impl DevicePtrMut<T>,
+) -> Result<()> {
     let op = "attention_backward";
     check_mask(op, &mask)?;
     let (p, [q_len, kv_len, rows_len]) = checked_sizes::<T>(op, ws, &s)?;
@@ -981,15 +1064,16 @@ pub fn attention_backward_masked<T: DeviceFloat, P: DevicePtr<i32>>(
         .input("out", out, q_len)
         .input("lse", lse, rows_len)
         .optional_input("positions", mask.positions, s.batch * s.seq)
+        .optional_input("alibi_slopes", alibi, s.q_heads)
         .output("dq", dq, q_len)
         .output("dk", dk, kv_len)
         .output("dv", dv, kv_len)
         .workspace("workspace", &mut ws.buf)
         .skip_launch_if(is_empty(&s))
         .run_steps(|inputs, outputs, raw| {
-            let [do0, q0, k0, v0, o0, l0, pos0] = inputs.map(|ptr| ptr as u64);
+            let [do0, q0, k0, v0, o0, l0, pos0, slopes0] = inputs.map(|ptr| ptr as u64);
             let [dq0, dk0, dv0, ws_base] = outputs.map(|ptr| ptr as u64);
-            let km = ffi_mask(&mask, pos0 as *const c_void);
+            let km = ffi_mask(&mask, pos0 as *const c_void, slopes0 as *const c_void);
             if flash && flash_aligned(op, imp, &[do0, q0, k0, v0, o0, dq0, dk0, dv0])? {
                 // delta: the workspace's first aligned bytes when they hold it (always for real
                 // shapes: one sequence's score region alone is Hq·T·ld f32), else a temporary

@@ -1,10 +1,11 @@
 //! Wrapper of tilearn-kernels' `cached_attention.cu`: causal grouped-query attention of `n` new
 //! queries against a key/value cache (generation), for every [`DeviceFloat`] with f32
-//! arithmetic. Same contract as [`crate::cpu::cached_attention`]; `out` is written (`=`).
+//! arithmetic. Same contract as [`crate::cpu::cached_attention`] (and, with slopes,
+//! [`crate::cpu::cached_attention_alibi`]); `out` is written (`=`).
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use tilearn_kernels::ffi;
 
 use super::dtype::DeviceFloat;
@@ -24,6 +25,20 @@ pub const CACHED_ATTENTION_MAX_HEAD_DIM: usize = 256;
 pub fn cached_attention_forward<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
     shape: CachedAttnShape,
+    q: &impl DevicePtr<T>,
+    k: &impl DevicePtr<T>,
+    v: &impl DevicePtr<T>,
+    out: &mut impl DevicePtrMut<T>,
+) -> Result<()> {
+    cached_attention_alibi_forward(stream, shape, None::<&CudaSlice<f32>>, q, k, v, out)
+}
+
+/// [`cached_attention_forward`] with ALiBi: `alibi` holds `q_heads` f32 slopes and head `h`
+/// adds `alibi[h] · (j − (start + i))` to its scaled scores (`None`: no bias, the same bits).
+pub fn cached_attention_alibi_forward<T: DeviceFloat, A: DevicePtr<f32>>(
+    stream: &Arc<CudaStream>,
+    shape: CachedAttnShape,
+    alibi: Option<&A>,
     q: &impl DevicePtr<T>,
     k: &impl DevicePtr<T>,
     v: &impl DevicePtr<T>,
@@ -62,12 +77,14 @@ pub fn cached_attention_forward<T: DeviceFloat>(
         .input("q", q, shape.q_len())
         .input("k", k, k.len())
         .input("v", v, v.len())
+        .optional_input("alibi_slopes", alibi, shape.q_heads)
         .output("out", out, shape.q_len())
         .skip_launch_if(shape.q_len() == 0)
-        .run(|[q, k, v], [out], stream| {
+        .run(|[q, k, v, slopes], [out], stream| {
             // SAFETY: the launcher reads n * q_heads * head_dim elements of T (`T::DTYPE`) from
             // q, at most (start + n) * kv_heads * head_dim (= kv_len <= their lengths, checked
-            // above) from k and v, and writes n * q_heads * head_dim to out; the shape limits
+            // above) from k and v, q_heads f32 slopes when given (null otherwise), and writes
+            // n * q_heads * head_dim to out; the shape limits
             // the kernel needs (head_dim, n, the head grouping) were checked above.
             unsafe {
                 ffi::tilearn_cached_attention(
@@ -82,6 +99,7 @@ pub fn cached_attention_forward<T: DeviceFloat>(
                     shape.kv_heads,
                     shape.head_dim,
                     scale,
+                    slopes.cast(),
                     stream,
                 )
             }

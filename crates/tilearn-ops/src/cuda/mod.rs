@@ -24,6 +24,7 @@ mod cross_entropy;
 mod device;
 mod dtype;
 mod embedding;
+mod gelu;
 mod gemm;
 pub mod launch;
 mod norm;
@@ -43,6 +44,7 @@ pub use cudarc::driver::{
 pub use device::GpuDevice;
 pub use dtype::DeviceFloat;
 pub use embedding::*;
+pub use gelu::*;
 pub use gemm::*;
 pub use norm::*;
 pub use reduce::*;

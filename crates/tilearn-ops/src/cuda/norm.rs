@@ -1,5 +1,6 @@
-//! Wrappers of tilearn-kernels' `norm.cu`: RMSNorm (Hugging Face LlamaRMSNorm) forward and
-//! backward, generic over the storage type ([`DeviceFloat`]: f32, bf16, f16) with f32
+//! Wrappers of tilearn-kernels' `norm.cu`: RMSNorm (Hugging Face LlamaRMSNorm) and LayerNorm
+//! with bias (PyTorch `nn.LayerNorm`, Bloom: [`layernorm_forward`], [`layernorm_backward`],
+//! same contract as [`crate::cpu::layernorm_forward`]) forward and backward, generic over the storage type ([`DeviceFloat`]: f32, bf16, f16) with f32
 //! arithmetic and accumulation inside. Same contract as [`crate::cpu::rmsnorm_forward`] /
 //! [`crate::cpu::rmsnorm_backward`]: `dx` is written (`=`), `dweight` accumulated (`+=`).
 //!
@@ -64,19 +65,26 @@ impl RmsNormScratch {
                 message: format!("{max_rows} rows x {max_dim} is too large"),
             });
         }
-        let buf = stream
-            .alloc_zeros::<f32>(len.max(1))
-            .map_err(|e| OpsError::Cuda {
-                context: "RmsNormScratch::new",
-                message: format!("cannot allocate {len} f32 of scratch: {e}"),
-            })?;
-        Ok(RmsNormScratch { buf })
+        Ok(RmsNormScratch {
+            buf: alloc_scratch("RmsNormScratch::new", stream, len)?,
+        })
     }
 
     /// Bytes of device memory held.
     pub fn bytes(&self) -> usize {
         self.buf.num_bytes()
     }
+}
+
+/// Zero-filled device scratch of `len` f32 (at least one element, so an empty problem still
+/// has a valid pointer).
+fn alloc_scratch(op: &'static str, stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<f32>> {
+    stream
+        .alloc_zeros::<f32>(len.max(1))
+        .map_err(|e| OpsError::Cuda {
+            context: op,
+            message: format!("cannot allocate {len} f32 of scratch: {e}"),
+        })
 }
 
 /// RMSNorm forward: `x`, `out` are `[rows, dim]` (rows = `x.len() / dim`), `weight` is `[dim]`;
@@ -313,4 +321,156 @@ pub fn rmsnorm_backward_add<T: DeviceFloat>(
         dweight,
         scratch,
     )
+}
+
+/// Device scratch of the LayerNorm backward (the dweight and dbias partials), sized once for
+/// every call with at most `max_rows` rows of width at most `max_dim`; clobbered by each call.
+#[derive(Debug)]
+pub struct LayerNormScratch {
+    buf: CudaSlice<f32>,
+}
+
+impl LayerNormScratch {
+    /// f32 elements needed for calls of up to `max_rows` rows of width up to `max_dim`.
+    pub fn len_for(max_rows: usize, max_dim: usize) -> usize {
+        // SAFETY: a pure function of its arguments (no device access).
+        unsafe { ffi::tilearn_layernorm_backward_scratch_len_max(max_rows, max_dim) }
+    }
+
+    /// Allocates (zero-filled) scratch for up to `max_rows` rows of width up to `max_dim`.
+    pub fn new(stream: &Arc<CudaStream>, max_rows: usize, max_dim: usize) -> Result<Self> {
+        const OP: &str = "LayerNormScratch::new";
+        let len = Self::len_for(max_rows, max_dim);
+        if len == usize::MAX {
+            return Err(OpsError::Cuda {
+                context: OP,
+                message: format!("{max_rows} rows x {max_dim} is too large"),
+            });
+        }
+        Ok(LayerNormScratch {
+            buf: alloc_scratch(OP, stream, len)?,
+        })
+    }
+}
+
+/// LayerNorm forward: `x`, `out` `[rows, dim]`, `weight`, `bias` `[dim]`;
+/// `out = (x − mean) · rstd · weight + bias` written (`=`), `mean` and `rstd` (`[rows]`, f32)
+/// written for the backward. `eps` must be finite and `>= 0` in f32.
+///
+/// Precision: f32 arithmetic (two-pass variance), `out` rounded once to `T` (as PyTorch's
+/// f32-accumulating layer_norm in bf16/f16).
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_forward<T: DeviceFloat>(
+    stream: &Arc<CudaStream>,
+    x: &impl DevicePtr<T>,
+    weight: &impl DevicePtr<T>,
+    bias: &impl DevicePtr<T>,
+    dim: usize,
+    eps: f64,
+    out: &mut impl DevicePtrMut<T>,
+    mean: &mut impl DevicePtrMut<f32>,
+    rstd: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    const OP: &str = "tilearn_layernorm_forward";
+    let rows = rows_of(OP, x.len(), dim)?;
+    let eps = eps_f32(OP, eps)?;
+    Launch::new(OP, stream)
+        .input("x", x, rows * dim)
+        .input("weight", weight, dim)
+        .input("bias", bias, dim)
+        .output("out", out, rows * dim)
+        .output("mean", mean, rows)
+        .output("rstd", rstd, rows)
+        .skip_launch_if(rows == 0)
+        .run(|[x, weight, bias], [out, mean, rstd], stream| {
+            // SAFETY: the launcher reads rows * dim elements of T (`T::DTYPE`) from x and dim
+            // from weight and bias, and writes rows * dim to out and rows f32 to mean and rstd.
+            unsafe {
+                ffi::tilearn_layernorm_forward(
+                    T::DTYPE,
+                    x,
+                    weight,
+                    bias,
+                    rows,
+                    dim,
+                    eps,
+                    out,
+                    mean.cast(),
+                    rstd.cast(),
+                    stream,
+                )
+            }
+        })
+}
+
+/// LayerNorm backward from the forward's `mean` and `rstd`: `dx` written (`=`), the f32
+/// `dweight` and `dbias` accumulated (`+=`) deterministically (no atomics). `scratch` must cover
+/// `x.len() / dim` rows of width `dim`.
+///
+/// Precision: f32 arithmetic and accumulation; `dx` rounded once to `T`.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward<T: DeviceFloat>(
+    stream: &Arc<CudaStream>,
+    dout: &impl DevicePtr<T>,
+    x: &impl DevicePtr<T>,
+    weight: &impl DevicePtr<T>,
+    mean: &impl DevicePtr<f32>,
+    rstd: &impl DevicePtr<f32>,
+    dim: usize,
+    dx: &mut impl DevicePtrMut<T>,
+    dweight: &mut impl DevicePtrMut<f32>,
+    dbias: &mut impl DevicePtrMut<f32>,
+    scratch: &mut LayerNormScratch,
+) -> Result<()> {
+    const OP: &str = "tilearn_layernorm_backward";
+    let rows = rows_of(OP, x.len(), dim)?;
+    // SAFETY: a pure function of its arguments (no device access).
+    let need = unsafe { ffi::tilearn_layernorm_backward_scratch_len(rows, dim) };
+    let have = scratch.buf.len();
+    if rows > 0 && have < need {
+        return Err(OpsError::Cuda {
+            context: OP,
+            message: format!(
+                "LayerNormScratch holds {have} f32, {rows} rows x {dim} need {need}: build it \
+                 with LayerNormScratch::new for at least these rows and width"
+            ),
+        });
+    }
+    Launch::new(OP, stream)
+        .input("dout", dout, rows * dim)
+        .input("x", x, rows * dim)
+        .input("weight", weight, dim)
+        .input("mean", mean, rows)
+        .input("rstd", rstd, rows)
+        .output("dx", dx, rows * dim)
+        .output("dweight", dweight, dim)
+        .output("dbias", dbias, dim)
+        .workspace("scratch", &mut scratch.buf)
+        .skip_launch_if(rows == 0)
+        .run(
+            |[dout, x, weight, mean, rstd], [dx, dweight, dbias, scratch], stream| {
+                // SAFETY: the launcher reads rows * dim elements of T (`T::DTYPE`) from dout and
+                // x, dim from weight and rows f32 from mean and rstd; it writes rows * dim to
+                // dx, dim f32 to dweight and dbias, and at most `have` f32 of scratch (checked
+                // above to cover its need), every scratch element before reading it.
+                unsafe {
+                    ffi::tilearn_layernorm_backward(
+                        T::DTYPE,
+                        dout,
+                        x,
+                        weight,
+                        mean.cast(),
+                        rstd.cast(),
+                        rows,
+                        dim,
+                        dx,
+                        dweight.cast(),
+                        dbias.cast(),
+                        scratch.cast(),
+                        have,
+                        stream,
+                    )
+                }
+            },
+        )
 }

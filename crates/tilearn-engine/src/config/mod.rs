@@ -448,8 +448,9 @@ impl LlamaConfig {
         let extra: Map<String, Value> = obj
             .iter()
             .filter(|(k, _)| {
-                !KNOWN_KEYS.contains(&k.as_str())
-                    && !(sliding && SLIDING_KEYS.contains(&k.as_str()))
+                let interpreted = KNOWN_KEYS.contains(&k.as_str())
+                    || (sliding && SLIDING_KEYS.contains(&k.as_str()));
+                !interpreted
             })
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();

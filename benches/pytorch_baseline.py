@@ -24,7 +24,7 @@ import time
 import torch
 import transformers
 from liger_patch import liger_llama, liger_version
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 # Keep in sync with crates/tilearn-llm/src/presets.rs.
 PRESETS = {
@@ -34,7 +34,13 @@ PRESETS = {
     "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=22,
                            num_attention_heads=32, num_key_value_heads=4,
                            intermediate_size=5632, batch=8, seq=2048),
+    # Qwen2ForCausalLM (q/k/v biases, tied embeddings, rope_theta 1e6); not in the default list.
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2,
+                       intermediate_size=4864, batch=8, seq=2048),
 }
+# What runs without --preset (the Llama presets; the family ones are asked for by name).
+DEFAULT_PRESETS = ["llama-134m", "tinyllama-1.1b"]
 
 # Dense bf16 peak used for MFU, the same constant as tilearn bench (H100/H200 SXM datasheet).
 PEAK_BF16_FLOPS = 989e12
@@ -61,10 +67,30 @@ def llama_config(preset, batch=None, seq=None):
     return cfg, batch, seq
 
 
+def qwen2_config(preset, batch=None, seq=None):
+    """The preset's Qwen2Config (tied embeddings, rope_theta 1e6, SDPA attention)."""
+    p = dict(PRESETS[preset])
+    batch = batch or p.pop("batch")
+    seq = seq or p.pop("seq")
+    p.pop("batch", None)
+    p.pop("seq", None)
+    rope = dict(rope_type="default", rope_theta=1e6)
+    rope_kw = ({"rope_parameters": rope} if hasattr(Qwen2Config(), "rope_parameters")
+               else {"rope_theta": 1e6})
+    cfg = Qwen2Config(**p, max_position_embeddings=max(seq, 32768), tie_word_embeddings=True,
+                      attn_implementation="sdpa", **rope_kw)
+    return cfg, batch, seq
+
+
 def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing, weights):
-    cfg, batch, seq = llama_config(preset, batch, seq)
+    if preset.startswith("qwen2"):
+        cfg, batch, seq = qwen2_config(preset, batch, seq)
+        model_cls = Qwen2ForCausalLM
+    else:
+        cfg, batch, seq = llama_config(preset, batch, seq)
+        model_cls = LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).cuda()
+    model = model_cls(cfg).cuda()
     if weights == "bf16":
         model = model.to(torch.bfloat16)
     if checkpointing:
@@ -121,7 +147,7 @@ def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing, weigh
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    ap.add_argument("--preset", nargs="+", default=DEFAULT_PRESETS, choices=list(PRESETS))
     ap.add_argument("--mode", nargs="+", default=["eager", "compile"],
                     choices=["eager", "compile", "liger"])
     ap.add_argument("--batch", type=int)

@@ -56,7 +56,8 @@ import torch
 import torch.distributed as dist
 import transformers
 from liger_patch import liger_llama, liger_version
-from pytorch_baseline import PEAK_BF16_FLOPS, PRESETS, flops_per_token, llama_config
+from pytorch_baseline import (DEFAULT_PRESETS, PEAK_BF16_FLOPS, PRESETS, flops_per_token,
+                              llama_config)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import LlamaForCausalLM
 
@@ -175,7 +176,8 @@ def run_mode(mode, preset, args, rank, world, device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    # Llama presets only: llama_config builds a Llama of the preset's shape.
+    ap.add_argument("--preset", nargs="+", default=DEFAULT_PRESETS, choices=DEFAULT_PRESETS)
     ap.add_argument("--mode", nargs="+", default=MODES, choices=MODES)
     ap.add_argument("--batch", type=int, help="per GPU (default: the preset's)")
     ap.add_argument("--seq", type=int)

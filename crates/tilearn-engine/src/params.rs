@@ -1,7 +1,9 @@
 //! `ParamStore`: every parameter of a model in one contiguous f32 buffer (the fp32 master copy).
 //!
 //! Tensors carry their Hugging Face names and lie in Hugging Face order: `model.embed_tokens`,
-//! then per layer `self_attn.{q,k,v,o}_proj` (weight, then bias when `attention_bias`),
+//! then per layer `self_attn.{q,k,v,o}_proj` (weight, then bias when `attention_bias`; Qwen2
+//! biases q/k/v only; Baichuan holds q, k and v in one `self_attn.W_pack.weight`, [Q; K; V]
+//! stacked along the rows, which is exactly q_proj, k_proj, v_proj one after the other),
 //! `mlp.{gate,up,down}_proj` (weight, then bias when `mlp_bias`), `input_layernorm`,
 //! `post_attention_layernorm`; then `model.norm` and `lm_head` (absent when embeddings are
 //! tied). Gradients use a second buffer with the same layout, so the optimizer and ZeRO work on
@@ -117,10 +119,14 @@ impl ParamStore {
                 }
             };
             let (q, kv, inter) = (config.q_dim(), config.kv_dim(), config.intermediate_size);
-            linear("self_attn.q_proj", q, c, config.attention_bias);
-            linear("self_attn.k_proj", kv, c, config.attention_bias);
-            linear("self_attn.v_proj", kv, c, config.attention_bias);
-            linear("self_attn.o_proj", c, q, config.attention_bias);
+            if config.family.packed_qkv() {
+                linear("self_attn.W_pack", q + 2 * kv, c, false);
+            } else {
+                linear("self_attn.q_proj", q, c, config.qkv_bias());
+                linear("self_attn.k_proj", kv, c, config.qkv_bias());
+                linear("self_attn.v_proj", kv, c, config.qkv_bias());
+            }
+            linear("self_attn.o_proj", c, q, config.o_bias());
             linear("mlp.gate_proj", inter, c, config.mlp_bias);
             linear("mlp.up_proj", inter, c, config.mlp_bias);
             linear("mlp.down_proj", c, inter, config.mlp_bias);

@@ -549,6 +549,23 @@ unsafe extern "C" {
         n: usize,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_row_normalize_forward(
+        dtype: ::std::os::raw::c_int,
+        w: *const ::std::os::raw::c_void,
+        rows: usize,
+        cols: usize,
+        out: *mut ::std::os::raw::c_void,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_row_normalize_backward(
+        dtype: ::std::os::raw::c_int,
+        dout: *const f32,
+        w: *const ::std::os::raw::c_void,
+        rows: usize,
+        cols: usize,
+        dw: *mut f32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
     pub fn tilearn_global_norm_partials_len(n: usize) -> usize;
     pub fn tilearn_global_norm(
         dtype: ::std::os::raw::c_int,

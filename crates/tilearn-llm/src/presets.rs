@@ -16,7 +16,7 @@ pub struct Preset {
     pub seq: usize,
 }
 
-pub const PRESETS: [Preset; 2] = [
+pub const PRESETS: [Preset; 4] = [
     Preset {
         name: "llama-134m",
         vocab_size: 32000,
@@ -39,6 +39,30 @@ pub const PRESETS: [Preset; 2] = [
         batch: 8,
         seq: 2048,
     },
+    // Qwen2-0.5B (Qwen2ForCausalLM: q/k/v biases, tied embeddings, rope_theta 1e6).
+    Preset {
+        name: "qwen2-0.5b",
+        vocab_size: 151936,
+        hidden_size: 896,
+        num_hidden_layers: 24,
+        num_attention_heads: 14,
+        num_key_value_heads: 2,
+        intermediate_size: 4864,
+        batch: 8,
+        seq: 2048,
+    },
+    // Baichuan2-7B's widths (W_pack, NormHead, vocabulary 125 696) at 8 of its 32 layers.
+    Preset {
+        name: "baichuan2-7b-8l",
+        vocab_size: 125696,
+        hidden_size: 4096,
+        num_hidden_layers: 8,
+        num_attention_heads: 32,
+        num_key_value_heads: 32,
+        intermediate_size: 11008,
+        batch: 4,
+        seq: 2048,
+    },
 ];
 
 impl Preset {
@@ -46,11 +70,16 @@ impl Preset {
         PRESETS.iter().copied().find(|p| p.name == name)
     }
 
-    /// The preset as a Hugging Face config (untied embeddings, as in the PyTorch baseline).
+    /// The preset as a Hugging Face config: Llama with untied embeddings (as in the PyTorch
+    /// baseline), or the family the name says (`qwen2-*`: tied, rope_theta 1e6; `baichuan2-*`).
     pub fn config(&self, seq: usize) -> LlamaConfig {
+        let (architecture, tied, rope_theta) = match self.name.split('-').next() {
+            Some("qwen2") => ("Qwen2ForCausalLM", true, 1e6),
+            Some("baichuan2") => ("BaichuanForCausalLM", false, 10000.0),
+            _ => ("LlamaForCausalLM", false, 10000.0),
+        };
         let json = serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -59,8 +88,8 @@ impl Preset {
             "intermediate_size": self.intermediate_size,
             "max_position_embeddings": seq.max(2048),
             "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": false,
+            "rope_theta": rope_theta,
+            "tie_word_embeddings": tied,
         });
         LlamaConfig::from_json_str(&json.to_string(), format!("<preset {}>", self.name))
             .expect("presets are valid configs")

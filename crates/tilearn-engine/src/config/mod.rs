@@ -1,4 +1,6 @@
-//! `LlamaConfig`: the Hugging Face `config.json` of a `LlamaForCausalLM`.
+//! `LlamaConfig`: the Hugging Face `config.json` of a decoder of the Llama kind: Llama itself and
+//! the families that differ from it in a few parts (Qwen2, Mistral, Baichuan-7B, Baichuan2-7B;
+//! see [`family`] and [`ModelFamily`]).
 //!
 //! Both forms found in the wild are read:
 //! * transformers v4: `rope_theta` and `rope_scaling` (`type` or `rope_type`, `factor`, …) at the
@@ -10,6 +12,7 @@
 //! (`attention_dropout`, `use_cache`, …) are kept in [`LlamaConfig::extra`] and written back, so
 //! a load → save round trip loses nothing.
 
+mod family;
 mod generation;
 
 use std::path::{Path, PathBuf};
@@ -19,6 +22,7 @@ use tilearn_ops::DType;
 
 use crate::error::{EngineError, Result};
 
+pub use family::{AttentionKind, BAICHUAN_13B_ENV, BaichuanVariant, ModelFamily};
 pub use generation::{GENERATION_CONFIG_FILE, GenerationConfig};
 
 /// The transformers version we write into `config.json`.
@@ -88,6 +92,8 @@ impl RopeScalingConfig {
 /// The configuration of a Llama-family causal language model, as in Hugging Face `config.json`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    /// Which family's parts and tensor names the model uses (from `architectures`).
+    pub family: ModelFamily,
     pub hidden_size: usize,
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
@@ -105,7 +111,8 @@ pub struct LlamaConfig {
     pub tie_word_embeddings: bool,
     /// Defaults to 2048, as in transformers.
     pub max_position_embeddings: usize,
-    /// Bias on q/k/v/o projections; defaults to false.
+    /// Bias on q/k/v/o projections (Llama's `attention_bias`; defaults to false). Qwen2 has
+    /// it set and biases on q/k/v only ([`LlamaConfig::o_bias`]).
     pub attention_bias: bool,
     /// Bias on gate/up/down projections; defaults to false.
     pub mlp_bias: bool,
@@ -117,6 +124,13 @@ pub struct LlamaConfig {
     pub pad_token_id: Option<u32>,
     /// `dtype` (v5) or `torch_dtype` (v4): the dtype the weights were saved in.
     pub dtype: Option<DType>,
+    /// Keys visible to a query on the layers of kind [`AttentionKind::Sliding`] (key `j` from
+    /// query `i` when `i - W < j <= i`, as transformers masks it); `None`: every layer full.
+    /// Mistral's `sliding_window`; Qwen2's when `use_sliding_window` is true.
+    pub sliding_window: Option<usize>,
+    /// Per layer, full or sliding attention (`num_hidden_layers` entries): Qwen2's
+    /// `layer_types` (or its `max_window_layers` rule), every layer sliding for Mistral.
+    pub layer_types: Vec<AttentionKind>,
     /// Keys of the source `config.json` that we do not interpret, written back unchanged.
     pub extra: Map<String, Value>,
     /// The model directory's `generation_config.json`, when the model was loaded from one that
@@ -154,6 +168,10 @@ const KNOWN_KEYS: &[&str] = &[
     "hidden_act",
     "transformers_version",
 ];
+
+/// Keys of the sliding-window families, interpreted only for them (a Llama keeps them in
+/// `extra`).
+const SLIDING_KEYS: &[&str] = &["sliding_window", "use_sliding_window", "layer_types"];
 
 /// Reads typed fields out of a JSON object, with errors that name the file and the field.
 pub(crate) struct Fields<'a> {
@@ -312,14 +330,18 @@ impl LlamaConfig {
 
     fn from_json_object(obj: &Map<String, Value>, file: &Path) -> Result<LlamaConfig> {
         let f = Fields { obj, file };
-        check_architecture(&f)?;
+        let env = std::env::var(BAICHUAN_13B_ENV).ok();
+        let family = family::detect(&f, env.as_deref())?;
 
         if let Some(act) = f.opt_str("hidden_act")?
             && act != "silu"
         {
             return Err(f.err(
                 "hidden_act",
-                format!("\"{act}\" is not supported; Llama uses \"silu\""),
+                format!(
+                    "\"{act}\" is not supported; {} uses \"silu\"",
+                    family.architecture()
+                ),
             ));
         }
 
@@ -333,6 +355,15 @@ impl LlamaConfig {
             Some(n) => n,
             None => num_attention_heads,
         };
+        if family.packed_qkv() && num_key_value_heads != num_attention_heads {
+            return Err(f.err(
+                "num_key_value_heads",
+                format!(
+                    "{num_key_value_heads} differs from num_attention_heads = \
+                     {num_attention_heads}; Baichuan's W_pack holds full-width q, k and v"
+                ),
+            ));
+        }
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(f.err(
                 "num_key_value_heads",
@@ -376,9 +407,36 @@ impl LlamaConfig {
                 return Err(f.err("max_position_embeddings", "must be positive, found 0"));
             }
             Some(n) => n,
-            None => 2048,
+            None => match family {
+                ModelFamily::Llama => 2048,
+                ModelFamily::Qwen2 => 32768,
+                ModelFamily::Mistral => 131072,
+                ModelFamily::Baichuan(_) => 4096,
+            },
         };
         let (rope_theta, rope_scaling) = parse_rope(&f, max_position_embeddings)?;
+        if family.packed_qkv()
+            && (rope_theta != 10000.0 || rope_scaling != RopeScalingConfig::Default)
+        {
+            return Err(f.err(
+                "rope_theta",
+                "Baichuan's modeling code rotates with base 10000 and no scaling; remove \
+                 rope_theta / rope_scaling from config.json",
+            ));
+        }
+        if family.norm_head()
+            && let Some(z) = f.opt_f64("z_loss_weight")?
+            && z != 0.0
+        {
+            return Err(f.err(
+                "z_loss_weight",
+                format!(
+                    "{z}: Baichuan2's z-loss is not supported yet; set \"z_loss_weight\": 0 to \
+                     fine-tune without it"
+                ),
+            ));
+        }
+        let (sliding_window, layer_types) = parse_sliding_window(&f, family, num_hidden_layers)?;
 
         let dtype = match (f.opt_str("dtype")?, f.opt_str("torch_dtype")?) {
             (Some(s), _) => Some(parse_dtype(&f, "dtype", s)?),
@@ -386,13 +444,29 @@ impl LlamaConfig {
             (None, None) => None,
         };
 
+        let sliding = matches!(family, ModelFamily::Qwen2 | ModelFamily::Mistral);
         let extra: Map<String, Value> = obj
             .iter()
-            .filter(|(k, _)| !KNOWN_KEYS.contains(&k.as_str()))
+            .filter(|(k, _)| {
+                let interpreted = KNOWN_KEYS.contains(&k.as_str())
+                    || (sliding && SLIDING_KEYS.contains(&k.as_str()));
+                !interpreted
+            })
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
 
+        let (attention_bias, mlp_bias) = match family {
+            ModelFamily::Llama => (
+                f.opt_bool("attention_bias")?.unwrap_or(false),
+                f.opt_bool("mlp_bias")?.unwrap_or(false),
+            ),
+            // Qwen2: q/k/v always have a bias; no other family has any.
+            ModelFamily::Qwen2 => (true, false),
+            ModelFamily::Mistral | ModelFamily::Baichuan(_) => (false, false),
+        };
+
         Ok(LlamaConfig {
+            family,
             hidden_size,
             intermediate_size,
             num_hidden_layers,
@@ -405,16 +479,41 @@ impl LlamaConfig {
             rope_scaling,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             max_position_embeddings,
-            attention_bias: f.opt_bool("attention_bias")?.unwrap_or(false),
-            mlp_bias: f.opt_bool("mlp_bias")?.unwrap_or(false),
+            attention_bias,
+            mlp_bias,
             initializer_range: f.opt_f64("initializer_range")?.unwrap_or(0.02),
             bos_token_id: f.opt_token_id("bos_token_id")?,
             eos_token_ids: f.token_ids("eos_token_id")?,
             pad_token_id: f.opt_token_id("pad_token_id")?,
             dtype,
+            sliding_window,
+            layer_types,
             extra,
             generation: None,
         })
+    }
+
+    /// Whether q, k and v have a bias (Llama's `attention_bias`, always for Qwen2).
+    pub fn qkv_bias(&self) -> bool {
+        self.attention_bias
+    }
+
+    /// Whether o_proj has a bias (Llama's `attention_bias`; never for Qwen2).
+    pub fn o_bias(&self) -> bool {
+        self.attention_bias && self.family == ModelFamily::Llama
+    }
+
+    /// Whether the lm_head rows are L2-normalised before the product (Baichuan2's NormHead).
+    pub fn norm_head(&self) -> bool {
+        self.family.norm_head()
+    }
+
+    /// The sliding window of decoder layer `i`, `None` for full attention.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        match self.layer_types.get(i) {
+            Some(AttentionKind::Sliding) => self.sliding_window,
+            _ => None,
+        }
     }
 
     /// The first end-of-sequence id, if any.
@@ -438,8 +537,9 @@ impl LlamaConfig {
         let mut put = |k: &str, v: Value| {
             m.insert(k.to_string(), v);
         };
-        put("architectures", Value::from(vec!["LlamaForCausalLM"]));
-        put("model_type", Value::from("llama"));
+        let family = self.family;
+        put("architectures", Value::from(vec![family.architecture()]));
+        put("model_type", Value::from(family.model_type()));
         put("hidden_act", Value::from("silu"));
         put("hidden_size", Value::from(self.hidden_size));
         put("intermediate_size", Value::from(self.intermediate_size));
@@ -454,8 +554,10 @@ impl LlamaConfig {
             "max_position_embeddings",
             Value::from(self.max_position_embeddings),
         );
-        put("attention_bias", Value::from(self.attention_bias));
-        put("mlp_bias", Value::from(self.mlp_bias));
+        if family == ModelFamily::Llama {
+            put("attention_bias", Value::from(self.attention_bias));
+            put("mlp_bias", Value::from(self.mlp_bias));
+        }
         put("initializer_range", Value::from(self.initializer_range));
         put(
             "bos_token_id",
@@ -473,10 +575,35 @@ impl LlamaConfig {
             "pad_token_id",
             self.pad_token_id.map_or(Value::Null, Value::from),
         );
-        put(
-            "dtype",
-            Value::from(self.dtype.unwrap_or(DType::F32).hf_name()),
-        );
+        let dtype = Value::from(self.dtype.unwrap_or(DType::F32).hf_name());
+        match family {
+            ModelFamily::Llama => {}
+            ModelFamily::Qwen2 => {
+                put(
+                    "use_sliding_window",
+                    Value::from(self.sliding_window.is_some()),
+                );
+                put(
+                    "sliding_window",
+                    self.sliding_window.map_or(Value::Null, Value::from),
+                );
+                let kinds: Vec<&str> = self.layer_types.iter().map(|k| k.hf_name()).collect();
+                put("layer_types", Value::from(kinds));
+            }
+            ModelFamily::Mistral => put(
+                "sliding_window",
+                self.sliding_window.map_or(Value::Null, Value::from),
+            ),
+            // Baichuan's own modeling code is a transformers 4 one: the v4 form, no RoPE keys
+            // (it rotates with base 10000) and no head_dim.
+            ModelFamily::Baichuan(_) => {
+                m.remove("head_dim");
+                m.insert("torch_dtype".into(), dtype);
+                m.insert("transformers_version".into(), Value::from("4.29.2"));
+                return Value::Object(m);
+            }
+        }
+        put("dtype", dtype);
         let mut rope = Map::new();
         rope.insert(
             "rope_type".into(),
@@ -530,44 +657,88 @@ impl LlamaConfig {
     }
 }
 
-fn check_architecture(f: &Fields<'_>) -> Result<()> {
-    let model_type = f.opt_str("model_type")?;
-    match f.get("architectures") {
-        Some(Value::Array(archs)) => {
-            let names: Vec<&str> = archs.iter().filter_map(Value::as_str).collect();
-            if names.contains(&"LlamaForCausalLM") {
-                return Ok(());
-            }
-            if names.is_empty() && model_type == Some("llama") {
-                return Ok(());
-            }
-            Err(f.err(
-                "architectures",
-                format!(
-                    "unsupported architecture {names:?}; tilearn supports LlamaForCausalLM \
-                     (set \"architectures\": [\"LlamaForCausalLM\"] only if the weights really \
-                     are a Llama)"
-                ),
-            ))
+/// Reads the sliding window of the families that have one: Mistral's `sliding_window` on every
+/// layer; Qwen2's only when `use_sliding_window` is true, on the layers `layer_types` names
+/// (or, without it, from `max_window_layers` on, as transformers derives them). An absent
+/// `sliding_window` is transformers' default 4096; `null` means none.
+fn parse_sliding_window(
+    f: &Fields<'_>,
+    family: ModelFamily,
+    layers: usize,
+) -> Result<(Option<usize>, Vec<AttentionKind>)> {
+    let full = vec![AttentionKind::Full; layers];
+    let window = || -> Result<Option<usize>> {
+        let w = match f.obj.get("sliding_window") {
+            None => Some(4096),
+            Some(Value::Null) => None,
+            Some(_) => f.opt_usize("sliding_window")?,
+        };
+        if w == Some(0) {
+            return Err(f.err("sliding_window", "must be positive (or null), found 0"));
         }
-        Some(v) => Err(f.wrong_type("architectures", "list of strings", v)),
-        None => match model_type {
-            Some("llama") => Ok(()),
-            Some(other) => Err(f.err(
-                "model_type",
-                format!(
-                    "unsupported architecture \"{other}\"; tilearn supports LlamaForCausalLM \
-                     (model_type \"llama\")"
-                ),
-            )),
-            None => Err(f.err(
-                "architectures",
-                format!(
-                    "missing; add \"architectures\": [\"LlamaForCausalLM\"] to {}",
-                    file_name(f.file)
-                ),
-            )),
-        },
+        Ok(w)
+    };
+    match family {
+        ModelFamily::Mistral => {
+            let w = window()?;
+            let kinds = if w.is_some() {
+                vec![AttentionKind::Sliding; layers]
+            } else {
+                full
+            };
+            Ok((w, kinds))
+        }
+        ModelFamily::Qwen2 => {
+            if !f.opt_bool("use_sliding_window")?.unwrap_or(false) {
+                return Ok((None, full));
+            }
+            let w = window()?;
+            let kinds = match f.get("layer_types") {
+                Some(Value::Array(items)) => {
+                    let kinds = items
+                        .iter()
+                        .map(|v| match v.as_str() {
+                            Some("full_attention") => Ok(AttentionKind::Full),
+                            Some("sliding_attention") => Ok(AttentionKind::Sliding),
+                            _ => Err(f.wrong_type(
+                                "layer_types",
+                                "list of \"full_attention\" | \"sliding_attention\"",
+                                v,
+                            )),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    if kinds.len() != layers {
+                        return Err(f.err(
+                            "layer_types",
+                            format!(
+                                "has {} entries but num_hidden_layers = {layers}; list one per \
+                                 layer",
+                                kinds.len()
+                            ),
+                        ));
+                    }
+                    kinds
+                }
+                Some(v) => return Err(f.wrong_type("layer_types", "list of strings", v)),
+                None => {
+                    let from = f.opt_usize("max_window_layers")?.unwrap_or(28);
+                    (0..layers)
+                        .map(|i| {
+                            if i >= from {
+                                AttentionKind::Sliding
+                            } else {
+                                AttentionKind::Full
+                            }
+                        })
+                        .collect()
+                }
+            };
+            if w.is_none() {
+                return Ok((None, full));
+            }
+            Ok((w, kinds))
+        }
+        ModelFamily::Llama | ModelFamily::Baichuan(_) => Ok((None, full)),
     }
 }
 

@@ -43,6 +43,8 @@ pub(crate) struct Dims {
     pub head_dim: usize,
     pub layers: usize,
     pub eps: f64,
+    /// Elements of the lm_head (`V * C`) when NormHead normalises it, else 0.
+    pub head_norm_len: usize,
 }
 
 impl Dims {
@@ -61,6 +63,11 @@ impl Dims {
             head_dim: config.head_dim,
             layers: config.num_hidden_layers,
             eps: config.rms_norm_eps,
+            head_norm_len: if config.norm_head() {
+                config.vocab_size * config.hidden_size
+            } else {
+                0
+            },
         }
     }
 
@@ -112,7 +119,12 @@ impl Dims {
         let slab = padded(self.n * self.c);
         let layer: usize = self.layer_lens().iter().map(|&l| padded(l)).sum();
         let grad: usize = self.grad_lens().iter().map(|&l| padded(l)).sum();
-        (self.layers + 1) * slab + sets * layer + slab + self.logits_len(logit_rows) + grad
+        (self.layers + 1) * slab
+            + sets * layer
+            + slab
+            + self.logits_len(logit_rows)
+            + grad
+            + padded(self.head_norm_len)
     }
 
     /// Elements of `T` the logits chunk of `logit_rows` tokens takes (padded).
@@ -123,7 +135,7 @@ impl Dims {
     /// f32 elements of the statistics arena for this call's shape and `sets`.
     pub(crate) fn stats_len(&self, sets: usize) -> usize {
         let layer: usize = self.layer_stat_lens().iter().map(|&l| padded(l)).sum();
-        sets * layer + 2 * padded(self.n)
+        sets * layer + 2 * padded(self.n) + padded(self.head_norm_len)
     }
 }
 
@@ -236,8 +248,10 @@ impl Arena {
             dup: aligned(&mut m, dup)?,
             dact: aligned(&mut m, dact)?,
         };
+        let head_normed = aligned(&mut m, d.head_norm_len)?;
         let final_rstd = aligned(&mut s, d.n)?;
         let row_loss = aligned(&mut s, d.n)?;
+        let dhead_normed = aligned(&mut s, d.head_norm_len)?;
         Ok(Bufs {
             resid,
             layers,
@@ -247,6 +261,8 @@ impl Arena {
             logit_rows,
             row_loss,
             grad,
+            head_normed,
+            dhead_normed,
         })
     }
 }
@@ -318,6 +334,12 @@ pub(crate) struct Bufs<'a, T> {
     /// Per-row cross-entropy losses (f32, 0 for ignored rows), `[N]`.
     pub row_loss: CudaViewMut<'a, f32>,
     pub grad: GradBufs<'a, T>,
+    /// NormHead (Baichuan2): the row-normalised lm_head `[V, C]` the logits are computed with
+    /// (empty without NormHead).
+    pub head_normed: CudaViewMut<'a, T>,
+    /// NormHead: f32 d(loss)/d(normalised lm_head), `[V, C]`, summed over the chunks before
+    /// the normalisation's backward adds it into the lm_head gradient.
+    pub dhead_normed: CudaViewMut<'a, f32>,
 }
 
 #[cfg(test)]

@@ -17,7 +17,12 @@
 //! Numerics: every kernel and product is the unchunked path's, row for row; the row losses and
 //! dlogits depend only on the row, the totals reduce the same `row_loss` in the same order (so
 //! the loss is the unchunked one up to the logits GEMM's choice of algorithm for a different
-//! M). The only intended difference is d(lm_head)'s f32 accumulation order: a sum of per-chunk
+//! M).
+//!
+//! NormHead (Baichuan2): the products use the row-normalised lm_head, computed once per call
+//! into the arena (`row_normalize_forward`); the chunks' weight gradients are summed in f32
+//! into the arena's `dhead_normed` (zeroed, then each chunk's product adds with `beta = 1`),
+//! and `row_normalize_backward` adds its backward into lm_head's gradient once. The only intended difference is d(lm_head)'s f32 accumulation order: a sum of per-chunk
 //! products instead of one product (relative difference ~ f32 rounding, 1e-6, in every
 //! precision, since the accumulator is f32). With one chunk (`logit_rows ≥ n`) this is the
 //! unchunked path exactly: the fused launch's own totals are the call's.
@@ -45,6 +50,21 @@ fn view_mut<'b, T>(
     let len = v.len();
     v.try_slice_mut(r.clone())
         .ok_or_else(|| arena_error(format!("range {r:?} lies outside a view of {len}")))
+}
+
+/// The lm_head the logits are computed with: `raw`, or with NormHead its row-normalised copy,
+/// computed into `normed`.
+fn head_weights<'b, T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    raw: &'b CudaView<'_, T>,
+    normed: &'b mut CudaViewMut<'_, T>,
+) -> Result<CudaView<'b, T>> {
+    if d.head_norm_len == 0 {
+        return Ok(raw.slice(..));
+    }
+    k::row_normalize_forward(cx.stream, raw, d.c, normed)?;
+    Ok(normed.as_view())
 }
 
 /// `logits[rows] = final_xn[rows] · lm_headᵀ` into the front of the chunk buffer.
@@ -87,8 +107,15 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
     b: &mut Bufs<'_, T>,
 ) -> Result<()> {
     let (n, c) = (d.n, d.c);
-    let head = w.slice(cx.layout.lm_head.clone());
+    let raw = w.slice(cx.layout.lm_head.clone());
+    let head = head_weights(cx, d, &raw, &mut b.head_normed)?;
     let mut dhead = sub_mut(g.slice_mut(..), cx.layout.lm_head.clone())?;
+    let norm_head = d.head_norm_len > 0;
+    if norm_head {
+        cx.stream
+            .memset_zeros(&mut b.dhead_normed)
+            .map_err(|e| cuda_err("zeroing the NormHead gradient", e))?;
+    }
     let final_xn = b.final_xn.as_view();
     for r in chunk_ranges(n, b.logit_rows) {
         let rows = r.len();
@@ -125,9 +152,16 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
             c,
             d.vocab,
             Some(&mut view_mut(&mut b.grad.dxn, r.start * c..r.end * c)?),
-            &mut dhead,
+            &mut if norm_head {
+                b.dhead_normed.slice_mut(..)
+            } else {
+                dhead.slice_mut(..)
+            },
             None,
         )?;
+    }
+    if norm_head {
+        k::row_normalize_backward(cx.stream, &b.dhead_normed, &raw, c, &mut dhead)?;
     }
     call_totals(cx, d, targets, totals, b)
 }
@@ -141,7 +175,8 @@ pub(crate) fn loss_only<T: DeviceFloat>(
     totals: &mut CeTotals,
     b: &mut Bufs<'_, T>,
 ) -> Result<()> {
-    let head = w.slice(cx.layout.lm_head.clone());
+    let raw = w.slice(cx.layout.lm_head.clone());
+    let head = head_weights(cx, d, &raw, &mut b.head_normed)?;
     let final_xn = b.final_xn.as_view();
     for r in chunk_ranges(d.n, b.logit_rows) {
         let x = view(&final_xn, r.start * d.c..r.end * d.c)?;
@@ -182,7 +217,8 @@ pub(crate) fn logits_to_host<T: DeviceFloat>(
     w: &CudaView<'_, T>,
     b: &mut Bufs<'_, T>,
 ) -> Result<Vec<f32>> {
-    let head = w.slice(cx.layout.lm_head.clone());
+    let raw = w.slice(cx.layout.lm_head.clone());
+    let head = head_weights(cx, d, &raw, &mut b.head_normed)?;
     let final_xn = b.final_xn.as_view();
     let mut host = Vec::with_capacity(d.n * d.vocab);
     for r in chunk_ranges(d.n, b.logit_rows) {

@@ -137,13 +137,15 @@ impl Matmul {
     }
 
     /// Causal GQA: `out` `[B, T, Hq, D]` and f32 `lse` `[B, Hq, T]` written; with
-    /// `positions` (packed examples) a query sees only the keys of its own example.
+    /// `positions` (packed examples) a query sees only the keys of its own example, with
+    /// `window` (a sliding-window layer) only the last `window` keys.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_forward<T: DeviceFloat>(
         &mut self,
         s: &Arc<CudaStream>,
         d: &Dims,
         positions: Option<&CudaView<'_, i32>>,
+        window: Option<usize>,
         q: &CudaView<'_, T>,
         k: &CudaView<'_, T>,
         v: &CudaView<'_, T>,
@@ -158,7 +160,7 @@ impl Matmul {
             attn_shape(d),
             KeyMask {
                 positions,
-                sliding_window: None,
+                sliding_window: window,
             },
             q,
             k,
@@ -175,6 +177,7 @@ impl Matmul {
         s: &Arc<CudaStream>,
         d: &Dims,
         positions: Option<&CudaView<'_, i32>>,
+        window: Option<usize>,
         dout: &CudaView<'_, T>,
         q: &CudaView<'_, T>,
         k: &CudaView<'_, T>,
@@ -193,7 +196,7 @@ impl Matmul {
             attn_shape(d),
             KeyMask {
                 positions,
-                sliding_window: None,
+                sliding_window: window,
             },
             dout,
             q,

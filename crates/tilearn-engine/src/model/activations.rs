@@ -167,6 +167,10 @@ pub struct Activations<R: Real = f32> {
     /// [`Activations::set_position_ids`]).
     pub(crate) position_ids: Option<(Vec<i32>, usize, usize)>,
     pub(crate) grad: GradScratch<R>,
+    /// NormHead (Baichuan2): the row-normalised lm_head `[V, C]` the logits are computed with,
+    /// and its gradient before the normalisation's backward (empty without NormHead).
+    pub(crate) head_normed: Vec<R>,
+    pub(crate) dhead_normed: Vec<R>,
 }
 
 impl<R: Real> Activations<R> {
@@ -192,6 +196,11 @@ impl<R: Real> Activations<R> {
             } => seq <= original_max_position_embeddings,
             _ => true,
         };
+        let head_len = if config.norm_head() {
+            config.vocab_size * c
+        } else {
+            0
+        };
         Activations {
             batch,
             seq,
@@ -215,6 +224,8 @@ impl<R: Real> Activations<R> {
             targets: vec![0; n],
             position_ids: None,
             grad: GradScratch::new(config, batch, seq),
+            head_normed: vec![R::zero(); head_len],
+            dhead_normed: vec![R::zero(); head_len],
         }
     }
 
@@ -260,7 +271,9 @@ impl<R: Real> Activations<R> {
             + self.final_rstd.len()
             + self.final_xn.len()
             + self.logits.len()
-            + self.grad.len();
+            + self.grad.len()
+            + self.head_normed.len()
+            + self.dhead_normed.len();
         elems * std::mem::size_of::<R>() + self.targets.len() * 4
     }
 }

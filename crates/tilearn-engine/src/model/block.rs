@@ -37,6 +37,8 @@ pub(crate) struct Dims {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub eps: f64,
+    /// Whether the lm_head rows are normalised before the product (Baichuan2's NormHead).
+    pub norm_head: bool,
 }
 
 impl Dims {
@@ -54,6 +56,7 @@ impl Dims {
             kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
             eps: config.rms_norm_eps,
+            norm_head: config.norm_head(),
         }
     }
 
@@ -133,10 +136,11 @@ pub(crate) struct Positions<'a> {
 }
 
 impl Positions<'_> {
-    fn mask(&self) -> KeyMask<&[i32]> {
+    /// The mask of a layer with sliding window `window` (`None`: full causal attention).
+    fn mask(&self, window: Option<usize>) -> KeyMask<&[i32]> {
         KeyMask {
             positions: self.ids,
-            sliding_window: None,
+            sliding_window: window,
         }
     }
 }
@@ -178,7 +182,7 @@ pub(crate) fn block_forward<R: Real>(
     rope_forward_at(kb, d.batch, d.seq, d.kv_heads, d.head_dim, rope, pos.ids)?;
     let att = &mut a.att[..n * q];
     let lse = &mut a.lse[..n * d.q_heads];
-    attention_forward_masked(d.attn(), pos.mask(), qb, kb, vb, att, lse)?;
+    attention_forward_masked(d.attn(), pos.mask(lay.sliding_window), qb, kb, vb, att, lse)?;
     let h = &mut a.h[..n * c];
     linear_fwd(p, &lay.o, att, n, q, c, h)?;
     sums.sum(h)?;
@@ -272,7 +276,7 @@ pub(crate) fn block_backward<R: Real>(
     linear_bwd(p, g, &lay.o, dres, att, n, q, c, Some(&mut *datt))?;
     attention_backward_masked(
         d.attn(),
-        pos.mask(),
+        pos.mask(lay.sliding_window),
         datt,
         &a.q[..n * q],
         &a.k[..n * kv],

@@ -26,6 +26,8 @@ pub struct LayerLayout {
     pub down: LinearLayout,
     pub input_norm: Range<usize>,
     pub post_attention_norm: Range<usize>,
+    /// The layer's sliding window (keys `i - W < j <= i`), `None` for full causal attention.
+    pub sliding_window: Option<usize>,
 }
 
 impl LinearLayout {
@@ -54,17 +56,36 @@ impl LayerLayout {
                 },
             })
         };
-        let (ab, mb) = (config.attention_bias, config.mlp_bias);
+        let mb = config.mlp_bias;
+        let (q, k, v) = if config.family.packed_qkv() {
+            // W_pack = [Q; K; V] along the rows: three consecutive row blocks.
+            let pack = find(specs, &format!("{p}.self_attn.W_pack.weight"))?;
+            let c = config.hidden_size;
+            let (qn, kvn) = (config.q_dim() * c, config.kv_dim() * c);
+            let at = |start: usize, len: usize| LinearLayout {
+                weight: pack.start + start..pack.start + start + len,
+                bias: None,
+            };
+            (at(0, qn), at(qn, kvn), at(qn + kvn, kvn))
+        } else {
+            let ab = config.qkv_bias();
+            (
+                linear("self_attn.q_proj", ab)?,
+                linear("self_attn.k_proj", ab)?,
+                linear("self_attn.v_proj", ab)?,
+            )
+        };
         Some(LayerLayout {
-            q: linear("self_attn.q_proj", ab)?,
-            k: linear("self_attn.k_proj", ab)?,
-            v: linear("self_attn.v_proj", ab)?,
-            o: linear("self_attn.o_proj", ab)?,
+            q,
+            k,
+            v,
+            o: linear("self_attn.o_proj", config.o_bias())?,
             gate: linear("mlp.gate_proj", mb)?,
             up: linear("mlp.up_proj", mb)?,
             down: linear("mlp.down_proj", mb)?,
             input_norm: find(specs, &format!("{p}.input_layernorm.weight"))?,
             post_attention_norm: find(specs, &format!("{p}.post_attention_layernorm.weight"))?,
+            sliding_window: config.layer_window(i),
         })
     }
 
@@ -91,6 +112,8 @@ pub struct ModelLayout {
     pub layers: Vec<LayerLayout>,
     pub norm: Range<usize>,
     pub lm_head: Range<usize>,
+    /// Whether the lm_head rows are L2-normalised before the product (Baichuan2's NormHead).
+    pub norm_head: bool,
     /// Length of the flat buffer.
     pub numel: usize,
 }
@@ -120,6 +143,7 @@ impl ModelLayout {
             layers,
             norm: r("model.norm.weight"),
             lm_head,
+            norm_head: config.norm_head(),
             numel: specs.last().map_or(0, |s| s.range().end),
         }
     }

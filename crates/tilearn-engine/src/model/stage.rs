@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use tilearn_ops::cpu::{
     Real, embedding_backward, embedding_forward, linear_backward, linear_forward, rmsnorm_backward,
-    rmsnorm_forward,
+    rmsnorm_forward, row_normalize_backward, row_normalize_forward,
 };
 
 use super::activations::Activations;
@@ -97,6 +97,7 @@ pub(crate) fn stage_forward<R: Real>(
         final_xn,
         logits,
         position_ids,
+        head_normed,
         ..
     } = acts;
     let pos = positions(d, rope, position_ids)?;
@@ -140,9 +141,16 @@ pub(crate) fn stage_forward<R: Real>(
             &mut final_xn[..slab],
             &mut final_rstd[..n],
         )?;
+        let head = &params[lm_head.clone()];
+        let head = if d.norm_head {
+            row_normalize_forward(head, c, head_normed)?;
+            &head_normed[..]
+        } else {
+            head
+        };
         linear_forward(
             &final_xn[..slab],
-            &params[lm_head.clone()],
+            head,
             None,
             n,
             c,
@@ -179,6 +187,8 @@ pub(crate) fn stage_backward<R: Real>(
         targets,
         grad,
         position_ids,
+        head_normed,
+        dhead_normed,
         ..
     } = acts;
     let pos = positions(d, rope, position_ids)?;
@@ -196,17 +206,40 @@ pub(crate) fn stage_backward<R: Real>(
                 loss_sum: ce.loss_sum,
                 valid: ce.valid,
             };
-            linear_backward(
-                logits,
-                &final_xn[..slab],
-                &params[lm_head.clone()],
-                n,
-                c,
-                d.vocab,
-                Some(&mut grad.dxn[..slab]),
-                &mut grads[lm_head.clone()],
-                None,
-            )?;
+            if d.norm_head {
+                // The product saw the normalised rows (still in `head_normed` from the
+                // forward); its weight gradient goes through the normalisation's backward.
+                dhead_normed.fill(R::zero());
+                linear_backward(
+                    logits,
+                    &final_xn[..slab],
+                    head_normed,
+                    n,
+                    c,
+                    d.vocab,
+                    Some(&mut grad.dxn[..slab]),
+                    dhead_normed,
+                    None,
+                )?;
+                row_normalize_backward(
+                    dhead_normed,
+                    &params[lm_head.clone()],
+                    c,
+                    &mut grads[lm_head.clone()],
+                )?;
+            } else {
+                linear_backward(
+                    logits,
+                    &final_xn[..slab],
+                    &params[lm_head.clone()],
+                    n,
+                    c,
+                    d.vocab,
+                    Some(&mut grad.dxn[..slab]),
+                    &mut grads[lm_head.clone()],
+                    None,
+                )?;
+            }
             split.sums.sum(&mut grad.dxn[..slab])?;
             rmsnorm_backward(
                 &grad.dxn[..slab],

@@ -107,12 +107,20 @@ impl ShardPlan {
                 config.vocab_size
             )));
         }
-        if tp > 1 && (config.attention_bias || config.mlp_bias) {
+        // q/k/v biases (Qwen2) are column-parallel: each rank keeps its heads' rows.
+        if tp > 1 && (config.o_bias() || config.mlp_bias) {
             return Err(usage(
                 "biases on the row-parallel o_proj/down_proj (attention_bias or mlp_bias) are \
                  not supported with tensor parallelism yet; use --tp-size 1"
                     .into(),
             ));
+        }
+        if tp > 1 && config.family.packed_qkv() {
+            return Err(usage(format!(
+                "{} keeps q, k and v in one W_pack tensor, which tensor parallelism does not \
+                 split yet; use --tp-size 1",
+                config.family.architecture()
+            )));
         }
         let r = shard.rank;
         let q_per = hq / tp * d;

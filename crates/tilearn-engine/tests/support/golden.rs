@@ -18,6 +18,21 @@ pub fn golden_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden")
 }
 
+/// The model-family cases of `tests/golden_families/` (made by `make_family_golden.py`, same
+/// format): Qwen2 and Mistral from transformers, Baichuan from the script's reference.
+pub const FAMILY_CASES: &[&str] = &[
+    "qwen2_tied",
+    "qwen2_sliding_v4config",
+    "mistral_sliding",
+    "mistral_v4config",
+    "baichuan_7b",
+    "baichuan2_7b",
+];
+
+pub fn families_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden_families")
+}
+
 /// One case's inputs and transformers' outputs (gradients sorted by parameter name, each with
 /// its shape).
 pub struct Golden {

@@ -445,6 +445,14 @@ int tilearn_residual_add(int dtype, const void *a, const void *b, void *out, siz
 int tilearn_residual_add_inplace(int dtype, void *acc, const void *x, size_t n,
                                  cudaStream_t stream);
 
+/* ---- row_normalize.cu: out[r] = w[r] / max(||w[r]||, 1e-12) (F.normalize; Baichuan2's
+ *      NormHead). w, out: [rows, cols] in `dtype`; out written (=). The backward adds (+=)
+ *      d(out)/d(w)^T dout into dw; dout and dw are f32 [rows, cols], w in `dtype`. ---- */
+int tilearn_row_normalize_forward(int dtype, const void *w, size_t rows, size_t cols, void *out,
+                                  cudaStream_t stream);
+int tilearn_row_normalize_backward(int dtype, const float *dout, const void *w, size_t rows,
+                                   size_t cols, float *dw, cudaStream_t stream);
+
 /* ---- reduce.cu: whole-buffer gradient reductions (global L2 norm; GradScaler unscale) ---- */
 
 /* Number of f64 partials tilearn_global_norm uses as scratch for n elements (at most 1024;

@@ -25,6 +25,7 @@ pub mod reduce;
 pub mod residual;
 pub mod rmsnorm;
 pub mod rope;
+pub mod row_normalize;
 pub mod swiglu;
 
 pub use attention::{
@@ -46,4 +47,5 @@ pub use rope::{
     RopeScaling, RopeTable, rope_backward, rope_backward_at, rope_forward, rope_forward_at,
     rope_inv_freq,
 };
+pub use row_normalize::{ROW_NORMALIZE_EPS, row_normalize_backward, row_normalize_forward};
 pub use swiglu::{swiglu_backward, swiglu_forward};

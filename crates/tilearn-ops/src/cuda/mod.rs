@@ -31,6 +31,7 @@ mod norm;
 mod reduce;
 mod residual;
 mod rope;
+mod row_normalize;
 mod swiglu;
 
 // Each op module exports exactly its public wrappers and workspace types.
@@ -50,4 +51,5 @@ pub use norm::*;
 pub use reduce::*;
 pub use residual::*;
 pub use rope::*;
+pub use row_normalize::*;
 pub use swiglu::*;

@@ -32,6 +32,9 @@ use crate::config::{LlamaConfig, RopeScalingConfig};
 use crate::error::{EngineError, Result};
 use crate::gpu::cuda_err;
 use crate::model::generate::Decoder;
+use crate::model::generate::family_parts::{
+    apply_head_scale, check_sliding_window, norm_head_scale,
+};
 use crate::model::generate::rotary::rope_rows;
 use crate::model::{LinearLayout, LlamaForCausalLM, ModelLayout};
 
@@ -62,6 +65,8 @@ pub struct GpuDecoder {
     /// `original_max_position_embeddings`; otherwise unbounded).
     rope_fixed_until: usize,
     logits: Vec<f32>,
+    /// NormHead's per-row logit scale (Baichuan2), `None` for the other families.
+    head_scale: Option<Vec<f32>>,
 }
 
 fn invalid(argument: &str, message: String) -> EngineError {
@@ -127,6 +132,7 @@ impl GpuDecoder {
             gemm: Gemm::new(&stream)?,
             check: TokenIdCheck::new(&stream, config.vocab_size)?,
             logits: vec![0.0; config.vocab_size],
+            head_scale: norm_head_scale(model),
             device: device.clone(),
             layout,
             precision,
@@ -176,6 +182,7 @@ impl GpuDecoder {
             ));
         }
         check_token_ids(ids, self.config.vocab_size)?;
+        check_sliding_window(&self.config, start + n)?;
         let rope = self.rope_for(start, n)?;
         let GpuDecoder {
             device,
@@ -209,6 +216,7 @@ impl GpuDecoder {
             Typed::F16(b) => forward_chunk(&cx, check, b, ids, start, *capacity, logits)?,
         }
         self.len += n;
+        apply_head_scale(self.head_scale.as_deref(), &mut self.logits);
         Ok(&self.logits)
     }
 

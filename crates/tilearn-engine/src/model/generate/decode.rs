@@ -7,6 +7,7 @@ use tilearn_ops::cpu::{
     linear_forward, rmsnorm_forward, rope_forward, swiglu_forward,
 };
 
+use super::family_parts::{apply_head_scale, check_sliding_window, norm_head_scale};
 use super::kv_cache::KvCache;
 use super::rotary::rope_rows;
 use crate::error::{EngineError, Result};
@@ -58,6 +59,8 @@ pub struct CachedDecoder<'m> {
     cache: KvCache,
     scratch: Scratch,
     logits: Vec<f32>,
+    /// NormHead's per-row logit scale (Baichuan2), `None` for the other families.
+    head_scale: Option<Vec<f32>>,
 }
 
 impl<'m> CachedDecoder<'m> {
@@ -70,6 +73,7 @@ impl<'m> CachedDecoder<'m> {
             cache: KvCache::new(&model.config, capacity),
             scratch: Scratch::default(),
             logits: vec![0.0; model.config.vocab_size],
+            head_scale: norm_head_scale(model),
         }
     }
 
@@ -111,6 +115,7 @@ impl<'m> CachedDecoder<'m> {
             ));
         }
         check_token_ids(ids, config.vocab_size)?;
+        check_sliding_window(config, start + n)?;
         let p = &model.params.data;
         let c = config.hidden_size;
         self.scratch.resize(model, n);
@@ -155,6 +160,7 @@ impl<'m> CachedDecoder<'m> {
             config.vocab_size,
             &mut self.logits,
         )?;
+        apply_head_scale(self.head_scale.as_deref(), &mut self.logits);
         Ok(&self.logits)
     }
 }

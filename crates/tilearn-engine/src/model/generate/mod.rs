@@ -9,6 +9,7 @@
 //! last position's logits either way.
 
 mod decode;
+pub(crate) mod family_parts;
 mod kv_cache;
 pub(crate) mod rotary;
 mod sampling;

@@ -1,0 +1,199 @@
+//! Which model family a `config.json` describes, and the per-family parts it switches on.
+//!
+//! tilearn has one model definition (RMSNorm, RoPE, SwiGLU decoder blocks); a family only picks
+//! the parts that differ:
+//!
+//! | family | `architectures` / `model_type` | parts |
+//! | --- | --- | --- |
+//! | Llama | `LlamaForCausalLM` / `llama` | `attention_bias` on q/k/v/o, `mlp_bias` |
+//! | Qwen2 | `Qwen2ForCausalLM` / `qwen2` | bias on q/k/v only; sliding window on the layers `layer_types` names (from `use_sliding_window` and `max_window_layers`) |
+//! | Mistral | `MistralForCausalLM` / `mistral` | `sliding_window` on every layer |
+//! | Baichuan-7B | `BaiChuanForCausalLM` / `baichuan` | q/k/v fused in `W_pack` |
+//! | Baichuan2-7B | `BaichuanForCausalLM` / `baichuan` | `W_pack`, NormHead (lm_head rows L2-normalised) |
+//!
+//! Baichuan's 13B models (ALiBi) and Bloom are recognised and refused with a clear error.
+//! `BaichuanForCausalLM` names three architectures: Baichuan2-7B (RoPE + NormHead) and the
+//! ALiBi models Baichuan-13B and Baichuan2-13B. The hidden size picks 13B (5120) or 7B, and for
+//! 13B the vocabulary (125696: Baichuan2) the generation; `TILEARN_LLM_BAICHUAN_13B` = `1` or
+//! `2` overrides the generation of a 13B model as Tilearn-Angel does (any other value is an
+//! error).
+
+use serde_json::Value;
+
+use super::Fields;
+use crate::error::{EngineError, Result};
+
+/// The environment variable that picks the Baichuan generation of a 13B-sized
+/// `BaichuanForCausalLM` (`1`: Baichuan-13B, `2`: Baichuan2-13B), as in Tilearn-Angel.
+pub const BAICHUAN_13B_ENV: &str = "TILEARN_LLM_BAICHUAN_13B";
+
+/// Hidden size of the Baichuan 13B models (ALiBi attention).
+const BAICHUAN_13B_HIDDEN: usize = 5120;
+/// Vocabulary of Baichuan 2 (Baichuan 1 has 64000).
+const BAICHUAN2_VOCAB: usize = 125_696;
+
+/// The RoPE Baichuan models tilearn trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BaichuanVariant {
+    /// Baichuan-7B (`BaiChuanForCausalLM`).
+    Baichuan7B,
+    /// Baichuan2-7B (`BaichuanForCausalLM`): NormHead.
+    Baichuan2_7B,
+}
+
+/// The model family a config describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelFamily {
+    Llama,
+    Qwen2,
+    Mistral,
+    Baichuan(BaichuanVariant),
+}
+
+/// What a layer's attention sees (transformers' `layer_types`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// Every earlier key (`full_attention`).
+    Full,
+    /// The last `sliding_window` keys (`sliding_attention`).
+    Sliding,
+}
+
+impl AttentionKind {
+    pub(crate) fn hf_name(self) -> &'static str {
+        match self {
+            AttentionKind::Full => "full_attention",
+            AttentionKind::Sliding => "sliding_attention",
+        }
+    }
+}
+
+impl ModelFamily {
+    /// The `architectures` entry transformers (or the checkpoint's own code) uses.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            ModelFamily::Llama => "LlamaForCausalLM",
+            ModelFamily::Qwen2 => "Qwen2ForCausalLM",
+            ModelFamily::Mistral => "MistralForCausalLM",
+            ModelFamily::Baichuan(BaichuanVariant::Baichuan7B) => "BaiChuanForCausalLM",
+            ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B) => "BaichuanForCausalLM",
+        }
+    }
+
+    /// The `model_type` of `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            ModelFamily::Llama => "llama",
+            ModelFamily::Qwen2 => "qwen2",
+            ModelFamily::Mistral => "mistral",
+            ModelFamily::Baichuan(_) => "baichuan",
+        }
+    }
+
+    /// Whether q, k and v are one `W_pack` tensor ([Q; K; V] stacked along the rows).
+    pub fn packed_qkv(self) -> bool {
+        matches!(self, ModelFamily::Baichuan(_))
+    }
+
+    /// Whether the lm_head rows are L2-normalised before the product (Baichuan2's NormHead).
+    pub fn norm_head(self) -> bool {
+        self == ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B)
+    }
+}
+
+fn unsupported_alibi(f: &Fields<'_>, field: &str, what: &str) -> EngineError {
+    f.err(
+        field,
+        format!(
+            "unsupported architecture {what}: Bloom / Baichuan-13B (ALiBi) are not supported \
+             yet; tilearn supports LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, \
+             BaiChuanForCausalLM (Baichuan-7B) and BaichuanForCausalLM (Baichuan2-7B)"
+        ),
+    )
+}
+
+/// The family of the config in `f`, from `architectures` (or `model_type` when it is absent);
+/// `baichuan_13b` is the value of [`BAICHUAN_13B_ENV`].
+pub(crate) fn detect(f: &Fields<'_>, baichuan_13b: Option<&str>) -> Result<ModelFamily> {
+    let model_type = f.opt_str("model_type")?;
+    let names: Vec<&str> = match f.get("architectures") {
+        Some(Value::Array(archs)) => archs.iter().filter_map(Value::as_str).collect(),
+        Some(v) => return Err(f.wrong_type("architectures", "list of strings", v)),
+        None => Vec::new(),
+    };
+    let field = if names.is_empty() {
+        "model_type"
+    } else {
+        "architectures"
+    };
+    let name = match (names.first(), model_type) {
+        (Some(n), _) => *n,
+        (None, Some("llama")) => "LlamaForCausalLM",
+        (None, Some("qwen2")) => "Qwen2ForCausalLM",
+        (None, Some("mistral")) => "MistralForCausalLM",
+        (None, Some("bloom")) => "BloomForCausalLM",
+        (None, Some("baichuan")) => "BaichuanForCausalLM",
+        (None, Some(other)) => {
+            return Err(f.err(
+                "model_type",
+                format!(
+                    "unsupported architecture \"{other}\"; tilearn supports model_type llama, \
+                     qwen2, mistral and baichuan (7B)"
+                ),
+            ));
+        }
+        (None, None) => {
+            return Err(f.err(
+                "architectures",
+                "missing; add \"architectures\": [\"LlamaForCausalLM\"] (or Qwen2ForCausalLM, \
+                 MistralForCausalLM, BaichuanForCausalLM) to config.json",
+            ));
+        }
+    };
+    match name {
+        "LlamaForCausalLM" => Ok(ModelFamily::Llama),
+        "Qwen2ForCausalLM" => Ok(ModelFamily::Qwen2),
+        "MistralForCausalLM" => Ok(ModelFamily::Mistral),
+        "BloomForCausalLM" => Err(unsupported_alibi(f, field, "BloomForCausalLM")),
+        "BaiChuanForCausalLM" => Ok(ModelFamily::Baichuan(BaichuanVariant::Baichuan7B)),
+        "BaichuanForCausalLM" => baichuan(f, baichuan_13b),
+        other => Err(f.err(
+            field,
+            format!(
+                "unsupported architecture {names:?} ({other}); tilearn supports \
+                 LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, BaiChuanForCausalLM \
+                 (Baichuan-7B) and BaichuanForCausalLM (Baichuan2-7B)"
+            ),
+        )),
+    }
+}
+
+/// `BaichuanForCausalLM`: Baichuan2-7B unless the hidden size is 13B's.
+fn baichuan(f: &Fields<'_>, env: Option<&str>) -> Result<ModelFamily> {
+    let generation_13b = match env {
+        None => None,
+        Some("1") => Some(1),
+        Some("2") => Some(2),
+        Some(other) => {
+            return Err(EngineError::InvalidArgument {
+                argument: BAICHUAN_13B_ENV.to_string(),
+                message: format!(
+                    "{other:?} is not a Baichuan generation; set it to 1 (Baichuan-13B) or 2 \
+                     (Baichuan2-13B), or unset it"
+                ),
+            });
+        }
+    };
+    let hidden = f.opt_usize("hidden_size")?;
+    if hidden != Some(BAICHUAN_13B_HIDDEN) {
+        return Ok(ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B));
+    }
+    let vocab = f.opt_usize("vocab_size")?;
+    let generation = generation_13b.unwrap_or(if vocab == Some(BAICHUAN2_VOCAB) { 2 } else { 1 });
+    let what = if generation == 2 {
+        "Baichuan2-13B (BaichuanForCausalLM, hidden_size 5120)"
+    } else {
+        "Baichuan-13B (BaichuanForCausalLM, hidden_size 5120)"
+    };
+    Err(unsupported_alibi(f, "architectures", what))
+}

@@ -1,0 +1,201 @@
+//! The device model on the families beyond Llama (Qwen2's q/k/v biases and per-layer sliding
+//! window, Mistral's sliding window, Baichuan's W_pack, Baichuan2's NormHead):
+//!
+//! (a) the golden fixtures of `tests/golden_families/` in f32 (logits, loss, every gradient)
+//!     and bf16 (loss), with the loss head unchunked and in chunks of 5 tokens (NormHead's
+//!     gradient is summed over the chunks before its backward);
+//! (b) random models of each family at head_dim 64, where bf16 runs the flash attention
+//!     kernels (with the sliding window as their key mask), against the CPU engine in f32.
+//!
+//! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes. Every test
+//! prints its measured errors, on success too.
+#![cfg(feature = "cuda")]
+
+mod support;
+
+use std::num::NonZeroUsize;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use support::golden::{FAMILY_CASES, families_dir, read_golden};
+use support::{gpu_or_skip, random_batch, rel_err, report};
+use tilearn_engine::config::LlamaConfig;
+use tilearn_engine::gpu::GpuLlama;
+use tilearn_engine::lce_chunk::LceChunk;
+use tilearn_engine::model::{Activations, LlamaForCausalLM};
+use tilearn_ops::DType;
+use tilearn_ops::cuda::GpuDevice;
+
+/// f32 on the GPU: the CPU engine's golden tolerances (one f32 forward is ~1e-6 off the f64
+/// reference; a wrong mask, bias or head 1e-2 or more).
+const LOGITS_LOSS_TOL: f64 = 1e-4;
+const GRAD_TOL: f64 = 1e-3;
+/// bf16 rounds activations and weights to 8 mantissa bits (~4e-3 relative); a mean loss stays
+/// within 1e-2 of the reference.
+const BF16_LOSS_TOL: f64 = 1e-2;
+/// bf16 gradients of a two-layer model against the f32 CPU engine: every value rounded to 8
+/// bits, through the backward of attention and two norms: ~1e-2 relative; 5e-2 leaves room for
+/// small-norm tensors (biases) yet fails a missing term (O(1)).
+const BF16_GRAD_TOL: f64 = 5e-2;
+
+fn golden_case(dev: &GpuDevice, case: &str) {
+    let dir = families_dir().join(case);
+    let model = LlamaForCausalLM::from_pretrained(&dir).unwrap_or_else(|e| panic!("{case}: {e}"));
+    let g = read_golden(&dir.join("golden.safetensors"));
+    for lce in [
+        LceChunk::Unchunked,
+        LceChunk::Tokens(NonZeroUsize::new(5).unwrap()),
+    ] {
+        let mut gpu =
+            GpuLlama::with_lce_chunk(dev, &model, g.batch, g.seq, &[DType::F32], false, lce)
+                .unwrap();
+        let logits = gpu.forward_logits(&g.input_ids, g.batch, g.seq).unwrap();
+        let logits_err = rel_err(&logits, &g.logits);
+        let stats = gpu
+            .forward_backward(&g.input_ids, &g.labels, g.batch, g.seq, None)
+            .unwrap();
+        let loss_err = (stats.mean() - g.loss as f64).abs() / (g.loss as f64).abs();
+        let grads = gpu.download_grads().unwrap();
+        let mut worst = (0.0f64, String::new());
+        let mut failures = Vec::new();
+        for (name, _, want) in &g.grads {
+            let spec = model.params.spec(name).unwrap();
+            let err = rel_err(&grads[spec.range()], want);
+            if err.is_nan() || err > worst.0 {
+                worst = (err, name.clone());
+            }
+            if err.is_nan() || err > GRAD_TOL {
+                failures.push(format!("{name}: {err:.3e}"));
+            }
+        }
+        report(&format!(
+            "golden {case} ({lce:?}) f32: logits rel err {logits_err:.3e}, loss rel err \
+             {loss_err:.3e}, worst grad rel err {:.3e} ({})",
+            worst.0, worst.1
+        ));
+        assert!(
+            logits_err <= LOGITS_LOSS_TOL,
+            "{case}: logits {logits_err:.3e}"
+        );
+        assert!(loss_err <= LOGITS_LOSS_TOL, "{case}: loss {loss_err:.3e}");
+        assert!(failures.is_empty(), "{case}: gradients off: {failures:?}");
+    }
+    let mut gpu16 = GpuLlama::new(dev, &model, g.batch, g.seq, DType::BF16).unwrap();
+    let stats16 = gpu16
+        .forward_backward(&g.input_ids, &g.labels, g.batch, g.seq, None)
+        .unwrap();
+    let err16 = (stats16.mean() - g.loss as f64).abs() / (g.loss as f64).abs();
+    report(&format!("golden {case} bf16: loss rel err {err16:.3e}"));
+    assert!(err16 <= BF16_LOSS_TOL, "{case}: bf16 loss {err16:.3e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn family_goldens_on_the_gpu() {
+    let Some(dev) = gpu_or_skip("family_goldens_on_the_gpu") else {
+        return;
+    };
+    for case in FAMILY_CASES {
+        golden_case(&dev, case);
+    }
+}
+
+/// A random two-layer model of each family at head_dim 64 (2 heads of 64, GQA where the family
+/// allows it), 64 tokens: the sliding windows (16 keys) bite, and bf16 takes the flash kernels.
+fn family_configs() -> Vec<(&'static str, String)> {
+    let shape = r#""hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "vocab_size": 512, "max_position_embeddings": 256,
+        "initializer_range": 0.05"#;
+    vec![
+        (
+            "qwen2 (q/k/v bias, layer 1 sliding)",
+            format!(
+                r#"{{"architectures": ["Qwen2ForCausalLM"], {shape}, "num_key_value_heads": 1,
+                   "rope_theta": 1000000.0, "use_sliding_window": true, "sliding_window": 16,
+                   "max_window_layers": 1, "tie_word_embeddings": true}}"#
+            ),
+        ),
+        (
+            "mistral (sliding window 16)",
+            format!(
+                r#"{{"architectures": ["MistralForCausalLM"], {shape}, "num_key_value_heads": 1,
+                   "sliding_window": 16}}"#
+            ),
+        ),
+        (
+            "baichuan2-7b (W_pack, NormHead)",
+            format!(r#"{{"architectures": ["BaichuanForCausalLM"], {shape}}}"#),
+        ),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn random_family_models_match_the_cpu_engine() {
+    let Some(dev) = gpu_or_skip("random_family_models_match_the_cpu_engine") else {
+        return;
+    };
+    let (batch, seq) = (2, 64);
+    for (name, json) in family_configs() {
+        let config = LlamaConfig::from_json_str(&json, "config.json").unwrap();
+        let mut model = LlamaForCausalLM::from_config(config, 7);
+        // Non-trivial biases (initialised to zero), so a dropped bias shows.
+        for spec in model.params.specs.clone() {
+            if spec.name.ends_with(".bias") {
+                for (i, x) in model.params.data[spec.range()].iter_mut().enumerate() {
+                    *x = 0.05 * ((i * 7919 % 23) as f32 - 11.0) / 11.0;
+                }
+            }
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let (ids, labels) = random_batch(&mut rng, model.config.vocab_size, batch, seq);
+        let mut acts = Activations::new(&model.config, batch, seq, false);
+        let mut cpu_grads = vec![0.0f32; model.params.numel()];
+        let cpu = model
+            .forward_backward(&ids, &labels, batch, seq, None, &mut acts, &mut cpu_grads)
+            .unwrap();
+        for precision in [DType::F32, DType::BF16] {
+            let mut gpu = GpuLlama::new(&dev, &model, batch, seq, precision).unwrap();
+            if precision == DType::BF16 {
+                assert!(
+                    gpu.flash_attention(),
+                    "{name}: bf16 at head_dim 64 runs flash"
+                );
+            }
+            let stats = gpu
+                .forward_backward(&ids, &labels, batch, seq, None)
+                .unwrap();
+            let grads = gpu.download_grads().unwrap();
+            let loss_err = (stats.mean() - cpu.mean()).abs() / cpu.mean().abs();
+            let (loss_tol, grad_tol) = match precision {
+                DType::F32 => (LOGITS_LOSS_TOL, GRAD_TOL),
+                _ => (BF16_LOSS_TOL, BF16_GRAD_TOL),
+            };
+            let mut worst = (0.0f64, String::new());
+            for spec in &model.params.specs {
+                let err = rel_err(&grads[spec.range()], &cpu_grads[spec.range()]);
+                if err.is_nan() || err > worst.0 {
+                    worst = (err, spec.name.clone());
+                }
+            }
+            report(&format!(
+                "{name} {precision:?}: loss {:.6} vs cpu {:.6} (rel err {loss_err:.3e}), worst \
+                 grad rel err {:.3e} ({})",
+                stats.mean(),
+                cpu.mean(),
+                worst.0,
+                worst.1
+            ));
+            assert!(
+                loss_err <= loss_tol,
+                "{name} {precision:?}: loss {loss_err:.3e}"
+            );
+            assert!(
+                worst.0 <= grad_tol,
+                "{name} {precision:?}: {} grad rel err {:.3e}",
+                worst.1,
+                worst.0
+            );
+        }
+    }
+}

@@ -107,7 +107,10 @@ fn a_restored_checkpoint_saves_identical_files() {
 /// Restores `gpu` from the model and `optimizer.safetensors` in `ckpt`, saves both to `again`
 /// and asserts that the files are byte-identical to the originals.
 fn restore_and_save_again(gpu: &mut GpuBackend, config: &LlamaConfig, ckpt: &Path, again: &Path) {
-    let optimizer = OptimizerCheckpoint::Whole(ckpt.join("optimizer.safetensors"));
+    let specs = gpu.saved_specs().to_vec();
+    let optimizer = OptimizerCheckpoint::open(ckpt, &specs)
+        .unwrap()
+        .expect("the checkpoint has optimizer state");
     gpu.restore(ckpt, &optimizer).unwrap();
     std::fs::create_dir_all(again).unwrap();
     gpu.save_model(again, config, DType::F32, None).unwrap();

@@ -199,3 +199,43 @@ fn random_family_models_match_the_cpu_engine() {
         }
     }
 }
+
+/// The GPU decoder on the families (f32): NormHead's host-side logit scale, Qwen2's biases and
+/// Baichuan's W_pack give the CPU decoder's last logits; past Mistral's window it refuses.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn gpu_decoder_serves_the_families() {
+    use tilearn_engine::gpu::GpuDecoder;
+    use tilearn_engine::model::generate::CachedDecoder;
+    let Some(dev) = gpu_or_skip("gpu_decoder_serves_the_families") else {
+        return;
+    };
+    for case in [
+        "baichuan2_7b",
+        "baichuan_7b",
+        "qwen2_tied",
+        "mistral_sliding",
+    ] {
+        let dir = families_dir().join(case);
+        let model = LlamaForCausalLM::from_pretrained(&dir).unwrap();
+        let g = read_golden(&dir.join("golden.safetensors"));
+        let len = model.config.sliding_window.unwrap_or(g.seq).min(g.seq);
+        let ids = &g.input_ids[..len];
+        let mut cpu = CachedDecoder::new(&model, g.seq);
+        let want = cpu.forward(ids).unwrap().to_vec();
+        let mut gpu = GpuDecoder::new(&dev, &model, DType::F32, g.seq).unwrap();
+        let got = gpu.forward(ids).unwrap().to_vec();
+        let err = rel_err(&got, &want);
+        report(&format!(
+            "gpu decoder {case}: last logits rel err {err:.3e}"
+        ));
+        assert!(err <= LOGITS_LOSS_TOL, "{case}: {err:e}");
+        if len < g.seq {
+            let e = gpu
+                .forward(&g.input_ids[len..len + 1])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("sliding window"), "{case}: {e}");
+        }
+    }
+}

@@ -4,15 +4,13 @@
 #   2. the device model on the family goldens (f32 logits/loss/gradients, bf16 loss; loss head
 #      unchunked and in 5-token chunks) and random head_dim-64 models of each family against
 #      the CPU engine (bf16 takes the flash kernels with the sliding window as key mask);
-#   3. the CPU goldens and the save round trip checked by the Python references (transformers
-#      for Qwen2/Mistral, make_family_golden.py's Baichuan model);
-#   4. `tilearn bench --preset qwen2-0.5b` next to the PyTorch eager baseline of the same shape,
+#   3. `tilearn bench --preset qwen2-0.5b` next to the PyTorch eager baseline of the same shape,
 #      and the Baichuan2-7B-shaped preset at 8 layers (no PyTorch baseline: Baichuan's modeling
 #      code is not in transformers).
-# About 2-3 minutes.
+# (The CPU goldens and the Python reference's check of saved checkpoints run on the CPU:
+# tests/golden_families.rs.) About 2-3 minutes.
 run fam_row_normalize "$B/tests/gpu_row_normalize-test" --include-ignored --test-threads=1 --nocapture
 run fam_gpu_families "$B/tests/gpu_families-test" --include-ignored --test-threads=1 --nocapture
-TILEARN_PYTHON=python3 run fam_golden_families "$B/tests/golden_families-test" --test-threads=1 --nocapture
 run fam_bench_qwen2 "$B/bin/tilearn" bench --preset qwen2-0.5b --steps 10 --json
 run fam_torch_qwen2 timeout 240 python3 benches/pytorch_baseline.py --preset qwen2-0.5b --mode eager --steps 10
 run fam_bench_baichuan2 "$B/bin/tilearn" bench --preset baichuan2-7b-8l --steps 5 --json

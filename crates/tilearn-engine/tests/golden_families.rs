@@ -284,3 +284,37 @@ fn alibi_families_are_refused_clearly() {
         );
     }
 }
+
+/// The KV-cache decoder on the families: Baichuan2's NormHead logits (scaled on the host) and
+/// Qwen2's biases match the full forward's last position; a sequence longer than Mistral's
+/// sliding window is refused, one inside it computes.
+#[test]
+fn the_cached_decoder_serves_the_families() {
+    use tilearn_engine::model::generate::CachedDecoder;
+    for case in ["baichuan2_7b", "qwen2_tied", "mistral_sliding"] {
+        let model = load(case);
+        let g = read_golden(&families_dir().join(case).join("golden.safetensors"));
+        let window = model.config.sliding_window.unwrap_or(g.seq);
+        let len = window.min(g.seq);
+        let ids = &g.input_ids[..len];
+        let mut acts = Activations::new(&model.config, 1, len, false);
+        let full = model.forward_logits(ids, 1, len, &mut acts).unwrap();
+        let vocab = model.config.vocab_size;
+        let want = full[(len - 1) * vocab..].to_vec();
+        let mut dec = CachedDecoder::new(&model, g.seq);
+        dec.forward(&ids[..len - 1]).unwrap();
+        let got = dec.forward(&ids[len - 1..]).unwrap().to_vec();
+        let err = rel_err(&got, &want);
+        report(&format!(
+            "cached decoder {case}: last logits rel err {err:.3e}"
+        ));
+        assert!(err < 1e-5, "{case}: {err:e}");
+        if len < g.seq {
+            let e = dec
+                .forward(&g.input_ids[len..len + 1])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("sliding window"), "{case}: {e}");
+        }
+    }
+}

@@ -34,9 +34,12 @@ const GRAD_TOL: f64 = 1e-3;
 /// within 1e-2 of the reference.
 const BF16_LOSS_TOL: f64 = 1e-2;
 /// bf16 gradients of a two-layer model against the f32 CPU engine: every value rounded to 8
-/// bits, through the backward of attention and two norms: ~1e-2 relative; 5e-2 leaves room for
-/// small-norm tensors (biases) yet fails a missing term (O(1)).
-const BF16_GRAD_TOL: f64 = 5e-2;
+/// bits, through the backward of attention and two norms: ~1e-2 relative over the whole buffer
+/// (the packed-attention test measured 1.05e-2), so 3e-2 for the buffer; single small-norm
+/// tensors (biases, norm weights) amplify it, so 1.5e-1 per tensor, which still fails a
+/// missing or wrong term (O(1)).
+const BF16_GRAD_TOL: f64 = 3e-2;
+const BF16_TENSOR_TOL: f64 = 1.5e-1;
 
 fn golden_case(dev: &GpuDevice, case: &str) {
     let dir = families_dir().join(case);
@@ -167,10 +170,11 @@ fn random_family_models_match_the_cpu_engine() {
                 .unwrap();
             let grads = gpu.download_grads().unwrap();
             let loss_err = (stats.mean() - cpu.mean()).abs() / cpu.mean().abs();
-            let (loss_tol, grad_tol) = match precision {
-                DType::F32 => (LOGITS_LOSS_TOL, GRAD_TOL),
-                _ => (BF16_LOSS_TOL, BF16_GRAD_TOL),
+            let (loss_tol, grad_tol, tensor_tol) = match precision {
+                DType::F32 => (LOGITS_LOSS_TOL, GRAD_TOL, GRAD_TOL),
+                _ => (BF16_LOSS_TOL, BF16_GRAD_TOL, BF16_TENSOR_TOL),
             };
+            let whole = rel_err(&grads, &cpu_grads);
             let mut worst = (0.0f64, String::new());
             for spec in &model.params.specs {
                 let err = rel_err(&grads[spec.range()], &cpu_grads[spec.range()]);
@@ -179,8 +183,8 @@ fn random_family_models_match_the_cpu_engine() {
                 }
             }
             report(&format!(
-                "{name} {precision:?}: loss {:.6} vs cpu {:.6} (rel err {loss_err:.3e}), worst \
-                 grad rel err {:.3e} ({})",
+                "{name} {precision:?}: loss {:.6} vs cpu {:.6} (rel err {loss_err:.3e}), grads \
+                 rel err {whole:.3e}, worst tensor {:.3e} ({})",
                 stats.mean(),
                 cpu.mean(),
                 worst.0,
@@ -190,12 +194,53 @@ fn random_family_models_match_the_cpu_engine() {
                 loss_err <= loss_tol,
                 "{name} {precision:?}: loss {loss_err:.3e}"
             );
+            assert!(whole <= grad_tol, "{name} {precision:?}: grads {whole:.3e}");
             assert!(
-                worst.0 <= grad_tol,
+                worst.0 <= tensor_tol,
                 "{name} {precision:?}: {} grad rel err {:.3e}",
                 worst.1,
                 worst.0
             );
+        }
+    }
+}
+
+/// The GPU decoder on the families (f32): NormHead's host-side logit scale, Qwen2's biases and
+/// Baichuan's W_pack give the CPU decoder's last logits; past Mistral's window it refuses.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn gpu_decoder_serves_the_families() {
+    use tilearn_engine::gpu::GpuDecoder;
+    use tilearn_engine::model::generate::CachedDecoder;
+    let Some(dev) = gpu_or_skip("gpu_decoder_serves_the_families") else {
+        return;
+    };
+    for case in [
+        "baichuan2_7b",
+        "baichuan_7b",
+        "qwen2_tied",
+        "mistral_sliding",
+    ] {
+        let dir = families_dir().join(case);
+        let model = LlamaForCausalLM::from_pretrained(&dir).unwrap();
+        let g = read_golden(&dir.join("golden.safetensors"));
+        let len = model.config.sliding_window.unwrap_or(g.seq).min(g.seq);
+        let ids = &g.input_ids[..len];
+        let mut cpu = CachedDecoder::new(&model, g.seq);
+        let want = cpu.forward(ids).unwrap().to_vec();
+        let mut gpu = GpuDecoder::new(&dev, &model, DType::F32, g.seq).unwrap();
+        let got = gpu.forward(ids).unwrap().to_vec();
+        let err = rel_err(&got, &want);
+        report(&format!(
+            "gpu decoder {case}: last logits rel err {err:.3e}"
+        ));
+        assert!(err <= LOGITS_LOSS_TOL, "{case}: {err:e}");
+        if len < g.seq {
+            let e = gpu
+                .forward(&g.input_ids[len..len + 1])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("sliding window"), "{case}: {e}");
         }
     }
 }

@@ -201,7 +201,19 @@ fn split_run(
 }
 
 fn check_split(split: Split, tied: bool) {
-    let model = LlamaForCausalLM::from_config(config(tied), 7);
+    check_split_model(split, config(tied), tied);
+}
+
+fn check_split_model(split: Split, config: LlamaConfig, tied: bool) {
+    let mut model = LlamaForCausalLM::from_config(config, 7);
+    // Biases start at zero; give them values so a bias lost in the split shows.
+    for spec in model.params.specs.clone() {
+        if spec.name.ends_with(".bias") {
+            for (i, x) in model.params.data[spec.range()].iter_mut().enumerate() {
+                *x = 0.1 * ((i % 7) as f32 - 3.0);
+            }
+        }
+    }
     let micro = batches(
         11 + split.tp as u64 + 10 * split.pp as u64,
         model.config.vocab_size,
@@ -302,6 +314,50 @@ fn tensor_and_pipeline_parallel_together_equal_one_process() {
             recompute: false,
         },
         false,
+    );
+}
+
+/// The [`config`] shape as another family: `architecture` plus its own keys.
+fn family_config(architecture: &str, extra: &str) -> LlamaConfig {
+    let json = format!(
+        r#"{{"architectures": ["{architecture}"], "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 67,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5{extra}}}"#
+    );
+    LlamaConfig::from_json_str(&json, "test/config.json").unwrap()
+}
+
+/// Qwen2's q/k/v biases split with their heads and its sliding layers (from layer 2, window 5
+/// of 12 tokens) keep their mask on every rank; Mistral's window likewise; Baichuan2's W_pack
+/// and NormHead across pipeline stages.
+#[test]
+fn families_split_like_one_process() {
+    let qwen2 = family_config(
+        "Qwen2ForCausalLM",
+        r#", "num_key_value_heads": 2, "use_sliding_window": true, "sliding_window": 5,
+           "max_window_layers": 2"#,
+    );
+    let mistral = family_config(
+        "MistralForCausalLM",
+        r#", "num_key_value_heads": 2, "sliding_window": 5"#,
+    );
+    let baichuan2 = family_config("BaichuanForCausalLM", "");
+    let tp_pp = Split {
+        tp: 2,
+        pp: 2,
+        schedule: ScheduleKind::OneFOneB,
+        recompute: false,
+    };
+    check_split_model(TP, qwen2.clone(), false);
+    check_split_model(tp_pp, qwen2, false);
+    check_split_model(TP, mistral, false);
+    check_split_model(Split { tp: 1, ..tp_pp }, baichuan2.clone(), false);
+    let err = ShardPlan::new(&baichuan2, TensorShard { rank: 0, size: 2 })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("W_pack") && err.contains("--tp-size 1"),
+        "{err}"
     );
 }
 

@@ -105,3 +105,33 @@ pub const PEAK_BF16_FLOPS: f64 = 989e12;
 pub fn flops_per_token(config: &LlamaConfig, num_params: usize, seq: usize) -> f64 {
     tilearn_engine::plan::flops_per_token(config, num_params, seq)
 }
+
+#[cfg(test)]
+mod tests {
+    use tilearn_engine::config::{BaichuanVariant, ModelFamily};
+
+    use super::*;
+
+    #[test]
+    fn every_preset_builds_its_family() {
+        for p in PRESETS {
+            let c = p.config(p.seq);
+            assert_eq!(c.hidden_size, p.hidden_size, "{}", p.name);
+            let want = match p.name {
+                "qwen2-0.5b" => ModelFamily::Qwen2,
+                "baichuan2-7b-8l" => ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B),
+                _ => ModelFamily::Llama,
+            };
+            assert_eq!(c.family, want, "{}", p.name);
+        }
+        let qwen = Preset::by_name("qwen2-0.5b").unwrap().config(2048);
+        assert!(qwen.tie_word_embeddings && qwen.qkv_bias() && !qwen.o_bias());
+        assert_eq!(qwen.rope_theta, 1e6);
+        assert!(
+            Preset::by_name("baichuan2-7b-8l")
+                .unwrap()
+                .config(2048)
+                .norm_head()
+        );
+    }
+}

@@ -197,3 +197,74 @@ fn baichuan(f: &Fields<'_>, env: Option<&str>) -> Result<ModelFamily> {
     };
     Err(unsupported_alibi(f, "architectures", what))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use serde_json::{Map, Value};
+
+    use super::*;
+
+    fn detect_json(json: &str, env: Option<&str>) -> Result<ModelFamily> {
+        let Value::Object(obj): Value = serde_json::from_str(json).unwrap() else {
+            panic!("not an object")
+        };
+        let obj: Map<String, Value> = obj;
+        detect(
+            &Fields {
+                obj: &obj,
+                file: Path::new("config.json"),
+            },
+            env,
+        )
+    }
+
+    #[test]
+    fn architectures_and_model_types_pick_the_family() {
+        let cases = [
+            (
+                r#"{"architectures": ["Qwen2ForCausalLM"]}"#,
+                ModelFamily::Qwen2,
+            ),
+            (r#"{"model_type": "mistral"}"#, ModelFamily::Mistral),
+            (
+                r#"{"architectures": ["BaiChuanForCausalLM"], "hidden_size": 4096}"#,
+                ModelFamily::Baichuan(BaichuanVariant::Baichuan7B),
+            ),
+            (
+                r#"{"architectures": ["BaichuanForCausalLM"], "hidden_size": 4096,
+                    "vocab_size": 125696}"#,
+                ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B),
+            ),
+            (r#"{"model_type": "llama"}"#, ModelFamily::Llama),
+        ];
+        for (json, want) in cases {
+            assert_eq!(detect_json(json, None).unwrap(), want, "{json}");
+        }
+    }
+
+    #[test]
+    fn thirteen_b_baichuans_are_refused_and_the_override_picks_the_generation() {
+        let v1 = r#"{"architectures": ["BaichuanForCausalLM"], "hidden_size": 5120,
+                     "vocab_size": 64000}"#;
+        let v2 = r#"{"architectures": ["BaichuanForCausalLM"], "hidden_size": 5120,
+                     "vocab_size": 125696}"#;
+        let msg = |json, env| detect_json(json, env).unwrap_err().to_string();
+        assert!(msg(v1, None).contains("Baichuan-13B (BaichuanForCausalLM"));
+        assert!(msg(v2, None).contains("Baichuan2-13B"));
+        assert!(msg(v2, Some("1")).contains("Baichuan-13B (BaichuanForCausalLM"));
+        assert!(msg(v1, Some("2")).contains("Baichuan2-13B"));
+        for m in [msg(v1, None), msg(v2, Some("2"))] {
+            assert!(
+                m.contains("Bloom / Baichuan-13B (ALiBi) are not supported yet"),
+                "{m}"
+            );
+        }
+        let bad = msg(v1, Some("13b"));
+        assert!(
+            bad.contains(BAICHUAN_13B_ENV) && bad.contains("set it to 1"),
+            "{bad}"
+        );
+    }
+}

@@ -106,9 +106,12 @@ pub fn rank_params(
     let (q, kv, i) = (w.q as u64, w.kv as u64, w.inter as u64);
     let linear = c * q + 2 * c * kv + q * c + 3 * c * i;
     let mut other = 2 * c; // the two norms
-    if config.attention_bias {
+    if config.qkv_bias() {
         // q/k/v biases follow their columns; o_proj's bias is added once, after the reduce.
-        other += q + 2 * kv + c;
+        other += q + 2 * kv;
+    }
+    if config.o_bias() {
+        other += c;
     }
     if config.mlp_bias {
         other += 2 * i + c;

@@ -1,7 +1,9 @@
 //! Which cache slot holds which row of one table, and which slot to give up next: least
 //! recently used first, never a slot the current batch uses.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::error::{RecsysError, Result};
 
@@ -20,7 +22,8 @@ pub struct SlotPlan {
 /// The slot map of one table's cache of `slots` rows.
 #[derive(Debug, Clone)]
 pub struct LruSlots {
-    slot_of: HashMap<u32, u32>,
+    /// Row → slot (FxHash: row ids are small integers, SipHash's DoS resistance buys nothing).
+    slot_of: FxHashMap<u32, u32>,
     row_of: Vec<Option<u32>>,
     /// Slots by (last use, slot): the first is the least recently used (free slots: 0).
     by_use: BTreeSet<(u64, u32)>,
@@ -37,7 +40,7 @@ impl LruSlots {
             ));
         }
         Ok(LruSlots {
-            slot_of: HashMap::new(),
+            slot_of: FxHashMap::default(),
             row_of: vec![None; slots],
             by_use: (0..slots as u32).map(|s| (0, s)).collect(),
             last_use: vec![0; slots],
@@ -71,7 +74,8 @@ impl LruSlots {
     /// distinct rows than the cache has slots.
     pub fn plan(&mut self, rows: &[u32]) -> Result<SlotPlan> {
         let mut distinct: Vec<u32> = Vec::with_capacity(rows.len());
-        let mut seen = std::collections::HashSet::with_capacity(rows.len());
+        let mut seen = FxHashSet::default();
+        seen.reserve(rows.len());
         for &r in rows {
             if seen.insert(r) {
                 distinct.push(r);

@@ -7,8 +7,8 @@ mod common;
 
 use common::{odd_layout, random_batch, random_values};
 use tilearn_recsys::cache::{
-    BatchCopies, CachedEmbeddingBag, HostRows, LruSlots, RowCachePlanner, RowMove, parse_bytes,
-    plan_residency,
+    BatchCopies, CachedEmbeddingBag, HostRows, LruSlots, RowCachePlanner, RowMove, SlotPlan,
+    parse_bytes, plan_residency,
 };
 use tilearn_recsys::{
     EmbeddingTables, JaggedBatch, Pooling, SparseOptimizer, SparseState, TableLayout, TableSpec,
@@ -267,7 +267,7 @@ struct ReferenceLru {
 }
 
 impl ReferenceLru {
-    fn plan(&mut self, rows: &[u32]) -> (Vec<(u32, u32)>, Vec<(u32, u32)>, usize) {
+    fn plan(&mut self, rows: &[u32]) -> SlotPlan {
         let mut distinct = Vec::new();
         for &r in rows {
             if !distinct.contains(&r) {
@@ -300,7 +300,11 @@ impl ReferenceLru {
             touch(&mut self.order, s);
             loads.push((r, s));
         }
-        (loads, evictions, hits)
+        SlotPlan {
+            loads,
+            evictions,
+            hits,
+        }
     }
 }
 
@@ -325,11 +329,7 @@ fn lru_matches_a_reference_on_random_batches() {
                 .collect();
             let got = lru.plan(&rows).unwrap();
             let want = reference.plan(&rows);
-            assert_eq!(
-                (got.loads, got.evictions, got.hits),
-                want,
-                "{slots} slots, step {step}, rows {rows:?}"
-            );
+            assert_eq!(got, want, "{slots} slots, step {step}, rows {rows:?}");
             for &r in &rows {
                 assert!(lru.slot(r).is_some(), "row {r} of the batch is not cached");
             }

@@ -9,7 +9,9 @@
 #     its bandwidth, held-out AUC after the same samples;
 #   * `tilearn ctr bench` with the MLP in fp32 and bf16, at the default widths (256,128) and a
 #     wide MLP (1024,1024,512): samples/s and AUC after the same samples;
-#   * `tilearn ctr train` through the cache (64 MiB budget): the log's per-window row_cache.
+#   * `tilearn ctr train` through the cache (64 MiB budget): the log's per-window row_cache;
+#   * NCCL's new all_to_all (tilearn-parallel's one-rank NCCL test; the bundle names that file
+#     gpu-test or gpu-test-N, so every gpu-test* runs with the test's name as filter).
 run recsys2_scale_gpu "$B/tests/ctr_scale_gpu-test" --include-ignored --test-threads=1 --nocapture
 run recsys2_embedding_bag_gpu "$B/tests/embedding_bag_gpu-test" --include-ignored --test-threads=1 --nocapture
 
@@ -32,3 +34,6 @@ run recsys2_train_row_cache timeout 150 "$B/bin/tilearn" ctr train --device cuda
 cp "$OUT/recsys2_cache_run/train_log.jsonl" "$OUT/recsys2_train_row_cache.jsonl" 2>/dev/null
 rm -rf "$OUT/recsys2_cache_run"
 grep -h '^{' "$OUT"/recsys2_bench_*.log > "$OUT/recsys2_bench.jsonl" 2>/dev/null
+for t in "$B"/tests/gpu-test*; do
+  run "recsys2_nccl_$(basename "$t")" "$t" nccl_with_one_rank_runs_every_collective --include-ignored --test-threads=1 --nocapture
+done

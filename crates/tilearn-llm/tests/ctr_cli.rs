@@ -285,3 +285,47 @@ fn bench_reports_throughput_and_auc_and_exports_its_batches() {
     assert!(ids.iter().all(|&id| id < 500 || id == u32::MAX));
     assert!(ids.contains(&u32::MAX), "no empty field among 3072 samples");
 }
+
+/// The GPU-only flags of `ctr train` (row cache placement, bf16 MLP) on a CPU run: refused,
+/// naming the flag and the fix; `--host-rows` without a budget is a usage error; a bad size is
+/// refused with the accepted forms.
+#[test]
+fn gpu_only_ctr_flags_are_refused_on_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let out_dir = dir.path().join("run");
+        let mut args = vec![
+            "ctr",
+            "train",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--synthetic-samples",
+            "64",
+            "--output-dir",
+            p(&out_dir),
+        ];
+        args.extend_from_slice(extra);
+        let out = Command::new(support::bin("tilearn", env!("CARGO_BIN_EXE_tilearn")))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&["--gpu-embedding-budget", "1GiB"]);
+    assert!(
+        err.contains("--gpu-embedding-budget") && err.contains("--device cuda"),
+        "{err}"
+    );
+    let err = run(&["--precision", "bf16"]);
+    assert!(
+        err.contains("--precision bf16") && err.contains("--device cuda"),
+        "{err}"
+    );
+    let err = run(&["--host-rows", "auto"]);
+    assert!(err.contains("--gpu-embedding-budget"), "{err}");
+    let err = run(&["--gpu-embedding-budget", "lots"]);
+    assert!(err.contains("2GiB"), "{err}");
+}

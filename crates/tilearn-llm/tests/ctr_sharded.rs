@@ -9,6 +9,10 @@
 //! one process's, and row-wise bags add partial sums, so the runs agree to rounding (AdamW
 //! enlarges it for near-zero gradient elements); the in-process test of the same trainer
 //! (tilearn-recsys' tests/sharding.rs) measures rows within 4.4e-7 after 12 steps.
+//!
+//! Checkpoints: every rank gathers the model, rank 0 writes it (the single process's files); a
+//! sharded run resumed from step 6 ends with the uninterrupted sharded run's model, byte for
+//! byte (same world size: the same sums in the same order).
 
 mod support;
 
@@ -17,7 +21,7 @@ use std::process::{Command, Output};
 
 use support::{max_abs_diff, ok};
 
-fn tilearn(launched: Option<usize>, out: &Path) -> Output {
+fn tilearn(launched: Option<usize>, out: &Path, extra: &[&str]) -> Output {
     let mut cmd = Command::new(support::bin("tilearn", env!("CARGO_BIN_EXE_tilearn")));
     cmd.env_remove("OMP_NUM_THREADS");
     if let Some(ranks) = launched {
@@ -54,6 +58,7 @@ fn tilearn(launched: Option<usize>, out: &Path) -> Output {
         "--output-dir",
         out.to_str().unwrap(),
     ]);
+    cmd.args(extra);
     cmd.output().expect("run tilearn")
 }
 
@@ -72,13 +77,13 @@ fn close(got: f64, want: f64, rel: f64) -> bool {
 fn sharded_ctr_training_through_the_launcher_follows_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let single = dir.path().join("single");
-    ok(tilearn(None, &single));
+    ok(tilearn(None, &single, &[]));
     let want = records(&single);
     assert_eq!(want.len(), 2, "a record every 6 of 12 steps");
     let want_model = tilearn_recsys::model::io::load_model(&single).unwrap();
     for ranks in [2, 3] {
         let out = dir.path().join(format!("ranks{ranks}"));
-        let output = tilearn(Some(ranks), &out);
+        let output = tilearn(Some(ranks), &out, &[]);
         let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
         ok(output);
         assert!(stderr.contains("shard_plan"), "{stderr}");
@@ -108,4 +113,27 @@ fn sharded_ctr_training_through_the_launcher_follows_one_process() {
             "{ranks} ranks: tables {dt}, dense {dd}"
         );
     }
+}
+
+#[test]
+fn sharded_ctr_training_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let straight = dir.path().join("straight");
+    ok(tilearn(Some(2), &straight, &["--save-steps", "6"]));
+    let checkpoint = straight.join("checkpoint-6");
+    assert!(checkpoint.join("sparse_optimizer.safetensors").is_file());
+    let resumed = dir.path().join("resumed");
+    let from = checkpoint.to_str().unwrap();
+    let flags = ["--resume-from-checkpoint", from, "--save-steps", "6"];
+    ok(tilearn(Some(2), &resumed, &flags));
+    let model = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    assert!(
+        model(&straight) == model(&resumed),
+        "the resumed model differs"
+    );
+    let state = |d: &Path| std::fs::read(d.join("sparse_optimizer.safetensors")).unwrap();
+    assert!(
+        state(&straight.join("checkpoint-12")) == state(&resumed.join("checkpoint-12")),
+        "the sparse optimizer state at step 12 differs"
+    );
 }

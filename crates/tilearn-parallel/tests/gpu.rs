@@ -127,6 +127,20 @@ fn nccl_with_one_rank_runs_every_collective() {
     }
     assert_eq!(stream.clone_dtoh(&dst1).unwrap(), first);
     assert_eq!(stream.clone_dtoh(&dst2).unwrap(), second);
+    // all_to_all (grouped ncclSend/ncclRecv through a scratch, copied back in place): with one
+    // rank its one shard travels to itself and comes back unchanged; bf16 too.
+    let mut dev = stream.clone_htod(&first).unwrap();
+    comm.all_to_all(BufferMut::from(&mut dev))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(stream.clone_dtoh(&dev).unwrap(), first);
+    let mut dev = stream.clone_htod(&second).unwrap();
+    comm.all_to_all(BufferMut::from(&mut dev))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(stream.clone_dtoh(&dev).unwrap(), second);
     comm.barrier().unwrap();
     // Host memory is refused with a typed error, not a crash.
     let mut host = vec![0f32; 4];

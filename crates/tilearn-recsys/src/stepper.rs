@@ -25,6 +25,13 @@ pub trait CtrStepper {
         Ok(None)
     }
 
+    /// Whether this process writes the checkpoints the training loop asks for (every process
+    /// still calls [`host`](Self::host), which may be collective): all but the non-zero ranks
+    /// of a sharded run.
+    fn writes_checkpoints(&self) -> bool {
+        true
+    }
+
     /// The model and its optimizers' state on the host, current (a device model copies its
     /// state back first).
     fn host(&mut self) -> Result<&CtrModel>;

@@ -194,7 +194,11 @@ pub fn train(
         on_step(step, stats.loss);
         if let Some(save) = options.save.as_ref().filter(|s| step % s.every.max(1) == 0) {
             let state = options.state(step, samples_seen, train_samples);
-            save_checkpoint(&save.output_dir, model.host()?, &state, save.keep)?;
+            let writes = model.writes_checkpoints();
+            let host = model.host()?;
+            if writes {
+                save_checkpoint(&save.output_dir, host, &state, save.keep)?;
+            }
         }
         if step % options.eval_every.max(1) == 0 || step == options.steps {
             // The training window's cache traffic (evaluation's loads come after).

@@ -7,8 +7,8 @@ mod common;
 
 use common::{odd_layout, random_batch, random_values};
 use tilearn_recsys::cache::{
-    BatchCopies, CachedEmbeddingBag, HostRows, LruSlots, RowCachePlanner, RowMove, parse_bytes,
-    plan_residency,
+    BatchCopies, CachedEmbeddingBag, HostRows, LruSlots, RowCachePlanner, RowMove, SlotPlan,
+    parse_bytes, plan_residency,
 };
 use tilearn_recsys::{
     EmbeddingTables, JaggedBatch, Pooling, SparseOptimizer, SparseState, TableLayout, TableSpec,
@@ -258,6 +258,83 @@ fn lru_gives_up_the_least_recently_used_slot_never_one_of_the_batch() {
     );
     assert_eq!(lru.cached().count(), 3);
     assert!(LruSlots::new(0).is_err());
+}
+
+/// A slow, obvious LRU: slots in a vector from least to most recently used.
+struct ReferenceLru {
+    order: Vec<u32>,
+    row_of: Vec<Option<u32>>,
+}
+
+impl ReferenceLru {
+    fn plan(&mut self, rows: &[u32]) -> SlotPlan {
+        let mut distinct = Vec::new();
+        for &r in rows {
+            if !distinct.contains(&r) {
+                distinct.push(r);
+            }
+        }
+        let slot_of = |row_of: &[Option<u32>], r: u32| row_of.iter().position(|&x| x == Some(r));
+        let touch = |order: &mut Vec<u32>, s: u32| {
+            order.retain(|&x| x != s);
+            order.push(s);
+        };
+        let mut hits = 0;
+        let mut missing = Vec::new();
+        for &r in &distinct {
+            match slot_of(&self.row_of, r) {
+                Some(s) => {
+                    hits += 1;
+                    touch(&mut self.order, s as u32);
+                }
+                None => missing.push(r),
+            }
+        }
+        let (mut loads, mut evictions) = (Vec::new(), Vec::new());
+        for r in missing {
+            let s = self.order[0];
+            if let Some(old) = self.row_of[s as usize] {
+                evictions.push((old, s));
+            }
+            self.row_of[s as usize] = Some(r);
+            touch(&mut self.order, s);
+            loads.push((r, s));
+        }
+        SlotPlan {
+            loads,
+            evictions,
+            hits,
+        }
+    }
+}
+
+#[test]
+fn lru_matches_a_reference_on_random_batches() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+    for slots in [1usize, 2, 7, 40] {
+        let mut lru = LruSlots::new(slots).unwrap();
+        let mut reference = ReferenceLru {
+            order: (0..slots as u32).collect(),
+            row_of: vec![None; slots],
+        };
+        for step in 0..300 {
+            // Up to `slots` distinct rows of 0..3 slots' worth, repeats included.
+            let distinct = rng.random_range(1..=slots);
+            let pool: Vec<u32> = (0..distinct)
+                .map(|_| rng.random_range(0..3 * slots as u32))
+                .collect();
+            let rows: Vec<u32> = (0..rng.random_range(1..=2 * slots))
+                .map(|_| pool[rng.random_range(0..pool.len())])
+                .collect();
+            let got = lru.plan(&rows).unwrap();
+            let want = reference.plan(&rows);
+            assert_eq!(got, want, "{slots} slots, step {step}, rows {rows:?}");
+            for &r in &rows {
+                assert!(lru.slot(r).is_some(), "row {r} of the batch is not cached");
+            }
+        }
+    }
 }
 
 #[test]

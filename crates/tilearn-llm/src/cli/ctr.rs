@@ -385,18 +385,12 @@ fn train_ranks(args: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
     Ok(())
 }
 
-/// Fails, naming the flag, for what a sharded run does not do yet.
+/// Fails, naming the flag, for what a sharded run does not do yet (GPU ranks, GPU-only flags).
 fn check_sharded_flags(args: &TrainArgs) -> Result<()> {
     if matches!(args.device, DeviceChoice::Cuda) {
         return Err(usage(
             "--device cuda",
             "sharded training (tilearn launch with several ranks) runs on the CPU over the host communicator for now; use --device cpu",
-        ));
-    }
-    if args.save_steps > 0 || args.resume_from_checkpoint.is_some() {
-        return Err(usage(
-            "--save-steps",
-            "checkpoints of sharded training are not written yet; drop --save-steps / --resume-from-checkpoint (the final model is saved)",
         ));
     }
     args.gpu.check_cpu()

@@ -5,8 +5,9 @@
 //! Every rank loads the same data and draws the same global batches of `--batch-size`; rank r
 //! trains the r-th of N parts of each. `--shard-row-wise-rows` decides which tables are cut
 //! into row ranges over every rank; the others go whole to the least loaded rank, largest
-//! first. The plan is printed once (rank 0) as a JSON line (`shard_plan`). Rank 0 writes the log
-//! and the final model (gathered from the shards); the others print nothing.
+//! first. The plan is printed once (rank 0) as a JSON line (`shard_plan`). Rank 0 writes the log,
+//! the checkpoints and the final model (gathered from the shards by every rank; a resume
+//! re-shards them); the others print nothing.
 
 use std::sync::Arc;
 

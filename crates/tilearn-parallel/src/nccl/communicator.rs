@@ -560,11 +560,68 @@ impl Communicator for NcclCommunicator {
         self.record("batch_p2p")?.wait()
     }
 
-    fn all_to_all<'a>(&'a self, _buf: BufferMut<'a>) -> Result<Work<'a>> {
-        Err(ParallelError::Unsupported {
-            op: "all_to_all",
-            backend: "nccl",
-            reason: "not implemented yet (it needs a scratch copy: NCCL's all-to-all is out of place); use send/recv".into(),
+    /// Grouped `ncclSend` / `ncclRecv` with every rank (itself included): shard `j` goes to
+    /// rank `j` and rank `j`'s shard lands in shard `j` of a scratch buffer, copied over `buf`
+    /// once the group completed (NCCL's exchange is out of place). All on the communication
+    /// stream, so the scratch is freed after the copy.
+    fn all_to_all<'a>(&'a self, buf: BufferMut<'a>) -> Result<Work<'a>> {
+        let world = self.world_size;
+        shard_range("all_to_all", buf.dtype(), buf.len(), world, self.rank)?;
+        let bytes = buf.len() * buf.dtype().size_in_bytes();
+        let mut scratch = (self.stream)
+            .alloc_zeros::<u8>(bytes.max(1))
+            .map_err(cuda("allocating the all_to_all scratch"))?;
+        self.enqueue_mut("all_to_all", buf, |ptr, dtype, len| {
+            let nccl = self.handle.nccl;
+            let (comm, stream) = (self.handle.comm, self.stream.cu_stream());
+            let shard = len / world;
+            let (scratch_ptr, _scratch) = scratch.device_ptr_mut(&self.stream);
+            // SAFETY: opens a group; closed below on every path.
+            nccl.check("ncclGroupStart", unsafe { (nccl.group_start)() })?;
+            let mut posted = Ok(());
+            for peer in 0..world {
+                // SAFETY: `shard` elements of `dtype` at shard `peer` of the live device buffer
+                // (len = world * shard, checked above) are sent, and as many received into the
+                // same place of the scratch (`bytes` long), both on the communication stream.
+                let status = unsafe {
+                    nccl.check(
+                        "ncclSend",
+                        (nccl.send)(
+                            offset(ptr, peer * shard, dtype),
+                            shard,
+                            nccl_dtype(dtype),
+                            peer as i32,
+                            comm,
+                            stream.cast(),
+                        ),
+                    )
+                    .and_then(|()| {
+                        nccl.check(
+                            "ncclRecv",
+                            (nccl.recv)(
+                                offset(scratch_ptr, peer * shard, dtype),
+                                shard,
+                                nccl_dtype(dtype),
+                                peer as i32,
+                                comm,
+                                stream.cast(),
+                            ),
+                        )
+                    })
+                };
+                if status.is_err() {
+                    posted = status;
+                    break;
+                }
+            }
+            // SAFETY: closes the group opened above (also after a failed post, as NCCL requires).
+            let ended = nccl.check("ncclGroupEnd", unsafe { (nccl.group_end)() });
+            posted?;
+            ended?;
+            // SAFETY: copies `bytes` from the scratch over the buffer (both live, both `bytes`
+            // long), ordered after the group on the communication stream.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(ptr, scratch_ptr, bytes, stream) }
+                .map_err(cuda("copying the all_to_all result into place"))
         })
     }
 

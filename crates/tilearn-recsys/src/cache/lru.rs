@@ -1,7 +1,11 @@
 //! Which cache slot holds which row of one table, and which slot to give up next: least
 //! recently used first, never a slot the current batch uses.
+//!
+//! The recency order is a doubly linked list over the slots (arrays of neighbours, no
+//! allocation): a use moves the slot to the back, the victim is the front; both O(1), so a
+//! batch of n distinct rows costs O(n) besides the hash lookups.
 
-use std::collections::{BTreeSet, HashMap};
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::error::{RecsysError, Result};
 
@@ -20,26 +24,42 @@ pub struct SlotPlan {
 /// The slot map of one table's cache of `slots` rows.
 #[derive(Debug, Clone)]
 pub struct LruSlots {
-    slot_of: HashMap<u32, u32>,
+    /// Row → slot (FxHash: row ids are small integers, SipHash's DoS resistance buys nothing).
+    slot_of: FxHashMap<u32, u32>,
     row_of: Vec<Option<u32>>,
-    /// Slots by (last use, slot): the first is the least recently used (free slots: 0).
-    by_use: BTreeSet<(u64, u32)>,
+    /// The recency list: `prev` / `next` neighbour of each slot (`NONE` at the ends), from
+    /// `front` (least recently used; free slots start there in slot order) to `back`.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    front: u32,
+    back: u32,
+    /// The batch (clock value) that last used each slot.
     last_use: Vec<u64>,
     clock: u64,
 }
 
+/// No neighbour.
+const NONE: u32 = u32::MAX;
+
 impl LruSlots {
     pub fn new(slots: usize) -> Result<Self> {
-        if slots == 0 || slots > u32::MAX as usize {
+        if slots == 0 || slots >= u32::MAX as usize {
             return Err(RecsysError::invalid(
                 "row cache",
-                format!("{slots} slots; a table's cache needs 1 ..= 2^32 - 1 slots"),
+                format!("{slots} slots; a table's cache needs 1 ..= 2^32 - 2 slots"),
             ));
         }
         Ok(LruSlots {
-            slot_of: HashMap::new(),
+            slot_of: FxHashMap::default(),
             row_of: vec![None; slots],
-            by_use: (0..slots as u32).map(|s| (0, s)).collect(),
+            prev: (0..slots as u32)
+                .map(|s| s.checked_sub(1).unwrap_or(NONE))
+                .collect(),
+            next: (1..=slots as u32)
+                .map(|s| if s < slots as u32 { s } else { NONE })
+                .collect(),
+            front: 0,
+            back: slots as u32 - 1,
             last_use: vec![0; slots],
             clock: 0,
         })
@@ -59,11 +79,26 @@ impl LruSlots {
         self.row_of[slot as usize]
     }
 
+    /// Marks `slot` used by the current batch: to the back of the recency list.
     fn touch(&mut self, slot: u32) {
         let s = slot as usize;
-        self.by_use.remove(&(self.last_use[s], slot));
         self.last_use[s] = self.clock;
-        self.by_use.insert((self.clock, slot));
+        if self.back == slot {
+            return;
+        }
+        // Unlink (not the back, so it has a next).
+        let (p, n) = (self.prev[s], self.next[s]);
+        if p == NONE {
+            self.front = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        self.prev[n as usize] = p;
+        // Append.
+        self.prev[s] = self.back;
+        self.next[s] = NONE;
+        self.next[self.back as usize] = slot;
+        self.back = slot;
     }
 
     /// Makes every row of `rows` (one batch's rows of this table, repeats allowed) cached and
@@ -71,7 +106,8 @@ impl LruSlots {
     /// distinct rows than the cache has slots.
     pub fn plan(&mut self, rows: &[u32]) -> Result<SlotPlan> {
         let mut distinct: Vec<u32> = Vec::with_capacity(rows.len());
-        let mut seen = std::collections::HashSet::with_capacity(rows.len());
+        let mut seen = FxHashSet::default();
+        seen.reserve(rows.len());
         for &r in rows {
             if seen.insert(r) {
                 distinct.push(r);
@@ -101,8 +137,11 @@ impl LruSlots {
             }
         }
         for r in missing {
-            let &(stamp, slot) = self.by_use.first().expect("a cache has slots");
-            debug_assert!(stamp < self.clock, "a slot of this batch would be evicted");
+            let slot = self.front;
+            debug_assert!(
+                self.last_use[slot as usize] < self.clock,
+                "a slot of this batch would be evicted"
+            );
             if let Some(old) = self.row_of[slot as usize] {
                 self.slot_of.remove(&old);
                 plan.evictions.push((old, slot));

@@ -8,9 +8,8 @@
 //! whole (copied in when the cache is made, out when it is flushed), its ids are not remapped
 //! and it has no slot map; only the other tables' rows move per batch and count in the stats.
 
-use std::collections::HashSet;
-
 use rayon::prelude::*;
+use rustc_hash::FxHashSet;
 
 use crate::error::{RecsysError, Result};
 use crate::jagged::JaggedBatch;
@@ -116,7 +115,7 @@ impl RowCachePlanner {
         batch.check_layout(&self.backing)?;
         (self.slots.par_iter().enumerate()).try_for_each(|(t, slots)| {
             let Some(slots) = slots else { return Ok(()) };
-            let distinct: HashSet<u32> = batch.ids()[batch.table_entries(t)]
+            let distinct: FxHashSet<u32> = batch.ids()[batch.table_entries(t)]
                 .iter()
                 .copied()
                 .collect();

@@ -61,6 +61,18 @@ impl ShardedEmbeddingBag {
         full: &EmbeddingTables,
         optimizer: SparseOptimizer,
     ) -> Result<Self> {
+        let state = SparseState::new(optimizer, &full.layout)?;
+        Self::from_full_state(plan, rank, full, &state)
+    }
+
+    /// Rank `rank`'s shard of `full` and of its optimizer `state` (a fresh one, or one read
+    /// from a checkpoint: its step count carries over).
+    pub fn from_full_state(
+        plan: ShardPlan,
+        rank: usize,
+        full: &EmbeddingTables,
+        state: &SparseState,
+    ) -> Result<Self> {
         if full.layout != *plan.layout() || rank >= plan.world() {
             return Err(RecsysError::invalid(
                 "sharded embedding bag",
@@ -70,17 +82,32 @@ impl ShardedEmbeddingBag {
                 ),
             ));
         }
+        state.check_layout(&full.layout)?;
+        let optimizer = *state.optimizer();
+        let per_row = matches!(optimizer, SparseOptimizer::RowWiseAdagrad { .. });
+        let (uses1, uses2) = optimizer.state_buffers();
         let shard = match plan.shard_layout(rank)? {
             None => None,
             Some(layout) => {
                 let mut weights = Vec::with_capacity(layout.total_elements());
+                let (mut state1, mut state2) = (Vec::new(), Vec::new());
                 for s in plan.shard(rank) {
                     let first = full.layout.row_range(s.table, s.rows.start).start;
-                    let dim = full.layout.specs()[s.table].dim;
-                    weights.extend_from_slice(&full.weights[first..first + s.rows.len() * dim]);
+                    let len = s.rows.len() * full.layout.specs()[s.table].dim;
+                    weights.extend_from_slice(&full.weights[first..first + len]);
+                    if uses1 && per_row {
+                        let row = full.layout.row_base()[s.table] + s.rows.start;
+                        state1.extend_from_slice(&state.state1()[row..row + s.rows.len()]);
+                    } else if uses1 {
+                        state1.extend_from_slice(&state.state1()[first..first + len]);
+                    }
+                    if uses2 {
+                        state2.extend_from_slice(&state.state2()[first..first + len]);
+                    }
                 }
-                let state = SparseState::new(optimizer, &layout)?;
-                Some((EmbeddingTables::from_weights(layout, weights)?, state))
+                let mut shard_state = SparseState::new(optimizer, &layout)?;
+                shard_state.set_state(state1, state2, state.step())?;
+                Some((EmbeddingTables::from_weights(layout, weights)?, shard_state))
             }
         };
         Ok(ShardedEmbeddingBag {

@@ -12,7 +12,8 @@
 //! One process on the same global batches therefore computes the same step; sums run in other
 //! orders (the all-reduce, row-wise partial bags), so results agree to rounding, which AdamW
 //! may enlarge for near-zero gradient elements. Evaluation splits each chunk the same way and
-//! sums the logits back into place with an all-reduce.
+//! sums the logits back into place with an all-reduce. Checkpoints are the single process's
+//! files: every rank gathers the whole model, rank 0 writes it; a resume re-shards it.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -54,8 +55,9 @@ fn comm_error(e: tilearn_parallel::ParallelError) -> RecsysError {
 }
 
 impl ShardedCtrTrainer {
-    /// This rank's part of `model` (the same freshly initialised model on every rank: same
-    /// config and seed) placed by `plan`. The full tables are dropped once sharded.
+    /// This rank's part of `model` (the same model on every rank: freshly initialised with the
+    /// same config and seed, or read from the same checkpoint) placed by `plan`. The full
+    /// tables are dropped once sharded.
     pub fn new(comm: Arc<dyn Communicator>, mut model: CtrModel, plan: ShardPlan) -> Result<Self> {
         if plan.world() != comm.world_size() || *plan.layout() != model.tables.layout {
             return Err(RecsysError::invalid(
@@ -67,18 +69,8 @@ impl ShardedCtrTrainer {
                 ),
             ));
         }
-        if model.sparse.step() != 0 {
-            return Err(RecsysError::invalid(
-                "sharded training",
-                "the model has taken steps; sharded training starts from a fresh model (no resume yet)",
-            ));
-        }
-        let bag = ShardedEmbeddingBag::from_full(
-            plan,
-            comm.rank(),
-            &model.tables,
-            *model.sparse.optimizer(),
-        )?;
+        let bag =
+            ShardedEmbeddingBag::from_full_state(plan, comm.rank(), &model.tables, &model.sparse)?;
         model.tables.weights = Vec::new();
         Ok(ShardedCtrTrainer {
             comm,
@@ -204,6 +196,11 @@ impl CtrStepper for ShardedCtrTrainer {
         // Each logit is non-zero on one rank only: the sum puts every one in place exactly.
         self.all_reduce_sum(&mut logits)?;
         Ok(logits)
+    }
+
+    fn writes_checkpoints(&self) -> bool {
+        // Every rank gathers the model (collective); rank 0 alone writes it.
+        self.comm.rank() == 0
     }
 
     fn host(&mut self) -> Result<&CtrModel> {

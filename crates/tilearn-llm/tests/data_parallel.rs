@@ -731,6 +731,9 @@ fn files_starting(dir: &Path, prefix: &str) -> Vec<String> {
     names
 }
 
+/// A `tilearn train` under `tilearn launch` with this many ranks (0: alone) and these flags.
+type Launch = (usize, Vec<&'static str>);
+
 /// Checkpoints of split layouts resume. On the same layout exactly: the resumed run logs the
 /// uninterrupted run's losses of steps 3 and 4 and ends with its weights, bit for bit (the
 /// checkpoint holds the f32 weights and every rank's optimizer slices, read back into the same
@@ -747,7 +750,7 @@ fn split_checkpoints_resume_exactly_on_their_layout_and_on_others_after_reshardi
     // (ranks, layout flags, optimizer files in the checkpoint, [(ranks, another layout with
     // the same global batch)]): 2 windows a step for tp 2, pp 2 and one process; 4 (2
     // micro-batches or 2 data-parallel ranks of 2 windows) for the others.
-    let cases: [(usize, &[&str], usize, Vec<(usize, Vec<&str>)>); 4] = [
+    let cases: [(usize, &[&str], usize, Vec<Launch>); 4] = [
         (
             2,
             &["--tp-size", "2"],

@@ -748,14 +748,19 @@ fn split_checkpoints_resume_exactly_on_their_layout_and_on_others_after_reshardi
     let s = Setup::new();
     let saves = ["--max-steps", "4", "--save-steps", "2"];
     // (ranks, layout flags, optimizer files in the checkpoint, [(ranks, another layout with
-    // the same global batch)]): 2 windows a step for tp 2, pp 2 and one process; 4 (2
-    // micro-batches or 2 data-parallel ranks of 2 windows) for the others.
+    // the same global batch)]): 2 windows a step for tp 2 (with or without sequence
+    // parallelism), pp 2 and one process; 4 (2 micro-batches or 2 data-parallel ranks of 2
+    // windows) for the others.
     let cases: [(usize, &[&str], usize, Vec<Launch>); 4] = [
         (
             2,
             &["--tp-size", "2"],
             2,
-            vec![(2, vec!["--pp-size", "2"]), (0, vec![])],
+            vec![
+                (2, vec!["--pp-size", "2"]),
+                (0, vec![]),
+                (2, vec!["--tp-size", "2", "--sequence-parallel"]),
+            ],
         ),
         (
             2,

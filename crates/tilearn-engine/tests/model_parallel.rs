@@ -117,6 +117,7 @@ struct Split {
     pp: usize,
     schedule: ScheduleKind,
     recompute: bool,
+    sequence: bool,
 }
 
 fn chunks(schedule: ScheduleKind) -> usize {
@@ -178,6 +179,7 @@ fn split_run(
                 tp,
                 pipe: pipe.clone(),
                 schedule: split.schedule,
+                sequence_parallel: split.sequence,
             };
             let mut backend = ModelParallelCpuBackend::new(
                 model,
@@ -234,8 +236,8 @@ fn check_split_model(split: Split, config: LlamaConfig, tied: bool) {
         );
     }
     report(&format!(
-        "model parallel tp={} pp={} {} recompute={} tied={tied}: loss {:.7} vs {loss:.7}, gradient rel err {grad_err:.2e}",
-        split.tp, split.pp, split.schedule, split.recompute, ranks[0].0
+        "model parallel tp={} pp={} {} recompute={} sequence={} tied={tied}: loss {:.7} vs {loss:.7}, gradient rel err {grad_err:.2e}",
+        split.tp, split.pp, split.schedule, split.recompute, split.sequence, ranks[0].0
     ));
     assert!(grad_err < 2e-5, "gradient rel err {grad_err:e}");
     // Each tensor, so a wrong slice cannot hide in the norm of the whole buffer.
@@ -251,6 +253,7 @@ const TP: Split = Split {
     pp: 1,
     schedule: ScheduleKind::OneFOneB,
     recompute: false,
+    sequence: false,
 };
 
 #[test]
@@ -283,6 +286,7 @@ fn two_stages_with_1f1b_and_gpipe_equal_one_process() {
                 pp: 2,
                 schedule,
                 recompute: false,
+                sequence: false,
             },
             false,
         );
@@ -298,6 +302,7 @@ fn interleaved_stages_on_two_ranks_and_on_one_equal_one_process() {
                 pp,
                 schedule: ScheduleKind::Interleaved { virtual_stages: 2 },
                 recompute: true,
+                sequence: false,
             },
             false,
         );
@@ -312,6 +317,7 @@ fn tensor_and_pipeline_parallel_together_equal_one_process() {
             pp: 2,
             schedule: ScheduleKind::OneFOneB,
             recompute: false,
+            sequence: false,
         },
         false,
     );
@@ -347,6 +353,7 @@ fn families_split_like_one_process() {
         pp: 2,
         schedule: ScheduleKind::OneFOneB,
         recompute: false,
+        sequence: false,
     };
     check_split_model(TP, qwen2.clone(), false);
     check_split_model(tp_pp, qwen2, false);
@@ -359,6 +366,63 @@ fn families_split_like_one_process() {
         err.contains("W_pack") && err.contains("--tp-size 1"),
         "{err}"
     );
+}
+
+/// Sequence parallelism (each rank holds its chunk of the 24 token rows between the products,
+/// gathered and reduce-scattered instead of all-reduced, and the norms' gradients summed over
+/// the ranks) gives the whole model's loss and gradients within the same bounds: tp 2, tp 4
+/// with replicated kv heads and recomputation, and tp 2 × pp 2 (the stages exchange each
+/// rank's rows only).
+#[test]
+fn sequence_parallelism_equals_one_process() {
+    for (tp, pp, recompute) in [(2, 1, false), (4, 1, true), (2, 2, false)] {
+        check_split(
+            Split {
+                tp,
+                pp,
+                schedule: ScheduleKind::OneFOneB,
+                recompute,
+                sequence: true,
+            },
+            false,
+        );
+    }
+}
+
+/// Sequence parallelism splits a batch's token rows over the tensor-parallel ranks: 2 × 11
+/// rows over 4 ranks are refused by name (which also shows the split is in effect).
+#[test]
+fn sequence_parallelism_refuses_rows_that_do_not_divide() {
+    let model = LlamaForCausalLM::from_config(config(false), 3);
+    let mut odd = batch(5, model.config.vocab_size);
+    odd.seq_len = 11;
+    odd.input_ids.truncate(BATCH * 11);
+    odd.labels.truncate(BATCH * 11);
+    let errors = run_on_threads(
+        4,
+        Duration::from_secs(60),
+        |rank, comm: HostCommunicator| {
+            let layout = ModelParallelLayout {
+                tp: TensorShard { rank, size: 4 },
+                pipe: PipelineShard::single(&model.config),
+                schedule: ScheduleKind::OneFOneB,
+                sequence_parallel: true,
+            };
+            let comms = groups(&comm, 4, 1);
+            let mut backend =
+                ModelParallelCpuBackend::new(&model, layout, comms, optimizer, (BATCH, SEQ), false)
+                    .unwrap();
+            let odd = std::slice::from_ref(&odd);
+            match backend.forward_backward_step(odd, 10.0, DType::F32, 1.0) {
+                Some(Err(e)) => e.to_string(),
+                _ => String::new(),
+            }
+        },
+    )
+    .unwrap();
+    for e in errors {
+        assert!(e.contains("--sequence-parallel") && e.contains("22"), "{e}");
+    }
 }
 
 #[test]
@@ -459,6 +523,7 @@ fn the_eval_loss_of_the_split_model_is_the_whole_models() {
                 },
                 pipe: PipelineShard::balanced(&model.config, rank / 2, 2, 1, SEQ).unwrap(),
                 schedule: ScheduleKind::OneFOneB,
+                sequence_parallel: false,
             };
             let mut backend =
                 ModelParallelCpuBackend::new(&model, layout, comms, optimizer, (BATCH, SEQ), false)

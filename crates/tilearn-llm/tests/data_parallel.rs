@@ -682,6 +682,44 @@ fn tensor_parallel_size_comes_from_the_environment_and_bad_layouts_are_named() {
     );
 }
 
+/// `--sequence-parallel` (Megatron-SP) trains as plain tensor parallelism does: the norms and
+/// the residual stream of each rank hold its half of the tokens, reduce-scattered and
+/// all-gathered instead of all-reduced. With two ranks each reduced element is the same one f32
+/// addition either way, and the norms compute row by row, so only the norms' weight gradients
+/// (each rank's rows summed, then the two sums added) round differently: |Δw| ≤ 1e-5, losses
+/// 1e-5 relative. Without tensor parallelism the flag is refused by name.
+#[test]
+fn sequence_parallelism_trains_as_tensor_parallelism() {
+    let s = Setup::new();
+    let (tp, sp) = (s.path("tp"), s.path("sp"));
+    s.train(2, &tp, &with(NO_SAVES, &["--tp-size", "2"]));
+    let stdout = s.train(
+        2,
+        &sp,
+        &with(NO_SAVES, &["--tp-size", "2", "--sequence-parallel"]),
+    );
+    assert!(stdout.contains("with sequence parallelism"), "{stdout}");
+    let diff = max_abs_diff(&weights(&tp), &weights(&sp));
+    assert!(diff <= TOLERANCE, "max |Δw| = {diff}");
+    for (a, b) in losses(&tp).iter().zip(losses(&sp)) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "loss {a} vs {b}");
+    }
+    let out = s
+        .command(
+            2,
+            &s.path("refused"),
+            &with(NO_SAVES, &["--sequence-parallel"]),
+        )
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("--sequence-parallel") && text.contains("--tp-size"),
+        "{text}"
+    );
+}
+
 /// The files of `dir` whose names start with `prefix`.
 fn files_starting(dir: &Path, prefix: &str) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -693,26 +731,36 @@ fn files_starting(dir: &Path, prefix: &str) -> Vec<String> {
     names
 }
 
+/// A `tilearn train` under `tilearn launch` with this many ranks (0: alone) and these flags.
+type Launch = (usize, Vec<&'static str>);
+
 /// Checkpoints of split layouts resume. On the same layout exactly: the resumed run logs the
 /// uninterrupted run's losses of steps 3 and 4 and ends with its weights, bit for bit (the
 /// checkpoint holds the f32 weights and every rank's optimizer slices, read back into the same
 /// places). On another layout after re-sharding the optimizer state (each rank reads the parts
-/// of the saved slices that overlap its own), with the same global batch: within the
-/// composition test's bounds (|Δw| ≤ 2e-4, loss 2e-4 relative; the layouts sum the same f32
-/// values in other orders).
+/// of the saved slices that overlap its own), with the same global batch: |Δw| ≤ 1e-5 and the
+/// losses within 1e-5 relative. The layouts sum the same f32 values in other orders (tensor
+/// parallelism's partial products, data parallelism's ranks), which over the two steps after
+/// the resume moved no weight by more than 1.2e-7 (observed for every pair below); a resume
+/// that lost the optimizer moments moves weights by ~lr/3 = 3e-3.
 #[test]
 fn split_checkpoints_resume_exactly_on_their_layout_and_on_others_after_resharding() {
     let s = Setup::new();
     let saves = ["--max-steps", "4", "--save-steps", "2"];
     // (ranks, layout flags, optimizer files in the checkpoint, [(ranks, another layout with
-    // the same global batch)]): 2 windows a step for tp 2, pp 2 and one process; 4 (2
-    // micro-batches or 2 data-parallel ranks of 2 windows) for the others.
-    let cases: [(usize, &[&str], usize, Vec<(usize, Vec<&str>)>); 4] = [
+    // the same global batch)]): 2 windows a step for tp 2 (with or without sequence
+    // parallelism), pp 2 and one process; 4 (2 micro-batches or 2 data-parallel ranks of 2
+    // windows) for the others.
+    let cases: [(usize, &[&str], usize, Vec<Launch>); 4] = [
         (
             2,
             &["--tp-size", "2"],
             2,
-            vec![(2, vec!["--pp-size", "2"]), (0, vec![])],
+            vec![
+                (2, vec!["--pp-size", "2"]),
+                (0, vec![]),
+                (2, vec!["--tp-size", "2", "--sequence-parallel"]),
+            ],
         ),
         (
             2,
@@ -772,14 +820,13 @@ fn split_checkpoints_resume_exactly_on_their_layout_and_on_others_after_reshardi
             let stdout = s.train(*other_ranks, &moved, &flags);
             assert!(stdout.contains("step      3"), "{stdout}");
             let diff = max_abs_diff(&weights(&full), &weights(&moved));
-            eprintln!("{layout:?} → {other:?}: max |Δw| = {diff}");
             assert!(
-                diff <= TP_TOLERANCE,
+                diff <= TOLERANCE,
                 "{layout:?} → {other:?}: max |Δw| = {diff}"
             );
             for (a, b) in losses(&full)[2..].iter().zip(losses(&moved)) {
                 assert!(
-                    (a - b).abs() <= 2e-4 * a.abs(),
+                    (a - b).abs() <= 1e-5 * a.abs(),
                     "{layout:?} → {other:?}: loss {a} vs {b}"
                 );
             }

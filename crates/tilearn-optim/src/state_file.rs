@@ -9,6 +9,11 @@
 //! AdamW had its own writer until the Adam family was unified; it wrote this same layout, so its
 //! files load unchanged (`tests/state_compat.rs` loads files of the old writers). The metadata
 //! keys are written sorted, so equal states give byte-identical files.
+//!
+//! Writers may add metadata keys this reader ignores: the engine's checkpoints of ranks that
+//! hold slices of a model (tensor/pipeline parallelism, ZeRO) add `layout`, the tensors' full
+//! shapes and the slice of each the file's elements are, so another layout can re-shard them
+//! (`tilearn-engine`'s `trainer::optimizer_layout`); the flat state reads here as before.
 
 use std::collections::BTreeMap;
 use std::io::Write;

@@ -18,7 +18,7 @@ use tilearn_ops::cpu::{
 
 use super::activations::{GradScratch, LayerActs};
 use super::layout::{LayerLayout, LinearLayout};
-use super::partial_sums::PartialSums;
+use super::partial_sums::RowSplit;
 use crate::config::LlamaConfig;
 use crate::error::Result;
 
@@ -147,8 +147,10 @@ impl Positions<'_> {
 
 /// Forward of one block from `x` (`[n, C]`) into `a`. `out` (`[n, C]`) receives the block
 /// output; `None` (recomputation inside the backward) skips `down_proj`, which the backward
-/// does not need. Under tensor parallelism `sums` completes the row-parallel `o_proj` and
-/// `down_proj` outputs before their residual adds.
+/// does not need. Under tensor parallelism `rows` completes the row-parallel `o_proj` and
+/// `down_proj` outputs before their residual adds; with sequence parallelism `x`, the norms and
+/// the residual adds hold only this rank's rows (at the front of each buffer; `out` keeps room
+/// for all rows) and the norms' outputs are all-gathered before the column-parallel products.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_forward<R: Real>(
     d: &Dims,
@@ -158,18 +160,19 @@ pub(crate) fn block_forward<R: Real>(
     x: &[R],
     a: &mut LayerActs<R>,
     out: Option<&mut [R]>,
-    sums: &dyn PartialSums<R>,
+    rows: RowSplit<'_, R>,
 ) -> Result<()> {
     let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
-    let xn1 = &mut a.xn1[..n * c];
+    let nl = rows.local_rows(n)?;
     rmsnorm_forward(
-        x,
+        &x[..nl * c],
         &p[lay.input_norm.clone()],
         c,
         d.eps,
-        xn1,
-        &mut a.rstd1[..n],
+        &mut a.xn1[..nl * c],
+        &mut a.rstd1[..nl],
     )?;
+    rows.gather(&mut a.xn1[..n * c])?;
     let xn1 = &a.xn1[..n * c];
     let qb = &mut a.q[..n * q];
     let kb = &mut a.k[..n * kv];
@@ -183,19 +186,20 @@ pub(crate) fn block_forward<R: Real>(
     let att = &mut a.att[..n * q];
     let lse = &mut a.lse[..n * d.q_heads];
     attention_forward_masked(d.attn(), pos.mask(lay.sliding_window), qb, kb, vb, att, lse)?;
-    let h = &mut a.h[..n * c];
-    linear_fwd(p, &lay.o, att, n, q, c, h)?;
-    sums.sum(h)?;
-    add_inplace(h, x)?;
-    let xn2 = &mut a.xn2[..n * c];
+    linear_fwd(p, &lay.o, att, n, q, c, &mut a.h[..n * c])?;
+    rows.complete(&mut a.h[..n * c])?;
+    let h = &mut a.h[..nl * c];
+    add_inplace(h, &x[..nl * c])?;
     rmsnorm_forward(
         h,
         &p[lay.post_attention_norm.clone()],
         c,
         d.eps,
-        xn2,
-        &mut a.rstd2[..n],
+        &mut a.xn2[..nl * c],
+        &mut a.rstd2[..nl],
     )?;
+    rows.gather(&mut a.xn2[..n * c])?;
+    let xn2 = &a.xn2[..n * c];
     let (gate, up, act) = (
         &mut a.gate[..n * inter],
         &mut a.up[..n * inter],
@@ -205,16 +209,19 @@ pub(crate) fn block_forward<R: Real>(
     linear_fwd(p, &lay.up, xn2, n, c, inter, up)?;
     swiglu_forward(gate, up, act)?;
     if let Some(out) = out {
-        linear_fwd(p, &lay.down, act, n, inter, c, out)?;
-        sums.sum(out)?;
-        add_inplace(out, h)?;
+        linear_fwd(p, &lay.down, act, n, inter, c, &mut out[..n * c])?;
+        rows.complete(&mut out[..n * c])?;
+        add_inplace(&mut out[..nl * c], &a.h[..nl * c])?;
     }
     Ok(())
 }
 
 /// Backward of one block: `s.dres` holds d/d(out) on entry and d/d(x) on return; parameter
-/// gradients are added into `g`. Under tensor parallelism `sums` completes the input gradients
-/// of the column-parallel projections (gate/up, then q/k/v) before the norms' backward.
+/// gradients are added into `g`. Under tensor parallelism `rows` completes the input gradients
+/// of the column-parallel projections (gate/up, then q/k/v) before the norms' backward; with
+/// sequence parallelism `s.dres` holds this rank's rows, all-gathered before the row-parallel
+/// products' backward, and the norms' weight gradients are this rank's rows' share (the caller
+/// sums them over the ranks).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_backward<R: Real>(
     d: &Dims,
@@ -225,12 +232,10 @@ pub(crate) fn block_backward<R: Real>(
     x: &[R],
     a: &LayerActs<R>,
     s: &mut GradScratch<R>,
-    sums: &dyn PartialSums<R>,
+    rows: RowSplit<'_, R>,
 ) -> Result<()> {
     let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
-    let dres = &mut s.dres[..n * c];
-    let dxn = &mut s.dxn[..n * c];
-    let dtmp = &mut s.dtmp[..n * c];
+    let nl = rows.local_rows(n)?;
     let (dgate, dup, dact) = (
         &mut s.dgate[..n * inter],
         &mut s.dup[..n * inter],
@@ -238,14 +243,14 @@ pub(crate) fn block_backward<R: Real>(
     );
     let xn1 = &a.xn1[..n * c];
     let xn2 = &a.xn2[..n * c];
-    let h = &a.h[..n * c];
 
     // MLP: out = h + down(silu(gate(n2)) * up(n2)).
+    let dout = rows.gathered(&s.dres[..n * c], &mut s.dtmp[..n * c])?;
     linear_bwd(
         p,
         g,
         &lay.down,
-        dres,
+        dout,
         &a.act[..n * inter],
         n,
         inter,
@@ -253,27 +258,30 @@ pub(crate) fn block_backward<R: Real>(
         Some(&mut *dact),
     )?;
     swiglu_backward(dact, &a.gate[..n * inter], &a.up[..n * inter], dgate, dup)?;
+    let dxn = &mut s.dxn[..n * c];
+    let dtmp = &mut s.dtmp[..n * c];
     linear_bwd(p, g, &lay.gate, dgate, xn2, n, c, inter, Some(&mut *dxn))?;
     linear_bwd(p, g, &lay.up, dup, xn2, n, c, inter, Some(&mut *dtmp))?;
     add_inplace(dxn, dtmp)?;
-    sums.sum(dxn)?;
+    rows.complete(dxn)?;
     let post = lay.post_attention_norm.clone();
     rmsnorm_backward(
-        dxn,
-        h,
+        &dxn[..nl * c],
+        &a.h[..nl * c],
         &p[post.clone()],
-        &a.rstd2[..n],
+        &a.rstd2[..nl],
         c,
-        dtmp,
+        &mut dtmp[..nl * c],
         &mut g[post],
     )?;
-    add_inplace(dres, dtmp)?; // dres = d/dh
+    add_inplace(&mut s.dres[..nl * c], &dtmp[..nl * c])?; // dres = d/dh
 
     // Attention: h = x + o(attn(...)).
     let datt = &mut s.datt[..n * q];
     let (dq, dk, dv) = (&mut s.dq[..n * q], &mut s.dk[..n * kv], &mut s.dv[..n * kv]);
     let att = &a.att[..n * q];
-    linear_bwd(p, g, &lay.o, dres, att, n, q, c, Some(&mut *datt))?;
+    let dh = rows.gathered(&s.dres[..n * c], &mut s.dtmp[..n * c])?;
+    linear_bwd(p, g, &lay.o, dh, att, n, q, c, Some(&mut *datt))?;
     attention_backward_masked(
         d.attn(),
         pos.mask(lay.sliding_window),
@@ -291,14 +299,24 @@ pub(crate) fn block_backward<R: Real>(
     rope_backward_at(
         dk, d.batch, d.seq, d.kv_heads, d.head_dim, pos.rope, pos.ids,
     )?;
+    let dxn = &mut s.dxn[..n * c];
+    let dtmp = &mut s.dtmp[..n * c];
     linear_bwd(p, g, &lay.q, dq, xn1, n, c, q, Some(&mut *dxn))?;
     linear_bwd(p, g, &lay.k, dk, xn1, n, c, kv, Some(&mut *dtmp))?;
     add_inplace(dxn, dtmp)?;
     linear_bwd(p, g, &lay.v, dv, xn1, n, c, kv, Some(&mut *dtmp))?;
     add_inplace(dxn, dtmp)?;
-    sums.sum(dxn)?;
+    rows.complete(dxn)?;
     let inp = lay.input_norm.clone();
-    rmsnorm_backward(dxn, x, &p[inp.clone()], &a.rstd1[..n], c, dtmp, &mut g[inp])?;
-    add_inplace(dres, dtmp)?; // dres = d/dx
+    rmsnorm_backward(
+        &dxn[..nl * c],
+        &x[..nl * c],
+        &p[inp.clone()],
+        &a.rstd1[..nl],
+        c,
+        &mut dtmp[..nl * c],
+        &mut g[inp],
+    )?;
+    add_inplace(&mut s.dres[..nl * c], &dtmp[..nl * c])?; // dres = d/dx
     Ok(())
 }

@@ -61,6 +61,9 @@ pub(crate) struct Split<'a, R> {
     /// This rank's rows of the embedding and `lm_head` (the whole vocabulary when unsplit).
     pub vocab: Range<usize>,
     pub full_vocab: usize,
+    /// Megatron's sequence parallelism: each rank holds its chunk of the rows between the
+    /// tensor-parallel products (see [`partial_sums::RowSplit`]).
+    pub sequence_parallel: bool,
 }
 
 impl<'a, R> Split<'a, R> {
@@ -69,11 +72,20 @@ impl<'a, R> Split<'a, R> {
             sums: &Whole,
             vocab: 0..vocab,
             full_vocab: vocab,
+            sequence_parallel: false,
         }
     }
 
     fn is_whole(&self) -> bool {
         self.sums.parts() == 1
+    }
+
+    /// How the rows between the products are held over the ranks.
+    fn rows(&self) -> partial_sums::RowSplit<'a, R> {
+        partial_sums::RowSplit {
+            sums: self.sums,
+            sequence: self.sequence_parallel && !self.is_whole(),
+        }
     }
 }
 

@@ -218,6 +218,9 @@ pub struct RankModel {
     /// The rank's tensors (tensor-parallel slices of its chunks' tensors), Hugging Face names.
     pub params: ParamStore,
     chunks: Vec<Chunk>,
+    /// Megatron's sequence parallelism: between the tensor-parallel products (and between
+    /// pipeline stages) the rank holds its chunk of the rows.
+    pub sequence_parallel: bool,
 }
 
 /// The tensors rank (`tp`, `pipe`) holds, with offsets in its flat buffer.
@@ -324,7 +327,19 @@ impl RankModel {
             pipe,
             params,
             chunks,
+            sequence_parallel: false,
         })
+    }
+
+    /// The elements of a chunk's input or output activations (`rows` = batch · seq) on this
+    /// rank: all rows, or with sequence parallelism its chunk of them.
+    pub fn boundary_len(&self, rows: usize) -> usize {
+        let parts = if self.sequence_parallel {
+            self.plan.shard.size
+        } else {
+            1
+        };
+        rows / parts * self.full_config.hidden_size
     }
 
     /// The activation buffers of one micro-batch through local chunk `chunk`.
@@ -343,6 +358,7 @@ impl RankModel {
             sums,
             vocab: self.plan.vocab.clone(),
             full_vocab: self.full_config.vocab_size,
+            sequence_parallel: self.sequence_parallel,
         }
     }
 
@@ -369,8 +385,8 @@ impl RankModel {
         stage_forward(&d, &c.parts(), params, ids, input, acts, &self.split(sums))
     }
 
-    /// The output of local chunk `chunk` after its forward (the next chunk's input).
-    /// `rows` = batch · seq of the call.
+    /// The output of local chunk `chunk` after its forward (the next chunk's input; this
+    /// rank's rows of it with sequence parallelism). `rows` = batch · seq of the call.
     pub fn output<'a, R: Real>(
         &self,
         chunk: usize,
@@ -380,7 +396,7 @@ impl RankModel {
         let c = &self.chunks[chunk];
         let slab = rows * c.config.hidden_size;
         let nl = c.layers.len();
-        &acts.resid[nl * slab..(nl + 1) * slab]
+        &acts.resid[nl * slab..nl * slab + self.boundary_len(rows)]
     }
 
     /// Backward of local chunk `chunk` after its forward: from the loss (scaled by `grad_scale`)
@@ -445,8 +461,7 @@ impl RankModel {
 
     /// The gradient of a chunk's input after its backward (for the previous chunk).
     pub fn input_grad<'a, R: Real>(&self, acts: &'a Activations<R>, rows: usize) -> &'a [R] {
-        let slab = rows * self.full_config.hidden_size;
-        &acts.grad.dres[..slab]
+        &acts.grad.dres[..self.boundary_len(rows)]
     }
 
     /// Whether local chunk `chunk` ends the model (computes the loss).

@@ -103,6 +103,9 @@ pub(crate) fn stage_forward<R: Real>(
     let pos = positions(d, rope, position_ids)?;
     let (n, c) = (d.n, d.c);
     let slab = n * c;
+    let rows = split.rows();
+    // This rank's rows of the residual stream (all of them without sequence parallelism).
+    let local = rows.local_rows(n)? * c;
     let nl = parts.layers.len();
     match (parts.embed, input) {
         (Some(embed), _) => {
@@ -116,12 +119,12 @@ pub(crate) fn stage_forward<R: Real>(
                     &split.vocab,
                     split.full_vocab,
                     c,
-                    split.sums,
                     &mut resid[..slab],
                 )?;
+                rows.complete(&mut resid[..slab])?;
             }
         }
-        (None, Some(x)) => resid[..slab].copy_from_slice(&x[..slab]),
+        (None, Some(x)) => resid[..local].copy_from_slice(&x[..local]),
         (None, None) => return Err(missing("input")),
     }
     let single = layers.len() == 1;
@@ -130,17 +133,18 @@ pub(crate) fn stage_forward<R: Real>(
         let x = &before[i * slab..];
         let out = &mut after[..slab];
         let a = &mut layers[if single { 0 } else { i }];
-        block_forward(d, lay, params, pos, x, a, Some(out), split.sums)?;
+        block_forward(d, lay, params, pos, x, a, Some(out), rows)?;
     }
     if let Some((norm, lm_head)) = parts.head {
         rmsnorm_forward(
-            &resid[nl * slab..(nl + 1) * slab],
+            &resid[nl * slab..nl * slab + local],
             &params[norm.clone()],
             c,
             d.eps,
-            &mut final_xn[..slab],
-            &mut final_rstd[..n],
+            &mut final_xn[..local],
+            &mut final_rstd[..local / c],
         )?;
+        rows.gather(&mut final_xn[..slab])?;
         let head = &params[lm_head.clone()];
         let head = if d.norm_head {
             row_normalize_forward(head, c, head_normed)?;
@@ -194,6 +198,8 @@ pub(crate) fn stage_backward<R: Real>(
     let pos = positions(d, rope, position_ids)?;
     let (n, c) = (d.n, d.c);
     let slab = n * c;
+    let rows = split.rows();
+    let local = rows.local_rows(n)? * c;
     let nl = parts.layers.len();
 
     let loss = match (parts.head, dout) {
@@ -240,20 +246,20 @@ pub(crate) fn stage_backward<R: Real>(
                     None,
                 )?;
             }
-            split.sums.sum(&mut grad.dxn[..slab])?;
+            rows.complete(&mut grad.dxn[..slab])?;
             rmsnorm_backward(
-                &grad.dxn[..slab],
-                &resid[nl * slab..(nl + 1) * slab],
+                &grad.dxn[..local],
+                &resid[nl * slab..nl * slab + local],
                 &params[norm.clone()],
-                &final_rstd[..n],
+                &final_rstd[..local / c],
                 c,
-                &mut grad.dres[..slab],
+                &mut grad.dres[..local],
                 &mut grads[norm.clone()],
             )?;
             Some(loss)
         }
         (None, Some(g)) => {
-            grad.dres[..slab].copy_from_slice(&g[..slab]);
+            grad.dres[..local].copy_from_slice(&g[..local]);
             None
         }
         (None, None) => return Err(missing("dout")),
@@ -264,20 +270,21 @@ pub(crate) fn stage_backward<R: Real>(
         let a = if *checkpointing {
             // The scratch still holds the last layer from the forward.
             if i + 1 != nl {
-                block_forward(d, lay, params, pos, x, &mut layers[0], None, split.sums)?;
+                block_forward(d, lay, params, pos, x, &mut layers[0], None, rows)?;
             }
             &layers[0]
         } else {
             &layers[i]
         };
-        block_backward(d, lay, params, grads, pos, x, a, grad, split.sums)?;
+        block_backward(d, lay, params, grads, pos, x, a, grad, rows)?;
     }
     if let Some(embed) = parts.embed {
         let dembed = &mut grads[embed.clone()];
         if split.is_whole() {
             embedding_backward(ids, &grad.dres[..slab], c, dembed)?;
         } else {
-            vocab_parallel::embedding_backward(ids, &grad.dres[..slab], &split.vocab, c, dembed);
+            let dout = rows.gathered(&grad.dres[..slab], &mut grad.dxn[..slab])?;
+            vocab_parallel::embedding_backward(ids, dout, &split.vocab, c, dembed);
         }
     }
     Ok(loss)

@@ -42,15 +42,15 @@ fn check_ids(ids: &[u32], full_vocab: usize) -> Result<()> {
     Ok(())
 }
 
-/// `out[t] = table[ids[t] - rows.start]` for the ids in `rows`, zeros elsewhere, then summed
-/// over the ranks.
+/// `out[t] = table[ids[t] - rows.start]` for the ids in `rows`, zeros elsewhere: this rank's
+/// part of the embedding, which the caller completes over the ranks (all-reduce, or with
+/// sequence parallelism reduce-scatter).
 pub(crate) fn embedding_forward<R: Real>(
     ids: &[u32],
     table: &[R],
     rows: &Range<usize>,
     full_vocab: usize,
     dim: usize,
-    sums: &dyn PartialSums<R>,
     out: &mut [R],
 ) -> Result<()> {
     check_ids(ids, full_vocab)?;
@@ -63,7 +63,7 @@ pub(crate) fn embedding_forward<R: Real>(
             row.fill(R::zero());
         }
     }
-    sums.sum(out)
+    Ok(())
 }
 
 /// Adds `dout`'s rows into the table rows this rank owns.

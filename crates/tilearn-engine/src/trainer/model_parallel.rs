@@ -33,7 +33,7 @@ use crate::checkpoint::{load_into, save_pretrained};
 use crate::config::LlamaConfig;
 use crate::data::Batch;
 use crate::model::model_parallel::{PipelineShard, RankModel, assemble_ranks};
-use crate::model::tensor_parallel::TensorShard;
+use crate::model::tensor_parallel::{Cut, TensorShard};
 use crate::model::{Activations, LlamaForCausalLM, LossStats, PartialSums, Whole};
 use crate::params::{ParamSpec, ParamStore};
 use crate::{EngineError, Result};
@@ -66,6 +66,28 @@ impl PartialSums<f32> for GroupSums {
     fn max(&self, buf: &mut [f32]) -> Result<()> {
         self.reduce(buf, ReduceOp::Max)
     }
+
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn reduce_scatter_front(&self, buf: &mut [f32]) -> Result<()> {
+        self.comm
+            .reduce_scatter(BufferMut::from(&mut *buf), ReduceOp::Sum)?
+            .wait()?;
+        let chunk = buf.len() / self.comm.world_size();
+        let at = self.comm.rank() * chunk;
+        buf.copy_within(at..at + chunk, 0);
+        Ok(())
+    }
+
+    fn all_gather_front(&self, buf: &mut [f32]) -> Result<()> {
+        let chunk = buf.len() / self.comm.world_size();
+        let at = self.comm.rank() * chunk;
+        buf.copy_within(0..chunk, at);
+        self.comm.all_gather(BufferMut::from(buf))?.wait()?;
+        Ok(())
+    }
 }
 
 /// The communicators of one rank of a model replica (`None` where the dimension is 1).
@@ -79,12 +101,14 @@ pub struct ModelParallelComms {
     pub replica: Option<Arc<dyn Communicator>>,
 }
 
-/// How a run is split: the sizes and the pipeline schedule.
+/// How a run is split: the sizes, the pipeline schedule and whether the rows between the
+/// tensor-parallel products are split too (sequence parallelism).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelParallelLayout {
     pub tp: TensorShard,
     pub pipe: PipelineShard,
     pub schedule: ScheduleKind,
+    pub sequence_parallel: bool,
 }
 
 /// One rank of a tensor- and pipeline-parallel model on the CPU engine.
@@ -96,6 +120,9 @@ pub struct ModelParallelCpuBackend {
     /// The ranks holding the same replicated kv head (when kv heads are replicated).
     kv_group: Option<Box<dyn Communicator>>,
     kv_ranges: Vec<Range<usize>>,
+    /// Sequence parallelism: the replicated tensors (the norms), whose gradients each rank
+    /// computes over its rows only and which are summed over the tensor-parallel group.
+    row_split_ranges: Vec<Range<usize>>,
     /// The gradients this rank counts in the global norm (replicated tensors once).
     norm_ranges: Vec<Range<usize>>,
     full_specs: Vec<ParamSpec>,
@@ -129,7 +156,26 @@ impl ModelParallelCpuBackend {
                 message: "the communicators do not match the layout's sizes".into(),
             });
         }
-        let model = RankModel::from_full(full, layout.tp, layout.pipe.clone())?;
+        if layout.sequence_parallel && layout.tp.size < 2 {
+            return Err(EngineError::InvalidArgument {
+                argument: "--sequence-parallel".into(),
+                message: "splits the rows between tensor-parallel products, so it needs \
+                          --tp-size 2 or more; drop the flag or raise --tp-size"
+                    .into(),
+            });
+        }
+        let mut model = RankModel::from_full(full, layout.tp, layout.pipe.clone())?;
+        model.sequence_parallel = layout.sequence_parallel;
+        let row_split_ranges = if layout.sequence_parallel {
+            let specs = &model.params.specs;
+            specs
+                .iter()
+                .filter(|s| model.plan.cut(&s.name) == Cut::Whole)
+                .map(ParamSpec::range)
+                .collect()
+        } else {
+            Vec::new()
+        };
         let mut kv_group = None;
         if let Some(tp) = &comms.tp
             && model.plan.kv_replicas > 1
@@ -151,6 +197,7 @@ impl ModelParallelCpuBackend {
         let pool = (0..model.chunk_count()).map(|_| Vec::new()).collect();
         Ok(ModelParallelCpuBackend {
             kv_ranges: model.kv_gradient_ranges(),
+            row_split_ranges,
             norm_ranges: model.norm_ranges(),
             full_specs: ParamStore::specs_for(&full.config),
             model,
@@ -179,33 +226,34 @@ impl ModelParallelCpuBackend {
         round_into(&self.model.params.data, &mut self.working, precision);
     }
 
-    /// Replicated kv heads: each replica added only its query heads' share of the gradient
-    /// since `before` was taken; the sum over the replicas is the true one.
-    fn sum_kv_replicas(&mut self, before: &[f32]) -> Result<()> {
-        let Some(group) = &self.kv_group else {
-            return Ok(());
+    /// The gradients that are partial per rank after a step's backwards, snapshotted before
+    /// them: replicated kv heads (each replica added only its query heads' share) and, with
+    /// sequence parallelism, the replicated norms (each rank added only its rows' share).
+    fn partial_snapshot(&self) -> (Vec<f32>, Vec<f32>) {
+        let take = |ranges: &[Range<usize>]| -> Vec<f32> {
+            ranges
+                .iter()
+                .flat_map(|r| self.grads[r.clone()].iter().copied())
+                .collect()
         };
-        let mut at = 0;
-        for range in &self.kv_ranges {
-            let prior = &before[at..at + range.len()];
-            let grads = &mut self.grads[range.clone()];
-            let mut delta: Vec<f32> = grads.iter().zip(prior).map(|(g, p)| g - p).collect();
-            group
-                .all_reduce(BufferMut::from(&mut delta[..]), ReduceOp::Sum)?
-                .wait()?;
-            for ((g, p), d) in grads.iter_mut().zip(prior).zip(&delta) {
-                *g = p + d;
-            }
-            at += range.len();
-        }
-        Ok(())
+        (take(&self.kv_ranges), take(&self.row_split_ranges))
     }
 
-    fn kv_snapshot(&self) -> Vec<f32> {
-        self.kv_ranges
-            .iter()
-            .flat_map(|r| self.grads[r.clone()].iter().copied())
-            .collect()
+    /// Completes the gradients of [`Self::partial_snapshot`]: the increments since `before`
+    /// summed over the ranks that share them.
+    fn sum_partial_gradients(&mut self, (kv, rows): &(Vec<f32>, Vec<f32>)) -> Result<()> {
+        if let Some(group) = &self.kv_group {
+            sum_increments(group.as_ref(), &mut self.grads, &self.kv_ranges, kv)?;
+        }
+        if let Some(tp) = self
+            .comms
+            .tp
+            .as_ref()
+            .filter(|_| !self.row_split_ranges.is_empty())
+        {
+            sum_increments(tp.as_ref(), &mut self.grads, &self.row_split_ranges, rows)?;
+        }
+        Ok(())
     }
 
     /// This rank's share of the squared gradient norm over `range` of the local buffer
@@ -277,6 +325,34 @@ impl ModelParallelCpuBackend {
     fn writes_model(&self) -> bool {
         self.comms.replica.as_ref().is_none_or(|c| c.rank() == 0)
     }
+}
+
+/// Adds to `grads[ranges]` the sum over `group` of their increments since `before` (the
+/// ranges' values, concatenated).
+fn sum_increments(
+    group: &dyn Communicator,
+    grads: &mut [f32],
+    ranges: &[Range<usize>],
+    before: &[f32],
+) -> Result<()> {
+    let mut delta: Vec<f32> = ranges
+        .iter()
+        .flat_map(|r| grads[r.clone()].iter().copied())
+        .zip(before)
+        .map(|(g, p)| g - p)
+        .collect();
+    group
+        .all_reduce(BufferMut::from(&mut delta[..]), ReduceOp::Sum)?
+        .wait()?;
+    let mut at = 0;
+    for r in ranges {
+        let (prior, d) = (&before[at..at + r.len()], &delta[at..at + r.len()]);
+        for ((g, p), d) in grads[r.clone()].iter_mut().zip(prior).zip(d) {
+            *g = p + d;
+        }
+        at += r.len();
+    }
+    Ok(())
 }
 
 impl StepBackend for ModelParallelCpuBackend {
@@ -413,7 +489,7 @@ impl StepBackend for ModelParallelCpuBackend {
         let want = self.slices(&self.shard);
         let len = self.shard.len();
         let mut moments = vec![0.0f32; 2 * len];
-        let step = optimizer.read_slices(&want, &mut &mut moments[..])?;
+        let step = optimizer.read_slices(&self.full_specs, &want, &mut &mut moments[..])?;
         let exp_avg_sq = moments.split_off(len);
         self.load_weights(dir)?;
         self.optimizer.set_state(moments, exp_avg_sq, None, step)?;

@@ -187,19 +187,20 @@ impl SlicedManifest {
     }
 }
 
+/// Where a checkpoint's optimizer state lives.
 #[derive(Clone, Debug)]
-enum Files {
+pub enum OptimizerCheckpoint {
     Whole(PathBuf),
-    Sharded(ShardManifest),
-    Sliced(SlicedManifest),
-}
-
-/// Where a checkpoint's optimizer state lives, and the whole model's tensors it is read for.
-#[derive(Clone, Debug)]
-pub struct OptimizerCheckpoint {
-    dir: PathBuf,
-    files: Files,
-    specs: Vec<ParamSpec>,
+    Sharded {
+        dir: PathBuf,
+        manifest: ShardManifest,
+    },
+    /// Files of model slices, opened for the whole model's tensors `specs`.
+    Sliced {
+        dir: PathBuf,
+        manifest: SlicedManifest,
+        specs: Vec<ParamSpec>,
+    },
 }
 
 impl OptimizerCheckpoint {
@@ -208,7 +209,8 @@ impl OptimizerCheckpoint {
     pub fn open(dir: &Path, specs: &[ParamSpec]) -> Result<Option<OptimizerCheckpoint>> {
         let numel = specs.iter().map(ParamSpec::numel).sum();
         let manifest_path = dir.join(MANIFEST_FILE);
-        let files = if manifest_path.exists() {
+        let dir = dir.to_path_buf();
+        let opened = if manifest_path.exists() {
             let value: serde_json::Value = state::read_json(&manifest_path)?;
             let version = value.get("format_version").and_then(|v| v.as_u64());
             if version == Some(SLICED_VERSION.into()) {
@@ -218,24 +220,34 @@ impl OptimizerCheckpoint {
                         message: format!("not a valid sliced optimizer manifest: {e}"),
                     })?;
                 manifest.check(&manifest_path, numel)?;
-                Files::Sliced(manifest)
+                OptimizerCheckpoint::Sliced {
+                    dir,
+                    manifest,
+                    specs: specs.to_vec(),
+                }
             } else {
                 let manifest: ShardManifest = state::read_json(&manifest_path)?;
                 manifest.check(&manifest_path, numel)?;
-                Files::Sharded(manifest)
+                OptimizerCheckpoint::Sharded { dir, manifest }
             }
         } else {
             let whole = dir.join(state::OPTIMIZER_FILE);
             if !whole.exists() {
                 return Ok(None);
             }
-            Files::Whole(whole)
+            OptimizerCheckpoint::Whole(whole)
         };
-        Ok(Some(OptimizerCheckpoint {
-            dir: dir.to_path_buf(),
-            files,
-            specs: specs.to_vec(),
-        }))
+        Ok(Some(opened))
+    }
+
+    /// The checkpoint directory.
+    fn dir(&self) -> &Path {
+        match self {
+            OptimizerCheckpoint::Whole(path) => path.parent().unwrap_or(Path::new(".")),
+            OptimizerCheckpoint::Sharded { dir, .. } | OptimizerCheckpoint::Sliced { dir, .. } => {
+                dir
+            }
+        }
     }
 
     /// Reads the moments of the parameters `range` of a model of `numel` into `dest` (`0..len`
@@ -247,12 +259,12 @@ impl OptimizerCheckpoint {
         range: Range<usize>,
         dest: &mut dyn TensorDest,
     ) -> Result<u64> {
-        match &self.files {
-            Files::Whole(path) => {
+        match self {
+            OptimizerCheckpoint::Whole(path) => {
                 let mut window = Window::new(dest, numel, range.clone(), 0, range.len());
                 optimizer_file::read(path, numel, &mut window)
             }
-            Files::Sharded(manifest) => {
+            OptimizerCheckpoint::Sharded { dir, manifest } => {
                 let mut step = None;
                 for shard in &manifest.shards {
                     let lo = range.start.max(shard.start);
@@ -267,7 +279,7 @@ impl OptimizerCheckpoint {
                     } else {
                         (0..0, 0)
                     };
-                    let path = self.dir.join(&shard.file);
+                    let path = dir.join(&shard.file);
                     let mut window =
                         Window::new(dest, shard.end - shard.start, want, target, range.len());
                     let s = optimizer_file::read(&path, shard.end - shard.start, &mut window)?;
@@ -275,32 +287,39 @@ impl OptimizerCheckpoint {
                 }
                 Ok(step.unwrap_or_default())
             }
-            Files::Sliced(_) => self.read_slices(&whole_slices(&self.specs, &range), dest),
+            OptimizerCheckpoint::Sliced { specs, .. } => {
+                self.read_slices(specs, &whole_slices(specs, &range), dest)
+            }
         }
     }
 
-    /// Reads the moments of the tensor slices `want` (laid out one after the other: `0..len`
-    /// is `exp_avg`, `len..2·len` is `exp_avg_sq`, `len` = their elements) into `dest` and
-    /// returns the step count. Only the files holding a part of `want` are read, and of them
-    /// only those parts.
-    pub fn read_slices(&self, want: &[TensorSlice], dest: &mut dyn TensorDest) -> Result<u64> {
+    /// Reads the moments of the slices `want` of the whole model's tensors `specs` (laid out
+    /// one after the other: `0..len` is `exp_avg`, `len..2·len` is `exp_avg_sq`, `len` = their
+    /// elements) into `dest` and returns the step count. Only the files holding a part of
+    /// `want` are read, and of them only those parts.
+    pub fn read_slices(
+        &self,
+        specs: &[ParamSpec],
+        want: &[TensorSlice],
+        dest: &mut dyn TensorDest,
+    ) -> Result<u64> {
         let len: usize = want.iter().map(TensorSlice::len).sum();
         // Each source: its path, its slices, and the file if it was opened to learn them.
         let mut sources: Vec<(PathBuf, Vec<TensorSlice>, Option<StateFile>)> = Vec::new();
-        match &self.files {
-            Files::Whole(path) => {
-                let numel = self.specs.iter().map(ParamSpec::numel).sum();
-                sources.push((path.clone(), whole_slices(&self.specs, &(0..numel)), None));
+        match self {
+            OptimizerCheckpoint::Whole(path) => {
+                let numel = specs.iter().map(ParamSpec::numel).sum();
+                sources.push((path.clone(), whole_slices(specs, &(0..numel)), None));
             }
-            Files::Sharded(manifest) => {
+            OptimizerCheckpoint::Sharded { dir, manifest } => {
                 for shard in &manifest.shards {
-                    let slices = whole_slices(&self.specs, &(shard.start..shard.end));
-                    sources.push((self.dir.join(&shard.file), slices, None));
+                    let slices = whole_slices(specs, &(shard.start..shard.end));
+                    sources.push((dir.join(&shard.file), slices, None));
                 }
             }
-            Files::Sliced(manifest) => {
+            OptimizerCheckpoint::Sliced { dir, manifest, .. } => {
                 for name in &manifest.files {
-                    let path = self.dir.join(name);
+                    let path = dir.join(name);
                     if !path.exists() {
                         return Err(EngineError::Data {
                             file: path,
@@ -308,7 +327,7 @@ impl OptimizerCheckpoint {
                                 "is missing, so the optimizer state is incomplete; resume from \
                                  a complete checkpoint, or start a new run from its weights \
                                  with --model {}",
-                                self.dir.display()
+                                dir.display()
                             ),
                         });
                     }
@@ -395,16 +414,16 @@ impl OptimizerCheckpoint {
                 found,
                 wanted,
             } => EngineError::Data {
-                file: match &self.files {
-                    Files::Whole(path) => path.clone(),
-                    _ => self.dir.join(MANIFEST_FILE),
+                file: match self {
+                    OptimizerCheckpoint::Whole(path) => path.clone(),
+                    _ => self.dir().join(MANIFEST_FILE),
                 },
                 message: format!(
                     "its optimizer files hold {found} of the {wanted} elements of `{name}` this \
                      rank needs, so the state cannot be re-sharded to this layout (a shard file \
                      is missing, or from another save); resume from a complete checkpoint, or \
                      start a new run from its weights with --model {}",
-                    self.dir.display()
+                    self.dir().display()
                 ),
             },
         }

@@ -276,6 +276,12 @@ pub struct TrainArgs {
     /// else 1. Data parallelism spans the launched ranks / tp.
     #[arg(long)]
     pub tp_size: Option<usize>,
+    /// Megatron's sequence parallelism with --tp-size: the norms and the residual stream hold
+    /// each rank's chunk of the tokens, all-gathered before the column-parallel projections and
+    /// reduce-scattered after the row-parallel ones (instead of all-reduced). Needs batch ×
+    /// --seq-len divisible by the tensor-parallel size.
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// Pipeline parallelism: split the layers into this many stages balanced by compute (CPU
     /// engine); the micro-batches of a step are --gradient-accumulation-steps. Default:
     /// TILEARN_HYBRID_PP_SIZE, else 1.
@@ -514,6 +520,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
                 )?,
             },
             schedule,
+            sequence_parallel: args.sequence_parallel,
         };
         let comms = ModelParallelComms {
             tp: groups.tp,
@@ -545,7 +552,12 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
             trainer.set_data_parallel(DataParallel::new(dp.clone(), dp, ddp, local)?)?;
         }
         if primary {
-            println!("{}", sizes.describe());
+            let sp = if args.sequence_parallel {
+                " with sequence parallelism"
+            } else {
+                ""
+            };
+            println!("{}{sp}", sizes.describe());
         }
         (trainer, None)
     } else {
@@ -616,6 +628,9 @@ fn hybrid_sizes(
         // A plain run is one rank: any size above 1 needs `tilearn launch`.
         let alone = HybridSizes::new(args.tp_size, args.pp_size, 0, 1)?;
         debug_assert_eq!(alone.tp, 1);
+        if args.sequence_parallel {
+            return Err(sequence_parallel_needs_tp());
+        }
         return Ok(None);
     };
     let sizes = HybridSizes::new(
@@ -624,6 +639,9 @@ fn hybrid_sizes(
         ranks.group.rank(),
         ranks.group.world_size(),
     )?;
+    if args.sequence_parallel && sizes.tp < 2 {
+        return Err(sequence_parallel_needs_tp());
+    }
     if sizes.splits_model() && trains_on_gpu {
         return Err(LlmError::Usage {
             flag: "--tp-size/--pp-size".into(),
@@ -633,6 +651,15 @@ fn hybrid_sizes(
         });
     }
     Ok(Some(sizes))
+}
+
+fn sequence_parallel_needs_tp() -> LlmError {
+    LlmError::Usage {
+        flag: "--sequence-parallel".into(),
+        message: "splits the tokens between tensor-parallel products, so it needs --tp-size 2 \
+                  or more (under tilearn launch); drop the flag or raise --tp-size"
+            .into(),
+    }
 }
 
 fn print_model_line(config: &LlamaConfig, params: usize, trainer: &Trainer) {

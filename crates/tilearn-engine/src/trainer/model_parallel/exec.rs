@@ -84,9 +84,8 @@ pub(super) fn run_step(
         0.0
     };
     b.round_working(precision);
-    let kv_before = b.kv_snapshot();
+    let partial_before = b.partial_snapshot();
     let stages = b.layout.pipe.stages;
-    let hidden = b.model.full_config.hidden_size;
     let (mut inbox_act, mut inbox_grad) = (Tensors::new(), Tensors::new());
     let (mut outbox_act, mut outbox_grad) = (Tensors::new(), Tensors::new());
     let mut live = HashMap::new();
@@ -168,7 +167,8 @@ pub(super) fn run_step(
             }
             Action::Comm(ops) => {
                 let pp = b.comms.pp.as_deref().expect("a pipeline of several stages");
-                let slab = |mb: usize| batches[mb].batch * batches[mb].seq_len * hidden;
+                let model = &b.model;
+                let slab = |mb: usize| model.boundary_len(batches[mb].batch * batches[mb].seq_len);
                 let mut boxes = Boxes {
                     outbox_act: &mut outbox_act,
                     outbox_grad: &mut outbox_grad,
@@ -179,7 +179,7 @@ pub(super) fn run_step(
             }
         }
     }
-    b.sum_kv_replicas(&kv_before)?;
+    b.sum_partial_gradients(&partial_before)?;
     if precision == DType::F16 {
         for g in &mut b.grads {
             *g = half::f16::from_f32(*g).to_f32();
@@ -312,7 +312,7 @@ pub(super) fn eval(
         let chunk = global / stages;
         if global > 0 && stages > 1 {
             let pp = b.comms.pp.as_deref().expect("a pipeline of several stages");
-            let mut input = vec![0f32; rows * b.model.full_config.hidden_size];
+            let mut input = vec![0f32; b.model.boundary_len(rows)];
             let from = (global - 1) % stages;
             pp.batch_p2p(&mut [P2pOp::Recv {
                 buf: HostSliceMut::F32(&mut input),

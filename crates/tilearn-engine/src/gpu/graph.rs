@@ -167,11 +167,12 @@ impl GpuLlama {
     /// accumulation, are in the [`StepConditions`] it passes).
     fn step_conditions(&self, mut given: StepConditions) -> StepConditions {
         given.packed_rows |= self.position_ids.is_some();
-        let whole = self
+        // No optimizer yet is not a shard (train_step refuses to run without one).
+        let shard = self
             .optimizer
             .as_ref()
-            .is_some_and(|o| o.shard() == (0..self.layout.numel));
-        given.sharded_optimizer |= self.master_shard.is_some() || !whole;
+            .is_some_and(|o| o.shard() != (0..self.layout.numel));
+        given.sharded_optimizer |= self.master_shard.is_some() || shard;
         given
     }
 

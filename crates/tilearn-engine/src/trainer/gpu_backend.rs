@@ -249,23 +249,24 @@ impl GpuBackend {
         lr: f32,
         conditions: StepConditions,
     ) -> Option<Result<WholeStep>> {
+        // The optimizer first: the decision reads its shard (made at the first step).
+        if let Err(e) = self.optimizer_ready() {
+            return Some(Err(e));
+        }
         match self.take_whole(conditions) {
             Ok(true) => {}
             Ok(false) => return None,
             Err(e) => return Some(Err(e)),
         }
-        let run = (|| {
-            self.optimizer_ready()?;
-            self.gpu.train_step(
-                &batch.input_ids,
-                &batch.labels,
-                batch.batch,
-                batch.seq_len,
-                Some(denominator),
-                lr,
-                conditions,
-            )
-        })();
+        let run = self.gpu.train_step(
+            &batch.input_ids,
+            &batch.labels,
+            batch.batch,
+            batch.seq_len,
+            Some(denominator),
+            lr,
+            conditions,
+        );
         Some(run.map(|out| {
             if let Some(r) = out.eager_reason {
                 self.note(Some(format!("CUDA graphs: {r}")));

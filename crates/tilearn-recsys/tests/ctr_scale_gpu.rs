@@ -10,8 +10,9 @@
 //! * `row_copy.cu` against its host reference (`cache::copy_elements`): random rows of mixed
 //!   lengths (float4 and scalar paths) both ways between device memory and mapped pinned host
 //!   memory; bit copies, so compared exactly.
-//! * DeepFM trained through the cache (every other table in host memory with a cache of a third
-//!   of its rows, so rows are evicted and written back every step) against the same model with
+//! * DeepFM trained through the cache (every other table in host memory with a cache of 64
+//!   rows, one batch's worth, so rows are evicted and written back as the batches go) against
+//!   the same model with
 //!   every row on the GPU, for row-wise Adagrad and SparseAdam: every step's loss, the held-out
 //!   loss and AUC, and after the run every table row, optimizer state and dense parameter,
 //!   compared bit for bit (tolerance 0: each row's update sees the same contributions in the
@@ -157,12 +158,13 @@ struct Run {
 
 fn run(mut trainer: GpuCtrTrainer) -> Run {
     // A wide vocabulary, so the hashed rows spread over the tables and the caches churn.
-    let generator = SyntheticCriteo::criteo_shaped(21, 20_000);
-    let data = Arc::new(generator.generate(0, 256 * 40).0);
-    let eval = generator.generate(1 << 30, 900).0;
+    let generator = SyntheticCriteo::criteo_shaped(21, 200_000);
+    let data = Arc::new(generator.generate(0, 64 * 40).0);
+    // At most 64 distinct rows per table in one evaluation chunk, as in a training batch.
+    let eval = generator.generate(1 << 30, 64).0;
     let options = TrainOptions {
         steps: 40,
-        batch_size: 256,
+        batch_size: 64,
         dense_lr: 3e-3,
         eval_every: 20,
         seed: 5,
@@ -200,11 +202,12 @@ fn training_through_the_row_cache_equals_all_rows_on_the_gpu() {
         SparseOptimizer::adam(2e-3),
     ] {
         let whole = run(GpuCtrTrainer::new(stream, small_deepfm(sparse)).unwrap());
-        // Every other table in host memory with a cache of 1,000 of its 3,001 rows (>= the
-        // 900 distinct rows an evaluation chunk can use); the rest whole on the device.
+        // Every other table in host memory with a cache of 64 of its 3,001 rows (the most
+        // distinct rows a batch or the evaluation chunk can use: the first-seen rows of a
+        // field evict others soon); the rest whole on the device.
         let model = small_deepfm(sparse);
         let slots: Vec<usize> = (model.tables.layout.specs().iter().enumerate())
-            .map(|(t, s)| if t % 2 == 0 { 1000 } else { s.rows })
+            .map(|(t, s)| if t % 2 == 0 { 64 } else { s.rows })
             .collect();
         let cached = run(GpuCtrTrainer::with_row_cache(stream, model, &slots).unwrap());
 

@@ -17,109 +17,17 @@
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
-use std::sync::Arc;
+mod gpu_common;
 
+use gpu_common::{
+    Elem, download, expect_within, gpu_or_skip, random, rel_err, report, shape, upload,
+};
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tilearn_ops::cpu::{self, AttnShape, HostKeyMask, RopeScaling, RopeTable};
-use tilearn_ops::cuda::{
-    self, AttentionImpl, AttentionWorkspace, CudaSlice, CudaStream, DeviceFloat, Gemm, GpuDevice,
-    GpuRopeTable,
-};
+use tilearn_ops::cuda::{self, AttentionImpl, AttentionWorkspace, Gemm, GpuDevice, GpuRopeTable};
 use tilearn_ops::{KeyMask, check_positions};
-
-/// Writes to stderr directly (libtest captures `eprintln!` of passing tests).
-fn report(line: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{line}");
-}
-
-fn gpu_or_skip(test: &str) -> Option<(GpuDevice, Gemm)> {
-    let dev = match GpuDevice::new(0) {
-        Ok(dev) => dev,
-        Err(e) => {
-            report(&format!("skipped: {test}: {e}"));
-            return None;
-        }
-    };
-    let gemm = Gemm::new(dev.stream())
-        .unwrap_or_else(|e| panic!("{test}: a GPU is present but cuBLASLt is not usable: {e}"));
-    Some((dev, gemm))
-}
-
-/// An element type under test.
-trait Elem: DeviceFloat + std::fmt::Debug {
-    const NAN: Self;
-    fn bits(self) -> u32;
-    fn to_f64(self) -> f64 {
-        self.to_f32() as f64
-    }
-}
-
-impl Elem for f32 {
-    const NAN: f32 = f32::NAN;
-    fn bits(self) -> u32 {
-        self.to_bits()
-    }
-}
-
-impl Elem for bf16 {
-    const NAN: bf16 = bf16::NAN;
-    fn bits(self) -> u32 {
-        self.to_bits() as u32
-    }
-}
-
-impl Elem for f16 {
-    const NAN: f16 = f16::NAN;
-    fn bits(self) -> u32 {
-        self.to_bits() as u32
-    }
-}
-
-/// Values of `T` uniform in ±[lo, hi) (rounded once from f32) and their exact f64 values.
-fn random<T: Elem>(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> (Vec<T>, Vec<f64>) {
-    let v: Vec<T> = (0..n)
-        .map(|_| {
-            let m = rng.random_range(lo..hi);
-            T::from_f32(if rng.random::<bool>() { m } else { -m })
-        })
-        .collect();
-    let f = v.iter().map(|x| x.to_f64()).collect();
-    (v, f)
-}
-
-fn upload<T: cudarc::driver::DeviceRepr>(stream: &Arc<CudaStream>, host: &[T]) -> CudaSlice<T> {
-    stream.clone_htod(host).expect("host-to-device copy")
-}
-
-fn download<T: cudarc::driver::DeviceRepr>(dev: &GpuDevice, buf: &CudaSlice<T>) -> Vec<T> {
-    dev.synchronize().expect("kernels ran without error");
-    dev.stream().clone_dtoh(buf).expect("device-to-host copy")
-}
-
-/// ‖got − want‖₂ / ‖want‖₂ (absolute norm for an all-zero reference), failing on NaN.
-fn rel_err(what: &str, got: &[f64], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(i) = got.iter().position(|x| !x.is_finite()) {
-        panic!("{what}: element {i} of {} is {}", got.len(), got[i]);
-    }
-    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
-    let den: f64 = want.iter().map(|w| w * w).sum();
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
-}
-
-fn expect_within(test: &str, what: &str, err: f64, tol: f64) {
-    report(&format!(
-        "{test}: {what}: rel err {err:.3e} (tol {tol:.0e})"
-    ));
-    assert!(err <= tol, "{test}: {what}: rel err {err:.3e} > {tol:.0e}");
-}
 
 /// Restarting positions of `batch` rows of `seq` tokens: examples of random lengths from 1 to
 /// `max_len` (a third of them a single token), so boundaries fall anywhere, within and across
@@ -159,16 +67,6 @@ struct Outputs {
     dk: Vec<f64>,
     dv: Vec<f64>,
     bits: Vec<u32>,
-}
-
-fn shape(batch: usize, seq: usize, q_heads: usize, kv_heads: usize, head_dim: usize) -> AttnShape {
-    AttnShape {
-        batch,
-        seq,
-        q_heads,
-        kv_heads,
-        head_dim,
-    }
 }
 
 /// The masks every implementation is checked on, for head_dim `d`.

@@ -6,7 +6,7 @@
 
 mod support;
 
-use support::golden::{CASES, golden_dir, read_golden};
+use support::golden::{CASES, cpu_run, golden_dir, read_golden};
 use support::rel_err;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
 use tilearn_ops::cpu::rope_inv_freq;
@@ -49,26 +49,9 @@ fn run_case(case: &str) {
         rel_err(&ours, want)
     });
 
-    let mut acts = Activations::new(cfg, g.batch, g.seq, false);
-    let logits = model
-        .forward_logits(&g.input_ids, g.batch, g.seq, &mut acts)
-        .unwrap()
-        .to_vec();
+    let (logits, stats, grads) = cpu_run(&model, &g);
+    let loss = stats.mean();
     let logits_err = rel_err(&logits, &g.logits);
-
-    let mut grads = vec![0.0f32; model.params.numel()];
-    let stats = model
-        .forward_backward(
-            &g.input_ids,
-            &g.labels,
-            g.batch,
-            g.seq,
-            None,
-            &mut acts,
-            &mut grads,
-        )
-        .unwrap();
-    let loss = stats.loss_sum / stats.valid_tokens as f64;
     let loss_err = (loss - g.loss as f64).abs() / (g.loss as f64).abs();
 
     // Every parameter has a reference gradient and vice versa (tied: no lm_head entry).

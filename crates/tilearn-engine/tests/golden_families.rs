@@ -11,7 +11,7 @@ mod support;
 use std::path::Path;
 use std::process::Command;
 
-use support::golden::{FAMILY_CASES, families_dir, read_golden};
+use support::golden::{FAMILY_CASES, cpu_run, families_dir, read_golden};
 use support::{rel_err, report};
 use tilearn_engine::config::{BaichuanVariant, ModelFamily};
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
@@ -50,25 +50,9 @@ fn run_case(case: &str) {
     let cfg = &model.config;
     assert_eq!(cfg.family, expected_family(case), "{case}: family");
     let g = read_golden(&families_dir().join(case).join("golden.safetensors"));
-    let mut acts = Activations::new(cfg, g.batch, g.seq, false);
-    let logits = model
-        .forward_logits(&g.input_ids, g.batch, g.seq, &mut acts)
-        .unwrap()
-        .to_vec();
-    let logits_err = rel_err(&logits, &g.logits);
-    let mut grads = vec![0.0f32; model.params.numel()];
-    let stats = model
-        .forward_backward(
-            &g.input_ids,
-            &g.labels,
-            g.batch,
-            g.seq,
-            None,
-            &mut acts,
-            &mut grads,
-        )
-        .unwrap();
+    let (logits, stats, grads) = cpu_run(&model, &g);
     let loss = stats.mean();
+    let logits_err = rel_err(&logits, &g.logits);
     let loss_err = (loss - g.loss as f64).abs() / (g.loss as f64).abs();
 
     let mut ours: Vec<&str> = model.params.specs.iter().map(|s| s.name.as_str()).collect();

@@ -300,17 +300,7 @@ impl GpuLlama {
     ) -> std::result::Result<TrainStep, GraphFailure> {
         let d = self.prepare(ids, batch, seq)?;
         let valid = self.upload_targets(labels, &d)?;
-        let denominator = match loss_denominator {
-            None => valid as f64,
-            Some(x) if x >= 0.0 && x.is_finite() => x,
-            Some(x) => {
-                return Err(invalid(
-                    "loss_denominator",
-                    format!("{x} is not a non-negative finite number; pass the token count"),
-                )
-                .into());
-            }
-        };
+        let denominator = super::denominator_or_valid(loss_denominator, valid)?;
         // The eager step's factor, rounded to f32 as its launch wrapper rounds it.
         let factor = if denominator > 0.0 {
             (1.0 / denominator) as f32

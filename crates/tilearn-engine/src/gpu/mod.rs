@@ -247,6 +247,19 @@ pub(crate) fn untracked<T>(
     out
 }
 
+/// The loss denominator of a step: the given token count (a non-negative finite number, the
+/// accumulated batch's) or, when none is given, this call's `valid` targets.
+pub(crate) fn denominator_or_valid(given: Option<f64>, valid: usize) -> Result<f64> {
+    match given {
+        None => Ok(valid as f64),
+        Some(x) if x >= 0.0 && x.is_finite() => Ok(x),
+        Some(x) => Err(invalid(
+            "loss_denominator",
+            format!("{x} is not a non-negative finite number; pass the token count"),
+        )),
+    }
+}
+
 pub(crate) fn cuda_err(what: &str, e: DriverError) -> EngineError {
     EngineError::Ops(OpsError::Cuda {
         context: "tilearn_engine::gpu",
@@ -730,16 +743,7 @@ impl GpuLlama {
         }
         let d = self.prepare(ids, batch, seq)?;
         let valid = self.upload_targets(labels, &d)?;
-        let denominator = match loss_denominator {
-            None => valid as f64,
-            Some(x) if x >= 0.0 && x.is_finite() => x,
-            Some(x) => {
-                return Err(invalid(
-                    "loss_denominator",
-                    format!("{x} is not a non-negative finite number; pass the token count"),
-                ));
-            }
-        };
+        let denominator = denominator_or_valid(loss_denominator, valid)?;
         let grad_scale = if denominator > 0.0 {
             f64::from(loss_scale) / denominator
         } else {

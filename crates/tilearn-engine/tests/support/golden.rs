@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
+use tilearn_engine::model::{Activations, LlamaForCausalLM, LossStats};
 
 /// The committed cases.
 pub const CASES: &[&str] = &[
@@ -99,4 +100,27 @@ pub fn read_golden(path: &Path) -> Golden {
         inv_freq,
         grads,
     }
+}
+
+/// The CPU model on a case's batch: its logits, loss statistics and the gradients of every
+/// parameter (flat, in the model's parameter order).
+pub fn cpu_run(model: &LlamaForCausalLM, g: &Golden) -> (Vec<f32>, LossStats, Vec<f32>) {
+    let mut acts = Activations::new(&model.config, g.batch, g.seq, false);
+    let logits = model
+        .forward_logits(&g.input_ids, g.batch, g.seq, &mut acts)
+        .unwrap()
+        .to_vec();
+    let mut grads = vec![0.0f32; model.params.numel()];
+    let stats = model
+        .forward_backward(
+            &g.input_ids,
+            &g.labels,
+            g.batch,
+            g.seq,
+            None,
+            &mut acts,
+            &mut grads,
+        )
+        .unwrap();
+    (logits, stats, grads)
 }

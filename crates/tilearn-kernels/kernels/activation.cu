@@ -22,16 +22,11 @@ namespace {
 
 using tilearn::from_f32;
 using tilearn::to_f32;
+using tilearn::aligned16;
+using tilearn::Vec16;  // 16 bytes of T, one vector load / store
 
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 65535;  // grid-stride loops cover the rest
-
-// 16 bytes of T (4 f32, or 8 bf16 / f16), moved with one vector load / store.
-template <typename T>
-struct alignas(16) Vec16 {
-    static constexpr int kLen = 16 / sizeof(T);
-    T v[kLen];
-};
 
 // Evaluated on the side where exp cannot overflow: for g < 0, e^g / (1 + e^g) keeps
 // sigmoid(g) down to f32's subnormals (1 / (1 + e^-g) would flush it to 0 below g ~ -88).
@@ -121,8 +116,6 @@ __global__ void backward_scalar_kernel(const T* __restrict__ dout, const T* __re
         dup[i] = from_f32<T>(b);
     }
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 unsigned blocks_for(size_t work) {
     const size_t b = (work + kThreads - 1) / kThreads;

@@ -41,6 +41,7 @@ namespace {
 constexpr unsigned kMaxThreads = 256;
 constexpr size_t kScratchAlign = 256;
 
+using tilearn::aligned16;
 using tilearn::to_f32;
 
 // The quiet NaN that fills the output row of an out-of-range id.
@@ -131,8 +132,6 @@ __global__ void accumulate_kernel(const uint32_t* __restrict__ sorted_ids,
     }
     *dst = acc;
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 

@@ -22,16 +22,10 @@ namespace {
 
 using tilearn::from_f32;
 using tilearn::to_f32;
+using tilearn::Vec16;  // 16 bytes of T, one vector load / store
 
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 65535;  // grid-stride loops cover the rest
-
-// 16 bytes of T (4 f32, or 8 bf16 / f16), moved with one vector load / store.
-template <typename T>
-struct alignas(16) Vec16 {
-    static constexpr int kLen = 16 / sizeof(T);
-    T v[kLen];
-};
 
 template <typename T>
 __global__ void add_vec_kernel(const T* a, const T* b, T* out, size_t n) {

@@ -24,6 +24,7 @@
 
 namespace {
 
+using tilearn::aligned16;
 using tilearn::from_f32;
 using tilearn::to_f32;
 
@@ -78,8 +79,6 @@ __global__ void rope_kernel(T* __restrict__ x, const float* __restrict__ cos_tab
         *hi = yb;
     }
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 unsigned blocks_for(size_t work) {
     const size_t b = (work + kThreads - 1) / kThreads;

@@ -8,6 +8,8 @@ pub mod data;
 pub mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod grad_window;
 pub mod lce_chunk;
 pub mod model;
 pub mod params;

@@ -25,8 +25,7 @@ use tilearn_ops::cuda::{
 
 use super::arena::{Bufs, Dims, LayerBufs};
 use super::linalg::Matmul;
-use super::sink::Handoff;
-use super::views::{sub_mut, two_mut};
+use super::sink::{GradParts, Handoff};
 use crate::error::Result;
 use crate::model::{LayerLayout, LinearLayout, ModelLayout};
 
@@ -85,7 +84,7 @@ fn linear_fwd<T: DeviceFloat>(
 fn linear_bwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     w: &CudaView<'_, T>,
-    g: &mut CudaViewMut<'_, f32>,
+    g: &mut GradParts<'_>,
     l: &LinearLayout,
     dout: &CudaView<'_, T>,
     x: &CudaView<'_, T>,
@@ -95,10 +94,9 @@ fn linear_bwd<T: DeviceFloat>(
     dx: Option<&mut CudaViewMut<'_, T>>,
 ) -> Result<()> {
     let weight = w.slice(l.weight.clone());
-    let gv = g.slice_mut(..);
     match &l.bias {
         Some(b) => {
-            let (mut dw, mut db) = two_mut(gv, l.weight.clone(), b.clone())?;
+            let (mut dw, mut db) = g.two(l.weight.clone(), b.clone())?;
             cx.mm.linear_backward(
                 cx.stream,
                 dout,
@@ -114,7 +112,7 @@ fn linear_bwd<T: DeviceFloat>(
             Ok(())
         }
         None => {
-            let mut dw = sub_mut(gv, l.weight.clone())?;
+            let mut dw = g.range(l.weight.clone())?;
             cx.mm.linear_backward(
                 cx.stream, dout, x, &weight, rows, in_f, out_f, dx, &mut dw, None,
             )?;
@@ -253,8 +251,8 @@ fn run_block_checkpointed<T: DeviceFloat>(
 /// Backward from the final norm down to the embedding: `b.grad.dxn` must hold
 /// d(loss)/d(final norm output) and lm_head's gradient must already be in `g`, as the chunked
 /// loss head (`lce::loss_and_head_backward`) leaves them (a tied lm_head's in the embedding's
-/// range, as on the CPU). Parameter gradients are added into `g`'s view, which hands finished
-/// parts on as it goes (see `sink.rs`).
+/// range, as on the CPU). Parameter gradients are added into `g`'s storage (addressed by their
+/// global ranges), which hands finished parts on as it goes (see `sink.rs`).
 pub(crate) fn backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
@@ -266,7 +264,8 @@ pub(crate) fn backward<T: DeviceFloat>(
     let layout = cx.layout;
     let c = d.c;
     {
-        let mut dnorm = sub_mut(g.grads()?.slice_mut(..), layout.norm.clone())?;
+        let mut parts = g.grads()?;
+        let mut dnorm = parts.range(layout.norm.clone())?;
         k::rmsnorm_backward(
             cx.stream,
             &b.grad.dxn,
@@ -295,23 +294,26 @@ pub(crate) fn backward<T: DeviceFloat>(
             d,
             lay,
             w,
-            g.grads()?,
+            &mut g.grads()?,
             &b.resid[i].as_view(),
             &b.layers[set],
             &mut b.grad,
         )?;
         g.pass_on(cx.stream)?;
     }
-    let mut dembed = sub_mut(g.grads()?.slice_mut(..), layout.embed.clone())?;
-    k::embedding_backward(
-        cx.stream,
-        ids,
-        &b.grad.dres,
-        c,
-        &mut dembed,
-        cx.check,
-        cx.embed_scratch,
-    )?;
+    {
+        let mut parts = g.grads()?;
+        let mut dembed = parts.range(layout.embed.clone())?;
+        k::embedding_backward(
+            cx.stream,
+            ids,
+            &b.grad.dres,
+            c,
+            &mut dembed,
+            cx.check,
+            cx.embed_scratch,
+        )?;
+    }
     g.finish(cx.stream)
 }
 
@@ -390,7 +392,7 @@ fn block_backward<T: DeviceFloat>(
     d: &Dims,
     lay: &LayerLayout,
     w: &CudaView<'_, T>,
-    g: &mut CudaViewMut<'_, f32>,
+    g: &mut GradParts<'_>,
     x: &CudaView<'_, T>,
     a: &LayerBufs<'_, T>,
     gb: &mut super::arena::GradBufs<'_, T>,
@@ -440,7 +442,7 @@ fn block_backward<T: DeviceFloat>(
     )?;
     k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     {
-        let mut dpost = sub_mut(g.slice_mut(..), lay.post_attention_norm.clone())?;
+        let mut dpost = g.range(lay.post_attention_norm.clone())?;
         // dres += the norm's input gradient: dres becomes d/dh.
         k::rmsnorm_backward_add(
             s,
@@ -529,7 +531,7 @@ fn block_backward<T: DeviceFloat>(
     )?;
     k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     {
-        let mut dinp = sub_mut(g.slice_mut(..), lay.input_norm.clone())?;
+        let mut dinp = g.range(lay.input_norm.clone())?;
         // dres += the norm's input gradient: dres becomes d/dx.
         k::rmsnorm_backward_add(
             s,

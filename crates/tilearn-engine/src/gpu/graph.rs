@@ -172,7 +172,8 @@ impl GpuLlama {
             .optimizer
             .as_ref()
             .is_some_and(|o| o.shard() != (0..self.layout.numel));
-        given.sharded_optimizer |= self.master_shard.is_some() || shard;
+        given.sharded_optimizer |=
+            self.master_shard.is_some() || self.grad_window.is_some() || shard;
         given
     }
 

@@ -33,7 +33,8 @@ use tilearn_ops::cuda::{self as k, CeTotals, DeviceFloat};
 use super::arena::{Bufs, Dims};
 use super::compute::Cx;
 use super::cuda_err;
-use super::views::{arena_error, sub_mut};
+use super::sink::GradParts;
+use super::views::arena_error;
 use crate::error::Result;
 use crate::lce_chunk::chunk_ranges;
 
@@ -100,7 +101,7 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     w: &CudaView<'_, T>,
-    g: &mut CudaViewMut<'_, f32>,
+    g: &mut GradParts<'_>,
     targets: &CudaView<'_, i32>,
     factor: GradFactor<'_>,
     totals: &mut CeTotals,
@@ -109,7 +110,7 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
     let (n, c) = (d.n, d.c);
     let raw = w.slice(cx.layout.lm_head.clone());
     let head = head_weights(cx, d, &raw, &mut b.head_normed)?;
-    let mut dhead = sub_mut(g.slice_mut(..), cx.layout.lm_head.clone())?;
+    let mut dhead = g.range(cx.layout.lm_head.clone())?;
     let norm_head = d.head_norm_len > 0;
     if norm_head {
         cx.stream

@@ -74,6 +74,7 @@ use tilearn_optim::{AdamWConfig, ParamGroup};
 pub use optim::GpuAdamW;
 pub use precision::HalfViewMut;
 pub use zero::GatheredWeights;
+use zero::GradWindow;
 
 use arena::{Arena, Dims};
 use compute::Cx;
@@ -95,8 +96,11 @@ pub struct GpuMemory {
     pub master_bytes: usize,
     /// 16-bit working copy (0 when built for f32 only).
     pub working_copy_bytes: usize,
-    /// fp32 gradient buffer.
+    /// fp32 gradient buffer: the whole model's, or under ZeRO-2 the owned shard's
+    /// accumulator plus the backward's window (`grad_window_bytes` of it).
     pub grad_bytes: usize,
+    /// Under ZeRO-2: the window the backward writes its parts in (part of `grad_bytes`).
+    pub grad_window_bytes: usize,
     /// Activation and statistics arenas, ids, targets.
     pub activation_bytes: usize,
     /// cuBLASLt and attention workspaces, and the RMSNorm and embedding backward scratch.
@@ -148,10 +152,18 @@ pub struct GpuLlama {
     /// copy only the elements `master_shard` (see `zero.rs`).
     master: CudaSlice<f32>,
     master_shard: Option<std::ops::Range<usize>>,
+    /// The fp32 gradients: the whole flat buffer, or under ZeRO-2 (`grad_window`) only the
+    /// owned shard's accumulated gradients (global elements `grad_window.owned`).
     grads: CudaSlice<f32>,
-    /// The gradient buffer holds the whole model's fp32 weights, gathered for a save while the
-    /// master weights are sharded (cleared by the next backward or `zero_grad`).
+    /// ZeRO-2: the window the backward writes its parts in (see `zero.rs`).
+    grad_window: Option<GradWindow>,
+    /// The whole model's fp32 weights are readable (gathered for a save, or loaded) while the
+    /// master weights are sharded: in the gradient buffer, or under ZeRO-2 in `whole_staging`
+    /// (cleared by the next backward or `zero_grad`).
     grads_hold_params: bool,
+    /// Under ZeRO-2, where a save gathers and a load streams the whole fp32 weights: allocated
+    /// for that and freed by the next backward or `zero_grad` (the gradient buffer is too short).
+    whole_staging: Option<CudaSlice<f32>>,
     arena: Arena,
     /// Present when a 16-bit precision is among `precisions`.
     work: Option<WorkingCopy>,
@@ -190,6 +202,7 @@ struct Pass<'a> {
     precision: DType,
     arena: &'a mut Arena,
     grads: &'a mut CudaSlice<f32>,
+    window: Option<&'a mut GradWindow>,
     totals: &'a mut CeTotals,
     ids: &'a CudaSlice<u32>,
     targets: &'a CudaSlice<i32>,
@@ -245,6 +258,27 @@ pub(crate) fn untracked<T>(
         unsafe { ctx.enable_event_tracking() };
     }
     out
+}
+
+/// The gradients of the global elements `range` from the buffer `grads` holds: the whole
+/// model, or under ZeRO-2 (`window`) the owned shard.
+fn held_grads<'a>(
+    grads: &'a CudaSlice<f32>,
+    window: Option<&GradWindow>,
+    range: std::ops::Range<usize>,
+) -> Result<CudaView<'a, f32>> {
+    let base = window.map_or(0, |w| w.owned.start);
+    let end = window.map_or(grads.len(), |w| w.owned.end);
+    if range.start < base || range.end > end || range.start > range.end {
+        return Err(invalid(
+            "gradients",
+            format!(
+                "elements {range:?} are not held here (this rank holds {base}..{end}; ZeRO-2 \
+                 keeps only the owned shard)"
+            ),
+        ));
+    }
+    Ok(grads.slice(range.start - base..range.end - base))
 }
 
 /// The loss denominator of a step: the given token count (a non-negative finite number, the
@@ -486,7 +520,9 @@ impl GpuLlama {
             master,
             master_shard: None,
             grads,
+            grad_window: None,
             grads_hold_params: false,
+            whole_staging: None,
             arena,
             work,
             rope,
@@ -506,6 +542,7 @@ impl GpuLlama {
                 master_bytes,
                 working_copy_bytes: work_bytes,
                 grad_bytes,
+                grad_window_bytes: 0,
                 activation_bytes,
                 workspace_bytes,
                 optimizer_bytes: 0,
@@ -638,6 +675,7 @@ impl GpuLlama {
             layout,
             master,
             grads,
+            grad_window,
             arena,
             work,
             rope,
@@ -669,6 +707,7 @@ impl GpuLlama {
             precision: *precision,
             arena,
             grads,
+            window: grad_window.as_mut(),
             totals,
             ids,
             targets,
@@ -750,14 +789,41 @@ impl GpuLlama {
             0.0
         };
         self.grads_hold_params = false;
+        self.whole_staging = None;
         let p = self.pass();
         let mut cx = p.cx;
         let layout = cx.layout;
+        let grads = match (p.window, sink) {
+            (None, sink) => Handoff::new(p.grads.as_view_mut(), sink, layout),
+            (
+                Some(GradWindow {
+                    plan,
+                    window,
+                    owned,
+                }),
+                Some(sink),
+            ) => Handoff::windowed(
+                plan,
+                window.as_view_mut(),
+                p.grads.slice_mut(..owned.len()),
+                owned.clone(),
+                sink,
+                cx.stream,
+            )?,
+            (Some(_), None) => {
+                return Err(invalid(
+                    "GpuLlama::forward_backward",
+                    "under ZeRO-2 this rank keeps only its owned gradients: the backward must \
+                     reduce each part through a GradientSink (forward_backward_into)"
+                        .into(),
+                ));
+            }
+        };
         with_elem!(p.precision, T => train_pass::<T>(
             &mut cx,
             &d,
             &weights::<T>(p.master, p.work, p.numel)?,
-            Handoff::new(p.grads.as_view_mut(), sink, layout),
+            grads,
             &p.ids.slice(..d.n),
             &p.targets.slice(..d.n),
             GradFactor::Host(grad_scale),
@@ -817,6 +883,7 @@ impl GpuLlama {
 
     /// The flat gradient buffer and the stream the backward writes it on, for data parallelism
     /// to reduce it in place (cudarc's events order the communication after the backward).
+    /// Under ZeRO-2 ([`GpuLlama::shard_gradients`]) it is the owned shard's gradients only.
     pub fn gradients_mut(&mut self) -> (CudaViewMut<'_, f32>, Arc<CudaStream>) {
         let stream = self.device.stream().clone();
         (self.grads.as_view_mut(), stream)
@@ -825,6 +892,7 @@ impl GpuLlama {
     /// Zeroes the gradient buffer (queued, no wait).
     pub fn zero_grad(&mut self) -> Result<()> {
         self.grads_hold_params = false;
+        self.whole_staging = None;
         let stream = self.device.stream().clone();
         stream
             .memset_zeros(&mut self.grads)
@@ -913,7 +981,8 @@ impl GpuLlama {
                 "no optimizer: call configure_optimizer first".into(),
             ));
         };
-        let norm = opt.unscaled_norm(&stream, self.grads.slice(opt.shard()), inv_scale)?;
+        let grads = held_grads(&self.grads, self.grad_window.as_ref(), opt.shard())?;
+        let norm = opt.unscaled_norm(&stream, grads, inv_scale)?;
         let found_inf = !norm.is_finite();
         if found_inf {
             opt.discard_prepared();
@@ -931,6 +1000,7 @@ impl GpuLlama {
             master,
             master_shard,
             grads,
+            grad_window,
             work,
             optimizer,
             precision,
@@ -948,7 +1018,7 @@ impl GpuLlama {
             Some(_) => master.slice_mut(..shard.len()),
             None => master.slice_mut(shard.clone()),
         };
-        let g = grads.slice(shard.clone());
+        let g = held_grads(grads, grad_window.as_ref(), shard.clone())?;
         match work.as_mut() {
             Some(w) => {
                 opt.step(
@@ -965,7 +1035,8 @@ impl GpuLlama {
         self.sample_memory()
     }
 
-    /// Sets one gradient to +inf (fault injection for tests of the loss-scaling path).
+    /// Sets one gradient to +inf (fault injection for tests of the loss-scaling path): the
+    /// first one this rank holds (under ZeRO-2 the first of its owned shard).
     pub fn plant_infinite_gradient(&mut self) -> Result<()> {
         let stream = self.device.stream().clone();
         stream
@@ -1002,7 +1073,16 @@ fn train_pass<T: DeviceFloat>(
     let mut b = arena.carve::<T>(d)?;
     compute::forward(cx, d, w, ids, &mut b)?;
     let mut grads = grads;
-    lce::loss_and_head_backward(cx, d, w, grads.grads()?, targets, factor, totals, &mut b)?;
+    lce::loss_and_head_backward(
+        cx,
+        d,
+        w,
+        &mut grads.grads()?,
+        targets,
+        factor,
+        totals,
+        &mut b,
+    )?;
     compute::backward(cx, d, w, grads, ids, &mut b)
 }
 

@@ -15,22 +15,37 @@
 //! is kept by hand instead: a sink's collectives wait for the compute stream as it stands
 //! when the part is handed on, and [`GradientSink::finish`] makes the compute stream wait
 //! for all of them before the optimizer reads the gradients.
+//!
+//! Under ZeRO-2 the backward need not write into a whole-model buffer: [`Handoff::windowed`]
+//! gives each part its space in a small window ([`crate::grad_window::WindowPlan`]) and the
+//! compute code addresses gradients by their global ranges through [`GradParts`], whichever
+//! storage is behind them. Before a part is written its space is *prepared*: zeroed, and where
+//! the part meets the rank's owned shard, filled with what the owned-shard accumulator holds
+//! (the backward then adds this micro-batch's gradient onto the accumulated one, and the
+//! reduction to the owner sums the ranks' new gradients onto it, exactly as the owned part of
+//! a whole buffer behaves). When a later part takes a part's space, the compute stream first
+//! waits for that part's reduction ([`GradientSink::completion`]) and copies the owned piece
+//! back into the accumulator.
 
+use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::CudaViewMut;
+use cudarc::driver::{CudaEvent, CudaViewMut};
 use tilearn_ops::cuda::CudaStream;
 
-use super::views::split_owned;
+use super::cuda_err;
+use super::views::{split_owned, sub_mut, two_mut};
 use crate::error::{EngineError, Result};
+use crate::grad_window::WindowPlan;
 use crate::model::ModelLayout;
 
 /// Receives the finished parts of the gradient buffer during a backward.
 pub trait GradientSink {
-    /// `part` is elements `offset..offset + part.len()` of the flat gradient buffer; no kernel
-    /// of this backward writes them any more. `stream` is the compute stream, whose enqueued
-    /// work produced them. Launch without blocking; the part must not be touched after
-    /// [`finish`](Self::finish) returns.
+    /// `part` is elements `offset..offset + part.len()` of the flat gradient buffer (or, under
+    /// ZeRO-2, the window space that holds them); no kernel of this backward writes them any
+    /// more. `stream` is the compute stream, whose enqueued work produced them. Launch without
+    /// blocking; the part must not be touched after [`completion`](Self::completion)'s event
+    /// or [`finish`](Self::finish).
     fn ready(
         &mut self,
         offset: usize,
@@ -38,13 +53,160 @@ pub trait GradientSink {
         stream: &Arc<CudaStream>,
     ) -> Result<()>;
 
+    /// An event that completes when everything launched so far is done with its parts (the
+    /// window's space of those parts may then be reused).
+    fn completion(&mut self) -> Result<CudaEvent>;
+
     /// After the whole buffer was handed on: order `stream` after everything launched.
     fn finish(&mut self, stream: &Arc<CudaStream>) -> Result<()>;
 }
 
-/// The gradient view a backward writes to, shrinking as parts are handed on.
+/// The gradients a backward writes, addressed by their global ranges of the flat buffer:
+/// one piece of the whole buffer, or the window spaces of the parts being written.
+pub(crate) struct GradParts<'v> {
+    /// (global index of the piece's first element, the piece).
+    pieces: Vec<(usize, CudaViewMut<'v, f32>)>,
+}
+
+impl GradParts<'_> {
+    fn locate(&self, r: &Range<usize>) -> Result<usize> {
+        self.pieces
+            .iter()
+            .position(|(start, v)| *start <= r.start && r.end <= start + v.len())
+            .ok_or_else(|| {
+                internal(&format!(
+                    "gradients {r:?} are not among the parts being written ({:?})",
+                    self.pieces
+                        .iter()
+                        .map(|(s, v)| *s..s + v.len())
+                        .collect::<Vec<_>>()
+                ))
+            })
+    }
+
+    /// The gradients of the global range `r`.
+    pub(crate) fn range(&mut self, r: Range<usize>) -> Result<CudaViewMut<'_, f32>> {
+        let k = self.locate(&r)?;
+        let (start, piece) = &mut self.pieces[k];
+        let local = r.start - *start..r.end - *start;
+        sub_mut(piece.slice_mut(..), local)
+    }
+
+    /// The gradients of two disjoint global ranges of one tensor's part (`a` before `b`: a
+    /// weight and its bias).
+    pub(crate) fn two(
+        &mut self,
+        a: Range<usize>,
+        b: Range<usize>,
+    ) -> Result<(CudaViewMut<'_, f32>, CudaViewMut<'_, f32>)> {
+        let k = self.locate(&(a.start..b.end))?;
+        let (start, piece) = &mut self.pieces[k];
+        let s = *start;
+        two_mut(
+            piece.slice_mut(..),
+            a.start - s..a.end - s,
+            b.start - s..b.end - s,
+        )
+    }
+}
+
+/// ZeRO-2's state during one backward (see the module docs).
+struct Windowed<'g> {
+    plan: &'g WindowPlan,
+    window: CudaViewMut<'g, f32>,
+    /// The owned shard's accumulated gradients (global elements `owned`).
+    acc: CudaViewMut<'g, f32>,
+    owned: Range<usize>,
+    /// The part being written.
+    current: usize,
+    /// Per part: the sink's completion event once handed on, until its space is reused.
+    done: Vec<Option<CudaEvent>>,
+    /// Parts whose owned piece is back in the accumulator.
+    kept: Vec<bool>,
+}
+
+impl Windowed<'_> {
+    /// Where part `i` meets the owned shard: (global range, its place in the window).
+    fn owned_piece(&self, i: usize) -> Option<(Range<usize>, Range<usize>)> {
+        let part = &self.plan.parts[i];
+        let lo = part.start.max(self.owned.start);
+        let hi = part.end.min(self.owned.end);
+        if lo >= hi {
+            return None;
+        }
+        let at = self.plan.at[i] + (lo - part.start);
+        Some((lo..hi, at..at + (hi - lo)))
+    }
+
+    /// Zeroes part `i`'s space and puts the accumulated owned piece there.
+    fn prepare(&mut self, i: usize, stream: &Arc<CudaStream>) -> Result<()> {
+        for j in self.plan.reuses[i].clone() {
+            self.keep(j, stream)?;
+        }
+        let space = self.plan.space(i);
+        let mut view = sub_mut(self.window.slice_mut(..), space)?;
+        stream
+            .memset_zeros(&mut view)
+            .map_err(|e| cuda_err("zeroing the gradient window", e))?;
+        if let Some((global, local)) = self.owned_piece(i) {
+            let from = global.start - self.owned.start..global.end - self.owned.start;
+            let src = self.acc.slice(from);
+            let mut dst = sub_mut(self.window.slice_mut(..), local)?;
+            stream
+                .memcpy_dtod(&src, &mut dst)
+                .map_err(|e| cuda_err("preparing the gradient window", e))?;
+        }
+        Ok(())
+    }
+
+    /// After part `j`'s reduction: its owned piece (the ranks' sum) back into the accumulator.
+    fn keep(&mut self, j: usize, stream: &Arc<CudaStream>) -> Result<()> {
+        if self.kept[j] {
+            return Ok(());
+        }
+        let done = self.done[j]
+            .take()
+            .ok_or_else(|| internal("a window part is reused before it was handed on"))?;
+        stream
+            .wait(&done)
+            .map_err(|e| cuda_err("ordering the backward after a reduction", e))?;
+        if let Some((global, local)) = self.owned_piece(j) {
+            let to = global.start - self.owned.start..global.end - self.owned.start;
+            let src = self.window.slice(local);
+            let mut dst = sub_mut(self.acc.slice_mut(..), to)?;
+            stream
+                .memcpy_dtod(&src, &mut dst)
+                .map_err(|e| cuda_err("keeping the owned gradients", e))?;
+        }
+        self.kept[j] = true;
+        Ok(())
+    }
+
+    /// The parts being written: the current one and the persistent one.
+    fn parts(&mut self) -> Result<GradParts<'_>> {
+        let current = self.plan.space(self.current);
+        let cur_start = self.plan.parts[self.current].start;
+        let pieces = match self.plan.persistent.filter(|&p| p != self.current) {
+            None => vec![(cur_start, sub_mut(self.window.slice_mut(..), current)?)],
+            Some(p) => {
+                // The persistent part is at the window's start, before every ring part.
+                let (lo, hi) = two_mut(self.window.slice_mut(..), self.plan.space(p), current)?;
+                vec![(self.plan.parts[p].start, lo), (cur_start, hi)]
+            }
+        };
+        Ok(GradParts { pieces })
+    }
+}
+
+enum Mode<'g> {
+    /// The whole flat buffer; `rest` is the part still written (elements `0..len`).
+    Whole(Option<CudaViewMut<'g, f32>>),
+    Window(Windowed<'g>),
+}
+
+/// The gradient storage a backward writes to, handing finished parts on as it goes.
 pub(crate) struct Handoff<'g, 's> {
-    rest: Option<CudaViewMut<'g, f32>>,
+    mode: Mode<'g>,
     sink: Option<&'s mut dyn GradientSink>,
     offsets: Vec<usize>,
     next: usize,
@@ -69,49 +231,131 @@ impl<'g, 's> Handoff<'g, 's> {
             None => Vec::new(),
         };
         Handoff {
-            rest: Some(grads),
+            mode: Mode::Whole(Some(grads)),
             sink,
             offsets,
             next: 0,
         }
     }
 
-    /// The part the backward still writes (elements `0..len` of the buffer: offsets into it
-    /// are the layout's).
-    pub(crate) fn grads(&mut self) -> Result<&mut CudaViewMut<'g, f32>> {
-        self.rest
-            .as_mut()
-            .ok_or_else(|| internal("the gradient view was handed on twice"))
+    /// ZeRO-2: the parts are written in `window` as `plan` places them, each reduced through
+    /// `sink` when finished and its owned piece (global elements `owned`) kept in `acc`.
+    /// Prepares the first part (and the persistent one) on `stream`.
+    pub(crate) fn windowed(
+        plan: &'g WindowPlan,
+        window: CudaViewMut<'g, f32>,
+        acc: CudaViewMut<'g, f32>,
+        owned: Range<usize>,
+        sink: &'s mut dyn GradientSink,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Self> {
+        if acc.len() != owned.len() || window.len() < plan.len || plan.parts.is_empty() {
+            return Err(internal("the gradient window does not match its plan"));
+        }
+        let n = plan.parts.len();
+        let mut w = Windowed {
+            plan,
+            window,
+            acc,
+            owned,
+            current: 0,
+            done: (0..n).map(|_| None).collect(),
+            kept: vec![false; n],
+        };
+        if let Some(p) = plan.persistent {
+            w.prepare(p, stream)?;
+        }
+        if plan.persistent != Some(0) {
+            w.prepare(0, stream)?;
+        }
+        Ok(Handoff {
+            mode: Mode::Window(w),
+            sink: Some(sink),
+            offsets: Vec::new(),
+            next: 0,
+        })
     }
 
-    /// The next part of [`ModelLayout::backward_handoffs`] is final: hand it on.
+    /// The gradients the backward still writes, by their global ranges.
+    pub(crate) fn grads(&mut self) -> Result<GradParts<'_>> {
+        match &mut self.mode {
+            Mode::Whole(rest) => {
+                let rest = rest
+                    .as_mut()
+                    .ok_or_else(|| internal("the gradient view was handed on twice"))?;
+                Ok(GradParts {
+                    pieces: vec![(0, rest.slice_mut(..))],
+                })
+            }
+            Mode::Window(w) => w.parts(),
+        }
+    }
+
+    /// The next part is final: hand it on.
     pub(crate) fn pass_on(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
         let Some(sink) = self.sink.as_deref_mut() else {
             return Ok(());
         };
-        let Some(&at) = self.offsets.get(self.next) else {
-            return Ok(());
-        };
-        self.next += 1;
-        let rest = self
-            .rest
-            .take()
-            .ok_or_else(|| internal("the gradient view was handed on twice"))?;
-        let (front, done) = split_owned(rest, at)?;
-        self.rest = Some(front);
-        sink.ready(at, done, stream)
+        match &mut self.mode {
+            Mode::Whole(rest) => {
+                let Some(&at) = self.offsets.get(self.next) else {
+                    return Ok(());
+                };
+                self.next += 1;
+                let whole = rest
+                    .take()
+                    .ok_or_else(|| internal("the gradient view was handed on twice"))?;
+                let (front, done) = split_owned(whole, at)?;
+                *rest = Some(front);
+                sink.ready(at, done, stream)
+            }
+            Mode::Window(w) => {
+                let i = w.current;
+                // The last part is handed on by `finish`.
+                if i + 1 >= w.plan.parts.len() {
+                    return Ok(());
+                }
+                let space = sub_mut(w.window.slice_mut(..), w.plan.space(i))?;
+                sink.ready(w.plan.parts[i].start, space, stream)?;
+                w.done[i] = Some(sink.completion()?);
+                w.current = i + 1;
+                if w.plan.persistent != Some(i + 1) {
+                    w.prepare(i + 1, stream)?;
+                }
+                Ok(())
+            }
+        }
     }
 
-    /// The backward is over: hand on what is left and order `stream` after the sink's work.
+    /// The backward is over: hand on what is left and order `stream` after the sink's work
+    /// (and, under ZeRO-2, keep the owned pieces still in the window).
     pub(crate) fn finish(mut self, stream: &Arc<CudaStream>) -> Result<()> {
         let Some(sink) = self.sink.as_deref_mut() else {
             return Ok(());
         };
-        if let Some(rest) = self.rest.take()
-            && !rest.is_empty()
-        {
-            sink.ready(0, rest, stream)?;
+        match &mut self.mode {
+            Mode::Whole(rest) => {
+                if let Some(rest) = rest.take()
+                    && !rest.is_empty()
+                {
+                    sink.ready(0, rest, stream)?;
+                }
+                sink.finish(stream)
+            }
+            Mode::Window(w) => {
+                let i = w.current;
+                if i + 1 != w.plan.parts.len() {
+                    return Err(internal("the backward ended before its last part"));
+                }
+                let space = sub_mut(w.window.slice_mut(..), w.plan.space(i))?;
+                sink.ready(w.plan.parts[i].start, space, stream)?;
+                w.done[i] = Some(sink.completion()?);
+                sink.finish(stream)?;
+                for j in 0..w.plan.parts.len() {
+                    w.keep(j, stream)?;
+                }
+                Ok(())
+            }
         }
-        sink.finish(stream)
     }
 }

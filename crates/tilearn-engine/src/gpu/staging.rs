@@ -210,19 +210,21 @@ impl GpuLlama {
     /// parameter it means to set; the others keep their values.
     ///
     /// With ZeRO's sharded master the whole model is streamed into the idle gradient buffer
-    /// and this rank keeps its shard (see `zero.rs`); `f` must then write every parameter.
+    /// (under ZeRO-2 a buffer made for it) and this rank keeps its shard (see `zero.rs`); `f`
+    /// must then write every parameter.
     pub fn fill_params(&mut self, f: impl FnOnce(&mut dyn TensorDest) -> Result<()>) -> Result<()> {
         let stream = self.stream().clone();
         let sharded = self.master_shard.is_some();
+        let numel = self.layout.numel;
         let target = if sharded {
-            &mut self.grads
+            self.whole_params_target()?
         } else {
             &mut self.master
         };
         let mut dest = DeviceDest {
             staging: staging(&stream, Direction::Upload)?,
             buffers: vec![target],
-            numel: self.layout.numel,
+            numel,
         };
         f(&mut dest)?;
         dest.staging.finish()?;

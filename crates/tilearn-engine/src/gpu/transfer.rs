@@ -19,7 +19,8 @@ impl GpuLlama {
         })
     }
 
-    /// Downloads the accumulated gradients (flat, the parameters' layout). Synchronises.
+    /// Downloads the accumulated gradients (flat, the parameters' layout; under ZeRO-2 the
+    /// owned shard's only, see [`GpuLlama::owned_gradients`]). Synchronises.
     pub fn download_grads(&self) -> Result<Vec<f32>> {
         self.download_f32(&self.grads, "downloading the gradients")
     }
@@ -61,6 +62,12 @@ impl GpuLlama {
     /// step on gradients computed elsewhere.
     pub fn upload_grads(&mut self, grads: &[f32]) -> Result<()> {
         let numel = self.layout.numel;
+        if let Some(owned) = self.owned_gradients() {
+            return Err(invalid(
+                "upload_grads",
+                format!("under ZeRO-2 this rank holds only the gradients {owned:?}"),
+            ));
+        }
         if grads.len() != numel {
             return Err(invalid(
                 "grads",

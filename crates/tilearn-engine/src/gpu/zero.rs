@@ -11,11 +11,18 @@
 //! fp32 forward reads the master weights themselves) the master stays whole and is what gets
 //! all-gathered; then only the moments are partitioned (K = 8, as on the CPU engine).
 //!
+//! Stage 2 also shards the gradients ([`GpuLlama::shard_gradients`]): the gradient buffer
+//! shrinks to the owned shard's accumulator, and the backward writes its parts into a small
+//! window ([`crate::grad_window::WindowPlan`]), reducing each finished part to its owners and
+//! keeping the owned pieces (see `sink.rs`).
+//!
 //! Saves and loads still speak whole fp32 models. A sharded master is gathered into the
 //! gradient buffer, which is idle between an optimizer step and the next backward
 //! ([`GpuLlama::stage_params_in_grads`], collective through the caller), so a save needs no
 //! extra device memory; a load streams the file into that buffer, casts the working copy
-//! from it and keeps the shard.
+//! from it and keeps the shard. Under stage 2 the gradient buffer is too short for that: the
+//! whole weights then go to a buffer allocated for the save or load and freed by the next
+//! backward or `zero_grad`, so a save's moment costs 4Ψ more (what stage 1 holds throughout).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -24,9 +31,22 @@ use cudarc::driver::CudaViewMut;
 use tilearn_ops::DType;
 use tilearn_ops::cuda::CudaStream;
 
+use cudarc::driver::CudaSlice;
+
 use super::precision::HalfViewMut;
-use super::{GpuLlama, cuda_err, invalid};
+use super::{GpuLlama, cuda_err, invalid, untracked};
 use crate::error::Result;
+use crate::grad_window::WindowPlan;
+
+/// ZeRO-2's gradient storage besides the owned shard's accumulator (the gradient buffer).
+#[derive(Debug)]
+pub(crate) struct GradWindow {
+    pub plan: WindowPlan,
+    /// Where the backward writes its parts (untracked, as the whole buffer it replaces).
+    pub window: CudaSlice<f32>,
+    /// The global elements the gradient buffer holds.
+    pub owned: Range<usize>,
+}
 
 /// The weights every rank must hold whole after a ZeRO step, as the optimizer left them (only
 /// the rank's shard is new): all-gather them.
@@ -99,6 +119,82 @@ impl GpuLlama {
         self.sample_memory()
     }
 
+    /// ZeRO-2: from now on this rank holds only the gradients `owned` (accumulated over the
+    /// micro-batches of a step) plus the backward's window, instead of the whole model's;
+    /// every backward must then go through [`GpuLlama::forward_backward_into`] with a sink
+    /// that reduces each part to its owners. Returns whether it did: not when `owned` is the
+    /// whole model (one rank: the whole buffer is the shard) or the parameter order gives the
+    /// backward no hand-off points; then the whole buffer stays (stage 2 reduces in it).
+    pub fn shard_gradients(&mut self, owned: Range<usize>) -> Result<bool> {
+        let numel = self.layout.numel;
+        if owned.start > owned.end || owned.end > numel {
+            return Err(invalid(
+                "owned",
+                format!("{owned:?} is not a range of the model's {numel} parameters"),
+            ));
+        }
+        if self.grad_window.is_some() {
+            return Err(invalid(
+                "shard_gradients",
+                "the gradients are already sharded; shard once, before training".into(),
+            ));
+        }
+        let Some(plan) = WindowPlan::for_layout(&self.layout) else {
+            return Ok(false);
+        };
+        if owned.len() == numel {
+            return Ok(false);
+        }
+        let stream = self.stream().clone();
+        self.graphs.invalidate();
+        let window = untracked(&stream, || stream.alloc_zeros::<f32>(plan.len))
+            .map_err(|e| cuda_err("allocating the gradient window", e))?;
+        let acc = untracked(&stream, || stream.alloc_zeros::<f32>(owned.len().max(1)))
+            .map_err(|e| cuda_err("allocating the owned gradients", e))?;
+        // The whole buffer is freed (stream-ordered) when replaced.
+        self.grads = acc;
+        self.grads_hold_params = false;
+        let m = &mut self.memory;
+        m.grad_window_bytes = window.num_bytes();
+        m.grad_bytes = self.grads.num_bytes() + m.grad_window_bytes;
+        m.own_bytes = m.master_bytes
+            + m.working_copy_bytes
+            + m.grad_bytes
+            + m.activation_bytes
+            + m.workspace_bytes
+            + m.optimizer_bytes;
+        self.grad_window = Some(GradWindow {
+            plan,
+            window,
+            owned,
+        });
+        self.device.synchronize()?;
+        self.sample_memory()?;
+        Ok(true)
+    }
+
+    /// Under ZeRO-2: the global elements of the gradients this rank holds.
+    pub fn owned_gradients(&self) -> Option<Range<usize>> {
+        self.grad_window.as_ref().map(|w| w.owned.clone())
+    }
+
+    /// Where the whole fp32 weights go for a save or a load while the master is sharded: the
+    /// idle gradient buffer, or under ZeRO-2 a buffer made for it (see the module docs).
+    pub(crate) fn whole_params_target(&mut self) -> Result<&mut CudaSlice<f32>> {
+        if self.grad_window.is_some() && self.whole_staging.is_none() {
+            let stream = self.stream().clone();
+            let numel = self.layout.numel;
+            let buf = stream
+                .alloc_zeros::<f32>(numel.max(1))
+                .map_err(|e| cuda_err("allocating the whole weights for a save or load", e))?;
+            self.whole_staging = Some(buf);
+        }
+        Ok(match self.whole_staging.as_mut() {
+            Some(w) => w,
+            None => &mut self.grads,
+        })
+    }
+
     /// Whether ZeRO may shard the fp32 master weights: the model runs exactly one precision,
     /// a 16-bit one, so no forward reads the master weights and the working copy never needs
     /// re-casting from them.
@@ -128,7 +224,8 @@ impl GpuLlama {
                 "no optimizer: call configure_optimizer first".into(),
             ));
         };
-        opt.sum_of_squares(&stream, self.grads.slice(range))
+        let grads = super::held_grads(&self.grads, self.grad_window.as_ref(), range)?;
+        opt.sum_of_squares(&stream, grads)
     }
 
     /// The next [`step`](Self::step) clips with the global norm `sqrt(sum_of_squares)` (all
@@ -179,15 +276,24 @@ impl GpuLlama {
             return Ok(None);
         };
         let stream = self.stream().clone();
+        let numel = self.layout.numel;
+        self.whole_params_target()?;
+        let GpuLlama {
+            master,
+            grads,
+            whole_staging,
+            ..
+        } = self;
+        let target = match whole_staging.as_mut() {
+            Some(w) => w,
+            None => grads,
+        };
         stream
-            .memcpy_dtod(
-                &self.master.slice(..shard.len()),
-                &mut self.grads.slice_mut(shard),
-            )
+            .memcpy_dtod(&master.slice(..shard.len()), &mut target.slice_mut(shard))
             .map_err(|e| cuda_err("staging the master shard for a save", e))?;
         self.grads_hold_params = true;
-        let numel = self.layout.numel;
-        Ok(Some((self.grads.slice_mut(..numel), stream)))
+        let target = self.whole_params_target()?;
+        Ok(Some((target.slice_mut(..numel), stream)))
     }
 
     /// The whole fp32 weights for a save or a download: the master weights, or the gradient
@@ -196,7 +302,7 @@ impl GpuLlama {
     pub(crate) fn whole_params(&self) -> Result<&cudarc::driver::CudaSlice<f32>> {
         match (&self.master_shard, self.grads_hold_params) {
             (None, _) => Ok(&self.master),
-            (Some(_), true) => Ok(&self.grads),
+            (Some(_), true) => Ok(self.whole_staging.as_ref().unwrap_or(&self.grads)),
             (Some(shard), false) => Err(invalid(
                 "the fp32 weights",
                 format!(
@@ -216,14 +322,15 @@ impl GpuLlama {
         let stream = self.stream().clone();
         let numel = self.layout.numel;
         let precision = self.precision;
+        let whole = self.whole_staging.as_ref().unwrap_or(&self.grads);
         if let Some(w) = self.work.as_mut()
             && precision != DType::F32
         {
-            w.cast_from(&stream, &self.grads.slice(..numel), precision)?;
+            w.cast_from(&stream, &whole.slice(..numel), precision)?;
         }
         stream
             .memcpy_dtod(
-                &self.grads.slice(shard.clone()),
+                &whole.slice(shard.clone()),
                 &mut self.master.slice_mut(..shard.len()),
             )
             .map_err(|e| cuda_err("keeping the loaded master shard", e))?;

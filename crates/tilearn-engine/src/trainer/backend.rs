@@ -216,6 +216,22 @@ pub trait StepBackend {
         Err(unsupported(self.describe(), "ZeRO (--zero-stage)"))
     }
 
+    /// ZeRO-2 with the reduction during the backward: from now on the backend may keep only
+    /// the gradients `owned` (accumulated over a step's micro-batches) and write the others
+    /// in a reusable window, reducing each part through the sink of
+    /// [`forward_backward_into`](Self::forward_backward_into), which every backward must then
+    /// use. Returns whether it did (the default: no, the whole buffer stays).
+    fn shard_gradients(&mut self, owned: Range<usize>) -> Result<bool> {
+        let _ = owned;
+        Ok(false)
+    }
+
+    /// Whether [`shard_gradients`](Self::shard_gradients) took effect: the flat gradients
+    /// are then the owned shard's only.
+    fn gradients_sharded(&self) -> bool {
+        false
+    }
+
     /// The sum of squares of the gradients `range` (ZeRO's partial norm).
     fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {
         let _ = range;

@@ -234,6 +234,7 @@ impl StepBackend for CpuBackend {
         RankState {
             weights: bytes(self.model.params.data.len()),
             grads: bytes(self.grads.len()),
+            grad_window: 0.0,
             optimizer: bytes(o.exp_avg().len() + o.exp_avg_sq().len()),
         }
     }

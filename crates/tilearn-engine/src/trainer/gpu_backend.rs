@@ -469,6 +469,14 @@ impl StepBackend for GpuBackend {
         self.gpu.shard_optimizer(shard)
     }
 
+    fn shard_gradients(&mut self, owned: Range<usize>) -> Result<bool> {
+        self.gpu.shard_gradients(owned)
+    }
+
+    fn gradients_sharded(&self) -> bool {
+        self.gpu.owned_gradients().is_some()
+    }
+
     fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {
         self.optimizer_ready()?;
         self.gpu.grad_sum_of_squares(range)
@@ -537,6 +545,7 @@ impl StepBackend for GpuBackend {
         RankState {
             weights: (m.working_copy_bytes + master_as_weights) as f64,
             grads: m.grad_bytes as f64,
+            grad_window: m.grad_window_bytes as f64,
             optimizer: (master_as_state + optimizer_bytes) as f64,
         }
     }

@@ -323,6 +323,11 @@ impl Trainer {
         if dp.is_sharded() {
             self.backend.shard_optimizer(dp.owned())?;
         }
+        if dp.reduces_each_micro_batch() {
+            // ZeRO-2 reducing during the backward: the GPU engine then keeps only the owned
+            // gradients plus a window (the CPU engine keeps its whole buffer).
+            self.backend.shard_gradients(dp.owned())?;
+        }
         self.dp = dp;
         Ok(())
     }
@@ -363,15 +368,26 @@ impl Trainer {
         let (world, stage) = (self.dp.world_size(), self.dp.zero_stage());
         let formula = per_rank(bytes, numel as u64, world as u64, stage);
         let owned = self.dp.owned().len() as u64;
-        let grads_held = if stage == ZeroStage::Two && self.dp.is_sharded() {
+        let window = state.grad_window as u64;
+        // A backend that holds whole-model gradients under stage 2 (the CPU engine) is
+        // counted with the formula's owned shard and its whole buffer named separately below.
+        let grads_held = if stage == ZeroStage::Two && self.dp.is_sharded() && window == 0 {
             owned * bytes.grads
         } else {
             state.grads as u64
         };
         let (weights, optimizer) = (state.weights as u64, state.optimizer as u64);
         let held = weights + grads_held + optimizer;
+        let grads_text = if window > 0 {
+            format!(
+                "{grads_held} (owned shard {} + backward window {window})",
+                grads_held - window
+            )
+        } else {
+            grads_held.to_string()
+        };
         let mut line = format!(
-            "model states on rank {}: {held} bytes (weights {} + gradients {grads_held} + \
+            "model states on rank {}: {held} bytes (weights {} + gradients {grads_text} + \
              optimizer {}); ZeRO stage {}: {} = {:.0} bytes (Ψ = {numel}, N = {world})",
             self.dp.rank(),
             weights,
@@ -642,7 +658,10 @@ impl Trainer {
                             && a.debug_inject_overflow.contains(&(state.global_step + 1));
                         // The last micro-batch all-reduces its gradients during its own backward where
                         // the run allows it (never when a fault is injected after the backward).
-                        if (last || self.dp.reduces_each_micro_batch()) && !poison {
+                        // ZeRO-2 reduces every micro-batch during its backward (a fault is then
+                        // injected into the reduced gradients afterwards).
+                        let each = self.dp.reduces_each_micro_batch();
+                        if (last || each) && (!poison || each) {
                             let backend = self.backend.as_mut();
                             let overlapped = self.dp.overlapped_backward(
                                 backend,
@@ -653,6 +672,9 @@ impl Trainer {
                             )?;
                             if let Some(loss) = overlapped {
                                 loss_sum += loss;
+                                if poison {
+                                    self.backend.poison_gradients()?;
+                                }
                                 continue;
                             }
                         }

@@ -101,7 +101,10 @@ pub const CPU_FP32_ADAMW: StateBytes = StateBytes {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RankState {
     pub weights: f64,
+    /// All gradient storage held, `grad_window` included.
     pub grads: f64,
+    /// Of `grads`: the reusable window a ZeRO-2 backward writes its parts in (0 otherwise).
+    pub grad_window: f64,
     pub optimizer: f64,
 }
 
@@ -123,6 +126,7 @@ pub fn per_rank(bytes: StateBytes, numel: u64, world: u64, stage: ZeroStage) -> 
     RankState {
         weights: bytes.weights as f64 * psi,
         grads: bytes.grads as f64 * grads_over,
+        grad_window: 0.0,
         optimizer: bytes.optimizer as f64 * optimizer_over,
     }
 }

@@ -336,13 +336,15 @@ impl DataParallel {
                         message: "internal: a backend with a compute stream lacks the hook".into(),
                     })??;
                 // The owned shard holds the ranks' sum (accumulated onto what earlier
-                // micro-batches left there); the rest is zeroed for the next backward.
-                let owned = self.owned();
-                let mut grads = backend.flat_gradients()?;
-                let len = grads.len();
-                grads.zero(0..owned.start)?;
-                grads.zero(owned.end..len)?;
-                drop(grads);
+                // micro-batches left there); in a whole buffer the rest is zeroed for the
+                // next backward (a backend that keeps only the owned gradients has no rest).
+                if !backend.gradients_sharded() {
+                    let owned = self.owned();
+                    let mut grads = backend.flat_gradients()?;
+                    let len = grads.len();
+                    grads.zero(0..owned.start)?;
+                    grads.zero(owned.end..len)?;
+                }
                 self.keep_timeline(&timeline)?;
                 return Ok(Some(loss));
             }
@@ -438,6 +440,14 @@ impl DataParallel {
                 reduce_scatter(grads_comm.as_ref(), &mut grads, self.layout)?;
             }
             ZeroStage::One => {}
+            ZeroStage::Two if backend.gradients_sharded() => {
+                return Err(EngineError::InvalidArgument {
+                    argument: "--zero-stage".into(),
+                    message: "internal: the backend keeps only the owned gradients, which its \
+                              backward reduces; nothing is left to reduce after it"
+                        .into(),
+                });
+            }
             ZeroStage::Two if backend.flat_gradients()?.host().is_none() => {
                 // On the device the owned part of the gradient buffer is the accumulator: after
                 // the reduce-scatter it holds the global sum so far, and the rest is zeroed, so

@@ -87,6 +87,12 @@ mod device {
             .map_err(|e| cuda_err("recording an all-reduce timestamp", e))
     }
 
+    /// Everything the side stream was asked to wait for so far, as one event.
+    fn completion(side: &CudaStream) -> Result<CudaEvent> {
+        side.record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| cuda_err("recording a reduction's completion", e))
+    }
+
     /// The timestamps of one step's overlapped all-reduce.
     #[derive(Default)]
     pub struct Timeline {
@@ -188,6 +194,10 @@ mod device {
             Ok(())
         }
 
+        fn completion(&mut self) -> Result<CudaEvent> {
+            completion(self.side)
+        }
+
         fn finish(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
             self.timeline.backward_end = Some(timed_event(stream)?);
             stream
@@ -199,8 +209,10 @@ mod device {
     /// ZeRO-2: reduces (sum) each part of the gradients handed on to the rank that owns it,
     /// without waiting. A part is cut at the shard boundaries of `layout` (and into buckets of
     /// at most `cap`), and each piece is reduced to its owner, so after the backward every
-    /// rank's owned shard holds the ranks' sum and the rest of its buffer is stale (the caller
-    /// zeroes it).
+    /// rank's owned shard holds the ranks' sum. In a whole gradient buffer the rest is stale
+    /// (the caller zeroes it); in the GPU engine's window (`gpu/sink.rs`) the owner copies its
+    /// piece into its owned-shard accumulator once [`GradientSink::completion`] says the
+    /// reduction is done.
     pub struct ReduceToOwnersSink<'a> {
         pub comm: &'a dyn Communicator,
         pub layout: ShardLayout,
@@ -229,6 +241,10 @@ mod device {
                     .push((ready, done, range.start, range.len()));
             }
             Ok(())
+        }
+
+        fn completion(&mut self) -> Result<CudaEvent> {
+            completion(self.side)
         }
 
         fn finish(&mut self, stream: &Arc<CudaStream>) -> Result<()> {

@@ -507,10 +507,23 @@ pub fn assemble_ranks(
     full_config: &LlamaConfig,
     parts: &[(TensorShard, PipelineShard, &[f32])],
 ) -> Result<ParamStore> {
+    let planned = parts
+        .iter()
+        .map(|(tp, pipe, data)| Ok((ShardPlan::new(full_config, *tp)?, pipe.clone(), *data)))
+        .collect::<Result<Vec<_>>>()?;
+    assemble_planned(full_config, &planned)
+}
+
+/// [`assemble_ranks`] for ranks whose cuts are given as plans (e.g. the GPU engine's
+/// [`ShardPlan::with_replicated_vocab`]); a tensor several ranks hold whole is written by each
+/// (they hold the same values).
+pub fn assemble_planned(
+    full_config: &LlamaConfig,
+    parts: &[(ShardPlan, PipelineShard, &[f32])],
+) -> Result<ParamStore> {
     let mut full = ParamStore::from_config(full_config);
-    for (tp, pipe, data) in parts {
-        let plan = ShardPlan::new(full_config, *tp)?;
-        for spec in rank_specs(full_config, &plan, pipe) {
+    for (plan, pipe, data) in parts {
+        for spec in rank_specs(full_config, plan, pipe) {
             let full_spec = full
                 .spec(&spec.name)
                 .expect("a rank's tensors are the full model's")

@@ -26,6 +26,7 @@ use tilearn_ops::cuda::{
 use super::arena::{Bufs, Dims, LayerBufs};
 use super::linalg::Matmul;
 use super::sink::{GradParts, Handoff};
+use super::tensor_parallel::{DeviceSums, complete};
 use crate::error::Result;
 use crate::model::{LayerLayout, LinearLayout, ModelLayout};
 
@@ -43,6 +44,9 @@ pub(crate) struct Cx<'a> {
     /// Position ids `[batch, seq]` of packed rows (restarting at 0 per example): RoPE rotates
     /// by them and attention keeps each query inside its example. `None`: one sequence a row.
     pub positions: Option<CudaView<'a, i32>>,
+    /// The tensor-parallel group completing the row-parallel outputs and the column-parallel
+    /// input gradients (`None`: the whole model on one rank).
+    pub tp: Option<&'a dyn DeviceSums>,
 }
 
 /// Where a block writes the norm of its output: the next layer's `input_layernorm` buffers, or
@@ -355,6 +359,8 @@ fn block_forward<T: DeviceFloat>(
         &mut a.lse,
     )?;
     linear_fwd(cx, w, &lay.o, &a.att.as_view(), n, q, c, &mut a.h)?;
+    // Row-parallel: each rank's o_proj output is its heads' share.
+    complete(cx.tp, &mut a.h)?;
     // h = o + x in place, and post_attention_layernorm(h), in one launch.
     k::add_rmsnorm_forward(
         s,
@@ -371,6 +377,8 @@ fn block_forward<T: DeviceFloat>(
     linear_fwd(cx, w, &lay.up, &xn2, n, c, inter, &mut a.up)?;
     k::swiglu_forward(s, &a.gate, &a.up, &mut a.act)?;
     linear_fwd(cx, w, &lay.down, &a.act.as_view(), n, inter, c, out)?;
+    // Row-parallel: each rank's down_proj output is its columns' share.
+    complete(cx.tp, out)?;
     // out = down + h in place, and the next norm of out, in one launch.
     k::add_rmsnorm_forward(
         s,
@@ -441,6 +449,8 @@ fn block_backward<T: DeviceFloat>(
         Some(&mut gb.dtmp),
     )?;
     k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+    // Column-parallel gate/up: each rank's input gradient covers its columns only.
+    complete(cx.tp, &mut gb.dxn)?;
     {
         let mut dpost = g.range(lay.post_attention_norm.clone())?;
         // dres += the norm's input gradient: dres becomes d/dh.
@@ -530,6 +540,8 @@ fn block_backward<T: DeviceFloat>(
         Some(&mut gb.dtmp),
     )?;
     k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+    // Column-parallel q/k/v: each rank's input gradient covers its heads only.
+    complete(cx.tp, &mut gb.dxn)?;
     {
         let mut dinp = g.range(lay.input_norm.clone())?;
         // dres += the norm's input gradient: dres becomes d/dx.

@@ -47,6 +47,7 @@ mod optim;
 mod precision;
 mod sink;
 mod staging;
+mod tensor_parallel;
 mod transfer;
 mod views;
 mod zero;
@@ -56,6 +57,7 @@ use std::sync::Arc;
 pub use decode::GpuDecoder;
 pub use graph::{GraphStats, StepRun, TrainStep};
 pub use sink::GradientSink;
+pub use tensor_parallel::{DeviceSums, GroupDeviceSums};
 use sink::Handoff;
 
 use cudarc::driver::{
@@ -190,6 +192,9 @@ pub struct GpuLlama {
     memory: GpuMemory,
     /// `--cuda-graphs` and the recorded step (see `graph.rs`).
     graphs: GraphState,
+    /// Tensor parallelism: the group completing the partial sums of this rank's slices (see
+    /// `tensor_parallel.rs`); `None` for the whole model.
+    tp: Option<Box<dyn DeviceSums>>,
 }
 
 /// The model's buffers split for one forward (and backward) pass: what every op needs, and the
@@ -538,6 +543,7 @@ impl GpuLlama {
             embed_scratch,
             optimizer: None,
             graphs: GraphState::default(),
+            tp: None,
             memory: GpuMemory {
                 master_bytes,
                 working_copy_bytes: work_bytes,
@@ -644,6 +650,18 @@ impl GpuLlama {
         Ok(())
     }
 
+    /// Makes this model one rank of a tensor-parallel group: it must have been built for the
+    /// rank's local config ([`ShardPlan::local_config`](crate::model::tensor_parallel::ShardPlan::local_config)
+    /// of [`ShardPlan::with_replicated_vocab`](crate::model::tensor_parallel::ShardPlan::with_replicated_vocab))
+    /// and hold the rank's slices; `sums` completes the row-parallel outputs and the
+    /// column-parallel input gradients. Every call of a pass then communicates, so CUDA graphs
+    /// are turned off.
+    pub fn set_tensor_parallel(&mut self, sums: Box<dyn DeviceSums>) {
+        self.graphs.invalidate();
+        self.set_cuda_graphs(crate::cuda_graphs::CudaGraphs::Off);
+        self.tp = Some(sums);
+    }
+
     /// Largest batch and the sequence length the arena was built for.
     pub fn capacity(&self) -> (usize, usize) {
         (self.batch, self.seq)
@@ -688,6 +706,7 @@ impl GpuLlama {
             embed_scratch,
             precision,
             position_ids,
+            tp,
             ..
         } = self;
         Pass {
@@ -700,6 +719,7 @@ impl GpuLlama {
                 norm_scratch,
                 embed_scratch,
                 positions: position_ids.as_ref().map(|(p, _, _)| p.as_view()),
+                tp: tp.as_deref(),
             },
             master,
             work: work.as_ref(),

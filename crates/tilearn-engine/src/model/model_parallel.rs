@@ -507,10 +507,23 @@ pub fn assemble_ranks(
     full_config: &LlamaConfig,
     parts: &[(TensorShard, PipelineShard, &[f32])],
 ) -> Result<ParamStore> {
+    let planned = parts
+        .iter()
+        .map(|(tp, pipe, data)| Ok((ShardPlan::new(full_config, *tp)?, pipe.clone(), *data)))
+        .collect::<Result<Vec<_>>>()?;
+    assemble_planned(full_config, &planned)
+}
+
+/// [`assemble_ranks`] for ranks whose cuts are given as plans (e.g. the GPU engine's
+/// [`ShardPlan::with_replicated_vocab`]); a tensor several ranks hold whole is written by each
+/// (they hold the same values).
+pub fn assemble_planned(
+    full_config: &LlamaConfig,
+    parts: &[(ShardPlan, PipelineShard, &[f32])],
+) -> Result<ParamStore> {
     let mut full = ParamStore::from_config(full_config);
-    for (tp, pipe, data) in parts {
-        let plan = ShardPlan::new(full_config, *tp)?;
-        for spec in rank_specs(full_config, &plan, pipe) {
+    for (plan, pipe, data) in parts {
+        for spec in rank_specs(full_config, plan, pipe) {
             let full_spec = full
                 .spec(&spec.name)
                 .expect("a rank's tensors are the full model's")
@@ -522,4 +535,72 @@ pub fn assemble_ranks(
         }
     }
     Ok(full)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tensor_parallel::{Cut, slice_params};
+
+    fn config() -> LlamaConfig {
+        LlamaConfig::from_json_str(
+            r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 16,
+            "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 11, "max_position_embeddings": 32,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+            "test/config.json",
+        )
+        .unwrap()
+    }
+
+    /// The GPU engine's plans (embedding and lm_head whole on every rank): the local config
+    /// keeps the vocabulary, replicated tensors count once, and slicing then assembling the
+    /// ranks' buffers gives the model back.
+    #[test]
+    fn replicated_vocabulary_plans_slice_and_assemble_to_the_whole_model() {
+        let config = config();
+        let model = LlamaForCausalLM::from_config(config.clone(), 3);
+        let plans: Vec<ShardPlan> = (0..2)
+            .map(|rank| {
+                ShardPlan::new(&config, TensorShard { rank, size: 2 })
+                    .unwrap()
+                    .with_replicated_vocab(&config)
+            })
+            .collect();
+        for (rank, plan) in plans.iter().enumerate() {
+            let local = plan.local_config(&config);
+            assert_eq!(local.vocab_size, 11);
+            assert_eq!(local.num_attention_heads, 2);
+            assert_eq!(local.num_key_value_heads, 1);
+            assert_eq!(local.intermediate_size, 12);
+            for name in ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"] {
+                assert_eq!(plan.cut(name), Cut::Whole, "{name}");
+                assert_eq!(plan.counts_in_norm(name), rank == 0, "{name} on rank {rank}");
+            }
+            assert!(plan.counts_in_norm("model.layers.0.self_attn.q_proj.weight"));
+        }
+        let sliced: Vec<ParamStore> = plans
+            .iter()
+            .map(|p| slice_params(&model.params, &config, p))
+            .collect();
+        // The embedding is whole on both ranks; q_proj is cut.
+        for s in &sliced {
+            let e = s.spec("model.embed_tokens.weight").unwrap();
+            assert_eq!(e.shape, vec![11, 16]);
+            assert_eq!(
+                s.data[e.range()],
+                model.params.data[model.params.spec("model.embed_tokens.weight").unwrap().range()]
+            );
+        }
+        let parts: Vec<(ShardPlan, PipelineShard, &[f32])> = plans
+            .iter()
+            .zip(&sliced)
+            .map(|(p, s)| (p.clone(), PipelineShard::single(&config), s.data.as_slice()))
+            .collect();
+        let whole = assemble_planned(&config, &parts).unwrap();
+        assert_eq!(whole.data, model.params.data);
+        // The CPU engine's vocabulary-parallel plans still cut by rows.
+        let cpu = ShardPlan::new(&config, TensorShard { rank: 1, size: 2 }).unwrap();
+        assert_eq!(cpu.cut("lm_head.weight"), Cut::Rows(6..11));
+    }
 }

@@ -38,6 +38,8 @@ use crate::gpu::{GatheredWeights, GpuLlama, GradientSink, StepRun};
 use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore, init_random_into};
 
+pub mod tensor_parallel;
+
 pub struct GpuBackend {
     gpu: GpuLlama,
     config: LlamaConfig,

@@ -11,7 +11,7 @@
 //! ranks that hold the same slice.
 
 mod exec;
-mod slices;
+pub(crate) mod slices;
 
 use std::ops::Range;
 use std::path::Path;
@@ -283,14 +283,7 @@ impl ModelParallelCpuBackend {
             let pipe = self.layout.pipe.clone();
             return assemble_ranks(&self.model.full_config, &[(self.layout.tp, pipe, local)]);
         };
-        let longest = scalars::gather_words(replica.as_ref(), local.len() as u64)?
-            .into_iter()
-            .max()
-            .unwrap_or(0) as usize;
-        let (rank, size) = (replica.rank(), replica.world_size());
-        let mut all = vec![0f32; longest * size];
-        all[rank * longest..rank * longest + local.len()].copy_from_slice(local);
-        replica.all_gather(BufferMut::from(&mut all[..]))?.wait()?;
+        let (all, longest) = gather_padded(replica.as_ref(), local)?;
         let tp = self.layout.tp.size;
         let parts: Vec<(TensorShard, PipelineShard, &[f32])> = all
             .chunks(longest)
@@ -325,6 +318,20 @@ impl ModelParallelCpuBackend {
     fn writes_model(&self) -> bool {
         self.comms.replica.as_ref().is_none_or(|c| c.rank() == 0)
     }
+}
+
+/// Every rank's `local` buffer gathered over `group`, each padded to the longest: rank `j`'s
+/// elements start at `j * longest` of the result, `(result, longest)`.
+pub(crate) fn gather_padded(group: &dyn Communicator, local: &[f32]) -> Result<(Vec<f32>, usize)> {
+    let longest = scalars::gather_words(group, local.len() as u64)?
+        .into_iter()
+        .max()
+        .unwrap_or(0) as usize;
+    let (rank, size) = (group.rank(), group.world_size());
+    let mut all = vec![0f32; longest * size];
+    all[rank * longest..rank * longest + local.len()].copy_from_slice(local);
+    group.all_gather(BufferMut::from(&mut all[..]))?.wait()?;
+    Ok((all, longest))
 }
 
 /// Adds to `grads[ranges]` the sum over `group` of their increments since `before` (the

@@ -481,7 +481,24 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         .iter()
         .map(ParamSpec::numel)
         .sum();
-    let (mut trainer, gradients) = if trains_on_gpu {
+    let (mut trainer, gradients) = if let (true, Some(sizes), Some(ranks)) = (
+        trains_on_gpu,
+        hybrid.filter(HybridSizes::splits_model),
+        ranks,
+    ) {
+        let trainer = gpu_tensor_parallel_trainer(
+            training,
+            &config,
+            &init,
+            dataset,
+            &amp,
+            (&sizes, ranks),
+        )?;
+        if primary {
+            println!("{}", sizes.describe());
+        }
+        (trainer, None)
+    } else if trains_on_gpu {
         gpu_trainer(
             training,
             &config,
@@ -643,14 +660,35 @@ fn hybrid_sizes(
         return Err(sequence_parallel_needs_tp());
     }
     if sizes.splits_model() && trains_on_gpu {
-        return Err(LlmError::Usage {
-            flag: "--tp-size/--pp-size".into(),
-            message: "tensor and pipeline parallelism run on the CPU engine so far; add \
-                      --device cpu (or use data parallelism on the GPUs)"
-                .into(),
-        });
+        gpu_split_supported(args, &sizes)?;
     }
     Ok(Some(sizes))
+}
+
+/// What the GPU engine's tensor parallelism runs so far (the rest runs on the CPU engine):
+/// tensor parallelism alone, without pipeline stages, data parallelism around it or sequence
+/// parallelism.
+fn gpu_split_supported(args: &TrainArgs, sizes: &HybridSizes) -> Result<()> {
+    let refuse = |flag: &str, what: &str| {
+        Err(LlmError::Usage {
+            flag: flag.into(),
+            message: format!(
+                "{what} runs on the CPU engine only so far (the GPU engine splits a model by \
+                 tensor parallelism alone); add --device cpu, or use --tp-size with as many \
+                 processes as its size"
+            ),
+        })
+    };
+    if sizes.pp > 1 {
+        return refuse("--pp-size", "pipeline parallelism");
+    }
+    if sizes.dp > 1 {
+        return refuse("--nproc-per-node", "data parallelism around tensor parallelism");
+    }
+    if args.sequence_parallel {
+        return refuse("--sequence-parallel", "sequence parallelism");
+    }
+    Ok(())
 }
 
 fn sequence_parallel_needs_tp() -> LlmError {
@@ -728,6 +766,67 @@ fn gpu_trainer(
         .transpose()?;
     let trainer = Trainer::with_backend(training, config.clone(), Box::new(backend), dataset)?;
     Ok((trainer, gradients))
+}
+
+/// A Trainer for one tensor-parallel rank on the GPU engine (see
+/// `tilearn_engine::trainer::gpu_backend::tensor_parallel`); its group's collectives on device
+/// buffers go through the host communicator, staged on a stream of the rank's GPU.
+#[cfg(feature = "cuda")]
+fn gpu_tensor_parallel_trainer(
+    training: TrainingArguments,
+    config: &LlamaConfig,
+    init: &ModelInit,
+    dataset: TokenDataset,
+    amp: &adaptfp16::AmpPlan,
+    (sizes, ranks): (&HybridSizes, &Ranks),
+) -> Result<Trainer> {
+    use tilearn_engine::trainer::gpu_backend::tensor_parallel::GpuTensorParallelBackend;
+    let ordinal = super::device::local_gpu();
+    let staging = tilearn_ops::cuda::GpuDevice::new(ordinal)?;
+    ranks.host.set_staging_stream(staging.stream().clone());
+    let groups = HybridGroups::new(sizes, ranks.host.as_ref())?;
+    let Some(tp) = groups.tp else {
+        return Err(LlmError::Usage {
+            flag: "--tp-size".into(),
+            message: "internal: a split run without a tensor-parallel group".into(),
+        });
+    };
+    let precisions = amp.possible_precisions();
+    let shard = TensorShard {
+        rank: sizes.tp_rank,
+        size: sizes.tp,
+    };
+    let backend = GpuTensorParallelBackend::from_init(
+        config,
+        init,
+        &training,
+        (ordinal, &precisions),
+        shard,
+        tp,
+    )?;
+    let mut trainer = Trainer::with_backend(training, config.clone(), Box::new(backend), dataset)?;
+    trainer.set_model_parallel(ModelParallelPlace {
+        rank: sizes.tp_rank,
+        tp: sizes.tp,
+        pp: 1,
+        world: ranks.host.clone(),
+    })?;
+    Ok(trainer)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_tensor_parallel_trainer(
+    _training: TrainingArguments,
+    _config: &LlamaConfig,
+    _init: &ModelInit,
+    _dataset: TokenDataset,
+    _amp: &adaptfp16::AmpPlan,
+    _split: (&HybridSizes, &Ranks),
+) -> Result<Trainer> {
+    Err(LlmError::Usage {
+        flag: "--device cuda".into(),
+        message: "this build has no CUDA kernels; rebuild with --features cuda".into(),
+    })
 }
 
 #[cfg(not(feature = "cuda"))]

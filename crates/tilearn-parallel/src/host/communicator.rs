@@ -77,7 +77,8 @@ impl HostCommunicator {
     }
 
     /// The CUDA stream that stages device buffers through page-locked host memory (needed before
-    /// the first collective on a device buffer).
+    /// the first collective on a device buffer); groups made afterwards by `new_group` inherit
+    /// it.
     #[cfg(feature = "cuda")]
     pub fn set_staging_stream(&self, stream: std::sync::Arc<cudarc::driver::CudaStream>) {
         self.staging.set_stream(stream);
@@ -350,12 +351,14 @@ impl Communicator for HostCommunicator {
             return Ok(None);
         };
         let members = ranks.iter().map(|&r| self.members[r]).collect();
-        Ok(Some(Box::new(HostCommunicator::with_group(
-            Arc::clone(&self.mesh),
-            group,
-            members,
-            index,
-        ))))
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut child = HostCommunicator::with_group(Arc::clone(&self.mesh), group, members, index);
+        // A sub-group stages device buffers on the stream set on its parent (if any).
+        #[cfg(feature = "cuda")]
+        {
+            child.staging = self.staging.child();
+        }
+        Ok(Some(Box::new(child)))
     }
 }
 

@@ -121,6 +121,17 @@ impl Staging {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).stream = Some(stream);
     }
 
+    /// A new staging with this one's stream (if set) and buffers of its own: a sub-group's, so
+    /// that the groups of a tensor- or pipeline-parallel GPU run made from a world whose
+    /// stream was set can take device buffers too.
+    pub fn child(&self) -> Staging {
+        let child = Staging::default();
+        if let Some(stream) = &self.state.lock().unwrap_or_else(|p| p.into_inner()).stream {
+            child.set_stream(stream.clone());
+        }
+        child
+    }
+
     fn with_state<R>(
         &self,
         body: impl FnOnce(&mut State, &Arc<CudaStream>) -> Result<R>,

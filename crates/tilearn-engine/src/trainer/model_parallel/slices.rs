@@ -92,3 +92,39 @@ impl TensorDest for RankSlices<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::LlamaConfig;
+    use crate::model::tensor_parallel::TensorShard;
+    use crate::params::ParamStore;
+
+    /// The GPU engine's replicated embedding is a whole slice, unmarked on tp rank 0 and a
+    /// `copy` elsewhere (so the unmarked slices still cover it once); the cut tensors are
+    /// their rows or columns on every rank.
+    #[test]
+    fn replicated_embedding_is_whole_and_a_copy_beyond_rank_0() {
+        let config = LlamaConfig::from_json_str(
+            r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 16,
+            "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 11, "max_position_embeddings": 32,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+            "test/config.json",
+        )
+        .unwrap();
+        let full = ParamStore::specs_for(&config);
+        for rank in 0..2 {
+            let plan = ShardPlan::new(&config, TensorShard { rank, size: 2 })
+                .unwrap()
+                .with_replicated_vocab(&config);
+            let local = ParamStore::specs_for(&plan.local_config(&config));
+            let at = |name: &str| place(&plan, &full, local.iter().find(|s| s.name == name).unwrap());
+            let embed = at("model.embed_tokens.weight");
+            assert_eq!((embed.rows.clone(), embed.cols.clone()), (0..11, 0..16));
+            assert_eq!(embed.copy, rank != 0);
+            let o = at("model.layers.0.self_attn.o_proj.weight");
+            assert_eq!((o.cols.clone(), o.copy), (rank * 8..(rank + 1) * 8, false));
+        }
+    }
+}

@@ -1,0 +1,383 @@
+//! Tensor parallelism on the CUDA engine: one rank of a Megatron-style split as a
+//! [`StepBackend`] (see "Tensor parallelism on the GPU engine" in `docs/ARCHITECTURE.md`).
+//!
+//! The rank's [`GpuBackend`] is built for the tp-local config (its query and kv heads, its
+//! intermediate columns) and holds the rank's slices of q/k/v, o, gate/up and down, cut as the
+//! CPU engine cuts them ([`ShardPlan`]); the four partial sums per layer are completed on device
+//! buffers through the tensor-parallel communicator (`gpu/tensor_parallel.rs`). The embedding,
+//! the final norm, `lm_head` and the fused cross entropy are **replicated** on every rank
+//! ([`ShardPlan::with_replicated_vocab`]): the GPU's chunked cross entropy is not
+//! vocabulary-parallel yet, so each rank computes the whole head (their inputs and gradients
+//! are identical on every rank, so are theirs).
+//!
+//! What needs the whole model's view is collective over the group, as on the CPU backend: the
+//! gradient norm (replicated tensors counted by tp rank 0), the overflow check, the saved model
+//! (every rank's part all-gathered and put together by name; tp rank 0 writes plain Hugging
+//! Face files). The optimizer file of a rank is the CPU model-parallel backend's format with its
+//! `layout` of tensor slices (the replicated embedding and `lm_head` are whole slices, marked
+//! `copy` on ranks other than 0), so checkpoints interchange with the CPU engine's layouts.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use tilearn_ops::DType;
+use tilearn_parallel::{Communicator, scalars};
+
+use super::GpuBackend;
+use crate::checkpoint::{load_into, save_pretrained};
+use crate::config::LlamaConfig;
+use crate::cuda_graphs::CudaGraphs;
+use crate::data::Batch;
+use crate::gpu::GroupDeviceSums;
+use crate::model::model_parallel::{PipelineShard, assemble_planned};
+use crate::model::tensor_parallel::{ShardPlan, TensorShard, slice_params};
+use crate::model::{LlamaForCausalLM, LossStats};
+use crate::params::{ParamSpec, ParamStore};
+use crate::trainer::backend::{ModelInit, StepBackend};
+use crate::trainer::flat_buffer::FlatBuffer;
+use crate::trainer::model_parallel::{gather_padded, slices};
+use crate::trainer::optimizer_file;
+use crate::trainer::optimizer_layout::{TensorSlice, slices_within};
+use crate::trainer::optimizer_shards::OptimizerCheckpoint;
+use crate::trainer::zero::{RankState, StateBytes};
+use crate::trainer::TrainingArguments;
+use crate::{EngineError, Result};
+
+fn usage(flag: &str, message: String) -> EngineError {
+    EngineError::InvalidArgument {
+        argument: flag.into(),
+        message,
+    }
+}
+
+/// One tensor-parallel rank of a model on the GPU engine.
+pub struct GpuTensorParallelBackend {
+    inner: GpuBackend,
+    plan: ShardPlan,
+    full_config: LlamaConfig,
+    full_specs: Vec<ParamSpec>,
+    tp: Arc<dyn Communicator>,
+    /// The local gradient ranges this rank counts in the global norm (merged where adjacent).
+    norm_ranges: Vec<Range<usize>>,
+    name: String,
+}
+
+/// Consecutive ranges merged.
+fn merged(ranges: impl IntoIterator<Item = Range<usize>>) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = Vec::new();
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// The plan of rank `shard` of the GPU engine's tensor parallelism, refusing what it does not
+/// run yet with the way out.
+pub fn gpu_shard_plan(config: &LlamaConfig, shard: TensorShard) -> Result<ShardPlan> {
+    let plan = ShardPlan::new(config, shard)?;
+    if plan.kv_replicas > 1 {
+        return Err(usage(
+            "--tp-size",
+            format!(
+                "{} exceeds num_key_value_heads = {}: replicated kv heads are supported on the \
+                 CPU engine only so far; use a --tp-size dividing the kv heads, or --device cpu",
+                shard.size, config.num_key_value_heads
+            ),
+        ));
+    }
+    Ok(plan.with_replicated_vocab(config))
+}
+
+impl GpuTensorParallelBackend {
+    /// Rank `shard` of the model `config` describes on GPU `ordinal`, its slices taken from
+    /// `init` (a Hugging Face directory is read slice by slice; a random initialisation is made
+    /// whole on the host and cut), completing its partial sums over `tp` (the tensor-parallel
+    /// group, whose rank is `shard.rank`).
+    pub fn from_init(
+        config: &LlamaConfig,
+        init: &ModelInit,
+        args: &TrainingArguments,
+        (ordinal, precisions): (usize, &[DType]),
+        shard: TensorShard,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<GpuTensorParallelBackend> {
+        if tp.world_size() != shard.size || tp.rank() != shard.rank {
+            return Err(usage(
+                "--tp-size",
+                format!(
+                    "internal: the tensor-parallel communicator is rank {} of {}, the layout \
+                     says rank {} of {}",
+                    tp.rank(),
+                    tp.world_size(),
+                    shard.rank,
+                    shard.size
+                ),
+            ));
+        }
+        if args.cuda_graphs == CudaGraphs::On {
+            return Err(usage(
+                "--cuda-graphs",
+                "on: a tensor-parallel step all-reduces through the communicator between its \
+                 kernels, which a CUDA graph cannot capture; use --cuda-graphs off (or auto)"
+                    .into(),
+            ));
+        }
+        let plan = gpu_shard_plan(config, shard)?;
+        let local = plan.local_config(config);
+        let mut inner = GpuBackend::build(&local, args, ordinal, precisions)?;
+        inner
+            .gpu
+            .set_tensor_parallel(Box::new(GroupDeviceSums::new(tp.clone())));
+        let full_specs = ParamStore::specs_for(config);
+        let norm_ranges = merged(
+            inner
+                .specs
+                .iter()
+                .filter(|s| plan.counts_in_norm(&s.name))
+                .map(ParamSpec::range),
+        );
+        let name = format!(
+            "{}, tensor-parallel rank {} of {} (embedding, lm_head and loss replicated)",
+            inner.name, shard.rank, shard.size
+        );
+        let mut backend = GpuTensorParallelBackend {
+            inner,
+            plan,
+            full_config: config.clone(),
+            full_specs,
+            tp,
+            norm_ranges,
+            name,
+        };
+        match init {
+            ModelInit::Random { seed } => {
+                let full = LlamaForCausalLM::from_config(config.clone(), *seed);
+                let mine = slice_params(&full.params, config, &backend.plan);
+                backend.inner.gpu.upload_params(&mine)?;
+            }
+            ModelInit::Pretrained(dir) => backend.load_weights(dir)?,
+        }
+        Ok(backend)
+    }
+
+    /// The slices of the whole model's tensors that elements `range` of the local buffer are.
+    fn slices(&self, range: &Range<usize>) -> Vec<TensorSlice> {
+        let (plan, full) = (&self.plan, &self.full_specs);
+        slices_within(
+            &self.inner.specs,
+            |spec| slices::place(plan, full, spec),
+            range,
+        )
+    }
+
+    /// This rank's share of the squared gradient norm over `range` of the local buffer,
+    /// summed over the group. Synchronises.
+    fn group_sum_of_squares(&mut self, range: &Range<usize>) -> Result<f64> {
+        self.inner.optimizer_ready()?;
+        let mut local = 0.0;
+        for r in &self.norm_ranges {
+            let part = r.start.max(range.start)..r.end.min(range.end);
+            if !part.is_empty() {
+                local += self.inner.gpu.grad_sum_of_squares(part)?;
+            }
+        }
+        Ok(scalars::sum_f64(self.tp.as_ref(), local)?)
+    }
+
+    /// Every rank's weights all-gathered and put together as the whole model.
+    fn gather_full_params(&self) -> Result<ParamStore> {
+        let local = self.inner.gpu.download_params()?.data;
+        let (all, longest) = gather_padded(self.tp.as_ref(), &local)?;
+        let size = self.tp.world_size();
+        let parts = (0..size)
+            .map(|rank| {
+                let plan = gpu_shard_plan(&self.full_config, TensorShard { rank, size })?;
+                let pipe = PipelineShard::single(&self.full_config);
+                Ok((plan, pipe, &all[rank * longest..(rank + 1) * longest]))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        assemble_planned(&self.full_config, &parts)
+    }
+}
+
+impl StepBackend for GpuTensorParallelBackend {
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+
+    fn supports(&self, precision: DType) -> bool {
+        self.inner.supports(precision)
+    }
+
+    fn zero_grads(&mut self) {
+        self.inner.zero_grads();
+    }
+
+    fn forward_backward(
+        &mut self,
+        batch: &Batch,
+        denominator: f64,
+        precision: DType,
+        loss_scale: f32,
+    ) -> Result<f64> {
+        // The loss is computed whole on every rank (replicated head): no sum over the group.
+        self.inner
+            .forward_backward(batch, denominator, precision, loss_scale)
+    }
+
+    fn take_note(&mut self) -> Option<String> {
+        self.inner.take_note()
+    }
+
+    fn eval_loss(&mut self, batch: &Batch, precision: DType) -> Result<LossStats> {
+        self.inner.eval_loss(batch, precision)
+    }
+
+    fn compute_stream(&self) -> Option<Arc<tilearn_ops::cuda::CudaStream>> {
+        Some(self.inner.stream())
+    }
+
+    fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {
+        let local = self.inner.unscale_and_check(inv_scale)?;
+        Ok(scalars::any(self.tp.as_ref(), local)?)
+    }
+
+    fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
+        // The fused AdamW clips inside its kernel with the group's norm (`optimizer_step`).
+        self.inner.clip_grad_norm(max_norm)
+    }
+
+    fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
+        let numel = self.inner.numel;
+        let total = self.group_sum_of_squares(&(0..numel))?;
+        self.inner.gpu.use_global_grad_sum_of_squares(total)?;
+        self.inner.gpu.step(lr)?;
+        Ok(Some(total.sqrt()))
+    }
+
+    fn model(&mut self) -> Result<&LlamaForCausalLM> {
+        Err(usage(
+            "--tp-size",
+            "a tensor-parallel rank holds only its part of the model; the whole model exists \
+             in the saved files (the final model is gathered)"
+                .into(),
+        ))
+    }
+
+    fn specs(&self) -> &[ParamSpec] {
+        &self.inner.specs
+    }
+
+    fn saved_specs(&self) -> &[ParamSpec] {
+        &self.full_specs
+    }
+
+    fn save_model(
+        &mut self,
+        dir: &Path,
+        config: &LlamaConfig,
+        dtype: DType,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<()> {
+        let full = self.gather_full_params()?;
+        if self.tp.rank() != 0 {
+            return Ok(());
+        }
+        save_pretrained(dir, config, &full, dtype, max_shard_bytes)
+    }
+
+    fn save_optimizer(&mut self, path: &Path) -> Result<()> {
+        self.inner.optimizer_ready()?;
+        let step = self.inner.gpu.optimizer().map_or(0, |o| o.step_count());
+        let shard = self.inner.shard.clone();
+        let layout = self.slices(&shard);
+        let inner = &self.inner;
+        let (config, groups) = (&inner.optimizer_config, &inner.optimizer_groups);
+        inner.gpu.with_moments_source(|source| {
+            optimizer_file::write_sliced(
+                path,
+                config,
+                groups,
+                step,
+                shard.len(),
+                Some(&layout),
+                source,
+            )
+        })
+    }
+
+    /// Reads this rank's slices of the weights and of the optimizer state, whatever layout
+    /// (or engine) wrote the checkpoint.
+    fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
+        self.inner.optimizer_ready()?;
+        let want = self.slices(&self.inner.shard.clone());
+        let full_specs = &self.full_specs;
+        self.inner
+            .gpu
+            .fill_moments(|dest| optimizer.read_slices(full_specs, &want, dest))?;
+        self.load_weights(dir)
+    }
+
+    fn load_weights(&mut self, dir: &Path) -> Result<()> {
+        let specs = self.inner.specs.clone();
+        let mut data = vec![0f32; self.inner.numel];
+        let mut dest = slices::RankSlices::new(&self.full_specs, &specs, &self.plan, &mut data);
+        load_into(dir, &self.full_specs, &mut dest)?;
+        self.inner.gpu.upload_params(&ParamStore { specs, data })?;
+        self.inner.host = None;
+        Ok(())
+    }
+
+    fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {
+        self.inner.flat_gradients()
+    }
+
+    fn flat_parameters(&mut self) -> Result<FlatBuffer<'_>> {
+        self.inner.flat_parameters()
+    }
+
+    fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
+        let _ = shard;
+        Err(usage(
+            "--zero-stage",
+            "ZeRO together with tensor parallelism runs on the CPU engine only so far; drop \
+             --zero-stage or add --device cpu"
+                .into(),
+        ))
+    }
+
+    fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {
+        self.group_sum_of_squares(&range)
+    }
+
+    fn state_layout(&self) -> StateBytes {
+        self.inner.state_layout()
+    }
+
+    fn state_held(&self) -> RankState {
+        self.inner.state_held()
+    }
+
+    fn poison_gradients(&mut self) -> Result<()> {
+        self.inner.poison_gradients()
+    }
+
+    fn peak_memory_bytes(&self) -> u64 {
+        self.inner.peak_memory_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merged;
+
+    #[test]
+    fn adjacent_ranges_merge_and_gaps_stay() {
+        assert_eq!(merged([0..3, 3..5, 7..9, 9..10]), vec![0..5, 7..10]);
+        assert_eq!(merged(Vec::new()), Vec::<std::ops::Range<usize>>::new());
+    }
+}

@@ -20,7 +20,9 @@
 //! `--gpu-embedding-budget` / `--host-rows` keep tables over the budget in pinned host memory
 //! behind a GPU cache of hot rows, `--precision bf16` runs the MLP's GEMMs in bf16 (`ctr_gpu`).
 //! Under `tilearn launch --nproc-per-node N` (N > 1), `ctr train` shards the tables over the
-//! ranks and trains the dense part data parallel (`ctr_sharded`; CPU, host communicator).
+//! ranks (`--shard table|row|auto`) and trains the dense part data parallel (`ctr_sharded`: on
+//! the CPU over the host communicator; with `--device cuda` on each rank's GPU, over NCCL or
+//! `--ddp-backend host`).
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -365,9 +367,14 @@ fn train_ranks(args: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
         bar,
     };
     let ctr = if let Some(ranks) = ranks {
-        let mut trainer = sharded_trainer(ctr, ranks, &args.shard)?;
-        run.drive(&mut trainer)?;
-        trainer.into_host()?
+        if choose_device(args.device)? {
+            train_sharded_on_gpu(ctr, &mut run, ranks, &args.shard, args.gpu.precision)?
+        } else {
+            args.gpu.check_cpu()?;
+            let mut trainer = sharded_trainer(ctr, ranks, &args.shard)?;
+            run.drive(&mut trainer)?;
+            trainer.into_host()?
+        }
     } else if choose_device(args.device)? {
         let plan = args.gpu.plan(&ctr, args.batch_size)?;
         train_on_gpu(ctr, &mut run, plan.as_ref(), args.gpu.precision)?
@@ -385,15 +392,15 @@ fn train_ranks(args: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
     Ok(())
 }
 
-/// Fails, naming the flag, for what a sharded run does not do yet (GPU ranks, GPU-only flags).
+/// Fails, naming the flag, for what a sharded run does not do yet (the row cache).
 fn check_sharded_flags(args: &TrainArgs) -> Result<()> {
-    if matches!(args.device, DeviceChoice::Cuda) {
+    if args.gpu.gpu_embedding_budget.is_some() {
         return Err(usage(
-            "--device cuda",
-            "sharded training (tilearn launch with several ranks) runs on the CPU over the host communicator for now; use --device cpu",
+            "--gpu-embedding-budget",
+            "a sharded run keeps each rank's shard whole on its GPU (no row cache yet); add ranks so the shards fit, or drop the flag",
         ));
     }
-    args.gpu.check_cpu()
+    Ok(())
 }
 
 /// Everything of `ctr train` but the model: data, options, the log and the progress bar.
@@ -461,6 +468,37 @@ fn train_on_gpu(
     let mut trainer = super::ctr_gpu::gpu_trainer(device.stream(), ctr, plan, precision)?;
     run.drive(&mut trainer)?;
     Ok(trainer.into_host()?)
+}
+
+/// Trains `ctr` as one GPU rank of a sharded job (the rank's GPU: LOCAL_RANK among the
+/// visible devices) and returns it whole (gathered from the shards on every rank).
+#[cfg(feature = "cuda")]
+fn train_sharded_on_gpu(
+    ctr: CtrModel,
+    run: &mut TrainLoop,
+    ranks: &Ranks,
+    shard: &super::ctr_sharded::ShardArgs,
+    precision: PrecisionArg,
+) -> Result<CtrModel> {
+    let device = tilearn_ops::cuda::GpuDevice::new(super::device::local_gpu())?;
+    let mut trainer =
+        super::ctr_sharded::gpu_sharded_trainer(ctr, ranks, shard, device.stream(), precision)?;
+    run.drive(&mut trainer)?;
+    Ok(trainer.into_host()?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_sharded_on_gpu(
+    _ctr: CtrModel,
+    _run: &mut TrainLoop,
+    _ranks: &Ranks,
+    _shard: &super::ctr_sharded::ShardArgs,
+    _precision: PrecisionArg,
+) -> Result<CtrModel> {
+    Err(usage(
+        "--device cuda",
+        "this build has no CUDA kernels; rebuild with --features cuda",
+    ))
 }
 
 #[cfg(not(feature = "cuda"))]

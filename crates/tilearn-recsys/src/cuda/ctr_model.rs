@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use tilearn_ops::cuda::{Gemm, linear_backward, linear_forward};
 use tilearn_optim::cuda::{AdamState, Grads, SegmentPlan, StepIo, adamw_step};
 use tilearn_optim::{AdamWConfig, AdamWStepScalars, ParamGroup, decimal_f64};
@@ -101,7 +101,11 @@ pub struct DeviceCtrModel {
     layout: DenseLayout,
     stream: Arc<CudaStream>,
     gemm: Gemm,
-    bags: DeviceRows,
+    /// The embedding rows; `None` for the dense part of a sharded model, whose pooled
+    /// embeddings come from the ranks' shards (`cuda::sharded_trainer`).
+    bags: Option<DeviceRows>,
+    /// Columns of the pooled embeddings (every table's dim).
+    width: usize,
     params: CudaSlice<f32>,
     grads: CudaSlice<f32>,
     exp_avg: CudaSlice<f32>,
@@ -122,7 +126,7 @@ impl DeviceCtrModel {
     /// count continues on the device).
     pub fn new(stream: &Arc<CudaStream>, model: &CtrModel) -> Result<Self> {
         let bags = DeviceRows::whole(stream, &model.tables, &model.sparse)?;
-        Self::with_rows(stream, model, bags)
+        Self::with_rows(stream, model, Some(bags))
     }
 
     /// [`new`](Self::new) with the embedding rows in pinned host memory behind a device cache
@@ -141,10 +145,20 @@ impl DeviceCtrModel {
         };
         let state = model.sparse.clone();
         let bags = DeviceRows::cached(stream, tables, state, slots)?;
-        Self::with_rows(stream, model, bags)
+        Self::with_rows(stream, model, Some(bags))
     }
 
-    fn with_rows(stream: &Arc<CudaStream>, model: &CtrModel, bags: DeviceRows) -> Result<Self> {
+    /// The dense part of `model` alone (MLP, dense-feature weights, bias and their AdamW): the
+    /// pooled embeddings are written into it by a sharded lookup ([`Self::emb_mut`]).
+    pub(crate) fn dense_part(stream: &Arc<CudaStream>, model: &CtrModel) -> Result<Self> {
+        Self::with_rows(stream, model, None)
+    }
+
+    fn with_rows(
+        stream: &Arc<CudaStream>,
+        model: &CtrModel,
+        bags: Option<DeviceRows>,
+    ) -> Result<Self> {
         let err = driver("DeviceCtrModel::new");
         let layout = model.layout.clone();
         let numel = layout.numel;
@@ -158,7 +172,7 @@ impl DeviceCtrModel {
             Some(m) => Some(stream.clone_htod(m).map_err(&err)?),
             None => None,
         };
-        let width = bags.width();
+        let width = model.tables.layout.total_dim();
         Ok(DeviceCtrModel {
             gemm: Gemm::new(stream)?,
             params: stream.clone_htod(&model.dense).map_err(&err)?,
@@ -173,6 +187,7 @@ impl DeviceCtrModel {
             acts: Activations::new(stream, &model.config, &layout, width, 1)?,
             bf16: None,
             bags,
+            width,
             layout,
             config: model.config.clone(),
             stream: stream.clone(),
@@ -210,21 +225,40 @@ impl DeviceCtrModel {
     }
 
     fn width(&self) -> usize {
-        self.bags.width()
+        self.width
+    }
+
+    fn rows(&mut self) -> Result<&mut DeviceRows> {
+        self.bags.as_mut().ok_or_else(|| {
+            RecsysError::invalid(
+                "DeviceCtrModel",
+                "this is the dense part of a sharded model; its tables live in the shards",
+            )
+        })
     }
 
     /// The row cache's counts and traffic so far (`None` when every row is on the device).
     pub fn row_cache_report(&mut self) -> Result<Option<RowCacheReport>> {
-        self.bags.cache_report()
+        match &mut self.bags {
+            Some(bags) => bags.cache_report(),
+            None => Ok(None),
+        }
     }
 
     /// Copies the weights and both optimizers' state into `model` (built with the same config
     /// and optimizers), so it can be saved or evaluated on the host.
     pub fn download_into(&mut self, model: &mut CtrModel) -> Result<()> {
-        let err = driver("DeviceCtrModel::download_into");
-        let (weights, state1, state2) = self.bags.download(&self.stream)?;
-        model.sparse.set_state(state1, state2, self.bags.step())?;
+        let stream = self.stream.clone();
+        let bags = self.rows()?;
+        let (weights, state1, state2) = bags.download(&stream)?;
+        model.sparse.set_state(state1, state2, bags.step())?;
         model.tables.weights = weights;
+        self.download_dense_into(model)
+    }
+
+    /// Copies the dense parameters and AdamW's state into `model` (the tables untouched).
+    pub(crate) fn download_dense_into(&mut self, model: &mut CtrModel) -> Result<()> {
+        let err = driver("DeviceCtrModel::download_into");
         model.dense = self.stream.clone_dtoh(&self.params).map_err(&err)?;
         let max = match &self.max_exp_avg_sq {
             Some(m) => Some(self.stream.clone_dtoh(m).map_err(&err)?),
@@ -247,14 +281,28 @@ impl DeviceCtrModel {
         jagged: &JaggedBatch,
         training: bool,
     ) -> Result<DeviceJaggedBatch> {
-        let n = batch.len();
-        if n == 0 || jagged.batch() != n {
+        if jagged.batch() != batch.len() {
             return Err(RecsysError::invalid(
                 "batch",
                 format!(
-                    "{n} samples with jagged ids of {} samples; a step needs >= 1 sample and the ids built from this batch",
+                    "{} samples with jagged ids of {} samples; pass the ids built from this batch",
+                    batch.len(),
                     jagged.batch()
                 ),
+            ));
+        }
+        self.upload_features(batch)?;
+        let stream = self.stream.clone();
+        self.rows()?.upload(&stream, jagged, training)
+    }
+
+    /// Uploads `batch`'s dense features and labels; grows the activations to fit.
+    pub(crate) fn upload_features(&mut self, batch: &CtrBatch) -> Result<()> {
+        let n = batch.len();
+        if n == 0 {
+            return Err(RecsysError::invalid(
+                "batch",
+                "an empty batch; a step needs >= 1 sample",
             ));
         }
         if n > self.acts.capacity {
@@ -276,17 +324,53 @@ impl DeviceCtrModel {
         self.stream
             .memcpy_htod(&batch.labels, &mut dst)
             .map_err(&err)?;
-        self.bags.upload(&self.stream, jagged, training)
+        Ok(())
+    }
+
+    /// The pooled embeddings of the uploaded batch of `n` samples (`[n, width]`), for a
+    /// sharded lookup to write.
+    pub(crate) fn emb_mut(&mut self, n: usize) -> CudaViewMut<'_, f32> {
+        let width = self.width;
+        self.acts.emb.slice_mut(..n * width)
+    }
+
+    /// Their gradient after [`head_forward_backward`](Self::head_forward_backward).
+    pub(crate) fn demb(&self, n: usize) -> CudaView<'_, f32> {
+        self.acts.demb.slice(..n * self.width)
+    }
+
+    /// The flat dense gradient (for a data-parallel all-reduce before
+    /// [`dense_step`](Self::dense_step)).
+    pub(crate) fn grads_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.grads
+    }
+
+    /// The loss sum of the last forward-backward (one 8-byte download).
+    pub(crate) fn loss_sum(&self) -> Result<f64> {
+        let loss = (self.stream.clone_dtoh(&self.acts.loss_sum))
+            .map_err(driver("DeviceCtrModel::loss_sum"))?;
+        Ok(loss[0])
     }
 
     /// Embedding lookup and MLP of the uploaded batch of `n` samples: fills `emb`, `x0`, `z`,
     /// `a`.
     fn forward_body(&mut self, jagged: &DeviceJaggedBatch, n: usize) -> Result<HeadShape> {
+        let stream = self.stream.clone();
+        let width = self.width;
+        let emb = &mut self.acts.emb.slice_mut(..n * width);
+        let bags = self.bags.as_ref().ok_or_else(|| {
+            RecsysError::invalid("DeviceCtrModel", "a sharded model's lookup is the shards'")
+        })?;
+        bags.forward(&stream, jagged, emb)?;
+        self.mlp_forward(n)
+    }
+
+    /// The MLP of the uploaded batch of `n` samples from its pooled embeddings in `emb`: fills
+    /// `x0`, `z`, `a`.
+    fn mlp_forward(&mut self, n: usize) -> Result<HeadShape> {
         let s = HeadShape::new(&self.config, self.width(), n);
         let stream = &self.stream;
         let acts = &mut self.acts;
-        self.bags
-            .forward(stream, jagged, &mut acts.emb.slice_mut(..n * s.width))?;
         ctr_head::mlp_input(
             stream,
             s,
@@ -337,7 +421,13 @@ impl DeviceCtrModel {
     pub fn predict(&mut self, batch: &CtrBatch, jagged: &JaggedBatch) -> Result<Vec<f32>> {
         let djag = self.upload(batch, jagged, false)?;
         let n = batch.len();
-        let s = self.forward_body(&djag, n)?;
+        self.forward_body(&djag, n)?;
+        self.head_logits(n)
+    }
+
+    /// The logits of the uploaded batch of `n` samples whose pooled embeddings are in `emb`.
+    pub(crate) fn head_logits(&mut self, n: usize) -> Result<Vec<f32>> {
+        let s = self.mlp_forward(n)?;
         let last = self.layout.layers.len() - 1;
         let bias = self.layout.bias;
         let w_dense = self.params.slice(self.layout.dense_weights.clone());
@@ -395,20 +485,29 @@ impl DeviceCtrModel {
         let djag = self.upload(batch, jagged, true)?;
         let n = batch.len();
         let s = self.forward_backward(&djag, n)?;
-        self.bags
-            .backward_update(&self.stream, &djag, &self.acts.demb.slice(..n * s.width))?;
+        let stream = self.stream.clone();
+        let demb = self.acts.demb.slice(..n * s.width);
+        let bags = self.bags.as_mut().ok_or_else(|| {
+            RecsysError::invalid("DeviceCtrModel", "a sharded model's update is the shards'")
+        })?;
+        bags.backward_update(&stream, &djag, &demb)?;
         self.dense_step(dense_lr)?;
-        let loss = self
-            .stream
-            .clone_dtoh(&self.acts.loss_sum)
-            .map_err(driver("DeviceCtrModel::train_step"))?;
-        Ok(loss[0] / n as f64)
+        Ok(self.loss_sum()? / n as f64)
     }
 
     /// Forward and backward of the uploaded batch of `n` samples: leaves the loss sum in
     /// `loss_sum`, the dense gradient in `grads` and the pooled embeddings' gradient in `demb`.
     fn forward_backward(&mut self, djag: &DeviceJaggedBatch, n: usize) -> Result<HeadShape> {
-        let s = self.forward_body(djag, n)?;
+        self.forward_body(djag, n)?;
+        self.head_forward_backward(n, 1.0 / n as f32)
+    }
+
+    /// The head's forward and backward of the uploaded batch of `n` samples from its pooled
+    /// embeddings in `emb`, d loss / d logit scaled by `scale` (1 / n for the batch's mean
+    /// loss; 1 / the global batch for a data-parallel rank's part): leaves the loss sum in
+    /// `loss_sum`, the dense gradient in `grads` and the pooled embeddings' gradient in `demb`.
+    pub(crate) fn head_forward_backward(&mut self, n: usize, scale: f32) -> Result<HeadShape> {
+        let s = self.mlp_forward(n)?;
         let stream = self.stream.clone();
         let layers = self.layout.layers.clone();
         let last = layers.len() - 1;
@@ -430,7 +529,7 @@ impl DeviceCtrModel {
                 },
                 &acts.z[last].slice(..n),
                 &acts.labels.slice(..n),
-                1.0 / n as f32,
+                scale,
                 LossOutputs {
                     logits: &mut acts.logits.slice_mut(..n),
                     dlogits: &mut acts.dlogits.slice_mut(..n),
@@ -514,7 +613,7 @@ impl DeviceCtrModel {
 
     /// One fused AdamW step of the dense buffer from `grads`, with the scalars the host AdamW
     /// would use (`AdamW::step_scalars`) for the next step.
-    fn dense_step(&mut self, lr: f32) -> Result<()> {
+    pub(crate) fn dense_step(&mut self, lr: f32) -> Result<()> {
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(RecsysError::invalid(
                 "dense learning rate",

@@ -5,7 +5,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, PinnedHostSlice, sys};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, PinnedHostSlice, sys};
 use tilearn_kernels::ffi;
 use tilearn_ops::OpsError;
 use tilearn_ops::cuda::launch::Launch;
@@ -131,6 +131,30 @@ pub fn copy_rows_to_device(
             unsafe {
                 ffi::tilearn_copy_rows(src as *const f32, dst.cast(), copies.cast(), n, stream)
             }
+        })?;
+    Ok(())
+}
+
+/// Device → device: for each copy, `dst[dst..dst + len] = src[src..src + len]`; a sharded
+/// model's pooled-row placements (`shard::columns`), which keep every copy inside both buffers
+/// and never write one element twice.
+pub fn copy_on_device(
+    stream: &Arc<CudaStream>,
+    src: &CudaView<'_, f32>,
+    dst: &mut CudaViewMut<'_, f32>,
+    copies: &DeviceCopies<'_>,
+    n: usize,
+) -> Result<()> {
+    let (src_len, dst_len) = (src.len(), dst.len());
+    Launch::new("tilearn_copy_rows", stream)
+        .input("src", src, src_len)
+        .input("copies", copies, 3 * n)
+        .output("dst", dst, dst_len)
+        .skip_launch_if(n == 0)
+        .run(|[src, copies], [dst], stream| {
+            // SAFETY: reads 3 n words of copies and, per copy, len f32 of src, writing len f32
+            // of dst (in bounds of both and disjoint: the placements' guarantee above).
+            unsafe { ffi::tilearn_copy_rows(src.cast(), dst.cast(), copies.cast(), n, stream) }
         })?;
     Ok(())
 }

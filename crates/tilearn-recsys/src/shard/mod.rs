@@ -9,9 +9,10 @@
 //!
 //! [`Communicator`]: tilearn_parallel::Communicator
 
+pub mod columns;
 pub mod exchange;
 mod plan;
-mod sharded_bag;
+pub(crate) mod sharded_bag;
 mod trainer;
 
 pub use plan::{ShardPlan, ShardTable, Sharding};

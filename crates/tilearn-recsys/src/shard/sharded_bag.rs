@@ -16,6 +16,7 @@
 
 use tilearn_parallel::Communicator;
 
+use super::columns::{apply_copies, assemble, assemble_rounds, scatter_copies};
 use super::exchange::{exchange_f32, exchange_u32};
 use super::plan::ShardPlan;
 use crate::embedding_bag::{embedding_bag_backward_update, embedding_bag_forward};
@@ -50,6 +51,79 @@ pub struct GatheredTables {
 pub struct ShardedForward {
     shard_batch: Option<JaggedBatch>,
     samples: Vec<usize>,
+}
+
+/// Each owner's ids of this rank's `batch`: `[samples, per (shard table, sample) bag length..,
+/// ids..]`, ids as rows of the owner's shard.
+pub(crate) fn route_ids(plan: &ShardPlan, batch: &JaggedBatch) -> Vec<Vec<u32>> {
+    let b = batch.batch();
+    (0..plan.world())
+        .map(|d| {
+            let shard = plan.shard(d);
+            let mut lens = Vec::with_capacity(1 + shard.len() * b);
+            let mut ids = Vec::new();
+            lens.push(b as u32);
+            for s in shard {
+                for sample in 0..b {
+                    let before = ids.len();
+                    ids.extend(
+                        batch.ids()[batch.bag(s.table, sample)]
+                            .iter()
+                            .filter(|&&id| s.rows.contains(&(id as usize)))
+                            .map(|&id| id - s.rows.start as u32),
+                    );
+                    lens.push((ids.len() - before) as u32);
+                }
+            }
+            lens.extend(ids);
+            lens
+        })
+        .collect()
+}
+
+/// From every rank's [`route_ids`] message to `rank`: each rank's number of samples, and the
+/// shard's batch over all of them (rank 0's first, table-major; checked against
+/// `shard_layout`, `None` when `rank` holds no shard).
+pub(crate) fn shard_batch(
+    plan: &ShardPlan,
+    rank: usize,
+    shard_layout: Option<&crate::tables::TableLayout>,
+    received: &[Vec<u32>],
+) -> Result<(Vec<usize>, Option<JaggedBatch>)> {
+    let bad = |m: String| RecsysError::invalid("sharded ids", m);
+    let samples: Vec<usize> = (received.iter())
+        .map(|m| {
+            m.first()
+                .map(|&n| n as usize)
+                .ok_or_else(|| bad("an empty message".into()))
+        })
+        .collect::<Result<_>>()?;
+    let Some(shard_layout) = shard_layout else {
+        return Ok((samples, None));
+    };
+    let total: usize = samples.iter().sum();
+    let my_tables = plan.shard(rank).len();
+    let mut offsets = vec![0u32];
+    let mut ids = Vec::new();
+    for lt in 0..my_tables {
+        for (m, &n) in received.iter().zip(&samples) {
+            let lens = (m.get(1..1 + my_tables * n))
+                .ok_or_else(|| bad(format!("{} words for {n} samples", m.len())))?;
+            let mut at =
+                1 + my_tables * n + lens[..lt * n].iter().map(|&l| l as usize).sum::<usize>();
+            for &len in &lens[lt * n..(lt + 1) * n] {
+                let bag = (m.get(at..at + len as usize))
+                    .ok_or_else(|| bad(format!("{} words, a bag ends past them", m.len())))?;
+                ids.extend_from_slice(bag);
+                at += len as usize;
+                offsets.push(ids.len() as u32);
+            }
+        }
+    }
+    Ok((
+        samples,
+        Some(JaggedBatch::new(shard_layout, total, offsets, ids)?),
+    ))
 }
 
 impl ShardedEmbeddingBag {
@@ -127,6 +201,37 @@ impl ShardedEmbeddingBag {
         self.shard.as_ref()
     }
 
+    /// Overwrites this rank's shard weights and optimizer state (e.g. with a GPU rank's
+    /// trained copy before [`gather_full`](Self::gather_full)); the lengths must be the
+    /// shard's.
+    pub fn set_shard_state(
+        &mut self,
+        weights: Vec<f32>,
+        state1: Vec<f32>,
+        state2: Vec<f32>,
+        step: u64,
+    ) -> Result<()> {
+        let Some((tables, state)) = &mut self.shard else {
+            return Err(RecsysError::invalid(
+                "sharded embedding bag",
+                format!("rank {} holds no shard to set", self.rank),
+            ));
+        };
+        if weights.len() != tables.weights.len() {
+            return Err(RecsysError::invalid(
+                "sharded embedding bag",
+                format!(
+                    "{} weights for a shard of {}",
+                    weights.len(),
+                    tables.weights.len()
+                ),
+            ));
+        }
+        state.set_state(state1, state2, step)?;
+        tables.weights = weights;
+        Ok(())
+    }
+
     /// The forward of this rank's `batch` (ids of the whole tables) into `out` (`[batch,
     /// total_dim]`, written `=`). Collective: every rank calls it, each with its own batch.
     pub fn forward(
@@ -149,60 +254,20 @@ impl ShardedEmbeddingBag {
                 ),
             ));
         }
-        // 1. Each owner's ids: [samples, per (shard table, sample) bag length.., ids..].
-        let messages: Vec<Vec<u32>> = (0..world)
-            .map(|d| {
-                let shard = self.plan.shard(d);
-                let mut lens = Vec::with_capacity(1 + shard.len() * b);
-                let mut ids = Vec::new();
-                lens.push(b as u32);
-                for s in shard {
-                    for sample in 0..b {
-                        let before = ids.len();
-                        ids.extend(
-                            batch.ids()[batch.bag(s.table, sample)]
-                                .iter()
-                                .filter(|&&id| s.rows.contains(&(id as usize)))
-                                .map(|&id| id - s.rows.start as u32),
-                        );
-                        lens.push((ids.len() - before) as u32);
-                    }
-                }
-                lens.extend(ids);
-                lens
-            })
-            .collect();
-        let received = exchange_u32(comm, &messages)?;
-        let samples: Vec<usize> = received.iter().map(|m| m[0] as usize).collect();
-        let total: usize = samples.iter().sum();
-        let my_tables = self.plan.shard(self.rank).len();
+        // 1. Each owner's ids.
+        let received = exchange_u32(comm, &route_ids(&self.plan, batch))?;
+        let shard_layout = self.shard.as_ref().map(|(tables, _)| &tables.layout);
+        let (samples, shard_batch) = shard_batch(&self.plan, self.rank, shard_layout, &received)?;
         let width = self.plan.shard_width(self.rank);
-        // The shard's batch over every rank's samples (rank 0's first), table-major.
-        let (shard_batch, pooled) = match &self.shard {
-            None => (None, vec![0.0f32; 0]),
-            Some((tables, _)) => {
-                let mut offsets = vec![0u32];
-                let mut ids = Vec::new();
-                for lt in 0..my_tables {
-                    for (m, &n) in received.iter().zip(&samples) {
-                        let lens = &m[1..1 + my_tables * n];
-                        let mut at = 1
-                            + my_tables * n
-                            + lens[..lt * n].iter().map(|&l| l as usize).sum::<usize>();
-                        for &len in &lens[lt * n..(lt + 1) * n] {
-                            ids.extend_from_slice(&m[at..at + len as usize]);
-                            at += len as usize;
-                            offsets.push(ids.len() as u32);
-                        }
-                    }
-                }
-                let shard_batch = JaggedBatch::new(&tables.layout, total, offsets, ids)?;
-                let mut pooled = vec![0.0f32; total * width];
-                embedding_bag_forward(tables, &shard_batch, &mut pooled)?;
-                (Some(shard_batch), pooled)
+        // 2. The shard's pooled rows over every rank's samples; each rank's part back to it.
+        let pooled = match (&self.shard, &shard_batch) {
+            (Some((tables, _)), Some(shard_batch)) => {
+                let mut pooled = vec![0.0f32; shard_batch.batch() * width];
+                embedding_bag_forward(tables, shard_batch, &mut pooled)?;
+                pooled
             }
+            _ => Vec::new(),
         };
-        // 2. Each rank's pooled shard rows back to it; added into the output's columns.
         let mut first = 0;
         let replies: Vec<Vec<f32>> = (samples.iter())
             .map(|&n| {
@@ -212,22 +277,16 @@ impl ShardedEmbeddingBag {
             })
             .collect();
         let pooled_parts = exchange_f32(comm, &replies)?;
-        out.fill(0.0);
-        let total_dim = layout.total_dim();
-        for (d, part) in pooled_parts.iter().enumerate() {
-            let mut col = 0;
-            let w = self.plan.shard_width(d);
-            for s in self.plan.shard(d) {
-                let (dim, dst) = (layout.specs()[s.table].dim, layout.col_offset()[s.table]);
-                for sample in 0..b {
-                    let src = &part[sample * w + col..sample * w + col + dim];
-                    for (o, &x) in out[sample * total_dim + dst..][..dim].iter_mut().zip(src) {
-                        *o += x;
-                    }
-                }
-                col += dim;
-            }
-        }
+        // Added into the output's columns (`columns`: the copies the GPU ranks run too).
+        let bases: Vec<usize> = (pooled_parts.iter())
+            .scan(0, |at, part| {
+                let base = *at;
+                *at += part.len();
+                Some(base)
+            })
+            .collect();
+        let rounds = assemble_rounds(&self.plan, b, &bases);
+        assemble(&rounds, &pooled_parts.concat(), out);
         Ok(ShardedForward {
             shard_batch,
             samples,
@@ -253,18 +312,17 @@ impl ShardedEmbeddingBag {
             ));
         }
         // 3. Each owner gets the columns of its shard tables, [batch, shard width].
-        let messages: Vec<Vec<f32>> = (0..self.plan.world())
-            .map(|d| {
-                let mut m = Vec::with_capacity(b * self.plan.shard_width(d));
-                for sample in 0..b {
-                    for s in self.plan.shard(d) {
-                        let (dim, col) =
-                            (layout.specs()[s.table].dim, layout.col_offset()[s.table]);
-                        m.extend_from_slice(&dout[sample * total_dim + col..][..dim]);
-                    }
-                }
-                m
-            })
+        let world = self.plan.world();
+        let mut bases = Vec::with_capacity(world);
+        let mut len = 0;
+        for d in 0..world {
+            bases.push(len);
+            len += b * self.plan.shard_width(d);
+        }
+        let mut blocks = vec![0.0f32; len];
+        apply_copies(dout, &mut blocks, &scatter_copies(&self.plan, b, &bases));
+        let messages: Vec<Vec<f32>> = (0..world)
+            .map(|d| blocks[bases[d]..bases[d] + b * self.plan.shard_width(d)].to_vec())
             .collect();
         let received = exchange_f32(comm, &messages)?;
         if let (Some((tables, state)), Some(shard_batch)) = (&mut self.shard, &forward.shard_batch)

@@ -4,13 +4,14 @@
 #    ZeRO-2 with the gradient window against one process (fp32, bf16 with accumulation), against
 #    the whole-buffer ZeRO-2 (--no-ddp-overlap) bit for bit (untied and tied lm_head), the
 #    model-state lines (held gradients = owned shard + window), bf16 and fp32 ZeRO-2
-#    checkpoints resumed; ZeRO over NCCL with one rank (no window: the whole buffer is the shard).
+#    checkpoints resumed; ZeRO over NCCL with one rank (no window: the whole buffer is the shard);
+#    the overlapped DDP all-reduce (the whole-buffer hand-off) against the one after the backward.
 # 2. Peak GPU memory per rank, plain DP vs ZeRO-1 vs ZeRO-2, as scripts/gpu-phases/zero-gpu.sh
 #    measured it (two ranks sharing the GPU over the host communicator, llama-134m's shape,
 #    bf16, batch 4 x 1024, 2 steps, per-process nvidia-smi peak sampled after both ranks printed
 #    their model-state line), summarised in $OUT/zero2_memory.txt.
 run zero2_tests "$B/tests/gpu_data_parallel-test" --include-ignored --test-threads=1 --nocapture \
-  zero nccl_with_one_rank
+  zero nccl_with_one_rank the_overlapped_all_reduce
 Z="$OUT/zero2-mem"; mkdir -p "$Z"
 cat > "$Z/llama-134m.json" <<'JSON'
 {"architectures": ["LlamaForCausalLM"], "hidden_size": 768, "intermediate_size": 2048,

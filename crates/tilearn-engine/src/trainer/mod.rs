@@ -661,7 +661,7 @@ impl Trainer {
                         // ZeRO-2 reduces every micro-batch during its backward (a fault is then
                         // injected into the reduced gradients afterwards).
                         let each = self.dp.reduces_each_micro_batch();
-                        if (last || each) && (!poison || each) {
+                        if each || (last && !poison) {
                             let backend = self.backend.as_mut();
                             let overlapped = self.dp.overlapped_backward(
                                 backend,

@@ -106,7 +106,10 @@ fn train_step(backend: &mut dyn StepBackend, step: usize, precision: DType) -> (
             .unwrap();
     }
     backend.clip_grad_norm(1.0).unwrap();
-    let norm = backend.optimizer_step(LR).unwrap().expect("the GPU reports the norm");
+    let norm = backend
+        .optimizer_step(LR)
+        .unwrap()
+        .expect("the GPU reports the norm");
     (loss / denominator, norm)
 }
 
@@ -114,7 +117,9 @@ fn train_step(backend: &mut dyn StepBackend, step: usize, precision: DType) -> (
 fn one_rank(precision: DType, steps: std::ops::Range<usize>) -> (GpuBackend, Vec<(f64, f64)>) {
     let init = ModelInit::Random { seed: SEED };
     let mut backend = GpuBackend::from_init(&config(), &init, &args(), 0, &[precision]).unwrap();
-    let log = steps.map(|s| train_step(&mut backend, s, precision)).collect();
+    let log = steps
+        .map(|s| train_step(&mut backend, s, precision))
+        .collect();
     (backend, log)
 }
 
@@ -154,7 +159,13 @@ fn rel(a: f64, b: f64) -> f64 {
 }
 
 /// Compares two runs' (loss, norm) logs and final weights with the bounds of `precision`.
-fn compare(what: &str, ours: &[(f64, f64)], reference: &[(f64, f64)], w: (&[f32], &[f32]), precision: DType) {
+fn compare(
+    what: &str,
+    ours: &[(f64, f64)],
+    reference: &[(f64, f64)],
+    w: (&[f32], &[f32]),
+    precision: DType,
+) {
     let (loss_tol, norm_tol, w_rel_tol, w_max_tol) = match precision {
         DType::F32 => (1e-5, 1e-5, 1e-5, 1e-4),
         _ => (5e-3, 5e-2, 1e-3, 2.0 * f64::from(LR) * ours.len() as f64),
@@ -171,7 +182,10 @@ fn compare(what: &str, ours: &[(f64, f64)], reference: &[(f64, f64)], w: (&[f32]
             rel(o.1, r.1)
         ));
         assert!(rel(o.0, r.0) <= loss_tol, "{what}: loss of step {step}");
-        assert!(rel(o.1, r.1) <= norm_tol, "{what}: gradient norm of step {step}");
+        assert!(
+            rel(o.1, r.1) <= norm_tol,
+            "{what}: gradient norm of step {step}"
+        );
     }
     let (wr, wm) = (rel_err(w.0, w.1), max_abs_diff(w.0, w.1));
     report(&format!("{what}: weights rel {wr:.2e}, max |Δw| {wm:.2e}"));
@@ -189,15 +203,25 @@ fn tp2_matches_one_rank(precision: DType) {
     drop(single);
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().to_path_buf();
-    let logs = run_on_threads(2, Duration::from_secs(120), |rank, comm: HostCommunicator| {
-        let mut b = tp_backend(&ModelInit::Random { seed: SEED }, precision, rank, comm);
-        let log: Vec<(f64, f64)> = (0..3).map(|s| train_step(&mut b, s, precision)).collect();
-        b.save_model(&dir, &config(), DType::F32, None).unwrap();
-        log
-    })
+    let logs = run_on_threads(
+        2,
+        Duration::from_secs(120),
+        |rank, comm: HostCommunicator| {
+            let mut b = tp_backend(&ModelInit::Random { seed: SEED }, precision, rank, comm);
+            let log: Vec<(f64, f64)> = (0..3).map(|s| train_step(&mut b, s, precision)).collect();
+            b.save_model(&dir, &config(), DType::F32, None).unwrap();
+            log
+        },
+    )
     .unwrap();
     assert_eq!(logs[0], logs[1], "the tp ranks log the same loss and norm");
-    compare(&test, &logs[0], &reference, (&weights(&dir), &reference_weights), precision);
+    compare(
+        &test,
+        &logs[0],
+        &reference,
+        (&weights(&dir), &reference_weights),
+        precision,
+    );
 }
 
 #[test]
@@ -239,14 +263,19 @@ fn tensor_parallel_checkpoints_resume_on_one_rank_and_back() {
     // tp 2 trains steps 0-1 and saves; one rank resumes and runs step 2.
     let saved = tempfile::tempdir().unwrap();
     let dir = saved.path().to_path_buf();
-    run_on_threads(2, Duration::from_secs(120), |rank, comm: HostCommunicator| {
-        let mut b = tp_backend(&ModelInit::Random { seed: SEED }, f32, rank, comm);
-        for s in 0..2 {
-            train_step(&mut b, s, f32);
-        }
-        b.save_model(&dir, &config(), DType::F32, None).unwrap();
-        b.save_optimizer(&dir.join(shard_file_name(rank, 2))).unwrap();
-    })
+    run_on_threads(
+        2,
+        Duration::from_secs(120),
+        |rank, comm: HostCommunicator| {
+            let mut b = tp_backend(&ModelInit::Random { seed: SEED }, f32, rank, comm);
+            for s in 0..2 {
+                train_step(&mut b, s, f32);
+            }
+            b.save_model(&dir, &config(), DType::F32, None).unwrap();
+            b.save_optimizer(&dir.join(shard_file_name(rank, 2)))
+                .unwrap();
+        },
+    )
     .unwrap();
     let init = ModelInit::Pretrained(dir.clone());
     let mut resumed = GpuBackend::from_init(&config(), &init, &args(), 0, &[f32]).unwrap();
@@ -254,25 +283,39 @@ fn tensor_parallel_checkpoints_resume_on_one_rank_and_back() {
     let log = vec![train_step(&mut resumed, 2, f32)];
     let w = resumed.model().unwrap().params.data.clone();
     drop(resumed);
-    compare("tp 2 -> one rank", &log, &reference[2..], (&w, &reference_weights), f32);
+    compare(
+        "tp 2 -> one rank",
+        &log,
+        &reference[2..],
+        (&w, &reference_weights),
+        f32,
+    );
 
     // One rank trains steps 0-1 and saves; tp 2 resumes and runs step 2.
     let saved = tempfile::tempdir().unwrap();
     let dir = saved.path().to_path_buf();
     let (mut single, _) = one_rank(f32, 0..2);
-    single.save_model(&dir, &config(), DType::F32, None).unwrap();
+    single
+        .save_model(&dir, &config(), DType::F32, None)
+        .unwrap();
     let whole = dir.join("optimizer.safetensors");
     single.save_optimizer(&whole).unwrap();
     drop(single);
     let out = tempfile::tempdir().unwrap();
     let final_dir = out.path().to_path_buf();
-    let logs = run_on_threads(2, Duration::from_secs(120), |rank, comm: HostCommunicator| {
-        let mut b = tp_backend(&ModelInit::Pretrained(dir.clone()), f32, rank, comm);
-        b.restore(&dir, &OptimizerCheckpoint::Whole(whole.clone())).unwrap();
-        let log = vec![train_step(&mut b, 2, f32)];
-        b.save_model(&final_dir, &config(), DType::F32, None).unwrap();
-        log
-    })
+    let logs = run_on_threads(
+        2,
+        Duration::from_secs(120),
+        |rank, comm: HostCommunicator| {
+            let mut b = tp_backend(&ModelInit::Pretrained(dir.clone()), f32, rank, comm);
+            b.restore(&dir, &OptimizerCheckpoint::Whole(whole.clone()))
+                .unwrap();
+            let log = vec![train_step(&mut b, 2, f32)];
+            b.save_model(&final_dir, &config(), DType::F32, None)
+                .unwrap();
+            log
+        },
+    )
     .unwrap();
     compare(
         "one rank -> tp 2",

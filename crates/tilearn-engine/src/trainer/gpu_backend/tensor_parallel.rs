@@ -34,6 +34,7 @@ use crate::model::model_parallel::{PipelineShard, assemble_planned};
 use crate::model::tensor_parallel::{ShardPlan, TensorShard, slice_params};
 use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore};
+use crate::trainer::TrainingArguments;
 use crate::trainer::backend::{ModelInit, StepBackend};
 use crate::trainer::flat_buffer::FlatBuffer;
 use crate::trainer::model_parallel::{gather_padded, slices};
@@ -41,7 +42,6 @@ use crate::trainer::optimizer_file;
 use crate::trainer::optimizer_layout::{TensorSlice, slices_within};
 use crate::trainer::optimizer_shards::OptimizerCheckpoint;
 use crate::trainer::zero::{RankState, StateBytes};
-use crate::trainer::TrainingArguments;
 use crate::{EngineError, Result};
 
 fn usage(flag: &str, message: String) -> EngineError {

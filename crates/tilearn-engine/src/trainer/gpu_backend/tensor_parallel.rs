@@ -128,7 +128,13 @@ impl GpuTensorParallelBackend {
         }
         let plan = gpu_shard_plan(config, shard)?;
         let local = plan.local_config(config);
-        let mut inner = GpuBackend::build(&local, args, ordinal, precisions)?;
+        // Every step communicates between its kernels: built without CUDA graphs (so the
+        // description does not announce them either).
+        let eager = TrainingArguments {
+            cuda_graphs: CudaGraphs::Off,
+            ..args.clone()
+        };
+        let mut inner = GpuBackend::build(&local, &eager, ordinal, precisions)?;
         inner
             .gpu
             .set_tensor_parallel(Box::new(GroupDeviceSums::new(tp.clone())));

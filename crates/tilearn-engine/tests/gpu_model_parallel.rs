@@ -16,6 +16,7 @@
 //!     ‖Δw‖/‖w‖ ≤ 1e-3 and max |Δw| ≤ 2·lr·steps (AdamW moves a weight by up to ~lr per step
 //!     whatever its gradient's size, so a rounding that flips a tiny gradient's sign moves it
 //!     the other way).
+//! * The same in fp32 with gradient checkpointing (the recomputed forwards all-reduce again).
 //! * A tp 2 checkpoint (whole Hugging Face files, one optimizer file per rank with its slice
 //!   layout) resumes on one rank: the next step's loss and the weights after it equal the
 //!   uninterrupted single-rank run's (fp32 bounds above); and a single rank's checkpoint
@@ -115,8 +116,16 @@ fn train_step(backend: &mut dyn StepBackend, step: usize, precision: DType) -> (
 
 /// The single-rank engine from the random initialisation, trained `steps` steps.
 fn one_rank(precision: DType, steps: std::ops::Range<usize>) -> (GpuBackend, Vec<(f64, f64)>) {
+    one_rank_with(&args(), precision, steps)
+}
+
+fn one_rank_with(
+    a: &TrainingArguments,
+    precision: DType,
+    steps: std::ops::Range<usize>,
+) -> (GpuBackend, Vec<(f64, f64)>) {
     let init = ModelInit::Random { seed: SEED };
-    let mut backend = GpuBackend::from_init(&config(), &init, &args(), 0, &[precision]).unwrap();
+    let mut backend = GpuBackend::from_init(&config(), &init, a, 0, &[precision]).unwrap();
     let log = steps
         .map(|s| train_step(&mut backend, s, precision))
         .collect();
@@ -129,13 +138,23 @@ fn tp_backend(
     rank: usize,
     comm: HostCommunicator,
 ) -> GpuTensorParallelBackend {
+    tp_backend_with(&args(), init, precision, rank, comm)
+}
+
+fn tp_backend_with(
+    a: &TrainingArguments,
+    init: &ModelInit,
+    precision: DType,
+    rank: usize,
+    comm: HostCommunicator,
+) -> GpuTensorParallelBackend {
     // Device buffers are staged through page-locked memory on a stream of the same GPU.
     comm.set_staging_stream(GpuDevice::new(0).unwrap().stream().clone());
     let comm: Arc<dyn Communicator> = Arc::new(comm);
     GpuTensorParallelBackend::from_init(
         &config(),
         init,
-        &args(),
+        a,
         (0, &[precision]),
         TensorShard { rank, size: 2 },
         comm,
@@ -194,11 +213,22 @@ fn compare(
 }
 
 fn tp2_matches_one_rank(precision: DType) {
-    let test = format!("gpu tp 2 {precision}");
+    tp2_matches_one_rank_with(args(), precision);
+}
+
+fn tp2_matches_one_rank_with(a: TrainingArguments, precision: DType) {
+    let test = format!(
+        "gpu tp 2 {precision}{}",
+        if a.gradient_checkpointing {
+            " with gradient checkpointing"
+        } else {
+            ""
+        }
+    );
     if gpu_or_skip(&test).is_none() {
         return;
     }
-    let (mut single, reference) = one_rank(precision, 0..3);
+    let (mut single, reference) = one_rank_with(&a, precision, 0..3);
     let reference_weights = single.model().unwrap().params.data.clone();
     drop(single);
     let out = tempfile::tempdir().unwrap();
@@ -207,7 +237,8 @@ fn tp2_matches_one_rank(precision: DType) {
         2,
         Duration::from_secs(120),
         |rank, comm: HostCommunicator| {
-            let mut b = tp_backend(&ModelInit::Random { seed: SEED }, precision, rank, comm);
+            let init = ModelInit::Random { seed: SEED };
+            let mut b = tp_backend_with(&a, &init, precision, rank, comm);
             let log: Vec<(f64, f64)> = (0..3).map(|s| train_step(&mut b, s, precision)).collect();
             b.save_model(&dir, &config(), DType::F32, None).unwrap();
             log
@@ -234,6 +265,17 @@ fn tensor_parallel_2_matches_one_rank_fp32() {
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn tensor_parallel_2_matches_one_rank_bf16() {
     tp2_matches_one_rank(DType::BF16);
+}
+
+/// The recomputed forward of each block all-reduces again (six partial sums per layer).
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn tensor_parallel_2_with_gradient_checkpointing_matches_one_rank_fp32() {
+    let a = TrainingArguments {
+        gradient_checkpointing: true,
+        ..args()
+    };
+    tp2_matches_one_rank_with(a, DType::F32);
 }
 
 /// The optimizer state of a tp 2 save in `dir` (as the Trainer's checkpoint writes it).

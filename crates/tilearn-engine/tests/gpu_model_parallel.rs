@@ -16,6 +16,7 @@
 //!     ‖Δw‖/‖w‖ ≤ 1e-3 and max |Δw| ≤ 2·lr·steps (AdamW moves a weight by up to ~lr per step
 //!     whatever its gradient's size, so a rounding that flips a tiny gradient's sign moves it
 //!     the other way).
+//! * The same in fp32 with gradient checkpointing (the recomputed forwards all-reduce again).
 //! * A tp 2 checkpoint (whole Hugging Face files, one optimizer file per rank with its slice
 //!   layout) resumes on one rank: the next step's loss and the weights after it equal the
 //!   uninterrupted single-rank run's (fp32 bounds above); and a single rank's checkpoint
@@ -106,19 +107,42 @@ fn train_step(backend: &mut dyn StepBackend, step: usize, precision: DType) -> (
             .unwrap();
     }
     backend.clip_grad_norm(1.0).unwrap();
-    let norm = backend.optimizer_step(LR).unwrap().expect("the GPU reports the norm");
+    let norm = backend
+        .optimizer_step(LR)
+        .unwrap()
+        .expect("the GPU reports the norm");
     (loss / denominator, norm)
 }
 
 /// The single-rank engine from the random initialisation, trained `steps` steps.
 fn one_rank(precision: DType, steps: std::ops::Range<usize>) -> (GpuBackend, Vec<(f64, f64)>) {
+    one_rank_with(&args(), precision, steps)
+}
+
+fn one_rank_with(
+    a: &TrainingArguments,
+    precision: DType,
+    steps: std::ops::Range<usize>,
+) -> (GpuBackend, Vec<(f64, f64)>) {
     let init = ModelInit::Random { seed: SEED };
-    let mut backend = GpuBackend::from_init(&config(), &init, &args(), 0, &[precision]).unwrap();
-    let log = steps.map(|s| train_step(&mut backend, s, precision)).collect();
+    let mut backend = GpuBackend::from_init(&config(), &init, a, 0, &[precision]).unwrap();
+    let log = steps
+        .map(|s| train_step(&mut backend, s, precision))
+        .collect();
     (backend, log)
 }
 
 fn tp_backend(
+    init: &ModelInit,
+    precision: DType,
+    rank: usize,
+    comm: HostCommunicator,
+) -> GpuTensorParallelBackend {
+    tp_backend_with(&args(), init, precision, rank, comm)
+}
+
+fn tp_backend_with(
+    a: &TrainingArguments,
     init: &ModelInit,
     precision: DType,
     rank: usize,
@@ -130,7 +154,7 @@ fn tp_backend(
     GpuTensorParallelBackend::from_init(
         &config(),
         init,
-        &args(),
+        a,
         (0, &[precision]),
         TensorShard { rank, size: 2 },
         comm,
@@ -154,7 +178,13 @@ fn rel(a: f64, b: f64) -> f64 {
 }
 
 /// Compares two runs' (loss, norm) logs and final weights with the bounds of `precision`.
-fn compare(what: &str, ours: &[(f64, f64)], reference: &[(f64, f64)], w: (&[f32], &[f32]), precision: DType) {
+fn compare(
+    what: &str,
+    ours: &[(f64, f64)],
+    reference: &[(f64, f64)],
+    w: (&[f32], &[f32]),
+    precision: DType,
+) {
     let (loss_tol, norm_tol, w_rel_tol, w_max_tol) = match precision {
         DType::F32 => (1e-5, 1e-5, 1e-5, 1e-4),
         _ => (5e-3, 5e-2, 1e-3, 2.0 * f64::from(LR) * ours.len() as f64),
@@ -171,7 +201,10 @@ fn compare(what: &str, ours: &[(f64, f64)], reference: &[(f64, f64)], w: (&[f32]
             rel(o.1, r.1)
         ));
         assert!(rel(o.0, r.0) <= loss_tol, "{what}: loss of step {step}");
-        assert!(rel(o.1, r.1) <= norm_tol, "{what}: gradient norm of step {step}");
+        assert!(
+            rel(o.1, r.1) <= norm_tol,
+            "{what}: gradient norm of step {step}"
+        );
     }
     let (wr, wm) = (rel_err(w.0, w.1), max_abs_diff(w.0, w.1));
     report(&format!("{what}: weights rel {wr:.2e}, max |Δw| {wm:.2e}"));
@@ -180,24 +213,46 @@ fn compare(what: &str, ours: &[(f64, f64)], reference: &[(f64, f64)], w: (&[f32]
 }
 
 fn tp2_matches_one_rank(precision: DType) {
-    let test = format!("gpu tp 2 {precision}");
+    tp2_matches_one_rank_with(args(), precision);
+}
+
+fn tp2_matches_one_rank_with(a: TrainingArguments, precision: DType) {
+    let test = format!(
+        "gpu tp 2 {precision}{}",
+        if a.gradient_checkpointing {
+            " with gradient checkpointing"
+        } else {
+            ""
+        }
+    );
     if gpu_or_skip(&test).is_none() {
         return;
     }
-    let (mut single, reference) = one_rank(precision, 0..3);
+    let (mut single, reference) = one_rank_with(&a, precision, 0..3);
     let reference_weights = single.model().unwrap().params.data.clone();
     drop(single);
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().to_path_buf();
-    let logs = run_on_threads(2, Duration::from_secs(120), |rank, comm: HostCommunicator| {
-        let mut b = tp_backend(&ModelInit::Random { seed: SEED }, precision, rank, comm);
-        let log: Vec<(f64, f64)> = (0..3).map(|s| train_step(&mut b, s, precision)).collect();
-        b.save_model(&dir, &config(), DType::F32, None).unwrap();
-        log
-    })
+    let logs = run_on_threads(
+        2,
+        Duration::from_secs(120),
+        |rank, comm: HostCommunicator| {
+            let init = ModelInit::Random { seed: SEED };
+            let mut b = tp_backend_with(&a, &init, precision, rank, comm);
+            let log: Vec<(f64, f64)> = (0..3).map(|s| train_step(&mut b, s, precision)).collect();
+            b.save_model(&dir, &config(), DType::F32, None).unwrap();
+            log
+        },
+    )
     .unwrap();
     assert_eq!(logs[0], logs[1], "the tp ranks log the same loss and norm");
-    compare(&test, &logs[0], &reference, (&weights(&dir), &reference_weights), precision);
+    compare(
+        &test,
+        &logs[0],
+        &reference,
+        (&weights(&dir), &reference_weights),
+        precision,
+    );
 }
 
 #[test]
@@ -210,6 +265,17 @@ fn tensor_parallel_2_matches_one_rank_fp32() {
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn tensor_parallel_2_matches_one_rank_bf16() {
     tp2_matches_one_rank(DType::BF16);
+}
+
+/// The recomputed forward of each block all-reduces again (six partial sums per layer).
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn tensor_parallel_2_with_gradient_checkpointing_matches_one_rank_fp32() {
+    let a = TrainingArguments {
+        gradient_checkpointing: true,
+        ..args()
+    };
+    tp2_matches_one_rank_with(a, DType::F32);
 }
 
 /// The optimizer state of a tp 2 save in `dir` (as the Trainer's checkpoint writes it).
@@ -239,14 +305,19 @@ fn tensor_parallel_checkpoints_resume_on_one_rank_and_back() {
     // tp 2 trains steps 0-1 and saves; one rank resumes and runs step 2.
     let saved = tempfile::tempdir().unwrap();
     let dir = saved.path().to_path_buf();
-    run_on_threads(2, Duration::from_secs(120), |rank, comm: HostCommunicator| {
-        let mut b = tp_backend(&ModelInit::Random { seed: SEED }, f32, rank, comm);
-        for s in 0..2 {
-            train_step(&mut b, s, f32);
-        }
-        b.save_model(&dir, &config(), DType::F32, None).unwrap();
-        b.save_optimizer(&dir.join(shard_file_name(rank, 2))).unwrap();
-    })
+    run_on_threads(
+        2,
+        Duration::from_secs(120),
+        |rank, comm: HostCommunicator| {
+            let mut b = tp_backend(&ModelInit::Random { seed: SEED }, f32, rank, comm);
+            for s in 0..2 {
+                train_step(&mut b, s, f32);
+            }
+            b.save_model(&dir, &config(), DType::F32, None).unwrap();
+            b.save_optimizer(&dir.join(shard_file_name(rank, 2)))
+                .unwrap();
+        },
+    )
     .unwrap();
     let init = ModelInit::Pretrained(dir.clone());
     let mut resumed = GpuBackend::from_init(&config(), &init, &args(), 0, &[f32]).unwrap();
@@ -254,25 +325,39 @@ fn tensor_parallel_checkpoints_resume_on_one_rank_and_back() {
     let log = vec![train_step(&mut resumed, 2, f32)];
     let w = resumed.model().unwrap().params.data.clone();
     drop(resumed);
-    compare("tp 2 -> one rank", &log, &reference[2..], (&w, &reference_weights), f32);
+    compare(
+        "tp 2 -> one rank",
+        &log,
+        &reference[2..],
+        (&w, &reference_weights),
+        f32,
+    );
 
     // One rank trains steps 0-1 and saves; tp 2 resumes and runs step 2.
     let saved = tempfile::tempdir().unwrap();
     let dir = saved.path().to_path_buf();
     let (mut single, _) = one_rank(f32, 0..2);
-    single.save_model(&dir, &config(), DType::F32, None).unwrap();
+    single
+        .save_model(&dir, &config(), DType::F32, None)
+        .unwrap();
     let whole = dir.join("optimizer.safetensors");
     single.save_optimizer(&whole).unwrap();
     drop(single);
     let out = tempfile::tempdir().unwrap();
     let final_dir = out.path().to_path_buf();
-    let logs = run_on_threads(2, Duration::from_secs(120), |rank, comm: HostCommunicator| {
-        let mut b = tp_backend(&ModelInit::Pretrained(dir.clone()), f32, rank, comm);
-        b.restore(&dir, &OptimizerCheckpoint::Whole(whole.clone())).unwrap();
-        let log = vec![train_step(&mut b, 2, f32)];
-        b.save_model(&final_dir, &config(), DType::F32, None).unwrap();
-        log
-    })
+    let logs = run_on_threads(
+        2,
+        Duration::from_secs(120),
+        |rank, comm: HostCommunicator| {
+            let mut b = tp_backend(&ModelInit::Pretrained(dir.clone()), f32, rank, comm);
+            b.restore(&dir, &OptimizerCheckpoint::Whole(whole.clone()))
+                .unwrap();
+            let log = vec![train_step(&mut b, 2, f32)];
+            b.save_model(&final_dir, &config(), DType::F32, None)
+                .unwrap();
+            log
+        },
+    )
     .unwrap();
     compare(
         "one rank -> tp 2",

@@ -57,8 +57,8 @@ use std::sync::Arc;
 pub use decode::GpuDecoder;
 pub use graph::{GraphStats, StepRun, TrainStep};
 pub use sink::GradientSink;
-pub use tensor_parallel::{DeviceSums, GroupDeviceSums};
 use sink::Handoff;
+pub use tensor_parallel::{DeviceSums, GroupDeviceSums};
 
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaView, CudaViewMut, DeviceRepr, DriverError, PinnedHostSlice,

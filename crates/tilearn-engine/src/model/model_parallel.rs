@@ -573,9 +573,17 @@ mod tests {
             assert_eq!(local.num_attention_heads, 2);
             assert_eq!(local.num_key_value_heads, 1);
             assert_eq!(local.intermediate_size, 12);
-            for name in ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"] {
+            for name in [
+                "model.embed_tokens.weight",
+                "lm_head.weight",
+                "model.norm.weight",
+            ] {
                 assert_eq!(plan.cut(name), Cut::Whole, "{name}");
-                assert_eq!(plan.counts_in_norm(name), rank == 0, "{name} on rank {rank}");
+                assert_eq!(
+                    plan.counts_in_norm(name),
+                    rank == 0,
+                    "{name} on rank {rank}"
+                );
             }
             assert!(plan.counts_in_norm("model.layers.0.self_attn.q_proj.weight"));
         }
@@ -589,7 +597,11 @@ mod tests {
             assert_eq!(e.shape, vec![11, 16]);
             assert_eq!(
                 s.data[e.range()],
-                model.params.data[model.params.spec("model.embed_tokens.weight").unwrap().range()]
+                model.params.data[model
+                    .params
+                    .spec("model.embed_tokens.weight")
+                    .unwrap()
+                    .range()]
             );
         }
         let parts: Vec<(ShardPlan, PipelineShard, &[f32])> = plans

@@ -486,14 +486,8 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         hybrid.filter(HybridSizes::splits_model),
         ranks,
     ) {
-        let trainer = gpu_tensor_parallel_trainer(
-            training,
-            &config,
-            &init,
-            dataset,
-            &amp,
-            (&sizes, ranks),
-        )?;
+        let trainer =
+            gpu_tensor_parallel_trainer(training, &config, &init, dataset, &amp, (&sizes, ranks))?;
         if primary {
             println!("{}", sizes.describe());
         }
@@ -683,7 +677,10 @@ fn gpu_split_supported(args: &TrainArgs, sizes: &HybridSizes) -> Result<()> {
         return refuse("--pp-size", "pipeline parallelism");
     }
     if sizes.dp > 1 {
-        return refuse("--nproc-per-node", "data parallelism around tensor parallelism");
+        return refuse(
+            "--nproc-per-node",
+            "data parallelism around tensor parallelism",
+        );
     }
     if args.sequence_parallel {
         return refuse("--sequence-parallel", "sequence parallelism");

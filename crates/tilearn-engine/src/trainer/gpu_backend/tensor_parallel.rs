@@ -34,6 +34,7 @@ use crate::model::model_parallel::{PipelineShard, assemble_planned};
 use crate::model::tensor_parallel::{ShardPlan, TensorShard, slice_params};
 use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore};
+use crate::trainer::TrainingArguments;
 use crate::trainer::backend::{ModelInit, StepBackend};
 use crate::trainer::flat_buffer::FlatBuffer;
 use crate::trainer::model_parallel::{gather_padded, slices};
@@ -41,7 +42,6 @@ use crate::trainer::optimizer_file;
 use crate::trainer::optimizer_layout::{TensorSlice, slices_within};
 use crate::trainer::optimizer_shards::OptimizerCheckpoint;
 use crate::trainer::zero::{RankState, StateBytes};
-use crate::trainer::TrainingArguments;
 use crate::{EngineError, Result};
 
 fn usage(flag: &str, message: String) -> EngineError {
@@ -128,7 +128,13 @@ impl GpuTensorParallelBackend {
         }
         let plan = gpu_shard_plan(config, shard)?;
         let local = plan.local_config(config);
-        let mut inner = GpuBackend::build(&local, args, ordinal, precisions)?;
+        // Every step communicates between its kernels: built without CUDA graphs (so the
+        // description does not announce them either).
+        let eager = TrainingArguments {
+            cuda_graphs: CudaGraphs::Off,
+            ..args.clone()
+        };
+        let mut inner = GpuBackend::build(&local, &eager, ordinal, precisions)?;
         inner
             .gpu
             .set_tensor_parallel(Box::new(GroupDeviceSums::new(tp.clone())));

@@ -119,7 +119,8 @@ mod tests {
                 .unwrap()
                 .with_replicated_vocab(&config);
             let local = ParamStore::specs_for(&plan.local_config(&config));
-            let at = |name: &str| place(&plan, &full, local.iter().find(|s| s.name == name).unwrap());
+            let at =
+                |name: &str| place(&plan, &full, local.iter().find(|s| s.name == name).unwrap());
             let embed = at("model.embed_tokens.weight");
             assert_eq!((embed.rows.clone(), embed.cols.clone()), (0..11, 0..16));
             assert_eq!(embed.copy, rank != 0);

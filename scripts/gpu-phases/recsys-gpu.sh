@@ -15,10 +15,10 @@ run recsys_gpu_ctr "$B/tests/ctr_gpu-test" --include-ignored --test-threads=1 --
 
 shard_flags=(ctr train --device cuda --steps 120 --eval-every 60 --batch-size 8192
   --synthetic-samples 400000 --hash-rows 100000)
-run recsys_gpu_train_one_rank timeout 100 "$B/bin/tilearn" "${shard_flags[@]}" \
+run recsys_gpu_train_one_rank timeout 60 "$B/bin/tilearn" "${shard_flags[@]}" \
   --output-dir "$OUT/rg_one"
 for mode in table row; do
-  run "recsys_gpu_train_two_ranks_$mode" timeout 150 "$B/bin/tilearn" launch --nproc-per-node 2 \
+  run "recsys_gpu_train_two_ranks_$mode" timeout 90 "$B/bin/tilearn" launch --nproc-per-node 2 \
     --standalone "${shard_flags[@]}" --shard "$mode" --ddp-backend host \
     --output-dir "$OUT/rg_two_$mode"
 done

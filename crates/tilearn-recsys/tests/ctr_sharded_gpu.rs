@@ -13,10 +13,11 @@
 //! * Resume: 2 ranks, 2N steps straight equal N steps + checkpoint + a fresh trainer from it +
 //!   N steps, bit for bit (the same kernels on the same data; the checkpoint holds every
 //!   state exactly). The checkpoint is the single process's format, so it also loads into one
-//!   GPU rank, which then continues within the bounds above.
+//!   GPU rank and into the CPU model, which continue within the bounds above.
 //! * NCCL with one rank: the sharded trainer over a one-rank NCCL communicator (device buffers
 //!   through `ncclSend`/`ncclRecv` and `ncclAllReduce`) equals the one GPU rank bit for bit
-//!   (one rank holds every table; its exchanges are copies).
+//!   in every table row, state, dense parameter, loss and AUC (one rank holds every table;
+//!   its exchanges are copies; the loss sum crosses the host as three f32 parts, exactly).
 //!
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]
@@ -266,10 +267,19 @@ fn two_gpu_ranks_resume_exactly() {
         opts.resume = Some(state);
         train(&mut one, data, &eval, &opts, |_, _| {}, |_| Ok(())).unwrap();
         let one = one.into_host().unwrap();
+        // And on the CPU model (the same files, no GPU involved in the continuation).
+        let (data, eval) = self::data();
+        let mut cpu = model(sparse, 99);
+        let state = load_checkpoint(&out.join("checkpoint-6"), &mut cpu).unwrap();
+        let mut opts = options(12);
+        opts.resume = Some(state);
+        train(&mut cpu, data, &eval, &opts, |_, _| {}, |_| Ok(())).unwrap();
         let (two, _) = &runs[0];
-        let dw = worst(&one.tables.weights, &two.tables.weights);
-        eprintln!("{name}: 2-rank checkpoint continued on 1 GPU: max |Δ| rows {dw:e}");
-        assert!(dw <= 1e-4, "{name}: one GPU from the 2-rank checkpoint");
+        for (device, continued) in [("1 GPU", &one), ("the CPU", &cpu)] {
+            let dw = worst(&continued.tables.weights, &two.tables.weights);
+            eprintln!("{name}: 2-rank checkpoint continued on {device}: max |Δ| rows {dw:e}");
+            assert!(dw <= 1e-4, "{name}: {device} from the 2-rank checkpoint");
+        }
     }
 }
 
@@ -313,6 +323,7 @@ fn nccl_one_rank_sharded_equals_one_gpu() {
     )
     .unwrap();
     let host = trainer.into_host().unwrap();
+    // The loss sum crosses the host all-reduce as three f32 parts, exact for one rank.
     assert_eq!(losses, single.0, "losses");
     for (g, w) in records.iter().zip(&single.1) {
         assert_eq!(g.eval_auc, w.eval_auc, "AUC");

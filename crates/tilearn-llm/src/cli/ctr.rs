@@ -371,6 +371,7 @@ fn train_ranks(args: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
             train_sharded_on_gpu(ctr, &mut run, ranks, &args.shard, args.gpu.precision)?
         } else {
             args.gpu.check_cpu()?;
+            ranks.cpu_gradient_communicator(args.shard.ddp_backend)?;
             let mut trainer = sharded_trainer(ctr, ranks, &args.shard)?;
             run.drive(&mut trainer)?;
             trainer.into_host()?

@@ -82,7 +82,8 @@ fn shard_plan(ctr: &CtrModel, ranks: &Ranks, args: &ShardArgs) -> Result<ShardPl
         let line = serde_json::json!({"shard_plan": {
             "world": world,
             "shard": args.shard.to_possible_value().map(|v| v.get_name().to_string()),
-            "row_wise_rows": args.row_wise_rows(),
+            // The threshold only means something for `auto`.
+            "row_wise_rows": (args.shard == ShardMode::Auto).then_some(args.shard_row_wise_rows),
             "shards": per_rank,
         }});
         eprintln!("{line}");

@@ -352,17 +352,17 @@ impl DeviceCtrModel {
         Ok(loss[0])
     }
 
-    /// Embedding lookup and MLP of the uploaded batch of `n` samples: fills `emb`, `x0`, `z`,
-    /// `a`.
-    fn forward_body(&mut self, jagged: &DeviceJaggedBatch, n: usize) -> Result<HeadShape> {
+    /// The embedding lookup of the uploaded batch of `n` samples: fills `emb` (the MLP runs in
+    /// [`head_logits`](Self::head_logits) or
+    /// [`head_forward_backward`](Self::head_forward_backward)).
+    fn embed(&mut self, jagged: &DeviceJaggedBatch, n: usize) -> Result<()> {
         let stream = self.stream.clone();
         let width = self.width;
         let emb = &mut self.acts.emb.slice_mut(..n * width);
         let bags = self.bags.as_ref().ok_or_else(|| {
             RecsysError::invalid("DeviceCtrModel", "a sharded model's lookup is the shards'")
         })?;
-        bags.forward(&stream, jagged, emb)?;
-        self.mlp_forward(n)
+        bags.forward(&stream, jagged, emb)
     }
 
     /// The MLP of the uploaded batch of `n` samples from its pooled embeddings in `emb`: fills
@@ -421,7 +421,7 @@ impl DeviceCtrModel {
     pub fn predict(&mut self, batch: &CtrBatch, jagged: &JaggedBatch) -> Result<Vec<f32>> {
         let djag = self.upload(batch, jagged, false)?;
         let n = batch.len();
-        self.forward_body(&djag, n)?;
+        self.embed(&djag, n)?;
         self.head_logits(n)
     }
 
@@ -498,7 +498,7 @@ impl DeviceCtrModel {
     /// Forward and backward of the uploaded batch of `n` samples: leaves the loss sum in
     /// `loss_sum`, the dense gradient in `grads` and the pooled embeddings' gradient in `demb`.
     fn forward_backward(&mut self, djag: &DeviceJaggedBatch, n: usize) -> Result<HeadShape> {
-        self.forward_body(djag, n)?;
+        self.embed(djag, n)?;
         self.head_forward_backward(n, 1.0 / n as f32)
     }
 

@@ -13,7 +13,8 @@
 //!    (`shard::columns`: round 0 copied, row-wise tables' later partial sums added by
 //!    tilearn-ops' residual add — the CPU's order of the same sums);
 //! 3. the head forward / backward on the device with d loss / d logit scaled by 1 / n, the
-//!    dense gradient all-reduced on the device, the loss sum (8 bytes) over the host;
+//!    dense gradient all-reduced on the device, the loss sum (8 bytes, as three f32 parts:
+//!    `exchange::split_f64`) over the host;
 //! 4. the output gradient's columns to their owners by a second device all-to-all, and the
 //!    owner's fused backward + sparse rule over every rank's samples in rank order.
 //!
@@ -36,7 +37,7 @@ use crate::error::{RecsysError, Result};
 use crate::jagged::JaggedBatch;
 use crate::model::{CtrConfig, CtrModel, StepStats};
 use crate::shard::columns::{Copy, assemble_rounds, scatter_copies};
-use crate::shard::exchange::exchange_u32;
+use crate::shard::exchange::{exchange_u32, join_f64, split_f64};
 use crate::shard::sharded_bag::{route_ids, shard_batch};
 use crate::shard::{ShardPlan, ShardedEmbeddingBag};
 use crate::stepper::CtrStepper;
@@ -400,10 +401,8 @@ impl CtrStepper for GpuShardedCtrTrainer {
             .all_reduce(self.dense.grads_mut().into(), ReduceOp::Sum))
         .and_then(|w| w.wait())
         .map_err(comm_error)?;
-        // The loss sum as two f32 (high part and remainder), as the CPU ranks reduce it.
-        let loss_sum = self.dense.loss_sum()?;
-        let high = loss_sum as f32;
-        let mut loss = [high, (loss_sum - f64::from(high)) as f32];
+        // The loss sum as three f32 parts (exact for one rank), as the CPU ranks reduce it.
+        let mut loss = split_f64(self.dense.loss_sum()?);
         (self
             .host_comm
             .all_reduce((&mut loss[..]).into(), ReduceOp::Sum))
@@ -412,7 +411,7 @@ impl CtrStepper for GpuShardedCtrTrainer {
         self.dense.dense_step(dense_lr)?;
         self.backward(&lookup, b)?;
         Ok(StepStats {
-            loss: (f64::from(loss[0]) + f64::from(loss[1])) / n as f64,
+            loss: join_f64(loss) / n as f64,
             rows_updated: None,
         })
     }

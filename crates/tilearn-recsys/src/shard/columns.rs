@@ -13,20 +13,26 @@
 //! * Backward ([`scatter_copies`]): the output gradient's columns of owner `d`'s tables into
 //!   its block at `bases[d]`, every element written once.
 //!
-//! Copies of consecutive tables that are contiguous on both sides are merged into one.
+//! Copies of consecutive tables that are contiguous on both sides are merged into one (up to
+//! 1024 elements, so a warp's share stays small).
 
 use super::plan::ShardPlan;
 
 /// `[src, dst, len]` element offsets of one copy.
 pub type Copy = [u64; 3];
 
+/// The longest copy merging makes: `row_copy.cu` gives each copy one warp, so a batch-long
+/// copy would run on one warp; 1024 elements are 8 float4 rounds of a warp.
+const MERGED_MAX: u64 = 1024;
+
 /// Appends `[src, dst, len]`, or extends the last copy when it ends where this one starts on
-/// both sides.
+/// both sides (up to [`MERGED_MAX`] elements).
 fn push(copies: &mut Vec<Copy>, src: usize, dst: usize, len: usize) {
     let (src, dst, len) = (src as u64, dst as u64, len as u64);
     if let Some(last) = copies.last_mut()
         && last[0] + last[2] == src
         && last[1] + last[2] == dst
+        && last[2] + len <= MERGED_MAX
     {
         last[2] += len;
         return;
@@ -219,16 +225,22 @@ mod tests {
         }
     }
 
-    /// One rank holding everything: the block is the output itself, one copy for the batch.
+    /// One rank holding everything: the block is the output itself, so 300 samples of 10
+    /// columns become 3 copies of at most 1024 elements covering it in order.
     #[test]
-    fn contiguous_copies_merge() {
+    fn contiguous_copies_merge_up_to_1024_elements() {
         let layout = layout();
         let plan = ShardPlan::new(&layout, &[Sharding::TableWise { owner: 0 }; 4], 1).unwrap();
-        let rounds = assemble_rounds(&plan, 6, &[0]);
-        assert_eq!(rounds, vec![vec![[0, 0, 6 * layout.total_dim() as u64]]]);
-        assert_eq!(
-            scatter_copies(&plan, 6, &[0]),
-            vec![[0, 0, 6 * layout.total_dim() as u64]]
-        );
+        let rounds = assemble_rounds(&plan, 300, &[0]);
+        assert_eq!(rounds.len(), 1);
+        for copies in [&rounds[0], &scatter_copies(&plan, 300, &[0])] {
+            assert_eq!(copies.len(), 3, "{copies:?}");
+            let mut at = 0;
+            for &[src, dst, len] in copies {
+                assert!(src == at && dst == at && len <= MERGED_MAX, "{copies:?}");
+                at += len;
+            }
+            assert_eq!(at, 3000);
+        }
     }
 }

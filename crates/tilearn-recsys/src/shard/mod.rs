@@ -5,7 +5,8 @@
 //! length over the communicator's equal-shard `all_to_all`). Host buffers; the CPU tests run
 //! several ranks in one process over the host communicator. [`ShardedCtrTrainer`] trains a
 //! whole CTR model this way (`tilearn launch --nproc-per-node N ctr train`): sharded tables,
-//! data-parallel dense part.
+//! data-parallel dense part. [`columns`] lists where exchanged pooled rows go, for these CPU
+//! ranks and for the GPU ranks of `cuda::GpuShardedCtrTrainer` alike.
 //!
 //! [`Communicator`]: tilearn_parallel::Communicator
 

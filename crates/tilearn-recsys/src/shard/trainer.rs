@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use tilearn_parallel::{Communicator, ReduceOp};
 
+use super::exchange::{join_f64, split_f64};
 use super::plan::ShardPlan;
 use super::sharded_bag::ShardedEmbeddingBag;
 use crate::data::CtrBatch;
@@ -145,9 +146,9 @@ impl CtrStepper for ShardedCtrTrainer {
             .map(|(&z, &y)| (sigmoid(z) - y) * scale)
             .collect();
         let numel = m.layout.numel;
-        // The dense gradient, then the loss sum as two f32 (high part and remainder), reduced
+        // The dense gradient, then the loss sum as three f32 parts (`split_f64`), reduced
         // together.
-        let mut reduced = vec![0.0f32; numel + 2];
+        let mut reduced = vec![0.0f32; numel + 3];
         let mut demb = vec![0.0f32; emb.len()];
         head_backward(
             &m.config,
@@ -160,11 +161,10 @@ impl CtrStepper for ShardedCtrTrainer {
             &mut reduced[..numel],
             &mut demb,
         )?;
-        let high = loss_sum as f32;
-        reduced[numel] = high;
-        reduced[numel + 1] = (loss_sum - f64::from(high)) as f32;
+        reduced[numel..].copy_from_slice(&split_f64(loss_sum));
         self.all_reduce_sum(&mut reduced)?;
-        let loss = (f64::from(reduced[numel]) + f64::from(reduced[numel + 1])) / n as f64;
+        let parts = [reduced[numel], reduced[numel + 1], reduced[numel + 2]];
+        let loss = join_f64(parts) / n as f64;
         let model = &mut self.model;
         model
             .adamw

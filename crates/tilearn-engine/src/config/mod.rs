@@ -22,7 +22,9 @@ use tilearn_ops::DType;
 
 use crate::error::{EngineError, Result};
 
-pub use family::{AttentionKind, BAICHUAN_13B_ENV, BaichuanVariant, ModelFamily};
+pub use family::{
+    AttentionKind, BAICHUAN_13B_ENV, BaichuanVariant, ModelFamily, PositionEncoding,
+};
 pub use generation::{GENERATION_CONFIG_FILE, GenerationConfig};
 
 /// The transformers version we write into `config.json`.
@@ -131,6 +133,9 @@ pub struct LlamaConfig {
     /// Per layer, full or sliding attention (`num_hidden_layers` entries): Qwen2's
     /// `layer_types` (or its `max_window_layers` rule), every layer sliding for Mistral.
     pub layer_types: Vec<AttentionKind>,
+    /// Baichuan2's `z_loss_weight` (0 for every other family): the training loss adds
+    /// `z_loss_weight · max(logits)²` per target (see `tilearn_ops::cpu::z_loss`).
+    pub z_loss_weight: f64,
     /// Keys of the source `config.json` that we do not interpret, written back unchanged.
     pub extra: Map<String, Value>,
     /// The model directory's `generation_config.json`, when the model was loaded from one that
@@ -389,7 +394,7 @@ impl LlamaConfig {
                 hidden_size / num_attention_heads
             }
         };
-        if head_dim % 2 != 0 {
+        if family.position_encoding() == PositionEncoding::Rope && head_dim % 2 != 0 {
             return Err(f.err(
                 "head_dim",
                 format!("{head_dim} is odd; rotary embeddings need an even head_dim"),
@@ -424,18 +429,19 @@ impl LlamaConfig {
                  rope_theta / rope_scaling from config.json",
             ));
         }
-        if family.norm_head()
-            && let Some(z) = f.opt_f64("z_loss_weight")?
-            && z != 0.0
-        {
-            return Err(f.err(
-                "z_loss_weight",
-                format!(
-                    "{z}: Baichuan2's z-loss is not supported yet; set \"z_loss_weight\": 0 to \
-                     fine-tune without it"
-                ),
-            ));
-        }
+        // Baichuan2's modeling code adds `z_loss_weight · mean(max(logits)²)` to the loss.
+        let z_loss_weight = if family.norm_head() {
+            let z = f.opt_f64("z_loss_weight")?.unwrap_or(0.0);
+            if !(z >= 0.0 && z.is_finite()) {
+                return Err(f.err(
+                    "z_loss_weight",
+                    format!("{z} must be a finite non-negative number (0 turns the z-loss off)"),
+                ));
+            }
+            z
+        } else {
+            0.0
+        };
         let (sliding_window, layer_types) = parse_sliding_window(&f, family, num_hidden_layers)?;
 
         let dtype = match (f.opt_str("dtype")?, f.opt_str("torch_dtype")?) {
@@ -449,7 +455,8 @@ impl LlamaConfig {
             .iter()
             .filter(|(k, _)| {
                 let interpreted = KNOWN_KEYS.contains(&k.as_str())
-                    || (sliding && SLIDING_KEYS.contains(&k.as_str()));
+                    || (sliding && SLIDING_KEYS.contains(&k.as_str()))
+                    || (family.norm_head() && k.as_str() == "z_loss_weight");
                 !interpreted
             })
             .map(|(k, v)| (k.clone(), v.clone()))
@@ -488,6 +495,7 @@ impl LlamaConfig {
             dtype,
             sliding_window,
             layer_types,
+            z_loss_weight,
             extra,
             generation: None,
         })
@@ -598,6 +606,9 @@ impl LlamaConfig {
             // (it rotates with base 10000) and no head_dim.
             ModelFamily::Baichuan(_) => {
                 m.remove("head_dim");
+                if family.norm_head() {
+                    m.insert("z_loss_weight".into(), Value::from(self.z_loss_weight));
+                }
                 m.insert("torch_dtype".into(), dtype);
                 m.insert("transformers_version".into(), Value::from("4.29.2"));
                 return Value::Object(m);

@@ -45,6 +45,8 @@ pub(crate) struct Dims {
     pub eps: f64,
     /// Elements of the lm_head (`V * C`) when NormHead normalises it, else 0.
     pub head_norm_len: usize,
+    /// Baichuan2's z-loss weight (0: none).
+    pub z_loss_weight: f64,
 }
 
 impl Dims {
@@ -68,6 +70,7 @@ impl Dims {
             } else {
                 0
             },
+            z_loss_weight: config.z_loss_weight,
         }
     }
 

@@ -44,6 +44,10 @@ pub(crate) struct Cx<'a> {
     /// Position ids `[batch, seq]` of packed rows (restarting at 0 per example): RoPE rotates
     /// by them and attention keeps each query inside its example. `None`: one sequence a row.
     pub positions: Option<CudaView<'a, i32>>,
+    /// ALiBi slopes `[q_heads]` (Baichuan-13B): attention biases instead of rotations.
+    pub alibi: Option<CudaView<'a, f32>>,
+    /// Row maxima of Baichuan2's z-loss (present when `z_loss_weight` is non-zero).
+    pub z_loss: Option<&'a mut k::ZLossScratch>,
 }
 
 /// Where a block writes the norm of its output: the next layer's `input_layernorm` buffers, or
@@ -335,17 +339,20 @@ fn block_forward<T: DeviceFloat>(
     linear_fwd(cx, w, &lay.k, &xn1, n, c, kv, &mut a.k)?;
     linear_fwd(cx, w, &lay.v, &xn1, n, c, kv, &mut a.v)?;
     let pos = cx.positions.as_ref();
-    k::rope_forward_at(
-        s, &mut a.q, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
-    )?;
-    k::rope_forward_at(
-        s, &mut a.k, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
-    )?;
+    if cx.alibi.is_none() {
+        k::rope_forward_at(
+            s, &mut a.q, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
+        )?;
+        k::rope_forward_at(
+            s, &mut a.k, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
+        )?;
+    }
     cx.mm.attention_forward(
         s,
         d,
         pos,
         lay.sliding_window,
+        cx.alibi.as_ref(),
         &a.q.as_view(),
         &a.k.as_view(),
         &a.v.as_view(),
@@ -474,6 +481,7 @@ fn block_backward<T: DeviceFloat>(
         d,
         pos,
         lay.sliding_window,
+        cx.alibi.as_ref(),
         &gb.datt.as_view(),
         &a.q.as_view(),
         &a.k.as_view(),
@@ -484,12 +492,14 @@ fn block_backward<T: DeviceFloat>(
         &mut gb.dk,
         &mut gb.dv,
     )?;
-    k::rope_backward_at(
-        s, &mut gb.dq, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
-    )?;
-    k::rope_backward_at(
-        s, &mut gb.dk, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
-    )?;
+    if cx.alibi.is_none() {
+        k::rope_backward_at(
+            s, &mut gb.dq, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
+        )?;
+        k::rope_backward_at(
+            s, &mut gb.dk, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
+        )?;
+    }
     linear_bwd(
         cx,
         w,

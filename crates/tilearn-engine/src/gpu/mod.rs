@@ -65,7 +65,7 @@ use cudarc::driver::{
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
     CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuDevice, GpuRopeTable,
-    RmsNormScratch, TokenIdCheck,
+    RmsNormScratch, TokenIdCheck, ZLossScratch,
 };
 use tilearn_ops::{DType, OpsError};
 use tilearn_optim::cuda::ParamCopy;
@@ -82,7 +82,7 @@ use lce::GradFactor;
 use linalg::Matmul;
 use precision::{WorkingCopy, weights, with_elem};
 
-use crate::config::{LlamaConfig, RopeScalingConfig};
+use crate::config::{LlamaConfig, PositionEncoding, RopeScalingConfig};
 use crate::error::{EngineError, Result};
 use crate::lce_chunk::LceChunk;
 use crate::model::{LlamaForCausalLM, LossStats, ModelLayout};
@@ -174,6 +174,10 @@ pub struct GpuLlama {
     norm_scratch: RmsNormScratch,
     /// Sort buffers of the embedding backward (sized for `batch * seq` tokens at build).
     embed_scratch: EmbeddingBackwardScratch,
+    /// ALiBi slopes `[q_heads]` (Baichuan-13B), `None` for RoPE models.
+    alibi: Option<CudaSlice<f32>>,
+    /// Row maxima of Baichuan2's z-loss, when `z_loss_weight` is non-zero.
+    z_loss: Option<ZLossScratch>,
     optimizer: Option<GpuAdamW>,
     memory: GpuMemory,
     /// `--cuda-graphs` and the recorded step (see `graph.rs`).
@@ -466,11 +470,27 @@ impl GpuLlama {
         let mm = Matmul::new(&stream, &cap, widest)?;
         let norm_scratch = RmsNormScratch::new(&stream, n, config.hidden_size)?;
         let embed_scratch = EmbeddingBackwardScratch::new(&stream, n, config.vocab_size)?;
+        let alibi = match config.family.position_encoding() {
+            PositionEncoding::Alibi => Some(
+                stream
+                    .clone_htod(&tilearn_ops::alibi_slopes(config.num_attention_heads))
+                    .map_err(|e| cuda_err("uploading the ALiBi slopes", e))?,
+            ),
+            PositionEncoding::Rope => None,
+        };
+        let z_loss = if config.z_loss_weight != 0.0 {
+            Some(ZLossScratch::new(&stream, n)?)
+        } else {
+            None
+        };
 
         let master_bytes = master.num_bytes();
         let grad_bytes = grads.num_bytes();
         let activation_bytes = arena_bytes + ids.num_bytes() + targets.num_bytes();
-        let workspace_bytes = mm.bytes() + norm_scratch.bytes() + embed_scratch.bytes();
+        let workspace_bytes = mm.bytes()
+            + norm_scratch.bytes()
+            + embed_scratch.bytes()
+            + z_loss.as_ref().map_or(0, ZLossScratch::bytes);
         let mut gpu = GpuLlama {
             device: device.clone(),
             specs: ParamStore::specs_for(&config),
@@ -500,6 +520,8 @@ impl GpuLlama {
             mm,
             norm_scratch,
             embed_scratch,
+            alibi,
+            z_loss,
             optimizer: None,
             graphs: GraphState::default(),
             memory: GpuMemory {
@@ -650,6 +672,8 @@ impl GpuLlama {
             embed_scratch,
             precision,
             position_ids,
+            alibi,
+            z_loss,
             ..
         } = self;
         Pass {
@@ -662,6 +686,8 @@ impl GpuLlama {
                 norm_scratch,
                 embed_scratch,
                 positions: position_ids.as_ref().map(|(p, _, _)| p.as_view()),
+                alibi: alibi.as_ref().map(|a| a.as_view()),
+                z_loss: z_loss.as_mut(),
             },
             master,
             work: work.as_ref(),

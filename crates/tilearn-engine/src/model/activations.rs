@@ -8,7 +8,7 @@
 use tilearn_ops::cpu::{Real, RopeTable};
 
 use super::layout::ModelLayout;
-use crate::config::{LlamaConfig, RopeScalingConfig};
+use crate::config::{LlamaConfig, PositionEncoding, RopeScalingConfig};
 
 /// What one decoder layer's forward saves for its backward (`N = batch * seq` rows).
 #[derive(Clone, Debug)]
@@ -151,6 +151,8 @@ pub struct Activations<R: Real = f32> {
     /// dynamic NTK scaling beyond `original_max_position_embeddings`).
     pub(crate) rope_prefix_ok: bool,
     pub(crate) rope: RopeTable,
+    /// ALiBi slopes `[q_heads]` (Baichuan-13B), `None` for RoPE models.
+    pub(crate) alibi: Option<Vec<f32>>,
     pub(crate) layout: ModelLayout,
     /// Block inputs: `resid[i]` is the input of layer `i`, `resid[L]` the final norm's input;
     /// `L + 1` slabs of `[N, C]`.
@@ -213,6 +215,8 @@ impl<R: Real> Activations<R> {
                 seq,
                 config.max_position_embeddings,
             ),
+            alibi: (config.family.position_encoding() == PositionEncoding::Alibi)
+                .then(|| tilearn_ops::alibi_slopes(config.num_attention_heads)),
             layout: ModelLayout::from_config(config),
             resid: vec![R::zero(); (config.num_hidden_layers + 1) * n * c],
             layers: (0..n_layer_acts)

@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use tilearn_ops::KeyMask;
 use tilearn_ops::cpu::{
-    AttnShape, Real, RopeTable, add_inplace, attention_backward_masked, attention_forward_masked,
+    AttnShape, Real, RopeTable, add_inplace, attention_backward_alibi, attention_forward_alibi,
     linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward, rope_backward_at,
     rope_forward_at, swiglu_backward, swiglu_forward,
 };
@@ -39,6 +39,8 @@ pub(crate) struct Dims {
     pub eps: f64,
     /// Whether the lm_head rows are normalised before the product (Baichuan2's NormHead).
     pub norm_head: bool,
+    /// Baichuan2's z-loss weight (0: none).
+    pub z_loss_weight: f64,
 }
 
 impl Dims {
@@ -57,6 +59,7 @@ impl Dims {
             head_dim: config.head_dim,
             eps: config.rms_norm_eps,
             norm_head: config.norm_head(),
+            z_loss_weight: config.z_loss_weight,
         }
     }
 
@@ -128,11 +131,13 @@ fn linear_bwd<R: Real>(
 
 /// Where the tokens of a call sit: the rotary table and, for packed rows, the position ids
 /// `[batch, seq]` (restarting per example: RoPE rotates by them and attention stays inside
-/// each example).
+/// each example). With ALiBi slopes the model encodes positions by the attention bias instead
+/// and q and k are not rotated.
 #[derive(Clone, Copy)]
 pub(crate) struct Positions<'a> {
     pub rope: &'a RopeTable,
     pub ids: Option<&'a [i32]>,
+    pub alibi: Option<&'a [f32]>,
 }
 
 impl Positions<'_> {
@@ -180,12 +185,15 @@ pub(crate) fn block_forward<R: Real>(
     linear_fwd(p, &lay.q, xn1, n, c, q, qb)?;
     linear_fwd(p, &lay.k, xn1, n, c, kv, kb)?;
     linear_fwd(p, &lay.v, xn1, n, c, kv, vb)?;
-    let rope = pos.rope;
-    rope_forward_at(qb, d.batch, d.seq, d.q_heads, d.head_dim, rope, pos.ids)?;
-    rope_forward_at(kb, d.batch, d.seq, d.kv_heads, d.head_dim, rope, pos.ids)?;
+    if pos.alibi.is_none() {
+        let rope = pos.rope;
+        rope_forward_at(qb, d.batch, d.seq, d.q_heads, d.head_dim, rope, pos.ids)?;
+        rope_forward_at(kb, d.batch, d.seq, d.kv_heads, d.head_dim, rope, pos.ids)?;
+    }
     let att = &mut a.att[..n * q];
     let lse = &mut a.lse[..n * d.q_heads];
-    attention_forward_masked(d.attn(), pos.mask(lay.sliding_window), qb, kb, vb, att, lse)?;
+    let mask = pos.mask(lay.sliding_window);
+    attention_forward_alibi(d.attn(), mask, pos.alibi, qb, kb, vb, att, lse)?;
     linear_fwd(p, &lay.o, att, n, q, c, &mut a.h[..n * c])?;
     rows.complete(&mut a.h[..n * c])?;
     let h = &mut a.h[..nl * c];
@@ -282,9 +290,10 @@ pub(crate) fn block_backward<R: Real>(
     let att = &a.att[..n * q];
     let dh = rows.gathered(&s.dres[..n * c], &mut s.dtmp[..n * c])?;
     linear_bwd(p, g, &lay.o, dh, att, n, q, c, Some(&mut *datt))?;
-    attention_backward_masked(
+    attention_backward_alibi(
         d.attn(),
         pos.mask(lay.sliding_window),
+        pos.alibi,
         datt,
         &a.q[..n * q],
         &a.k[..n * kv],
@@ -295,10 +304,12 @@ pub(crate) fn block_backward<R: Real>(
         dk,
         dv,
     )?;
-    rope_backward_at(dq, d.batch, d.seq, d.q_heads, d.head_dim, pos.rope, pos.ids)?;
-    rope_backward_at(
-        dk, d.batch, d.seq, d.kv_heads, d.head_dim, pos.rope, pos.ids,
-    )?;
+    if pos.alibi.is_none() {
+        rope_backward_at(dq, d.batch, d.seq, d.q_heads, d.head_dim, pos.rope, pos.ids)?;
+        rope_backward_at(
+            dk, d.batch, d.seq, d.kv_heads, d.head_dim, pos.rope, pos.ids,
+        )?;
+    }
     let dxn = &mut s.dxn[..n * c];
     let dtmp = &mut s.dtmp[..n * c];
     linear_bwd(p, g, &lay.q, dq, xn1, n, c, q, Some(&mut *dxn))?;

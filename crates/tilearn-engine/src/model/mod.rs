@@ -253,7 +253,7 @@ impl LlamaForCausalLM {
         shift_targets(&mut acts.targets[..d.n], labels, seq);
         forward(&d, params, ids, acts, split)?;
         let (logits, targets) = (&acts.logits[..d.n * d.vocab], &acts.targets[..d.n]);
-        let ce = vocab_parallel::loss(logits, targets, d.vocab, split)?;
+        let ce = vocab_parallel::loss(logits, targets, d.vocab, d.z_loss_weight, split)?;
         Ok(LossStats {
             loss_sum: ce.loss_sum,
             valid_tokens: ce.valid,

@@ -447,7 +447,13 @@ impl RankModel {
         let c = &self.chunks[chunk];
         let n = rows;
         let (logits, targets) = (&acts.logits[..n * c.config.vocab_size], &acts.targets[..n]);
-        let ce = vocab_parallel::loss(logits, targets, c.config.vocab_size, &self.split(sums))?;
+        let ce = vocab_parallel::loss(
+            logits,
+            targets,
+            c.config.vocab_size,
+            c.config.z_loss_weight,
+            &self.split(sums),
+        )?;
         Ok(LossStats {
             loss_sum: ce.loss_sum,
             valid_tokens: ce.valid,

@@ -50,6 +50,7 @@ pub(crate) struct StageLoss {
 fn positions<'a>(
     d: &Dims,
     rope: &'a tilearn_ops::cpu::RopeTable,
+    alibi: &'a Option<Vec<f32>>,
     ids: &'a Option<(Vec<i32>, usize, usize)>,
 ) -> Result<Positions<'a>> {
     let ids = match ids {
@@ -66,7 +67,11 @@ fn positions<'a>(
             });
         }
     };
-    Ok(Positions { rope, ids })
+    Ok(Positions {
+        rope,
+        ids,
+        alibi: alibi.as_deref(),
+    })
 }
 
 fn missing(what: &str) -> EngineError {
@@ -91,6 +96,7 @@ pub(crate) fn stage_forward<R: Real>(
 ) -> Result<()> {
     let Activations {
         rope,
+        alibi,
         resid,
         layers,
         final_rstd,
@@ -100,7 +106,7 @@ pub(crate) fn stage_forward<R: Real>(
         head_normed,
         ..
     } = acts;
-    let pos = positions(d, rope, position_ids)?;
+    let pos = positions(d, rope, alibi, position_ids)?;
     let (n, c) = (d.n, d.c);
     let slab = n * c;
     let rows = split.rows();
@@ -183,6 +189,7 @@ pub(crate) fn stage_backward<R: Real>(
     let Activations {
         checkpointing,
         rope,
+        alibi,
         resid,
         layers,
         final_rstd,
@@ -195,7 +202,7 @@ pub(crate) fn stage_backward<R: Real>(
         dhead_normed,
         ..
     } = acts;
-    let pos = positions(d, rope, position_ids)?;
+    let pos = positions(d, rope, alibi, position_ids)?;
     let (n, c) = (d.n, d.c);
     let slab = n * c;
     let rows = split.rows();
@@ -206,8 +213,14 @@ pub(crate) fn stage_backward<R: Real>(
         (Some((norm, lm_head)), _) => {
             // Cross entropy in place: logits become d(loss_sum · grad_scale)/d(logits).
             let logits = &mut logits[..n * d.vocab];
-            let ce =
-                vocab_parallel::loss_and_grad(logits, &targets[..n], d.vocab, grad_scale, split)?;
+            let ce = vocab_parallel::loss_and_grad(
+                logits,
+                &targets[..n],
+                d.vocab,
+                grad_scale,
+                d.z_loss_weight,
+                split,
+            )?;
             let loss = StageLoss {
                 loss_sum: ce.loss_sum,
                 valid: ce.valid,

@@ -3,11 +3,13 @@
 //! call (decode). The layer math is the model's (`block.rs`), with attention reading the cache.
 
 use tilearn_ops::cpu::{
-    CachedAttnShape, add_inplace, cached_attention, check_token_ids, embedding_forward,
+    CachedAttnShape, add_inplace, cached_attention_alibi, check_token_ids, embedding_forward,
     linear_forward, rmsnorm_forward, rope_forward, swiglu_forward,
 };
 
-use super::family_parts::{apply_head_scale, check_sliding_window, norm_head_scale};
+use super::family_parts::{
+    alibi_slopes, apply_head_scale, check_sliding_window, norm_head_scale,
+};
 use super::kv_cache::KvCache;
 use super::rotary::rope_rows;
 use crate::error::{EngineError, Result};
@@ -61,6 +63,8 @@ pub struct CachedDecoder<'m> {
     logits: Vec<f32>,
     /// NormHead's per-row logit scale (Baichuan2), `None` for the other families.
     head_scale: Option<Vec<f32>>,
+    /// ALiBi slopes (Baichuan-13B), `None` for RoPE models.
+    alibi: Option<Vec<f32>>,
 }
 
 impl<'m> CachedDecoder<'m> {
@@ -74,6 +78,7 @@ impl<'m> CachedDecoder<'m> {
             scratch: Scratch::default(),
             logits: vec![0.0; model.config.vocab_size],
             head_scale: norm_head_scale(model),
+            alibi: alibi_slopes(&model.config),
         }
     }
 
@@ -126,7 +131,8 @@ impl<'m> CachedDecoder<'m> {
         for (lay, kv) in self.layout.layers.iter().zip(&mut self.cache.layers) {
             let row = self.cache.row;
             let cached = start * row..(start + n) * row;
-            layer_forward(model, lay, p, &rope, n, s)?;
+            let rope = if self.alibi.is_some() { None } else { Some(&rope) };
+            layer_forward(model, lay, p, rope, n, s)?;
             kv.k[cached.clone()].copy_from_slice(&s.k);
             kv.v[cached].copy_from_slice(&s.v);
             let shape = CachedAttnShape {
@@ -137,7 +143,8 @@ impl<'m> CachedDecoder<'m> {
                 head_dim: config.head_dim,
             };
             let seen = (start + n) * row;
-            cached_attention(shape, &s.q, &kv.k[..seen], &kv.v[..seen], &mut s.att)?;
+            let (k, v, alibi) = (&kv.k[..seen], &kv.v[..seen], self.alibi.as_deref());
+            cached_attention_alibi(shape, alibi, &s.q, k, v, &mut s.att)?;
             layer_finish(model, lay, p, n, s)?;
         }
         self.cache.advance(n);
@@ -187,12 +194,12 @@ fn linear(
 }
 
 /// The layer up to attention: `s.q`, `s.k` (rotated by `rope`, whose rows are the chunk's
-/// absolute positions) and `s.v` from the block input `s.x`.
+/// absolute positions; not rotated for ALiBi models) and `s.v` from the block input `s.x`.
 fn layer_forward(
     model: &LlamaForCausalLM,
     lay: &LayerLayout,
     p: &[f32],
-    rope: &tilearn_ops::cpu::RopeTable,
+    rope: Option<&tilearn_ops::cpu::RopeTable>,
     n: usize,
     s: &mut Scratch,
 ) -> Result<()> {
@@ -209,8 +216,10 @@ fn layer_forward(
     linear(p, &lay.q, &s.xn, n, c, q, &mut s.q)?;
     linear(p, &lay.k, &s.xn, n, c, kv, &mut s.k)?;
     linear(p, &lay.v, &s.xn, n, c, kv, &mut s.v)?;
-    rope_forward(&mut s.q, 1, n, cfg.num_attention_heads, d, rope)?;
-    rope_forward(&mut s.k, 1, n, cfg.num_key_value_heads, d, rope)?;
+    if let Some(rope) = rope {
+        rope_forward(&mut s.q, 1, n, cfg.num_attention_heads, d, rope)?;
+        rope_forward(&mut s.k, 1, n, cfg.num_key_value_heads, d, rope)?;
+    }
     Ok(())
 }
 

@@ -315,9 +315,29 @@ impl LlamaConfig {
         Self::from_json_str(&text, path)
     }
 
+    /// [`LlamaConfig::from_file`] with the value of [`BAICHUAN_13B_ENV`] given instead of read
+    /// from the environment (`None`: unset), for callers that load several models in one
+    /// process (tests).
+    pub fn from_file_with_baichuan_13b(
+        path: impl AsRef<Path>,
+        baichuan_13b: Option<&str>,
+    ) -> Result<LlamaConfig> {
+        let path = path.as_ref();
+        let text =
+            std::fs::read_to_string(path).map_err(|e| EngineError::io(path, "read config", e))?;
+        let obj = Self::json_object(&text, path)?;
+        Self::from_json_object(&obj, path, baichuan_13b)
+    }
+
     /// Parses the text of a `config.json`; `path` is only used in error messages.
     pub fn from_json_str(text: &str, path: impl AsRef<Path>) -> Result<LlamaConfig> {
-        let file: PathBuf = path.as_ref().to_path_buf();
+        let obj = Self::json_object(text, path.as_ref())?;
+        let env = std::env::var(BAICHUAN_13B_ENV).ok();
+        Self::from_json_object(&obj, path.as_ref(), env.as_deref())
+    }
+
+    fn json_object(text: &str, path: &Path) -> Result<Map<String, Value>> {
+        let file: PathBuf = path.to_path_buf();
         let value: Value = serde_json::from_str(text).map_err(|e| EngineError::Config {
             file: file.clone(),
             field: "<document>".to_string(),
@@ -330,13 +350,16 @@ impl LlamaConfig {
                 message: "expected a JSON object at the top level".to_string(),
             });
         };
-        Self::from_json_object(&obj, &file)
+        Ok(obj)
     }
 
-    fn from_json_object(obj: &Map<String, Value>, file: &Path) -> Result<LlamaConfig> {
+    fn from_json_object(
+        obj: &Map<String, Value>,
+        file: &Path,
+        baichuan_13b: Option<&str>,
+    ) -> Result<LlamaConfig> {
         let f = Fields { obj, file };
-        let env = std::env::var(BAICHUAN_13B_ENV).ok();
-        let family = family::detect(&f, env.as_deref())?;
+        let family = family::detect(&f, baichuan_13b)?;
 
         if let Some(act) = f.opt_str("hidden_act")?
             && act != "silu"

@@ -145,6 +145,22 @@ impl LlamaForCausalLM {
         Ok(LlamaForCausalLM { config, params })
     }
 
+    /// [`Self::from_pretrained`] with the value of `TILEARN_LLM_BAICHUAN_13B` given instead of
+    /// read from the environment (see [`LlamaConfig::from_file_with_baichuan_13b`]).
+    pub fn from_pretrained_with_baichuan_13b(
+        dir: impl AsRef<Path>,
+        baichuan_13b: Option<&str>,
+    ) -> Result<LlamaForCausalLM> {
+        let dir = dir.as_ref();
+        let mut config = LlamaConfig::from_file_with_baichuan_13b(
+            dir.join(checkpoint::CONFIG_FILE),
+            baichuan_13b,
+        )?;
+        config.generation = GenerationConfig::from_dir(dir)?;
+        let params = checkpoint::load_params(dir, &config)?;
+        Ok(LlamaForCausalLM { config, params })
+    }
+
     /// Writes `config.json` and the weights (in `dtype`, sharded above `max_shard_bytes`) so
     /// that transformers' `from_pretrained` loads them.
     pub fn save_pretrained(

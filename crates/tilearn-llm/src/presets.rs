@@ -16,7 +16,7 @@ pub struct Preset {
     pub seq: usize,
 }
 
-pub const PRESETS: [Preset; 4] = [
+pub const PRESETS: [Preset; 5] = [
     Preset {
         name: "llama-134m",
         vocab_size: 32000,
@@ -60,6 +60,19 @@ pub const PRESETS: [Preset; 4] = [
         num_attention_heads: 32,
         num_key_value_heads: 32,
         intermediate_size: 11008,
+        batch: 4,
+        seq: 2048,
+    },
+    // Baichuan2-13B's widths (W_pack, ALiBi with 40 heads, NormHead, vocabulary 125 696: the
+    // hidden size 5120 makes it the 13B architecture) at 4 of its 40 layers.
+    Preset {
+        name: "baichuan2-13b-4l",
+        vocab_size: 125696,
+        hidden_size: 5120,
+        num_hidden_layers: 4,
+        num_attention_heads: 40,
+        num_key_value_heads: 40,
+        intermediate_size: 13696,
         batch: 4,
         seq: 2048,
     },
@@ -120,6 +133,7 @@ mod tests {
             let want = match p.name {
                 "qwen2-0.5b" => ModelFamily::Qwen2,
                 "baichuan2-7b-8l" => ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B),
+                "baichuan2-13b-4l" => ModelFamily::Baichuan(BaichuanVariant::Baichuan2_13B),
                 _ => ModelFamily::Llama,
             };
             assert_eq!(c.family, want, "{}", p.name);

@@ -291,21 +291,6 @@ fn saved_families_load_back_here_and_in_the_reference() {
     }
 }
 
-/// Bloom is recognised and refused with one clear message.
-#[test]
-fn bloom_is_refused_clearly() {
-    let base = r#""hidden_size": 1024, "n_layer": 24, "n_head": 16, "vocab_size": 250880"#;
-    for json in [
-        format!(r#"{{"architectures": ["BloomForCausalLM"], {base}}}"#),
-        format!(r#"{{"model_type": "bloom", {base}}}"#),
-    ] {
-        let err = tilearn_engine::config::LlamaConfig::from_json_str(&json, "config.json")
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("Bloom is not supported yet"), "{err}");
-    }
-}
-
 /// The KV-cache decoder on the families: Baichuan2's NormHead logits (scaled on the host) and
 /// Qwen2's biases match the full forward's last position; a sequence longer than Mistral's
 /// sliding window is refused, one inside it computes.

@@ -154,6 +154,14 @@ fn family_configs() -> Vec<(&'static str, LlamaConfig)> {
         config.z_loss_weight = z;
         out.push((name, config));
     }
+    // Bloom: ALiBi over 3 heads of 64, LayerNorms with bias (one after the embedding), GeLU
+    // MLP, biases on every linear, tied embeddings.
+    let bloom = r#"{"architectures": ["BloomForCausalLM"], "hidden_size": 192, "n_layer": 2,
+        "n_head": 3, "vocab_size": 512, "initializer_range": 0.05}"#;
+    out.push((
+        "bloom (ALiBi, LayerNorm, GeLU, biases, tied)",
+        LlamaConfig::from_json_str(bloom, "config.json").unwrap(),
+    ));
     out
 }
 
@@ -166,8 +174,14 @@ fn random_family_models_match_the_cpu_engine() {
     let (batch, seq) = (2, 64);
     for (name, config) in family_configs() {
         let mut model = LlamaForCausalLM::from_config(config, 7);
-        // Non-trivial biases (initialised to zero), so a dropped bias shows.
+        // Non-trivial biases (initialised to zero) and norm weights (initialised to one), so a
+        // dropped bias or a norm read at the wrong place shows.
         for spec in model.params.specs.clone() {
+            if spec.shape.len() == 1 && !spec.name.ends_with(".bias") {
+                for (i, x) in model.params.data[spec.range()].iter_mut().enumerate() {
+                    *x = 1.0 + 0.1 * ((i * 7907 % 19) as f32 - 9.0) / 9.0;
+                }
+            }
             if spec.name.ends_with(".bias") {
                 for (i, x) in model.params.data[spec.range()].iter_mut().enumerate() {
                     *x = 0.05 * ((i * 7919 % 23) as f32 - 11.0) / 11.0;

@@ -13,7 +13,8 @@
 //! | Baichuan-13B | `BaichuanForCausalLM`, hidden 5120, vocab not 125696 | `W_pack`, ALiBi instead of RoPE |
 //! | Baichuan2-13B | `BaichuanForCausalLM`, hidden 5120, vocab 125696 | `W_pack`, ALiBi, NormHead, `z_loss_weight` |
 //!
-//! Bloom is recognised and refused with a clear error.
+//! | Bloom | `BloomForCausalLM` / `bloom` | ALiBi, LayerNorm with bias (and one after the embedding), tanh-GeLU MLP, biases on every linear, q/k/v fused in `query_key_value` (interleaved per head in the file), tied lm_head |
+//!
 //! `BaichuanForCausalLM` names three architectures: Baichuan2-7B (RoPE + NormHead) and the
 //! ALiBi models Baichuan-13B and Baichuan2-13B. The hidden size picks 13B (5120) or 7B, and for
 //! 13B the vocabulary (125696: Baichuan2) the generation. `TILEARN_LLM_BAICHUAN_13B` = `1`
@@ -65,6 +66,25 @@ pub enum ModelFamily {
     Qwen2,
     Mistral,
     Baichuan(BaichuanVariant),
+    Bloom,
+}
+
+/// The normalisation of every norm of the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    /// RMSNorm (weight only).
+    Rms,
+    /// LayerNorm with weight and bias (Bloom).
+    Layer,
+}
+
+/// The MLP of a decoder block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpKind {
+    /// `down(silu(gate(x)) * up(x))`.
+    SwiGlu,
+    /// `down(gelu_tanh(up(x)))` (Bloom's `dense_4h_to_h(gelu(dense_h_to_4h(x)))`).
+    GeluTanh,
 }
 
 /// What a layer's attention sees (transformers' `layer_types`).
@@ -94,6 +114,7 @@ impl ModelFamily {
             ModelFamily::Mistral => "MistralForCausalLM",
             ModelFamily::Baichuan(BaichuanVariant::Baichuan7B) => "BaiChuanForCausalLM",
             ModelFamily::Baichuan(_) => "BaichuanForCausalLM",
+            ModelFamily::Bloom => "BloomForCausalLM",
         }
     }
 
@@ -104,12 +125,36 @@ impl ModelFamily {
             ModelFamily::Qwen2 => "qwen2",
             ModelFamily::Mistral => "mistral",
             ModelFamily::Baichuan(_) => "baichuan",
+            ModelFamily::Bloom => "bloom",
         }
     }
 
-    /// Whether q, k and v are one `W_pack` tensor ([Q; K; V] stacked along the rows).
+    /// Whether q, k and v are one tensor held as [Q; K; V] stacked along the rows (Baichuan's
+    /// `W_pack`; Bloom's `query_key_value`, whose per-head interleaving the checkpoint code
+    /// undoes at load and redoes at save).
     pub fn packed_qkv(self) -> bool {
-        matches!(self, ModelFamily::Baichuan(_))
+        matches!(self, ModelFamily::Baichuan(_) | ModelFamily::Bloom)
+    }
+
+    /// RMSNorm, or LayerNorm with bias for Bloom.
+    pub fn norm_kind(self) -> NormKind {
+        match self {
+            ModelFamily::Bloom => NormKind::Layer,
+            _ => NormKind::Rms,
+        }
+    }
+
+    /// SwiGLU, or tanh-GeLU for Bloom.
+    pub fn mlp_kind(self) -> MlpKind {
+        match self {
+            ModelFamily::Bloom => MlpKind::GeluTanh,
+            _ => MlpKind::SwiGlu,
+        }
+    }
+
+    /// Whether a norm follows the embedding (Bloom's `word_embeddings_layernorm`).
+    pub fn embedding_norm(self) -> bool {
+        self == ModelFamily::Bloom
     }
 
     /// Whether the lm_head rows are L2-normalised before the product (Baichuan2's NormHead).
@@ -123,21 +168,11 @@ impl ModelFamily {
     /// RoPE, or ALiBi for Baichuan's 13B models.
     pub fn position_encoding(self) -> PositionEncoding {
         match self {
-            ModelFamily::Baichuan(BaichuanVariant::Baichuan13B | BaichuanVariant::Baichuan2_13B) => {
-                PositionEncoding::Alibi
-            }
+            ModelFamily::Baichuan(BaichuanVariant::Baichuan13B | BaichuanVariant::Baichuan2_13B)
+            | ModelFamily::Bloom => PositionEncoding::Alibi,
             _ => PositionEncoding::Rope,
         }
     }
-}
-
-fn unsupported_bloom(f: &Fields<'_>, field: &str) -> EngineError {
-    f.err(
-        field,
-        "unsupported architecture BloomForCausalLM: Bloom is not supported yet; tilearn \
-         supports LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, BaiChuanForCausalLM \
-         (Baichuan-7B) and BaichuanForCausalLM (Baichuan2-7B, Baichuan-13B, Baichuan2-13B)",
-    )
 }
 
 /// The family of the config in `f`, from `architectures` (or `model_type` when it is absent);
@@ -166,7 +201,7 @@ pub(crate) fn detect(f: &Fields<'_>, baichuan_13b: Option<&str>) -> Result<Model
                 "model_type",
                 format!(
                     "unsupported architecture \"{other}\"; tilearn supports model_type llama, \
-                     qwen2, mistral and baichuan (7B)"
+                     qwen2, mistral, baichuan and bloom"
                 ),
             ));
         }
@@ -182,7 +217,7 @@ pub(crate) fn detect(f: &Fields<'_>, baichuan_13b: Option<&str>) -> Result<Model
         "LlamaForCausalLM" => Ok(ModelFamily::Llama),
         "Qwen2ForCausalLM" => Ok(ModelFamily::Qwen2),
         "MistralForCausalLM" => Ok(ModelFamily::Mistral),
-        "BloomForCausalLM" => Err(unsupported_bloom(f, field)),
+        "BloomForCausalLM" => Ok(ModelFamily::Bloom),
         "BaiChuanForCausalLM" => Ok(ModelFamily::Baichuan(BaichuanVariant::Baichuan7B)),
         "BaichuanForCausalLM" => baichuan(f, baichuan_13b),
         other => Err(f.err(
@@ -190,8 +225,8 @@ pub(crate) fn detect(f: &Fields<'_>, baichuan_13b: Option<&str>) -> Result<Model
             format!(
                 "unsupported architecture {names:?} ({other}); tilearn supports \
                  LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, BaiChuanForCausalLM \
-                 (Baichuan-7B) and BaichuanForCausalLM (Baichuan2-7B, Baichuan-13B, \
-                 Baichuan2-13B)"
+                 (Baichuan-7B), BaichuanForCausalLM (Baichuan2-7B, Baichuan-13B, \
+                 Baichuan2-13B) and BloomForCausalLM"
             ),
         )),
     }
@@ -305,7 +340,9 @@ mod tests {
             bad.contains(BAICHUAN_13B_ENV) && bad.contains("set it to 1"),
             "{bad}"
         );
-        let bloom = detect_json(r#"{"architectures": ["BloomForCausalLM"]}"#, None);
-        assert!(bloom.unwrap_err().to_string().contains("Bloom is not supported yet"));
+        let bloom = detect_json(r#"{"model_type": "bloom"}"#, None).unwrap();
+        assert_eq!(bloom, ModelFamily::Bloom);
+        assert_eq!(bloom.position_encoding(), PositionEncoding::Alibi);
+        assert_eq!(bloom.norm_kind(), NormKind::Layer);
     }
 }

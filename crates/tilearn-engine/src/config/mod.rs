@@ -12,6 +12,7 @@
 //! (`attention_dropout`, `use_cache`, …) are kept in [`LlamaConfig::extra`] and written back, so
 //! a load → save round trip loses nothing.
 
+mod bloom;
 mod family;
 mod generation;
 
@@ -23,7 +24,8 @@ use tilearn_ops::DType;
 use crate::error::{EngineError, Result};
 
 pub use family::{
-    AttentionKind, BAICHUAN_13B_ENV, BaichuanVariant, ModelFamily, PositionEncoding,
+    AttentionKind, BAICHUAN_13B_ENV, BaichuanVariant, MlpKind, ModelFamily, NormKind,
+    PositionEncoding,
 };
 pub use generation::{GENERATION_CONFIG_FILE, GenerationConfig};
 
@@ -360,6 +362,9 @@ impl LlamaConfig {
     ) -> Result<LlamaConfig> {
         let f = Fields { obj, file };
         let family = family::detect(&f, baichuan_13b)?;
+        if family == ModelFamily::Bloom {
+            return bloom::parse(&f);
+        }
 
         if let Some(act) = f.opt_str("hidden_act")?
             && act != "silu"
@@ -436,7 +441,7 @@ impl LlamaConfig {
             }
             Some(n) => n,
             None => match family {
-                ModelFamily::Llama => 2048,
+                ModelFamily::Llama | ModelFamily::Bloom => 2048,
                 ModelFamily::Qwen2 => 32768,
                 ModelFamily::Mistral => 131072,
                 ModelFamily::Baichuan(_) => 4096,
@@ -492,7 +497,7 @@ impl LlamaConfig {
             ),
             // Qwen2: q/k/v always have a bias; no other family has any.
             ModelFamily::Qwen2 => (true, false),
-            ModelFamily::Mistral | ModelFamily::Baichuan(_) => (false, false),
+            ModelFamily::Mistral | ModelFamily::Baichuan(_) | ModelFamily::Bloom => (false, false),
         };
 
         Ok(LlamaConfig {
@@ -529,9 +534,9 @@ impl LlamaConfig {
         self.attention_bias
     }
 
-    /// Whether o_proj has a bias (Llama's `attention_bias`; never for Qwen2).
+    /// Whether o_proj has a bias (Llama's `attention_bias`, always for Bloom; never for Qwen2).
     pub fn o_bias(&self) -> bool {
-        self.attention_bias && self.family == ModelFamily::Llama
+        self.attention_bias && matches!(self.family, ModelFamily::Llama | ModelFamily::Bloom)
     }
 
     /// Whether the lm_head rows are L2-normalised before the product (Baichuan2's NormHead).
@@ -564,6 +569,9 @@ impl LlamaConfig {
 
     /// The `config.json` document in the transformers v5 form.
     pub fn to_json_value(&self) -> Value {
+        if self.family == ModelFamily::Bloom {
+            return bloom::to_json_value(self);
+        }
         let mut m = self.extra.clone();
         let mut put = |k: &str, v: Value| {
             m.insert(k.to_string(), v);
@@ -608,7 +616,8 @@ impl LlamaConfig {
         );
         let dtype = Value::from(self.dtype.unwrap_or(DType::F32).hf_name());
         match family {
-            ModelFamily::Llama => {}
+            // Bloom returned above (its keys differ throughout).
+            ModelFamily::Llama | ModelFamily::Bloom => {}
             ModelFamily::Qwen2 => {
                 put(
                     "use_sliding_window",
@@ -772,7 +781,7 @@ fn parse_sliding_window(
             }
             Ok((w, kinds))
         }
-        ModelFamily::Llama | ModelFamily::Baichuan(_) => Ok((None, full)),
+        ModelFamily::Llama | ModelFamily::Baichuan(_) | ModelFamily::Bloom => Ok((None, full)),
     }
 }
 

@@ -14,17 +14,17 @@
 //! final norm), so each block's output norm is computed by the block that produced its input;
 //! in the backward the norms add their input gradient straight into `dres`.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cuda::{
-    self as k, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuRopeTable, RmsNormScratch,
-    TokenIdCheck,
+    self as k, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuRopeTable, LayerNormScratch,
+    RmsNormScratch, TokenIdCheck,
 };
 
 use super::arena::{Bufs, Dims, LayerBufs};
 use super::linalg::Matmul;
+use super::norms::{NormAt, add_norm_fwd, norm_bwd, norm_bwd_add, norm_fwd};
 use super::sink::Handoff;
 use super::views::{sub_mut, two_mut};
 use crate::error::Result;
@@ -39,6 +39,8 @@ pub(crate) struct Cx<'a> {
     pub check: &'a mut TokenIdCheck,
     /// dweight partials of the RMSNorm backwards (allocated once at build).
     pub norm_scratch: &'a mut RmsNormScratch,
+    /// dweight/dbias partials of the LayerNorm backwards (Bloom; allocated once at build).
+    pub ln_scratch: Option<&'a mut LayerNormScratch>,
     /// Sort buffers of the embedding backward (allocated once at build).
     pub embed_scratch: &'a mut EmbeddingBackwardScratch,
     /// Position ids `[batch, seq]` of packed rows (restarting at 0 per example): RoPE rotates
@@ -53,9 +55,32 @@ pub(crate) struct Cx<'a> {
 /// Where a block writes the norm of its output: the next layer's `input_layernorm` buffers, or
 /// the final norm's.
 struct NextNorm<'b, 'a, T> {
-    weight: Range<usize>,
+    at: NormAt,
     xn: &'b mut CudaViewMut<'a, T>,
+    mean: &'b mut CudaViewMut<'a, f32>,
     rstd: &'b mut CudaViewMut<'a, f32>,
+}
+
+/// Layer `i`'s input norm, the post-attention norm, and the final norm.
+fn input_norm(lay: &LayerLayout) -> NormAt {
+    NormAt {
+        weight: lay.input_norm.clone(),
+        bias: lay.input_norm_bias.clone(),
+    }
+}
+
+fn post_attention_norm(lay: &LayerLayout) -> NormAt {
+    NormAt {
+        weight: lay.post_attention_norm.clone(),
+        bias: lay.post_attention_norm_bias.clone(),
+    }
+}
+
+fn final_norm(layout: &ModelLayout) -> NormAt {
+    NormAt {
+        weight: layout.norm.clone(),
+        bias: layout.norm_bias.clone(),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -138,14 +163,7 @@ pub(crate) fn forward<T: DeviceFloat>(
 ) -> Result<()> {
     let layout = cx.layout;
     let c = d.c;
-    k::embedding_forward(
-        cx.stream,
-        ids,
-        &w.slice(layout.embed.clone()),
-        c,
-        &mut b.resid[0],
-        cx.check,
-    )?;
+    embed_forward(cx, d, w, ids, b)?;
     if checkpointed(d, b) {
         for i in 0..d.layers {
             run_block_checkpointed(cx, d, w, b, i)?;
@@ -154,21 +172,29 @@ pub(crate) fn forward<T: DeviceFloat>(
     }
     // The first norm has no residual add before it; every later one is fused into the block
     // that produces its input.
-    let (first_w, first_xn, first_rstd) = match b.layers.first_mut() {
+    let (first_at, first_xn, first_mean, first_rstd) = match b.layers.first_mut() {
         Some(l0) => (
-            layout.layers[0].input_norm.clone(),
+            input_norm(&layout.layers[0]),
             &mut l0.xn1,
+            &mut l0.mean1,
             &mut l0.rstd1,
         ),
-        None => (layout.norm.clone(), &mut b.final_xn, &mut b.final_rstd),
+        None => (
+            final_norm(layout),
+            &mut b.final_xn,
+            &mut b.final_mean,
+            &mut b.final_rstd,
+        ),
     };
-    k::rmsnorm_forward(
-        cx.stream,
-        &b.resid[0],
-        &w.slice(first_w),
-        c,
+    norm_fwd(
+        cx,
         d.eps,
+        c,
+        w,
+        &first_at,
+        &b.resid[0].as_view(),
         first_xn,
+        first_mean,
         first_rstd,
     )?;
     for (i, lay) in layout.layers.iter().enumerate() {
@@ -176,13 +202,15 @@ pub(crate) fn forward<T: DeviceFloat>(
         let (cur, rest) = b.layers.split_at_mut(i + 1);
         let next = match rest.first_mut() {
             Some(nl) => NextNorm {
-                weight: layout.layers[i + 1].input_norm.clone(),
+                at: input_norm(&layout.layers[i + 1]),
                 xn: &mut nl.xn1,
+                mean: &mut nl.mean1,
                 rstd: &mut nl.rstd1,
             },
             None => NextNorm {
-                weight: layout.norm.clone(),
+                at: final_norm(layout),
                 xn: &mut b.final_xn,
+                mean: &mut b.final_mean,
                 rstd: &mut b.final_rstd,
             },
         };
@@ -196,6 +224,41 @@ pub(crate) fn forward<T: DeviceFloat>(
             &mut after[0],
             next,
         )?;
+    }
+    Ok(())
+}
+
+/// The embedding into `resid[0]`; for Bloom followed by `word_embeddings_layernorm` (the raw
+/// lookup goes through `final_xn`, free until the final norm, and the backward recomputes it).
+fn embed_forward<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    w: &CudaView<'_, T>,
+    ids: &CudaView<'_, u32>,
+    b: &mut Bufs<'_, T>,
+) -> Result<()> {
+    let layout = cx.layout;
+    let table = w.slice(layout.embed.clone());
+    match &layout.embed_norm {
+        None => k::embedding_forward(cx.stream, ids, &table, d.c, &mut b.resid[0], cx.check)?,
+        Some((nw, nb)) => {
+            k::embedding_forward(cx.stream, ids, &table, d.c, &mut b.final_xn, cx.check)?;
+            let at = NormAt {
+                weight: nw.clone(),
+                bias: Some(nb.clone()),
+            };
+            norm_fwd(
+                cx,
+                d.eps,
+                d.c,
+                w,
+                &at,
+                &b.final_xn.as_view(),
+                &mut b.resid[0],
+                &mut b.embed_mean,
+                &mut b.embed_rstd,
+            )?;
+        }
     }
     Ok(())
 }
@@ -224,22 +287,25 @@ fn run_block_checkpointed<T: DeviceFloat>(
     let lay = &layout.layers[i];
     let (before, after) = b.resid.split_at_mut(i + 1);
     let shared = &mut b.layers[0];
-    k::rmsnorm_forward(
-        cx.stream,
-        &before[i],
-        &w.slice(lay.input_norm.clone()),
-        d.c,
+    norm_fwd(
+        cx,
         d.eps,
+        d.c,
+        w,
+        &input_norm(lay),
+        &before[i].as_view(),
         &mut shared.xn1,
+        &mut shared.mean1,
         &mut shared.rstd1,
     )?;
-    let weight = match layout.layers.get(i + 1) {
-        Some(next) => next.input_norm.clone(),
-        None => layout.norm.clone(),
+    let at = match layout.layers.get(i + 1) {
+        Some(next) => input_norm(next),
+        None => final_norm(layout),
     };
     let next = NextNorm {
-        weight,
+        at,
         xn: &mut b.final_xn,
+        mean: &mut b.final_mean,
         rstd: &mut b.final_rstd,
     };
     block_forward(
@@ -269,20 +335,18 @@ pub(crate) fn backward<T: DeviceFloat>(
 ) -> Result<()> {
     let layout = cx.layout;
     let c = d.c;
-    {
-        let mut dnorm = sub_mut(g.grads()?.slice_mut(..), layout.norm.clone())?;
-        k::rmsnorm_backward(
-            cx.stream,
-            &b.grad.dxn,
-            &b.resid[d.layers],
-            &w.slice(layout.norm.clone()),
-            &b.final_rstd,
-            c,
-            &mut b.grad.dres,
-            &mut dnorm,
-            cx.norm_scratch,
-        )?;
-    }
+    norm_bwd(
+        cx,
+        c,
+        w,
+        g.grads()?,
+        &final_norm(layout),
+        &b.grad.dxn,
+        &b.resid[d.layers].as_view(),
+        &b.final_mean,
+        &b.final_rstd,
+        &mut b.grad.dres,
+    )?;
     // The final norm and lm_head are done (a tied lm_head's gradient sits in the embedding's
     // range, which is handed on last).
     g.pass_on(cx.stream)?;
@@ -305,6 +369,30 @@ pub(crate) fn backward<T: DeviceFloat>(
             &mut b.grad,
         )?;
         g.pass_on(cx.stream)?;
+    }
+    if let Some((nw, nb)) = &layout.embed_norm {
+        // Bloom: through word_embeddings_layernorm, its input (the raw lookup) recomputed into
+        // dxn; dtmp = d/d(lookup) replaces dres.
+        let table = w.slice(layout.embed.clone());
+        k::embedding_forward(cx.stream, ids, &table, c, &mut b.grad.dxn, cx.check)?;
+        let at = NormAt {
+            weight: nw.clone(),
+            bias: Some(nb.clone()),
+        };
+        let gb = &mut b.grad;
+        norm_bwd(
+            cx,
+            c,
+            w,
+            g.grads()?,
+            &at,
+            &gb.dres,
+            &gb.dxn.as_view(),
+            &b.embed_mean,
+            &b.embed_rstd,
+            &mut gb.dtmp,
+        )?;
+        std::mem::swap(&mut gb.dres, &mut gb.dtmp);
     }
     let mut dembed = sub_mut(g.grads()?.slice_mut(..), layout.embed.clone())?;
     k::embedding_backward(
@@ -360,31 +448,40 @@ fn block_forward<T: DeviceFloat>(
         &mut a.lse,
     )?;
     linear_fwd(cx, w, &lay.o, &a.att.as_view(), n, q, c, &mut a.h)?;
-    // h = o + x in place, and post_attention_layernorm(h), in one launch.
-    k::add_rmsnorm_forward(
-        s,
+    // h = o + x in place, and post_attention_layernorm(h) (one launch for RMSNorm).
+    add_norm_fwd(
+        cx,
+        d.eps,
+        c,
+        w,
+        &post_attention_norm(lay),
         &mut a.h,
         x,
-        &w.slice(lay.post_attention_norm.clone()),
-        c,
-        d.eps,
         &mut a.xn2,
+        &mut a.mean2,
         &mut a.rstd2,
     )?;
     let xn2 = a.xn2.as_view();
-    linear_fwd(cx, w, &lay.gate, &xn2, n, c, inter, &mut a.gate)?;
     linear_fwd(cx, w, &lay.up, &xn2, n, c, inter, &mut a.up)?;
-    k::swiglu_forward(s, &a.gate, &a.up, &mut a.act)?;
+    match &lay.gate {
+        Some(gate) => {
+            linear_fwd(cx, w, gate, &xn2, n, c, inter, &mut a.gate)?;
+            k::swiglu_forward(s, &a.gate, &a.up, &mut a.act)?;
+        }
+        None => k::gelu_tanh_forward(s, &a.up, &mut a.act)?,
+    }
     linear_fwd(cx, w, &lay.down, &a.act.as_view(), n, inter, c, out)?;
-    // out = down + h in place, and the next norm of out, in one launch.
-    k::add_rmsnorm_forward(
-        s,
-        out,
-        &a.h,
-        &w.slice(next.weight),
-        c,
+    // out = down + h in place, and the next norm of out (one launch for RMSNorm).
+    add_norm_fwd(
+        cx,
         d.eps,
+        c,
+        w,
+        &next.at,
+        out,
+        &a.h.as_view(),
         next.xn,
+        next.mean,
         next.rstd,
     )?;
     Ok(())
@@ -420,47 +517,65 @@ fn block_backward<T: DeviceFloat>(
         c,
         Some(&mut gb.dact),
     )?;
-    k::swiglu_backward(s, &gb.dact, &a.gate, &a.up, &mut gb.dgate, &mut gb.dup)?;
-    linear_bwd(
-        cx,
-        w,
-        g,
-        &lay.gate,
-        &gb.dgate.as_view(),
-        &xn2,
-        n,
-        c,
-        inter,
-        Some(&mut gb.dxn),
-    )?;
-    linear_bwd(
-        cx,
-        w,
-        g,
-        &lay.up,
-        &gb.dup.as_view(),
-        &xn2,
-        n,
-        c,
-        inter,
-        Some(&mut gb.dtmp),
-    )?;
-    k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
-    {
-        let mut dpost = sub_mut(g.slice_mut(..), lay.post_attention_norm.clone())?;
-        // dres += the norm's input gradient: dres becomes d/dh.
-        k::rmsnorm_backward_add(
-            s,
-            &gb.dxn,
-            &a.h,
-            &w.slice(lay.post_attention_norm.clone()),
-            &a.rstd2,
-            c,
-            &mut gb.dres,
-            &mut dpost,
-            cx.norm_scratch,
-        )?;
+    match &lay.gate {
+        Some(gate) => {
+            k::swiglu_backward(s, &gb.dact, &a.gate, &a.up, &mut gb.dgate, &mut gb.dup)?;
+            linear_bwd(
+                cx,
+                w,
+                g,
+                gate,
+                &gb.dgate.as_view(),
+                &xn2,
+                n,
+                c,
+                inter,
+                Some(&mut gb.dxn),
+            )?;
+            linear_bwd(
+                cx,
+                w,
+                g,
+                &lay.up,
+                &gb.dup.as_view(),
+                &xn2,
+                n,
+                c,
+                inter,
+                Some(&mut gb.dtmp),
+            )?;
+            k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+        }
+        None => {
+            k::gelu_tanh_backward(s, &gb.dact, &a.up, &mut gb.dup)?;
+            linear_bwd(
+                cx,
+                w,
+                g,
+                &lay.up,
+                &gb.dup.as_view(),
+                &xn2,
+                n,
+                c,
+                inter,
+                Some(&mut gb.dxn),
+            )?;
+        }
     }
+    // dres += the norm's input gradient: dres becomes d/dh.
+    norm_bwd_add(
+        cx,
+        c,
+        w,
+        g,
+        &post_attention_norm(lay),
+        &gb.dxn,
+        &a.h.as_view(),
+        &a.mean2,
+        &a.rstd2,
+        &mut gb.dres,
+        &mut gb.dtmp,
+    )?;
 
     // Attention: h = x + o(attn(...)).
     linear_bwd(
@@ -538,20 +653,19 @@ fn block_backward<T: DeviceFloat>(
         Some(&mut gb.dtmp),
     )?;
     k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
-    {
-        let mut dinp = sub_mut(g.slice_mut(..), lay.input_norm.clone())?;
-        // dres += the norm's input gradient: dres becomes d/dx.
-        k::rmsnorm_backward_add(
-            s,
-            &gb.dxn,
-            x,
-            &w.slice(lay.input_norm.clone()),
-            &a.rstd1,
-            c,
-            &mut gb.dres,
-            &mut dinp,
-            cx.norm_scratch,
-        )?;
-    }
+    // dres += the norm's input gradient: dres becomes d/dx.
+    norm_bwd_add(
+        cx,
+        c,
+        w,
+        g,
+        &input_norm(lay),
+        &gb.dxn,
+        x,
+        &a.mean1,
+        &a.rstd1,
+        &mut gb.dres,
+        &mut gb.dtmp,
+    )?;
     Ok(())
 }

@@ -43,6 +43,7 @@ mod graph;
 mod inputs;
 mod lce;
 mod linalg;
+mod norms;
 mod optim;
 mod precision;
 mod sink;
@@ -65,7 +66,7 @@ use cudarc::driver::{
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
     CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuDevice, GpuRopeTable,
-    RmsNormScratch, TokenIdCheck, ZLossScratch,
+    LayerNormScratch, RmsNormScratch, TokenIdCheck, ZLossScratch,
 };
 use tilearn_ops::{DType, OpsError};
 use tilearn_optim::cuda::ParamCopy;
@@ -82,7 +83,7 @@ use lce::GradFactor;
 use linalg::Matmul;
 use precision::{WorkingCopy, weights, with_elem};
 
-use crate::config::{LlamaConfig, PositionEncoding, RopeScalingConfig};
+use crate::config::{LlamaConfig, NormKind, PositionEncoding, RopeScalingConfig};
 use crate::error::{EngineError, Result};
 use crate::lce_chunk::LceChunk;
 use crate::model::{LlamaForCausalLM, LossStats, ModelLayout};
@@ -178,6 +179,8 @@ pub struct GpuLlama {
     alibi: Option<CudaSlice<f32>>,
     /// Row maxima of Baichuan2's z-loss, when `z_loss_weight` is non-zero.
     z_loss: Option<ZLossScratch>,
+    /// dweight/dbias partials of the LayerNorm backwards (Bloom).
+    ln_scratch: Option<LayerNormScratch>,
     optimizer: Option<GpuAdamW>,
     memory: GpuMemory,
     /// `--cuda-graphs` and the recorded step (see `graph.rs`).
@@ -478,6 +481,11 @@ impl GpuLlama {
             ),
             PositionEncoding::Rope => None,
         };
+        let ln_scratch = if config.family.norm_kind() == NormKind::Layer {
+            Some(LayerNormScratch::new(&stream, n, config.hidden_size)?)
+        } else {
+            None
+        };
         let z_loss = if config.z_loss_weight != 0.0 {
             Some(ZLossScratch::new(&stream, n)?)
         } else {
@@ -490,7 +498,10 @@ impl GpuLlama {
         let workspace_bytes = mm.bytes()
             + norm_scratch.bytes()
             + embed_scratch.bytes()
-            + z_loss.as_ref().map_or(0, ZLossScratch::bytes);
+            + z_loss.as_ref().map_or(0, ZLossScratch::bytes)
+            + ln_scratch
+                .as_ref()
+                .map_or(0, |_| 4 * LayerNormScratch::len_for(n, config.hidden_size));
         let mut gpu = GpuLlama {
             device: device.clone(),
             specs: ParamStore::specs_for(&config),
@@ -522,6 +533,7 @@ impl GpuLlama {
             embed_scratch,
             alibi,
             z_loss,
+            ln_scratch,
             optimizer: None,
             graphs: GraphState::default(),
             memory: GpuMemory {
@@ -674,6 +686,7 @@ impl GpuLlama {
             position_ids,
             alibi,
             z_loss,
+            ln_scratch,
             ..
         } = self;
         Pass {
@@ -688,6 +701,7 @@ impl GpuLlama {
                 positions: position_ids.as_ref().map(|(p, _, _)| p.as_view()),
                 alibi: alibi.as_ref().map(|a| a.as_view()),
                 z_loss: z_loss.as_mut(),
+                ln_scratch: ln_scratch.as_mut(),
             },
             master,
             work: work.as_ref(),

@@ -10,6 +10,7 @@ mod block;
 pub mod generate;
 mod layout;
 pub mod model_parallel;
+pub(crate) mod norm;
 mod partial_sums;
 mod stage;
 pub mod tensor_parallel;

@@ -71,6 +71,16 @@ pub struct GpuDecoder {
     alibi: Option<k::CudaSlice<f32>>,
 }
 
+/// The GPU decoder runs the RMSNorm / SwiGLU blocks only.
+fn bloom_on_gpu_decoder() -> EngineError {
+    invalid(
+        "model",
+        "Bloom (LayerNorm, GeLU MLP) is not served by the GPU decoder yet; generate on the CPU \
+         (--device cpu)"
+            .into(),
+    )
+}
+
 fn invalid(argument: &str, message: String) -> EngineError {
     EngineError::InvalidArgument {
         argument: argument.to_string(),
@@ -98,6 +108,9 @@ impl GpuDecoder {
                     layout.numel
                 ),
             ));
+        }
+        if config.family.embedding_norm() {
+            return Err(bloom_on_gpu_decoder());
         }
         if config.head_dim > k::CACHED_ATTENTION_MAX_HEAD_DIM {
             return Err(invalid(
@@ -418,7 +431,8 @@ fn forward_chunk<T: DeviceFloat>(
             &mut xn,
             &mut rstd,
         )?;
-        linear(cx, w, &lay.gate, &xn.as_view(), n, c, inter, &mut gate)?;
+        let gate_layout = lay.gate.as_ref().ok_or_else(bloom_on_gpu_decoder)?;
+        linear(cx, w, gate_layout, &xn.as_view(), n, c, inter, &mut gate)?;
         linear(cx, w, &lay.up, &xn.as_view(), n, c, inter, &mut up)?;
         k::swiglu_forward(s, &gate, &up, &mut act)?;
         linear(cx, w, &lay.down, &act.as_view(), n, inter, c, &mut x)?;

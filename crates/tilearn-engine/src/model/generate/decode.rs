@@ -4,7 +4,7 @@
 
 use tilearn_ops::cpu::{
     CachedAttnShape, add_inplace, cached_attention_alibi, check_token_ids, embedding_forward,
-    linear_forward, rmsnorm_forward, rope_forward, swiglu_forward,
+    gelu_tanh_forward, linear_forward, rope_forward, swiglu_forward,
 };
 
 use super::family_parts::{
@@ -13,6 +13,7 @@ use super::family_parts::{
 use super::kv_cache::KvCache;
 use super::rotary::rope_rows;
 use crate::error::{EngineError, Result};
+use crate::model::norm::{NormAt, norm_forward};
 use crate::model::{LayerLayout, LinearLayout, LlamaForCausalLM, ModelLayout};
 
 /// Buffers of one chunk of `n` new rows, grown to the largest chunk seen.
@@ -21,6 +22,7 @@ struct Scratch {
     x: Vec<f32>,
     xn: Vec<f32>,
     rstd: Vec<f32>,
+    mean: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -39,6 +41,7 @@ impl Scratch {
             (&mut self.x, hid),
             (&mut self.xn, hid),
             (&mut self.rstd, 1),
+            (&mut self.mean, 1),
             (&mut self.q, q),
             (&mut self.k, kv),
             (&mut self.v, kv),
@@ -128,6 +131,15 @@ impl<'m> CachedDecoder<'m> {
         let rope = rope_rows(config, start, n);
         let s = &mut self.scratch;
         embedding_forward(ids, &p[self.layout.embed.clone()], c, &mut s.x)?;
+        if let Some((w, b)) = &self.layout.embed_norm {
+            let at = NormAt {
+                weight: w,
+                bias: Some(b),
+            };
+            let eps = config.rms_norm_eps;
+            norm_forward(at, p, &s.x, c, eps, &mut s.xn, &mut s.mean, &mut s.rstd)?;
+            s.x.copy_from_slice(&s.xn);
+        }
         for (lay, kv) in self.layout.layers.iter().zip(&mut self.cache.layers) {
             let row = self.cache.row;
             let cached = start * row..(start + n) * row;
@@ -150,12 +162,18 @@ impl<'m> CachedDecoder<'m> {
         self.cache.advance(n);
         // Only the last position's logits are needed to pick the next token.
         let last = &s.x[(n - 1) * c..n * c];
-        rmsnorm_forward(
+        let at = NormAt {
+            weight: &self.layout.norm,
+            bias: self.layout.norm_bias.as_ref(),
+        };
+        norm_forward(
+            at,
+            p,
             last,
-            &p[self.layout.norm.clone()],
             c,
             config.rms_norm_eps,
             &mut s.xn[..c],
+            &mut s.mean[..1],
             &mut s.rstd[..1],
         )?;
         linear_forward(
@@ -205,14 +223,12 @@ fn layer_forward(
 ) -> Result<()> {
     let cfg = &model.config;
     let (c, q, kv, d) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-    rmsnorm_forward(
-        &s.x,
-        &p[lay.input_norm.clone()],
-        c,
-        cfg.rms_norm_eps,
-        &mut s.xn,
-        &mut s.rstd,
-    )?;
+    let at = NormAt {
+        weight: &lay.input_norm,
+        bias: lay.input_norm_bias.as_ref(),
+    };
+    let eps = cfg.rms_norm_eps;
+    norm_forward(at, p, &s.x, c, eps, &mut s.xn, &mut s.mean, &mut s.rstd)?;
     linear(p, &lay.q, &s.xn, n, c, q, &mut s.q)?;
     linear(p, &lay.k, &s.xn, n, c, kv, &mut s.k)?;
     linear(p, &lay.v, &s.xn, n, c, kv, &mut s.v)?;
@@ -236,17 +252,20 @@ fn layer_finish(
     let (c, q, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.intermediate_size);
     linear(p, &lay.o, &s.att, n, q, c, &mut s.h)?;
     add_inplace(&mut s.h, &s.x)?;
-    rmsnorm_forward(
-        &s.h,
-        &p[lay.post_attention_norm.clone()],
-        c,
-        cfg.rms_norm_eps,
-        &mut s.xn,
-        &mut s.rstd,
-    )?;
-    linear(p, &lay.gate, &s.xn, n, c, inter, &mut s.gate)?;
+    let at = NormAt {
+        weight: &lay.post_attention_norm,
+        bias: lay.post_attention_norm_bias.as_ref(),
+    };
+    let eps = cfg.rms_norm_eps;
+    norm_forward(at, p, &s.h, c, eps, &mut s.xn, &mut s.mean, &mut s.rstd)?;
     linear(p, &lay.up, &s.xn, n, c, inter, &mut s.up)?;
-    swiglu_forward(&s.gate, &s.up, &mut s.act)?;
+    match &lay.gate {
+        Some(gate) => {
+            linear(p, gate, &s.xn, n, c, inter, &mut s.gate)?;
+            swiglu_forward(&s.gate, &s.up, &mut s.act)?;
+        }
+        None => gelu_tanh_forward(&s.up, &mut s.act)?,
+    }
     linear(p, &lay.down, &s.act, n, inter, c, &mut s.x)?;
     add_inplace(&mut s.x, &s.h)?;
     Ok(())

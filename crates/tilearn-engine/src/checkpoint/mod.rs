@@ -13,6 +13,7 @@
 //!   through a bounded staging buffer without a host copy of the model.
 
 mod load;
+mod qkv_interleave;
 mod read_ahead;
 mod safetensors_io;
 mod save;

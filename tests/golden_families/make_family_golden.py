@@ -39,6 +39,8 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import (  # noqa: E402
+    BloomConfig,
+    BloomForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -157,6 +159,35 @@ CASES = [
         config=dict(vocab_size=80, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                     num_attention_heads=4, model_max_length=64, rms_norm_eps=1e-6,
                     z_loss_weight=0.05),
+        v4_config=True,
+    ),
+]
+
+CASES += [
+    dict(
+        name="bloom_tied",
+        family="bloom",
+        description="Bloom (transformers' BloomForCausalLM): ALiBi with 4 heads, LayerNorm with "
+                    "bias (word_embeddings_layernorm too), tanh-GeLU MLP, biases everywhere, "
+                    "query_key_value interleaved per head, tied lm_head; transformer. prefix",
+        seed=13013,
+        seq=16,
+        config=dict(vocab_size=64, hidden_size=16, n_layer=2, n_head=4,
+                    layer_norm_epsilon=1e-5),
+        strip_prefix=False,
+        v4_config=False,
+    ),
+    dict(
+        name="bloom_v4config",
+        family="bloom",
+        description="Bloom with 3 heads (ALiBi slopes of a non-power of two), T 20, config.json "
+                    "in the transformers v4 form (torch_dtype), tensors saved without the "
+                    "transformer. prefix (as a bare BloomModel checkpoint)",
+        seed=14014,
+        seq=20,
+        config=dict(vocab_size=56, hidden_size=12, n_layer=2, n_head=3,
+                    layer_norm_epsilon=1e-5),
+        strip_prefix=True,
         v4_config=True,
     ),
 ]
@@ -340,7 +371,25 @@ def load_baichuan(case_dir, dtype=torch.float64, generation_13b=None):
 
 
 # ---------------------------------------------------------------------------------------------
+def bloom_model(case):
+    cfg = BloomConfig(**case["config"], initializer_range=INITIALIZER_RANGE,
+                      tie_word_embeddings=True, apply_residual_connection_post_layernorm=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(case["seed"])
+    model = BloomForCausalLM(cfg).to(torch.float32)
+    gen = torch.Generator().manual_seed(case["seed"] + 17)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and name.endswith(".weight"):
+                p.copy_(1.0 + 0.25 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
 def hf_model(case):
+    if case["family"] == "bloom":
+        return bloom_model(case)
     kw = dict(case["config"], initializer_range=INITIALIZER_RANGE)
     if mg.HF_V5:
         kw["rope_parameters"] = dict(rope_type="default", rope_theta=case["rope_theta"])
@@ -374,6 +423,9 @@ def rewrite_v4(path, family):
         cfg["torch_dtype"] = cfg.pop("dtype")
     if family == "qwen2":
         cfg.pop("layer_types", None)
+    if family == "bloom":
+        cfg.pop("rope_theta", None)
+        cfg.pop("rope_scaling", None)
     cfg["transformers_version"] = "4.46.0"
     with open(path, "w") as f:
         json.dump(dict(sorted(cfg.items())), f, indent=2)
@@ -383,7 +435,8 @@ def rewrite_v4(path, family):
 def load_reference(case_dir, family, generation_13b=None):
     if family == "baichuan":
         return load_baichuan(case_dir, generation_13b=generation_13b)
-    cls = {"qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}[family]
+    cls = {"qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM,
+           "bloom": BloomForCausalLM}[family]
     kw = {"dtype": torch.float64} if mg.HF_V5 else {"torch_dtype": torch.float64}
     return cls.from_pretrained(case_dir, attn_implementation="eager", **kw).eval()
 
@@ -417,6 +470,12 @@ def make_case(case, out_dir):
             os.remove(gen_cfg)
         if case["v4_config"]:
             rewrite_v4(os.path.join(case_dir, "config.json"), family)
+        if case.get("strip_prefix"):
+            # A bare BloomModel's names: no `transformer.` prefix (transformers loads both).
+            path = os.path.join(case_dir, "model.safetensors")
+            state = load_file(path)
+            state = {k.removeprefix("transformer."): v for k, v in state.items()}
+            save_file(state, path, metadata={"format": "pt"})
 
     # Compute from the checkpoint as written (the reference loads it back), in float64.
     model = load_reference(case_dir, family, gen13)

@@ -34,6 +34,7 @@ fn expected_family(case: &str) -> ModelFamily {
         "baichuan_13b" => b(BaichuanVariant::Baichuan13B),
         "baichuan2_13b" => b(BaichuanVariant::Baichuan2_13B),
         _ => match case.split('_').next() {
+            Some("bloom") => ModelFamily::Bloom,
             Some("qwen2") => ModelFamily::Qwen2,
             Some("mistral") => ModelFamily::Mistral,
             _ => panic!("{case}: no family"),
@@ -58,6 +59,8 @@ fn run_case(case: &str) {
     assert_eq!(cfg.family, expected_family(case), "{case}: family");
     let g = read_golden(&families_dir().join(case).join("golden.safetensors"));
     let (logits, stats, grads) = cpu_run(&model, &g);
+    // Bloom's query_key_value gradient back in the checkpoint's per-head interleaved order.
+    let grads = tilearn_engine::checkpoint::checkpoint_order(cfg, &model.params.specs, &grads);
     let loss = stats.mean();
     let logits_err = rel_err(&logits, &g.logits);
     let loss_err = (loss - g.loss as f64).abs() / (g.loss as f64).abs();
@@ -120,6 +123,16 @@ fn baichuan_7b() {
 #[test]
 fn baichuan2_7b() {
     run_case("baichuan2_7b");
+}
+
+#[test]
+fn bloom_tied() {
+    run_case("bloom_tied");
+}
+
+#[test]
+fn bloom_v4config() {
+    run_case("bloom_v4config");
 }
 
 #[test]
@@ -301,6 +314,7 @@ fn the_cached_decoder_serves_the_families() {
         "baichuan2_7b",
         "baichuan_13b",
         "baichuan2_13b",
+        "bloom_tied",
         "qwen2_tied",
         "mistral_sliding",
     ] {

@@ -21,6 +21,7 @@ pub mod stream;
 
 pub use crate::tensor_io::{TensorDest, TensorSource};
 pub use load::{load_into, load_params, load_params_into};
+pub use qkv_interleave::checkpoint_order;
 pub(crate) use safetensors_io::{MappedFile, decode_into};
 pub use safetensors_io::{NamedTensor, TensorRef, read_tensors_file, write_tensors_file};
 pub use save::{DEFAULT_MAX_SHARD_BYTES, save_pretrained, save_pretrained_from};

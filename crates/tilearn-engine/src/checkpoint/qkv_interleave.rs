@@ -78,6 +78,28 @@ impl QkvInterleave {
     }
 }
 
+/// A flat buffer in the engine's layout (parameters or gradients) with every tensor in the
+/// order its checkpoint stores it: Bloom's `query_key_value` interleaved per head again; a
+/// copy for the other families.
+pub fn checkpoint_order(config: &LlamaConfig, specs: &[ParamSpec], data: &[f32]) -> Vec<f32> {
+    let qkv = QkvInterleave::of(config, specs);
+    let mut out = data.to_vec();
+    let mut inner: &[f32] = data;
+    let mut source = qkv.source(&mut inner);
+    for spec in specs {
+        let range = spec.range();
+        let mut at = range.start;
+        source
+            .read(range, &mut |values| {
+                out[at..at + values.len()].copy_from_slice(values);
+                at += values.len();
+                Ok(())
+            })
+            .expect("reading a host buffer cannot fail");
+    }
+    out
+}
+
 struct PermutedDest<'a> {
     qkv: &'a QkvInterleave,
     inner: &'a mut dyn TensorDest,

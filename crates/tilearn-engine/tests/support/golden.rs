@@ -30,6 +30,8 @@ pub const FAMILY_CASES: &[&str] = &[
     "baichuan2_7b",
     "baichuan_13b",
     "baichuan2_13b",
+    "bloom_tied",
+    "bloom_v4config",
 ];
 
 /// The `TILEARN_LLM_BAICHUAN_13B` value a family case was made with (its `golden.json`):

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Compares regenerated model-family golden fixtures with the committed ones.
 
-    python scripts/compare_family_goldens.py COMMITTED_DIR REGENERATED_DIR
+    python scripts/compare_family_goldens.py COMMITTED_DIR REGENERATED_DIR [CASE ...]
 
 For every case directory of COMMITTED_DIR holding golden.safetensors, every tensor of it and of
 model.safetensors must be in the regenerated case too, with the same shape, and agree within a
 relative error (max |a - b| / max |b|) of 1e-6: the fixtures are computed in float64 on the CPU
 and stored in float32, so another machine with the same torch gives the same values up to the
-last float32 bit. Prints one line per case; exits 1 if any case differs or is missing.
+last float32 bit. Only the named cases when CASE arguments are given. Prints one line per case;
+exits 1 if any case differs or is missing.
 """
 
 import os
@@ -39,9 +40,9 @@ def compare(committed, regenerated):
 
 
 def main():
-    committed, regenerated = sys.argv[1], sys.argv[2]
+    committed, regenerated, only = sys.argv[1], sys.argv[2], sys.argv[3:]
     ok = True
-    for case in sorted(os.listdir(committed)):
+    for case in sorted(only or os.listdir(committed)):
         path = os.path.join(committed, case)
         if not os.path.isfile(os.path.join(path, "golden.safetensors")):
             continue

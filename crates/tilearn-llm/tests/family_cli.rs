@@ -1,7 +1,8 @@
 //! `tilearn train --model DIR` fine-tunes checkpoints of the families beyond Llama and saves
 //! them in the family's own tensor names and `config.json` (Qwen2's q/k/v biases, Mistral's
 //! sliding window, Baichuan's `W_pack` and class name), which `eval` reads back; a 13B
-//! Baichuan (ALiBi, chosen by `TILEARN_LLM_BAICHUAN_13B`) too; Bloom ends in one clear error.
+//! Baichuan (ALiBi, chosen by `TILEARN_LLM_BAICHUAN_13B`) and Bloom too; Bloom's post-layernorm
+//! residual ends in one clear error.
 
 mod support;
 
@@ -65,6 +66,8 @@ fn families_fine_tune_and_save_in_their_own_form() {
         ),
         ("BaiChuanForCausalLM", "", "W_pack.weight"),
         ("BaichuanForCausalLM", "", "W_pack.weight"),
+        // Bloom reads num_hidden_layers / num_attention_heads as aliases of n_layer / n_head.
+        ("BloomForCausalLM", "", "query_key_value.weight"),
     ];
     for (architecture, extra, tensor) in cases {
         let tmp = tempfile::tempdir().unwrap();
@@ -92,6 +95,9 @@ fn families_fine_tune_and_save_in_their_own_form() {
             serde_json::from_str(&std::fs::read_to_string(out_dir.join("config.json")).unwrap())
                 .unwrap();
         assert_eq!(saved["architectures"][0], architecture);
+        if architecture.starts_with("Bloom") {
+            assert_eq!(saved["n_layer"], 2, "Bloom's own config keys");
+        }
         let names = tensor_names(&out_dir);
         assert!(
             names.iter().any(|n| n.ends_with(tensor)),
@@ -183,13 +189,15 @@ fn a_13b_baichuan_fine_tunes_with_the_variable() {
     assert!((alibi - rope).abs() > 1e-6, "ALiBi {alibi} vs RoPE {rope}");
 }
 
+/// Bloom's `apply_residual_connection_post_layernorm: true` (taking the residual after the
+/// norms) is refused with one clear error.
 #[test]
-fn bloom_ends_in_one_clear_error() {
+fn bloom_post_layernorm_residual_ends_in_one_clear_error() {
     let tmp = tempfile::tempdir().unwrap();
     std::fs::write(
         tmp.path().join("config.json"),
         r#"{"architectures": ["BloomForCausalLM"], "hidden_size": 64, "n_layer": 2,
-            "n_head": 2, "vocab_size": 257}"#,
+            "n_head": 2, "vocab_size": 257, "apply_residual_connection_post_layernorm": true}"#,
     )
     .unwrap();
     let out = tilearn(&[
@@ -204,5 +212,8 @@ fn bloom_ends_in_one_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(!err.contains("panicked"), "{err}");
-    assert!(err.contains("Bloom is not supported yet"), "{err}");
+    assert!(
+        err.contains("apply_residual_connection_post_layernorm") && err.contains("not supported"),
+        "{err}"
+    );
 }

@@ -24,7 +24,8 @@ import time
 import torch
 import transformers
 from liger_patch import liger_llama, liger_version
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 # Keep in sync with crates/tilearn-llm/src/presets.rs.
 PRESETS = {
@@ -38,6 +39,11 @@ PRESETS = {
     "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24,
                        num_attention_heads=14, num_key_value_heads=2,
                        intermediate_size=4864, batch=8, seq=2048),
+    # BloomForCausalLM (bigscience/bloom-560m: ALiBi, LayerNorm, GeLU MLP of 4 x hidden,
+    # biases, tied embeddings); not in the default list.
+    "bloom-560m": dict(vocab_size=250880, hidden_size=1024, num_hidden_layers=24,
+                       num_attention_heads=16, num_key_value_heads=16,
+                       intermediate_size=4096, batch=8, seq=2048),
 }
 # What runs without --preset (the Llama presets; the family ones are asked for by name).
 DEFAULT_PRESETS = ["llama-134m", "tinyllama-1.1b"]
@@ -82,8 +88,22 @@ def qwen2_config(preset, batch=None, seq=None):
     return cfg, batch, seq
 
 
+def bloom_config(preset, batch=None, seq=None):
+    """The preset's BloomConfig (n_layer, n_head; the MLP is 4 x hidden by construction)."""
+    p = dict(PRESETS[preset])
+    batch = batch or p["batch"]
+    seq = seq or p["seq"]
+    cfg = BloomConfig(vocab_size=p["vocab_size"], hidden_size=p["hidden_size"],
+                      n_layer=p["num_hidden_layers"], n_head=p["num_attention_heads"],
+                      layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+    return cfg, batch, seq
+
+
 def run(preset, mode, batch, seq, steps, warmup, precision, checkpointing, weights):
-    if preset.startswith("qwen2"):
+    if preset.startswith("bloom"):
+        cfg, batch, seq = bloom_config(preset, batch, seq)
+        model_cls = BloomForCausalLM
+    elif preset.startswith("qwen2"):
         cfg, batch, seq = qwen2_config(preset, batch, seq)
         model_cls = Qwen2ForCausalLM
     else:

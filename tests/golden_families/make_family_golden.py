@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Golden fixtures for tilearn's model families beyond Llama: Qwen2, Mistral, Baichuan-7B and
-Baichuan2-7B, two small random-weight configs each, in the format of tests/golden/ (see
+"""Golden fixtures for tilearn's model families beyond Llama: Qwen2, Mistral, Baichuan-7B,
+Baichuan2-7B, Baichuan-13B and Baichuan2-13B, small random-weight configs, in the format of tests/golden/ (see
 tests/golden/README.md; this script reuses make_golden.py's inputs, labels and loss checks).
 
 * Qwen2 and Mistral come from transformers' own `Qwen2ForCausalLM` / `MistralForCausalLM`
@@ -11,7 +11,11 @@ tests/golden/README.md; this script reuses make_golden.py's inputs, labels and l
   RMSNorm, RoPE (base 10000, rotate_half), q/k/v fused in `W_pack` ([Q; K; V] along the rows),
   SwiGLU MLP, untied lm_head; Baichuan2 adds NormHead (`F.normalize(lm_head.weight)` before the
   product, which its code does at every training forward) and a z-loss whose weight is 0 in
-  the published 7B config.
+  the published 7B config. The 13B models (Baichuan-13B, Baichuan2-13B) replace RoPE by ALiBi:
+  `_get_interleave` slopes, the bias `slope * key_position` added to the scaled scores under
+  the causal mask (`_gen_alibi_mask`), and Baichuan2-13B adds `z_loss_weight *
+  mean(max(shift_logits)^2)` to the loss. A reduced-width 13B model is one only by
+  TILEARN_LLM_BAICHUAN_13B (1 or 2), which this script reads as tilearn does.
 
 Usage:
     python make_family_golden.py [--out DIR] [--only CASE ...] [--verify]
@@ -35,6 +39,8 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import (  # noqa: E402
+    BloomConfig,
+    BloomForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -124,7 +130,71 @@ CASES = [
                     z_loss_weight=0.0),
         v4_config=True,
     ),
+    dict(
+        name="baichuan_13b",
+        family="baichuan",
+        architecture="BaichuanForCausalLM",
+        generation_13b=1,
+        description="Baichuan-13B architecture (BaichuanForCausalLM, TILEARN_LLM_BAICHUAN_13B=1): "
+                    "W_pack, ALiBi with 6 heads (not a power of two: the interleaved slopes), no "
+                    "RoPE, untied lm_head without NormHead; model_max_length as its config",
+        seed=11011,
+        seq=16,
+        config=dict(vocab_size=40, hidden_size=24, intermediate_size=16, num_hidden_layers=2,
+                    num_attention_heads=6, model_max_length=64, rms_norm_eps=1e-6),
+        v4_config=True,
+    ),
+    dict(
+        name="baichuan2_13b",
+        family="baichuan",
+        architecture="BaichuanForCausalLM",
+        generation_13b=2,
+        description="Baichuan2-13B architecture (BaichuanForCausalLM, TILEARN_LLM_BAICHUAN_13B=2): "
+                    "W_pack, ALiBi with 4 heads, NormHead, z_loss_weight 0.05; every label a "
+                    "target (Baichuan2 averages the z-loss over all shifted positions, tilearn "
+                    "over the targets: the same value when none is -100)",
+        seed=12012,
+        seq=20,
+        all_labels=True,
+        config=dict(vocab_size=80, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, model_max_length=64, rms_norm_eps=1e-6,
+                    z_loss_weight=0.05),
+        v4_config=True,
+    ),
 ]
+
+CASES += [
+    dict(
+        name="bloom_tied",
+        family="bloom",
+        description="Bloom (transformers' BloomForCausalLM): ALiBi with 4 heads, LayerNorm with "
+                    "bias (word_embeddings_layernorm too), tanh-GeLU MLP, biases everywhere, "
+                    "query_key_value interleaved per head, tied lm_head; transformer. prefix",
+        seed=13013,
+        seq=16,
+        config=dict(vocab_size=64, hidden_size=16, n_layer=2, n_head=4,
+                    layer_norm_epsilon=1e-5),
+        strip_prefix=False,
+        v4_config=False,
+    ),
+    dict(
+        name="bloom_v4config",
+        family="bloom",
+        description="Bloom with 3 heads (ALiBi slopes of a non-power of two), T 20, config.json "
+                    "in the transformers v4 form (torch_dtype), tensors saved without the "
+                    "transformer. prefix (as a bare BloomModel checkpoint)",
+        seed=14014,
+        seq=20,
+        config=dict(vocab_size=56, hidden_size=12, n_layer=2, n_head=3,
+                    layer_norm_epsilon=1e-5),
+        strip_prefix=True,
+        v4_config=True,
+    ),
+]
+
+BAICHUAN_13B_ENV = "TILEARN_LLM_BAICHUAN_13B"
+BAICHUAN_13B_HIDDEN = 5120
+BAICHUAN2_VOCAB = 125696
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,6 +216,25 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def get_interleave(n):
+    """Baichuan-13B's ALiBi slopes (`_get_interleave` of its modeling code)."""
+    def power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start ** i for i in range(n)]
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + get_interleave(2 * closest)[0::2][: n - closest]
+
+
+def alibi_mask(heads, t, dtype):
+    """`_gen_alibi_mask`: slope * key_position on and below the diagonal, -inf above."""
+    slopes = torch.tensor(get_interleave(heads), dtype=torch.float64)
+    bias = slopes[:, None, None] * torch.arange(t, dtype=torch.float64)[None, None, :]
+    causal = torch.triu(torch.full((t, t), float("-inf"), dtype=torch.float64), 1)
+    return (causal[None] + bias).to(dtype)
+
+
 class BaichuanLayer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -161,7 +250,7 @@ class BaichuanLayer(nn.Module):
         self.input_layernorm = BaichuanRMSNorm(c, cfg["rms_norm_eps"])
         self.post_attention_layernorm = BaichuanRMSNorm(c, cfg["rms_norm_eps"])
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, alibi):
         b, t, c = x.shape
         n = self.input_layernorm(x)
         proj = self.self_attn.W_pack(n)
@@ -169,11 +258,16 @@ class BaichuanLayer(nn.Module):
         q, k, v = proj.unflatten(-1, (3, c)).unbind(-2)
         shape = (b, t, self.heads, self.head_dim)
         q, k, v = (z.reshape(shape).transpose(1, 2) for z in (q, k, v))
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if alibi is None:
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        if alibi is None:
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        else:
+            # Baichuan-13B: scores + alibi mask, clamped at the dtype's minimum.
+            scores = torch.max(scores + alibi, torch.tensor(torch.finfo(scores.dtype).min))
         att = torch.softmax(scores, dim=-1) @ v
         h = x + self.self_attn.o_proj(att.transpose(1, 2).reshape(b, t, c))
         m = self.post_attention_layernorm(h)
@@ -181,11 +275,12 @@ class BaichuanLayer(nn.Module):
 
 
 class BaichuanReference(nn.Module):
-    """Baichuan-7B (`norm_head=False`) or Baichuan2-7B (`norm_head=True`)."""
+    """Baichuan-7B (`norm_head=False`), Baichuan2-7B (`norm_head=True`), and with `alibi` their
+    13B counterparts Baichuan-13B and Baichuan2-13B."""
 
-    def __init__(self, cfg, norm_head):
+    def __init__(self, cfg, norm_head, alibi=False):
         super().__init__()
-        self.cfg, self.norm_head = cfg, norm_head
+        self.cfg, self.norm_head, self.alibi = cfg, norm_head, alibi
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.model.layers = nn.ModuleList(BaichuanLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
@@ -210,9 +305,11 @@ class BaichuanReference(nn.Module):
 
     def forward(self, input_ids, labels=None):
         x = self.model.embed_tokens(input_ids)
-        cos, sin, _ = self.rope(input_ids.shape[1], x.dtype)
+        t = input_ids.shape[1]
+        cos, sin, _ = self.rope(t, x.dtype)
+        mask = alibi_mask(self.cfg["num_attention_heads"], t, x.dtype) if self.alibi else None
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         x = self.model.norm(x)
         head = F.normalize(self.lm_head.weight) if self.norm_head else self.lm_head.weight
         logits = F.linear(x, head)
@@ -248,18 +345,51 @@ def baichuan_config_json(case):
     ).items()))
 
 
-def load_baichuan(case_dir, dtype=torch.float64):
+def baichuan_parts(cfg, generation_13b=None):
+    """(norm_head, alibi) of a Baichuan config, by tilearn's rule: BaiChuanForCausalLM is
+    Baichuan-7B; BaichuanForCausalLM is a 13B model when TILEARN_LLM_BAICHUAN_13B (or
+    `generation_13b`) names its generation or the hidden size is 5120 (generation 2 when the
+    vocabulary is Baichuan2's), else Baichuan2-7B."""
+    if cfg["architectures"][0] == "BaiChuanForCausalLM":
+        return False, False
+    gen = generation_13b or os.environ.get(BAICHUAN_13B_ENV)
+    if gen is None and cfg["hidden_size"] == BAICHUAN_13B_HIDDEN:
+        gen = 2 if cfg["vocab_size"] == BAICHUAN2_VOCAB else 1
+    if gen is None:
+        return True, False
+    return int(gen) == 2, True
+
+
+def load_baichuan(case_dir, dtype=torch.float64, generation_13b=None):
     with open(os.path.join(case_dir, "config.json")) as f:
         cfg = json.load(f)
-    norm_head = cfg["architectures"][0] == "BaichuanForCausalLM"
-    model = BaichuanReference(cfg, norm_head)
+    norm_head, alibi = baichuan_parts(cfg, generation_13b)
+    model = BaichuanReference(cfg, norm_head, alibi)
     state = load_file(os.path.join(case_dir, "model.safetensors"))
     model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()
 
 
 # ---------------------------------------------------------------------------------------------
+def bloom_model(case):
+    cfg = BloomConfig(**case["config"], initializer_range=INITIALIZER_RANGE,
+                      tie_word_embeddings=True, apply_residual_connection_post_layernorm=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(case["seed"])
+    model = BloomForCausalLM(cfg).to(torch.float32)
+    gen = torch.Generator().manual_seed(case["seed"] + 17)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and name.endswith(".weight"):
+                p.copy_(1.0 + 0.25 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
 def hf_model(case):
+    if case["family"] == "bloom":
+        return bloom_model(case)
     kw = dict(case["config"], initializer_range=INITIALIZER_RANGE)
     if mg.HF_V5:
         kw["rope_parameters"] = dict(rope_type="default", rope_theta=case["rope_theta"])
@@ -293,16 +423,20 @@ def rewrite_v4(path, family):
         cfg["torch_dtype"] = cfg.pop("dtype")
     if family == "qwen2":
         cfg.pop("layer_types", None)
+    if family == "bloom":
+        cfg.pop("rope_theta", None)
+        cfg.pop("rope_scaling", None)
     cfg["transformers_version"] = "4.46.0"
     with open(path, "w") as f:
         json.dump(dict(sorted(cfg.items())), f, indent=2)
         f.write("\n")
 
 
-def load_reference(case_dir, family):
+def load_reference(case_dir, family, generation_13b=None):
     if family == "baichuan":
-        return load_baichuan(case_dir)
-    cls = {"qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}[family]
+        return load_baichuan(case_dir, generation_13b=generation_13b)
+    cls = {"qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM,
+           "bloom": BloomForCausalLM}[family]
     kw = {"dtype": torch.float64} if mg.HF_V5 else {"torch_dtype": torch.float64}
     return cls.from_pretrained(case_dir, attn_implementation="eager", **kw).eval()
 
@@ -318,9 +452,10 @@ def make_case(case, out_dir):
     os.makedirs(case_dir, exist_ok=True)
     for fn in os.listdir(case_dir):
         os.remove(os.path.join(case_dir, fn))
+    gen13 = case.get("generation_13b")
     if family == "baichuan":
-        model = BaichuanReference(baichuan_config_json(case), case["architecture"] ==
-                                  "BaichuanForCausalLM")
+        norm_head, alibi = baichuan_parts(baichuan_config_json(case), gen13)
+        model = BaichuanReference(baichuan_config_json(case), norm_head, alibi)
         model.init_weights(case["seed"])
         save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
                   os.path.join(case_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -335,13 +470,26 @@ def make_case(case, out_dir):
             os.remove(gen_cfg)
         if case["v4_config"]:
             rewrite_v4(os.path.join(case_dir, "config.json"), family)
+        if case.get("strip_prefix"):
+            # A bare BloomModel's names: no `transformer.` prefix (transformers loads both).
+            path = os.path.join(case_dir, "model.safetensors")
+            state = load_file(path)
+            state = {k.removeprefix("transformer."): v for k, v in state.items()}
+            save_file(state, path, metadata={"format": "pt"})
 
     # Compute from the checkpoint as written (the reference loads it back), in float64.
-    model = load_reference(case_dir, family)
+    model = load_reference(case_dir, family, gen13)
     ids, labels = mg.make_inputs(case)
+    if case.get("all_labels"):
+        labels = ids.clone()
     logits, loss, grads = mg.forward_backward(model, ids, labels, "cpu")
     assert math.isfinite(loss.item())
-    assert abs(mg.manual_loss(logits, labels).item() - loss.item()) < 1e-5 * abs(loss.item())
+    want = mg.manual_loss(logits, labels).item()
+    z = case["config"].get("z_loss_weight", 0.0)
+    if z:
+        # Baichuan2: z_loss_weight * mean over every shifted position of max(logits)^2.
+        want += z * float((logits[:, :-1].double().max(-1).values ** 2).mean())
+    assert abs(want - loss.item()) < 1e-5 * abs(loss.item()), (want, loss.item())
     for k, g in grads.items():
         assert torch.isfinite(g).all(), k
         assert g.abs().max().item() > 0, f"zero gradient for {k}"
@@ -374,6 +522,20 @@ def make_case(case, out_dir):
             model.norm_head = True
         assert diff > 1e-3, f"{name}: NormHead changes nothing ({diff})"
         checks["max_abs_logit_change_vs_raw_lm_head"] = diff
+    if family == "baichuan" and model.alibi:
+        # ALiBi must matter: the same weights with plain causal attention differ.
+        with torch.no_grad():
+            model.alibi = False
+            diff = float((model(input_ids=ids).logits - logits).abs().max())
+            model.alibi = True
+        assert diff > 1e-3, f"{name}: ALiBi changes nothing ({diff})"
+        checks["max_abs_logit_change_vs_no_alibi"] = diff
+    if z:
+        with torch.no_grad():
+            plain = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                    labels[:, 1:].reshape(-1), ignore_index=mg.IGNORE)
+        checks["z_loss_term"] = float(loss.item() - plain.item())
+        assert checks["z_loss_term"] > 1e-4, f"{name}: the z-loss adds nothing"
 
     tensors = {
         "input_ids": ids.contiguous(),
@@ -389,6 +551,7 @@ def make_case(case, out_dir):
     info = {
         "case": name,
         "family": family,
+        "tilearn_llm_baichuan_13b": gen13,
         "description": case["description"],
         "seed": case["seed"],
         "batch": mg.BATCH,

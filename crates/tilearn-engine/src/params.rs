@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, ModelFamily, NormKind};
 use crate::error::{EngineError, Result};
 use crate::tensor_io::TensorDest;
 
@@ -51,10 +51,12 @@ impl ParamSpec {
 
     /// What [`ParamStore::init_random`] does with this tensor.
     fn init_kind(&self) -> InitKind {
-        if self.name.ends_with("norm.weight") {
-            InitKind::One
-        } else if self.name.ends_with(".bias") {
+        // Norm weights are the only one-dimensional weights (Bloom's `ln_f.weight` does not
+        // end in "norm.weight").
+        if self.name.ends_with(".bias") {
             InitKind::Zero
+        } else if self.name.ends_with("norm.weight") || self.shape.len() == 1 {
+            InitKind::One
         } else {
             InitKind::Normal
         }
@@ -77,6 +79,58 @@ pub struct ParamStore {
 /// Names of the tensors of layer `i`'s linear projections and norms, in Hugging Face order.
 pub fn layer_prefix(i: usize) -> String {
     format!("model.layers.{i}")
+}
+
+/// The Hugging Face names of a family's tensors (Bloom's differ throughout; the others use
+/// Llama's, with Baichuan's `W_pack` for q/k/v).
+#[derive(Clone, Copy, Debug)]
+pub struct TensorNames {
+    pub embed: &'static str,
+    /// The norm after the embedding (Bloom's `word_embeddings_layernorm`).
+    pub embed_norm: Option<&'static str>,
+    /// Layer `i`'s prefix is `{layers}.{i}`.
+    pub layers: &'static str,
+    /// The packed q/k/v projection (families with [`ModelFamily::packed_qkv`]).
+    pub qkv: &'static str,
+    pub o: &'static str,
+    pub gate: Option<&'static str>,
+    pub up: &'static str,
+    pub down: &'static str,
+    pub final_norm: &'static str,
+}
+
+impl TensorNames {
+    pub fn of(family: ModelFamily) -> TensorNames {
+        match family {
+            ModelFamily::Bloom => TensorNames {
+                embed: "transformer.word_embeddings.weight",
+                embed_norm: Some("transformer.word_embeddings_layernorm"),
+                layers: "transformer.h",
+                qkv: "self_attention.query_key_value",
+                o: "self_attention.dense",
+                gate: None,
+                up: "mlp.dense_h_to_4h",
+                down: "mlp.dense_4h_to_h",
+                final_norm: "transformer.ln_f",
+            },
+            _ => TensorNames {
+                embed: "model.embed_tokens.weight",
+                embed_norm: None,
+                layers: "model.layers",
+                qkv: "self_attn.W_pack",
+                o: "self_attn.o_proj",
+                gate: Some("mlp.gate_proj"),
+                up: "mlp.up_proj",
+                down: "mlp.down_proj",
+                final_norm: "model.norm",
+            },
+        }
+    }
+
+    /// The prefix of decoder layer `i`'s tensors.
+    pub fn layer(&self, i: usize) -> String {
+        format!("{}.{i}", self.layers)
+    }
 }
 
 impl ParamStore {
@@ -105,13 +159,26 @@ impl ParamStore {
             });
             offset += n;
         };
-        push(
-            "model.embed_tokens.weight".into(),
-            vec![config.vocab_size, c],
-            true,
-        );
+        let names = TensorNames::of(config.family);
+        push(names.embed.into(), vec![config.vocab_size, c], true);
+        let norm_bias = config.family.norm_kind() == NormKind::Layer;
+        if let Some(norm) = names.embed_norm {
+            push(format!("{norm}.weight"), vec![c], false);
+            push(format!("{norm}.bias"), vec![c], false);
+        }
         for i in 0..config.num_hidden_layers {
-            let p = layer_prefix(i);
+            let p = names.layer(i);
+            let mut push_norm = |name: &str| {
+                push(format!("{p}.{name}.weight"), vec![c], false);
+                if norm_bias {
+                    push(format!("{p}.{name}.bias"), vec![c], false);
+                }
+            };
+            // Bloom's order puts each norm before the block it feeds; the Llama kinds list
+            // both norms after the projections.
+            if norm_bias {
+                push_norm("input_layernorm");
+            }
             let mut linear = |name: &str, out_f: usize, in_f: usize, bias: bool| {
                 push(format!("{p}.{name}.weight"), vec![out_f, in_f], true);
                 if bias {
@@ -120,24 +187,44 @@ impl ParamStore {
             };
             let (q, kv, inter) = (config.q_dim(), config.kv_dim(), config.intermediate_size);
             if config.family.packed_qkv() {
-                linear("self_attn.W_pack", q + 2 * kv, c, false);
+                linear(names.qkv, q + 2 * kv, c, config.qkv_bias());
             } else {
                 linear("self_attn.q_proj", q, c, config.qkv_bias());
                 linear("self_attn.k_proj", kv, c, config.qkv_bias());
                 linear("self_attn.v_proj", kv, c, config.qkv_bias());
             }
-            linear("self_attn.o_proj", c, q, config.o_bias());
-            linear("mlp.gate_proj", inter, c, config.mlp_bias);
-            linear("mlp.up_proj", inter, c, config.mlp_bias);
-            linear("mlp.down_proj", c, inter, config.mlp_bias);
-            push(format!("{p}.input_layernorm.weight"), vec![c], false);
-            push(
-                format!("{p}.post_attention_layernorm.weight"),
-                vec![c],
-                false,
-            );
+            linear(names.o, c, q, config.o_bias());
+            if norm_bias {
+                let mut push_norm = |name: &str| {
+                    push(format!("{p}.{name}.weight"), vec![c], false);
+                    push(format!("{p}.{name}.bias"), vec![c], false);
+                };
+                push_norm("post_attention_layernorm");
+            }
+            let mut linear = |name: &str, out_f: usize, in_f: usize, bias: bool| {
+                push(format!("{p}.{name}.weight"), vec![out_f, in_f], true);
+                if bias {
+                    push(format!("{p}.{name}.bias"), vec![out_f], false);
+                }
+            };
+            if let Some(gate) = names.gate {
+                linear(gate, inter, c, config.mlp_bias);
+            }
+            linear(names.up, inter, c, config.mlp_bias);
+            linear(names.down, c, inter, config.mlp_bias);
+            if !norm_bias {
+                push(format!("{p}.input_layernorm.weight"), vec![c], false);
+                push(
+                    format!("{p}.post_attention_layernorm.weight"),
+                    vec![c],
+                    false,
+                );
+            }
         }
-        push("model.norm.weight".into(), vec![c], false);
+        push(format!("{}.weight", names.final_norm), vec![c], false);
+        if norm_bias {
+            push(format!("{}.bias", names.final_norm), vec![c], false);
+        }
         if !config.tie_word_embeddings {
             push("lm_head.weight".into(), vec![config.vocab_size, c], true);
         }

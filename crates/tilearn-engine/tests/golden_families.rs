@@ -1,5 +1,5 @@
 //! Golden parity of the model families beyond Llama (Qwen2, Mistral, Baichuan-7B,
-//! Baichuan2-7B): each case of `tests/golden_families/` (made by `make_family_golden.py`)
+//! Baichuan2-7B, Baichuan-13B and Baichuan2-13B with ALiBi and z-loss): each case of `tests/golden_families/` (made by `make_family_golden.py`)
 //! holds a checkpoint in the family's own names and config form and the logits, loss and
 //! gradients its reference computed in float64 (transformers for Qwen2 / Mistral, the script's
 //! PyTorch model of the published architecture for Baichuan). We load it, run the f32 CPU
@@ -11,7 +11,9 @@ mod support;
 use std::path::Path;
 use std::process::Command;
 
-use support::golden::{FAMILY_CASES, cpu_run, families_dir, read_golden};
+use support::golden::{
+    FAMILY_CASES, baichuan_13b_of, cpu_run, families_dir, load_family_case, read_golden,
+};
 use support::{rel_err, report};
 use tilearn_engine::config::{BaichuanVariant, ModelFamily};
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
@@ -25,12 +27,18 @@ const LOGITS_LOSS_TOL: f64 = 1e-4;
 const GRAD_TOL: f64 = 1e-3;
 
 fn expected_family(case: &str) -> ModelFamily {
-    match case.split('_').next() {
-        Some("qwen2") => ModelFamily::Qwen2,
-        Some("mistral") => ModelFamily::Mistral,
-        Some("baichuan") => ModelFamily::Baichuan(BaichuanVariant::Baichuan7B),
-        Some("baichuan2") => ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B),
-        _ => panic!("{case}: no family"),
+    let b = ModelFamily::Baichuan;
+    match case {
+        "baichuan_7b" => b(BaichuanVariant::Baichuan7B),
+        "baichuan2_7b" => b(BaichuanVariant::Baichuan2_7B),
+        "baichuan_13b" => b(BaichuanVariant::Baichuan13B),
+        "baichuan2_13b" => b(BaichuanVariant::Baichuan2_13B),
+        _ => match case.split('_').next() {
+            Some("bloom") => ModelFamily::Bloom,
+            Some("qwen2") => ModelFamily::Qwen2,
+            Some("mistral") => ModelFamily::Mistral,
+            _ => panic!("{case}: no family"),
+        },
     }
 }
 
@@ -42,7 +50,7 @@ fn load(case: &str) -> LlamaForCausalLM {
          tests/golden_families/make_family_golden.py",
         dir.display()
     );
-    LlamaForCausalLM::from_pretrained(&dir).unwrap_or_else(|e| panic!("{case}: {e}"))
+    load_family_case(&dir)
 }
 
 fn run_case(case: &str) {
@@ -51,6 +59,8 @@ fn run_case(case: &str) {
     assert_eq!(cfg.family, expected_family(case), "{case}: family");
     let g = read_golden(&families_dir().join(case).join("golden.safetensors"));
     let (logits, stats, grads) = cpu_run(&model, &g);
+    // Bloom's query_key_value gradient back in the checkpoint's per-head interleaved order.
+    let grads = tilearn_engine::checkpoint::checkpoint_order(cfg, &model.params.specs, &grads);
     let loss = stats.mean();
     let logits_err = rel_err(&logits, &g.logits);
     let loss_err = (loss - g.loss as f64).abs() / (g.loss as f64).abs();
@@ -113,6 +123,43 @@ fn baichuan_7b() {
 #[test]
 fn baichuan2_7b() {
     run_case("baichuan2_7b");
+}
+
+#[test]
+fn bloom_tied() {
+    run_case("bloom_tied");
+}
+
+#[test]
+fn bloom_v4config() {
+    run_case("bloom_v4config");
+}
+
+#[test]
+fn baichuan_13b() {
+    run_case("baichuan_13b");
+}
+
+#[test]
+fn baichuan2_13b() {
+    run_case("baichuan2_13b");
+}
+
+/// Baichuan2-13B's z-loss is in the loss and its gradient: the same model without it gives a
+/// loss lower by `z_loss_weight · mean(max²)` and other gradients.
+#[test]
+fn the_z_loss_weight_is_honoured() {
+    let model = load("baichuan2_13b");
+    assert!(model.config.z_loss_weight > 0.0);
+    let g = read_golden(&families_dir().join("baichuan2_13b").join("golden.safetensors"));
+    let (_, with, grads_with) = cpu_run(&model, &g);
+    let mut plain = model.clone();
+    plain.config.z_loss_weight = 0.0;
+    let (_, without, grads_without) = cpu_run(&plain, &g);
+    let term = with.mean() - without.mean();
+    report(&format!("baichuan2_13b: z-loss term {term:.6}"));
+    assert!(term > 1e-2, "z-loss term {term}");
+    assert!(rel_err(&grads_with, &grads_without) > 1e-3);
 }
 
 #[test]
@@ -210,7 +257,10 @@ fn saved_families_load_back_here_and_in_the_reference() {
             "{case}"
         );
         assert_eq!(written["model_type"], model.config.family.model_type());
-        let back = LlamaForCausalLM::from_pretrained(dir.path()).unwrap();
+        let generation = baichuan_13b_of(&families_dir().join(case));
+        let back =
+            LlamaForCausalLM::from_pretrained_with_baichuan_13b(dir.path(), generation.as_deref())
+                .unwrap();
         assert_eq!(
             back.params.specs, model.params.specs,
             "{case}: tensor names"
@@ -220,6 +270,7 @@ fn saved_families_load_back_here_and_in_the_reference() {
         assert_eq!(back.config.layer_types, model.config.layer_types);
         assert_eq!(back.config.sliding_window, model.config.sliding_window);
         assert_eq!(back.config.rope_theta, model.config.rope_theta);
+        assert_eq!(back.config.z_loss_weight, model.config.z_loss_weight);
 
         let Some(python) = &python else { continue };
         let logits = model
@@ -228,7 +279,12 @@ fn saved_families_load_back_here_and_in_the_reference() {
             .to_vec();
         let expect = dir.path().join("expect.safetensors");
         write_expectation(&expect, &g.input_ids, g.batch, g.seq, &logits);
-        let out = Command::new(python)
+        let mut cmd = Command::new(python);
+        match &generation {
+            Some(g) => cmd.env(tilearn_engine::config::BAICHUAN_13B_ENV, g),
+            None => cmd.env_remove(tilearn_engine::config::BAICHUAN_13B_ENV),
+        };
+        let out = cmd
             .arg(&script)
             .arg("--check-saved")
             .arg(dir.path())
@@ -248,34 +304,20 @@ fn saved_families_load_back_here_and_in_the_reference() {
     }
 }
 
-/// Bloom and the ALiBi Baichuans are recognised and refused with one clear message;
-/// `TILEARN_LLM_BAICHUAN_13B` must be 1 or 2.
-#[test]
-fn alibi_families_are_refused_clearly() {
-    let base = r#""hidden_size": 5120, "intermediate_size": 13696, "num_hidden_layers": 40,
-                  "num_attention_heads": 40, "vocab_size": 125696"#;
-    for json in [
-        format!(r#"{{"architectures": ["BloomForCausalLM"], {base}}}"#),
-        format!(r#"{{"architectures": ["BaichuanForCausalLM"], {base}}}"#),
-        format!(r#"{{"model_type": "bloom", {base}}}"#),
-    ] {
-        let err = tilearn_engine::config::LlamaConfig::from_json_str(&json, "config.json")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("Bloom / Baichuan-13B (ALiBi) are not supported yet"),
-            "{err}"
-        );
-    }
-}
-
 /// The KV-cache decoder on the families: Baichuan2's NormHead logits (scaled on the host) and
 /// Qwen2's biases match the full forward's last position; a sequence longer than Mistral's
 /// sliding window is refused, one inside it computes.
 #[test]
 fn the_cached_decoder_serves_the_families() {
     use tilearn_engine::model::generate::CachedDecoder;
-    for case in ["baichuan2_7b", "qwen2_tied", "mistral_sliding"] {
+    for case in [
+        "baichuan2_7b",
+        "baichuan_13b",
+        "baichuan2_13b",
+        "bloom_tied",
+        "qwen2_tied",
+        "mistral_sliding",
+    ] {
         let model = load(case);
         let g = read_golden(&families_dir().join(case).join("golden.safetensors"));
         let window = model.config.sliding_window.unwrap_or(g.seq);

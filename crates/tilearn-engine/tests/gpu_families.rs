@@ -1,11 +1,13 @@
 //! The device model on the families beyond Llama (Qwen2's q/k/v biases and per-layer sliding
-//! window, Mistral's sliding window, Baichuan's W_pack, Baichuan2's NormHead):
+//! window, Mistral's sliding window, Baichuan's W_pack, Baichuan2's NormHead, the 13B models'
+//! ALiBi and Baichuan2-13B's z-loss):
 //!
 //! (a) the golden fixtures of `tests/golden_families/` in f32 (logits, loss, every gradient)
 //!     and bf16 (loss), with the loss head unchunked and in chunks of 5 tokens (NormHead's
 //!     gradient is summed over the chunks before its backward);
 //! (b) random models of each family at head_dim 64, where bf16 runs the flash attention
-//!     kernels (with the sliding window as their key mask), against the CPU engine in f32.
+//!     kernels (with the sliding window as their key mask, ALiBi as their bias), against the
+//!     CPU engine in f32.
 //!
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes. Every test
 //! prints its measured errors, on success too.
@@ -17,9 +19,9 @@ use std::num::NonZeroUsize;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use support::golden::{FAMILY_CASES, families_dir, read_golden};
+use support::golden::{FAMILY_CASES, families_dir, load_family_case, read_golden};
 use support::{gpu_or_skip, random_batch, rel_err, report};
-use tilearn_engine::config::LlamaConfig;
+use tilearn_engine::config::{BaichuanVariant, LlamaConfig, ModelFamily};
 use tilearn_engine::gpu::GpuLlama;
 use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
@@ -43,7 +45,7 @@ const BF16_TENSOR_TOL: f64 = 1.5e-1;
 
 fn golden_case(dev: &GpuDevice, case: &str) {
     let dir = families_dir().join(case);
-    let model = LlamaForCausalLM::from_pretrained(&dir).unwrap_or_else(|e| panic!("{case}: {e}"));
+    let model = load_family_case(&dir);
     let g = read_golden(&dir.join("golden.safetensors"));
     for lce in [
         LceChunk::Unchunked,
@@ -59,6 +61,11 @@ fn golden_case(dev: &GpuDevice, case: &str) {
             .unwrap();
         let loss_err = (stats.mean() - g.loss as f64).abs() / (g.loss as f64).abs();
         let grads = gpu.download_grads().unwrap();
+        let grads = tilearn_engine::checkpoint::checkpoint_order(
+            &model.config,
+            &model.params.specs,
+            &grads,
+        );
         let mut worst = (0.0f64, String::new());
         let mut failures = Vec::new();
         for (name, _, want) in &g.grads {
@@ -105,11 +112,13 @@ fn family_goldens_on_the_gpu() {
 
 /// A random two-layer model of each family at head_dim 64 (2 heads of 64, GQA where the family
 /// allows it), 64 tokens: the sliding windows (16 keys) bite, and bf16 takes the flash kernels.
-fn family_configs() -> Vec<(&'static str, String)> {
+/// The 13B Baichuans are Baichuan2-7B-shaped configs given the 13B variant (as
+/// `TILEARN_LLM_BAICHUAN_13B` would), 3 heads of 64 (ALiBi slopes of a non-power of two).
+fn family_configs() -> Vec<(&'static str, LlamaConfig)> {
     let shape = r#""hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 2, "vocab_size": 512, "max_position_embeddings": 256,
         "initializer_range": 0.05"#;
-    vec![
+    let jsons = vec![
         (
             "qwen2 (q/k/v bias, layer 1 sliding)",
             format!(
@@ -129,7 +138,36 @@ fn family_configs() -> Vec<(&'static str, String)> {
             "baichuan2-7b (W_pack, NormHead)",
             format!(r#"{{"architectures": ["BaichuanForCausalLM"], {shape}}}"#),
         ),
-    ]
+    ];
+    let alibi = r#"{"architectures": ["BaichuanForCausalLM"], "hidden_size": 192,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 3,
+        "vocab_size": 512, "initializer_range": 0.05, "z_loss_weight": 0.01}"#;
+    let mut out: Vec<(&'static str, LlamaConfig)> = jsons
+        .into_iter()
+        .map(|(name, json)| (name, LlamaConfig::from_json_str(&json, "config.json").unwrap()))
+        .collect();
+    for (name, variant, z) in [
+        ("baichuan-13b (ALiBi, 3 heads)", BaichuanVariant::Baichuan13B, 0.0),
+        (
+            "baichuan2-13b (ALiBi, NormHead, z-loss 0.01)",
+            BaichuanVariant::Baichuan2_13B,
+            0.01,
+        ),
+    ] {
+        let mut config = LlamaConfig::from_json_str(alibi, "config.json").unwrap();
+        config.family = ModelFamily::Baichuan(variant);
+        config.z_loss_weight = z;
+        out.push((name, config));
+    }
+    // Bloom: ALiBi over 3 heads of 64, LayerNorms with bias (one after the embedding), GeLU
+    // MLP, biases on every linear, tied embeddings.
+    let bloom = r#"{"architectures": ["BloomForCausalLM"], "hidden_size": 192, "n_layer": 2,
+        "n_head": 3, "vocab_size": 512, "initializer_range": 0.05}"#;
+    out.push((
+        "bloom (ALiBi, LayerNorm, GeLU, biases, tied)",
+        LlamaConfig::from_json_str(bloom, "config.json").unwrap(),
+    ));
+    out
 }
 
 #[test]
@@ -139,11 +177,16 @@ fn random_family_models_match_the_cpu_engine() {
         return;
     };
     let (batch, seq) = (2, 64);
-    for (name, json) in family_configs() {
-        let config = LlamaConfig::from_json_str(&json, "config.json").unwrap();
+    for (name, config) in family_configs() {
         let mut model = LlamaForCausalLM::from_config(config, 7);
-        // Non-trivial biases (initialised to zero), so a dropped bias shows.
+        // Non-trivial biases (initialised to zero) and norm weights (initialised to one), so a
+        // dropped bias or a norm read at the wrong place shows.
         for spec in model.params.specs.clone() {
+            if spec.shape.len() == 1 && !spec.name.ends_with(".bias") {
+                for (i, x) in model.params.data[spec.range()].iter_mut().enumerate() {
+                    *x = 1.0 + 0.1 * ((i * 7907 % 19) as f32 - 9.0) / 9.0;
+                }
+            }
             if spec.name.ends_with(".bias") {
                 for (i, x) in model.params.data[spec.range()].iter_mut().enumerate() {
                     *x = 0.05 * ((i * 7919 % 23) as f32 - 11.0) / 11.0;
@@ -215,14 +258,17 @@ fn gpu_decoder_serves_the_families() {
     let Some(dev) = gpu_or_skip("gpu_decoder_serves_the_families") else {
         return;
     };
+    // (Bloom: the GPU decoder refuses it; the CPU decoder serves it.)
     for case in [
         "baichuan2_7b",
         "baichuan_7b",
+        "baichuan_13b",
+        "baichuan2_13b",
         "qwen2_tied",
         "mistral_sliding",
     ] {
         let dir = families_dir().join(case);
-        let model = LlamaForCausalLM::from_pretrained(&dir).unwrap();
+        let model = load_family_case(&dir);
         let g = read_golden(&dir.join("golden.safetensors"));
         let len = model.config.sliding_window.unwrap_or(g.seq).min(g.seq);
         let ids = &g.input_ids[..len];

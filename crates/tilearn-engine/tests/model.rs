@@ -230,6 +230,28 @@ fn backward_matches_finite_differences_dynamic_rope_past_max_positions() {
     finite_difference_check(config(false, false, ROPE_DYNAMIC), 12);
 }
 
+/// Bloom's parts (ALiBi over 3 heads, LayerNorms with bias including the embedding's, the
+/// tanh-GeLU MLP, biases on every linear, tied embeddings) through the same check.
+#[test]
+fn backward_matches_finite_differences_bloom() {
+    let json = r#"{"architectures": ["BloomForCausalLM"], "hidden_size": 12, "n_layer": 2,
+        "n_head": 3, "vocab_size": 23, "initializer_range": 0.3}"#;
+    finite_difference_check(LlamaConfig::from_json_str(json, "config.json").unwrap(), 6);
+}
+
+/// Baichuan2-13B's parts (ALiBi, NormHead, z-loss 0.05) through the same check.
+#[test]
+fn backward_matches_finite_differences_baichuan2_13b() {
+    let json = r#"{"architectures": ["BaichuanForCausalLM"], "hidden_size": 12,
+        "intermediate_size": 20, "num_hidden_layers": 2, "num_attention_heads": 3,
+        "vocab_size": 23, "initializer_range": 0.3, "z_loss_weight": 0.05}"#;
+    let mut config = LlamaConfig::from_json_str(json, "config.json").unwrap();
+    config.family = tilearn_engine::config::ModelFamily::Baichuan(
+        tilearn_engine::config::BaichuanVariant::Baichuan2_13B,
+    );
+    finite_difference_check(config, 6);
+}
+
 #[test]
 fn save_load_gives_same_logits() {
     let m = model(config(false, true, ROPE_LLAMA3), 11);

@@ -130,7 +130,7 @@ fn piecewise_loads_match_whole_loads() {
         data: &mut pieces,
         piece: 7,
     };
-    load_into(dir.path(), &p.specs, &mut dest).unwrap();
+    load_into(dir.path(), &config(), &p.specs, &mut dest).unwrap();
     assert_eq!(pieces, p.data);
 }
 

@@ -566,6 +566,29 @@ unsafe extern "C" {
         dw: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_z_loss_rows(
+        dtype: ::std::os::raw::c_int,
+        logits: *const ::std::os::raw::c_void,
+        targets: *const i32,
+        rows: usize,
+        vocab: usize,
+        max: *mut f32,
+        arg: *mut i32,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
+    pub fn tilearn_z_loss_apply(
+        dtype: ::std::os::raw::c_int,
+        max: *const f32,
+        arg: *const i32,
+        rows: usize,
+        vocab: usize,
+        weight: f32,
+        grad_scale: f32,
+        grad_scale_dev: *const f32,
+        row_loss: *mut f32,
+        dlogits: *mut ::std::os::raw::c_void,
+        stream: cudaStream_t,
+    ) -> ::std::os::raw::c_int;
     pub fn tilearn_global_norm_partials_len(n: usize) -> usize;
     pub fn tilearn_global_norm(
         dtype: ::std::os::raw::c_int,

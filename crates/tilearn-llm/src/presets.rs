@@ -16,7 +16,7 @@ pub struct Preset {
     pub seq: usize,
 }
 
-pub const PRESETS: [Preset; 4] = [
+pub const PRESETS: [Preset; 6] = [
     Preset {
         name: "llama-134m",
         vocab_size: 32000,
@@ -63,6 +63,32 @@ pub const PRESETS: [Preset; 4] = [
         batch: 4,
         seq: 2048,
     },
+    // Baichuan2-13B's widths (W_pack, ALiBi with 40 heads, NormHead, vocabulary 125 696: the
+    // hidden size 5120 makes it the 13B architecture) at 4 of its 40 layers.
+    Preset {
+        name: "baichuan2-13b-4l",
+        vocab_size: 125696,
+        hidden_size: 5120,
+        num_hidden_layers: 4,
+        num_attention_heads: 40,
+        num_key_value_heads: 40,
+        intermediate_size: 13696,
+        batch: 4,
+        seq: 2048,
+    },
+    // bigscience/bloom-560m (BloomForCausalLM: ALiBi, LayerNorm, GeLU MLP of 4 · hidden,
+    // biases everywhere, tied embeddings over a 250 880-token vocabulary).
+    Preset {
+        name: "bloom-560m",
+        vocab_size: 250880,
+        hidden_size: 1024,
+        num_hidden_layers: 24,
+        num_attention_heads: 16,
+        num_key_value_heads: 16,
+        intermediate_size: 4096,
+        batch: 8,
+        seq: 2048,
+    },
 ];
 
 impl Preset {
@@ -73,6 +99,18 @@ impl Preset {
     /// The preset as a Hugging Face config: Llama with untied embeddings (as in the PyTorch
     /// baseline), or the family the name says (`qwen2-*`: tied, rope_theta 1e6; `baichuan2-*`).
     pub fn config(&self, seq: usize) -> LlamaConfig {
+        if self.name.starts_with("bloom") {
+            let json = serde_json::json!({
+                "architectures": ["BloomForCausalLM"],
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size,
+                "n_layer": self.num_hidden_layers,
+                "n_head": self.num_attention_heads,
+                "layer_norm_epsilon": 1e-5,
+            });
+            return LlamaConfig::from_json_str(&json.to_string(), format!("<preset {}>", self.name))
+                .expect("presets are valid configs");
+        }
         let (architecture, tied, rope_theta) = match self.name.split('-').next() {
             Some("qwen2") => ("Qwen2ForCausalLM", true, 1e6),
             Some("baichuan2") => ("BaichuanForCausalLM", false, 10000.0),
@@ -120,6 +158,8 @@ mod tests {
             let want = match p.name {
                 "qwen2-0.5b" => ModelFamily::Qwen2,
                 "baichuan2-7b-8l" => ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B),
+                "baichuan2-13b-4l" => ModelFamily::Baichuan(BaichuanVariant::Baichuan2_13B),
+                "bloom-560m" => ModelFamily::Bloom,
                 _ => ModelFamily::Llama,
             };
             assert_eq!(c.family, want, "{}", p.name);

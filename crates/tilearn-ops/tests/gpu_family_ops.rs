@@ -19,6 +19,8 @@
 //! * The CPU references of LayerNorm and GeLU against PyTorch (`F.layer_norm` and its autograd,
 //!   Bloom's formula under autograd) in f64, 1e-12, when python3 with torch is importable
 //!   (the GPU machine); else the test prints `skipped: ...`.
+//! * Baichuan2's z-loss (`z_loss_rows` / `z_loss_apply` around the fused cross entropy), f32
+//!   1e-5, bf16 1e-2, f16 2e-3 for dlogits, 1e-5 for the f32 row losses.
 //!
 //! Without a GPU or driver each GPU test prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]
@@ -688,4 +690,139 @@ fn cpu_layernorm_and_gelu_match_pytorch() {
     ] {
         expect_within(TEST, what, rel_err(what, got, &col(what)), tol);
     }
+}
+
+// ---- Baichuan2's z-loss around the fused cross entropy ----
+
+/// `z_loss_rows` + fused cross entropy + `z_loss_apply` on the GPU against the same sequence on
+/// the f64 CPU reference over the same (rounded) logits: row losses and dlogits, host and
+/// device gradient factors, and the loss-only path (no gradient). Vocab 1031 (odd, several
+/// blocks' strides), 77 rows with some `-100`. Tolerances: f32 1e-5 (expf and f32 sums), bf16
+/// 1e-2 and f16 2e-3 for the rounded dlogits; row losses are f32 in every type, 1e-5.
+fn z_loss_case<T: Elem>(test: &str, seed: u64, tol: f64) {
+    let Some((dev, _gemm)) = gpu_or_skip(test) else {
+        return;
+    };
+    let st = dev.stream();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (rows, vocab, weight, scale) = (77usize, 1031usize, 0.05f32, 1.0f32 / 64.0);
+    let (logits, logits64) = random::<T>(&mut rng, rows * vocab, 0.01, 6.0);
+    let targets: Vec<i32> = (0..rows)
+        .map(|r| {
+            if r % 9 == 4 {
+                cpu::IGNORE_INDEX
+            } else {
+                rng.random_range(0..vocab as i32)
+            }
+        })
+        .collect();
+    // CPU reference in f64.
+    let (mut max, mut arg) = (vec![0.0f64; rows], vec![0i32; rows]);
+    cpu::z_loss_rows(&logits64, &targets, vocab, &mut max, &mut arg).unwrap();
+    let mut grad_r = logits64.clone();
+    cpu::cross_entropy_fused(&mut grad_r, &targets, vocab, f64::from(scale)).unwrap();
+    cpu::z_loss_apply(
+        &max,
+        &arg,
+        vocab,
+        f64::from(weight),
+        f64::from(scale),
+        Some(&mut grad_r),
+    )
+    .unwrap();
+    let row_loss_r: Vec<f64> = (0..rows)
+        .map(|r| {
+            if targets[r] == cpu::IGNORE_INDEX {
+                return 0.0;
+            }
+            let row = &logits64[r * vocab..(r + 1) * vocab];
+            let lse = max[r] + row.iter().map(|x| (x - max[r]).exp()).sum::<f64>().ln();
+            lse - row[targets[r] as usize] + f64::from(weight) * max[r] * max[r]
+        })
+        .collect();
+    let td = upload(st, &targets);
+    let mut scratch = cuda::ZLossScratch::new(st, rows).unwrap();
+    let dev_scale = upload(st, &[scale]);
+    for device_factor in [false, true] {
+        let mut lg = upload(st, &logits);
+        let mut row_loss = upload(st, &vec![f32::NAN; rows]);
+        let mut totals = cuda::CeTotals::new(st).unwrap();
+        cuda::z_loss_rows(st, &lg, &td, vocab, &mut scratch).unwrap();
+        if device_factor {
+            cuda::cross_entropy_fused_device_scale(
+                st, &mut lg, &td, vocab, &dev_scale, &mut row_loss, &mut totals,
+            )
+            .unwrap();
+        } else {
+            cuda::cross_entropy_fused(st, &mut lg, &td, vocab, f64::from(scale), &mut row_loss, &mut totals)
+                .unwrap();
+        }
+        let factor = if device_factor {
+            cuda::ZLossScale::Device(&dev_scale)
+        } else {
+            cuda::ZLossScale::Host(scale)
+        };
+        cuda::z_loss_apply(st, &scratch, vocab, weight, factor, &mut row_loss, Some(&mut lg))
+            .unwrap();
+        let tag = format!("{} device factor {device_factor}", T::NAME);
+        let got_loss: Vec<f64> = download(&dev, &row_loss).iter().map(|&x| f64::from(x)).collect();
+        expect_within(
+            test,
+            &format!("{tag}: row losses"),
+            rel_err("row_loss", &got_loss, &row_loss_r),
+            1e-5,
+        );
+        expect_within(
+            test,
+            &format!("{tag}: dlogits"),
+            rel_err("dlogits", &to_f64(&download(&dev, &lg)), &grad_r),
+            tol,
+        );
+    }
+    // Evaluation: the loss only, the logits untouched.
+    let lg = upload(st, &logits);
+    let mut row_loss = upload(st, &vec![f32::NAN; rows]);
+    let mut totals = cuda::CeTotals::new(st).unwrap();
+    cuda::cross_entropy_forward(st, &lg, &td, vocab, &mut row_loss, &mut totals).unwrap();
+    cuda::z_loss_rows(st, &lg, &td, vocab, &mut scratch).unwrap();
+    cuda::z_loss_apply(
+        st,
+        &scratch,
+        vocab,
+        weight,
+        cuda::ZLossScale::Host::<cuda::CudaSlice<f32>>(0.0),
+        &mut row_loss,
+        None::<&mut cuda::CudaSlice<T>>,
+    )
+    .unwrap();
+    let got_loss: Vec<f64> = download(&dev, &row_loss).iter().map(|&x| f64::from(x)).collect();
+    expect_within(
+        test,
+        &format!("{} loss only: row losses", T::NAME),
+        rel_err("row_loss", &got_loss, &row_loss_r),
+        1e-5,
+    );
+    let untouched = download(&dev, &lg);
+    assert!(
+        untouched.iter().zip(&logits).all(|(a, b)| a.bits() == b.bits()),
+        "{test}: the loss-only path changed the logits"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn z_loss_f32_matches_cpu_reference() {
+    z_loss_case::<f32>("z_loss_f32", 51, 1e-5);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn z_loss_bf16_matches_cpu_reference() {
+    z_loss_case::<bf16>("z_loss_bf16", 52, 1e-2);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn z_loss_f16_matches_cpu_reference() {
+    z_loss_case::<f16>("z_loss_f16", 53, 2e-3);
 }

@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::safetensors_io::{MappedFile, check_dtype, decode_into};
+use super::qkv_interleave::QkvInterleave;
 use super::{INDEX_FILE, SINGLE_FILE};
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, ModelFamily};
 use crate::error::{EngineError, Result};
 use crate::params::{ParamSpec, ParamStore};
 use crate::tensor_io::TensorDest;
@@ -21,7 +22,7 @@ use crate::tensor_io::TensorDest;
 /// Loads the weights in `dir` for a model described by `config`.
 pub fn load_params(dir: &Path, config: &LlamaConfig) -> Result<ParamStore> {
     let mut params = ParamStore::from_config(config);
-    load_params_into(dir, &mut params)?;
+    load_params_into(dir, config, &mut params)?;
     Ok(params)
 }
 
@@ -104,16 +105,27 @@ fn ignorable(name: &str, index: &HashMap<&str, usize>) -> bool {
         || name.ends_with("rotary_emb.inv_freq")
 }
 
-/// Loads the weights in `dir` into `params` (whose layout says which tensors are expected).
-pub fn load_params_into(dir: &Path, params: &mut ParamStore) -> Result<()> {
+/// Loads the weights in `dir` into `params` (whose layout says which tensors are expected) of
+/// a model described by `config`.
+pub fn load_params_into(dir: &Path, config: &LlamaConfig, params: &mut ParamStore) -> Result<()> {
     let mut dest: &mut [f32] = &mut params.data;
-    load_into(dir, &params.specs, &mut dest)
+    load_into(dir, config, &params.specs, &mut dest)
 }
 
-/// Loads the weights in `dir` for the tensors `specs` into `dest` at the specs' ranges,
-/// tensor by tensor in file order. Every expected tensor must be present exactly once with
-/// its shape; errors name the file and the tensor.
-pub fn load_into(dir: &Path, specs: &[ParamSpec], dest: &mut dyn TensorDest) -> Result<()> {
+/// Loads the weights in `dir` for the tensors `specs` of a model described by `config` into
+/// `dest` at the specs' ranges, tensor by tensor in file order. Every expected tensor must be
+/// present exactly once with its shape; errors name the file and the tensor. Bloom's
+/// `query_key_value` tensors are de-interleaved on the way (see `qkv_interleave.rs`), and its
+/// tensor names are found with or without the `transformer.` prefix.
+pub fn load_into(
+    dir: &Path,
+    config: &LlamaConfig,
+    specs: &[ParamSpec],
+    dest: &mut dyn TensorDest,
+) -> Result<()> {
+    let qkv = QkvInterleave::of(config, specs);
+    let mut dest = qkv.dest(dest);
+    let dest: &mut dyn TensorDest = &mut dest;
     let layout = layout(dir)?;
     let index: HashMap<&str, usize> = specs
         .iter()
@@ -136,7 +148,14 @@ pub fn load_into(dir: &Path, specs: &[ParamSpec], dest: &mut dyn TensorDest) -> 
                 tensor: name.to_string(),
                 message,
             };
-            let Some(&i) = index.get(name) else {
+            // Bloom checkpoints name their tensors with or without `transformer.` (the bare
+            // `BloomModel` saves them without).
+            let found = index.get(name).or_else(|| {
+                (config.family == ModelFamily::Bloom)
+                    .then(|| index.get(format!("transformer.{name}").as_str()))
+                    .flatten()
+            });
+            let Some(&i) = found else {
                 if ignorable(name, &index) {
                     continue;
                 }

@@ -13,6 +13,7 @@
 //!   through a bounded staging buffer without a host copy of the model.
 
 mod load;
+mod qkv_interleave;
 mod read_ahead;
 mod safetensors_io;
 mod save;
@@ -20,6 +21,7 @@ pub mod stream;
 
 pub use crate::tensor_io::{TensorDest, TensorSource};
 pub use load::{load_into, load_params, load_params_into};
+pub use qkv_interleave::checkpoint_order;
 pub(crate) use safetensors_io::{MappedFile, decode_into};
 pub use safetensors_io::{NamedTensor, TensorRef, read_tensors_file, write_tensors_file};
 pub use save::{DEFAULT_MAX_SHARD_BYTES, save_pretrained, save_pretrained_from};

@@ -9,6 +9,7 @@ use serde_json::{Map, Value, json};
 use tilearn_ops::DType;
 use tilearn_ops::fs::write_bytes_atomic;
 
+use super::qkv_interleave::QkvInterleave;
 use super::stream::{StreamedTensor, write_streamed};
 use super::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, shard_file_name};
 use crate::config::{GENERATION_CONFIG_FILE, GenerationConfig, LlamaConfig};
@@ -107,6 +108,10 @@ pub fn save_pretrained_from(
             .collect()
     };
     let meta = [("format", "pt")];
+    // Bloom's query_key_value goes back to its per-head interleaved order.
+    let qkv = QkvInterleave::of(&config, specs);
+    let mut source = qkv.source(source);
+    let source: &mut dyn TensorSource = &mut source;
 
     let keep: Vec<String> = if shards.len() == 1 {
         write_streamed(

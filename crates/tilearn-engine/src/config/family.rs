@@ -10,13 +10,18 @@
 //! | Mistral | `MistralForCausalLM` / `mistral` | `sliding_window` on every layer |
 //! | Baichuan-7B | `BaiChuanForCausalLM` / `baichuan` | q/k/v fused in `W_pack` |
 //! | Baichuan2-7B | `BaichuanForCausalLM` / `baichuan` | `W_pack`, NormHead (lm_head rows L2-normalised) |
+//! | Baichuan-13B | `BaichuanForCausalLM`, hidden 5120, vocab not 125696 | `W_pack`, ALiBi instead of RoPE |
+//! | Baichuan2-13B | `BaichuanForCausalLM`, hidden 5120, vocab 125696 | `W_pack`, ALiBi, NormHead, `z_loss_weight` |
 //!
-//! Baichuan's 13B models (ALiBi) and Bloom are recognised and refused with a clear error.
+//! | Bloom | `BloomForCausalLM` / `bloom` | ALiBi, LayerNorm with bias (and one after the embedding), tanh-GeLU MLP, biases on every linear, q/k/v fused in `query_key_value` (interleaved per head in the file), tied lm_head |
+//!
 //! `BaichuanForCausalLM` names three architectures: Baichuan2-7B (RoPE + NormHead) and the
 //! ALiBi models Baichuan-13B and Baichuan2-13B. The hidden size picks 13B (5120) or 7B, and for
-//! 13B the vocabulary (125696: Baichuan2) the generation; `TILEARN_LLM_BAICHUAN_13B` = `1` or
-//! `2` overrides the generation of a 13B model as Tilearn-Angel does (any other value is an
-//! error).
+//! 13B the vocabulary (125696: Baichuan2) the generation. `TILEARN_LLM_BAICHUAN_13B` = `1`
+//! (Baichuan-13B) or `2` (Baichuan2-13B) says the checkpoint is a 13B one of that generation, as
+//! Tilearn-Angel's variable does; it overrides the rule for any `BaichuanForCausalLM` (so a
+//! reduced-width 13B-architecture model is one too; leave it unset for Baichuan2-7B). Any other
+//! value is an error.
 
 use serde_json::Value;
 
@@ -32,13 +37,26 @@ const BAICHUAN_13B_HIDDEN: usize = 5120;
 /// Vocabulary of Baichuan 2 (Baichuan 1 has 64000).
 const BAICHUAN2_VOCAB: usize = 125_696;
 
-/// The RoPE Baichuan models tilearn trains.
+/// The Baichuan architectures (one `model_type`, the same tensor names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BaichuanVariant {
-    /// Baichuan-7B (`BaiChuanForCausalLM`).
+    /// Baichuan-7B (`BaiChuanForCausalLM`): RoPE.
     Baichuan7B,
-    /// Baichuan2-7B (`BaichuanForCausalLM`): NormHead.
+    /// Baichuan2-7B (`BaichuanForCausalLM`): RoPE, NormHead.
     Baichuan2_7B,
+    /// Baichuan-13B (`BaichuanForCausalLM`): ALiBi.
+    Baichuan13B,
+    /// Baichuan2-13B (`BaichuanForCausalLM`): ALiBi, NormHead.
+    Baichuan2_13B,
+}
+
+/// How attention knows where tokens are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PositionEncoding {
+    /// Rotary embeddings on q and k.
+    Rope,
+    /// Linear biases on the scores (`tilearn_ops::alibi_slopes`), no rotation.
+    Alibi,
 }
 
 /// The model family a config describes.
@@ -48,6 +66,25 @@ pub enum ModelFamily {
     Qwen2,
     Mistral,
     Baichuan(BaichuanVariant),
+    Bloom,
+}
+
+/// The normalisation of every norm of the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    /// RMSNorm (weight only).
+    Rms,
+    /// LayerNorm with weight and bias (Bloom).
+    Layer,
+}
+
+/// The MLP of a decoder block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpKind {
+    /// `down(silu(gate(x)) * up(x))`.
+    SwiGlu,
+    /// `down(gelu_tanh(up(x)))` (Bloom's `dense_4h_to_h(gelu(dense_h_to_4h(x)))`).
+    GeluTanh,
 }
 
 /// What a layer's attention sees (transformers' `layer_types`).
@@ -76,7 +113,8 @@ impl ModelFamily {
             ModelFamily::Qwen2 => "Qwen2ForCausalLM",
             ModelFamily::Mistral => "MistralForCausalLM",
             ModelFamily::Baichuan(BaichuanVariant::Baichuan7B) => "BaiChuanForCausalLM",
-            ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B) => "BaichuanForCausalLM",
+            ModelFamily::Baichuan(_) => "BaichuanForCausalLM",
+            ModelFamily::Bloom => "BloomForCausalLM",
         }
     }
 
@@ -87,29 +125,54 @@ impl ModelFamily {
             ModelFamily::Qwen2 => "qwen2",
             ModelFamily::Mistral => "mistral",
             ModelFamily::Baichuan(_) => "baichuan",
+            ModelFamily::Bloom => "bloom",
         }
     }
 
-    /// Whether q, k and v are one `W_pack` tensor ([Q; K; V] stacked along the rows).
+    /// Whether q, k and v are one tensor held as [Q; K; V] stacked along the rows (Baichuan's
+    /// `W_pack`; Bloom's `query_key_value`, whose per-head interleaving the checkpoint code
+    /// undoes at load and redoes at save).
     pub fn packed_qkv(self) -> bool {
-        matches!(self, ModelFamily::Baichuan(_))
+        matches!(self, ModelFamily::Baichuan(_) | ModelFamily::Bloom)
+    }
+
+    /// RMSNorm, or LayerNorm with bias for Bloom.
+    pub fn norm_kind(self) -> NormKind {
+        match self {
+            ModelFamily::Bloom => NormKind::Layer,
+            _ => NormKind::Rms,
+        }
+    }
+
+    /// SwiGLU, or tanh-GeLU for Bloom.
+    pub fn mlp_kind(self) -> MlpKind {
+        match self {
+            ModelFamily::Bloom => MlpKind::GeluTanh,
+            _ => MlpKind::SwiGlu,
+        }
+    }
+
+    /// Whether a norm follows the embedding (Bloom's `word_embeddings_layernorm`).
+    pub fn embedding_norm(self) -> bool {
+        self == ModelFamily::Bloom
     }
 
     /// Whether the lm_head rows are L2-normalised before the product (Baichuan2's NormHead).
     pub fn norm_head(self) -> bool {
-        self == ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B)
+        matches!(
+            self,
+            ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B | BaichuanVariant::Baichuan2_13B)
+        )
     }
-}
 
-fn unsupported_alibi(f: &Fields<'_>, field: &str, what: &str) -> EngineError {
-    f.err(
-        field,
-        format!(
-            "unsupported architecture {what}: Bloom / Baichuan-13B (ALiBi) are not supported \
-             yet; tilearn supports LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, \
-             BaiChuanForCausalLM (Baichuan-7B) and BaichuanForCausalLM (Baichuan2-7B)"
-        ),
-    )
+    /// RoPE, or ALiBi for Baichuan's 13B models.
+    pub fn position_encoding(self) -> PositionEncoding {
+        match self {
+            ModelFamily::Baichuan(BaichuanVariant::Baichuan13B | BaichuanVariant::Baichuan2_13B)
+            | ModelFamily::Bloom => PositionEncoding::Alibi,
+            _ => PositionEncoding::Rope,
+        }
+    }
 }
 
 /// The family of the config in `f`, from `architectures` (or `model_type` when it is absent);
@@ -138,7 +201,7 @@ pub(crate) fn detect(f: &Fields<'_>, baichuan_13b: Option<&str>) -> Result<Model
                 "model_type",
                 format!(
                     "unsupported architecture \"{other}\"; tilearn supports model_type llama, \
-                     qwen2, mistral and baichuan (7B)"
+                     qwen2, mistral, baichuan and bloom"
                 ),
             ));
         }
@@ -154,7 +217,7 @@ pub(crate) fn detect(f: &Fields<'_>, baichuan_13b: Option<&str>) -> Result<Model
         "LlamaForCausalLM" => Ok(ModelFamily::Llama),
         "Qwen2ForCausalLM" => Ok(ModelFamily::Qwen2),
         "MistralForCausalLM" => Ok(ModelFamily::Mistral),
-        "BloomForCausalLM" => Err(unsupported_alibi(f, field, "BloomForCausalLM")),
+        "BloomForCausalLM" => Ok(ModelFamily::Bloom),
         "BaiChuanForCausalLM" => Ok(ModelFamily::Baichuan(BaichuanVariant::Baichuan7B)),
         "BaichuanForCausalLM" => baichuan(f, baichuan_13b),
         other => Err(f.err(
@@ -162,18 +225,27 @@ pub(crate) fn detect(f: &Fields<'_>, baichuan_13b: Option<&str>) -> Result<Model
             format!(
                 "unsupported architecture {names:?} ({other}); tilearn supports \
                  LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, BaiChuanForCausalLM \
-                 (Baichuan-7B) and BaichuanForCausalLM (Baichuan2-7B)"
+                 (Baichuan-7B), BaichuanForCausalLM (Baichuan2-7B, Baichuan-13B, \
+                 Baichuan2-13B) and BloomForCausalLM"
             ),
         )),
     }
 }
 
-/// `BaichuanForCausalLM`: Baichuan2-7B unless the hidden size is 13B's.
+/// `BaichuanForCausalLM`: Baichuan2-7B unless the hidden size is 13B's or the environment
+/// names a 13B generation.
 fn baichuan(f: &Fields<'_>, env: Option<&str>) -> Result<ModelFamily> {
-    let generation_13b = match env {
-        None => None,
-        Some("1") => Some(1),
-        Some("2") => Some(2),
+    let thirteen_b = |generation: u8| {
+        ModelFamily::Baichuan(if generation == 2 {
+            BaichuanVariant::Baichuan2_13B
+        } else {
+            BaichuanVariant::Baichuan13B
+        })
+    };
+    match env {
+        None => {}
+        Some("1") => return Ok(thirteen_b(1)),
+        Some("2") => return Ok(thirteen_b(2)),
         Some(other) => {
             return Err(EngineError::InvalidArgument {
                 argument: BAICHUAN_13B_ENV.to_string(),
@@ -183,19 +255,12 @@ fn baichuan(f: &Fields<'_>, env: Option<&str>) -> Result<ModelFamily> {
                 ),
             });
         }
-    };
-    let hidden = f.opt_usize("hidden_size")?;
-    if hidden != Some(BAICHUAN_13B_HIDDEN) {
+    }
+    if f.opt_usize("hidden_size")? != Some(BAICHUAN_13B_HIDDEN) {
         return Ok(ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B));
     }
     let vocab = f.opt_usize("vocab_size")?;
-    let generation = generation_13b.unwrap_or(if vocab == Some(BAICHUAN2_VOCAB) { 2 } else { 1 });
-    let what = if generation == 2 {
-        "Baichuan2-13B (BaichuanForCausalLM, hidden_size 5120)"
-    } else {
-        "Baichuan-13B (BaichuanForCausalLM, hidden_size 5120)"
-    };
-    Err(unsupported_alibi(f, "architectures", what))
+    Ok(thirteen_b(if vocab == Some(BAICHUAN2_VOCAB) { 2 } else { 1 }))
 }
 
 #[cfg(test)]
@@ -245,26 +310,39 @@ mod tests {
     }
 
     #[test]
-    fn thirteen_b_baichuans_are_refused_and_the_override_picks_the_generation() {
+    fn thirteen_b_baichuans_use_alibi_and_the_variable_picks_the_generation() {
         let v1 = r#"{"architectures": ["BaichuanForCausalLM"], "hidden_size": 5120,
                      "vocab_size": 64000}"#;
         let v2 = r#"{"architectures": ["BaichuanForCausalLM"], "hidden_size": 5120,
                      "vocab_size": 125696}"#;
-        let msg = |json, env| detect_json(json, env).unwrap_err().to_string();
-        assert!(msg(v1, None).contains("Baichuan-13B (BaichuanForCausalLM"));
-        assert!(msg(v2, None).contains("Baichuan2-13B"));
-        assert!(msg(v2, Some("1")).contains("Baichuan-13B (BaichuanForCausalLM"));
-        assert!(msg(v1, Some("2")).contains("Baichuan2-13B"));
-        for m in [msg(v1, None), msg(v2, Some("2"))] {
-            assert!(
-                m.contains("Bloom / Baichuan-13B (ALiBi) are not supported yet"),
-                "{m}"
-            );
+        let small = r#"{"architectures": ["BaichuanForCausalLM"], "hidden_size": 64,
+                     "vocab_size": 128}"#;
+        let b = ModelFamily::Baichuan;
+        let cases = [
+            (v1, None, b(BaichuanVariant::Baichuan13B)),
+            (v2, None, b(BaichuanVariant::Baichuan2_13B)),
+            (v2, Some("1"), b(BaichuanVariant::Baichuan13B)),
+            (v1, Some("2"), b(BaichuanVariant::Baichuan2_13B)),
+            (small, None, b(BaichuanVariant::Baichuan2_7B)),
+            (small, Some("1"), b(BaichuanVariant::Baichuan13B)),
+        ];
+        for (json, env, want) in cases {
+            assert_eq!(detect_json(json, env).unwrap(), want, "{json} {env:?}");
         }
-        let bad = msg(v1, Some("13b"));
+        assert_eq!(
+            b(BaichuanVariant::Baichuan13B).position_encoding(),
+            PositionEncoding::Alibi
+        );
+        assert!(b(BaichuanVariant::Baichuan2_13B).norm_head());
+        assert!(!b(BaichuanVariant::Baichuan13B).norm_head());
+        let bad = detect_json(v1, Some("13b")).unwrap_err().to_string();
         assert!(
             bad.contains(BAICHUAN_13B_ENV) && bad.contains("set it to 1"),
             "{bad}"
         );
+        let bloom = detect_json(r#"{"model_type": "bloom"}"#, None).unwrap();
+        assert_eq!(bloom, ModelFamily::Bloom);
+        assert_eq!(bloom.position_encoding(), PositionEncoding::Alibi);
+        assert_eq!(bloom.norm_kind(), NormKind::Layer);
     }
 }

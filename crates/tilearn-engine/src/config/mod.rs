@@ -12,6 +12,7 @@
 //! (`attention_dropout`, `use_cache`, …) are kept in [`LlamaConfig::extra`] and written back, so
 //! a load → save round trip loses nothing.
 
+mod bloom;
 mod family;
 mod generation;
 
@@ -22,7 +23,10 @@ use tilearn_ops::DType;
 
 use crate::error::{EngineError, Result};
 
-pub use family::{AttentionKind, BAICHUAN_13B_ENV, BaichuanVariant, ModelFamily};
+pub use family::{
+    AttentionKind, BAICHUAN_13B_ENV, BaichuanVariant, MlpKind, ModelFamily, NormKind,
+    PositionEncoding,
+};
 pub use generation::{GENERATION_CONFIG_FILE, GenerationConfig};
 
 /// The transformers version we write into `config.json`.
@@ -131,6 +135,9 @@ pub struct LlamaConfig {
     /// Per layer, full or sliding attention (`num_hidden_layers` entries): Qwen2's
     /// `layer_types` (or its `max_window_layers` rule), every layer sliding for Mistral.
     pub layer_types: Vec<AttentionKind>,
+    /// Baichuan2's `z_loss_weight` (0 for every other family): the training loss adds
+    /// `z_loss_weight · max(logits)²` per target (see `tilearn_ops::cpu::z_loss`).
+    pub z_loss_weight: f64,
     /// Keys of the source `config.json` that we do not interpret, written back unchanged.
     pub extra: Map<String, Value>,
     /// The model directory's `generation_config.json`, when the model was loaded from one that
@@ -310,9 +317,29 @@ impl LlamaConfig {
         Self::from_json_str(&text, path)
     }
 
+    /// [`LlamaConfig::from_file`] with the value of [`BAICHUAN_13B_ENV`] given instead of read
+    /// from the environment (`None`: unset), for callers that load several models in one
+    /// process (tests).
+    pub fn from_file_with_baichuan_13b(
+        path: impl AsRef<Path>,
+        baichuan_13b: Option<&str>,
+    ) -> Result<LlamaConfig> {
+        let path = path.as_ref();
+        let text =
+            std::fs::read_to_string(path).map_err(|e| EngineError::io(path, "read config", e))?;
+        let obj = Self::json_object(&text, path)?;
+        Self::from_json_object(&obj, path, baichuan_13b)
+    }
+
     /// Parses the text of a `config.json`; `path` is only used in error messages.
     pub fn from_json_str(text: &str, path: impl AsRef<Path>) -> Result<LlamaConfig> {
-        let file: PathBuf = path.as_ref().to_path_buf();
+        let obj = Self::json_object(text, path.as_ref())?;
+        let env = std::env::var(BAICHUAN_13B_ENV).ok();
+        Self::from_json_object(&obj, path.as_ref(), env.as_deref())
+    }
+
+    fn json_object(text: &str, path: &Path) -> Result<Map<String, Value>> {
+        let file: PathBuf = path.to_path_buf();
         let value: Value = serde_json::from_str(text).map_err(|e| EngineError::Config {
             file: file.clone(),
             field: "<document>".to_string(),
@@ -325,13 +352,19 @@ impl LlamaConfig {
                 message: "expected a JSON object at the top level".to_string(),
             });
         };
-        Self::from_json_object(&obj, &file)
+        Ok(obj)
     }
 
-    fn from_json_object(obj: &Map<String, Value>, file: &Path) -> Result<LlamaConfig> {
+    fn from_json_object(
+        obj: &Map<String, Value>,
+        file: &Path,
+        baichuan_13b: Option<&str>,
+    ) -> Result<LlamaConfig> {
         let f = Fields { obj, file };
-        let env = std::env::var(BAICHUAN_13B_ENV).ok();
-        let family = family::detect(&f, env.as_deref())?;
+        let family = family::detect(&f, baichuan_13b)?;
+        if family == ModelFamily::Bloom {
+            return bloom::parse(&f);
+        }
 
         if let Some(act) = f.opt_str("hidden_act")?
             && act != "silu"
@@ -389,7 +422,7 @@ impl LlamaConfig {
                 hidden_size / num_attention_heads
             }
         };
-        if head_dim % 2 != 0 {
+        if family.position_encoding() == PositionEncoding::Rope && head_dim % 2 != 0 {
             return Err(f.err(
                 "head_dim",
                 format!("{head_dim} is odd; rotary embeddings need an even head_dim"),
@@ -408,7 +441,7 @@ impl LlamaConfig {
             }
             Some(n) => n,
             None => match family {
-                ModelFamily::Llama => 2048,
+                ModelFamily::Llama | ModelFamily::Bloom => 2048,
                 ModelFamily::Qwen2 => 32768,
                 ModelFamily::Mistral => 131072,
                 ModelFamily::Baichuan(_) => 4096,
@@ -424,18 +457,19 @@ impl LlamaConfig {
                  rope_theta / rope_scaling from config.json",
             ));
         }
-        if family.norm_head()
-            && let Some(z) = f.opt_f64("z_loss_weight")?
-            && z != 0.0
-        {
-            return Err(f.err(
-                "z_loss_weight",
-                format!(
-                    "{z}: Baichuan2's z-loss is not supported yet; set \"z_loss_weight\": 0 to \
-                     fine-tune without it"
-                ),
-            ));
-        }
+        // Baichuan2's modeling code adds `z_loss_weight · mean(max(logits)²)` to the loss.
+        let z_loss_weight = if family.norm_head() {
+            let z = f.opt_f64("z_loss_weight")?.unwrap_or(0.0);
+            if !(z >= 0.0 && z.is_finite()) {
+                return Err(f.err(
+                    "z_loss_weight",
+                    format!("{z} must be a finite non-negative number (0 turns the z-loss off)"),
+                ));
+            }
+            z
+        } else {
+            0.0
+        };
         let (sliding_window, layer_types) = parse_sliding_window(&f, family, num_hidden_layers)?;
 
         let dtype = match (f.opt_str("dtype")?, f.opt_str("torch_dtype")?) {
@@ -449,7 +483,8 @@ impl LlamaConfig {
             .iter()
             .filter(|(k, _)| {
                 let interpreted = KNOWN_KEYS.contains(&k.as_str())
-                    || (sliding && SLIDING_KEYS.contains(&k.as_str()));
+                    || (sliding && SLIDING_KEYS.contains(&k.as_str()))
+                    || (family.norm_head() && k.as_str() == "z_loss_weight");
                 !interpreted
             })
             .map(|(k, v)| (k.clone(), v.clone()))
@@ -462,7 +497,7 @@ impl LlamaConfig {
             ),
             // Qwen2: q/k/v always have a bias; no other family has any.
             ModelFamily::Qwen2 => (true, false),
-            ModelFamily::Mistral | ModelFamily::Baichuan(_) => (false, false),
+            ModelFamily::Mistral | ModelFamily::Baichuan(_) | ModelFamily::Bloom => (false, false),
         };
 
         Ok(LlamaConfig {
@@ -488,6 +523,7 @@ impl LlamaConfig {
             dtype,
             sliding_window,
             layer_types,
+            z_loss_weight,
             extra,
             generation: None,
         })
@@ -498,9 +534,9 @@ impl LlamaConfig {
         self.attention_bias
     }
 
-    /// Whether o_proj has a bias (Llama's `attention_bias`; never for Qwen2).
+    /// Whether o_proj has a bias (Llama's `attention_bias`, always for Bloom; never for Qwen2).
     pub fn o_bias(&self) -> bool {
-        self.attention_bias && self.family == ModelFamily::Llama
+        self.attention_bias && matches!(self.family, ModelFamily::Llama | ModelFamily::Bloom)
     }
 
     /// Whether the lm_head rows are L2-normalised before the product (Baichuan2's NormHead).
@@ -533,6 +569,9 @@ impl LlamaConfig {
 
     /// The `config.json` document in the transformers v5 form.
     pub fn to_json_value(&self) -> Value {
+        if self.family == ModelFamily::Bloom {
+            return bloom::to_json_value(self);
+        }
         let mut m = self.extra.clone();
         let mut put = |k: &str, v: Value| {
             m.insert(k.to_string(), v);
@@ -577,7 +616,8 @@ impl LlamaConfig {
         );
         let dtype = Value::from(self.dtype.unwrap_or(DType::F32).hf_name());
         match family {
-            ModelFamily::Llama => {}
+            // Bloom returned above (its keys differ throughout).
+            ModelFamily::Llama | ModelFamily::Bloom => {}
             ModelFamily::Qwen2 => {
                 put(
                     "use_sliding_window",
@@ -598,6 +638,9 @@ impl LlamaConfig {
             // (it rotates with base 10000) and no head_dim.
             ModelFamily::Baichuan(_) => {
                 m.remove("head_dim");
+                if family.norm_head() {
+                    m.insert("z_loss_weight".into(), Value::from(self.z_loss_weight));
+                }
                 m.insert("torch_dtype".into(), dtype);
                 m.insert("transformers_version".into(), Value::from("4.29.2"));
                 return Value::Object(m);
@@ -738,7 +781,7 @@ fn parse_sliding_window(
             }
             Ok((w, kinds))
         }
-        ModelFamily::Llama | ModelFamily::Baichuan(_) => Ok((None, full)),
+        ModelFamily::Llama | ModelFamily::Baichuan(_) | ModelFamily::Bloom => Ok((None, full)),
     }
 }
 

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaSlice, CudaViewMut};
 use tilearn_ops::cuda::{CudaStream, DeviceFloat};
 
 use super::views::{Carver, sub_mut};
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, NormKind};
 use crate::error::Result;
 use std::sync::Arc;
 
@@ -45,6 +45,12 @@ pub(crate) struct Dims {
     pub eps: f64,
     /// Elements of the lm_head (`V * C`) when NormHead normalises it, else 0.
     pub head_norm_len: usize,
+    /// Baichuan2's z-loss weight (0: none).
+    pub z_loss_weight: f64,
+    /// LayerNorm (Bloom): the norms save means too, `n` f32 each (0 for RMSNorm).
+    pub mean_len: usize,
+    /// Bloom's embedding LayerNorm: its mean and rstd, `n` f32 each (0 otherwise).
+    pub embed_norm_len: usize,
 }
 
 impl Dims {
@@ -65,6 +71,17 @@ impl Dims {
             eps: config.rms_norm_eps,
             head_norm_len: if config.norm_head() {
                 config.vocab_size * config.hidden_size
+            } else {
+                0
+            },
+            z_loss_weight: config.z_loss_weight,
+            mean_len: if config.family.norm_kind() == NormKind::Layer {
+                batch * seq
+            } else {
+                0
+            },
+            embed_norm_len: if config.family.embedding_norm() {
+                batch * seq
             } else {
                 0
             },
@@ -107,9 +124,15 @@ impl Dims {
         ]
     }
 
-    /// Lengths of one layer's f32 statistics: rstd1, lse, rstd2.
-    fn layer_stat_lens(&self) -> [usize; 3] {
-        [self.n, self.n * self.q_heads, self.n]
+    /// Lengths of one layer's f32 statistics: rstd1, lse, rstd2, mean1, mean2.
+    fn layer_stat_lens(&self) -> [usize; 5] {
+        [
+            self.n,
+            self.n * self.q_heads,
+            self.n,
+            self.mean_len,
+            self.mean_len,
+        ]
     }
 
     /// Elements of `T` the arena needs for this call's shape with `sets` sets of per-layer
@@ -135,7 +158,11 @@ impl Dims {
     /// f32 elements of the statistics arena for this call's shape and `sets`.
     pub(crate) fn stats_len(&self, sets: usize) -> usize {
         let layer: usize = self.layer_stat_lens().iter().map(|&l| padded(l)).sum();
-        sets * layer + 2 * padded(self.n) + padded(self.head_norm_len)
+        sets * layer
+            + 2 * padded(self.n)
+            + padded(self.head_norm_len)
+            + padded(self.mean_len)
+            + 2 * padded(self.embed_norm_len)
     }
 }
 
@@ -215,7 +242,7 @@ impl Arena {
         let mut layers = Vec::with_capacity(sets);
         for _ in 0..sets {
             let [xn1, q, k, v, att, h, xn2, gate, up, act] = d.layer_lens();
-            let [rstd1, lse, rstd2] = d.layer_stat_lens();
+            let [rstd1, lse, rstd2, mean1, mean2] = d.layer_stat_lens();
             layers.push(LayerBufs {
                 xn1: aligned(&mut m, xn1)?,
                 q: aligned(&mut m, q)?,
@@ -230,6 +257,8 @@ impl Arena {
                 rstd1: aligned(&mut s, rstd1)?,
                 lse: aligned(&mut s, lse)?,
                 rstd2: aligned(&mut s, rstd2)?,
+                mean1: aligned(&mut s, mean1)?,
+                mean2: aligned(&mut s, mean2)?,
             });
         }
         let final_xn = aligned(&mut m, d.n * d.c)?;
@@ -252,7 +281,13 @@ impl Arena {
         let final_rstd = aligned(&mut s, d.n)?;
         let row_loss = aligned(&mut s, d.n)?;
         let dhead_normed = aligned(&mut s, d.head_norm_len)?;
+        let final_mean = aligned(&mut s, d.mean_len)?;
+        let embed_mean = aligned(&mut s, d.embed_norm_len)?;
+        let embed_rstd = aligned(&mut s, d.embed_norm_len)?;
         Ok(Bufs {
+            final_mean,
+            embed_mean,
+            embed_rstd,
             resid,
             layers,
             final_xn,
@@ -298,6 +333,9 @@ pub(crate) struct LayerBufs<'a, T> {
     pub lse: CudaViewMut<'a, f32>,
     /// f32 `1/rms` of `h`, `[N]`.
     pub rstd2: CudaViewMut<'a, f32>,
+    /// LayerNorm (Bloom): f32 means of the block input and of `h`, `[N]` (empty for RMSNorm).
+    pub mean1: CudaViewMut<'a, f32>,
+    pub mean2: CudaViewMut<'a, f32>,
 }
 
 /// Gradient scratch of the backward, shared by all layers (written `=` by each op).
@@ -326,6 +364,11 @@ pub(crate) struct Bufs<'a, T> {
     /// `model.norm(resid[L])`, `[N, C]`.
     pub final_xn: CudaViewMut<'a, T>,
     pub final_rstd: CudaViewMut<'a, f32>,
+    /// The final LayerNorm's means (Bloom; empty for RMSNorm).
+    pub final_mean: CudaViewMut<'a, f32>,
+    /// Bloom's `word_embeddings_layernorm` mean and rstd, `[N]` each (empty otherwise).
+    pub embed_mean: CudaViewMut<'a, f32>,
+    pub embed_rstd: CudaViewMut<'a, f32>,
     /// One chunk of the loss head's logits, `[logit_rows, V]`; after the fused cross entropy,
     /// d(loss)/d(logits) of that chunk (see `lce.rs`).
     pub logit_chunk: CudaViewMut<'a, T>,

@@ -14,17 +14,17 @@
 //! final norm), so each block's output norm is computed by the block that produced its input;
 //! in the backward the norms add their input gradient straight into `dres`.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cuda::{
-    self as k, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuRopeTable, RmsNormScratch,
-    TokenIdCheck,
+    self as k, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuRopeTable, LayerNormScratch,
+    RmsNormScratch, TokenIdCheck,
 };
 
 use super::arena::{Bufs, Dims, LayerBufs};
 use super::linalg::Matmul;
+use super::norms::{NormAt, add_norm_fwd, norm_bwd, norm_bwd_add, norm_fwd};
 use super::sink::{GradParts, Handoff};
 use super::tensor_parallel::{DeviceSums, complete};
 use crate::error::Result;
@@ -39,6 +39,8 @@ pub(crate) struct Cx<'a> {
     pub check: &'a mut TokenIdCheck,
     /// dweight partials of the RMSNorm backwards (allocated once at build).
     pub norm_scratch: &'a mut RmsNormScratch,
+    /// dweight/dbias partials of the LayerNorm backwards (Bloom; allocated once at build).
+    pub ln_scratch: Option<&'a mut LayerNormScratch>,
     /// Sort buffers of the embedding backward (allocated once at build).
     pub embed_scratch: &'a mut EmbeddingBackwardScratch,
     /// Position ids `[batch, seq]` of packed rows (restarting at 0 per example): RoPE rotates
@@ -47,14 +49,41 @@ pub(crate) struct Cx<'a> {
     /// The tensor-parallel group completing the row-parallel outputs and the column-parallel
     /// input gradients (`None`: the whole model on one rank).
     pub tp: Option<&'a dyn DeviceSums>,
+    /// ALiBi slopes `[q_heads]` (Baichuan-13B): attention biases instead of rotations.
+    pub alibi: Option<CudaView<'a, f32>>,
+    /// Row maxima of Baichuan2's z-loss (present when `z_loss_weight` is non-zero).
+    pub z_loss: Option<&'a mut k::ZLossScratch>,
 }
 
 /// Where a block writes the norm of its output: the next layer's `input_layernorm` buffers, or
 /// the final norm's.
 struct NextNorm<'b, 'a, T> {
-    weight: Range<usize>,
+    at: NormAt,
     xn: &'b mut CudaViewMut<'a, T>,
+    mean: &'b mut CudaViewMut<'a, f32>,
     rstd: &'b mut CudaViewMut<'a, f32>,
+}
+
+/// Layer `i`'s input norm, the post-attention norm, and the final norm.
+fn input_norm(lay: &LayerLayout) -> NormAt {
+    NormAt {
+        weight: lay.input_norm.clone(),
+        bias: lay.input_norm_bias.clone(),
+    }
+}
+
+fn post_attention_norm(lay: &LayerLayout) -> NormAt {
+    NormAt {
+        weight: lay.post_attention_norm.clone(),
+        bias: lay.post_attention_norm_bias.clone(),
+    }
+}
+
+fn final_norm(layout: &ModelLayout) -> NormAt {
+    NormAt {
+        weight: layout.norm.clone(),
+        bias: layout.norm_bias.clone(),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -136,14 +165,7 @@ pub(crate) fn forward<T: DeviceFloat>(
 ) -> Result<()> {
     let layout = cx.layout;
     let c = d.c;
-    k::embedding_forward(
-        cx.stream,
-        ids,
-        &w.slice(layout.embed.clone()),
-        c,
-        &mut b.resid[0],
-        cx.check,
-    )?;
+    embed_forward(cx, d, w, ids, b)?;
     if checkpointed(d, b) {
         for i in 0..d.layers {
             run_block_checkpointed(cx, d, w, b, i)?;
@@ -152,21 +174,29 @@ pub(crate) fn forward<T: DeviceFloat>(
     }
     // The first norm has no residual add before it; every later one is fused into the block
     // that produces its input.
-    let (first_w, first_xn, first_rstd) = match b.layers.first_mut() {
+    let (first_at, first_xn, first_mean, first_rstd) = match b.layers.first_mut() {
         Some(l0) => (
-            layout.layers[0].input_norm.clone(),
+            input_norm(&layout.layers[0]),
             &mut l0.xn1,
+            &mut l0.mean1,
             &mut l0.rstd1,
         ),
-        None => (layout.norm.clone(), &mut b.final_xn, &mut b.final_rstd),
+        None => (
+            final_norm(layout),
+            &mut b.final_xn,
+            &mut b.final_mean,
+            &mut b.final_rstd,
+        ),
     };
-    k::rmsnorm_forward(
-        cx.stream,
-        &b.resid[0],
-        &w.slice(first_w),
-        c,
+    norm_fwd(
+        cx,
         d.eps,
+        c,
+        w,
+        &first_at,
+        &b.resid[0].as_view(),
         first_xn,
+        first_mean,
         first_rstd,
     )?;
     for (i, lay) in layout.layers.iter().enumerate() {
@@ -174,13 +204,15 @@ pub(crate) fn forward<T: DeviceFloat>(
         let (cur, rest) = b.layers.split_at_mut(i + 1);
         let next = match rest.first_mut() {
             Some(nl) => NextNorm {
-                weight: layout.layers[i + 1].input_norm.clone(),
+                at: input_norm(&layout.layers[i + 1]),
                 xn: &mut nl.xn1,
+                mean: &mut nl.mean1,
                 rstd: &mut nl.rstd1,
             },
             None => NextNorm {
-                weight: layout.norm.clone(),
+                at: final_norm(layout),
                 xn: &mut b.final_xn,
+                mean: &mut b.final_mean,
                 rstd: &mut b.final_rstd,
             },
         };
@@ -194,6 +226,41 @@ pub(crate) fn forward<T: DeviceFloat>(
             &mut after[0],
             next,
         )?;
+    }
+    Ok(())
+}
+
+/// The embedding into `resid[0]`; for Bloom followed by `word_embeddings_layernorm` (the raw
+/// lookup goes through `final_xn`, free until the final norm, and the backward recomputes it).
+fn embed_forward<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    w: &CudaView<'_, T>,
+    ids: &CudaView<'_, u32>,
+    b: &mut Bufs<'_, T>,
+) -> Result<()> {
+    let layout = cx.layout;
+    let table = w.slice(layout.embed.clone());
+    match &layout.embed_norm {
+        None => k::embedding_forward(cx.stream, ids, &table, d.c, &mut b.resid[0], cx.check)?,
+        Some((nw, nb)) => {
+            k::embedding_forward(cx.stream, ids, &table, d.c, &mut b.final_xn, cx.check)?;
+            let at = NormAt {
+                weight: nw.clone(),
+                bias: Some(nb.clone()),
+            };
+            norm_fwd(
+                cx,
+                d.eps,
+                d.c,
+                w,
+                &at,
+                &b.final_xn.as_view(),
+                &mut b.resid[0],
+                &mut b.embed_mean,
+                &mut b.embed_rstd,
+            )?;
+        }
     }
     Ok(())
 }
@@ -222,22 +289,25 @@ fn run_block_checkpointed<T: DeviceFloat>(
     let lay = &layout.layers[i];
     let (before, after) = b.resid.split_at_mut(i + 1);
     let shared = &mut b.layers[0];
-    k::rmsnorm_forward(
-        cx.stream,
-        &before[i],
-        &w.slice(lay.input_norm.clone()),
-        d.c,
+    norm_fwd(
+        cx,
         d.eps,
+        d.c,
+        w,
+        &input_norm(lay),
+        &before[i].as_view(),
         &mut shared.xn1,
+        &mut shared.mean1,
         &mut shared.rstd1,
     )?;
-    let weight = match layout.layers.get(i + 1) {
-        Some(next) => next.input_norm.clone(),
-        None => layout.norm.clone(),
+    let at = match layout.layers.get(i + 1) {
+        Some(next) => input_norm(next),
+        None => final_norm(layout),
     };
     let next = NextNorm {
-        weight,
+        at,
         xn: &mut b.final_xn,
+        mean: &mut b.final_mean,
         rstd: &mut b.final_rstd,
     };
     block_forward(
@@ -267,21 +337,18 @@ pub(crate) fn backward<T: DeviceFloat>(
 ) -> Result<()> {
     let layout = cx.layout;
     let c = d.c;
-    {
-        let mut parts = g.grads()?;
-        let mut dnorm = parts.range(layout.norm.clone())?;
-        k::rmsnorm_backward(
-            cx.stream,
-            &b.grad.dxn,
-            &b.resid[d.layers],
-            &w.slice(layout.norm.clone()),
-            &b.final_rstd,
-            c,
-            &mut b.grad.dres,
-            &mut dnorm,
-            cx.norm_scratch,
-        )?;
-    }
+    norm_bwd(
+        cx,
+        c,
+        w,
+        &mut g.grads()?,
+        &final_norm(layout),
+        &b.grad.dxn,
+        &b.resid[d.layers].as_view(),
+        &b.final_mean,
+        &b.final_rstd,
+        &mut b.grad.dres,
+    )?;
     // The final norm and lm_head are done (a tied lm_head's gradient sits in the embedding's
     // range, which is handed on last).
     g.pass_on(cx.stream)?;
@@ -305,19 +372,41 @@ pub(crate) fn backward<T: DeviceFloat>(
         )?;
         g.pass_on(cx.stream)?;
     }
-    {
-        let mut parts = g.grads()?;
-        let mut dembed = parts.range(layout.embed.clone())?;
-        k::embedding_backward(
-            cx.stream,
-            ids,
-            &b.grad.dres,
+    if let Some((nw, nb)) = &layout.embed_norm {
+        // Bloom: through word_embeddings_layernorm, its input (the raw lookup) recomputed into
+        // dxn; dtmp = d/d(lookup) replaces dres.
+        let table = w.slice(layout.embed.clone());
+        k::embedding_forward(cx.stream, ids, &table, c, &mut b.grad.dxn, cx.check)?;
+        let at = NormAt {
+            weight: nw.clone(),
+            bias: Some(nb.clone()),
+        };
+        let gb = &mut b.grad;
+        norm_bwd(
+            cx,
             c,
-            &mut dembed,
-            cx.check,
-            cx.embed_scratch,
+            w,
+            &mut g.grads()?,
+            &at,
+            &gb.dres,
+            &gb.dxn.as_view(),
+            &b.embed_mean,
+            &b.embed_rstd,
+            &mut gb.dtmp,
         )?;
+        std::mem::swap(&mut gb.dres, &mut gb.dtmp);
     }
+    let mut parts = g.grads()?;
+    let mut dembed = parts.range(layout.embed.clone())?;
+    k::embedding_backward(
+        cx.stream,
+        ids,
+        &b.grad.dres,
+        c,
+        &mut dembed,
+        cx.check,
+        cx.embed_scratch,
+    )?;
     g.finish(cx.stream)
 }
 
@@ -341,17 +430,20 @@ fn block_forward<T: DeviceFloat>(
     linear_fwd(cx, w, &lay.k, &xn1, n, c, kv, &mut a.k)?;
     linear_fwd(cx, w, &lay.v, &xn1, n, c, kv, &mut a.v)?;
     let pos = cx.positions.as_ref();
-    k::rope_forward_at(
-        s, &mut a.q, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
-    )?;
-    k::rope_forward_at(
-        s, &mut a.k, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
-    )?;
+    if cx.alibi.is_none() {
+        k::rope_forward_at(
+            s, &mut a.q, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
+        )?;
+        k::rope_forward_at(
+            s, &mut a.k, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
+        )?;
+    }
     cx.mm.attention_forward(
         s,
         d,
         pos,
         lay.sliding_window,
+        cx.alibi.as_ref(),
         &a.q.as_view(),
         &a.k.as_view(),
         &a.v.as_view(),
@@ -361,33 +453,42 @@ fn block_forward<T: DeviceFloat>(
     linear_fwd(cx, w, &lay.o, &a.att.as_view(), n, q, c, &mut a.h)?;
     // Row-parallel: each rank's o_proj output is its heads' share.
     complete(cx.tp, &mut a.h)?;
-    // h = o + x in place, and post_attention_layernorm(h), in one launch.
-    k::add_rmsnorm_forward(
-        s,
+    // h = o + x in place, and post_attention_layernorm(h) (one launch for RMSNorm).
+    add_norm_fwd(
+        cx,
+        d.eps,
+        c,
+        w,
+        &post_attention_norm(lay),
         &mut a.h,
         x,
-        &w.slice(lay.post_attention_norm.clone()),
-        c,
-        d.eps,
         &mut a.xn2,
+        &mut a.mean2,
         &mut a.rstd2,
     )?;
     let xn2 = a.xn2.as_view();
-    linear_fwd(cx, w, &lay.gate, &xn2, n, c, inter, &mut a.gate)?;
     linear_fwd(cx, w, &lay.up, &xn2, n, c, inter, &mut a.up)?;
-    k::swiglu_forward(s, &a.gate, &a.up, &mut a.act)?;
+    match &lay.gate {
+        Some(gate) => {
+            linear_fwd(cx, w, gate, &xn2, n, c, inter, &mut a.gate)?;
+            k::swiglu_forward(s, &a.gate, &a.up, &mut a.act)?;
+        }
+        None => k::gelu_tanh_forward(s, &a.up, &mut a.act)?,
+    }
     linear_fwd(cx, w, &lay.down, &a.act.as_view(), n, inter, c, out)?;
     // Row-parallel: each rank's down_proj output is its columns' share.
     complete(cx.tp, out)?;
-    // out = down + h in place, and the next norm of out, in one launch.
-    k::add_rmsnorm_forward(
-        s,
-        out,
-        &a.h,
-        &w.slice(next.weight),
-        c,
+    // out = down + h in place, and the next norm of out (one launch for RMSNorm).
+    add_norm_fwd(
+        cx,
         d.eps,
+        c,
+        w,
+        &next.at,
+        out,
+        &a.h.as_view(),
         next.xn,
+        next.mean,
         next.rstd,
     )?;
     Ok(())
@@ -423,49 +524,67 @@ fn block_backward<T: DeviceFloat>(
         c,
         Some(&mut gb.dact),
     )?;
-    k::swiglu_backward(s, &gb.dact, &a.gate, &a.up, &mut gb.dgate, &mut gb.dup)?;
-    linear_bwd(
-        cx,
-        w,
-        g,
-        &lay.gate,
-        &gb.dgate.as_view(),
-        &xn2,
-        n,
-        c,
-        inter,
-        Some(&mut gb.dxn),
-    )?;
-    linear_bwd(
-        cx,
-        w,
-        g,
-        &lay.up,
-        &gb.dup.as_view(),
-        &xn2,
-        n,
-        c,
-        inter,
-        Some(&mut gb.dtmp),
-    )?;
-    k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+    match &lay.gate {
+        Some(gate) => {
+            k::swiglu_backward(s, &gb.dact, &a.gate, &a.up, &mut gb.dgate, &mut gb.dup)?;
+            linear_bwd(
+                cx,
+                w,
+                g,
+                gate,
+                &gb.dgate.as_view(),
+                &xn2,
+                n,
+                c,
+                inter,
+                Some(&mut gb.dxn),
+            )?;
+            linear_bwd(
+                cx,
+                w,
+                g,
+                &lay.up,
+                &gb.dup.as_view(),
+                &xn2,
+                n,
+                c,
+                inter,
+                Some(&mut gb.dtmp),
+            )?;
+            k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
+        }
+        None => {
+            k::gelu_tanh_backward(s, &gb.dact, &a.up, &mut gb.dup)?;
+            linear_bwd(
+                cx,
+                w,
+                g,
+                &lay.up,
+                &gb.dup.as_view(),
+                &xn2,
+                n,
+                c,
+                inter,
+                Some(&mut gb.dxn),
+            )?;
+        }
+    }
     // Column-parallel gate/up: each rank's input gradient covers its columns only.
     complete(cx.tp, &mut gb.dxn)?;
-    {
-        let mut dpost = g.range(lay.post_attention_norm.clone())?;
-        // dres += the norm's input gradient: dres becomes d/dh.
-        k::rmsnorm_backward_add(
-            s,
-            &gb.dxn,
-            &a.h,
-            &w.slice(lay.post_attention_norm.clone()),
-            &a.rstd2,
-            c,
-            &mut gb.dres,
-            &mut dpost,
-            cx.norm_scratch,
-        )?;
-    }
+    // dres += the norm's input gradient: dres becomes d/dh.
+    norm_bwd_add(
+        cx,
+        c,
+        w,
+        g,
+        &post_attention_norm(lay),
+        &gb.dxn,
+        &a.h.as_view(),
+        &a.mean2,
+        &a.rstd2,
+        &mut gb.dres,
+        &mut gb.dtmp,
+    )?;
 
     // Attention: h = x + o(attn(...)).
     linear_bwd(
@@ -486,6 +605,7 @@ fn block_backward<T: DeviceFloat>(
         d,
         pos,
         lay.sliding_window,
+        cx.alibi.as_ref(),
         &gb.datt.as_view(),
         &a.q.as_view(),
         &a.k.as_view(),
@@ -496,12 +616,14 @@ fn block_backward<T: DeviceFloat>(
         &mut gb.dk,
         &mut gb.dv,
     )?;
-    k::rope_backward_at(
-        s, &mut gb.dq, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
-    )?;
-    k::rope_backward_at(
-        s, &mut gb.dk, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
-    )?;
+    if cx.alibi.is_none() {
+        k::rope_backward_at(
+            s, &mut gb.dq, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
+        )?;
+        k::rope_backward_at(
+            s, &mut gb.dk, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
+        )?;
+    }
     linear_bwd(
         cx,
         w,
@@ -542,20 +664,19 @@ fn block_backward<T: DeviceFloat>(
     k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     // Column-parallel q/k/v: each rank's input gradient covers its heads only.
     complete(cx.tp, &mut gb.dxn)?;
-    {
-        let mut dinp = g.range(lay.input_norm.clone())?;
-        // dres += the norm's input gradient: dres becomes d/dx.
-        k::rmsnorm_backward_add(
-            s,
-            &gb.dxn,
-            x,
-            &w.slice(lay.input_norm.clone()),
-            &a.rstd1,
-            c,
-            &mut gb.dres,
-            &mut dinp,
-            cx.norm_scratch,
-        )?;
-    }
+    // dres += the norm's input gradient: dres becomes d/dx.
+    norm_bwd_add(
+        cx,
+        c,
+        w,
+        g,
+        &input_norm(lay),
+        &gb.dxn,
+        x,
+        &a.mean1,
+        &a.rstd1,
+        &mut gb.dres,
+        &mut gb.dtmp,
+    )?;
     Ok(())
 }

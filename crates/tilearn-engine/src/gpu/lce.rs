@@ -19,6 +19,11 @@
 //! the loss is the unchunked one up to the logits GEMM's choice of algorithm for a different
 //! M).
 //!
+//! Baichuan2's z-loss (`z_loss_weight` non-zero): before each chunk's cross entropy
+//! `z_loss_rows` reads the target rows' maxima and their positions; after it `z_loss_apply`
+//! adds `weight · max²` to the row losses and `factor · weight · 2 · max` to dlogits at the
+//! maximum, and the totals are then always reduced from the row losses.
+//!
 //! NormHead (Baichuan2): the products use the row-normalised lm_head, computed once per call
 //! into the arena (`row_normalize_forward`); the chunks' weight gradients are summed in f32
 //! into the arena's `dhead_normed` (zeroed, then each chunk's product adds with `beta = 1`),
@@ -123,6 +128,9 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
         let x = view(&final_xn, r.start * c..r.end * c)?;
         let mut logits = head_forward(cx, d, &head, &x, rows, &mut b.logit_chunk)?;
         let chunk_targets = view(targets, r.clone())?;
+        if let Some(z) = cx.z_loss.as_deref_mut() {
+            k::z_loss_rows(cx.stream, &logits, &chunk_targets, d.vocab, z)?;
+        }
         let mut row_loss = view_mut(&mut b.row_loss, r.clone())?;
         match factor {
             GradFactor::Host(grad_scale) => k::cross_entropy_fused(
@@ -143,6 +151,22 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
                 &mut row_loss,
                 totals,
             )?,
+        }
+        if let Some(z) = cx.z_loss.as_deref() {
+            let weight = d.z_loss_weight as f32;
+            let scale = match factor {
+                GradFactor::Host(f) => k::ZLossScale::Host(f as f32),
+                GradFactor::Device(f) => k::ZLossScale::Device(f),
+            };
+            k::z_loss_apply(
+                cx.stream,
+                z,
+                d.vocab,
+                weight,
+                scale,
+                &mut row_loss,
+                Some(&mut logits),
+            )?;
         }
         cx.mm.linear_backward(
             cx.stream,
@@ -182,20 +206,36 @@ pub(crate) fn loss_only<T: DeviceFloat>(
     for r in chunk_ranges(d.n, b.logit_rows) {
         let x = view(&final_xn, r.start * d.c..r.end * d.c)?;
         let logits = head_forward(cx, d, &head, &x, r.len(), &mut b.logit_chunk)?;
+        let chunk_targets = view(targets, r.clone())?;
+        let mut row_loss = view_mut(&mut b.row_loss, r.clone())?;
         k::cross_entropy_forward(
             cx.stream,
             &logits,
-            &view(targets, r.clone())?,
+            &chunk_targets,
             d.vocab,
-            &mut view_mut(&mut b.row_loss, r.clone())?,
+            &mut row_loss,
             totals,
         )?;
+        if let Some(z) = cx.z_loss.as_deref_mut() {
+            k::z_loss_rows(cx.stream, &logits, &chunk_targets, d.vocab, z)?;
+            k::z_loss_apply(
+                cx.stream,
+                z,
+                d.vocab,
+                d.z_loss_weight as f32,
+                k::ZLossScale::Host::<CudaView<'_, f32>>(0.0),
+                &mut row_loss,
+                None::<&mut CudaViewMut<'_, T>>,
+            )?;
+        }
     }
     call_totals(cx, d, targets, totals, b)
 }
 
 /// With several chunks, each cross-entropy launch wrote totals of its own rows only: reduce
 /// the whole call's row losses once (the same reduction, so the same bits, as one launch).
+/// With Baichuan2's z-loss the row losses gained their z terms after the launches' totals,
+/// so they are reduced again in every case.
 fn call_totals<T>(
     cx: &mut Cx<'_>,
     d: &Dims,
@@ -203,7 +243,7 @@ fn call_totals<T>(
     totals: &mut CeTotals,
     b: &Bufs<'_, T>,
 ) -> Result<()> {
-    if b.logit_rows < d.n {
+    if b.logit_rows < d.n || cx.z_loss.is_some() {
         k::cross_entropy_totals(cx.stream, &b.row_loss.as_view(), targets, d.vocab, totals)?;
     }
     Ok(())

@@ -146,6 +146,7 @@ impl Matmul {
         d: &Dims,
         positions: Option<&CudaView<'_, i32>>,
         window: Option<usize>,
+        alibi: Option<&CudaView<'_, f32>>,
         q: &CudaView<'_, T>,
         k: &CudaView<'_, T>,
         v: &CudaView<'_, T>,
@@ -153,7 +154,7 @@ impl Matmul {
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         self.same_stream(s, "attention_forward")?;
-        k::attention_forward_masked(
+        k::attention_forward_alibi(
             AttentionImpl::Auto,
             &self.gemm,
             &mut self.attn,
@@ -162,6 +163,7 @@ impl Matmul {
                 positions,
                 sliding_window: window,
             },
+            alibi,
             q,
             k,
             v,
@@ -178,6 +180,7 @@ impl Matmul {
         d: &Dims,
         positions: Option<&CudaView<'_, i32>>,
         window: Option<usize>,
+        alibi: Option<&CudaView<'_, f32>>,
         dout: &CudaView<'_, T>,
         q: &CudaView<'_, T>,
         k: &CudaView<'_, T>,
@@ -189,7 +192,7 @@ impl Matmul {
         dv: &mut CudaViewMut<'_, T>,
     ) -> Result<()> {
         self.same_stream(s, "attention_backward")?;
-        k::attention_backward_masked(
+        k::attention_backward_alibi(
             AttentionImpl::Auto,
             &self.gemm,
             &mut self.attn,
@@ -198,6 +201,7 @@ impl Matmul {
                 positions,
                 sliding_window: window,
             },
+            alibi,
             dout,
             q,
             k,

@@ -43,6 +43,7 @@ mod graph;
 mod inputs;
 mod lce;
 mod linalg;
+mod norms;
 mod optim;
 mod precision;
 mod sink;
@@ -67,7 +68,7 @@ use cudarc::driver::{
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
     CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuDevice, GpuRopeTable,
-    RmsNormScratch, TokenIdCheck,
+    LayerNormScratch, RmsNormScratch, TokenIdCheck, ZLossScratch,
 };
 use tilearn_ops::{DType, OpsError};
 use tilearn_optim::cuda::ParamCopy;
@@ -85,7 +86,7 @@ use lce::GradFactor;
 use linalg::Matmul;
 use precision::{WorkingCopy, weights, with_elem};
 
-use crate::config::{LlamaConfig, RopeScalingConfig};
+use crate::config::{LlamaConfig, NormKind, PositionEncoding, RopeScalingConfig};
 use crate::error::{EngineError, Result};
 use crate::lce_chunk::LceChunk;
 use crate::model::{LlamaForCausalLM, LossStats, ModelLayout};
@@ -188,6 +189,12 @@ pub struct GpuLlama {
     norm_scratch: RmsNormScratch,
     /// Sort buffers of the embedding backward (sized for `batch * seq` tokens at build).
     embed_scratch: EmbeddingBackwardScratch,
+    /// ALiBi slopes `[q_heads]` (Baichuan-13B), `None` for RoPE models.
+    alibi: Option<CudaSlice<f32>>,
+    /// Row maxima of Baichuan2's z-loss, when `z_loss_weight` is non-zero.
+    z_loss: Option<ZLossScratch>,
+    /// dweight/dbias partials of the LayerNorm backwards (Bloom).
+    ln_scratch: Option<LayerNormScratch>,
     optimizer: Option<GpuAdamW>,
     memory: GpuMemory,
     /// `--cuda-graphs` and the recorded step (see `graph.rs`).
@@ -505,11 +512,35 @@ impl GpuLlama {
         let mm = Matmul::new(&stream, &cap, widest)?;
         let norm_scratch = RmsNormScratch::new(&stream, n, config.hidden_size)?;
         let embed_scratch = EmbeddingBackwardScratch::new(&stream, n, config.vocab_size)?;
+        let alibi = match config.family.position_encoding() {
+            PositionEncoding::Alibi => Some(
+                stream
+                    .clone_htod(&tilearn_ops::alibi_slopes(config.num_attention_heads))
+                    .map_err(|e| cuda_err("uploading the ALiBi slopes", e))?,
+            ),
+            PositionEncoding::Rope => None,
+        };
+        let ln_scratch = if config.family.norm_kind() == NormKind::Layer {
+            Some(LayerNormScratch::new(&stream, n, config.hidden_size)?)
+        } else {
+            None
+        };
+        let z_loss = if config.z_loss_weight != 0.0 {
+            Some(ZLossScratch::new(&stream, n)?)
+        } else {
+            None
+        };
 
         let master_bytes = master.num_bytes();
         let grad_bytes = grads.num_bytes();
         let activation_bytes = arena_bytes + ids.num_bytes() + targets.num_bytes();
-        let workspace_bytes = mm.bytes() + norm_scratch.bytes() + embed_scratch.bytes();
+        let workspace_bytes = mm.bytes()
+            + norm_scratch.bytes()
+            + embed_scratch.bytes()
+            + z_loss.as_ref().map_or(0, ZLossScratch::bytes)
+            + ln_scratch
+                .as_ref()
+                .map_or(0, |_| 4 * LayerNormScratch::len_for(n, config.hidden_size));
         let mut gpu = GpuLlama {
             device: device.clone(),
             specs: ParamStore::specs_for(&config),
@@ -541,6 +572,9 @@ impl GpuLlama {
             mm,
             norm_scratch,
             embed_scratch,
+            alibi,
+            z_loss,
+            ln_scratch,
             optimizer: None,
             graphs: GraphState::default(),
             tp: None,
@@ -707,6 +741,9 @@ impl GpuLlama {
             precision,
             position_ids,
             tp,
+            alibi,
+            z_loss,
+            ln_scratch,
             ..
         } = self;
         Pass {
@@ -720,6 +757,9 @@ impl GpuLlama {
                 embed_scratch,
                 positions: position_ids.as_ref().map(|(p, _, _)| p.as_view()),
                 tp: tp.as_deref(),
+                alibi: alibi.as_ref().map(|a| a.as_view()),
+                z_loss: z_loss.as_mut(),
+                ln_scratch: ln_scratch.as_mut(),
             },
             master,
             work: work.as_ref(),

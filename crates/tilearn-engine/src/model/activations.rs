@@ -8,7 +8,7 @@
 use tilearn_ops::cpu::{Real, RopeTable};
 
 use super::layout::ModelLayout;
-use crate::config::{LlamaConfig, RopeScalingConfig};
+use crate::config::{LlamaConfig, PositionEncoding, RopeScalingConfig};
 
 /// What one decoder layer's forward saves for its backward (`N = batch * seq` rows).
 #[derive(Clone, Debug)]
@@ -37,8 +37,11 @@ pub struct LayerActs<R: Real> {
     pub gate: Vec<R>,
     /// `up_proj` output, `[N, I]`.
     pub up: Vec<R>,
-    /// `silu(gate) * up` (input of `down_proj`), `[N, I]`.
+    /// `silu(gate) * up` (input of `down_proj`), `[N, I]`; `gelu(up)` for Bloom's MLP.
     pub act: Vec<R>,
+    /// LayerNorm means of the block input and of `h` (Bloom), `[N]` each.
+    pub mean1: Vec<R>,
+    pub mean2: Vec<R>,
 }
 
 impl<R: Real> LayerActs<R> {
@@ -59,6 +62,8 @@ impl<R: Real> LayerActs<R> {
             gate: z(n * c.intermediate_size),
             up: z(n * c.intermediate_size),
             act: z(n * c.intermediate_size),
+            mean1: z(n),
+            mean2: z(n),
         }
     }
 
@@ -77,6 +82,8 @@ impl<R: Real> LayerActs<R> {
             &self.gate,
             &self.up,
             &self.act,
+            &self.mean1,
+            &self.mean2,
         ]
         .iter()
         .map(|b| b.len())
@@ -151,6 +158,8 @@ pub struct Activations<R: Real = f32> {
     /// dynamic NTK scaling beyond `original_max_position_embeddings`).
     pub(crate) rope_prefix_ok: bool,
     pub(crate) rope: RopeTable,
+    /// ALiBi slopes `[q_heads]` (Baichuan-13B), `None` for RoPE models.
+    pub(crate) alibi: Option<Vec<f32>>,
     pub(crate) layout: ModelLayout,
     /// Block inputs: `resid[i]` is the input of layer `i`, `resid[L]` the final norm's input;
     /// `L + 1` slabs of `[N, C]`.
@@ -158,6 +167,12 @@ pub struct Activations<R: Real = f32> {
     /// One per layer, or a single reused one with gradient checkpointing.
     pub(crate) layers: Vec<LayerActs<R>>,
     pub(crate) final_rstd: Vec<R>,
+    /// The final LayerNorm's means (Bloom), `[N]`.
+    pub(crate) final_mean: Vec<R>,
+    /// Bloom's `word_embeddings_layernorm` statistics (mean, rstd), `[N]` each; its input,
+    /// the raw embedding, is recomputed in the backward.
+    pub(crate) embed_mean: Vec<R>,
+    pub(crate) embed_rstd: Vec<R>,
     pub(crate) final_xn: Vec<R>,
     /// Logits `[N, V]`; after `forward_backward`, the gradient of the loss w.r.t. them.
     pub(crate) logits: Vec<R>,
@@ -213,12 +228,17 @@ impl<R: Real> Activations<R> {
                 seq,
                 config.max_position_embeddings,
             ),
+            alibi: (config.family.position_encoding() == PositionEncoding::Alibi)
+                .then(|| tilearn_ops::alibi_slopes(config.num_attention_heads)),
             layout: ModelLayout::from_config(config),
             resid: vec![R::zero(); (config.num_hidden_layers + 1) * n * c],
             layers: (0..n_layer_acts)
                 .map(|_| LayerActs::new(config, batch, seq))
                 .collect(),
             final_rstd: vec![R::zero(); n],
+            final_mean: vec![R::zero(); n],
+            embed_mean: vec![R::zero(); n],
+            embed_rstd: vec![R::zero(); n],
             final_xn: vec![R::zero(); n * c],
             logits: vec![R::zero(); n * config.vocab_size],
             targets: vec![0; n],
@@ -269,6 +289,9 @@ impl<R: Real> Activations<R> {
         let elems = self.resid.len()
             + self.layers.iter().map(LayerActs::len).sum::<usize>()
             + self.final_rstd.len()
+            + self.final_mean.len()
+            + self.embed_mean.len()
+            + self.embed_rstd.len()
             + self.final_xn.len()
             + self.logits.len()
             + self.grad.len()

@@ -1,9 +1,11 @@
-//! One Llama decoder layer, forward and backward, on prefixes of the arena's buffers.
+//! One decoder layer, forward and backward, on prefixes of the arena's buffers.
 //!
 //! ```text
 //! h   = x + o_proj(attn(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))   n1 = input_layernorm(x)
 //! out = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                    n2 = post_attention_layernorm(h)
 //! ```
+//! with the family's parts from the layout: RMSNorm or LayerNorm (a norm bias), RoPE or ALiBi
+//! (slopes in [`Positions`]), SwiGLU or Bloom's `down(gelu_tanh(up(n2)))` (no gate).
 //! Gradient convention: `dres` holds d(loss)/d(out) on entry and d(loss)/d(x) on return
 //! (written); parameter gradients are accumulated (`+=`).
 
@@ -11,13 +13,14 @@ use std::ops::Range;
 
 use tilearn_ops::KeyMask;
 use tilearn_ops::cpu::{
-    AttnShape, Real, RopeTable, add_inplace, attention_backward_masked, attention_forward_masked,
-    linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward, rope_backward_at,
+    AttnShape, Real, RopeTable, add_inplace, attention_backward_alibi, attention_forward_alibi,
+    gelu_tanh_backward, gelu_tanh_forward, linear_backward, linear_forward, rope_backward_at,
     rope_forward_at, swiglu_backward, swiglu_forward,
 };
 
 use super::activations::{GradScratch, LayerActs};
 use super::layout::{LayerLayout, LinearLayout};
+use super::norm::{NormAt, norm_backward, norm_forward};
 use super::partial_sums::RowSplit;
 use crate::config::LlamaConfig;
 use crate::error::Result;
@@ -39,6 +42,8 @@ pub(crate) struct Dims {
     pub eps: f64,
     /// Whether the lm_head rows are normalised before the product (Baichuan2's NormHead).
     pub norm_head: bool,
+    /// Baichuan2's z-loss weight (0: none).
+    pub z_loss_weight: f64,
 }
 
 impl Dims {
@@ -57,6 +62,7 @@ impl Dims {
             head_dim: config.head_dim,
             eps: config.rms_norm_eps,
             norm_head: config.norm_head(),
+            z_loss_weight: config.z_loss_weight,
         }
     }
 
@@ -126,13 +132,29 @@ fn linear_bwd<R: Real>(
     }
 }
 
+fn input_norm(lay: &LayerLayout) -> NormAt<'_> {
+    NormAt {
+        weight: &lay.input_norm,
+        bias: lay.input_norm_bias.as_ref(),
+    }
+}
+
+fn post_attention_norm(lay: &LayerLayout) -> NormAt<'_> {
+    NormAt {
+        weight: &lay.post_attention_norm,
+        bias: lay.post_attention_norm_bias.as_ref(),
+    }
+}
+
 /// Where the tokens of a call sit: the rotary table and, for packed rows, the position ids
 /// `[batch, seq]` (restarting per example: RoPE rotates by them and attention stays inside
-/// each example).
+/// each example). With ALiBi slopes the model encodes positions by the attention bias instead
+/// and q and k are not rotated.
 #[derive(Clone, Copy)]
 pub(crate) struct Positions<'a> {
     pub rope: &'a RopeTable,
     pub ids: Option<&'a [i32]>,
+    pub alibi: Option<&'a [f32]>,
 }
 
 impl Positions<'_> {
@@ -164,12 +186,14 @@ pub(crate) fn block_forward<R: Real>(
 ) -> Result<()> {
     let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
     let nl = rows.local_rows(n)?;
-    rmsnorm_forward(
+    norm_forward(
+        input_norm(lay),
+        p,
         &x[..nl * c],
-        &p[lay.input_norm.clone()],
         c,
         d.eps,
         &mut a.xn1[..nl * c],
+        &mut a.mean1[..nl],
         &mut a.rstd1[..nl],
     )?;
     rows.gather(&mut a.xn1[..n * c])?;
@@ -180,22 +204,27 @@ pub(crate) fn block_forward<R: Real>(
     linear_fwd(p, &lay.q, xn1, n, c, q, qb)?;
     linear_fwd(p, &lay.k, xn1, n, c, kv, kb)?;
     linear_fwd(p, &lay.v, xn1, n, c, kv, vb)?;
-    let rope = pos.rope;
-    rope_forward_at(qb, d.batch, d.seq, d.q_heads, d.head_dim, rope, pos.ids)?;
-    rope_forward_at(kb, d.batch, d.seq, d.kv_heads, d.head_dim, rope, pos.ids)?;
+    if pos.alibi.is_none() {
+        let rope = pos.rope;
+        rope_forward_at(qb, d.batch, d.seq, d.q_heads, d.head_dim, rope, pos.ids)?;
+        rope_forward_at(kb, d.batch, d.seq, d.kv_heads, d.head_dim, rope, pos.ids)?;
+    }
     let att = &mut a.att[..n * q];
     let lse = &mut a.lse[..n * d.q_heads];
-    attention_forward_masked(d.attn(), pos.mask(lay.sliding_window), qb, kb, vb, att, lse)?;
+    let mask = pos.mask(lay.sliding_window);
+    attention_forward_alibi(d.attn(), mask, pos.alibi, qb, kb, vb, att, lse)?;
     linear_fwd(p, &lay.o, att, n, q, c, &mut a.h[..n * c])?;
     rows.complete(&mut a.h[..n * c])?;
     let h = &mut a.h[..nl * c];
     add_inplace(h, &x[..nl * c])?;
-    rmsnorm_forward(
+    norm_forward(
+        post_attention_norm(lay),
+        p,
         h,
-        &p[lay.post_attention_norm.clone()],
         c,
         d.eps,
         &mut a.xn2[..nl * c],
+        &mut a.mean2[..nl],
         &mut a.rstd2[..nl],
     )?;
     rows.gather(&mut a.xn2[..n * c])?;
@@ -205,9 +234,14 @@ pub(crate) fn block_forward<R: Real>(
         &mut a.up[..n * inter],
         &mut a.act[..n * inter],
     );
-    linear_fwd(p, &lay.gate, xn2, n, c, inter, gate)?;
     linear_fwd(p, &lay.up, xn2, n, c, inter, up)?;
-    swiglu_forward(gate, up, act)?;
+    match &lay.gate {
+        Some(g) => {
+            linear_fwd(p, g, xn2, n, c, inter, gate)?;
+            swiglu_forward(gate, up, act)?;
+        }
+        None => gelu_tanh_forward(up, act)?,
+    }
     if let Some(out) = out {
         linear_fwd(p, &lay.down, act, n, inter, c, &mut out[..n * c])?;
         rows.complete(&mut out[..n * c])?;
@@ -257,22 +291,31 @@ pub(crate) fn block_backward<R: Real>(
         c,
         Some(&mut *dact),
     )?;
-    swiglu_backward(dact, &a.gate[..n * inter], &a.up[..n * inter], dgate, dup)?;
     let dxn = &mut s.dxn[..n * c];
     let dtmp = &mut s.dtmp[..n * c];
-    linear_bwd(p, g, &lay.gate, dgate, xn2, n, c, inter, Some(&mut *dxn))?;
-    linear_bwd(p, g, &lay.up, dup, xn2, n, c, inter, Some(&mut *dtmp))?;
-    add_inplace(dxn, dtmp)?;
+    match &lay.gate {
+        Some(gl) => {
+            swiglu_backward(dact, &a.gate[..n * inter], &a.up[..n * inter], dgate, dup)?;
+            linear_bwd(p, g, gl, dgate, xn2, n, c, inter, Some(&mut *dxn))?;
+            linear_bwd(p, g, &lay.up, dup, xn2, n, c, inter, Some(&mut *dtmp))?;
+            add_inplace(dxn, dtmp)?;
+        }
+        None => {
+            gelu_tanh_backward(dact, &a.up[..n * inter], dup)?;
+            linear_bwd(p, g, &lay.up, dup, xn2, n, c, inter, Some(&mut *dxn))?;
+        }
+    }
     rows.complete(dxn)?;
-    let post = lay.post_attention_norm.clone();
-    rmsnorm_backward(
+    norm_backward(
+        post_attention_norm(lay),
+        p,
+        g,
         &dxn[..nl * c],
         &a.h[..nl * c],
-        &p[post.clone()],
+        &a.mean2[..nl],
         &a.rstd2[..nl],
         c,
         &mut dtmp[..nl * c],
-        &mut g[post],
     )?;
     add_inplace(&mut s.dres[..nl * c], &dtmp[..nl * c])?; // dres = d/dh
 
@@ -282,9 +325,10 @@ pub(crate) fn block_backward<R: Real>(
     let att = &a.att[..n * q];
     let dh = rows.gathered(&s.dres[..n * c], &mut s.dtmp[..n * c])?;
     linear_bwd(p, g, &lay.o, dh, att, n, q, c, Some(&mut *datt))?;
-    attention_backward_masked(
+    attention_backward_alibi(
         d.attn(),
         pos.mask(lay.sliding_window),
+        pos.alibi,
         datt,
         &a.q[..n * q],
         &a.k[..n * kv],
@@ -295,10 +339,12 @@ pub(crate) fn block_backward<R: Real>(
         dk,
         dv,
     )?;
-    rope_backward_at(dq, d.batch, d.seq, d.q_heads, d.head_dim, pos.rope, pos.ids)?;
-    rope_backward_at(
-        dk, d.batch, d.seq, d.kv_heads, d.head_dim, pos.rope, pos.ids,
-    )?;
+    if pos.alibi.is_none() {
+        rope_backward_at(dq, d.batch, d.seq, d.q_heads, d.head_dim, pos.rope, pos.ids)?;
+        rope_backward_at(
+            dk, d.batch, d.seq, d.kv_heads, d.head_dim, pos.rope, pos.ids,
+        )?;
+    }
     let dxn = &mut s.dxn[..n * c];
     let dtmp = &mut s.dtmp[..n * c];
     linear_bwd(p, g, &lay.q, dq, xn1, n, c, q, Some(&mut *dxn))?;
@@ -307,15 +353,16 @@ pub(crate) fn block_backward<R: Real>(
     linear_bwd(p, g, &lay.v, dv, xn1, n, c, kv, Some(&mut *dtmp))?;
     add_inplace(dxn, dtmp)?;
     rows.complete(dxn)?;
-    let inp = lay.input_norm.clone();
-    rmsnorm_backward(
+    norm_backward(
+        input_norm(lay),
+        p,
+        g,
         &dxn[..nl * c],
         &x[..nl * c],
-        &p[inp.clone()],
+        &a.mean1[..nl],
         &a.rstd1[..nl],
         c,
         &mut dtmp[..nl * c],
-        &mut g[inp],
     )?;
     add_inplace(&mut s.dres[..nl * c], &dtmp[..nl * c])?; // dres = d/dx
     Ok(())

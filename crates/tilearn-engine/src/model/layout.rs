@@ -4,8 +4,8 @@
 
 use std::ops::Range;
 
-use crate::config::LlamaConfig;
-use crate::params::{ParamSpec, ParamStore, layer_prefix};
+use crate::config::{LlamaConfig, NormKind};
+use crate::params::{ParamSpec, ParamStore, TensorNames};
 
 /// A linear layer: weight `[out, in]` and optional bias `[out]`.
 #[derive(Clone, Debug)]
@@ -21,11 +21,15 @@ pub struct LayerLayout {
     pub k: LinearLayout,
     pub v: LinearLayout,
     pub o: LinearLayout,
-    pub gate: LinearLayout,
+    /// SwiGLU's gate; `None` for the tanh-GeLU MLP (Bloom), which is `down(gelu(up(x)))`.
+    pub gate: Option<LinearLayout>,
     pub up: LinearLayout,
     pub down: LinearLayout,
     pub input_norm: Range<usize>,
     pub post_attention_norm: Range<usize>,
+    /// LayerNorm biases (Bloom); `None` for RMSNorm.
+    pub input_norm_bias: Option<Range<usize>>,
+    pub post_attention_norm_bias: Option<Range<usize>>,
     /// The layer's sliding window (keys `i - W < j <= i`), `None` for full causal attention.
     pub sliding_window: Option<usize>,
 }
@@ -45,7 +49,8 @@ impl LayerLayout {
     /// Where decoder layer `i` (Hugging Face index) lies in the buffer of `specs`, or `None` if
     /// a tensor of it is missing.
     pub(crate) fn find(specs: &[ParamSpec], i: usize, config: &LlamaConfig) -> Option<LayerLayout> {
-        let p = layer_prefix(i);
+        let names = TensorNames::of(config.family);
+        let p = names.layer(i);
         let linear = |name: &str, bias: bool| -> Option<LinearLayout> {
             Some(LinearLayout {
                 weight: find(specs, &format!("{p}.{name}.weight"))?,
@@ -58,15 +63,21 @@ impl LayerLayout {
         };
         let mb = config.mlp_bias;
         let (q, k, v) = if config.family.packed_qkv() {
-            // W_pack = [Q; K; V] along the rows: three consecutive row blocks.
-            let pack = find(specs, &format!("{p}.self_attn.W_pack.weight"))?;
-            let c = config.hidden_size;
-            let (qn, kvn) = (config.q_dim() * c, config.kv_dim() * c);
-            let at = |start: usize, len: usize| LinearLayout {
-                weight: pack.start + start..pack.start + start + len,
-                bias: None,
+            // W_pack / query_key_value = [Q; K; V] along the rows: three consecutive row
+            // blocks (and bias blocks).
+            let pack = find(specs, &format!("{p}.{}.weight", names.qkv))?;
+            let bias = if config.qkv_bias() {
+                Some(find(specs, &format!("{p}.{}.bias", names.qkv))?)
+            } else {
+                None
             };
-            (at(0, qn), at(qn, kvn), at(qn + kvn, kvn))
+            let c = config.hidden_size;
+            let (qd, kvd) = (config.q_dim(), config.kv_dim());
+            let at = |start: usize, rows: usize| LinearLayout {
+                weight: pack.start + start * c..pack.start + (start + rows) * c,
+                bias: bias.as_ref().map(|b| b.start + start..b.start + start + rows),
+            };
+            (at(0, qd), at(qd, kvd), at(qd + kvd, kvd))
         } else {
             let ab = config.qkv_bias();
             (
@@ -75,27 +86,42 @@ impl LayerLayout {
                 linear("self_attn.v_proj", ab)?,
             )
         };
+        let norm_bias = |name: &str| -> Option<Option<Range<usize>>> {
+            match config.family.norm_kind() {
+                NormKind::Rms => Some(None),
+                NormKind::Layer => Some(Some(find(specs, &format!("{p}.{name}.bias"))?)),
+            }
+        };
         Some(LayerLayout {
             q,
             k,
             v,
-            o: linear("self_attn.o_proj", config.o_bias())?,
-            gate: linear("mlp.gate_proj", mb)?,
-            up: linear("mlp.up_proj", mb)?,
-            down: linear("mlp.down_proj", mb)?,
+            o: linear(names.o, config.o_bias())?,
+            gate: match names.gate {
+                Some(gate) => Some(linear(gate, mb)?),
+                None => None,
+            },
+            up: linear(names.up, mb)?,
+            down: linear(names.down, mb)?,
             input_norm: find(specs, &format!("{p}.input_layernorm.weight"))?,
             post_attention_norm: find(specs, &format!("{p}.post_attention_layernorm.weight"))?,
+            input_norm_bias: norm_bias("input_layernorm")?,
+            post_attention_norm_bias: norm_bias("post_attention_layernorm")?,
             sliding_window: config.layer_window(i),
         })
     }
 
     /// The smallest range of the flat buffer holding all of this layer's parameters.
     pub fn span(&self) -> Range<usize> {
-        let linears = [
-            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
-        ];
+        let linears = [&self.q, &self.k, &self.v, &self.o, &self.up, &self.down];
         let norms = [&self.input_norm, &self.post_attention_norm];
-        let ranges = linears.iter().flat_map(|l| l.ranges()).chain(norms);
+        let norm_biases = [&self.input_norm_bias, &self.post_attention_norm_bias];
+        let ranges = linears
+            .into_iter()
+            .chain(self.gate.as_ref())
+            .flat_map(|l| l.ranges())
+            .chain(norms)
+            .chain(norm_biases.into_iter().flatten());
         let (mut start, mut end) = (usize::MAX, 0);
         for r in ranges {
             start = start.min(r.start);
@@ -112,6 +138,10 @@ pub struct ModelLayout {
     pub layers: Vec<LayerLayout>,
     pub norm: Range<usize>,
     pub lm_head: Range<usize>,
+    /// The final norm's bias (LayerNorm, Bloom).
+    pub norm_bias: Option<Range<usize>>,
+    /// The LayerNorm after the embedding (Bloom's `word_embeddings_layernorm`): weight, bias.
+    pub embed_norm: Option<(Range<usize>, Range<usize>)>,
     /// Whether the lm_head rows are L2-normalised before the product (Baichuan2's NormHead).
     pub norm_head: bool,
     /// Length of the flat buffer.
@@ -132,7 +162,8 @@ impl ModelLayout {
                     .expect("specs_for lists every tensor the layout names")
             })
             .collect();
-        let embed = r("model.embed_tokens.weight");
+        let names = TensorNames::of(config.family);
+        let embed = r(names.embed);
         let lm_head = if config.tie_word_embeddings {
             embed.clone()
         } else {
@@ -141,7 +172,12 @@ impl ModelLayout {
         ModelLayout {
             embed,
             layers,
-            norm: r("model.norm.weight"),
+            norm: r(&format!("{}.weight", names.final_norm)),
+            norm_bias: (config.family.norm_kind() == NormKind::Layer)
+                .then(|| r(&format!("{}.bias", names.final_norm))),
+            embed_norm: names
+                .embed_norm
+                .map(|n| (r(&format!("{n}.weight")), r(&format!("{n}.bias")))),
             lm_head,
             norm_head: config.norm_head(),
             numel: specs.last().map_or(0, |s| s.range().end),

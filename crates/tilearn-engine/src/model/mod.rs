@@ -10,6 +10,7 @@ mod block;
 pub mod generate;
 mod layout;
 pub mod model_parallel;
+pub(crate) mod norm;
 mod partial_sums;
 mod stage;
 pub mod tensor_parallel;
@@ -145,6 +146,22 @@ impl LlamaForCausalLM {
         Ok(LlamaForCausalLM { config, params })
     }
 
+    /// [`Self::from_pretrained`] with the value of `TILEARN_LLM_BAICHUAN_13B` given instead of
+    /// read from the environment (see [`LlamaConfig::from_file_with_baichuan_13b`]).
+    pub fn from_pretrained_with_baichuan_13b(
+        dir: impl AsRef<Path>,
+        baichuan_13b: Option<&str>,
+    ) -> Result<LlamaForCausalLM> {
+        let dir = dir.as_ref();
+        let mut config = LlamaConfig::from_file_with_baichuan_13b(
+            dir.join(checkpoint::CONFIG_FILE),
+            baichuan_13b,
+        )?;
+        config.generation = GenerationConfig::from_dir(dir)?;
+        let params = checkpoint::load_params(dir, &config)?;
+        Ok(LlamaForCausalLM { config, params })
+    }
+
     /// Writes `config.json` and the weights (in `dtype`, sharded above `max_shard_bytes`) so
     /// that transformers' `from_pretrained` loads them.
     pub fn save_pretrained(
@@ -253,7 +270,7 @@ impl LlamaForCausalLM {
         shift_targets(&mut acts.targets[..d.n], labels, seq);
         forward(&d, params, ids, acts, split)?;
         let (logits, targets) = (&acts.logits[..d.n * d.vocab], &acts.targets[..d.n]);
-        let ce = vocab_parallel::loss(logits, targets, d.vocab, split)?;
+        let ce = vocab_parallel::loss(logits, targets, d.vocab, d.z_loss_weight, split)?;
         Ok(LossStats {
             loss_sum: ce.loss_sum,
             valid_tokens: ce.valid,

@@ -205,6 +205,9 @@ impl Chunk {
             embed: self.embed.as_ref(),
             layers: &self.layers,
             head: self.head.as_ref().map(|(n, h)| (n, h)),
+            // Bloom is refused by `from_full`: the other families have neither.
+            norm_bias: None,
+            embed_norm: None,
         }
     }
 }
@@ -263,6 +266,14 @@ impl RankModel {
         tp: TensorShard,
         pipe: PipelineShard,
     ) -> Result<RankModel> {
+        if full.config.family == crate::config::ModelFamily::Bloom {
+            return Err(EngineError::InvalidArgument {
+                argument: "--tp-size / --pp-size".into(),
+                message: "Bloom is not supported with tensor or pipeline parallelism yet; train \
+                          it with --tp-size 1 --pp-size 1 (data parallelism and ZeRO work)"
+                    .into(),
+            });
+        }
         let plan = ShardPlan::new(&full.config, tp)?;
         let specs = rank_specs(&full.config, &plan, &pipe);
         let numel = specs.last().map_or(0, |s| s.range().end);
@@ -447,7 +458,13 @@ impl RankModel {
         let c = &self.chunks[chunk];
         let n = rows;
         let (logits, targets) = (&acts.logits[..n * c.config.vocab_size], &acts.targets[..n]);
-        let ce = vocab_parallel::loss(logits, targets, c.config.vocab_size, &self.split(sums))?;
+        let ce = vocab_parallel::loss(
+            logits,
+            targets,
+            c.config.vocab_size,
+            c.config.z_loss_weight,
+            &self.split(sums),
+        )?;
         Ok(LossStats {
             loss_sum: ce.loss_sum,
             valid_tokens: ce.valid,

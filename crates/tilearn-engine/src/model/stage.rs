@@ -9,13 +9,14 @@
 use std::ops::Range;
 
 use tilearn_ops::cpu::{
-    Real, embedding_backward, embedding_forward, linear_backward, linear_forward, rmsnorm_backward,
-    rmsnorm_forward, row_normalize_backward, row_normalize_forward,
+    Real, embedding_backward, embedding_forward, linear_backward, linear_forward,
+    row_normalize_backward, row_normalize_forward,
 };
 
 use super::activations::Activations;
 use super::block::{Dims, Positions, block_backward, block_forward};
 use super::layout::LayerLayout;
+use super::norm::{NormAt, norm_backward, norm_forward};
 use super::{Split, vocab_parallel};
 use crate::error::{EngineError, Result};
 
@@ -26,6 +27,10 @@ pub(crate) struct StageParts<'a> {
     pub layers: &'a [LayerLayout],
     /// The final norm and `lm_head`, when the run ends the model.
     pub head: Option<(&'a Range<usize>, &'a Range<usize>)>,
+    /// The final norm's bias (LayerNorm, Bloom).
+    pub norm_bias: Option<&'a Range<usize>>,
+    /// The LayerNorm after the embedding (Bloom): weight, bias.
+    pub embed_norm: Option<&'a (Range<usize>, Range<usize>)>,
 }
 
 impl<'a> StageParts<'a> {
@@ -35,6 +40,8 @@ impl<'a> StageParts<'a> {
             embed: Some(&layout.embed),
             layers: &layout.layers,
             head: Some((&layout.norm, &layout.lm_head)),
+            norm_bias: layout.norm_bias.as_ref(),
+            embed_norm: layout.embed_norm.as_ref(),
         }
     }
 }
@@ -50,6 +57,7 @@ pub(crate) struct StageLoss {
 fn positions<'a>(
     d: &Dims,
     rope: &'a tilearn_ops::cpu::RopeTable,
+    alibi: &'a Option<Vec<f32>>,
     ids: &'a Option<(Vec<i32>, usize, usize)>,
 ) -> Result<Positions<'a>> {
     let ids = match ids {
@@ -66,7 +74,11 @@ fn positions<'a>(
             });
         }
     };
-    Ok(Positions { rope, ids })
+    Ok(Positions {
+        rope,
+        ids,
+        alibi: alibi.as_deref(),
+    })
 }
 
 fn missing(what: &str) -> EngineError {
@@ -91,16 +103,20 @@ pub(crate) fn stage_forward<R: Real>(
 ) -> Result<()> {
     let Activations {
         rope,
+        alibi,
         resid,
         layers,
         final_rstd,
+        final_mean,
+        embed_mean,
+        embed_rstd,
         final_xn,
         logits,
         position_ids,
         head_normed,
         ..
     } = acts;
-    let pos = positions(d, rope, position_ids)?;
+    let pos = positions(d, rope, alibi, position_ids)?;
     let (n, c) = (d.n, d.c);
     let slab = n * c;
     let rows = split.rows();
@@ -127,6 +143,26 @@ pub(crate) fn stage_forward<R: Real>(
         (None, Some(x)) => resid[..local].copy_from_slice(&x[..local]),
         (None, None) => return Err(missing("input")),
     }
+    if let (Some((w, b)), Some(_)) = (parts.embed_norm, parts.embed) {
+        // Bloom: the residual stream starts from word_embeddings_layernorm(embedding); the
+        // raw embedding passes through final_xn (free until the final norm) and is
+        // recomputed in the backward.
+        final_xn[..slab].copy_from_slice(&resid[..slab]);
+        let at = NormAt {
+            weight: w,
+            bias: Some(b),
+        };
+        norm_forward(
+            at,
+            params,
+            &final_xn[..slab],
+            c,
+            d.eps,
+            &mut resid[..slab],
+            &mut embed_mean[..n],
+            &mut embed_rstd[..n],
+        )?;
+    }
     let single = layers.len() == 1;
     for (i, lay) in parts.layers.iter().enumerate() {
         let (before, after) = resid.split_at_mut((i + 1) * slab);
@@ -136,12 +172,18 @@ pub(crate) fn stage_forward<R: Real>(
         block_forward(d, lay, params, pos, x, a, Some(out), rows)?;
     }
     if let Some((norm, lm_head)) = parts.head {
-        rmsnorm_forward(
+        let at = NormAt {
+            weight: norm,
+            bias: parts.norm_bias,
+        };
+        norm_forward(
+            at,
+            params,
             &resid[nl * slab..nl * slab + local],
-            &params[norm.clone()],
             c,
             d.eps,
             &mut final_xn[..local],
+            &mut final_mean[..local / c],
             &mut final_rstd[..local / c],
         )?;
         rows.gather(&mut final_xn[..slab])?;
@@ -183,9 +225,13 @@ pub(crate) fn stage_backward<R: Real>(
     let Activations {
         checkpointing,
         rope,
+        alibi,
         resid,
         layers,
         final_rstd,
+        final_mean,
+        embed_mean,
+        embed_rstd,
         final_xn,
         logits,
         targets,
@@ -195,7 +241,7 @@ pub(crate) fn stage_backward<R: Real>(
         dhead_normed,
         ..
     } = acts;
-    let pos = positions(d, rope, position_ids)?;
+    let pos = positions(d, rope, alibi, position_ids)?;
     let (n, c) = (d.n, d.c);
     let slab = n * c;
     let rows = split.rows();
@@ -206,8 +252,14 @@ pub(crate) fn stage_backward<R: Real>(
         (Some((norm, lm_head)), _) => {
             // Cross entropy in place: logits become d(loss_sum · grad_scale)/d(logits).
             let logits = &mut logits[..n * d.vocab];
-            let ce =
-                vocab_parallel::loss_and_grad(logits, &targets[..n], d.vocab, grad_scale, split)?;
+            let ce = vocab_parallel::loss_and_grad(
+                logits,
+                &targets[..n],
+                d.vocab,
+                grad_scale,
+                d.z_loss_weight,
+                split,
+            )?;
             let loss = StageLoss {
                 loss_sum: ce.loss_sum,
                 valid: ce.valid,
@@ -247,14 +299,20 @@ pub(crate) fn stage_backward<R: Real>(
                 )?;
             }
             rows.complete(&mut grad.dxn[..slab])?;
-            rmsnorm_backward(
+            let at = NormAt {
+                weight: norm,
+                bias: parts.norm_bias,
+            };
+            norm_backward(
+                at,
+                params,
+                grads,
                 &grad.dxn[..local],
                 &resid[nl * slab..nl * slab + local],
-                &params[norm.clone()],
+                &final_mean[..local / c],
                 &final_rstd[..local / c],
                 c,
                 &mut grad.dres[..local],
-                &mut grads[norm.clone()],
             )?;
             Some(loss)
         }
@@ -277,6 +335,27 @@ pub(crate) fn stage_backward<R: Real>(
             &layers[i]
         };
         block_backward(d, lay, params, grads, pos, x, a, grad, rows)?;
+    }
+    if let (Some((w, b)), Some(embed)) = (parts.embed_norm, parts.embed) {
+        // Bloom: through word_embeddings_layernorm, recomputing its input (the raw embedding)
+        // into dxn; its input gradient replaces dres.
+        embedding_forward(ids, &params[embed.clone()], c, &mut grad.dxn[..slab])?;
+        let at = NormAt {
+            weight: w,
+            bias: Some(b),
+        };
+        norm_backward(
+            at,
+            params,
+            grads,
+            &grad.dres[..slab],
+            &grad.dxn[..slab],
+            &embed_mean[..n],
+            &embed_rstd[..n],
+            c,
+            &mut grad.dtmp[..slab],
+        )?;
+        grad.dres[..slab].copy_from_slice(&grad.dtmp[..slab]);
     }
     if let Some(embed) = parts.embed {
         let dembed = &mut grads[embed.clone()];

@@ -203,18 +203,63 @@ pub(crate) fn cross_entropy_fused<R: Real>(
     Ok(losses(targets, &stats))
 }
 
+/// Baichuan2's z-loss is computed on the whole vocabulary's rows only: a rank's slice does not
+/// know whether it holds the row's maximum.
+fn no_split_z_loss<R>(z_loss_weight: f64, split: &super::Split<'_, R>) -> Result<()> {
+    if z_loss_weight != 0.0 && !split.is_whole() {
+        return Err(EngineError::InvalidArgument {
+            argument: "z_loss_weight".into(),
+            message: "Baichuan2's z-loss is not supported with tensor parallelism; train with \
+                      --tp-size 1 or set \"z_loss_weight\": 0 in config.json"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// Per target row the maximum logit and its position (Baichuan2's z-loss), read before the
+/// fused cross entropy overwrites the logits; `None` without z-loss.
+fn z_rows<R: Real>(
+    logits: &[R],
+    targets: &[i32],
+    vocab: usize,
+    z_loss_weight: f64,
+) -> Result<Option<(Vec<R>, Vec<i32>)>> {
+    if z_loss_weight == 0.0 {
+        return Ok(None);
+    }
+    let mut max = vec![R::zero(); targets.len()];
+    let mut arg = vec![0; targets.len()];
+    tilearn_ops::cpu::z_loss_rows(logits, targets, vocab, &mut max, &mut arg)?;
+    Ok(Some((max, arg)))
+}
+
 /// The loss of `logits` (`[n, local vocab]`) against shifted `targets`: the whole-vocabulary op
-/// for an unsplit model, the vocabulary-parallel one for a rank's slice.
+/// for an unsplit model, the vocabulary-parallel one for a rank's slice; plus Baichuan2's
+/// z-loss when `z_loss_weight` is non-zero.
 pub(crate) fn loss<R: Real>(
     logits: &[R],
     targets: &[i32],
     local_vocab: usize,
+    z_loss_weight: f64,
     split: &super::Split<'_, R>,
 ) -> Result<SliceCe> {
+    no_split_z_loss(z_loss_weight, split)?;
     if split.is_whole() {
         let ce = tilearn_ops::cpu::cross_entropy_forward(logits, targets, local_vocab)?;
+        let z = match z_rows(logits, targets, local_vocab, z_loss_weight)? {
+            Some((max, arg)) => tilearn_ops::cpu::z_loss_apply::<R>(
+                &max,
+                &arg,
+                local_vocab,
+                z_loss_weight,
+                0.0,
+                None,
+            )?,
+            None => 0.0,
+        };
         return Ok(SliceCe {
-            loss_sum: ce.loss_sum,
+            loss_sum: ce.loss_sum + z,
             valid: ce.valid,
         });
     }
@@ -227,12 +272,26 @@ pub(crate) fn loss_and_grad<R: Real>(
     targets: &[i32],
     local_vocab: usize,
     grad_scale: f64,
+    z_loss_weight: f64,
     split: &super::Split<'_, R>,
 ) -> Result<SliceCe> {
+    no_split_z_loss(z_loss_weight, split)?;
     if split.is_whole() {
+        let rows = z_rows(logits, targets, local_vocab, z_loss_weight)?;
         let ce = tilearn_ops::cpu::cross_entropy_fused(logits, targets, local_vocab, grad_scale)?;
+        let z = match rows {
+            Some((max, arg)) => tilearn_ops::cpu::z_loss_apply(
+                &max,
+                &arg,
+                local_vocab,
+                z_loss_weight,
+                grad_scale,
+                Some(logits),
+            )?,
+            None => 0.0,
+        };
         return Ok(SliceCe {
-            loss_sum: ce.loss_sum,
+            loss_sum: ce.loss_sum + z,
             valid: ce.valid,
         });
     }

@@ -192,13 +192,13 @@ impl StepBackend for CpuBackend {
         let mut dest: &mut [f32] = &mut moments;
         let step = optimizer.read(numel, self.shard.clone(), &mut dest)?;
         let exp_avg_sq = moments.split_off(len);
-        load_params_into(dir, &mut self.model.params)?;
+        load_params_into(dir, &self.model.config, &mut self.model.params)?;
         self.optimizer.set_state(moments, exp_avg_sq, None, step)?;
         Ok(())
     }
 
     fn load_weights(&mut self, dir: &Path) -> Result<()> {
-        load_params_into(dir, &mut self.model.params)
+        load_params_into(dir, &self.model.config, &mut self.model.params)
     }
 
     fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {

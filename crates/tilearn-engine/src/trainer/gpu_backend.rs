@@ -127,7 +127,7 @@ impl GpuBackend {
             })?,
             ModelInit::Pretrained(dir) => backend
                 .gpu
-                .fill_params(|dest| load_into(dir, &specs, dest))?,
+                .fill_params(|dest| load_into(dir, config, &specs, dest))?,
         }
         Ok(backend)
     }
@@ -437,15 +437,15 @@ impl StepBackend for GpuBackend {
         let (numel, shard) = (self.numel, self.shard.clone());
         self.gpu
             .fill_moments(|dest| optimizer.read(numel, shard, dest))?;
-        let specs = &self.specs;
-        self.gpu.fill_params(|dest| load_into(dir, specs, dest))?;
+        let (config, specs) = (&self.config, &self.specs);
+        self.gpu.fill_params(|dest| load_into(dir, config, specs, dest))?;
         self.host = None;
         Ok(())
     }
 
     fn load_weights(&mut self, dir: &Path) -> Result<()> {
-        let specs = &self.specs;
-        self.gpu.fill_params(|dest| load_into(dir, specs, dest))?;
+        let (config, specs) = (&self.config, &self.specs);
+        self.gpu.fill_params(|dest| load_into(dir, config, specs, dest))?;
         self.host = None;
         Ok(())
     }

@@ -511,7 +511,7 @@ impl StepBackend for ModelParallelCpuBackend {
             &self.model.plan,
             &mut params.data,
         );
-        load_into(dir, &self.full_specs, &mut dest)
+        load_into(dir, &self.model.full_config, &self.full_specs, &mut dest)
     }
 
     fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {

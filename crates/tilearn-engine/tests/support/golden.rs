@@ -28,7 +28,31 @@ pub const FAMILY_CASES: &[&str] = &[
     "mistral_v4config",
     "baichuan_7b",
     "baichuan2_7b",
+    "baichuan_13b",
+    "baichuan2_13b",
+    "bloom_tied",
+    "bloom_v4config",
 ];
+
+/// The `TILEARN_LLM_BAICHUAN_13B` value a family case was made with (its `golden.json`):
+/// reduced-width 13B models are 13B ones only by that variable.
+pub fn baichuan_13b_of(case_dir: &Path) -> Option<String> {
+    let info: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(case_dir.join("golden.json")).ok()?).ok()?;
+    info.get("tilearn_llm_baichuan_13b")?
+        .as_u64()
+        .map(|g| g.to_string())
+}
+
+/// Loads the checkpoint of family case directory `case_dir` as its reference reads it.
+pub fn load_family_case(case_dir: &Path) -> tilearn_engine::model::LlamaForCausalLM {
+    let generation = baichuan_13b_of(case_dir);
+    tilearn_engine::model::LlamaForCausalLM::from_pretrained_with_baichuan_13b(
+        case_dir,
+        generation.as_deref(),
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", case_dir.display()))
+}
 
 pub fn families_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden_families")

@@ -453,6 +453,18 @@ int tilearn_row_normalize_forward(int dtype, const void *w, size_t rows, size_t 
 int tilearn_row_normalize_backward(int dtype, const float *dout, const void *w, size_t rows,
                                    size_t cols, float *dw, cudaStream_t stream);
 
+/* ---- z_loss.cu: Baichuan2's z-loss, weight * max(logits)^2 per target row. z_loss_rows
+ *      writes (=) per row of logits [rows, vocab] (`dtype`) the max (f32) and the first
+ *      position holding it (i32), or 0 and -1 for rows whose target is -100; z_loss_apply
+ *      adds (+=) weight * max^2 to row_loss and, when dlogits is not NULL, grad_scale * weight *
+ *      2 * max to dlogits[r, arg] (grad_scale read from grad_scale_dev when not NULL). ---- */
+int tilearn_z_loss_rows(int dtype, const void *logits, const int32_t *targets, size_t rows,
+                        size_t vocab, float *max, int32_t *arg, cudaStream_t stream);
+int tilearn_z_loss_apply(int dtype, const float *max, const int32_t *arg, size_t rows,
+                         size_t vocab, float weight, float grad_scale,
+                         const float *grad_scale_dev, float *row_loss, void *dlogits,
+                         cudaStream_t stream);
+
 /* ---- reduce.cu: whole-buffer gradient reductions (global L2 norm; GradScaler unscale) ---- */
 
 /* Number of f64 partials tilearn_global_norm uses as scratch for n elements (at most 1024;

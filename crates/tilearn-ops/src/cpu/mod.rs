@@ -27,6 +27,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod row_normalize;
 pub mod swiglu;
+pub mod z_loss;
 
 pub use attention::{
     AttnShape, HostKeyMask, attention_backward, attention_backward_alibi,
@@ -49,3 +50,4 @@ pub use rope::{
 };
 pub use row_normalize::{ROW_NORMALIZE_EPS, row_normalize_backward, row_normalize_forward};
 pub use swiglu::{swiglu_backward, swiglu_forward};
+pub use z_loss::{z_loss_apply, z_loss_rows};

@@ -33,6 +33,7 @@ mod residual;
 mod rope;
 mod row_normalize;
 mod swiglu;
+mod z_loss;
 
 // Each op module exports exactly its public wrappers and workspace types.
 pub use attention::*;
@@ -53,3 +54,4 @@ pub use residual::*;
 pub use rope::*;
 pub use row_normalize::*;
 pub use swiglu::*;
+pub use z_loss::*;

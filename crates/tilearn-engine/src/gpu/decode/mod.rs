@@ -33,7 +33,7 @@ use crate::error::{EngineError, Result};
 use crate::gpu::cuda_err;
 use crate::model::generate::Decoder;
 use crate::model::generate::family_parts::{
-    apply_head_scale, check_sliding_window, norm_head_scale,
+    alibi_slopes, apply_head_scale, check_sliding_window, norm_head_scale,
 };
 use crate::model::generate::rotary::rope_rows;
 use crate::model::{LinearLayout, LlamaForCausalLM, ModelLayout};
@@ -67,6 +67,18 @@ pub struct GpuDecoder {
     logits: Vec<f32>,
     /// NormHead's per-row logit scale (Baichuan2), `None` for the other families.
     head_scale: Option<Vec<f32>>,
+    /// ALiBi slopes `[q_heads]` on the device (Baichuan-13B), `None` for RoPE models.
+    alibi: Option<k::CudaSlice<f32>>,
+}
+
+/// The GPU decoder runs the RMSNorm / SwiGLU blocks only.
+fn bloom_on_gpu_decoder() -> EngineError {
+    invalid(
+        "model",
+        "Bloom (LayerNorm, GeLU MLP) is not served by the GPU decoder yet; generate on the CPU \
+         (--device cpu)"
+            .into(),
+    )
 }
 
 fn invalid(argument: &str, message: String) -> EngineError {
@@ -96,6 +108,9 @@ impl GpuDecoder {
                     layout.numel
                 ),
             ));
+        }
+        if config.family.embedding_norm() {
+            return Err(bloom_on_gpu_decoder());
         }
         if config.head_dim > k::CACHED_ATTENTION_MAX_HEAD_DIM {
             return Err(invalid(
@@ -128,7 +143,16 @@ impl GpuDecoder {
             _ => usize::MAX,
         };
         let rope = GpuRopeTable::upload(&stream, &rope_rows(&config, 0, 1))?;
+        let alibi = match alibi_slopes(&config) {
+            Some(slopes) => Some(
+                stream
+                    .clone_htod(&slopes)
+                    .map_err(|e| cuda_err("uploading the ALiBi slopes", e))?,
+            ),
+            None => None,
+        };
         let decoder = GpuDecoder {
+            alibi,
             gemm: Gemm::new(&stream)?,
             check: TokenIdCheck::new(&stream, config.vocab_size)?,
             logits: vec![0.0; config.vocab_size],
@@ -194,6 +218,7 @@ impl GpuDecoder {
             logits,
             capacity,
             rope: shared,
+            alibi,
             ..
         } = self;
         let cx = Cx {
@@ -209,6 +234,7 @@ impl GpuDecoder {
                 ChunkRope::Shared => start,
                 ChunkRope::Own(_) => 0,
             },
+            alibi: alibi.as_ref(),
         };
         match typed {
             Typed::F32(b) => forward_chunk(&cx, check, b, ids, start, *capacity, logits)?,
@@ -258,6 +284,8 @@ struct Cx<'a> {
     rope: &'a GpuRopeTable,
     /// Row of `rope` holding the chunk's first position.
     rope_first: usize,
+    /// ALiBi slopes (Baichuan-13B): attention biases instead of rotations.
+    alibi: Option<&'a k::CudaSlice<f32>>,
 }
 
 impl Decoder for GpuDecoder {
@@ -375,14 +403,17 @@ fn forward_chunk<T: DeviceFloat>(
         linear(cx, w, &lay.q, &xn.as_view(), n, c, q, &mut qb)?;
         let mut k_new = kvc.k.slice_mut(rows.clone());
         linear(cx, w, &lay.k, &xn.as_view(), n, c, kv, &mut k_new)?;
-        k::rope_forward_from(s, &mut qb, n, qh, d, cx.rope, cx.rope_first)?;
-        k::rope_forward_from(s, &mut k_new, n, kvh, d, cx.rope, cx.rope_first)?;
+        if cx.alibi.is_none() {
+            k::rope_forward_from(s, &mut qb, n, qh, d, cx.rope, cx.rope_first)?;
+            k::rope_forward_from(s, &mut k_new, n, kvh, d, cx.rope, cx.rope_first)?;
+        }
         let mut v_new = kvc.v.slice_mut(rows.clone());
         linear(cx, w, &lay.v, &xn.as_view(), n, c, kv, &mut v_new)?;
         let seen = ..(start + n) * kv;
-        k::cached_attention_forward(
+        k::cached_attention_alibi_forward(
             s,
             shape,
+            cx.alibi,
             &qb,
             &kvc.k.slice(seen),
             &kvc.v.slice(seen),
@@ -400,7 +431,8 @@ fn forward_chunk<T: DeviceFloat>(
             &mut xn,
             &mut rstd,
         )?;
-        linear(cx, w, &lay.gate, &xn.as_view(), n, c, inter, &mut gate)?;
+        let gate_layout = lay.gate.as_ref().ok_or_else(bloom_on_gpu_decoder)?;
+        linear(cx, w, gate_layout, &xn.as_view(), n, c, inter, &mut gate)?;
         linear(cx, w, &lay.up, &xn.as_view(), n, c, inter, &mut up)?;
         k::swiglu_forward(s, &gate, &up, &mut act)?;
         linear(cx, w, &lay.down, &act.as_view(), n, inter, c, &mut x)?;

@@ -3,14 +3,17 @@
 //! call (decode). The layer math is the model's (`block.rs`), with attention reading the cache.
 
 use tilearn_ops::cpu::{
-    CachedAttnShape, add_inplace, cached_attention, check_token_ids, embedding_forward,
-    linear_forward, rmsnorm_forward, rope_forward, swiglu_forward,
+    CachedAttnShape, add_inplace, cached_attention_alibi, check_token_ids, embedding_forward,
+    gelu_tanh_forward, linear_forward, rope_forward, swiglu_forward,
 };
 
-use super::family_parts::{apply_head_scale, check_sliding_window, norm_head_scale};
+use super::family_parts::{
+    alibi_slopes, apply_head_scale, check_sliding_window, norm_head_scale,
+};
 use super::kv_cache::KvCache;
 use super::rotary::rope_rows;
 use crate::error::{EngineError, Result};
+use crate::model::norm::{NormAt, norm_forward};
 use crate::model::{LayerLayout, LinearLayout, LlamaForCausalLM, ModelLayout};
 
 /// Buffers of one chunk of `n` new rows, grown to the largest chunk seen.
@@ -19,6 +22,7 @@ struct Scratch {
     x: Vec<f32>,
     xn: Vec<f32>,
     rstd: Vec<f32>,
+    mean: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -37,6 +41,7 @@ impl Scratch {
             (&mut self.x, hid),
             (&mut self.xn, hid),
             (&mut self.rstd, 1),
+            (&mut self.mean, 1),
             (&mut self.q, q),
             (&mut self.k, kv),
             (&mut self.v, kv),
@@ -61,6 +66,8 @@ pub struct CachedDecoder<'m> {
     logits: Vec<f32>,
     /// NormHead's per-row logit scale (Baichuan2), `None` for the other families.
     head_scale: Option<Vec<f32>>,
+    /// ALiBi slopes (Baichuan-13B), `None` for RoPE models.
+    alibi: Option<Vec<f32>>,
 }
 
 impl<'m> CachedDecoder<'m> {
@@ -74,6 +81,7 @@ impl<'m> CachedDecoder<'m> {
             scratch: Scratch::default(),
             logits: vec![0.0; model.config.vocab_size],
             head_scale: norm_head_scale(model),
+            alibi: alibi_slopes(&model.config),
         }
     }
 
@@ -123,10 +131,20 @@ impl<'m> CachedDecoder<'m> {
         let rope = rope_rows(config, start, n);
         let s = &mut self.scratch;
         embedding_forward(ids, &p[self.layout.embed.clone()], c, &mut s.x)?;
+        if let Some((w, b)) = &self.layout.embed_norm {
+            let at = NormAt {
+                weight: w,
+                bias: Some(b),
+            };
+            let eps = config.rms_norm_eps;
+            norm_forward(at, p, &s.x, c, eps, &mut s.xn, &mut s.mean, &mut s.rstd)?;
+            s.x.copy_from_slice(&s.xn);
+        }
         for (lay, kv) in self.layout.layers.iter().zip(&mut self.cache.layers) {
             let row = self.cache.row;
             let cached = start * row..(start + n) * row;
-            layer_forward(model, lay, p, &rope, n, s)?;
+            let rope = if self.alibi.is_some() { None } else { Some(&rope) };
+            layer_forward(model, lay, p, rope, n, s)?;
             kv.k[cached.clone()].copy_from_slice(&s.k);
             kv.v[cached].copy_from_slice(&s.v);
             let shape = CachedAttnShape {
@@ -137,18 +155,25 @@ impl<'m> CachedDecoder<'m> {
                 head_dim: config.head_dim,
             };
             let seen = (start + n) * row;
-            cached_attention(shape, &s.q, &kv.k[..seen], &kv.v[..seen], &mut s.att)?;
+            let (k, v, alibi) = (&kv.k[..seen], &kv.v[..seen], self.alibi.as_deref());
+            cached_attention_alibi(shape, alibi, &s.q, k, v, &mut s.att)?;
             layer_finish(model, lay, p, n, s)?;
         }
         self.cache.advance(n);
         // Only the last position's logits are needed to pick the next token.
         let last = &s.x[(n - 1) * c..n * c];
-        rmsnorm_forward(
+        let at = NormAt {
+            weight: &self.layout.norm,
+            bias: self.layout.norm_bias.as_ref(),
+        };
+        norm_forward(
+            at,
+            p,
             last,
-            &p[self.layout.norm.clone()],
             c,
             config.rms_norm_eps,
             &mut s.xn[..c],
+            &mut s.mean[..1],
             &mut s.rstd[..1],
         )?;
         linear_forward(
@@ -187,30 +212,30 @@ fn linear(
 }
 
 /// The layer up to attention: `s.q`, `s.k` (rotated by `rope`, whose rows are the chunk's
-/// absolute positions) and `s.v` from the block input `s.x`.
+/// absolute positions; not rotated for ALiBi models) and `s.v` from the block input `s.x`.
 fn layer_forward(
     model: &LlamaForCausalLM,
     lay: &LayerLayout,
     p: &[f32],
-    rope: &tilearn_ops::cpu::RopeTable,
+    rope: Option<&tilearn_ops::cpu::RopeTable>,
     n: usize,
     s: &mut Scratch,
 ) -> Result<()> {
     let cfg = &model.config;
     let (c, q, kv, d) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-    rmsnorm_forward(
-        &s.x,
-        &p[lay.input_norm.clone()],
-        c,
-        cfg.rms_norm_eps,
-        &mut s.xn,
-        &mut s.rstd,
-    )?;
+    let at = NormAt {
+        weight: &lay.input_norm,
+        bias: lay.input_norm_bias.as_ref(),
+    };
+    let eps = cfg.rms_norm_eps;
+    norm_forward(at, p, &s.x, c, eps, &mut s.xn, &mut s.mean, &mut s.rstd)?;
     linear(p, &lay.q, &s.xn, n, c, q, &mut s.q)?;
     linear(p, &lay.k, &s.xn, n, c, kv, &mut s.k)?;
     linear(p, &lay.v, &s.xn, n, c, kv, &mut s.v)?;
-    rope_forward(&mut s.q, 1, n, cfg.num_attention_heads, d, rope)?;
-    rope_forward(&mut s.k, 1, n, cfg.num_key_value_heads, d, rope)?;
+    if let Some(rope) = rope {
+        rope_forward(&mut s.q, 1, n, cfg.num_attention_heads, d, rope)?;
+        rope_forward(&mut s.k, 1, n, cfg.num_key_value_heads, d, rope)?;
+    }
     Ok(())
 }
 
@@ -227,17 +252,20 @@ fn layer_finish(
     let (c, q, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.intermediate_size);
     linear(p, &lay.o, &s.att, n, q, c, &mut s.h)?;
     add_inplace(&mut s.h, &s.x)?;
-    rmsnorm_forward(
-        &s.h,
-        &p[lay.post_attention_norm.clone()],
-        c,
-        cfg.rms_norm_eps,
-        &mut s.xn,
-        &mut s.rstd,
-    )?;
-    linear(p, &lay.gate, &s.xn, n, c, inter, &mut s.gate)?;
+    let at = NormAt {
+        weight: &lay.post_attention_norm,
+        bias: lay.post_attention_norm_bias.as_ref(),
+    };
+    let eps = cfg.rms_norm_eps;
+    norm_forward(at, p, &s.h, c, eps, &mut s.xn, &mut s.mean, &mut s.rstd)?;
     linear(p, &lay.up, &s.xn, n, c, inter, &mut s.up)?;
-    swiglu_forward(&s.gate, &s.up, &mut s.act)?;
+    match &lay.gate {
+        Some(gate) => {
+            linear(p, gate, &s.xn, n, c, inter, &mut s.gate)?;
+            swiglu_forward(&s.gate, &s.up, &mut s.act)?;
+        }
+        None => gelu_tanh_forward(&s.up, &mut s.act)?,
+    }
     linear(p, &lay.down, &s.act, n, inter, c, &mut s.x)?;
     add_inplace(&mut s.x, &s.h)?;
     Ok(())

@@ -59,3 +59,9 @@ pub(crate) fn check_sliding_window(config: &LlamaConfig, len: usize) -> Result<(
         _ => Ok(()),
     }
 }
+
+/// The ALiBi slopes of an ALiBi model (Baichuan-13B), `None` for RoPE models.
+pub(crate) fn alibi_slopes(config: &LlamaConfig) -> Option<Vec<f32>> {
+    (config.family.position_encoding() == crate::config::PositionEncoding::Alibi)
+        .then(|| tilearn_ops::alibi_slopes(config.num_attention_heads))
+}

@@ -332,7 +332,7 @@ impl StepBackend for GpuTensorParallelBackend {
         let specs = self.inner.specs.clone();
         let mut data = vec![0f32; self.inner.numel];
         let mut dest = slices::RankSlices::new(&self.full_specs, &specs, &self.plan, &mut data);
-        load_into(dir, &self.full_specs, &mut dest)?;
+        load_into(dir, &self.full_config, &self.full_specs, &mut dest)?;
         self.inner.gpu.upload_params(&ParamStore { specs, data })?;
         self.inner.host = None;
         Ok(())

@@ -9,6 +9,7 @@ pub mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod lce_chunk;
+pub mod memory_mode;
 pub mod model;
 pub mod params;
 pub mod plan;

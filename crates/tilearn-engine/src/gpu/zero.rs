@@ -221,12 +221,14 @@ impl GpuLlama {
         {
             w.cast_from(&stream, &self.grads.slice(..numel), precision)?;
         }
-        stream
-            .memcpy_dtod(
-                &self.grads.slice(shard.clone()),
-                &mut self.master.slice_mut(..shard.len()),
-            )
-            .map_err(|e| cuda_err("keeping the loaded master shard", e))?;
+        if !shard.is_empty() {
+            stream
+                .memcpy_dtod(
+                    &self.grads.slice(shard.clone()),
+                    &mut self.master.slice_mut(..shard.len()),
+                )
+                .map_err(|e| cuda_err("keeping the loaded master shard", e))?;
+        }
         self.grads_hold_params = true;
         Ok(())
     }

@@ -11,6 +11,7 @@ pub mod gpu;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod grad_window;
 pub mod lce_chunk;
+pub mod memory_mode;
 pub mod model;
 pub mod params;
 pub mod plan;

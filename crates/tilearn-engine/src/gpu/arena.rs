@@ -89,9 +89,13 @@ impl Dims {
     }
 
     /// Lengths of the `T` buffers of one layer, in carving order: xn1, q, k, v, att, h, xn2,
-    /// gate, up, act.
-    fn layer_lens(&self) -> [usize; 10] {
+    /// gate, up, act (empty when the backward recomputes it, see [`ActStore`]).
+    fn layer_lens(&self, act: ActStore) -> [usize; 10] {
         let (n, c, q, kv, i) = (self.n, self.c, self.q, self.kv, self.inter);
+        let act_len = match act {
+            ActStore::Kept => n * i,
+            ActStore::Recomputed => 0,
+        };
         [
             n * c,
             n * q,
@@ -102,7 +106,7 @@ impl Dims {
             n * c,
             n * i,
             n * i,
-            n * i,
+            act_len,
         ]
     }
 
@@ -136,11 +140,11 @@ impl Dims {
     }
 
     /// Elements of `T` the arena needs for this call's shape with `sets` sets of per-layer
-    /// buffers and a logits chunk of `logit_rows` tokens (the carving below takes exactly
-    /// these, in the same order).
-    pub(crate) fn main_len(&self, sets: usize, logit_rows: usize) -> usize {
+    /// buffers (holding the MLP activation or not, `act`) and a logits chunk of `logit_rows`
+    /// tokens (the carving below takes exactly these, in the same order).
+    pub(crate) fn main_len(&self, sets: usize, logit_rows: usize, act: ActStore) -> usize {
         let slab = padded(self.n * self.c);
-        let layer: usize = self.layer_lens().iter().map(|&l| padded(l)).sum();
+        let layer: usize = self.layer_lens(act).iter().map(|&l| padded(l)).sum();
         let grad: usize = self.grad_lens().iter().map(|&l| padded(l)).sum();
         (self.layers + 1) * slab
             + sets * layer
@@ -166,6 +170,17 @@ impl Dims {
     }
 }
 
+/// Whether each layer's buffers keep the MLP activation `silu(gate) * up` for the backward
+/// (`Kept`), or the forward writes it to the gradient scratch `dgate` (idle until the
+/// backward) and the backward recomputes it there from `gate` and `up` (`Recomputed`, the
+/// lean memory mode: `[N, I]` less per layer for one elementwise launch per layer; the
+/// kernel is deterministic, so the values are the same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ActStore {
+    Kept,
+    Recomputed,
+}
+
 /// The two allocations, sized for the largest call (the build's batch and sequence). The main
 /// one is untyped: it holds `main_len` elements of the widest type the model may run in, and
 /// each call carves it as the type of its period, so switching precision between periods
@@ -179,6 +194,7 @@ pub(crate) struct Arena {
     main: CudaSlice<u8>,
     stats: CudaSlice<f32>,
     checkpointing: bool,
+    act: ActStore,
     /// Tokens per logits chunk at capacity; a call carves `min(logit_rows, n)`.
     logit_rows: usize,
 }
@@ -186,17 +202,19 @@ pub(crate) struct Arena {
 impl Arena {
     /// Allocates (zero-filled, so nothing uninitialised is ever read) for `capacity` in
     /// elements of up to `max_elem_bytes` bytes, with one set of layer buffers per layer or,
-    /// when `checkpointing`, one shared set, and a logits chunk of `logit_rows` tokens.
+    /// when `checkpointing`, one shared set, the MLP activation kept or not (`act`), and a
+    /// logits chunk of `logit_rows` tokens.
     pub(crate) fn new(
         stream: &Arc<CudaStream>,
         capacity: &Dims,
         max_elem_bytes: usize,
         checkpointing: bool,
+        act: ActStore,
         logit_rows: usize,
     ) -> Result<Self> {
         let sets = Self::sets(capacity, checkpointing);
         let main = stream
-            .alloc_zeros::<u8>(capacity.main_len(sets, logit_rows) * max_elem_bytes)
+            .alloc_zeros::<u8>(capacity.main_len(sets, logit_rows, act) * max_elem_bytes)
             .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
         let stats = stream
             .alloc_zeros::<f32>(capacity.stats_len(sets))
@@ -205,6 +223,7 @@ impl Arena {
             main,
             stats,
             checkpointing,
+            act,
             logit_rows,
         })
     }
@@ -241,7 +260,7 @@ impl Arena {
         let sets = Self::sets(d, self.checkpointing);
         let mut layers = Vec::with_capacity(sets);
         for _ in 0..sets {
-            let [xn1, q, k, v, att, h, xn2, gate, up, act] = d.layer_lens();
+            let [xn1, q, k, v, att, h, xn2, gate, up, act] = d.layer_lens(self.act);
             let [rstd1, lse, rstd2, mean1, mean2] = d.layer_stat_lens();
             layers.push(LayerBufs {
                 xn1: aligned(&mut m, xn1)?,
@@ -325,7 +344,7 @@ pub(crate) struct LayerBufs<'a, T> {
     pub xn2: CudaViewMut<'a, T>,
     pub gate: CudaViewMut<'a, T>,
     pub up: CudaViewMut<'a, T>,
-    /// `silu(gate) * up`, `[N, I]`.
+    /// `silu(gate) * up`, `[N, I]`; empty under [`ActStore::Recomputed`].
     pub act: CudaViewMut<'a, T>,
     /// f32 `1/rms` of the block input, `[N]`.
     pub rstd1: CudaViewMut<'a, f32>,
@@ -403,10 +422,11 @@ mod tests {
     fn the_arena_shrinks_by_the_logits_outside_the_chunk() {
         let d = tiny_llama(8, 2048);
         let sets = d.layers;
-        let full = d.main_len(sets, LceChunk::Unchunked.rows(d.n, d.vocab, 2));
+        let unchunked = LceChunk::Unchunked.rows(d.n, d.vocab, 2);
+        let full = d.main_len(sets, unchunked, ActStore::Kept);
         let rows = LceChunk::Auto.rows(d.n, d.vocab, 2);
         assert_eq!(rows, 4096);
-        let chunked = d.main_len(sets, rows);
+        let chunked = d.main_len(sets, rows, ActStore::Kept);
         // Exactly the logits of the tokens outside the chunk: 12 288 × 32 000 elements,
         // 750 MiB in bf16.
         assert_eq!(full - chunked, (d.n - rows) * d.vocab);
@@ -417,9 +437,27 @@ mod tests {
     #[test]
     fn a_chunk_larger_than_the_call_is_the_unchunked_arena() {
         let d = tiny_llama(1, 64);
-        assert_eq!(d.main_len(d.layers, 10_000), d.main_len(d.layers, d.n));
+        let kept = ActStore::Kept;
+        assert_eq!(
+            d.main_len(d.layers, 10_000, kept),
+            d.main_len(d.layers, d.n, kept)
+        );
         // A chunk that does not divide the tokens is padded like any buffer.
         assert_eq!(d.logits_len(7), padded(7 * d.vocab));
         assert!(d.logits_len(7) >= 7 * d.vocab && d.logits_len(7).is_multiple_of(ALIGN_ELEMS));
+    }
+
+    #[test]
+    fn recomputing_the_mlp_activation_drops_one_tokens_by_intermediate_buffer_per_layer() {
+        let d = tiny_llama(8, 2048);
+        let rows = LceChunk::Auto.rows(d.n, d.vocab, 2);
+        let kept = d.main_len(d.layers, rows, ActStore::Kept);
+        let recomputed = d.main_len(d.layers, rows, ActStore::Recomputed);
+        assert_eq!(kept - recomputed, d.layers * d.n * d.inter);
+        // 22 × 16 384 × 5 632 bf16 elements: 3.78 GiB at TinyLlama's bench shape.
+        assert_eq!((kept - recomputed) * 2, 4_060_086_272);
+        // With checkpointing's one shared set, one layer's worth.
+        let one = d.main_len(1, rows, ActStore::Kept) - d.main_len(1, rows, ActStore::Recomputed);
+        assert_eq!(one, d.n * d.inter);
     }
 }

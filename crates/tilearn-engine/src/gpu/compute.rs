@@ -223,6 +223,7 @@ pub(crate) fn forward<T: DeviceFloat>(
             w,
             &before[i].as_view(),
             &mut cur[i],
+            &mut b.grad.dgate,
             &mut after[0],
             next,
         )?;
@@ -317,6 +318,7 @@ fn run_block_checkpointed<T: DeviceFloat>(
         w,
         &before[i].as_view(),
         shared,
+        &mut b.grad.dgate,
         &mut after[0],
         next,
     )
@@ -411,7 +413,9 @@ pub(crate) fn backward<T: DeviceFloat>(
 }
 
 /// Forward of one block from `x` (whose `input_layernorm` is already in `a.xn1`/`a.rstd1`)
-/// into `a`; `out` receives the block output and `next` its norm.
+/// into `a`; `out` receives the block output and `next` its norm. When `a` keeps no MLP
+/// activation (the arena's `ActStore::Recomputed`), it goes to `act_scratch` (the backward's
+/// `dgate`, idle during the forward) and the backward recomputes it.
 #[allow(clippy::too_many_arguments)]
 fn block_forward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
@@ -420,6 +424,7 @@ fn block_forward<T: DeviceFloat>(
     w: &CudaView<'_, T>,
     x: &CudaView<'_, T>,
     a: &mut LayerBufs<'_, T>,
+    act_scratch: &mut CudaViewMut<'_, T>,
     out: &mut CudaViewMut<'_, T>,
     next: NextNorm<'_, '_, T>,
 ) -> Result<()> {
@@ -468,14 +473,19 @@ fn block_forward<T: DeviceFloat>(
     )?;
     let xn2 = a.xn2.as_view();
     linear_fwd(cx, w, &lay.up, &xn2, n, c, inter, &mut a.up)?;
+    let mut act = if a.act.is_empty() {
+        act_scratch.slice_mut(..)
+    } else {
+        a.act.slice_mut(..)
+    };
     match &lay.gate {
         Some(gate) => {
             linear_fwd(cx, w, gate, &xn2, n, c, inter, &mut a.gate)?;
-            k::swiglu_forward(s, &a.gate, &a.up, &mut a.act)?;
+            k::swiglu_forward(s, &a.gate, &a.up, &mut act)?;
         }
-        None => k::gelu_tanh_forward(s, &a.up, &mut a.act)?,
+        None => k::gelu_tanh_forward(s, &a.up, &mut act)?,
     }
-    linear_fwd(cx, w, &lay.down, &a.act.as_view(), n, inter, c, out)?;
+    linear_fwd(cx, w, &lay.down, &act.as_view(), n, inter, c, out)?;
     // Row-parallel: each rank's down_proj output is its columns' share.
     complete(cx.tp, out)?;
     // out = down + h in place, and the next norm of out (one launch for RMSNorm).
@@ -511,14 +521,28 @@ fn block_backward<T: DeviceFloat>(
     let xn1 = a.xn1.as_view();
     let xn2 = a.xn2.as_view();
 
-    // MLP: out = h + down(silu(gate(n2)) * up(n2)).
+    // MLP: out = h + down(act), act = silu(gate(n2)) * up(n2) or gelu(up(n2)). Without a
+    // kept activation, recompute it into dgate (written `=` by the SwiGLU backward only after
+    // the down projection's backward has read it; the GeLU backward writes dup instead).
+    let recompute = a.act.is_empty();
+    if recompute {
+        match &lay.gate {
+            Some(_) => k::swiglu_forward(s, &a.gate, &a.up, &mut gb.dgate)?,
+            None => k::gelu_tanh_forward(s, &a.up, &mut gb.dgate)?,
+        }
+    }
+    let act = if recompute {
+        gb.dgate.as_view()
+    } else {
+        a.act.as_view()
+    };
     linear_bwd(
         cx,
         w,
         g,
         &lay.down,
         &gb.dres.as_view(),
-        &a.act.as_view(),
+        &act,
         n,
         inter,
         c,

@@ -127,8 +127,14 @@ impl GraphState {
 
 impl GpuLlama {
     /// Sets `--cuda-graphs` for the following [`GpuLlama::train_step`] calls.
+    /// A lean model (`--memory lean`) always runs eagerly: its optimizer step is host work
+    /// between the backward and the next forward, which a graph cannot hold.
     pub fn set_cuda_graphs(&mut self, mode: CudaGraphs) {
-        self.graphs.mode = mode;
+        self.graphs.mode = if self.is_lean() {
+            CudaGraphs::Off
+        } else {
+            mode
+        };
     }
 
     /// The `--cuda-graphs` setting.
@@ -194,7 +200,7 @@ impl GpuLlama {
         lr: f32,
         conditions: StepConditions,
     ) -> Result<TrainStep> {
-        if self.optimizer.is_none() {
+        if self.optimizer.is_none() && self.host_optimizer().is_none() {
             return Err(invalid(
                 "GpuLlama::train_step",
                 "no optimizer: call configure_optimizer first".into(),

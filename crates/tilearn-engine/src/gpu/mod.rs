@@ -44,6 +44,7 @@ mod inputs;
 mod lce;
 mod linalg;
 mod norms;
+mod offload;
 mod optim;
 mod precision;
 mod sink;
@@ -79,16 +80,18 @@ pub use precision::HalfViewMut;
 pub use zero::GatheredWeights;
 use zero::GradWindow;
 
-use arena::{Arena, Dims};
+use arena::{ActStore, Arena, Dims};
 use compute::Cx;
 use graph::GraphState;
 use lce::GradFactor;
 use linalg::Matmul;
+use offload::Offload;
 use precision::{WorkingCopy, weights, with_elem};
 
 use crate::config::{LlamaConfig, NormKind, PositionEncoding, RopeScalingConfig};
 use crate::error::{EngineError, Result};
 use crate::lce_chunk::LceChunk;
+use crate::memory_mode::MemoryMode;
 use crate::model::{LlamaForCausalLM, LossStats, ModelLayout};
 use crate::params::{ParamSpec, ParamStore};
 
@@ -196,6 +199,8 @@ pub struct GpuLlama {
     /// dweight/dbias partials of the LayerNorm backwards (Bloom).
     ln_scratch: Option<LayerNormScratch>,
     optimizer: Option<GpuAdamW>,
+    /// The lean memory mode's host master weights and optimizer (`None`: default mode).
+    offload: Option<Offload>,
     memory: GpuMemory,
     /// `--cuda-graphs` and the recorded step (see `graph.rs`).
     graphs: GraphState,
@@ -437,6 +442,58 @@ impl GpuLlama {
         gradient_checkpointing: bool,
         lce: LceChunk,
     ) -> Result<GpuLlama> {
+        Self::for_config_with_memory(
+            device,
+            config,
+            batch,
+            seq,
+            precisions,
+            gradient_checkpointing,
+            lce,
+            MemoryMode::Default,
+        )
+    }
+
+    /// As [`GpuLlama::with_lce_chunk`], in memory mode `memory` (see [`crate::memory_mode`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_memory(
+        device: &GpuDevice,
+        model: &LlamaForCausalLM,
+        batch: usize,
+        seq: usize,
+        precisions: &[DType],
+        gradient_checkpointing: bool,
+        lce: LceChunk,
+        memory: MemoryMode,
+    ) -> Result<GpuLlama> {
+        let mut gpu = Self::for_config_with_memory(
+            device,
+            &model.config,
+            batch,
+            seq,
+            precisions,
+            gradient_checkpointing,
+            lce,
+            memory,
+        )?;
+        gpu.upload_params(&model.params)?;
+        Ok(gpu)
+    }
+
+    /// As [`GpuLlama::for_config_with_lce_chunk`], in memory mode `memory`: `Lean` keeps
+    /// the fp32 master weights and the AdamW moments in host memory and recomputes the MLP
+    /// activation in the backward (see [`crate::memory_mode`]); it runs bf16 alone.
+    #[allow(clippy::too_many_arguments)]
+    pub fn for_config_with_memory(
+        device: &GpuDevice,
+        config: &LlamaConfig,
+        batch: usize,
+        seq: usize,
+        precisions: &[DType],
+        gradient_checkpointing: bool,
+        lce: LceChunk,
+        memory: MemoryMode,
+    ) -> Result<GpuLlama> {
         if batch == 0 || seq == 0 {
             return Err(invalid("batch/seq", "must both be positive".into()));
         }
@@ -463,26 +520,43 @@ impl GpuLlama {
             .mem_get_info()
             .map_err(|e| cuda_err("querying device memory", e))?;
 
+        memory.check(&allowed, 1)?;
+        let lean = memory.is_lean();
         let cap = Dims::new(&config, batch, seq);
         let n = cap.n;
         let numel = layout.numel;
+        // Lean: one element, never read (the master weights are on the host; the empty
+        // shard below marks the buffer so, see `offload.rs`).
         let master = stream
-            .alloc_zeros::<f32>(numel.max(1))
+            .alloc_zeros::<f32>(if lean { 1 } else { numel.max(1) })
             .map_err(|e| cuda_err("allocating the master weights", e))?;
         let grads = untracked(&stream, || stream.alloc_zeros::<f32>(numel.max(1)))
             .map_err(|e| cuda_err("allocating the gradient buffer", e))?;
         let lce_rows = lce.rows(n, config.vocab_size, widest);
         let logits_buffer_bytes = cap.logits_len(lce_rows) * widest;
-        let arena = Arena::new(&stream, &cap, widest, gradient_checkpointing, lce_rows)?;
+        let act = if lean {
+            ActStore::Recomputed
+        } else {
+            ActStore::Kept
+        };
+        let arena = Arena::new(&stream, &cap, widest, gradient_checkpointing, act, lce_rows)?;
         let arena_bytes = arena.bytes();
         let mut work = if allowed.iter().any(|p| p.is_half()) {
             Some(WorkingCopy::new(&stream, numel)?)
         } else {
             None
         };
-        if let Some(w) = work.as_mut() {
-            w.refresh(&stream, &master, precision)?;
+        match work.as_mut() {
+            // Zeros, as the host master until the first upload or load.
+            Some(w) if lean => w.written_as(precision),
+            Some(w) => w.refresh(&stream, &master, precision)?,
+            None => {}
         }
+        let offload = if lean {
+            Some(Offload::new(ctx, numel)?)
+        } else {
+            None
+        };
         let work_bytes = work.as_ref().map_or(0, WorkingCopy::bytes);
         let rope_table = RopeTable::new(
             config.head_dim,
@@ -554,7 +628,7 @@ impl GpuLlama {
             seq,
             rope_prefix_ok,
             master,
-            master_shard: None,
+            master_shard: lean.then_some(0..0),
             grads,
             grad_window: None,
             grads_hold_params: false,
@@ -576,6 +650,7 @@ impl GpuLlama {
             z_loss,
             ln_scratch,
             optimizer: None,
+            offload,
             graphs: GraphState::default(),
             tp: None,
             memory: GpuMemory {
@@ -992,6 +1067,9 @@ impl GpuLlama {
         // graph points at it.
         self.graphs.invalidate();
         self.optimizer = None;
+        if self.is_lean() {
+            return self.configure_offloaded(config, groups, max_grad_norm, shard);
+        }
         let opt = GpuAdamW::new(self.stream(), config, groups, (numel, shard), max_grad_norm)?;
         self.memory.optimizer_bytes = opt.bytes();
         self.memory.own_bytes = self.memory.master_bytes
@@ -1054,7 +1132,11 @@ impl GpuLlama {
     /// [`unscale_and_check`](Self::unscale_and_check) prepared it, clipped to the configured
     /// norm inside the kernel), updating the master weights and, in a 16-bit precision, the
     /// working copy in the same launch. Queued; does not wait. Does not zero the gradients.
+    /// A lean model steps on the host instead (waits for the backward; see `offload.rs`).
     pub fn step(&mut self, lr: f32) -> Result<()> {
+        if self.is_lean() {
+            return self.offloaded_step(lr);
+        }
         let GpuLlama {
             device,
             master,
@@ -1107,6 +1189,9 @@ impl GpuLlama {
     /// The global gradient norm (before clipping) of the last [`step`](Self::step).
     /// Synchronises the stream.
     pub fn last_grad_norm(&self) -> Result<f64> {
+        if let Some(norm) = self.offloaded_grad_norm() {
+            return Ok(norm);
+        }
         match &self.optimizer {
             Some(opt) => opt.last_grad_norm(self.stream()),
             None => Err(invalid(

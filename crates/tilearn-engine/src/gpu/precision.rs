@@ -193,6 +193,21 @@ impl WorkingCopy {
         Ok(())
     }
 
+    /// Replaces it with the bf16 values whose bits `bits` holds (one per element; the lean
+    /// mode's weights from the host step). Queued on `stream`; `bits`' own event keeps the
+    /// host from rewriting it before the copy ran.
+    pub(crate) fn upload_bf16_bits(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        bits: &cudarc::driver::PinnedHostSlice<u16>,
+    ) -> Result<()> {
+        stream
+            .memcpy_htod(bits, &mut self.buf)
+            .map_err(|e| cuda_err("uploading the bf16 weights", e))?;
+        self.holds = Some(DType::BF16);
+        Ok(())
+    }
+
     /// Records that the optimizer rewrote it in `precision`.
     pub(crate) fn written_as(&mut self, precision: DType) {
         self.holds = precision.is_half().then_some(precision);

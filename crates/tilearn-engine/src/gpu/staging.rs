@@ -230,7 +230,9 @@ impl GpuLlama {
         dest.staging.finish()?;
         drop(dest);
         if sharded {
-            return self.keep_loaded_shard();
+            // A lean model's master (an empty shard here) lives on the host.
+            self.keep_loaded_shard()?;
+            return self.pull_loaded_into_host();
         }
         if let Some(w) = self.work.as_mut() {
             w.invalidate();

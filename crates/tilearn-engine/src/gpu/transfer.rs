@@ -29,6 +29,15 @@ impl GpuLlama {
     /// working copy; the optimizer state is kept.
     pub fn upload_params(&mut self, params: &ParamStore) -> Result<()> {
         let numel = self.layout.numel;
+        if self.is_lean() {
+            if params.specs != self.specs {
+                return Err(invalid(
+                    "params",
+                    "has another layout than the device model".into(),
+                ));
+            }
+            return self.upload_offloaded(&params.data);
+        }
         if let Some(shard) = &self.master_shard {
             return Err(invalid(
                 "upload_params",

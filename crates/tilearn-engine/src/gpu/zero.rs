@@ -328,12 +328,14 @@ impl GpuLlama {
         {
             w.cast_from(&stream, &whole.slice(..numel), precision)?;
         }
-        stream
-            .memcpy_dtod(
-                &whole.slice(shard.clone()),
-                &mut self.master.slice_mut(..shard.len()),
-            )
-            .map_err(|e| cuda_err("keeping the loaded master shard", e))?;
+        if !shard.is_empty() {
+            stream
+                .memcpy_dtod(
+                    &whole.slice(shard.clone()),
+                    &mut self.master.slice_mut(..shard.len()),
+                )
+                .map_err(|e| cuda_err("keeping the loaded master shard", e))?;
+        }
         self.grads_hold_params = true;
         Ok(())
     }

@@ -7,6 +7,7 @@ use tilearn_ops::DType;
 
 use crate::cuda_graphs::CudaGraphs;
 use crate::lce_chunk::LceChunk;
+use crate::memory_mode::MemoryMode;
 use crate::{EngineError, Result};
 
 /// When checkpoints are written (Hugging Face's `save_strategy`; `epoch` and `best` are not
@@ -112,6 +113,10 @@ pub struct TrainingArguments {
     /// [`crate::cuda_graphs`]). The CPU engine ignores it.
     #[serde(default)]
     pub cuda_graphs: CudaGraphs,
+    /// Where the GPU engine keeps the optimizer state (`--memory`; see
+    /// [`crate::memory_mode`]). The CPU engine ignores it.
+    #[serde(default)]
+    pub memory: MemoryMode,
     /// When the eval set ([`Trainer::set_eval_dataset`](super::Trainer::set_eval_dataset)) is
     /// evaluated.
     #[serde(default)]
@@ -179,6 +184,7 @@ impl Default for TrainingArguments {
             gradient_checkpointing: false,
             lce_chunk: LceChunk::Auto,
             cuda_graphs: CudaGraphs::default(),
+            memory: MemoryMode::Default,
             eval_strategy: EvalStrategy::No,
             eval_steps: None,
             per_device_eval_batch_size: None,

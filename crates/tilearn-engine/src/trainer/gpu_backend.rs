@@ -7,6 +7,11 @@
 //! kernel. Clipping happens inside that kernel, so `clip_grad_norm` only records the limit and
 //! `optimizer_step` reports the norm it measured.
 //!
+//! `--memory lean` (see [`crate::memory_mode`], `gpu/offload.rs`): the fp32 master weights and
+//! the AdamW moments live in host memory and the engine steps them on the CPU; saves stage the
+//! host master through the idle gradient buffer and write the host moments in the same file
+//! format, so a lean run's checkpoints resume in either mode. Lean steps always run eagerly.
+//!
 //! ZeRO (see `gpu/zero.rs`): the fused AdamW steps the rank's shard, clipping with the global
 //! sum of squares the ranks gathered ([`StepBackend::clip_shard`] hands it to the kernel's
 //! clip input instead of a norm the kernel measures), and with one 16-bit precision the fp32
@@ -25,6 +30,7 @@ use tilearn_ops::cuda::GpuDevice;
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
 use super::backend::{ModelInit, StepBackend, WholeStep};
+use super::cpu_backend::write_host_optimizer;
 use super::flat_buffer::FlatBuffer;
 use super::optimizer_shards::{OptimizerCheckpoint, groups_within};
 use super::zero::{RankState, StateBytes};
@@ -139,7 +145,16 @@ impl GpuBackend {
         precisions: &[DType],
     ) -> Result<GpuBackend> {
         let device = GpuDevice::new(ordinal)?;
-        let gpu = GpuLlama::for_config_with_lce_chunk(
+        if args.memory.is_lean() && args.cuda_graphs == CudaGraphs::On {
+            return Err(crate::EngineError::InvalidArgument {
+                argument: "--cuda-graphs on".into(),
+                message: "--memory lean steps the optimizer on the host between the backward \
+                          and the next forward, which a CUDA graph cannot hold; use \
+                          --cuda-graphs auto or off"
+                    .into(),
+            });
+        }
+        let gpu = GpuLlama::for_config_with_memory(
             &device,
             config,
             args.per_device_train_batch_size,
@@ -147,8 +162,10 @@ impl GpuBackend {
             precisions,
             args.gradient_checkpointing,
             args.lce_chunk,
+            args.memory,
         )?;
         let mut gpu = gpu;
+        // A lean model stays eager whatever is asked (see `GpuLlama::set_cuda_graphs`).
         gpu.set_cuda_graphs(args.cuda_graphs);
         let specs = ParamStore::specs_for(config);
         // The fused AdamW is set up at its first use (see `optimizer_ready`), so that under
@@ -167,7 +184,12 @@ impl GpuBackend {
         if gpu.gradient_checkpointing() {
             features.push("gradient checkpointing".into());
         }
-        if args.cuda_graphs != CudaGraphs::Off {
+        if gpu.is_lean() {
+            features.push(
+                "lean memory: master weights and AdamW on the host, MLP activation recomputed"
+                    .into(),
+            );
+        } else if args.cuda_graphs != CudaGraphs::Off {
             features.push(format!("CUDA graphs {}", args.cuda_graphs));
         }
         let tokens = args.per_device_train_batch_size * args.seq_len;
@@ -396,6 +418,7 @@ impl StepBackend for GpuBackend {
     }
 
     fn model(&mut self) -> Result<&LlamaForCausalLM> {
+        self.gpu.stage_offloaded_master()?;
         let params = self.gpu.download_params()?;
         let host = self.host.insert(LlamaForCausalLM {
             config: self.config.clone(),
@@ -415,6 +438,7 @@ impl StepBackend for GpuBackend {
         dtype: DType,
         max_shard_bytes: Option<usize>,
     ) -> Result<()> {
+        self.gpu.stage_offloaded_master()?;
         let specs = &self.specs;
         self.gpu.with_params_source(|source| {
             save_pretrained_from(dir, config, specs, source, dtype, max_shard_bytes)
@@ -423,6 +447,9 @@ impl StepBackend for GpuBackend {
 
     fn save_optimizer(&mut self, path: &Path) -> Result<()> {
         self.optimizer_ready()?;
+        if let Some(host) = self.gpu.host_optimizer() {
+            return write_host_optimizer(host.adamw(), self.shard.len(), path);
+        }
         let step = self.gpu.optimizer().map_or(0, |o| o.step_count());
         // The file of a shard records the groups cut and shifted to it, as the CPU engine's.
         let groups = groups_within(&self.optimizer_groups, &self.shard);
@@ -434,9 +461,19 @@ impl StepBackend for GpuBackend {
 
     fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
         self.optimizer_ready()?;
-        let (numel, shard) = (self.numel, self.shard.clone());
-        self.gpu
-            .fill_moments(|dest| optimizer.read(numel, shard, dest))?;
+        if let Some(host) = self.gpu.host_optimizer_mut() {
+            let len = self.shard.len();
+            let mut moments = vec![0.0f32; 2 * len];
+            let mut dest: &mut [f32] = &mut moments;
+            let step = optimizer.read(self.numel, self.shard.clone(), &mut dest)?;
+            let exp_avg_sq = moments.split_off(len);
+            host.adamw_mut()
+                .set_state(moments, exp_avg_sq, None, step)?;
+        } else {
+            let (numel, shard) = (self.numel, self.shard.clone());
+            self.gpu
+                .fill_moments(|dest| optimizer.read(numel, shard, dest))?;
+        }
         let (config, specs) = (&self.config, &self.specs);
         self.gpu.fill_params(|dest| load_into(dir, config, specs, dest))?;
         self.host = None;

@@ -10,6 +10,7 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 use tilearn_engine::cuda_graphs::{CudaGraphs, DEFAULT_CUDA_GRAPHS};
 use tilearn_engine::lce_chunk::LceChunk;
+use tilearn_engine::memory_mode::MemoryMode;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig};
@@ -68,6 +69,11 @@ pub struct BenchArgs {
     /// under `on`.
     #[arg(long, default_value_t = DEFAULT_CUDA_GRAPHS, value_parser = CudaGraphs::parse)]
     pub cuda_graphs: CudaGraphs,
+    /// Where the GPU engine keeps the optimizer state, as `tilearn train --memory`: `default`
+    /// or `lean` (fp32 master weights and AdamW moments in host memory, stepped on the CPU;
+    /// bf16 only, no CUDA graphs).
+    #[arg(long, default_value = "default", value_parser = MemoryMode::parse)]
+    pub memory: MemoryMode,
     /// Print only the JSON line.
     #[arg(long)]
     pub json: bool,
@@ -100,6 +106,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let seq = args.seq.unwrap_or(preset.seq);
     let config = preset.config(seq);
     let result = match args.device {
+        BenchDevice::Cpu if args.memory.is_lean() => {
+            return Err(LlmError::Usage {
+                flag: "--memory lean".into(),
+                message: "is a GPU engine mode; use --device cuda".into(),
+            });
+        }
         BenchDevice::Cpu => {
             bench_cpu(&config, batch, seq, args.steps, args.gradient_checkpointing)?
         }
@@ -112,6 +124,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.gradient_checkpointing,
             args.lce_chunk_tokens,
             args.cuda_graphs,
+            args.memory,
         )?,
     };
     // The chunk the GPU model sized its logits buffer for (built for one precision, so the
@@ -133,6 +146,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "device": result.device,
         "precision": result.precision,
         "gradient_checkpointing": args.gradient_checkpointing,
+        "memory": args.memory.to_string(),
         "lce_chunk_tokens": lce_chunk_tokens,
         "batch": batch,
         "seq": seq,

@@ -5,10 +5,13 @@
 //! With `--cuda-graphs on|auto` a bf16 or fp32 step is one [`GpuLlama::train_step`]: captured
 //! as a CUDA graph at the second step and replayed after (the step then also reads the
 //! gradient norm back, as training does: a 16-byte copy after the loss's).
+//! With `--memory lean` the master weights and AdamW live in host memory and every step ends
+//! with the host AdamW (see `tilearn_engine::memory_mode`); such steps always run eagerly.
 
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::cuda_graphs::CudaGraphs;
 use tilearn_engine::lce_chunk::LceChunk;
+use tilearn_engine::memory_mode::MemoryMode;
 use tilearn_ops::DType;
 
 use super::bench_loop::BenchResult;
@@ -25,6 +28,7 @@ pub fn bench(
     gradient_checkpointing: bool,
     lce: LceChunk,
     graphs: CudaGraphs,
+    memory: MemoryMode,
 ) -> Result<BenchResult> {
     use std::time::Instant;
 
@@ -48,7 +52,15 @@ pub fn bench(
     } else {
         GradScaler::disabled()
     };
-    let mut gpu = GpuLlama::with_lce_chunk(
+    if memory.is_lean() && graphs == CudaGraphs::On {
+        return Err(crate::LlmError::Usage {
+            flag: "--cuda-graphs on".into(),
+            message: "--memory lean steps AdamW on the host, which a CUDA graph cannot hold; \
+                      use --cuda-graphs auto or off"
+                .into(),
+        });
+    }
+    let mut gpu = GpuLlama::with_memory(
         &device,
         &model,
         batch,
@@ -56,6 +68,7 @@ pub fn bench(
         &[precision],
         gradient_checkpointing,
         lce,
+        memory,
     )?;
     drop(model);
     let groups = gpu.default_groups(0.0);
@@ -237,6 +250,7 @@ pub fn bench(
     _gradient_checkpointing: bool,
     _lce: LceChunk,
     _graphs: CudaGraphs,
+    _memory: MemoryMode,
 ) -> Result<BenchResult> {
     Err(crate::LlmError::Usage {
         flag: "--device cuda".into(),

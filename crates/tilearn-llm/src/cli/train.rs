@@ -59,6 +59,7 @@ pub enum SaveStrategyChoice {
 
 use tilearn_engine::cuda_graphs::{CudaGraphs, DEFAULT_CUDA_GRAPHS};
 use tilearn_engine::lce_chunk::LceChunk;
+use tilearn_engine::memory_mode::MemoryMode;
 
 fn parse_dtype(name: &str) -> std::result::Result<DType, String> {
     DType::parse(name).ok_or_else(|| format!("`{name}` is not a dtype; use bf16, fp16 or f32"))
@@ -184,6 +185,13 @@ pub struct TrainArgs {
     /// 256 MiB; `0`: no chunking (all logits at once); N: at most N tokens.
     #[arg(long, default_value = "auto", value_parser = LceChunk::parse)]
     pub lce_chunk_tokens: LceChunk,
+    /// Where the GPU engine keeps the optimizer state: `default` (fp32 master weights, AdamW
+    /// moments, bf16 weights and fp32 gradients on the GPU, 18 bytes a parameter) or `lean`
+    /// (master weights and moments in host memory, stepped on the CPU, as ZeRO-Offload: 6
+    /// bytes a parameter on the GPU, and the MLP activation recomputed in the backward).
+    /// Lean runs bf16 in one process, without CUDA graphs; each step waits for the host AdamW.
+    #[arg(long, default_value = "default", value_parser = MemoryMode::parse)]
+    pub memory: MemoryMode,
     /// Replay each GPU training step as one CUDA graph, captured once (zeroing, forward,
     /// backward, clipping and AdamW; token ids, the loss factor and the learning rate reach it
     /// through device buffers): `on` (refuse steps that cannot be captured), `off`, or `auto`
@@ -386,6 +394,20 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
     };
     ddp.validate()?;
     let trains_on_gpu = choose_device(args.device)?;
+    if args.memory.is_lean() {
+        if !trains_on_gpu {
+            return Err(LlmError::Usage {
+                flag: "--memory lean".into(),
+                message: "keeps the GPU's optimizer state in host memory; the CPU engine has \
+                          it there already: use --device cuda, or drop the flag"
+                    .into(),
+            });
+        }
+        let processes = ranks.map_or(1, |r| r.group.world_size());
+        args.memory
+            .check(&[tilearn_ops::DType::BF16], processes)
+            .map_err(LlmError::from)?;
+    }
     let hybrid = hybrid_sizes(&args, ranks, trains_on_gpu)?;
     let amp = amp_plan(&args, trains_on_gpu)?;
     // Before anything spawns threads (rayon's pool, the loader): they inherit the main thread's
@@ -459,6 +481,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         gradient_checkpointing: args.gradient_checkpointing,
         lce_chunk: args.lce_chunk_tokens,
         cuda_graphs: args.cuda_graphs,
+        memory: args.memory,
         eval_strategy: match args.eval_strategy {
             Some(EvalStrategyChoice::No) => EvalStrategy::No,
             Some(EvalStrategyChoice::Steps) => EvalStrategy::Steps,

@@ -15,11 +15,12 @@
 //            scan of (count, scratch chunks) packed in a u64 its first entry and first chunk;
 //            (4) phase A: one warp per chunk of a run longer than one chunk writes the chunk's
 //            sum into a scratch row, so a zipf-hot row with thousands of entries is summed by
-//            many warps instead of serialising one; (5) phase B: one warp per distinct row
-//            adds its chunk sums in chunk order (a one-chunk run: its entries directly) and
-//            applies the optimizer to the row and its state in place. A warp stages a chunk's
-//            32 entries (sample, pooling scale) in shared memory with one load per lane, so the
-//            sum issues independent dout loads. Row-wise Adagrad keeps the gradient in
+//            many warps instead of serialising one; (5) phase B: one group of lanes per
+//            distinct row (a power of two >= 4 covering the widest row in float4s: 8 rows per
+//            warp at dim 16) adds its chunk sums in chunk order (a one-chunk run: its entries
+//            directly) and applies the optimizer to the row and its state in place. Entries
+//            (sample, pooling scale) are staged in shared memory with one load per lane, so
+//            the sums issue independent dout loads. Row-wise Adagrad keeps the gradient in
 //            registers between its two passes for dim <= 512 (float4) / 128 (scalar). No dense
 //            gradient of a table is materialised; the scratch is about entries * (32 + max_dim / 4)
 //            bytes (the chunk sums: at most 2 * entries / 33 rows of max_dim floats).
@@ -33,12 +34,12 @@
 // Precision: f32 storage and arithmetic; every multiply and add is rounded separately
 //            (__fmul_rn / __fadd_rn: no FMA contraction), division and sqrt are IEEE (no fast
 //            math), in the order of tilearn-recsys' CPU reference, so the forward, SGD and
-//            SparseAdam match it bit for bit; row-wise Adagrad's sum of squares is a warp tree
-//            (differs from the CPU's serial sum by rounding only).
+//            SparseAdam match it bit for bit; row-wise Adagrad's sum of squares is an xor tree
+//            over the row's lanes (differs from the CPU's serial sum by rounding only).
 // Output:    forward writes out (=). Backward+update overwrites touched weight rows and their
 //            state in place (=); untouched rows and state are not accessed. Deterministic: no
-//            float atomics, each chunk sum and each row is owned by one warp, which adds in
-//            the fixed order above, so reruns are bit-identical. Ids outside their table (which
+//            float atomics, each chunk sum and each row is owned by one warp or lane group,
+//            which adds in the fixed order above, so reruns are bit-identical. Ids outside their table (which
 //            the Rust wrappers rule out) are skipped, never read or written out of bounds.
 
 #include <cub/device/device_radix_sort.cuh>
@@ -168,6 +169,16 @@ static_assert(kChunk == 32, "a chunk's entries are staged one per lane of a warp
 // Row-wise Adagrad keeps each lane's gradient columns in registers between its two passes
 // (instead of summing the run again) while dim <= 32 lanes * vector width * kRegSlots.
 constexpr int kRegSlots = 4;
+// Phase B serves a distinct row with a group of lanes: a power of two from kMinGroupLanes to 32
+// covering the widest table's row once in float4s (so dim-16 tables put 8 rows in a warp
+// instead of idling 28 lanes; millions of distinct rows make phase B throughput-bound).
+constexpr unsigned kMinGroupLanes = 4;  // bounds the shared staging: kThreads / 4 groups
+
+unsigned group_lanes(size_t max_dim) {
+    unsigned lanes = kMinGroupLanes;
+    while (lanes < 32 && lanes * 4 < max_dim) lanes <<= 1;
+    return lanes;
+}
 
 // The chunks of a run of n entries that go through the partial-sum scratch: a run of one chunk
 // is summed directly by its row's warp, without scratch.
@@ -215,14 +226,19 @@ __global__ void pack_runs_kernel(const uint32_t* __restrict__ run_counts,
     }
 }
 
-// The table of a stacked row: the last t with row_base_t <= row (tables are few; linear).
+// The table of a stacked row: the last t with row_base_t <= row (row bases increase; a binary
+// search, so 26 tables cost 5 dependent loads instead of up to 25).
 __device__ __forceinline__ size_t table_of(const uint32_t* __restrict__ tables,
                                            size_t num_tables, uint32_t row) {
-    size_t t = 0;
-    while (t + 1 < num_tables &&
-           tables[(t + 1) * TILEARN_BAG_TABLE_WORDS + TILEARN_BAG_TABLE_ROW_BASE] <= row)
-        ++t;
-    return t;
+    size_t lo = 0, hi = num_tables - 1;  // row_base_0 = 0 <= row
+    while (lo < hi) {
+        const size_t mid = lo + (hi - lo + 1) / 2;
+        if (tables[mid * TILEARN_BAG_TABLE_WORDS + TILEARN_BAG_TABLE_ROW_BASE] <= row)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
 }
 
 // Up to one chunk of entries, staged by a warp in shared memory: each entry's sample (its row
@@ -346,21 +362,24 @@ __device__ __forceinline__ Vec<kVec> row_grad(const RowGrad& src, uint32_t c) {
     return g;
 }
 
+// The update of one row by a group of `lanes` lanes (lane: the lane's number in its group;
+// mask: the group's lanes in the warp, for its shuffles and barriers).
 template <int kVec>
 __device__ void update_row(const RowGrad& src, const Table& tab, uint32_t row, unsigned lane,
-                           float* __restrict__ weights, float* __restrict__ state1,
-                           float* __restrict__ state2, const tilearn_sparse_rule& rule) {
+                           unsigned lanes, unsigned mask, float* __restrict__ weights,
+                           float* __restrict__ state1, float* __restrict__ state2,
+                           const tilearn_sparse_rule& rule) {
     const size_t base = tab.weight_offset + static_cast<size_t>(row) * tab.dim;
     if (rule.kind == TILEARN_SPARSE_ROWWISE_ADAGRAD) {
         // Pass 1: the row's sum of squares (lane partials in column order, then a fixed xor
-        // tree), the gradient held in registers when the row fits them.
-        const bool hold = tab.dim <= 32u * kVec * kRegSlots;
+        // tree over the group), the gradient held in registers when the row fits them.
+        const bool hold = tab.dim <= lanes * kVec * kRegSlots;
         Vec<kVec> held[kRegSlots];
         float sum_sq = 0.0f;
         if (hold) {
 #pragma unroll
             for (int s = 0; s < kRegSlots; ++s) {
-                const uint32_t c = (s * 32u + lane) * kVec;
+                const uint32_t c = (s * lanes + lane) * kVec;
                 if (c < tab.dim) {
                     held[s] = row_grad<kVec>(src, c);
 #pragma unroll
@@ -369,24 +388,24 @@ __device__ void update_row(const RowGrad& src, const Table& tab, uint32_t row, u
                 }
             }
         } else {
-            for (uint32_t c = lane * kVec; c < tab.dim; c += 32 * kVec) {
+            for (uint32_t c = lane * kVec; c < tab.dim; c += lanes * kVec) {
                 const Vec<kVec> g = row_grad<kVec>(src, c);
 #pragma unroll
                 for (int k = 0; k < kVec; ++k) sum_sq = __fadd_rn(sum_sq, __fmul_rn(g.v[k], g.v[k]));
             }
         }
-#pragma unroll
-        for (int m = 16; m > 0; m >>= 1) sum_sq = __fadd_rn(sum_sq, __shfl_xor_sync(0xffffffffu, sum_sq, m));
+        for (unsigned m = lanes / 2; m > 0; m >>= 1)
+            sum_sq = __fadd_rn(sum_sq, __shfl_xor_sync(mask, sum_sq, m));
         float* acc = state1 + tab.row_base + row;
         const float g2 = __fadd_rn(*acc, __fdiv_rn(sum_sq, static_cast<float>(tab.dim)));
         const float neg_multiplier = -__fdiv_rn(rule.lr, __fadd_rn(sqrtf(g2), rule.eps));
-        __syncwarp();
+        __syncwarp(mask);  // every lane has read *acc
         if (lane == 0) *acc = g2;
         // Pass 2: the update, from the held gradient or (wide rows) the gradient again.
         if (hold) {
 #pragma unroll
             for (int s = 0; s < kRegSlots; ++s) {
-                const uint32_t c = (s * 32u + lane) * kVec;
+                const uint32_t c = (s * lanes + lane) * kVec;
                 if (c < tab.dim) {
                     Vec<kVec> w = load<kVec>(weights + base + c);
 #pragma unroll
@@ -396,7 +415,7 @@ __device__ void update_row(const RowGrad& src, const Table& tab, uint32_t row, u
                 }
             }
         } else {
-            for (uint32_t c = lane * kVec; c < tab.dim; c += 32 * kVec) {
+            for (uint32_t c = lane * kVec; c < tab.dim; c += lanes * kVec) {
                 const Vec<kVec> g = row_grad<kVec>(src, c);
                 Vec<kVec> w = load<kVec>(weights + base + c);
 #pragma unroll
@@ -406,7 +425,7 @@ __device__ void update_row(const RowGrad& src, const Table& tab, uint32_t row, u
         }
         return;
     }
-    for (uint32_t c = lane * kVec; c < tab.dim; c += 32 * kVec) {
+    for (uint32_t c = lane * kVec; c < tab.dim; c += lanes * kVec) {
         const Vec<kVec> g = row_grad<kVec>(src, c);
         Vec<kVec> w = load<kVec>(weights + base + c);
         if (rule.kind == TILEARN_SPARSE_SGD) {
@@ -434,8 +453,9 @@ __device__ void update_row(const RowGrad& src, const Table& tab, uint32_t row, u
     }
 }
 
-// Phase B: one warp per run of equal keys (a distinct row) sums its gradient (its staged
-// entries, or its chunk sums) and applies the optimizer once; runs past *num_runs exit.
+// Phase B: one group of `lanes` lanes per run of equal keys (a distinct row) sums its gradient
+// (its staged entries, or its chunk sums) and applies the optimizer once; runs past *num_runs
+// exit. Groups only synchronise within themselves, so a group may exit or take another path.
 __global__ void update_kernel(const uint32_t* __restrict__ tables, size_t num_tables,
                               size_t total_rows, size_t total_dim, size_t batch,
                               const uint32_t* __restrict__ offsets,
@@ -445,32 +465,41 @@ __global__ void update_kernel(const uint32_t* __restrict__ tables, size_t num_ta
                               const uint32_t* __restrict__ num_runs,
                               const uint32_t* __restrict__ sorted_bags,
                               const float* __restrict__ dout, const float* __restrict__ partials,
-                              size_t stride, float* __restrict__ weights,
+                              size_t stride, unsigned lanes, float* __restrict__ weights,
                               float* __restrict__ state1, float* __restrict__ state2,
                               tilearn_sparse_rule rule) {
-    __shared__ Staged staged[kWarpsPerBlock];
-    const size_t r = static_cast<size_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+    __shared__ Staged staged[kThreads / kMinGroupLanes];
+    const unsigned group = threadIdx.x / lanes;
+    const size_t r = static_cast<size_t>(blockIdx.x) * (kThreads / lanes) + group;
     if (r >= *num_runs) return;
     const uint32_t key = unique_keys[r];
     if (key >= total_rows) return;  // the sentinel run of out-of-range ids
-    const unsigned lane = threadIdx.x % 32;
+    const unsigned lane = threadIdx.x % lanes;
+    const unsigned mask =
+        lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1) << (threadIdx.x % 32 / lanes * lanes);
     const Table tab = load_table(tables, table_of(tables, num_tables, key), total_dim);
     const uint32_t count = run_counts[r];
     const uint64_t info = run_info[r];
-    RowGrad src{&staged[threadIdx.x / 32], count, nullptr, scratch_chunks(count), stride, dout,
-                total_dim, tab.col};
+    Staged& s = staged[group];
+    RowGrad src{&s, count, nullptr, scratch_chunks(count), stride, dout, total_dim, tab.col};
     if (src.chunks == 0) {
+        // Stage the run's <= kChunk entries, `lanes` at a time.
         const uint32_t begin = static_cast<uint32_t>(info);
-        stage_entries(staged[threadIdx.x / 32], sorted_bags, offsets, batch, tab.pooling, begin,
-                      begin + count, lane);
+        for (uint32_t e = lane; e < count; e += lanes) {
+            const uint32_t bag = sorted_bags[begin + e];
+            s.sample[e] = static_cast<uint32_t>(bag % batch);
+            s.scale[e] = pooling_scale(tab.pooling, offsets[bag + 1] - offsets[bag]);
+        }
+        __syncwarp(mask);
     } else {
         if (tab.dim > stride) return;  // unreachable: chunk_kernel skipped it as well
         src.partial = partials + (info >> 32) * stride;
     }
+    const uint32_t row = key - tab.row_base;
     if (tab.vec4)
-        update_row<4>(src, tab, key - tab.row_base, lane, weights, state1, state2, rule);
+        update_row<4>(src, tab, row, lane, lanes, mask, weights, state1, state2, rule);
     else
-        update_row<1>(src, tab, key - tab.row_base, lane, weights, state1, state2, rule);
+        update_row<1>(src, tab, row, lane, lanes, mask, weights, state1, state2, rule);
 }
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -614,10 +643,12 @@ extern "C" int tilearn_embedding_bag_backward_update(
             run_info, num_runs, sorted_bags, dout, partials, layout.stride);
         if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
     }
-    const size_t update_blocks = (entries + kWarpsPerBlock - 1) / kWarpsPerBlock;
+    const unsigned lanes = group_lanes(max_dim);
+    const size_t rows_per_block = kThreads / lanes;
+    const size_t update_blocks = (entries + rows_per_block - 1) / rows_per_block;
     update_kernel<<<static_cast<unsigned>(update_blocks), kThreads, 0, stream>>>(
         tables, num_tables, total_rows, total_dim, batch, offsets, unique_keys, run_counts,
-        run_info, num_runs, sorted_bags, dout, partials, layout.stride, weights, state1, state2,
-        rule);
+        run_info, num_runs, sorted_bags, dout, partials, layout.stride, lanes, weights, state1,
+        state2, rule);
     return static_cast<int>(cudaGetLastError());
 }

@@ -1,7 +1,8 @@
 //! The CUDA embedding bag against the CPU reference, on the random inputs of the CPU tests (odd
 //! dims on the scalar and float4 paths, empty bags, repeated and zipf-skewed ids), over several
 //! optimizer steps, and on runs that cross every chunk boundary of the backward's summation
-//! order (rows repeated 1, 31, 32, 33, 64, 65 and 97 times). Tolerances: the forward is checked
+//! order (rows repeated 1, 31, 32, 33, 64, 65 and 97 times; wide tables, one row per warp, and
+//! narrow ones, several rows per warp). Tolerances: the forward is checked
 //! to 1e-6 relative; SGD and SparseAdam must be bit-identical (same f32 operations in the same
 //! chunked order, no FMA contraction); row-wise Adagrad sums its squares in a warp tree instead
 //! of the CPU's serial order, checked to 1e-5 relative. A second GPU run must reproduce the
@@ -17,7 +18,10 @@ mod common;
 
 use std::io::Write;
 
-use common::{boundary_batch, boundary_layout, odd_layout, random_batch, random_values};
+use common::{
+    boundary_batch, boundary_layout, narrow_boundary_layout, odd_layout, random_batch,
+    random_values,
+};
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_recsys::cuda::{DeviceCachedEmbeddingBag, DeviceEmbeddingBag, DeviceJaggedBatch};
 use tilearn_recsys::{
@@ -140,6 +144,7 @@ fn sgd_backward_update_matches_the_cpu_reference() {
     let opt = SparseOptimizer::Sgd { lr: 0.05 };
     check_backward(test, opt, 0.0, odd_layout(), step_inputs);
     check_backward(test, opt, 0.0, boundary_layout(), boundary_inputs);
+    check_backward(test, opt, 0.0, narrow_boundary_layout(), boundary_inputs);
 }
 
 #[test]
@@ -149,6 +154,7 @@ fn row_wise_adagrad_backward_update_matches_the_cpu_reference() {
     let opt = SparseOptimizer::row_wise_adagrad(0.05);
     check_backward(test, opt, 1e-5, odd_layout(), step_inputs);
     check_backward(test, opt, 1e-5, boundary_layout(), boundary_inputs);
+    check_backward(test, opt, 1e-5, narrow_boundary_layout(), boundary_inputs);
 }
 
 #[test]
@@ -158,6 +164,7 @@ fn sparse_adam_backward_update_matches_the_cpu_reference() {
     let opt = SparseOptimizer::adam(0.01);
     check_backward(test, opt, 0.0, odd_layout(), step_inputs);
     check_backward(test, opt, 0.0, boundary_layout(), boundary_inputs);
+    check_backward(test, opt, 0.0, narrow_boundary_layout(), boundary_inputs);
 }
 
 #[test]

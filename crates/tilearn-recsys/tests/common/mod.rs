@@ -90,6 +90,25 @@ pub fn boundary_layout() -> TableLayout {
     .unwrap()
 }
 
+/// Narrow tables for [`boundary_batch`] (widest 16): the GPU update then serves 8 rows per warp
+/// with groups of 4 lanes, float4 and scalar.
+pub fn narrow_boundary_layout() -> TableLayout {
+    let shapes = [
+        (8, 16, Pooling::Mean),
+        (7, 4, Pooling::Sum),
+        (9, 3, Pooling::Mean),
+        (7, 1, Pooling::Sum),
+        (8, 13, Pooling::Sum),
+    ];
+    TableLayout::new(
+        shapes
+            .iter()
+            .map(|&(rows, dim, pooling)| TableSpec { rows, dim, pooling })
+            .collect(),
+    )
+    .unwrap()
+}
+
 /// Every table's ids: row r repeated BOUNDARY_RUNS[r] times, shuffled (seeded), cut into
 /// BOUNDARY_BAGS bags of 2 or 3 ids.
 pub fn boundary_batch(layout: &TableLayout, seed: u64) -> JaggedBatch {

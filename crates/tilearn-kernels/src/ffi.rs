@@ -24,6 +24,7 @@ pub const TILEARN_POOLING_MEAN: u32 = 1;
 pub const TILEARN_SPARSE_SGD: u32 = 0;
 pub const TILEARN_SPARSE_ROWWISE_ADAGRAD: u32 = 1;
 pub const TILEARN_SPARSE_ADAM: u32 = 2;
+pub const TILEARN_BAG_GRAD_CHUNK: u32 = 32;
 #[repr(C)]
 #[derive(Debug)]
 pub struct CUstream_st {
@@ -398,8 +399,11 @@ unsafe extern "C" {
         out: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
-    pub fn tilearn_embedding_bag_backward_scratch_bytes(entries: usize, total_rows: usize)
-    -> usize;
+    pub fn tilearn_embedding_bag_backward_scratch_bytes(
+        entries: usize,
+        total_rows: usize,
+        max_dim: usize,
+    ) -> usize;
     pub fn tilearn_embedding_bag_backward_update(
         weights: *mut f32,
         state1: *mut f32,
@@ -408,6 +412,7 @@ unsafe extern "C" {
         num_tables: usize,
         total_rows: usize,
         total_dim: usize,
+        max_dim: usize,
         offsets: *const u32,
         ids: *const u32,
         batch: usize,

@@ -8,7 +8,11 @@
 //! Backward + update: every entry `j` of bag `(t, b)` contributes `dout[b, col_t + c] *
 //! scale_t(len)` to row `ids[j]` of table `t`. The entries are sorted by stacked row (stable,
 //! so each row's contributions stay in entry order), each run of equal rows is reduced into one
-//! gradient row, and the optimizer updates that row in place. No dense gradient exists; the
+//! gradient row, and the optimizer updates that row in place. The reduction order is the CUDA
+//! kernel's, so SGD and SparseAdam match it bit for bit: the run is cut into chunks of
+//! [`GRAD_CHUNK`] entries from its start, each chunk is summed from 0 in entry order, and the
+//! gradient is 0 plus the chunk sums in chunk order (the kernel sums the chunks of a zipf-hot
+//! row in parallel). No dense gradient exists; the
 //! work and memory are proportional to the number of entries. Bit-identical from run to run.
 
 use crate::error::{RecsysError, Result};
@@ -66,6 +70,9 @@ pub fn embedding_bag_forward(
     Ok(())
 }
 
+/// Entries per chunk of a row's gradient sum (tilearn-kernels' `TILEARN_BAG_GRAD_CHUNK`).
+pub const GRAD_CHUNK: usize = 32;
+
 /// One contribution to a row's gradient: the stacked row, the entry index (the tie-break that
 /// keeps entry order) and the bag it came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -114,6 +121,7 @@ pub fn embedding_bag_backward_update(
     let rule = state.begin_step();
     let max_dim = layout.specs().iter().map(|s| s.dim).max().unwrap_or(0);
     let mut grad = vec![0.0f32; max_dim];
+    let mut chunk_sum = vec![0.0f32; max_dim];
     let mut unique = 0;
     for run in contributions.chunk_by(|a, b| a.row == b.row) {
         let t = run[0].table as usize;
@@ -121,14 +129,21 @@ pub fn embedding_bag_backward_update(
         let col = layout.col_offset()[t];
         let g = &mut grad[..spec.dim];
         g.fill(0.0);
-        for c in run {
-            let b = c.sample as usize;
-            let scale = spec.pooling.scale(batch.bag(t, b).len());
-            for (g, &d) in g
-                .iter_mut()
-                .zip(&dout[b * width + col..b * width + col + spec.dim])
-            {
-                *g += d * scale;
+        for chunk in run.chunks(GRAD_CHUNK) {
+            let p = &mut chunk_sum[..spec.dim];
+            p.fill(0.0);
+            for c in chunk {
+                let b = c.sample as usize;
+                let scale = spec.pooling.scale(batch.bag(t, b).len());
+                for (p, &d) in p
+                    .iter_mut()
+                    .zip(&dout[b * width + col..b * width + col + spec.dim])
+                {
+                    *p += d * scale;
+                }
+            }
+            for (g, &p) in g.iter_mut().zip(p.iter()) {
+                *g += p;
             }
         }
         let row = run[0].row as usize - layout.row_base()[t];

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{odd_layout, random_batch, random_values};
+use common::{boundary_batch, boundary_layout, odd_layout, random_batch, random_values};
 use tilearn_recsys::{
     EmbeddingTables, JaggedBatch, Pooling, RecsysError, SparseOptimizer, SparseState, TableLayout,
     TableSpec, embedding_bag_backward_update, embedding_bag_forward,
@@ -229,6 +229,58 @@ fn untouched_rows_and_their_state_never_change() {
             "moments of row {row}"
         );
     }
+}
+
+/// The CUDA kernel sums a row's gradient in chunks of 32 entries (in parallel for hot rows) and
+/// the reference must use its order for SGD and SparseAdam to match bit for bit: 0 plus the
+/// chunk sums in chunk order, each chunk summed from 0 in entry order. SGD with lr 1 from zero
+/// weights exposes the gradient exactly; the serial order must differ somewhere on these inputs,
+/// or the test could not tell the orders apart.
+#[test]
+fn the_gradient_is_summed_in_chunks_of_32_entries() {
+    let layout = boundary_layout();
+    let zeros = vec![0.0f32; layout.total_elements()];
+    let mut tables = EmbeddingTables::from_weights(layout.clone(), zeros).unwrap();
+    let mut state = SparseState::new(SparseOptimizer::Sgd { lr: 1.0 }, &layout).unwrap();
+    let batch = boundary_batch(&layout, 5);
+    let width = layout.total_dim();
+    let dout = random_values(batch.batch() * width, 6);
+    embedding_bag_backward_update(&mut tables, &batch, &dout, &mut state).unwrap();
+    let mut serial_differs = false;
+    for (t, spec) in layout.specs().iter().enumerate() {
+        let col = layout.col_offset()[t];
+        for row in 0..common::BOUNDARY_RUNS.len() {
+            // The row's contributions in entry order: (sample, pooling scale).
+            let mut run = Vec::new();
+            for b in 0..batch.batch() {
+                let bag = batch.bag(t, b);
+                let scale = spec.pooling.scale(bag.len());
+                for &id in &batch.ids()[bag] {
+                    if id as usize == row {
+                        run.push((b, scale));
+                    }
+                }
+            }
+            assert_eq!(run.len(), common::BOUNDARY_RUNS[row]);
+            for c in 0..spec.dim {
+                let term = |&(b, scale): &(usize, f32)| dout[b * width + col + c] * scale;
+                let mut chunked = 0.0f32;
+                for chunk in run.chunks(32) {
+                    chunked += chunk.iter().map(term).fold(0.0f32, |a, x| a + x);
+                }
+                let serial = run.iter().map(term).fold(0.0f32, |a, x| a + x);
+                serial_differs |= serial.to_bits() != chunked.to_bits();
+                let want = 0.0f32 + -chunked;
+                let got = tables.row(t, row)[c];
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "table {t} row {row} column {c}: got {got}, want {want} (chunked order)"
+                );
+            }
+        }
+    }
+    assert!(serial_differs, "the inputs do not tell the orders apart");
 }
 
 #[test]

@@ -1,9 +1,12 @@
 //! The CUDA embedding bag against the CPU reference, on the random inputs of the CPU tests (odd
 //! dims on the scalar and float4 paths, empty bags, repeated and zipf-skewed ids), over several
-//! optimizer steps. Tolerances: the forward, SGD and SparseAdam are expected bit-identical
-//! (same f32 operations in the same order, no FMA contraction) and are checked to 1e-6
-//! relative; row-wise Adagrad sums its squares in a warp tree instead of the CPU's serial order,
-//! checked to 1e-5 relative. A second GPU run must reproduce the first bit for bit.
+//! optimizer steps, and on runs that cross every chunk boundary of the backward's summation
+//! order (rows repeated 1, 31, 32, 33, 64, 65 and 97 times; wide tables, one row per warp, and
+//! narrow ones, several rows per warp). Tolerances: the forward is checked
+//! to 1e-6 relative; SGD and SparseAdam must be bit-identical (same f32 operations in the same
+//! chunked order, no FMA contraction); row-wise Adagrad sums its squares in a warp tree instead
+//! of the CPU's serial order, checked to 1e-5 relative. A second GPU run must reproduce the
+//! first bit for bit.
 //!
 //! The device row cache (tables in host memory, hot rows on the GPU) must give the uncached
 //! GPU operator's outputs, weights and optimizer state bit for bit.
@@ -15,7 +18,10 @@ mod common;
 
 use std::io::Write;
 
-use common::{odd_layout, random_batch, random_values};
+use common::{
+    boundary_batch, boundary_layout, narrow_boundary_layout, odd_layout, random_batch,
+    random_values,
+};
 use tilearn_ops::cuda::GpuDevice;
 use tilearn_recsys::cuda::{DeviceCachedEmbeddingBag, DeviceEmbeddingBag, DeviceJaggedBatch};
 use tilearn_recsys::{
@@ -33,11 +39,16 @@ fn gpu_or_skip(test: &str) -> Option<GpuDevice> {
     }
 }
 
+/// Within `rel` relative to magnitude; `rel == 0` asks for the same bits.
 fn close(what: &str, got: &[f32], want: &[f32], rel: f32) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         assert!(
-            (g - w).abs() <= rel * (1.0 + w.abs()),
+            if rel == 0.0 {
+                g.to_bits() == w.to_bits()
+            } else {
+                (g - w).abs() <= rel * (1.0 + w.abs())
+            },
             "{what}[{i}]: gpu {g}, cpu {w}"
         );
     }
@@ -74,18 +85,28 @@ fn step_inputs(layout: &TableLayout, step: u64) -> (JaggedBatch, Vec<f32>) {
     (batch, random_values(500 * layout.total_dim(), 400 + step))
 }
 
-fn check_backward(test: &str, opt: SparseOptimizer, rel: f32) {
+/// Step `step`'s batch of runs crossing every chunk boundary, and its pooled gradient.
+fn boundary_inputs(layout: &TableLayout, step: u64) -> (JaggedBatch, Vec<f32>) {
+    let batch = boundary_batch(layout, 600 + step);
+    let dout = random_values(batch.batch() * layout.total_dim(), 700 + step);
+    (batch, dout)
+}
+
+type Inputs = fn(&TableLayout, u64) -> (JaggedBatch, Vec<f32>);
+
+/// Four steps of `opt` on the GPU and on the CPU from the same tables: weights and state
+/// within `rel` (0: bit for bit), and a second GPU run bit-identical to the first.
+fn check_backward(test: &str, opt: SparseOptimizer, rel: f32, layout: TableLayout, inputs: Inputs) {
     let Some(dev) = gpu_or_skip(test) else {
         return;
     };
     let stream = dev.stream();
-    let layout = odd_layout();
     let run_gpu = || {
         let tables = EmbeddingTables::new(layout.clone(), 8);
         let state = SparseState::new(opt, &layout).unwrap();
         let mut device = DeviceEmbeddingBag::new(stream, &tables, &state).unwrap();
         for step in 0..4u64 {
-            let (batch, dout) = step_inputs(&layout, step);
+            let (batch, dout) = inputs(&layout, step);
             let dbatch = DeviceJaggedBatch::upload(stream, &layout, &batch).unwrap();
             let ddout = stream.clone_htod(&dout).unwrap();
             device.backward_update(stream, &dbatch, &ddout).unwrap();
@@ -95,7 +116,7 @@ fn check_backward(test: &str, opt: SparseOptimizer, rel: f32) {
     let mut tables = EmbeddingTables::new(layout.clone(), 8);
     let mut state = SparseState::new(opt, &layout).unwrap();
     for step in 0..4u64 {
-        let (batch, dout) = step_inputs(&layout, step);
+        let (batch, dout) = inputs(&layout, step);
         embedding_bag_backward_update(&mut tables, &batch, &dout, &mut state).unwrap();
     }
     let (weights, state1, state2) = run_gpu();
@@ -119,31 +140,31 @@ fn check_backward(test: &str, opt: SparseOptimizer, rel: f32) {
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn sgd_backward_update_matches_the_cpu_reference() {
-    check_backward(
-        "sgd_backward_update_matches_the_cpu_reference",
-        SparseOptimizer::Sgd { lr: 0.05 },
-        1e-6,
-    );
+    let test = "sgd_backward_update_matches_the_cpu_reference";
+    let opt = SparseOptimizer::Sgd { lr: 0.05 };
+    check_backward(test, opt, 0.0, odd_layout(), step_inputs);
+    check_backward(test, opt, 0.0, boundary_layout(), boundary_inputs);
+    check_backward(test, opt, 0.0, narrow_boundary_layout(), boundary_inputs);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn row_wise_adagrad_backward_update_matches_the_cpu_reference() {
-    check_backward(
-        "row_wise_adagrad_backward_update_matches_the_cpu_reference",
-        SparseOptimizer::row_wise_adagrad(0.05),
-        1e-5,
-    );
+    let test = "row_wise_adagrad_backward_update_matches_the_cpu_reference";
+    let opt = SparseOptimizer::row_wise_adagrad(0.05);
+    check_backward(test, opt, 1e-5, odd_layout(), step_inputs);
+    check_backward(test, opt, 1e-5, boundary_layout(), boundary_inputs);
+    check_backward(test, opt, 1e-5, narrow_boundary_layout(), boundary_inputs);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn sparse_adam_backward_update_matches_the_cpu_reference() {
-    check_backward(
-        "sparse_adam_backward_update_matches_the_cpu_reference",
-        SparseOptimizer::adam(0.01),
-        1e-6,
-    );
+    let test = "sparse_adam_backward_update_matches_the_cpu_reference";
+    let opt = SparseOptimizer::adam(0.01);
+    check_backward(test, opt, 0.0, odd_layout(), step_inputs);
+    check_backward(test, opt, 0.0, boundary_layout(), boundary_inputs);
+    check_backward(test, opt, 0.0, narrow_boundary_layout(), boundary_inputs);
 }
 
 #[test]

@@ -365,16 +365,25 @@ int tilearn_embedding_bag_forward(const float *weights, const uint32_t *tables,
                                   const uint32_t *ids, size_t batch, float *out,
                                   cudaStream_t stream);
 
+/* The backward's summation order: a row's run of entries (entry order) is cut into chunks of
+ * at most TILEARN_BAG_GRAD_CHUNK entries from its start; each chunk is summed from 0 in entry
+ * order, and the row's gradient is 0 plus the chunk sums in chunk order (tilearn-recsys' CPU
+ * reference uses the same constant and order). */
+#define TILEARN_BAG_GRAD_CHUNK 32
+
 /* Bytes of scratch (any alignment) tilearn_embedding_bag_backward_update needs for `entries`
- * ids over total_rows stacked rows; SIZE_MAX if out of range or the device cannot be queried. */
-size_t tilearn_embedding_bag_backward_scratch_bytes(size_t entries, size_t total_rows);
+ * ids over total_rows stacked rows whose widest table has max_dim columns; SIZE_MAX if out of
+ * range or the device cannot be queried. */
+size_t tilearn_embedding_bag_backward_scratch_bytes(size_t entries, size_t total_rows,
+                                                    size_t max_dim);
 
 /* Every row that occurs in the batch is updated in place (=) with its summed gradient from dout,
  * as is its state; nothing else is touched. Deterministic. state1 / state2 may be NULL when the
- * rule does not use them. scratch: clobbered. */
+ * rule does not use them. max_dim: at least every table's dim (sizes the scratch). scratch:
+ * clobbered. */
 int tilearn_embedding_bag_backward_update(float *weights, float *state1, float *state2,
                                           const uint32_t *tables, size_t num_tables,
-                                          size_t total_rows, size_t total_dim,
+                                          size_t total_rows, size_t total_dim, size_t max_dim,
                                           const uint32_t *offsets, const uint32_t *ids,
                                           size_t batch, size_t entries, const float *dout,
                                           tilearn_sparse_rule rule, void *scratch,

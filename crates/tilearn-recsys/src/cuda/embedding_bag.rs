@@ -30,6 +30,14 @@ fn driver(context: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Recs
     }
 }
 
+// The CPU reference sums a row's gradient in the kernel's chunked order.
+const _: () = assert!(crate::embedding_bag::GRAD_CHUNK == ffi::TILEARN_BAG_GRAD_CHUNK as usize);
+
+/// The widest table's dim: the row width of the backward's chunk-sum scratch.
+fn max_dim(layout: &TableLayout) -> usize {
+    layout.specs().iter().map(|s| s.dim).max().unwrap_or(0)
+}
+
 /// A checked [`JaggedBatch`] on the device.
 #[derive(Debug)]
 pub struct DeviceJaggedBatch {
@@ -274,15 +282,23 @@ impl DeviceEmbeddingBag {
     /// Bytes of scratch the backward needs for `entries` ids.
     fn scratch_bytes(&self, stream: &Arc<CudaStream>, entries: usize) -> Result<usize> {
         bind(stream, "tilearn_embedding_bag_backward_scratch_bytes")?;
+        let max_dim = max_dim(&self.layout);
         // SAFETY: asks CUB for its temporary-storage sizes on the current device (bound above);
         // reads and writes no memory.
         let bytes = unsafe {
-            ffi::tilearn_embedding_bag_backward_scratch_bytes(entries, self.layout.total_rows())
+            ffi::tilearn_embedding_bag_backward_scratch_bytes(
+                entries,
+                self.layout.total_rows(),
+                max_dim,
+            )
         };
         if bytes == usize::MAX {
             return Err(RecsysError::invalid(
                 "embedding-bag batch",
-                format!("cannot size the backward's scratch for {entries} ids (at most 2^31 - 1)"),
+                format!(
+                    "cannot size the backward's scratch for {entries} ids (at most 2^31 - 1) \
+                     over tables at most {max_dim} wide (at most 2^24)"
+                ),
             ));
         }
         Ok(bytes)
@@ -311,8 +327,12 @@ impl DeviceEmbeddingBag {
         self.step += 1;
         let rule = ffi_rule(RowRule::new(&self.optimizer, self.step));
         let layout = &self.layout;
-        let (num_tables, total_rows, total_dim) =
-            (layout.num_tables(), layout.total_rows(), layout.total_dim());
+        let (num_tables, total_rows, total_dim, max_dim) = (
+            layout.num_tables(),
+            layout.total_rows(),
+            layout.total_dim(),
+            max_dim(layout),
+        );
         let (rows, entries, have) = (batch.batch, batch.entries, self.scratch.len());
         let (len1, len2) = (self.state1.len(), self.state2.len());
         Launch::new("tilearn_embedding_bag_backward_update", stream)
@@ -343,6 +363,7 @@ impl DeviceEmbeddingBag {
                             num_tables,
                             total_rows,
                             total_dim,
+                            max_dim,
                             offsets.cast(),
                             ids.cast(),
                             rows,

@@ -63,3 +63,74 @@ pub fn random_values(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
 }
+
+/// Runs of a row's entries that cross every chunk boundary of the backward's summation order
+/// (chunks of 32 entries): in every table, rows 0..7 occur 1, 31, 32, 33, 64, 65 and 97 times.
+pub const BOUNDARY_RUNS: [usize; 7] = [1, 31, 32, 33, 64, 65, 97];
+/// The bags of [`boundary_batch`] per table (sum(BOUNDARY_RUNS) = 323 ids in bags of 2 or 3).
+pub const BOUNDARY_BAGS: usize = 120;
+
+/// Tables for [`boundary_batch`]: float4 and scalar rows, dims on both sides of the widths up
+/// to which row-wise Adagrad holds a row's gradient in registers (512 float4, 128 scalar).
+pub fn boundary_layout() -> TableLayout {
+    let shapes = [
+        (8, 128, Pooling::Sum),
+        (7, 3, Pooling::Mean),
+        (9, 20, Pooling::Mean),
+        (7, 1, Pooling::Sum),
+        (8, 600, Pooling::Sum),
+        (7, 130, Pooling::Mean),
+    ];
+    TableLayout::new(
+        shapes
+            .iter()
+            .map(|&(rows, dim, pooling)| TableSpec { rows, dim, pooling })
+            .collect(),
+    )
+    .unwrap()
+}
+
+/// Narrow tables for [`boundary_batch`] (widest 16): the GPU update then serves 8 rows per warp
+/// with groups of 4 lanes, float4 and scalar.
+pub fn narrow_boundary_layout() -> TableLayout {
+    let shapes = [
+        (8, 16, Pooling::Mean),
+        (7, 4, Pooling::Sum),
+        (9, 3, Pooling::Mean),
+        (7, 1, Pooling::Sum),
+        (8, 13, Pooling::Sum),
+    ];
+    TableLayout::new(
+        shapes
+            .iter()
+            .map(|&(rows, dim, pooling)| TableSpec { rows, dim, pooling })
+            .collect(),
+    )
+    .unwrap()
+}
+
+/// Every table's ids: row r repeated BOUNDARY_RUNS[r] times, shuffled (seeded), cut into
+/// BOUNDARY_BAGS bags of 2 or 3 ids.
+pub fn boundary_batch(layout: &TableLayout, seed: u64) -> JaggedBatch {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let total: usize = BOUNDARY_RUNS.iter().sum();
+    let mut offsets = vec![0u32];
+    let mut ids = Vec::new();
+    for _ in layout.specs() {
+        let mut table: Vec<u32> = BOUNDARY_RUNS
+            .iter()
+            .enumerate()
+            .flat_map(|(row, &n)| std::iter::repeat_n(row as u32, n))
+            .collect();
+        // Fisher-Yates, so the runs' entries interleave across bags.
+        for i in (1..table.len()).rev() {
+            table.swap(i, rng.random_range(0..=i));
+        }
+        let start = ids.len();
+        ids.extend(table);
+        for b in 1..=BOUNDARY_BAGS {
+            offsets.push((start + b * total / BOUNDARY_BAGS) as u32);
+        }
+    }
+    JaggedBatch::new(layout, BOUNDARY_BAGS, offsets, ids).unwrap()
+}

@@ -218,11 +218,12 @@ fn wrong_type_names_field_and_type() {
 
 #[test]
 fn unknown_architecture_is_rejected() {
-    let msg = err_of(&with("architectures", Some(r#"["BloomForCausalLM"]"#)));
+    let msg = err_of(&with("architectures", Some(r#"["GPTNeoXForCausalLM"]"#)));
     assert!(msg.contains("`architectures`"), "{msg}");
     assert!(msg.contains("unsupported architecture"), "{msg}");
-    assert!(msg.contains("BloomForCausalLM"), "{msg}");
+    assert!(msg.contains("GPTNeoXForCausalLM"), "{msg}");
     assert!(msg.contains("tilearn supports LlamaForCausalLM"), "{msg}");
+    assert!(msg.contains("BloomForCausalLM"), "lists Bloom: {msg}");
 }
 
 #[test]

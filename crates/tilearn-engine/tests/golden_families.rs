@@ -151,7 +151,11 @@ fn baichuan2_13b() {
 fn the_z_loss_weight_is_honoured() {
     let model = load("baichuan2_13b");
     assert!(model.config.z_loss_weight > 0.0);
-    let g = read_golden(&families_dir().join("baichuan2_13b").join("golden.safetensors"));
+    let g = read_golden(
+        &families_dir()
+            .join("baichuan2_13b")
+            .join("golden.safetensors"),
+    );
     let (_, with, grads_with) = cpu_run(&model, &g);
     let mut plain = model.clone();
     plain.config.z_loss_weight = 0.0;

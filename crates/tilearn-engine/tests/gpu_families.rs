@@ -144,10 +144,19 @@ fn family_configs() -> Vec<(&'static str, LlamaConfig)> {
         "vocab_size": 512, "initializer_range": 0.05, "z_loss_weight": 0.01}"#;
     let mut out: Vec<(&'static str, LlamaConfig)> = jsons
         .into_iter()
-        .map(|(name, json)| (name, LlamaConfig::from_json_str(&json, "config.json").unwrap()))
+        .map(|(name, json)| {
+            (
+                name,
+                LlamaConfig::from_json_str(&json, "config.json").unwrap(),
+            )
+        })
         .collect();
     for (name, variant, z) in [
-        ("baichuan-13b (ALiBi, 3 heads)", BaichuanVariant::Baichuan13B, 0.0),
+        (
+            "baichuan-13b (ALiBi, 3 heads)",
+            BaichuanVariant::Baichuan13B,
+            0.0,
+        ),
         (
             "baichuan2-13b (ALiBi, NormHead, z-loss 0.01)",
             BaichuanVariant::Baichuan2_13B,

@@ -108,8 +108,11 @@ impl Preset {
                 "n_head": self.num_attention_heads,
                 "layer_norm_epsilon": 1e-5,
             });
-            return LlamaConfig::from_json_str(&json.to_string(), format!("<preset {}>", self.name))
-                .expect("presets are valid configs");
+            return LlamaConfig::from_json_str(
+                &json.to_string(),
+                format!("<preset {}>", self.name),
+            )
+            .expect("presets are valid configs");
         }
         let (architecture, tied, rope_theta) = match self.name.split('-').next() {
             Some("qwen2") => ("Qwen2ForCausalLM", true, 1e6),

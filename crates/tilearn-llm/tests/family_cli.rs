@@ -165,10 +165,18 @@ fn a_13b_baichuan_fine_tunes_with_the_variable() {
             .unwrap();
     assert_eq!(saved["architectures"][0], "BaichuanForCausalLM");
     assert_eq!(saved["z_loss_weight"], 0.01);
-    assert!(tensor_names(&out_dir).iter().any(|n| n.ends_with("W_pack.weight")));
+    assert!(
+        tensor_names(&out_dir)
+            .iter()
+            .any(|n| n.ends_with("W_pack.weight"))
+    );
     assert_ne!(support::weights(&src), support::weights(&out_dir));
     let tokens = tmp.path().join("tokens.json");
-    std::fs::write(&tokens, "[[84, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116]]").unwrap();
+    std::fs::write(
+        &tokens,
+        "[[84, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116]]",
+    )
+    .unwrap();
     let eval = |generation| {
         let out = tilearn_with_baichuan_13b(
             &[

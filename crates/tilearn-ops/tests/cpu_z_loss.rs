@@ -6,7 +6,9 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tilearn_ops::cpu::{IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused, z_loss_apply, z_loss_rows};
+use tilearn_ops::cpu::{
+    IGNORE_INDEX, cross_entropy_forward, cross_entropy_fused, z_loss_apply, z_loss_rows,
+};
 
 const ROWS: usize = 13;
 const VOCAB: usize = 37;

@@ -750,22 +750,47 @@ fn z_loss_case<T: Elem>(test: &str, seed: u64, tol: f64) {
         cuda::z_loss_rows(st, &lg, &td, vocab, &mut scratch).unwrap();
         if device_factor {
             cuda::cross_entropy_fused_device_scale(
-                st, &mut lg, &td, vocab, &dev_scale, &mut row_loss, &mut totals,
+                st,
+                &mut lg,
+                &td,
+                vocab,
+                &dev_scale,
+                &mut row_loss,
+                &mut totals,
             )
             .unwrap();
         } else {
-            cuda::cross_entropy_fused(st, &mut lg, &td, vocab, f64::from(scale), &mut row_loss, &mut totals)
-                .unwrap();
+            cuda::cross_entropy_fused(
+                st,
+                &mut lg,
+                &td,
+                vocab,
+                f64::from(scale),
+                &mut row_loss,
+                &mut totals,
+            )
+            .unwrap();
         }
         let factor = if device_factor {
             cuda::ZLossScale::Device(&dev_scale)
         } else {
             cuda::ZLossScale::Host(scale)
         };
-        cuda::z_loss_apply(st, &scratch, vocab, weight, factor, &mut row_loss, Some(&mut lg))
-            .unwrap();
+        cuda::z_loss_apply(
+            st,
+            &scratch,
+            vocab,
+            weight,
+            factor,
+            &mut row_loss,
+            Some(&mut lg),
+        )
+        .unwrap();
         let tag = format!("{} device factor {device_factor}", T::NAME);
-        let got_loss: Vec<f64> = download(&dev, &row_loss).iter().map(|&x| f64::from(x)).collect();
+        let got_loss: Vec<f64> = download(&dev, &row_loss)
+            .iter()
+            .map(|&x| f64::from(x))
+            .collect();
         expect_within(
             test,
             &format!("{tag}: row losses"),
@@ -795,7 +820,10 @@ fn z_loss_case<T: Elem>(test: &str, seed: u64, tol: f64) {
         None::<&mut cuda::CudaSlice<T>>,
     )
     .unwrap();
-    let got_loss: Vec<f64> = download(&dev, &row_loss).iter().map(|&x| f64::from(x)).collect();
+    let got_loss: Vec<f64> = download(&dev, &row_loss)
+        .iter()
+        .map(|&x| f64::from(x))
+        .collect();
     expect_within(
         test,
         &format!("{} loss only: row losses", T::NAME),
@@ -804,7 +832,10 @@ fn z_loss_case<T: Elem>(test: &str, seed: u64, tol: f64) {
     );
     let untouched = download(&dev, &lg);
     assert!(
-        untouched.iter().zip(&logits).all(|(a, b)| a.bits() == b.bits()),
+        untouched
+            .iter()
+            .zip(&logits)
+            .all(|(a, b)| a.bits() == b.bits()),
         "{test}: the loss-only path changed the logits"
     );
 }

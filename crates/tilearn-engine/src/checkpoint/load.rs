@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::safetensors_io::{MappedFile, check_dtype, decode_into};
 use super::qkv_interleave::QkvInterleave;
+use super::safetensors_io::{MappedFile, check_dtype, decode_into};
 use super::{INDEX_FILE, SINGLE_FILE};
 use crate::config::{LlamaConfig, ModelFamily};
 use crate::error::{EngineError, Result};

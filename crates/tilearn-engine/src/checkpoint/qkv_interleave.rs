@@ -35,7 +35,10 @@ impl QkvInterleave {
         }
         let names = TensorNames::of(config.family);
         let suffixes = [
-            (format!(".{}.weight", names.qkv), config.head_dim * config.hidden_size),
+            (
+                format!(".{}.weight", names.qkv),
+                config.head_dim * config.hidden_size,
+            ),
             (format!(".{}.bias", names.qkv), config.head_dim),
         ];
         let tensors = specs

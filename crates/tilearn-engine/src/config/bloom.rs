@@ -134,9 +134,15 @@ pub(super) fn to_json_value(c: &LlamaConfig) -> Value {
     put("n_head", Value::from(c.num_attention_heads));
     put("layer_norm_epsilon", Value::from(c.rms_norm_eps));
     put("initializer_range", Value::from(c.initializer_range));
-    put("apply_residual_connection_post_layernorm", Value::from(false));
+    put(
+        "apply_residual_connection_post_layernorm",
+        Value::from(false),
+    );
     put("tie_word_embeddings", Value::from(c.tie_word_embeddings));
-    put("bos_token_id", c.bos_token_id.map_or(Value::Null, Value::from));
+    put(
+        "bos_token_id",
+        c.bos_token_id.map_or(Value::Null, Value::from),
+    );
     put(
         "eos_token_id",
         match c.eos_token_ids.as_slice() {
@@ -145,8 +151,14 @@ pub(super) fn to_json_value(c: &LlamaConfig) -> Value {
             many => Value::from(many.to_vec()),
         },
     );
-    put("pad_token_id", c.pad_token_id.map_or(Value::Null, Value::from));
-    put("dtype", Value::from(c.dtype.unwrap_or(DType::F32).hf_name()));
+    put(
+        "pad_token_id",
+        c.pad_token_id.map_or(Value::Null, Value::from),
+    );
+    put(
+        "dtype",
+        Value::from(c.dtype.unwrap_or(DType::F32).hf_name()),
+    );
     put("transformers_version", Value::from(TRANSFORMERS_VERSION));
     Value::Object(m)
 }

@@ -168,7 +168,9 @@ impl ModelFamily {
     /// RoPE, or ALiBi for Baichuan's 13B models.
     pub fn position_encoding(self) -> PositionEncoding {
         match self {
-            ModelFamily::Baichuan(BaichuanVariant::Baichuan13B | BaichuanVariant::Baichuan2_13B)
+            ModelFamily::Baichuan(
+                BaichuanVariant::Baichuan13B | BaichuanVariant::Baichuan2_13B,
+            )
             | ModelFamily::Bloom => PositionEncoding::Alibi,
             _ => PositionEncoding::Rope,
         }
@@ -260,7 +262,11 @@ fn baichuan(f: &Fields<'_>, env: Option<&str>) -> Result<ModelFamily> {
         return Ok(ModelFamily::Baichuan(BaichuanVariant::Baichuan2_7B));
     }
     let vocab = f.opt_usize("vocab_size")?;
-    Ok(thirteen_b(if vocab == Some(BAICHUAN2_VOCAB) { 2 } else { 1 }))
+    Ok(thirteen_b(if vocab == Some(BAICHUAN2_VOCAB) {
+        2
+    } else {
+        1
+    }))
 }
 
 #[cfg(test)]

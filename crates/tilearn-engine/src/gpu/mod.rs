@@ -38,6 +38,7 @@
 
 mod arena;
 mod compute;
+mod cx;
 mod decode;
 mod graph;
 mod inputs;

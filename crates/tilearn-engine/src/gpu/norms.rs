@@ -7,7 +7,7 @@ use std::ops::Range;
 use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cuda::{self as k, DeviceFloat};
 
-use super::compute::Cx;
+use super::cx::Cx;
 use super::sink::GradParts;
 use crate::error::Result;
 

@@ -75,7 +75,9 @@ impl LayerLayout {
             let (qd, kvd) = (config.q_dim(), config.kv_dim());
             let at = |start: usize, rows: usize| LinearLayout {
                 weight: pack.start + start * c..pack.start + (start + rows) * c,
-                bias: bias.as_ref().map(|b| b.start + start..b.start + start + rows),
+                bias: bias
+                    .as_ref()
+                    .map(|b| b.start + start..b.start + start + rows),
             };
             (at(0, qd), at(qd, kvd), at(qd + kvd, kvd))
         } else {

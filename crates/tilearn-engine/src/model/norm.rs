@@ -4,7 +4,9 @@
 
 use std::ops::Range;
 
-use tilearn_ops::cpu::{Real, layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward};
+use tilearn_ops::cpu::{
+    Real, layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward,
+};
 
 use crate::error::Result;
 

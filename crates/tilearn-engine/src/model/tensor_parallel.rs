@@ -120,8 +120,8 @@ impl ShardPlan {
         }
         if tp > 1 && config.family.packed_qkv() {
             return Err(usage(format!(
-                "{} keeps q, k and v in one W_pack tensor, which tensor parallelism does not \
-                 split yet; use --tp-size 1",
+                "{} keeps q, k and v in one packed tensor (W_pack / query_key_value), which \
+                 tensor parallelism does not split yet; use --tp-size 1",
                 config.family.architecture()
             )));
         }

@@ -475,14 +475,16 @@ impl StepBackend for GpuBackend {
                 .fill_moments(|dest| optimizer.read(numel, shard, dest))?;
         }
         let (config, specs) = (&self.config, &self.specs);
-        self.gpu.fill_params(|dest| load_into(dir, config, specs, dest))?;
+        self.gpu
+            .fill_params(|dest| load_into(dir, config, specs, dest))?;
         self.host = None;
         Ok(())
     }
 
     fn load_weights(&mut self, dir: &Path) -> Result<()> {
         let (config, specs) = (&self.config, &self.specs);
-        self.gpu.fill_params(|dest| load_into(dir, config, specs, dest))?;
+        self.gpu
+            .fill_params(|dest| load_into(dir, config, specs, dest))?;
         self.host = None;
         Ok(())
     }

@@ -27,7 +27,11 @@ pub fn z_loss_rows<R: Real>(
     arg: &mut [i32],
 ) -> Result<()> {
     let rows = targets.len();
-    expect_product("z_loss_rows (logits = targets x vocab)", &[rows, vocab], logits.len())?;
+    expect_product(
+        "z_loss_rows (logits = targets x vocab)",
+        &[rows, vocab],
+        logits.len(),
+    )?;
     expect_len("z_loss_rows (max)", rows, max.len())?;
     expect_len("z_loss_rows (arg)", rows, arg.len())?;
     for (r, &t) in targets.iter().enumerate() {

@@ -7,9 +7,7 @@ use tilearn_ops::cpu::{
     gelu_tanh_forward, linear_forward, rope_forward, swiglu_forward,
 };
 
-use super::family_parts::{
-    alibi_slopes, apply_head_scale, check_sliding_window, norm_head_scale,
-};
+use super::family_parts::{alibi_slopes, apply_head_scale, check_sliding_window, norm_head_scale};
 use super::kv_cache::KvCache;
 use super::rotary::rope_rows;
 use crate::error::{EngineError, Result};
@@ -143,7 +141,11 @@ impl<'m> CachedDecoder<'m> {
         for (lay, kv) in self.layout.layers.iter().zip(&mut self.cache.layers) {
             let row = self.cache.row;
             let cached = start * row..(start + n) * row;
-            let rope = if self.alibi.is_some() { None } else { Some(&rope) };
+            let rope = if self.alibi.is_some() {
+                None
+            } else {
+                Some(&rope)
+            };
             layer_forward(model, lay, p, rope, n, s)?;
             kv.k[cached.clone()].copy_from_slice(&s.k);
             kv.v[cached].copy_from_slice(&s.v);

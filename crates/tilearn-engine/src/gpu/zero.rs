@@ -126,7 +126,9 @@ impl GpuLlama {
     /// every backward must then go through [`GpuLlama::forward_backward_into`] with a sink
     /// that reduces each part to its owners. Returns whether it did: not when `owned` is the
     /// whole model (one rank: the whole buffer is the shard) or the parameter order gives the
-    /// backward no hand-off points; then the whole buffer stays (stage 2 reduces in it).
+    /// backward no hand-off points, or the owned gradients plus the window would not be smaller
+    /// than the whole buffer (a model of few layers); then the whole buffer stays (stage 2
+    /// reduces in it).
     pub fn shard_gradients(&mut self, owned: Range<usize>) -> Result<bool> {
         let numel = self.layout.numel;
         if owned.start > owned.end || owned.end > numel {
@@ -144,7 +146,10 @@ impl GpuLlama {
         let Some(plan) = WindowPlan::for_layout(&self.layout) else {
             return Ok(false);
         };
-        if owned.len() == numel {
+        // One rank (the shard is everything), or a model so shallow that the owned gradients
+        // plus the window would not be smaller than the whole buffer (the window holds the
+        // largest part and a layer): the whole buffer stays.
+        if owned.len() == numel || owned.len() + plan.len >= numel {
             return Ok(false);
         }
         let stream = self.stream().clone();

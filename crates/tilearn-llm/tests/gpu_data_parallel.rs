@@ -74,6 +74,16 @@ const TWO_RANKS: [&str; 6] = [
 /// The host communicator with small buckets, so that several run during the backward.
 const SMALL_HOST_BUCKETS: [&str; 4] = ["--ddp-backend", "host", "--ddp-bucket-cap-mb", "0.01"];
 
+/// [`TINY`] with 8 layers, for the ZeRO-2 tests: the window holds the largest part and one
+/// layer, so only a model of several layers keeps fewer gradient bytes with it than with the
+/// whole buffer (with TINY's 2 layers the engine keeps the whole buffer, and says so by naming
+/// no window).
+fn deep_tiny(dir: &Path) {
+    let deep = TINY.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 8");
+    assert_ne!(deep, TINY);
+    std::fs::write(dir.join("tiny.json"), deep).unwrap();
+}
+
 const TINY: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
  "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
  "num_key_value_heads": 2, "vocab_size": 257, "max_position_embeddings": 64,
@@ -202,7 +212,12 @@ fn nccl_with_one_rank_through_the_launcher_equals_a_plain_run() {
         train(dir.path(), &launch, &out, &flags);
         assert_eq!(plain, weights(&dir.path().join(&out)), "ZeRO-{stage}");
     }
-    let logged = log_lines(&dir.path().join("nccl"));
+    // With one process `--cuda-graphs auto` may capture the whole step (one rank's
+    // all-reduce is the identity), which logs no overlap timeline: that is read from a run
+    // with graphs off.
+    let timeline = ["--ddp-backend", "nccl", "--cuda-graphs", "off"];
+    train(dir.path(), &launch, "nccl-timeline", &timeline);
+    let logged = log_lines(&dir.path().join("nccl-timeline"));
     assert!(
         logged.iter().all(|r| r["allreduce_hidden"].is_number()),
         "{logged:?}"
@@ -376,6 +391,7 @@ fn zero_1_and_2_on_one_gpu_over_the_host_communicator_equal_one_process() {
         return;
     }
     let dir = setup();
+    deep_tiny(dir.path());
     train(
         dir.path(),
         &[],
@@ -428,6 +444,7 @@ fn bf16_zero_shards_the_master_weights_and_equals_plain_data_parallel() {
         return;
     }
     let dir = setup();
+    deep_tiny(dir.path());
     let flags = ["--max-grad-norm", "0", "--save-steps", "4"];
     let plain_flags = [&SMALL_HOST_BUCKETS[..], &flags[..]].concat();
     train_in(dir.path(), &TWO_RANKS, "plain", "--bf16", &plain_flags);
@@ -526,6 +543,7 @@ fn bf16_zero_2_with_accumulation_keeps_only_the_owned_gradients_and_resumes() {
         return;
     }
     let dir = setup();
+    deep_tiny(dir.path());
     let saves = ["--save-steps", "2"];
     let one = [&["--gradient-accumulation-steps", "4"][..], &saves[..]].concat();
     train_in(dir.path(), &[], "one", "--bf16", &one);
@@ -571,7 +589,8 @@ fn zero_2_with_a_tied_lm_head_equals_the_whole_buffer() {
         return;
     }
     let dir = setup();
-    let tied = TINY.replace(
+    let tied = TINY.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 8");
+    let tied = tied.replace(
         "\"rope_theta\": 10000.0}",
         "\"rope_theta\": 10000.0, \"tie_word_embeddings\": true}",
     );

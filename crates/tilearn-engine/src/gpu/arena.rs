@@ -184,14 +184,15 @@ pub(crate) enum ActStore {
 /// The two allocations, sized for the largest call (the build's batch and sequence). The main
 /// one is untyped: it holds `main_len` elements of the widest type the model may run in, and
 /// each call carves it as the type of its period, so switching precision between periods
-/// needs no new allocation.
+/// needs no new allocation. It is allocated as f32 so that between calls it can hold the whole
+/// fp32 weights for a ZeRO-2 save or load ([`Arena::idle_f32`], see `zero.rs`).
 ///
 /// Without gradient checkpointing it holds one set of [`LayerBufs`] per layer (everything the
 /// backward reads); with it, one set shared by all layers, which the backward refills by
 /// recomputing each block's forward from its input (`resid[i]`, kept for every layer).
 #[derive(Debug)]
 pub(crate) struct Arena {
-    main: CudaSlice<u8>,
+    main: CudaSlice<f32>,
     stats: CudaSlice<f32>,
     checkpointing: bool,
     act: ActStore,
@@ -213,8 +214,9 @@ impl Arena {
         logit_rows: usize,
     ) -> Result<Self> {
         let sets = Self::sets(capacity, checkpointing);
+        let bytes = capacity.main_len(sets, logit_rows, act) * max_elem_bytes;
         let main = stream
-            .alloc_zeros::<u8>(capacity.main_len(sets, logit_rows, act) * max_elem_bytes)
+            .alloc_zeros::<f32>(bytes.div_ceil(size_of::<f32>()))
             .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
         let stats = stream
             .alloc_zeros::<f32>(capacity.stats_len(sets))
@@ -236,6 +238,17 @@ impl Arena {
         }
     }
 
+    /// The main allocation as f32, for a use between calls (the next call's carving
+    /// overwrites whatever it holds).
+    pub(crate) fn idle_f32(&self) -> &CudaSlice<f32> {
+        &self.main
+    }
+
+    /// [`idle_f32`](Self::idle_f32), to write.
+    pub(crate) fn idle_f32_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.main
+    }
+
     /// Bytes held.
     pub(crate) fn bytes(&self) -> usize {
         self.main.num_bytes() + self.stats.num_bytes()
@@ -244,7 +257,7 @@ impl Arena {
     /// The named views for a call of shape `d` (which must not exceed the capacity; the
     /// carving fails with an error rather than overrun).
     pub(crate) fn carve<T: DeviceFloat>(&mut self, d: &Dims) -> Result<Bufs<'_, T>> {
-        let elems = self.main.len() / size_of::<T>();
+        let elems = self.main.num_bytes() / size_of::<T>();
         // SAFETY: every `T` is a plain float type for which any bit pattern is a valid value,
         // and the allocation (device memory, 256-byte aligned) holds at least `elems` of them.
         // The view borrows `self.main` mutably, so no other view of the bytes exists while it

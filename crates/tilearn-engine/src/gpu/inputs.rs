@@ -13,6 +13,11 @@ impl GpuLlama {
     /// Checks a call's shape against the arena and the token ids against the vocabulary,
     /// uploads the ids (one host-to-device copy) and returns the call's dims.
     pub(super) fn prepare(&mut self, ids: &[u32], batch: usize, seq: usize) -> Result<Dims> {
+        // The call carves the arena: whole weights a ZeRO-2 save or load left there are gone.
+        if self.whole_in_arena {
+            self.whole_in_arena = false;
+            self.grads_hold_params = false;
+        }
         check_call_shape(ids, batch, seq)?;
         let prefix_ok = seq == self.seq || (seq < self.seq && self.rope_prefix_ok);
         if batch > self.batch || !prefix_ok {

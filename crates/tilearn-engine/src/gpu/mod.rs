@@ -168,9 +168,13 @@ pub struct GpuLlama {
     /// master weights are sharded: in the gradient buffer, or under ZeRO-2 in `whole_staging`
     /// (cleared by the next backward or `zero_grad`).
     grads_hold_params: bool,
-    /// Under ZeRO-2, where a save gathers and a load streams the whole fp32 weights: allocated
-    /// for that and freed by the next backward or `zero_grad` (the gradient buffer is too short).
+    /// Under ZeRO-2, where a save gathers and a load streams the whole fp32 weights when the
+    /// idle activation arena is too small for them (`whole_in_arena` otherwise): allocated for
+    /// that and freed by the next backward or `zero_grad` (the gradient buffer is too short).
     whole_staging: Option<CudaSlice<f32>>,
+    /// Under ZeRO-2 the whole fp32 weights are in the idle activation arena (see `zero.rs`);
+    /// the next forward's carving clears this and `grads_hold_params`.
+    whole_in_arena: bool,
     arena: Arena,
     /// Present when a 16-bit precision is among `precisions`.
     work: Option<WorkingCopy>,
@@ -634,6 +638,7 @@ impl GpuLlama {
             grad_window: None,
             grads_hold_params: false,
             whole_staging: None,
+            whole_in_arena: false,
             arena,
             work,
             rope,
@@ -926,6 +931,7 @@ impl GpuLlama {
         };
         self.grads_hold_params = false;
         self.whole_staging = None;
+        self.whole_in_arena = false;
         let p = self.pass();
         let mut cx = p.cx;
         let layout = cx.layout;
@@ -1029,6 +1035,7 @@ impl GpuLlama {
     pub fn zero_grad(&mut self) -> Result<()> {
         self.grads_hold_params = false;
         self.whole_staging = None;
+        self.whole_in_arena = false;
         let stream = self.device.stream().clone();
         stream
             .memset_zeros(&mut self.grads)

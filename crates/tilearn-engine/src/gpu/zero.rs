@@ -21,8 +21,10 @@
 //! ([`GpuLlama::stage_params_in_grads`], collective through the caller), so a save needs no
 //! extra device memory; a load streams the file into that buffer, casts the working copy
 //! from it and keeps the shard. Under stage 2 the gradient buffer is too short for that: the
-//! whole weights then go to a buffer allocated for the save or load and freed by the next
-//! backward or `zero_grad`, so a save's moment costs 4Ψ more (what stage 1 holds throughout).
+//! whole weights then go to the activation arena, idle between steps (allocated as f32 for
+//! this), until the next forward carves it; only when the arena is smaller than the model
+//! (a small batch) a buffer is allocated for the save or load and freed by the next backward or
+//! `zero_grad`, for that moment 4Ψ more (what stage 1 holds throughout).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -124,7 +126,9 @@ impl GpuLlama {
     /// every backward must then go through [`GpuLlama::forward_backward_into`] with a sink
     /// that reduces each part to its owners. Returns whether it did: not when `owned` is the
     /// whole model (one rank: the whole buffer is the shard) or the parameter order gives the
-    /// backward no hand-off points; then the whole buffer stays (stage 2 reduces in it).
+    /// backward no hand-off points, or the owned gradients plus the window would not be smaller
+    /// than the whole buffer (a model of few layers); then the whole buffer stays (stage 2
+    /// reduces in it).
     pub fn shard_gradients(&mut self, owned: Range<usize>) -> Result<bool> {
         let numel = self.layout.numel;
         if owned.start > owned.end || owned.end > numel {
@@ -142,7 +146,10 @@ impl GpuLlama {
         let Some(plan) = WindowPlan::for_layout(&self.layout) else {
             return Ok(false);
         };
-        if owned.len() == numel {
+        // One rank (the shard is everything), or a model so shallow that the owned gradients
+        // plus the window would not be smaller than the whole buffer (the window holds the
+        // largest part and a layer): the whole buffer stays.
+        if owned.len() == numel || owned.len() + plan.len >= numel {
             return Ok(false);
         }
         let stream = self.stream().clone();
@@ -181,6 +188,11 @@ impl GpuLlama {
     /// Where the whole fp32 weights go for a save or a load while the master is sharded: the
     /// idle gradient buffer, or under ZeRO-2 a buffer made for it (see the module docs).
     pub(crate) fn whole_params_target(&mut self) -> Result<&mut CudaSlice<f32>> {
+        let numel = self.layout.numel;
+        if self.grad_window.is_some() && self.arena.idle_f32().len() >= numel {
+            self.whole_in_arena = true;
+            return Ok(self.arena.idle_f32_mut());
+        }
         if self.grad_window.is_some() && self.whole_staging.is_none() {
             let stream = self.stream().clone();
             let numel = self.layout.numel;
@@ -277,16 +289,20 @@ impl GpuLlama {
         };
         let stream = self.stream().clone();
         let numel = self.layout.numel;
+        // Decides where the whole weights go (and allocates there if need be).
         self.whole_params_target()?;
         let GpuLlama {
             master,
             grads,
             whole_staging,
+            whole_in_arena,
+            arena,
             ..
         } = self;
-        let target = match whole_staging.as_mut() {
-            Some(w) => w,
-            None => grads,
+        let target = match (*whole_in_arena, whole_staging.as_mut()) {
+            (true, _) => arena.idle_f32_mut(),
+            (false, Some(w)) => w,
+            (false, None) => grads,
         };
         stream
             .memcpy_dtod(&master.slice(..shard.len()), &mut target.slice_mut(shard))
@@ -302,7 +318,7 @@ impl GpuLlama {
     pub(crate) fn whole_params(&self) -> Result<&cudarc::driver::CudaSlice<f32>> {
         match (&self.master_shard, self.grads_hold_params) {
             (None, _) => Ok(&self.master),
-            (Some(_), true) => Ok(self.whole_staging.as_ref().unwrap_or(&self.grads)),
+            (Some(_), true) => Ok(whole_of(self)),
             (Some(shard), false) => Err(invalid(
                 "the fp32 weights",
                 format!(
@@ -322,7 +338,11 @@ impl GpuLlama {
         let stream = self.stream().clone();
         let numel = self.layout.numel;
         let precision = self.precision;
-        let whole = self.whole_staging.as_ref().unwrap_or(&self.grads);
+        let whole = match (self.whole_in_arena, self.whole_staging.as_ref()) {
+            (true, _) => self.arena.idle_f32(),
+            (false, Some(w)) => w,
+            (false, None) => &self.grads,
+        };
         if let Some(w) = self.work.as_mut()
             && precision != DType::F32
         {
@@ -338,5 +358,14 @@ impl GpuLlama {
         }
         self.grads_hold_params = true;
         Ok(())
+    }
+}
+
+/// Where the whole fp32 weights are while `grads_hold_params` (see the module docs).
+fn whole_of(gpu: &GpuLlama) -> &CudaSlice<f32> {
+    match (gpu.whole_in_arena, gpu.whole_staging.as_ref()) {
+        (true, _) => gpu.arena.idle_f32(),
+        (false, Some(w)) => w,
+        (false, None) => &gpu.grads,
     }
 }

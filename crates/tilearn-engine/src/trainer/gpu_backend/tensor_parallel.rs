@@ -26,7 +26,7 @@ use tilearn_parallel::{Communicator, scalars};
 
 use super::GpuBackend;
 use crate::checkpoint::{load_into, save_pretrained};
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, ModelFamily};
 use crate::cuda_graphs::CudaGraphs;
 use crate::data::Batch;
 use crate::gpu::GroupDeviceSums;
@@ -78,6 +78,24 @@ fn merged(ranges: impl IntoIterator<Item = Range<usize>>) -> Vec<Range<usize>> {
 /// The plan of rank `shard` of the GPU engine's tensor parallelism, refusing what it does not
 /// run yet with the way out.
 pub fn gpu_shard_plan(config: &LlamaConfig, shard: TensorShard) -> Result<ShardPlan> {
+    // The tp-local engine is the whole model's with fewer heads and columns: right for the
+    // RoPE/RMSNorm/SwiGLU families, not for ALiBi (the slopes follow the global head index) or
+    // LayerNorm/GeLU families, whose slicing is not checked on the GPU yet.
+    if shard.size > 1
+        && !matches!(
+            config.family,
+            ModelFamily::Llama | ModelFamily::Qwen2 | ModelFamily::Mistral
+        )
+    {
+        return Err(usage(
+            "--tp-size",
+            format!(
+                "{} is not split by tensor parallelism on the GPU engine yet (Llama, Qwen2 and \
+                 Mistral are); use --tp-size 1, or --device cpu",
+                config.family.architecture()
+            ),
+        ));
+    }
     let plan = ShardPlan::new(config, shard)?;
     if plan.kv_replicas > 1 {
         return Err(usage(

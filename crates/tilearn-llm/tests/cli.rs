@@ -200,8 +200,8 @@ fn bad_config_fields_are_named() {
             "hidden_size",
         ),
         (
-            "bloom.json",
-            GOOD_CONFIG.replace("LlamaForCausalLM", "BloomForCausalLM"),
+            "falcon.json",
+            GOOD_CONFIG.replace("LlamaForCausalLM", "FalconForCausalLM"),
             "architectures",
         ),
         (

@@ -32,6 +32,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let libclang = setup_libclang::ensure()?;
     eprintln!("xtask test: using {libclang} (for the bindings check)");
 
+    report_free_disk();
+
     let mut fmt = cargo();
     fmt.args(["fmt", "--all", "--", "--check"]);
     run_checked(fmt)?;
@@ -48,6 +50,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         "warnings",
     ]);
     clippy.env("NVCC", &nvcc);
+    one_shot_build(&mut clippy);
     run_checked(clippy)?;
 
     crate::build_kernels::run(&["--check".to_string()])?;
@@ -56,6 +59,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut test = cargo();
     test.args(["test", "--workspace", "--features", "tilearn-llm/cuda"]);
     test.env("NVCC", &nvcc);
+    one_shot_build(&mut test);
     let totals = run_counting_tests(test)?;
     // One closing line for the whole suite: cargo's own last line is a doctest summary that
     // often reads "0 passed" and would hide how many tests really ran.
@@ -64,6 +68,42 @@ pub fn run(args: &[String]) -> Result<(), String> {
         return Err(format!("{} tests failed", totals.failed));
     }
     Ok(())
+}
+
+/// Turns off incremental compilation unless the caller chose otherwise: CI builds once from a
+/// fresh clone, where incremental caches only cost disk (gigabytes for this workspace).
+fn one_shot_build(cmd: &mut Command) {
+    if std::env::var_os("CARGO_INCREMENTAL").is_none() {
+        cmd.env("CARGO_INCREMENTAL", "0");
+    }
+}
+
+/// About what a fresh `cargo xtask test` writes under `target/` (check, test and kernel builds).
+const DISK_NEEDED_GIB: f64 = 8.0;
+
+/// Prints the free space under `target/`'s file system and warns when it is below what a fresh
+/// run needs, so that a build that later fails with "No space left on device" was announced.
+fn report_free_disk() {
+    let root = workspace_root();
+    let Ok(out) = Command::new("df").args(["-Pk"]).arg(&root).output() else {
+        return;
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let free_kib = text
+        .lines()
+        .nth(1)
+        .and_then(|line| line.split_whitespace().nth(3))
+        .and_then(|field| field.parse::<f64>().ok());
+    if let Some(kib) = free_kib {
+        let gib = kib / (1024.0 * 1024.0);
+        eprintln!("xtask test: {gib:.1} GiB free under {}", root.display());
+        if gib < DISK_NEEDED_GIB {
+            eprintln!(
+                "xtask test: warning: a fresh run writes about {DISK_NEEDED_GIB} GiB under target/; \
+                 free disk space (or run `cargo clean`) if the build fails with \"No space left\""
+            );
+        }
+    }
 }
 
 #[derive(Default)]

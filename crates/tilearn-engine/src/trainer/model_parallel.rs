@@ -543,13 +543,11 @@ impl StepBackend for ModelParallelCpuBackend {
 
     fn state_held(&self) -> RankState {
         let o = &self.optimizer;
-        let bytes = |n: usize| (n * std::mem::size_of::<f32>()) as f64;
-        RankState {
-            weights: bytes(self.model.params.data.len()),
-            grads: bytes(self.grads.len()),
-            grad_window: 0.0,
-            optimizer: bytes(o.exp_avg().len() + o.exp_avg_sq().len()),
-        }
+        RankState::host_fp32(
+            self.model.params.data.len(),
+            self.grads.len(),
+            o.exp_avg().len() + o.exp_avg_sq().len(),
+        )
     }
 
     fn poison_gradients(&mut self) -> Result<()> {

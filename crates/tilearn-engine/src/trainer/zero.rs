@@ -109,6 +109,18 @@ pub struct RankState {
 }
 
 impl RankState {
+    /// What a CPU-engine rank holds: fp32 weights, gradients and AdamW moments, given as
+    /// element counts (the moments' count is what ZeRO left this rank).
+    pub fn host_fp32(weights: usize, grads: usize, moments: usize) -> RankState {
+        let bytes = |n: usize| (n * std::mem::size_of::<f32>()) as f64;
+        RankState {
+            weights: bytes(weights),
+            grads: bytes(grads),
+            grad_window: 0.0,
+            optimizer: bytes(moments),
+        }
+    }
+
     pub fn total(&self) -> f64 {
         self.weights + self.grads + self.optimizer
     }

@@ -43,16 +43,16 @@ pub struct StageBuffer {
 
 impl StageBuffer {
     fn view<T: DeviceFloat>(&self, len: usize) -> Result<CudaView<'_, T>> {
+        let bytes = self.bytes.len();
         // SAFETY: every `T` is a plain float type for which any bit pattern is a valid value;
         // the allocation is 256-byte aligned and `transmute` checks that it holds `len` of them.
-        unsafe { self.bytes.transmute::<T>(len) }.ok_or_else(|| too_small(len, T::NAME))
+        unsafe { self.bytes.transmute::<T>(len) }.ok_or_else(|| too_small(bytes, len, T::NAME))
     }
 
     fn view_mut<T: DeviceFloat>(&mut self, len: usize) -> Result<CudaViewMut<'_, T>> {
         let bytes = self.bytes.len();
         // SAFETY: as in `view`; the view borrows the buffer mutably.
-        unsafe { self.bytes.transmute_mut::<T>(len) }
-            .ok_or_else(|| too_small_of(bytes, len, T::NAME))
+        unsafe { self.bytes.transmute_mut::<T>(len) }.ok_or_else(|| too_small(bytes, len, T::NAME))
     }
 
     /// A send of its first `len` elements of `precision` to `peer`.
@@ -76,17 +76,13 @@ impl StageBuffer {
     }
 }
 
-fn too_small(len: usize, ty: &str) -> crate::EngineError {
+fn too_small(bytes: usize, len: usize, ty: &str) -> crate::EngineError {
     invalid(
         "pipeline stage buffer",
-        format!("internal: cannot view {len} elements of {ty} in the boundary buffer"),
-    )
-}
-
-fn too_small_of(bytes: usize, len: usize, ty: &str) -> crate::EngineError {
-    invalid(
-        "pipeline stage buffer",
-        format!("internal: {bytes} bytes cannot hold {len} elements of {ty}"),
+        format!(
+            "internal: a boundary buffer of {bytes} bytes cannot hold {len} elements of {ty} \
+             (a call larger than the model's capacity)"
+        ),
     )
 }
 

@@ -401,8 +401,15 @@ fn pipeline_checkpoints_resume_bit_for_bit_and_on_one_rank() {
         uninterrupted[0][STEPS - 1].0,
         max_abs_diff(&got_weights, &want_weights)
     ));
-    assert_eq!(resumed[0], uninterrupted[0][STEPS - 1], "{test}: same layout");
-    assert_eq!(got_weights, want_weights, "{test}: same layout, bit for bit");
+    assert_eq!(
+        resumed[0],
+        uninterrupted[0][STEPS - 1],
+        "{test}: same layout"
+    );
+    assert_eq!(
+        got_weights, want_weights,
+        "{test}: same layout, bit for bit"
+    );
 
     // One rank resumes from the same checkpoint.
     let init = ModelInit::Pretrained(dir.clone());

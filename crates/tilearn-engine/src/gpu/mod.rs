@@ -61,8 +61,8 @@ use std::sync::Arc;
 pub use decode::GpuDecoder;
 pub use graph::{GraphStats, StepRun, TrainStep};
 pub use sink::GradientSink;
-pub use stage::StageBuffer;
 use sink::Handoff;
+pub use stage::StageBuffer;
 pub use tensor_parallel::{DeviceSums, GroupDeviceSums};
 
 use cudarc::driver::{

@@ -221,7 +221,9 @@ mod tests {
             let mut want: Vec<&str> = whole.iter().map(|s| s.name.as_str()).collect();
             want.sort_unstable();
             assert_eq!(names, want, "p = {p}");
-            let cpu = PipelineShard::balanced(&full, 0, p, 1, 8).unwrap().partition;
+            let cpu = PipelineShard::balanced(&full, 0, p, 1, 8)
+                .unwrap()
+                .partition;
             for (s, part) in parts.iter().enumerate() {
                 assert_eq!(part.pipe.partition, cpu);
                 assert_eq!(part.config.num_hidden_layers, cpu[s].len());
@@ -246,7 +248,10 @@ mod tests {
         };
         for part in stages(&full, 2) {
             let l = &part.layout;
-            assert_eq!(l.numel, part.specs.iter().map(ParamSpec::numel).sum::<usize>());
+            assert_eq!(
+                l.numel,
+                part.specs.iter().map(ParamSpec::numel).sum::<usize>()
+            );
             let first_layer = part.pipe.partition[part.pipe.stage].start;
             for (k, layer) in l.layers.iter().enumerate() {
                 let global = &whole.layers[first_layer + k];
@@ -353,7 +358,10 @@ mod tests {
         let full = untied();
         let interleaved = PipelineShard::balanced(&full, 0, 2, 2, 8).unwrap();
         let msg = refusal(&full, interleaved);
-        assert!(msg.contains("--pp-size") && msg.contains("interleaved"), "{msg}");
+        assert!(
+            msg.contains("--pp-size") && msg.contains("interleaved"),
+            "{msg}"
+        );
 
         let tied = config(r#", "tie_word_embeddings": true"#);
         let pipe = PipelineShard {
@@ -369,7 +377,10 @@ mod tests {
         let mut alibi = untied();
         alibi.family = ModelFamily::Baichuan(crate::config::BaichuanVariant::Baichuan13B);
         let msg = refusal(&alibi, pipe.clone());
-        assert!(msg.contains("ALiBi") && msg.contains("--pp-size 1"), "{msg}");
+        assert!(
+            msg.contains("ALiBi") && msg.contains("--pp-size 1"),
+            "{msg}"
+        );
         // One stage is the whole model: nothing to refuse.
         let whole = PipelineShard::balanced(&alibi, 0, 1, 1, 8).unwrap();
         assert!(PipelineStage::new(&alibi, whole).is_ok());

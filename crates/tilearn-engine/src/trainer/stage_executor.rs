@@ -111,7 +111,9 @@ pub fn recomputed_forwards(actions: &[Action]) -> usize {
     for action in actions {
         match action {
             Action::Forward { micro_batch, .. } => holds.forward(*micro_batch),
-            Action::Backward { micro_batch, .. } => count += usize::from(holds.backward(*micro_batch)),
+            Action::Backward { micro_batch, .. } => {
+                count += usize::from(holds.backward(*micro_batch))
+            }
             Action::Comm(_) => {}
         }
     }
@@ -148,25 +150,25 @@ pub fn run_actions<S: StageCompute>(
     let mut loss_sum = 0.0;
     for action in actions {
         match action {
-            Action::Forward { micro_batch: mb, .. } => {
+            Action::Forward {
+                micro_batch: mb, ..
+            } => {
                 let mb = *mb;
                 let input = if first {
                     None
                 } else {
                     Some(inputs.get(&mb).ok_or_else(|| missing("forward", mb))?)
                 };
-                let mut output = if last {
-                    None
-                } else {
-                    Some(take(pool, stage)?)
-                };
+                let mut output = if last { None } else { Some(take(pool, stage)?) };
                 stage.forward(mb, input, output.as_mut())?;
                 holds.forward(mb);
                 if let Some(out) = output {
                     outbox_act.insert(mb, out);
                 }
             }
-            Action::Backward { micro_batch: mb, .. } => {
+            Action::Backward {
+                micro_batch: mb, ..
+            } => {
                 let mb = *mb;
                 let input = if first {
                     None
@@ -176,7 +178,11 @@ pub fn run_actions<S: StageCompute>(
                 let dout = if last {
                     None
                 } else {
-                    Some(grads_in.remove(&mb).ok_or_else(|| missing("backward", mb))?)
+                    Some(
+                        grads_in
+                            .remove(&mb)
+                            .ok_or_else(|| missing("backward", mb))?,
+                    )
                 };
                 if holds.backward(mb) {
                     stage.forward(mb, input.as_ref(), None)?;
@@ -262,7 +268,11 @@ mod tests {
                     // GPipe runs every backward after all forwards, in micro-batch order.
                     let gpipe = stage_actions(ScheduleKind::GPipe, s, p, m).unwrap();
                     let want = if m == 1 { 0 } else { m };
-                    assert_eq!(recomputed_forwards(&gpipe), want, "gpipe p {p} m {m} stage {s}");
+                    assert_eq!(
+                        recomputed_forwards(&gpipe),
+                        want,
+                        "gpipe p {p} m {m} stage {s}"
+                    );
                 }
             }
         }
@@ -284,7 +294,10 @@ mod tests {
         let err = stage_actions(ScheduleKind::Interleaved { virtual_stages: 2 }, 0, 2, 4)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("1f1b") && err.contains("--pp-schedule"), "{err}");
+        assert!(
+            err.contains("1f1b") && err.contains("--pp-schedule"),
+            "{err}"
+        );
     }
 
     /// A toy pipeline: stage s multiplies its input vector by `w[s]`; the last stage's loss is
@@ -329,7 +342,11 @@ mod tests {
                 Some(x) => x.clone(),
                 None => self.inputs[mb].clone(),
             };
-            assert!(x.iter().all(|v| v.is_finite()), "stage {} read garbage", self.stage);
+            assert!(
+                x.iter().all(|v| v.is_finite()),
+                "stage {} read garbage",
+                self.stage
+            );
             if let Some(out) = output {
                 for (o, v) in out.iter_mut().zip(&x) {
                     *o = v * self.w;
@@ -347,7 +364,11 @@ mod tests {
             din: Option<&mut Vec<f32>>,
         ) -> Result<Option<f64>> {
             let (held, x) = self.arena.take().expect("the forward is in the arena");
-            assert_eq!(held, mb, "stage {} backward of another micro-batch", self.stage);
+            assert_eq!(
+                held, mb,
+                "stage {} backward of another micro-batch",
+                self.stage
+            );
             let dy = match dout {
                 Some(d) => d.clone(),
                 None => self.targets[mb].clone(),

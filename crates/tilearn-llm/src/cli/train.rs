@@ -514,13 +514,9 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
                 Some(counts) => {
                     PipelineShard::with_layer_counts(&config, sizes.pp_rank, sizes.pp, 1, counts)?
                 }
-                None => PipelineShard::balanced(
-                    &config,
-                    sizes.pp_rank,
-                    sizes.pp,
-                    1,
-                    training.seq_len,
-                )?,
+                None => {
+                    PipelineShard::balanced(&config, sizes.pp_rank, sizes.pp, 1, training.seq_len)?
+                }
             };
             let schedule = args.pp_schedule.kind(1);
             gpu_pipeline_parallel_trainer(
@@ -724,10 +720,7 @@ fn gpu_split_supported(
         })
     };
     if sizes.pp > 1 && sizes.tp > 1 {
-        return refuse(
-            "--pp-size",
-            "tensor and pipeline parallelism together",
-        );
+        return refuse("--pp-size", "tensor and pipeline parallelism together");
     }
     if sizes.dp > 1 {
         let what = if sizes.pp > 1 {
@@ -1053,7 +1046,10 @@ mod tests {
         assert!(ok(1, 4, PipelineSchedule::Gpipe).is_ok());
 
         let both = refusal(2, 2, 4, false, PipelineSchedule::OneFOneB);
-        assert!(both.starts_with("--pp-size") && both.contains("--device cpu"), "{both}");
+        assert!(
+            both.starts_with("--pp-size") && both.contains("--device cpu"),
+            "{both}"
+        );
         let dp = refusal(1, 2, 4, false, PipelineSchedule::OneFOneB);
         assert!(
             dp.starts_with("--nproc-per-node") && dp.contains("around pipeline"),

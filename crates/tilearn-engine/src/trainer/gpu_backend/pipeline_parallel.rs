@@ -125,22 +125,13 @@ impl GpuPipelineParallelBackend {
             cuda_graphs: CudaGraphs::Off,
             ..args.clone()
         };
-        let inner = GpuBackend::build_for(
-            &stage.config,
-            Some(&stage),
-            &eager,
-            ordinal,
-            precisions,
-        )?;
+        let inner =
+            GpuBackend::build_for(&stage.config, Some(&stage), &eager, ordinal, precisions)?;
         let layers = &stage.pipe.partition[stage.pipe.stage];
         let name = format!(
             "{}, pipeline stage {} of {} (layers {}..{}, {schedule}, forward recomputed before \
              each backward that does not follow it)",
-            inner.name,
-            stage.pipe.stage,
-            stage.pipe.stages,
-            layers.start,
-            layers.end
+            inner.name, stage.pipe.stage, stage.pipe.stages, layers.start, layers.end
         );
         let mut backend = GpuPipelineParallelBackend {
             inner,
@@ -277,7 +268,10 @@ impl<'a> DeviceStage<'a> {
         let b = batches.get(mb).ok_or_else(|| {
             usage(
                 "--pp-schedule",
-                format!("internal: the schedule names micro-batch {mb} of {}", self.batches.len()),
+                format!(
+                    "internal: the schedule names micro-batch {mb} of {}",
+                    self.batches.len()
+                ),
             )
         })?;
         self.gpu
@@ -321,14 +315,9 @@ impl StageCompute for DeviceStage<'_> {
         let (denominator, loss_scale) = (self.denominator, self.loss_scale);
         let b = self.batch(mb)?;
         let (ids, labels, shape) = (&b.input_ids, &b.labels, (b.batch, b.seq_len));
-        let stats = self.gpu.stage_backward(
-            (ids, labels),
-            shape,
-            denominator,
-            loss_scale,
-            dout,
-            din,
-        )?;
+        let stats =
+            self.gpu
+                .stage_backward((ids, labels), shape, denominator, loss_scale, dout, din)?;
         Ok(stats.map(|s| s.loss_sum))
     }
 
@@ -417,11 +406,10 @@ impl StepBackend for GpuPipelineParallelBackend {
         let ids = &batch.input_ids;
         let mut loss = LossStats::default();
         if self.stage.is_last() {
-            self.inner.gpu.stage_forward(ids, shape, input.as_ref(), None)?;
-            loss = self
-                .inner
+            self.inner
                 .gpu
-                .stage_loss((ids, &batch.labels), shape)?;
+                .stage_forward(ids, shape, input.as_ref(), None)?;
+            loss = self.inner.gpu.stage_loss((ids, &batch.labels), shape)?;
         } else {
             let mut out = self.take_buffer()?;
             self.inner

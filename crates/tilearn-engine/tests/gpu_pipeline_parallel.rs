@@ -26,6 +26,8 @@
 //! * GPipe with gradient checkpointing in fp32 (every backward recomputes its stage's forward,
 //!   and inside it the blocks recompute again), and three stages with 1F1B over 5 micro-batches (a middle stage
 //!   receives and sends in both directions), fp32 bounds.
+//! * fp16 with loss scaling (scale 1024) against one rank within the 16-bit bounds, and an
+//!   infinite gradient planted on the last stage alone makes both stages skip the step.
 //! * The evaluation loss of pp 2 equals the single rank's (fp32, 1e-5 relative).
 //! * A pp 2 checkpoint (whole Hugging Face files, one optimizer file per stage in the sliced
 //!   layout) resumes on pp 2 bit for bit against the uninterrupted pp 2 run, and on one rank
@@ -484,4 +486,103 @@ fn unsupported_settings_are_refused_with_the_flag_before_touching_the_gpu() {
             assert!(e.contains(flag), "expected a refusal naming {flag}: {e}");
         }
     }
+}
+
+/// An fp16 step as the Trainer takes it with the GradScaler's `scale`: the scaled backward, the
+/// collective unscale/overflow check, then (when finite) the step. `poison` plants an infinite
+/// gradient first (fault injection). Returns (loss, gradient norm, found inf).
+fn fp16_step(
+    backend: &mut dyn StepBackend,
+    step: usize,
+    scale: f32,
+    poison: bool,
+) -> (f64, f64, bool) {
+    let batches = step_batches(step, MICRO);
+    let denominator: f64 = batches
+        .iter()
+        .map(|b| tilearn_engine::model::count_valid_targets(&b.labels, BATCH, SEQ))
+        .sum::<usize>() as f64;
+    backend.zero_grads();
+    let loss = match backend.forward_backward_step(&batches, denominator, DType::F16, scale) {
+        Some(loss) => loss.unwrap(),
+        None => batches
+            .iter()
+            .map(|b| {
+                backend
+                    .forward_backward(b, denominator, DType::F16, scale)
+                    .unwrap()
+            })
+            .sum(),
+    };
+    if poison {
+        backend.poison_gradients().unwrap();
+    }
+    let found_inf = backend.unscale_and_check(1.0 / scale).unwrap();
+    if found_inf {
+        return (loss / denominator, f64::NAN, true);
+    }
+    backend.clip_grad_norm(1.0).unwrap();
+    let norm = backend
+        .optimizer_step(LR)
+        .unwrap()
+        .expect("the GPU reports the norm");
+    (loss / denominator, norm, false)
+}
+
+/// fp16 with loss scaling: the scaled gradients cross the stages, the unscale and the
+/// overflow check are collective (an inf planted on the last stage alone makes both stages
+/// skip), and the steps match one rank's within the 16-bit bounds above.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn pipeline_2_fp16_with_loss_scaling_matches_one_rank_and_skips_together() {
+    let test = "gpu pp 2 fp16 loss scaling";
+    if gpu_or_skip(test).is_none() {
+        return;
+    }
+    let f16 = DType::F16;
+    let scale = 1024.0;
+    let init = ModelInit::Random { seed: SEED };
+    let mut single = GpuBackend::from_init(&config(), &init, &args(), 0, &[f16]).unwrap();
+    let reference: Vec<(f64, f64)> = (0..STEPS)
+        .map(|s| {
+            let (loss, norm, inf) = fp16_step(&mut single, s, scale, false);
+            assert!(!inf, "{test}: one rank overflowed at scale {scale}");
+            (loss, norm)
+        })
+        .collect();
+    let reference_weights = single.model().unwrap().params.data.clone();
+    drop(single);
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().to_path_buf();
+    let results = run_on_threads(2, Duration::from_secs(120), |stage, comm| {
+        let init = ModelInit::Random { seed: SEED };
+        let place = (stage, 2, ScheduleKind::OneFOneB);
+        let mut b = stage_backend(&args(), &init, f16, place, comm);
+        let mut log = Vec::new();
+        for s in 0..STEPS {
+            let (loss, norm, inf) = fp16_step(&mut b, s, scale, false);
+            assert!(!inf, "{test}: stage {stage} overflowed at scale {scale}");
+            log.push((loss, norm));
+        }
+        b.save_model(&dir, &config(), DType::F32, None).unwrap();
+        // Only the last stage's gradients are poisoned; both must skip.
+        let (_, _, skipped) = fp16_step(&mut b, STEPS, scale, stage == 1);
+        (log, skipped)
+    })
+    .unwrap();
+    assert_eq!(
+        results[0].0, results[1].0,
+        "{test}: the stages log the same"
+    );
+    assert!(
+        results.iter().all(|r| r.1),
+        "{test}: an overflow on one stage is every stage's"
+    );
+    compare(
+        test,
+        &results[0].0,
+        &reference,
+        (&weights(&dir), &reference_weights),
+        f16,
+    );
 }

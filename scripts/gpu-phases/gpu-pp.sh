@@ -7,7 +7,8 @@
 # 2. Through the real launcher: `train --device cuda --pp-size 2` with two processes against one
 #    process (bf16, 20 steps of 4 micro-batches of a small untied Llama on the embedded default
 #    data: the embedded default model ties its embeddings, which pipeline parallelism refuses),
-#    and the pp 2 run's checkpoint of step 10 resumed on pp 2 (steps 11-20 must repeat the
+#    pp 2 × dp 2 with four processes against the same one-process run (same global batch), and
+#    the pp 2 run's checkpoint of step 10 resumed on pp 2 (steps 11-20 must repeat the
 #    uninterrupted run's losses exactly). Step losses compared in $OUT/gpu_pp_summary.txt,
 #    throughput from each run's closing line (two processes share the one GPU and exchange
 #    activations through host memory: a functional figure, not NCCL's).
@@ -26,14 +27,20 @@ cat > "$T/small.json" <<'JSON'
  "rope_theta": 10000.0, "tie_word_embeddings": false}
 JSON
 common=(train --config "$T/small.json" --device cuda --bf16 --seq-len 128
-  --per-device-train-batch-size 4 --gradient-accumulation-steps 4 --max-steps 20 --logging-steps 1
-  --no-samples)
-run gpu_pp_one timeout 100 "$B/bin/tilearn" "${common[@]}" --save-steps 0 --output-dir "$T/one"
+  --per-device-train-batch-size 4 --logging-steps 1 --no-samples)
+steps=(--gradient-accumulation-steps 4 --max-steps 20)
+run gpu_pp_one timeout 100 "$B/bin/tilearn" "${common[@]}" "${steps[@]}" --save-steps 0 \
+  --output-dir "$T/one"
 run gpu_pp_two timeout 120 "$B/bin/tilearn" launch --nproc-per-node 2 --standalone \
-  "${common[@]}" --pp-size 2 --save-steps 10 --output-dir "$T/pp2"
+  "${common[@]}" "${steps[@]}" --pp-size 2 --save-steps 10 --output-dir "$T/pp2"
+# pp 2 × dp 2 (four processes): 2 micro-batches per rank and step, the global batch of one
+# process's 4, so the same windows in the same steps (and the same learning-rate schedule).
+run gpu_pp_dp2 timeout 120 "$B/bin/tilearn" launch --nproc-per-node 4 --standalone \
+  "${common[@]}" --pp-size 2 --gradient-accumulation-steps 2 --max-steps 20 --save-steps 0 \
+  --output-dir "$T/pp2dp2"
 # The pp 2 checkpoint of step 10 resumed on pp 2 for steps 11-20.
 run gpu_pp_resume_pp2 timeout 120 "$B/bin/tilearn" launch --nproc-per-node 2 --standalone \
-  "${common[@]}" --pp-size 2 --save-steps 0 --output-dir "$T/resumed" --data "$T/pp2/data" \
+  "${common[@]}" "${steps[@]}" --pp-size 2 --save-steps 0 --output-dir "$T/resumed" --data "$T/pp2/data" \
   --resume-from-checkpoint "$T/pp2/checkpoint-10"
 python3 - "$T" > "$OUT/gpu_pp_summary.txt" 2>&1 <<'PY'
 import json, sys, os
@@ -49,6 +56,7 @@ def losses(d):
             out[r["step"]] = r["loss"]
     return out
 for a, b, label in [("one", "pp2", "bf16 pp2 vs one process"),
+                    ("one", "pp2dp2", "bf16 pp2 x dp2 vs one process"),
                     ("pp2", "resumed", "bf16 pp2 checkpoint-10 resumed on pp2 vs uninterrupted pp2")]:
     la, lb = losses(a), losses(b)
     common = sorted(set(la) & set(lb))
@@ -60,5 +68,6 @@ for a, b, label in [("one", "pp2", "bf16 pp2 vs one process"),
           f"last step {common[-1]}: {la[common[-1]]:.6f} vs {lb[common[-1]]:.6f}")
 PY
 cat "$OUT/gpu_pp_summary.txt"
-grep -h "pipeline stage\|^done:" "$OUT"/gpu_pp_one.log "$OUT"/gpu_pp_two.log "$OUT"/gpu_pp_resume_pp2.log | sort -u | head -12
+grep -h "pipeline stage\|hybrid\|^done:" "$OUT"/gpu_pp_one.log "$OUT"/gpu_pp_two.log "$OUT"/gpu_pp_dp2.log \
+  "$OUT"/gpu_pp_resume_pp2.log | sort -u | head -16
 rm -rf "$T"

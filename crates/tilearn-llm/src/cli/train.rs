@@ -524,8 +524,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
                 training,
                 &config,
                 &init,
-                dataset,
-                &amp,
+                (dataset, &amp, ddp),
                 (&sizes, ranks, pipe, schedule),
             )?
         } else {
@@ -703,8 +702,9 @@ fn hybrid_sizes(
 }
 
 /// What the GPU engine's model parallelism runs so far (the rest runs on the CPU engine):
-/// tensor parallelism alone or pipeline parallelism alone (1F1B or GPipe), without data
-/// parallelism around either, sequence parallelism or interleaving.
+/// tensor parallelism alone, or pipeline parallelism (1F1B or GPipe) with data parallelism
+/// around it or not; not both together, not data parallelism around tensor parallelism,
+/// sequence parallelism or interleaving.
 fn gpu_split_supported(
     sizes: &HybridSizes,
     sequence_parallel: bool,
@@ -715,21 +715,20 @@ fn gpu_split_supported(
             flag: flag.into(),
             message: format!(
                 "{what} runs on the CPU engine only so far (the GPU engine splits a model by \
-                 tensor parallelism alone or by pipeline parallelism alone); add --device cpu, \
-                 or use --tp-size or --pp-size with as many processes as its size"
+                 tensor parallelism alone, or by pipeline parallelism with data parallelism \
+                 around it); add --device cpu, or use --tp-size with as many processes as its \
+                 size, or --pp-size alone"
             ),
         })
     };
     if sizes.pp > 1 && sizes.tp > 1 {
         return refuse("--pp-size", "tensor and pipeline parallelism together");
     }
-    if sizes.dp > 1 {
-        let what = if sizes.pp > 1 {
-            "data parallelism around pipeline parallelism"
-        } else {
-            "data parallelism around tensor parallelism"
-        };
-        return refuse("--nproc-per-node", what);
+    if sizes.dp > 1 && sizes.tp > 1 {
+        return refuse(
+            "--nproc-per-node",
+            "data parallelism around tensor parallelism",
+        );
     }
     if sizes.pp > 1 && schedule == PipelineSchedule::Interleaved {
         return refuse("--pp-schedule", "the interleaved schedule");
@@ -864,15 +863,15 @@ fn gpu_tensor_parallel_trainer(
 }
 
 /// A Trainer for one pipeline stage on the GPU engine (see
-/// `tilearn_engine::trainer::gpu_backend::pipeline_parallel`); its activations cross stages
-/// through the host communicator, staged on a stream of the rank's GPU.
+/// `tilearn_engine::trainer::gpu_backend::pipeline_parallel`); its activations cross stages,
+/// and with data parallelism around the pipeline its gradients are summed between the
+/// replicas' same stages, through the host communicator, staged on a stream of the rank's GPU.
 #[cfg(feature = "cuda")]
 fn gpu_pipeline_parallel_trainer(
     training: TrainingArguments,
     config: &LlamaConfig,
     init: &ModelInit,
-    dataset: TokenDataset,
-    amp: &adaptfp16::AmpPlan,
+    (dataset, amp, ddp): (TokenDataset, &adaptfp16::AmpPlan, DdpOptions),
     (sizes, ranks, pipe, schedule): (&HybridSizes, &Ranks, PipelineShard, ScheduleKind),
 ) -> Result<Trainer> {
     use tilearn_engine::trainer::gpu_backend::pipeline_parallel::GpuPipelineParallelBackend;
@@ -902,6 +901,10 @@ fn gpu_pipeline_parallel_trainer(
         pp: sizes.pp,
         world: ranks.host.clone(),
     })?;
+    if let Some(dp) = groups.dp {
+        let local = trainer.local_parameter_count();
+        trainer.set_data_parallel(DataParallel::new(dp.clone(), dp, ddp, local)?)?;
+    }
     Ok(trainer)
 }
 
@@ -910,8 +913,7 @@ fn gpu_pipeline_parallel_trainer(
     _training: TrainingArguments,
     _config: &LlamaConfig,
     _init: &ModelInit,
-    _dataset: TokenDataset,
-    _amp: &adaptfp16::AmpPlan,
+    _data: (TokenDataset, &adaptfp16::AmpPlan, DdpOptions),
     _split: (&HybridSizes, &Ranks, PipelineShard, ScheduleKind),
 ) -> Result<Trainer> {
     Err(LlmError::Usage {
@@ -1037,7 +1039,7 @@ mod tests {
     }
 
     #[test]
-    fn the_gpu_engine_splits_by_tensor_or_pipeline_parallelism_alone() {
+    fn the_gpu_engine_splits_by_tensor_or_pipeline_parallelism_not_both() {
         let ok = |tp, pp, schedule| {
             let sizes = HybridSizes::new(Some(tp), Some(pp), 0, tp * pp).unwrap();
             gpu_split_supported(&sizes, false, schedule)
@@ -1045,15 +1047,19 @@ mod tests {
         assert!(ok(2, 1, PipelineSchedule::OneFOneB).is_ok());
         assert!(ok(1, 2, PipelineSchedule::OneFOneB).is_ok());
         assert!(ok(1, 4, PipelineSchedule::Gpipe).is_ok());
+        // Data parallelism around the pipeline: pp 2 × dp 2.
+        let pp_dp = HybridSizes::new(Some(1), Some(2), 0, 4).unwrap();
+        assert_eq!(pp_dp.dp, 2);
+        assert!(gpu_split_supported(&pp_dp, false, PipelineSchedule::OneFOneB).is_ok());
 
         let both = refusal(2, 2, 4, false, PipelineSchedule::OneFOneB);
         assert!(
             both.starts_with("--pp-size") && both.contains("--device cpu"),
             "{both}"
         );
-        let dp = refusal(1, 2, 4, false, PipelineSchedule::OneFOneB);
+        let dp = refusal(2, 1, 4, false, PipelineSchedule::OneFOneB);
         assert!(
-            dp.starts_with("--nproc-per-node") && dp.contains("around pipeline"),
+            dp.starts_with("--nproc-per-node") && dp.contains("around tensor"),
             "{dp}"
         );
         let interleaved = refusal(1, 2, 2, false, PipelineSchedule::Interleaved);

@@ -17,7 +17,9 @@
 //! squares, handed to the fused AdamW's clip), the fp16 overflow check, the saved model (every
 //! stage's tensors all-gathered and put together by name; stage 0 writes plain Hugging Face
 //! files). Each stage writes its optimizer file in the CPU model-parallel layout format (whole
-//! tensors as slices), so checkpoints interchange with the CPU engine's layouts.
+//! tensors as slices), so checkpoints interchange with the CPU engine's layouts. Data
+//! parallelism around the pipeline is the Trainer's: it reduces this stage's flat gradient
+//! buffer between the replicas after [`StepBackend::forward_backward_step`]; ZeRO is refused.
 
 use std::ops::Range;
 use std::path::Path;

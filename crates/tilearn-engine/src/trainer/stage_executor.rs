@@ -11,7 +11,7 @@
 //! come from a pool that keeps what a step used, so a steady run allocates nothing.
 //!
 //! The compute and the transfers are the [`StageCompute`]'s: device buffers through
-//! [`Communicator::batch_p2p`] on the GPU, host vectors in this file's tests.
+//! [`tilearn_parallel::Communicator::batch_p2p`] on the GPU, host vectors in this file's tests.
 
 use std::collections::HashMap;
 

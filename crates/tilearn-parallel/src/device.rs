@@ -27,6 +27,15 @@ pub enum DeviceSliceMut<'a> {
 }
 
 impl DeviceSlice<'_> {
+    /// A handle to the same elements (to use the view again afterwards).
+    pub fn reborrow(&self) -> DeviceSlice<'_> {
+        match self {
+            DeviceSlice::F32(v) => DeviceSlice::F32(v.slice(..)),
+            DeviceSlice::BF16(v) => DeviceSlice::BF16(v.slice(..)),
+            DeviceSlice::F16(v) => DeviceSlice::F16(v.slice(..)),
+        }
+    }
+
     /// The stream the viewed allocation belongs to (where its writers run).
     pub fn stream(&self) -> &Arc<CudaStream> {
         match self {
@@ -58,6 +67,15 @@ impl DeviceSlice<'_> {
 }
 
 impl DeviceSliceMut<'_> {
+    /// A shorter-lived handle to the same elements (to use the view again afterwards).
+    pub fn reborrow(&mut self) -> DeviceSliceMut<'_> {
+        match self {
+            DeviceSliceMut::F32(v) => DeviceSliceMut::F32(v.slice_mut(..)),
+            DeviceSliceMut::BF16(v) => DeviceSliceMut::BF16(v.slice_mut(..)),
+            DeviceSliceMut::F16(v) => DeviceSliceMut::F16(v.slice_mut(..)),
+        }
+    }
+
     /// The stream the viewed allocation belongs to (where its writers run).
     pub fn stream(&self) -> &Arc<CudaStream> {
         match self {

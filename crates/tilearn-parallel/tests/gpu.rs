@@ -212,3 +212,81 @@ fn two_ranks_share_one_gpu_over_the_host_communicator() {
         );
     }
 }
+
+/// Batched point-to-point operations on device buffers over the host communicator (a GPU
+/// pipeline stage's activations and gradients when its ranks share one GPU): each rank sends
+/// an f32 and a bf16 device buffer to the other while receiving the other's, with a host
+/// message in the same batch; every received value is the sender's exactly.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn two_ranks_exchange_device_buffers_in_one_batch_over_the_host_communicator() {
+    use tilearn_parallel::P2pOp;
+    use tilearn_parallel::buffer::{HostSlice, HostSliceMut};
+    use tilearn_parallel::device::{DeviceSlice, DeviceSliceMut};
+    let Some(ctx) = gpu() else { return };
+    let values = |rank: usize, n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (i % 13) as f32 * 0.5 + 100.0 * rank as f32)
+            .collect()
+    };
+    let results = support::with_group(2, Duration::from_secs(60), |rank, comm| {
+        let stream = ctx.new_stream().unwrap();
+        comm.set_staging_stream(ctx.new_stream().unwrap());
+        let peer = 1 - rank;
+        let f = stream.clone_htod(&values(rank, 3001)).unwrap();
+        let halves: Vec<bf16> = values(rank, 65)
+            .iter()
+            .map(|&x| bf16::from_f32(x))
+            .collect();
+        let h = stream.clone_htod(&halves).unwrap();
+        let mut f_in = stream.alloc_zeros::<f32>(3001).unwrap();
+        let mut h_in = stream.alloc_zeros::<bf16>(65).unwrap();
+        let host_out = [rank as f32 + 7.0];
+        let mut host_in = [0f32];
+        // The views borrow the buffers until the batch is done (the block's end).
+        {
+            let mut ops = [
+                P2pOp::SendDevice {
+                    buf: DeviceSlice::F32(f.as_view()),
+                    peer,
+                },
+                P2pOp::RecvDevice {
+                    buf: DeviceSliceMut::F32(f_in.as_view_mut()),
+                    peer,
+                },
+                P2pOp::Send {
+                    buf: HostSlice::F32(&host_out),
+                    peer,
+                },
+                P2pOp::RecvDevice {
+                    buf: DeviceSliceMut::BF16(h_in.as_view_mut()),
+                    peer,
+                },
+                P2pOp::SendDevice {
+                    buf: DeviceSlice::BF16(h.as_view()),
+                    peer,
+                },
+                P2pOp::Recv {
+                    buf: HostSliceMut::F32(&mut host_in),
+                    peer,
+                },
+            ];
+            comm.batch_p2p(&mut ops).unwrap();
+        }
+        (
+            stream.clone_dtoh(&f_in).unwrap(),
+            stream.clone_dtoh(&h_in).unwrap(),
+            host_in[0],
+        )
+    });
+    for (rank, (f, h, host)) in results.into_iter().enumerate() {
+        let peer = 1 - rank;
+        assert_eq!(f, values(peer, 3001), "rank {rank}: f32 from its peer");
+        let want: Vec<bf16> = values(peer, 65)
+            .iter()
+            .map(|&x| bf16::from_f32(x))
+            .collect();
+        assert_eq!(h, want, "rank {rank}: bf16 from its peer");
+        assert_eq!(host, peer as f32 + 7.0, "rank {rank}: the host message");
+    }
+}

@@ -57,6 +57,12 @@ fn final_norm(layout: &ModelLayout) -> NormAt {
     }
 }
 
+/// The norm of the last block's output: the final norm, or none on a pipeline stage before
+/// the last (its output goes to the next stage, whose first layer normalises it).
+fn output_norm(layout: &ModelLayout) -> Option<NormAt> {
+    layout.has_head().then(|| final_norm(layout))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn linear_fwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
@@ -136,7 +142,10 @@ pub(crate) fn forward<T: DeviceFloat>(
 ) -> Result<()> {
     let layout = cx.layout;
     let c = d.c;
-    embed_forward(cx, d, w, ids, b)?;
+    // A later pipeline stage starts from the activations its caller put in `resid[0]`.
+    if layout.has_embedding() {
+        embed_forward(cx, d, w, ids, b)?;
+    }
     if checkpointed(d, b) {
         for i in 0..d.layers {
             run_block_checkpointed(cx, d, w, b, i)?;
@@ -174,18 +183,18 @@ pub(crate) fn forward<T: DeviceFloat>(
         let (before, after) = b.resid.split_at_mut(i + 1);
         let (cur, rest) = b.layers.split_at_mut(i + 1);
         let next = match rest.first_mut() {
-            Some(nl) => NextNorm {
+            Some(nl) => Some(NextNorm {
                 at: input_norm(&layout.layers[i + 1]),
                 xn: &mut nl.xn1,
                 mean: &mut nl.mean1,
                 rstd: &mut nl.rstd1,
-            },
-            None => NextNorm {
-                at: final_norm(layout),
+            }),
+            None => output_norm(layout).map(|at| NextNorm {
+                at,
                 xn: &mut b.final_xn,
                 mean: &mut b.final_mean,
                 rstd: &mut b.final_rstd,
-            },
+            }),
         };
         block_forward(
             cx,
@@ -273,15 +282,15 @@ fn run_block_checkpointed<T: DeviceFloat>(
         &mut shared.rstd1,
     )?;
     let at = match layout.layers.get(i + 1) {
-        Some(next) => input_norm(next),
-        None => final_norm(layout),
+        Some(next) => Some(input_norm(next)),
+        None => output_norm(layout),
     };
-    let next = NextNorm {
+    let next = at.map(|at| NextNorm {
         at,
         xn: &mut b.final_xn,
         mean: &mut b.final_mean,
         rstd: &mut b.final_rstd,
-    };
+    });
     block_forward(
         cx,
         d,
@@ -310,18 +319,22 @@ pub(crate) fn backward<T: DeviceFloat>(
 ) -> Result<()> {
     let layout = cx.layout;
     let c = d.c;
-    norm_bwd(
-        cx,
-        c,
-        w,
-        &mut g.grads()?,
-        &final_norm(layout),
-        &b.grad.dxn,
-        &b.resid[d.layers].as_view(),
-        &b.final_mean,
-        &b.final_rstd,
-        &mut b.grad.dres,
-    )?;
+    // A pipeline stage before the last starts from the output gradient its caller put in
+    // `dres`.
+    if let Some(at) = output_norm(layout) {
+        norm_bwd(
+            cx,
+            c,
+            w,
+            &mut g.grads()?,
+            &at,
+            &b.grad.dxn,
+            &b.resid[d.layers].as_view(),
+            &b.final_mean,
+            &b.final_rstd,
+            &mut b.grad.dres,
+        )?;
+    }
     // The final norm and lm_head are done (a tied lm_head's gradient sits in the embedding's
     // range, which is handed on last).
     g.pass_on(cx.stream)?;
@@ -344,6 +357,10 @@ pub(crate) fn backward<T: DeviceFloat>(
             &mut b.grad,
         )?;
         g.pass_on(cx.stream)?;
+    }
+    if !layout.has_embedding() {
+        // A later pipeline stage: `dres` is d/d(its input), for its caller to send back.
+        return g.finish(cx.stream);
     }
     if let Some((nw, nb)) = &layout.embed_norm {
         // Bloom: through word_embeddings_layernorm, its input (the raw lookup) recomputed into
@@ -384,7 +401,8 @@ pub(crate) fn backward<T: DeviceFloat>(
 }
 
 /// Forward of one block from `x` (whose `input_layernorm` is already in `a.xn1`/`a.rstd1`)
-/// into `a`; `out` receives the block output and `next` its norm. When `a` keeps no MLP
+/// into `a`; `out` receives the block output and `next` its norm (none after a pipeline
+/// stage's last block, unless it ends the model). When `a` keeps no MLP
 /// activation (the arena's `ActStore::Recomputed`), it goes to `act_scratch` (the backward's
 /// `dgate`, idle during the forward) and the backward recomputes it.
 #[allow(clippy::too_many_arguments)]
@@ -397,7 +415,7 @@ fn block_forward<T: DeviceFloat>(
     a: &mut LayerBufs<'_, T>,
     act_scratch: &mut CudaViewMut<'_, T>,
     out: &mut CudaViewMut<'_, T>,
-    next: NextNorm<'_, '_, T>,
+    next: Option<NextNorm<'_, '_, T>>,
 ) -> Result<()> {
     let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
     let s = cx.stream;
@@ -460,18 +478,21 @@ fn block_forward<T: DeviceFloat>(
     // Row-parallel: each rank's down_proj output is its columns' share.
     complete(cx.tp, out)?;
     // out = down + h in place, and the next norm of out (one launch for RMSNorm).
-    add_norm_fwd(
-        cx,
-        d.eps,
-        c,
-        w,
-        &next.at,
-        out,
-        &a.h.as_view(),
-        next.xn,
-        next.mean,
-        next.rstd,
-    )?;
+    match next {
+        Some(next) => add_norm_fwd(
+            cx,
+            d.eps,
+            c,
+            w,
+            &next.at,
+            out,
+            &a.h.as_view(),
+            next.xn,
+            next.mean,
+            next.rstd,
+        )?,
+        None => k::residual_add_inplace(s, out, &a.h)?,
+    }
     Ok(())
 }
 

@@ -49,6 +49,7 @@ mod offload;
 mod optim;
 mod precision;
 mod sink;
+mod stage;
 mod staging;
 mod tensor_parallel;
 mod transfer;
@@ -61,6 +62,7 @@ pub use decode::GpuDecoder;
 pub use graph::{GraphStats, StepRun, TrainStep};
 pub use sink::GradientSink;
 use sink::Handoff;
+pub use stage::StageBuffer;
 pub use tensor_parallel::{DeviceSums, GroupDeviceSums};
 
 use cudarc::driver::{
@@ -499,6 +501,33 @@ impl GpuLlama {
         lce: LceChunk,
         memory: MemoryMode,
     ) -> Result<GpuLlama> {
+        Self::build_with_tensors(
+            device,
+            config,
+            None,
+            batch,
+            seq,
+            precisions,
+            gradient_checkpointing,
+            lce,
+            memory,
+        )
+    }
+
+    /// [`GpuLlama::for_config_with_memory`] for the tensors `tensors` lists (their specs and
+    /// layout: a pipeline stage's, see `stage.rs`), or `config`'s whole model when `None`.
+    #[allow(clippy::too_many_arguments)]
+    fn build_with_tensors(
+        device: &GpuDevice,
+        config: &LlamaConfig,
+        tensors: Option<(Vec<ParamSpec>, ModelLayout)>,
+        batch: usize,
+        seq: usize,
+        precisions: &[DType],
+        gradient_checkpointing: bool,
+        lce: LceChunk,
+        memory: MemoryMode,
+    ) -> Result<GpuLlama> {
         if batch == 0 || seq == 0 {
             return Err(invalid("batch/seq", "must both be positive".into()));
         }
@@ -516,7 +545,12 @@ impl GpuLlama {
         };
         let widest = allowed.iter().map(|p| p.size_in_bytes()).max().unwrap_or(4);
         let config = config.clone();
-        let layout = ModelLayout::from_config(&config);
+        let (specs, layout) = tensors.unwrap_or_else(|| {
+            (
+                ParamStore::specs_for(&config),
+                ModelLayout::from_config(&config),
+            )
+        });
         let stream = device.stream().clone();
         let ctx = device.ctx();
         ctx.bind_to_thread()
@@ -622,7 +656,7 @@ impl GpuLlama {
                 .map_or(0, |_| 4 * LayerNormScratch::len_for(n, config.hidden_size));
         let mut gpu = GpuLlama {
             device: device.clone(),
-            specs: ParamStore::specs_for(&config),
+            specs,
             layout,
             precisions: allowed,
             precision,

@@ -186,6 +186,18 @@ impl ModelLayout {
         }
     }
 
+    /// Whether the buffer holds the embedding (a whole model, or a pipeline's first stage:
+    /// see [`crate::model::pipeline_stage`], where a tensor a stage lacks has an empty range).
+    pub fn has_embedding(&self) -> bool {
+        !self.embed.is_empty()
+    }
+
+    /// Whether the buffer holds the final norm and `lm_head` (a whole model, or a pipeline's
+    /// last stage).
+    pub fn has_head(&self) -> bool {
+        !self.norm.is_empty()
+    }
+
     /// Where the backward can hand finished gradients on: offsets `o₀ > o₁ > …` such that once
     /// the final norm (and an untied `lm_head`) is done `o₀..numel` is final, and once layer
     /// `L−1−k` is done `o_{k+1}..o_k` is final too. The backward runs from the loss towards the

@@ -12,6 +12,7 @@ mod layout;
 pub mod model_parallel;
 pub(crate) mod norm;
 mod partial_sums;
+pub mod pipeline_stage;
 mod stage;
 pub mod tensor_parallel;
 mod vocab_parallel;

@@ -41,9 +41,11 @@ use crate::config::LlamaConfig;
 use crate::cuda_graphs::{CudaGraphs, GraphDecision, StepConditions};
 use crate::data::Batch;
 use crate::gpu::{GatheredWeights, GpuLlama, GradientSink, StepRun};
+use crate::model::pipeline_stage::PipelineStage;
 use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore, init_random_into};
 
+pub mod pipeline_parallel;
 pub mod tensor_parallel;
 
 pub struct GpuBackend {
@@ -144,6 +146,18 @@ impl GpuBackend {
         ordinal: usize,
         precisions: &[DType],
     ) -> Result<GpuBackend> {
+        Self::build_for(config, None, args, ordinal, precisions)
+    }
+
+    /// [`GpuBackend::build`] for the whole model (`stage` `None`) or one pipeline stage's
+    /// tensors (`config` is then the stage's; see `pipeline_parallel.rs`).
+    fn build_for(
+        config: &LlamaConfig,
+        stage: Option<&PipelineStage>,
+        args: &TrainingArguments,
+        ordinal: usize,
+        precisions: &[DType],
+    ) -> Result<GpuBackend> {
         let device = GpuDevice::new(ordinal)?;
         if args.memory.is_lean() && args.cuda_graphs == CudaGraphs::On {
             return Err(crate::EngineError::InvalidArgument {
@@ -154,20 +168,31 @@ impl GpuBackend {
                     .into(),
             });
         }
-        let gpu = GpuLlama::for_config_with_memory(
-            &device,
-            config,
-            args.per_device_train_batch_size,
-            args.seq_len,
-            precisions,
-            args.gradient_checkpointing,
-            args.lce_chunk,
-            args.memory,
-        )?;
+        let shape = (args.per_device_train_batch_size, args.seq_len);
+        let gpu = match stage {
+            None => GpuLlama::for_config_with_memory(
+                &device,
+                config,
+                shape.0,
+                shape.1,
+                precisions,
+                args.gradient_checkpointing,
+                args.lce_chunk,
+                args.memory,
+            )?,
+            Some(stage) => GpuLlama::for_stage(
+                &device,
+                stage,
+                shape,
+                precisions,
+                args.gradient_checkpointing,
+                args.lce_chunk,
+            )?,
+        };
         let mut gpu = gpu;
         // A lean model stays eager whatever is asked (see `GpuLlama::set_cuda_graphs`).
         gpu.set_cuda_graphs(args.cuda_graphs);
-        let specs = ParamStore::specs_for(config);
+        let specs = stage.map_or_else(|| ParamStore::specs_for(config), |s| s.specs.clone());
         // The fused AdamW is set up at its first use (see `optimizer_ready`), so that under
         // ZeRO its moments are only ever allocated for the rank's shard.
         let (optimizer_config, optimizer_groups) = adamw_setup(args, &specs);

@@ -24,6 +24,7 @@ pub mod optimizer_file;
 pub mod optimizer_layout;
 pub mod optimizer_shards;
 mod saving;
+pub mod stage_executor;
 pub mod state;
 pub mod tensorboard;
 pub mod zero;

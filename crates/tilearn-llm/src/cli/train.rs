@@ -291,7 +291,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub sequence_parallel: bool,
     /// Pipeline parallelism: split the layers into this many stages balanced by compute (CPU
-    /// engine); the micro-batches of a step are --gradient-accumulation-steps. Default:
+    /// engine; on the GPU engine alone, with 1f1b or gpipe and untied embeddings); the
+    /// micro-batches of a step are --gradient-accumulation-steps. Default:
     /// TILEARN_HYBRID_PP_SIZE, else 1.
     #[arg(long)]
     pub pp_size: Option<usize>,
@@ -509,8 +510,26 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         hybrid.filter(HybridSizes::splits_model),
         ranks,
     ) {
-        let trainer =
-            gpu_tensor_parallel_trainer(training, &config, &init, dataset, &amp, (&sizes, ranks))?;
+        let trainer = if sizes.pp > 1 {
+            let pipe = match &args.pp_layers {
+                Some(counts) => {
+                    PipelineShard::with_layer_counts(&config, sizes.pp_rank, sizes.pp, 1, counts)?
+                }
+                None => {
+                    PipelineShard::balanced(&config, sizes.pp_rank, sizes.pp, 1, training.seq_len)?
+                }
+            };
+            let schedule = args.pp_schedule.kind(1);
+            gpu_pipeline_parallel_trainer(
+                training,
+                &config,
+                &init,
+                (dataset, &amp, ddp),
+                (&sizes, ranks, pipe, schedule),
+            )?
+        } else {
+            gpu_tensor_parallel_trainer(training, &config, &init, dataset, &amp, (&sizes, ranks))?
+        };
         if primary {
             println!("{}", sizes.describe());
         }
@@ -677,35 +696,44 @@ fn hybrid_sizes(
         return Err(sequence_parallel_needs_tp());
     }
     if sizes.splits_model() && trains_on_gpu {
-        gpu_split_supported(args, &sizes)?;
+        gpu_split_supported(&sizes, args.sequence_parallel, args.pp_schedule)?;
     }
     Ok(Some(sizes))
 }
 
-/// What the GPU engine's tensor parallelism runs so far (the rest runs on the CPU engine):
-/// tensor parallelism alone, without pipeline stages, data parallelism around it or sequence
-/// parallelism.
-fn gpu_split_supported(args: &TrainArgs, sizes: &HybridSizes) -> Result<()> {
+/// What the GPU engine's model parallelism runs so far (the rest runs on the CPU engine):
+/// tensor parallelism alone, or pipeline parallelism (1F1B or GPipe) with data parallelism
+/// around it or not; not both together, not data parallelism around tensor parallelism,
+/// sequence parallelism or interleaving.
+fn gpu_split_supported(
+    sizes: &HybridSizes,
+    sequence_parallel: bool,
+    schedule: PipelineSchedule,
+) -> Result<()> {
     let refuse = |flag: &str, what: &str| {
         Err(LlmError::Usage {
             flag: flag.into(),
             message: format!(
                 "{what} runs on the CPU engine only so far (the GPU engine splits a model by \
-                 tensor parallelism alone); add --device cpu, or use --tp-size with as many \
-                 processes as its size"
+                 tensor parallelism alone, or by pipeline parallelism with data parallelism \
+                 around it); add --device cpu, or use --tp-size with as many processes as its \
+                 size, or --pp-size alone"
             ),
         })
     };
-    if sizes.pp > 1 {
-        return refuse("--pp-size", "pipeline parallelism");
+    if sizes.pp > 1 && sizes.tp > 1 {
+        return refuse("--pp-size", "tensor and pipeline parallelism together");
     }
-    if sizes.dp > 1 {
+    if sizes.dp > 1 && sizes.tp > 1 {
         return refuse(
             "--nproc-per-node",
             "data parallelism around tensor parallelism",
         );
     }
-    if args.sequence_parallel {
+    if sizes.pp > 1 && schedule == PipelineSchedule::Interleaved {
+        return refuse("--pp-schedule", "the interleaved schedule");
+    }
+    if sequence_parallel {
         return refuse("--sequence-parallel", "sequence parallelism");
     }
     Ok(())
@@ -834,6 +862,66 @@ fn gpu_tensor_parallel_trainer(
     Ok(trainer)
 }
 
+/// A Trainer for one pipeline stage on the GPU engine (see
+/// `tilearn_engine::trainer::gpu_backend::pipeline_parallel`); its activations cross stages,
+/// and with data parallelism around the pipeline its gradients are summed between the
+/// replicas' same stages, through the host communicator, staged on a stream of the rank's GPU.
+#[cfg(feature = "cuda")]
+fn gpu_pipeline_parallel_trainer(
+    training: TrainingArguments,
+    config: &LlamaConfig,
+    init: &ModelInit,
+    (dataset, amp, ddp): (TokenDataset, &adaptfp16::AmpPlan, DdpOptions),
+    (sizes, ranks, pipe, schedule): (&HybridSizes, &Ranks, PipelineShard, ScheduleKind),
+) -> Result<Trainer> {
+    use tilearn_engine::trainer::gpu_backend::pipeline_parallel::GpuPipelineParallelBackend;
+    let ordinal = super::device::local_gpu();
+    let staging = tilearn_ops::cuda::GpuDevice::new(ordinal)?;
+    ranks.host.set_staging_stream(staging.stream().clone());
+    let groups = HybridGroups::new(sizes, ranks.host.as_ref())?;
+    let Some(pp) = groups.pp else {
+        return Err(LlmError::Usage {
+            flag: "--pp-size".into(),
+            message: "internal: a pipelined run without a pipeline group".into(),
+        });
+    };
+    let precisions = amp.possible_precisions();
+    let backend = GpuPipelineParallelBackend::from_init(
+        config,
+        init,
+        &training,
+        (ordinal, &precisions),
+        (pipe, schedule),
+        pp,
+    )?;
+    let mut trainer = Trainer::with_backend(training, config.clone(), Box::new(backend), dataset)?;
+    trainer.set_model_parallel(ModelParallelPlace {
+        rank: sizes.pp_rank,
+        tp: 1,
+        pp: sizes.pp,
+        world: ranks.host.clone(),
+    })?;
+    if let Some(dp) = groups.dp {
+        let local = trainer.local_parameter_count();
+        trainer.set_data_parallel(DataParallel::new(dp.clone(), dp, ddp, local)?)?;
+    }
+    Ok(trainer)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_pipeline_parallel_trainer(
+    _training: TrainingArguments,
+    _config: &LlamaConfig,
+    _init: &ModelInit,
+    _data: (TokenDataset, &adaptfp16::AmpPlan, DdpOptions),
+    _split: (&HybridSizes, &Ranks, PipelineShard, ScheduleKind),
+) -> Result<Trainer> {
+    Err(LlmError::Usage {
+        flag: "--device cuda".into(),
+        message: "this build has no CUDA kernels; rebuild with --features cuda".into(),
+    })
+}
+
 #[cfg(not(feature = "cuda"))]
 fn gpu_tensor_parallel_trainer(
     _training: TrainingArguments,
@@ -936,4 +1024,47 @@ fn open_dataset(args: &TrainArgs, may_generate: bool) -> Result<TokenDataset> {
         prepare_embedded_default(&dir, args.seed, EMBEDDED_DOCUMENTS)?;
     }
     Ok(TokenDataset::open(&dir)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(tp: usize, pp: usize, world: usize, sp: bool, schedule: PipelineSchedule) -> String {
+        let sizes = HybridSizes::new(Some(tp), Some(pp), 0, world).unwrap();
+        match gpu_split_supported(&sizes, sp, schedule) {
+            Err(LlmError::Usage { flag, message }) => format!("{flag}: {message}"),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_gpu_engine_splits_by_tensor_or_pipeline_parallelism_not_both() {
+        let ok = |tp, pp, schedule| {
+            let sizes = HybridSizes::new(Some(tp), Some(pp), 0, tp * pp).unwrap();
+            gpu_split_supported(&sizes, false, schedule)
+        };
+        assert!(ok(2, 1, PipelineSchedule::OneFOneB).is_ok());
+        assert!(ok(1, 2, PipelineSchedule::OneFOneB).is_ok());
+        assert!(ok(1, 4, PipelineSchedule::Gpipe).is_ok());
+        // Data parallelism around the pipeline: pp 2 × dp 2.
+        let pp_dp = HybridSizes::new(Some(1), Some(2), 0, 4).unwrap();
+        assert_eq!(pp_dp.dp, 2);
+        assert!(gpu_split_supported(&pp_dp, false, PipelineSchedule::OneFOneB).is_ok());
+
+        let both = refusal(2, 2, 4, false, PipelineSchedule::OneFOneB);
+        assert!(
+            both.starts_with("--pp-size") && both.contains("--device cpu"),
+            "{both}"
+        );
+        let dp = refusal(2, 1, 4, false, PipelineSchedule::OneFOneB);
+        assert!(
+            dp.starts_with("--nproc-per-node") && dp.contains("around tensor"),
+            "{dp}"
+        );
+        let interleaved = refusal(1, 2, 2, false, PipelineSchedule::Interleaved);
+        assert!(interleaved.starts_with("--pp-schedule"), "{interleaved}");
+        let sp = refusal(2, 1, 2, true, PipelineSchedule::OneFOneB);
+        assert!(sp.starts_with("--sequence-parallel"), "{sp}");
+    }
 }

@@ -256,14 +256,10 @@ impl Communicator for HostCommunicator {
     fn batch_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
         for op in ops.iter() {
             self.check_member("batch_p2p", op.peer())?;
-            if !op.is_host() {
-                return Err(ParallelError::Usage {
-                    flag: "batch_p2p".into(),
-                    reason: "the host backend's batched point-to-point operations take host \
-                             buffers; copy device data to the host or use NCCL"
-                        .into(),
-                });
-            }
+        }
+        #[cfg(feature = "cuda")]
+        if ops.iter().any(|op| !op.is_host()) {
+            return self.batch_p2p_staged(ops);
         }
         let _mesh = lock(&self.mesh.op_lock);
         // Every message's sequence number, in list order per peer and direction.
@@ -359,6 +355,66 @@ impl Communicator for HostCommunicator {
             child.staging = self.staging.child();
         }
         Ok(Some(Box::new(child)))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl HostCommunicator {
+    /// [`Communicator::batch_p2p`] with device buffers among the operations: the device sends
+    /// are copied to the host before the batch, the device receives land in host buffers and
+    /// are copied up after it (through the page-locked staging on the staging stream), and the
+    /// batch itself runs on host memory as any other.
+    fn batch_p2p_staged(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        use crate::host::staging::HostCopy;
+        let mut copies: Vec<Option<HostCopy>> = Vec::with_capacity(ops.len());
+        for op in ops.iter() {
+            copies.push(match op {
+                P2pOp::SendDevice { buf, .. } => {
+                    let mut copy = None;
+                    self.staging.download(buf.reborrow(), |host| {
+                        copy = Some(HostCopy::of(host));
+                        Ok(())
+                    })?;
+                    copy
+                }
+                P2pOp::RecvDevice { buf, .. } => Some(HostCopy::zeros(buf.dtype(), buf.len())),
+                P2pOp::Send { .. } | P2pOp::Recv { .. } => None,
+            });
+        }
+        {
+            let mut host_ops: Vec<P2pOp<'_>> = ops
+                .iter_mut()
+                .zip(copies.iter_mut())
+                .map(|(op, copy)| match (op, copy) {
+                    (P2pOp::Send { buf, peer }, _) => P2pOp::Send {
+                        buf: *buf,
+                        peer: *peer,
+                    },
+                    (P2pOp::Recv { buf, peer }, _) => P2pOp::Recv {
+                        buf: buf.reborrow(),
+                        peer: *peer,
+                    },
+                    (P2pOp::SendDevice { peer, .. }, Some(copy)) => P2pOp::Send {
+                        buf: copy.host(),
+                        peer: *peer,
+                    },
+                    (P2pOp::RecvDevice { peer, .. }, Some(copy)) => P2pOp::Recv {
+                        buf: copy.host_mut(),
+                        peer: *peer,
+                    },
+                    (P2pOp::SendDevice { .. } | P2pOp::RecvDevice { .. }, None) => {
+                        unreachable!("every device operation has its host copy")
+                    }
+                })
+                .collect();
+            self.batch_p2p(&mut host_ops)?;
+        }
+        for (op, copy) in ops.iter_mut().zip(&copies) {
+            if let (P2pOp::RecvDevice { buf, .. }, Some(copy)) = (op, copy) {
+                self.staging.upload(buf.reborrow(), copy.host())?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -115,6 +115,67 @@ fn download_typed<T: CommElement + DeviceRepr + ValidAsZeroBits>(
     body(T::host(host))
 }
 
+fn upload_typed<T: CommElement + DeviceRepr + ValidAsZeroBits + Copy>(
+    cache: &mut Option<PinnedHostSlice<T>>,
+    stream: &Arc<CudaStream>,
+    mut view: CudaViewMut<'_, T>,
+    src: &[T],
+) -> Result<()> {
+    order_after_owner(stream, view.stream())?;
+    let host = pinned(cache, stream, view.len())?;
+    host.copy_from_slice(src);
+    stream
+        .memcpy_htod(&*host, &mut view)
+        .map_err(cuda("copying a received buffer to the device"))?;
+    // The next staging refills the same page-locked buffer.
+    synchronize(stream, "copying a received buffer to the device")
+}
+
+/// An owned host copy of a device buffer in its dtype: what a batch of point-to-point
+/// operations on device buffers exchanges over the host communicator.
+#[derive(Debug)]
+pub(crate) enum HostCopy {
+    F32(Vec<f32>),
+    BF16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
+}
+
+impl HostCopy {
+    /// `len` zeros of `dtype`.
+    pub(crate) fn zeros(dtype: tilearn_ops::DType, len: usize) -> HostCopy {
+        match dtype {
+            tilearn_ops::DType::F32 => HostCopy::F32(vec![0.0; len]),
+            tilearn_ops::DType::BF16 => HostCopy::BF16(vec![half::bf16::ZERO; len]),
+            tilearn_ops::DType::F16 => HostCopy::F16(vec![half::f16::ZERO; len]),
+        }
+    }
+
+    /// A copy of `host`.
+    pub(crate) fn of(host: HostSlice<'_>) -> HostCopy {
+        match host {
+            HostSlice::F32(s) => HostCopy::F32(s.to_vec()),
+            HostSlice::BF16(s) => HostCopy::BF16(s.to_vec()),
+            HostSlice::F16(s) => HostCopy::F16(s.to_vec()),
+        }
+    }
+
+    pub(crate) fn host(&self) -> HostSlice<'_> {
+        match self {
+            HostCopy::F32(v) => HostSlice::F32(v),
+            HostCopy::BF16(v) => HostSlice::BF16(v),
+            HostCopy::F16(v) => HostSlice::F16(v),
+        }
+    }
+
+    pub(crate) fn host_mut(&mut self) -> HostSliceMut<'_> {
+        match self {
+            HostCopy::F32(v) => HostSliceMut::F32(v),
+            HostCopy::BF16(v) => HostSliceMut::BF16(v),
+            HostCopy::F16(v) => HostSliceMut::F16(v),
+        }
+    }
+}
+
 impl Staging {
     /// The stream the copies run on (the host communicator needs one for device buffers).
     pub fn set_stream(&self, stream: Arc<CudaStream>) {
@@ -158,6 +219,35 @@ impl Staging {
             DeviceSliceMut::F32(v) => round_trip_typed(&mut state.f32, stream, v, body),
             DeviceSliceMut::BF16(v) => round_trip_typed(&mut state.bf16, stream, v, body),
             DeviceSliceMut::F16(v) => round_trip_typed(&mut state.f16, stream, v, body),
+        })
+    }
+
+    /// Copies `host` into `device` (same dtype and length).
+    pub fn upload(&self, device: DeviceSliceMut<'_>, host: HostSlice<'_>) -> Result<()> {
+        if device.dtype() != host.dtype() || device.len() != host.len() {
+            return Err(ParallelError::Usage {
+                flag: "batch_p2p".into(),
+                reason: format!(
+                    "a received {} message of {} elements does not fit the {} device buffer of \
+                     {} elements it was posted for",
+                    host.dtype(),
+                    host.len(),
+                    device.dtype(),
+                    device.len()
+                ),
+            });
+        }
+        self.with_state(|state, stream| match (device, host) {
+            (DeviceSliceMut::F32(v), HostSlice::F32(h)) => {
+                upload_typed(&mut state.f32, stream, v, h)
+            }
+            (DeviceSliceMut::BF16(v), HostSlice::BF16(h)) => {
+                upload_typed(&mut state.bf16, stream, v, h)
+            }
+            (DeviceSliceMut::F16(v), HostSlice::F16(h)) => {
+                upload_typed(&mut state.f16, stream, v, h)
+            }
+            _ => unreachable!("the dtypes were compared above"),
         })
     }
 

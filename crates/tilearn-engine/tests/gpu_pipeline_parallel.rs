@@ -1,0 +1,588 @@
+//! Pipeline parallelism on the CUDA engine: two (or three) ranks on threads share one GPU over
+//! the host communicator (activations and their gradients staged through page-locked memory)
+//! and train as one rank.
+//!
+//! * pp 2 with 1F1B against the single-rank GPU engine, 3 steps of 4 micro-batches with
+//!   clipping, from the same random initialisation: every step's loss and gradient norm, and
+//!   the final weights (gathered and saved as Hugging Face files by stage 0).
+//!   - fp32: losses and norms to 1e-5 relative, weights ‖Δw‖/‖w‖ ≤ 1e-5 and max |Δw| ≤ 1e-4.
+//!     A stage runs the single rank's kernels on the same inputs (the boundary activations
+//!     cross in f32, a stage's first norm is computed unfused, which the gradient-checkpointing
+//!     tests show to be bit-identical, the recomputed forward is deterministic) and no sum is
+//!     split, so the gradients would be the same bits but for two things: cuBLASLt picks its
+//!     algorithm by the operands' pointer alignment, which differs where a tensor sits at
+//!     another offset of the stage's buffer than of the whole model's (another algorithm
+//!     rounds in another order, ~1e-7 relative), and the clip norm is summed from the stages'
+//!     f64 partial sums. Those are tensor parallelism's kinds of differences, so its bounds:
+//!     AdamW's m/(√v+ε) can magnify them for a weight whose gradient is near ε, hence the
+//!     looser bound on single weights. A lost transfer, a stale arena or a wrong layer cut
+//!     gives errors of order one.
+//!   - bf16: an algorithm chosen by another alignment rounds a product's output to bf16 from
+//!     another f32 value now and then (2⁻⁸ relative on that element), so tensor parallelism's
+//!     bf16 bounds: losses 5e-3 relative, norms 5e-2, weights ‖Δw‖/‖w‖ ≤ 5e-3 and max |Δw| ≤
+//!     2·lr·steps (AdamW moves a weight by up to ~lr per step whatever its gradient's size, so a
+//!     rounding that flips a tiny gradient's sign moves it the other way). The 3 steps move the
+//!     weights by ~0.15 of ‖w‖: an error is 30 times the bound.
+//! * GPipe with gradient checkpointing in fp32 (every backward recomputes its stage's forward,
+//!   and inside it the blocks recompute again), and three stages with 1F1B over 5 micro-batches (a middle stage
+//!   receives and sends in both directions), fp32 bounds.
+//! * fp16 with loss scaling (scale 1024) against one rank within the 16-bit bounds, and an
+//!   infinite gradient planted on the last stage alone makes both stages skip the step.
+//! * The evaluation loss of pp 2 equals the single rank's (fp32, 1e-5 relative).
+//! * A pp 2 checkpoint (whole Hugging Face files, one optimizer file per stage in the sliced
+//!   layout) resumes on pp 2 bit for bit against the uninterrupted pp 2 run, and on one rank
+//!   within the fp32 bounds.
+//!
+//! GPU tests: ignored by default (run with `--include-ignored`); without a GPU or driver each
+//! prints `skipped: <reason>` to stderr and passes.
+#![cfg(feature = "cuda")]
+
+mod support;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use support::{gpu_or_skip, random_batch, rel_err, report};
+use tilearn_engine::checkpoint::load_params;
+use tilearn_engine::config::LlamaConfig;
+use tilearn_engine::data::Batch;
+use tilearn_engine::model::model_parallel::PipelineShard;
+use tilearn_engine::params::ParamStore;
+use tilearn_engine::trainer::gpu_backend::GpuBackend;
+use tilearn_engine::trainer::gpu_backend::pipeline_parallel::GpuPipelineParallelBackend;
+use tilearn_engine::trainer::optimizer_shards::{
+    OptimizerCheckpoint, SlicedManifest, shard_file_name,
+};
+use tilearn_engine::trainer::{ModelInit, StepBackend, TrainingArguments};
+use tilearn_ops::DType;
+use tilearn_ops::cuda::GpuDevice;
+use tilearn_parallel::Communicator;
+use tilearn_parallel::host::{HostCommunicator, run_on_threads};
+use tilearn_parallel::pipeline::ScheduleKind;
+
+const TINY: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+ "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+ "num_key_value_heads": 2, "vocab_size": 257, "max_position_embeddings": 64,
+ "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}"#;
+
+const SEED: u64 = 11;
+const BATCH: usize = 2;
+const SEQ: usize = 16;
+const MICRO: usize = 4;
+const LR: f32 = 1e-3;
+const STEPS: usize = 3;
+
+fn config() -> LlamaConfig {
+    LlamaConfig::from_json_str(TINY, "test/config.json").unwrap()
+}
+
+fn args_with(micro: usize) -> TrainingArguments {
+    TrainingArguments {
+        per_device_train_batch_size: BATCH,
+        seq_len: SEQ,
+        learning_rate: LR,
+        max_grad_norm: 1.0,
+        gradient_accumulation_steps: micro,
+        ..TrainingArguments::default()
+    }
+}
+
+fn args() -> TrainingArguments {
+    args_with(MICRO)
+}
+
+fn step_batches(step: usize, micro: usize) -> Vec<Batch> {
+    (0..micro)
+        .map(|m| {
+            let mut rng = ChaCha8Rng::seed_from_u64((step * 100 + m) as u64);
+            let (input_ids, labels) = random_batch(&mut rng, 257, BATCH, SEQ);
+            Batch {
+                input_ids,
+                labels,
+                positions: None,
+                batch: BATCH,
+                seq_len: SEQ,
+            }
+        })
+        .collect()
+}
+
+/// One optimizer step of `backend` on step `step`'s micro-batches, as the Trainer takes it
+/// (the whole step at once where the backend runs it): (loss, gradient norm).
+fn train_step(
+    backend: &mut dyn StepBackend,
+    step: usize,
+    micro: usize,
+    precision: DType,
+) -> (f64, f64) {
+    let batches = step_batches(step, micro);
+    let denominator: f64 = batches
+        .iter()
+        .map(|b| tilearn_engine::model::count_valid_targets(&b.labels, BATCH, SEQ))
+        .sum::<usize>() as f64;
+    backend.zero_grads();
+    let loss = match backend.forward_backward_step(&batches, denominator, precision, 1.0) {
+        Some(loss) => loss.unwrap(),
+        None => batches
+            .iter()
+            .map(|b| {
+                backend
+                    .forward_backward(b, denominator, precision, 1.0)
+                    .unwrap()
+            })
+            .sum(),
+    };
+    backend.clip_grad_norm(1.0).unwrap();
+    let norm = backend
+        .optimizer_step(LR)
+        .unwrap()
+        .expect("the GPU reports the norm");
+    (loss / denominator, norm)
+}
+
+fn one_rank(
+    a: &TrainingArguments,
+    precision: DType,
+    steps: std::ops::Range<usize>,
+) -> (GpuBackend, Vec<(f64, f64)>) {
+    let init = ModelInit::Random { seed: SEED };
+    let mut backend = GpuBackend::from_init(&config(), &init, a, 0, &[precision]).unwrap();
+    let micro = a.gradient_accumulation_steps;
+    let log = steps
+        .map(|s| train_step(&mut backend, s, micro, precision))
+        .collect();
+    (backend, log)
+}
+
+fn stage_backend(
+    a: &TrainingArguments,
+    init: &ModelInit,
+    precision: DType,
+    (stage, stages, schedule): (usize, usize, ScheduleKind),
+    comm: HostCommunicator,
+) -> GpuPipelineParallelBackend {
+    // Device buffers are staged through page-locked memory on a stream of the same GPU.
+    comm.set_staging_stream(GpuDevice::new(0).unwrap().stream().clone());
+    let comm: Arc<dyn Communicator> = Arc::new(comm);
+    let pipe = PipelineShard::balanced(&config(), stage, stages, 1, SEQ).unwrap();
+    GpuPipelineParallelBackend::from_init(
+        &config(),
+        init,
+        a,
+        (0, &[precision]),
+        (pipe, schedule),
+        comm,
+    )
+    .unwrap()
+}
+
+fn weights(dir: &Path) -> Vec<f32> {
+    load_params(dir, &config()).unwrap().data
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| f64::from((x - y).abs()))
+        .fold(0.0, f64::max)
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(f64::MIN_POSITIVE)
+}
+
+/// Compares two runs' (loss, norm) logs and final weights with the bounds of `precision`.
+fn compare(
+    what: &str,
+    ours: &[(f64, f64)],
+    reference: &[(f64, f64)],
+    w: (&[f32], &[f32]),
+    precision: DType,
+) {
+    let (loss_tol, norm_tol, w_rel_tol, w_max_tol) = match precision {
+        DType::F32 => (1e-5, 1e-5, 1e-5, 1e-4),
+        _ => (5e-3, 5e-2, 5e-3, 2.0 * f64::from(LR) * ours.len() as f64),
+    };
+    assert_eq!(ours.len(), reference.len());
+    for (step, (o, r)) in ours.iter().zip(reference).enumerate() {
+        report(&format!(
+            "{what} step {step}: loss {:.7} vs {:.7} (rel {:.2e}), norm {:.6} vs {:.6} (rel {:.2e})",
+            o.0,
+            r.0,
+            rel(o.0, r.0),
+            o.1,
+            r.1,
+            rel(o.1, r.1)
+        ));
+        assert!(rel(o.0, r.0) <= loss_tol, "{what}: loss of step {step}");
+        assert!(
+            rel(o.1, r.1) <= norm_tol,
+            "{what}: gradient norm of step {step}"
+        );
+    }
+    assert_eq!(w.0.len(), w.1.len(), "{what}: the saved model's size");
+    let (wr, wm) = (rel_err(w.0, w.1), max_abs_diff(w.0, w.1));
+    report(&format!("{what}: weights rel {wr:.2e}, max |Δw| {wm:.2e}"));
+    assert!(wr <= w_rel_tol, "{what}: weights rel {wr}");
+    assert!(wm <= w_max_tol, "{what}: max |Δw| {wm}");
+}
+
+/// `stages` stages with `schedule` train `STEPS` steps of `micro` micro-batches as one rank.
+fn pipeline_matches_one_rank(
+    a: TrainingArguments,
+    precision: DType,
+    stages: usize,
+    schedule: ScheduleKind,
+) {
+    let micro = a.gradient_accumulation_steps;
+    let test = format!(
+        "gpu pp {stages} {schedule} {precision} × {micro} micro-batches{}",
+        if a.gradient_checkpointing {
+            " with gradient checkpointing"
+        } else {
+            ""
+        }
+    );
+    if gpu_or_skip(&test).is_none() {
+        return;
+    }
+    let (mut single, reference) = one_rank(&a, precision, 0..STEPS);
+    let reference_weights = single.model().unwrap().params.data.clone();
+    drop(single);
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().to_path_buf();
+    let logs = run_on_threads(
+        stages,
+        Duration::from_secs(120),
+        |stage, comm: HostCommunicator| {
+            let init = ModelInit::Random { seed: SEED };
+            let place = (stage, stages, schedule);
+            let mut b = stage_backend(&a, &init, precision, place, comm);
+            let log: Vec<(f64, f64)> = (0..STEPS)
+                .map(|s| train_step(&mut b, s, micro, precision))
+                .collect();
+            b.save_model(&dir, &config(), DType::F32, None).unwrap();
+            log
+        },
+    )
+    .unwrap();
+    for log in &logs[1..] {
+        assert_eq!(log, &logs[0], "every stage logs the same loss and norm");
+    }
+    compare(
+        &test,
+        &logs[0],
+        &reference,
+        (&weights(&dir), &reference_weights),
+        precision,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn pipeline_2_one_f_one_b_matches_one_rank_fp32() {
+    pipeline_matches_one_rank(args(), DType::F32, 2, ScheduleKind::OneFOneB);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn pipeline_2_one_f_one_b_matches_one_rank_bf16() {
+    pipeline_matches_one_rank(args(), DType::BF16, 2, ScheduleKind::OneFOneB);
+}
+
+/// Every backward of GPipe recomputes its stage's forward (they follow all forwards), and
+/// inside the backward the blocks recompute again.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn pipeline_2_gpipe_with_gradient_checkpointing_matches_one_rank_fp32() {
+    let a = TrainingArguments {
+        gradient_checkpointing: true,
+        ..args()
+    };
+    pipeline_matches_one_rank(a, DType::F32, 2, ScheduleKind::GPipe);
+}
+
+/// A middle stage receives activations and gradients and sends both.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn pipeline_3_one_f_one_b_matches_one_rank_fp32() {
+    pipeline_matches_one_rank(args_with(5), DType::F32, 3, ScheduleKind::OneFOneB);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn pipeline_2_evaluation_loss_matches_one_rank() {
+    let test = "gpu pp 2 evaluation loss";
+    if gpu_or_skip(test).is_none() {
+        return;
+    }
+    let batch = step_batches(7, 1).remove(0);
+    let (mut single, _) = one_rank(&args(), DType::F32, 0..1);
+    let want = single.eval_loss(&batch, DType::F32).unwrap();
+    drop(single);
+    let got = run_on_threads(2, Duration::from_secs(120), |stage, comm| {
+        let init = ModelInit::Random { seed: SEED };
+        let place = (stage, 2, ScheduleKind::OneFOneB);
+        let mut b = stage_backend(&args(), &init, DType::F32, place, comm);
+        train_step(&mut b, 0, MICRO, DType::F32);
+        b.eval_loss(&batch, DType::F32).unwrap()
+    })
+    .unwrap();
+    report(&format!(
+        "{test}: {} vs {} over {} targets",
+        got[0].loss_sum, want.loss_sum, want.valid_tokens
+    ));
+    for g in &got {
+        assert_eq!(g.valid_tokens, want.valid_tokens);
+        assert!(rel(g.loss_sum, want.loss_sum) <= 1e-5, "{test}");
+    }
+}
+
+/// The optimizer state of a pp 2 save in `dir` (as the Trainer's checkpoint writes it).
+fn pipeline_checkpoint(dir: &Path) -> OptimizerCheckpoint {
+    let specs = ParamStore::specs_for(&config());
+    let numel = specs.iter().map(|s| s.numel()).sum();
+    let files = (0..2).map(|r| shard_file_name(r, 2)).collect();
+    OptimizerCheckpoint::Sliced {
+        dir: dir.to_path_buf(),
+        manifest: SlicedManifest::new(numel, (1, 2, 1), 0, files),
+        specs,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn pipeline_checkpoints_resume_bit_for_bit_and_on_one_rank() {
+    let test = "gpu pp 2 checkpoint";
+    if gpu_or_skip(test).is_none() {
+        return;
+    }
+    let f32 = DType::F32;
+    let schedule = ScheduleKind::OneFOneB;
+    // pp 2 uninterrupted for STEPS steps, saving after step 1.
+    let saved = tempfile::tempdir().unwrap();
+    let dir = saved.path().to_path_buf();
+    let uninterrupted_out = tempfile::tempdir().unwrap();
+    let final_dir = uninterrupted_out.path().to_path_buf();
+    let uninterrupted = run_on_threads(2, Duration::from_secs(120), |stage, comm| {
+        let init = ModelInit::Random { seed: SEED };
+        let mut b = stage_backend(&args(), &init, f32, (stage, 2, schedule), comm);
+        let mut log = Vec::new();
+        for s in 0..STEPS {
+            log.push(train_step(&mut b, s, MICRO, f32));
+            if s == 1 {
+                b.save_model(&dir, &config(), DType::F32, None).unwrap();
+                b.save_optimizer(&dir.join(shard_file_name(stage, 2)))
+                    .unwrap();
+            }
+        }
+        b.save_model(&final_dir, &config(), DType::F32, None)
+            .unwrap();
+        log
+    })
+    .unwrap();
+    let want_weights = weights(&final_dir);
+
+    // pp 2 resumes from the checkpoint of step 1 and takes the last step.
+    let resumed_out = tempfile::tempdir().unwrap();
+    let resumed_dir = resumed_out.path().to_path_buf();
+    let resumed = run_on_threads(2, Duration::from_secs(120), |stage, comm| {
+        let init = ModelInit::Pretrained(dir.clone());
+        let mut b = stage_backend(&args(), &init, f32, (stage, 2, schedule), comm);
+        b.restore(&dir, &pipeline_checkpoint(&dir)).unwrap();
+        let log = train_step(&mut b, STEPS - 1, MICRO, f32);
+        b.save_model(&resumed_dir, &config(), DType::F32, None)
+            .unwrap();
+        log
+    })
+    .unwrap();
+    let got_weights = weights(&resumed_dir);
+    report(&format!(
+        "{test}: pp 2 -> pp 2 step {}: loss {} vs {}, max |Δw| {:.2e}",
+        STEPS - 1,
+        resumed[0].0,
+        uninterrupted[0][STEPS - 1].0,
+        max_abs_diff(&got_weights, &want_weights)
+    ));
+    assert_eq!(
+        resumed[0],
+        uninterrupted[0][STEPS - 1],
+        "{test}: same layout"
+    );
+    assert_eq!(
+        got_weights, want_weights,
+        "{test}: same layout, bit for bit"
+    );
+
+    // One rank resumes from the same checkpoint.
+    let init = ModelInit::Pretrained(dir.clone());
+    let mut one = GpuBackend::from_init(&config(), &init, &args(), 0, &[f32]).unwrap();
+    one.restore(&dir, &pipeline_checkpoint(&dir)).unwrap();
+    let log = vec![train_step(&mut one, STEPS - 1, MICRO, f32)];
+    let w = one.model().unwrap().params.data.clone();
+    compare(
+        "pp 2 -> one rank",
+        &log,
+        &uninterrupted[0][STEPS - 1..],
+        (&w, &want_weights),
+        f32,
+    );
+}
+
+/// What a GPU stage does not run is refused before any device is touched, naming the flag
+/// (runs without a GPU).
+#[test]
+fn unsupported_settings_are_refused_with_the_flag_before_touching_the_gpu() {
+    use tilearn_engine::cuda_graphs::CudaGraphs;
+    use tilearn_engine::memory_mode::MemoryMode;
+    let cases: Vec<(&str, TrainingArguments, LlamaConfig, ScheduleKind)> = vec![
+        (
+            "--cuda-graphs",
+            TrainingArguments {
+                cuda_graphs: CudaGraphs::On,
+                ..args()
+            },
+            config(),
+            ScheduleKind::OneFOneB,
+        ),
+        (
+            "--memory",
+            TrainingArguments {
+                memory: MemoryMode::Lean,
+                ..args()
+            },
+            config(),
+            ScheduleKind::OneFOneB,
+        ),
+        (
+            "--pp-schedule",
+            args(),
+            config(),
+            ScheduleKind::Interleaved { virtual_stages: 1 },
+        ),
+    ];
+    for (flag, a, cfg, schedule) in cases {
+        let errors = run_on_threads(2, Duration::from_secs(30), |stage, comm| {
+            let comm: Arc<dyn Communicator> = Arc::new(comm);
+            let pipe = PipelineShard::balanced(&cfg, stage, 2, 1, SEQ).unwrap();
+            let init = ModelInit::Random { seed: SEED };
+            match GpuPipelineParallelBackend::from_init(
+                &cfg,
+                &init,
+                &a,
+                (0, &[DType::F32]),
+                (pipe, schedule),
+                comm,
+            ) {
+                Ok(_) => panic!("{flag}: accepted"),
+                Err(e) => e.to_string(),
+            }
+        })
+        .unwrap();
+        for e in errors {
+            assert!(e.contains(flag), "expected a refusal naming {flag}: {e}");
+        }
+    }
+}
+
+/// An fp16 step as the Trainer takes it with the GradScaler's `scale`: the scaled backward, the
+/// collective unscale/overflow check, then (when finite) the step. `poison` plants an infinite
+/// gradient first (fault injection). Returns (loss, gradient norm, found inf).
+fn fp16_step(
+    backend: &mut dyn StepBackend,
+    step: usize,
+    scale: f32,
+    poison: bool,
+) -> (f64, f64, bool) {
+    let batches = step_batches(step, MICRO);
+    let denominator: f64 = batches
+        .iter()
+        .map(|b| tilearn_engine::model::count_valid_targets(&b.labels, BATCH, SEQ))
+        .sum::<usize>() as f64;
+    backend.zero_grads();
+    let loss = match backend.forward_backward_step(&batches, denominator, DType::F16, scale) {
+        Some(loss) => loss.unwrap(),
+        None => batches
+            .iter()
+            .map(|b| {
+                backend
+                    .forward_backward(b, denominator, DType::F16, scale)
+                    .unwrap()
+            })
+            .sum(),
+    };
+    if poison {
+        backend.poison_gradients().unwrap();
+    }
+    let found_inf = backend.unscale_and_check(1.0 / scale).unwrap();
+    if found_inf {
+        return (loss / denominator, f64::NAN, true);
+    }
+    backend.clip_grad_norm(1.0).unwrap();
+    let norm = backend
+        .optimizer_step(LR)
+        .unwrap()
+        .expect("the GPU reports the norm");
+    (loss / denominator, norm, false)
+}
+
+/// fp16 with loss scaling: the scaled gradients cross the stages, the unscale and the
+/// overflow check are collective (an inf planted on the last stage alone makes both stages
+/// skip), and the steps match one rank's within the 16-bit bounds above.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn pipeline_2_fp16_with_loss_scaling_matches_one_rank_and_skips_together() {
+    let test = "gpu pp 2 fp16 loss scaling";
+    if gpu_or_skip(test).is_none() {
+        return;
+    }
+    let f16 = DType::F16;
+    let scale = 1024.0;
+    let init = ModelInit::Random { seed: SEED };
+    let mut single = GpuBackend::from_init(&config(), &init, &args(), 0, &[f16]).unwrap();
+    let reference: Vec<(f64, f64)> = (0..STEPS)
+        .map(|s| {
+            let (loss, norm, inf) = fp16_step(&mut single, s, scale, false);
+            assert!(!inf, "{test}: one rank overflowed at scale {scale}");
+            (loss, norm)
+        })
+        .collect();
+    let reference_weights = single.model().unwrap().params.data.clone();
+    drop(single);
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().to_path_buf();
+    let results = run_on_threads(2, Duration::from_secs(120), |stage, comm| {
+        let init = ModelInit::Random { seed: SEED };
+        let place = (stage, 2, ScheduleKind::OneFOneB);
+        let mut b = stage_backend(&args(), &init, f16, place, comm);
+        let mut log = Vec::new();
+        for s in 0..STEPS {
+            let (loss, norm, inf) = fp16_step(&mut b, s, scale, false);
+            assert!(!inf, "{test}: stage {stage} overflowed at scale {scale}");
+            log.push((loss, norm));
+        }
+        b.save_model(&dir, &config(), DType::F32, None).unwrap();
+        // Only the last stage's gradients are poisoned; both must skip.
+        let (_, _, skipped) = fp16_step(&mut b, STEPS, scale, stage == 1);
+        (log, skipped)
+    })
+    .unwrap();
+    assert_eq!(
+        results[0].0, results[1].0,
+        "{test}: the stages log the same"
+    );
+    assert!(
+        results.iter().all(|r| r.1),
+        "{test}: an overflow on one stage is every stage's"
+    );
+    compare(
+        test,
+        &results[0].0,
+        &reference,
+        (&weights(&dir), &reference_weights),
+        f16,
+    );
+}

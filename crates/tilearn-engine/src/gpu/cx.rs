@@ -10,7 +10,7 @@ use tilearn_ops::cuda::{
 
 use super::linalg::Matmul;
 use super::tensor_parallel::DeviceSums;
-use super::vocab_parallel::VocabShard;
+use super::vocab_shard::VocabShard;
 use crate::model::ModelLayout;
 
 /// What every op of a call needs besides its buffers.

@@ -54,6 +54,7 @@ mod tensor_parallel;
 mod transfer;
 mod views;
 mod vocab_parallel;
+mod vocab_shard;
 mod zero;
 
 use std::sync::Arc;
@@ -214,7 +215,7 @@ pub struct GpuLlama {
     /// `tensor_parallel.rs`); `None` for the whole model.
     tp: Option<Box<dyn DeviceSums>>,
     /// The rank's rows of the vocabulary under tensor parallelism (see `vocab_parallel.rs`).
-    vocab: Option<vocab_parallel::VocabShard>,
+    vocab: Option<vocab_shard::VocabShard>,
 }
 
 /// The model's buffers split for one forward (and backward) pass: what every op needs, and the

@@ -16,123 +16,17 @@
 //!   hidden state's gradient `dlogits · lm_head` is then a partial sum over the ranks, completed
 //!   by one all-reduce of `dxn` after the last chunk; `lm_head`'s gradient is local.
 //!
-//! The statistics live in f32 buffers of the chunk's rows allocated when the slice is set: the
-//! local and the global row maxima, and `[sum of exp | target logit]` adjacent, so that one
-//! all-reduce completes both.
+//! The statistics and their two steps live in `vocab_shard.rs`.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cpu::VocabSlice;
 use tilearn_ops::cuda::{self as k, DeviceFloat, VocabCeStats};
 
 use super::compute::Cx;
-use super::tensor_parallel::{DeviceSums, complete, complete_max};
-use super::{GpuLlama, cuda_err, invalid};
+use super::tensor_parallel::complete;
+use super::vocab_shard::VocabShard;
+use super::{GpuLlama, invalid};
 use crate::error::Result;
-
-/// A rank's rows of the vocabulary and the per-row statistics of its cross entropy.
-#[derive(Debug)]
-pub(crate) struct VocabShard {
-    pub slice: VocabSlice,
-    /// Chunks of up to this many tokens.
-    rows: usize,
-    local_max: CudaSlice<f32>,
-    global_max: CudaSlice<f32>,
-    /// `[2 × rows]`: the sums of exponentials, then the target logits.
-    sums: CudaSlice<f32>,
-}
-
-/// The statistics of a chunk of `rows` tokens, carved from the shard's buffers.
-struct ChunkStats<'b> {
-    rows: usize,
-    local_max: CudaViewMut<'b, f32>,
-    global_max: CudaViewMut<'b, f32>,
-    sums: CudaViewMut<'b, f32>,
-}
-
-impl VocabShard {
-    fn new(stream: &std::sync::Arc<k::CudaStream>, slice: VocabSlice, rows: usize) -> Result<Self> {
-        let alloc = |n: usize| {
-            stream
-                .alloc_zeros::<f32>(n)
-                .map_err(|e| cuda_err("allocating the vocabulary-parallel statistics", e))
-        };
-        Ok(VocabShard {
-            slice,
-            rows,
-            local_max: alloc(rows)?,
-            global_max: alloc(rows)?,
-            sums: alloc(2 * rows)?,
-        })
-    }
-
-    fn bytes(&self) -> usize {
-        4 * self.rows * std::mem::size_of::<f32>()
-    }
-
-    fn carve(&mut self, rows: usize) -> Result<ChunkStats<'_>> {
-        if rows > self.rows {
-            return Err(invalid(
-                "vocabulary-parallel loss head",
-                format!(
-                    "internal: a chunk of {rows} tokens exceeds the {} the statistics hold",
-                    self.rows
-                ),
-            ));
-        }
-        Ok(ChunkStats {
-            rows,
-            local_max: self.local_max.slice_mut(..rows),
-            global_max: self.global_max.slice_mut(..rows),
-            sums: self.sums.slice_mut(..2 * rows),
-        })
-    }
-}
-
-impl ChunkStats<'_> {
-    /// Steps 1–2 with their all-reduces: every rank ends with the same global max, sum of
-    /// exponentials and target logit per row.
-    fn complete<T: DeviceFloat>(
-        &mut self,
-        stream: &std::sync::Arc<k::CudaStream>,
-        tp: Option<&dyn DeviceSums>,
-        logits: &CudaView<'_, T>,
-        targets: &CudaView<'_, i32>,
-        slice: VocabSlice,
-    ) -> Result<()> {
-        let rows = self.rows;
-        {
-            let (mut sumexp, mut target) = self.sums.split_at_mut(rows);
-            k::vocab_ce_partials(
-                stream,
-                logits,
-                targets,
-                slice,
-                &mut self.local_max,
-                &mut sumexp,
-                &mut target,
-            )?;
-        }
-        stream
-            .memcpy_dtod(&self.local_max, &mut self.global_max)
-            .map_err(|e| cuda_err("copying the row maxima", e))?;
-        complete_max(tp, &mut self.global_max)?;
-        {
-            let mut sumexp = self.sums.slice_mut(..rows);
-            k::vocab_ce_rescale(stream, &self.local_max, &self.global_max, &mut sumexp)?;
-        }
-        complete(tp, &mut self.sums)
-    }
-
-    /// The completed statistics: global max, sums of exponentials, target logits.
-    fn completed(&self) -> (CudaView<'_, f32>, CudaView<'_, f32>, CudaView<'_, f32>) {
-        let rows = self.rows;
-        (
-            self.global_max.slice(..),
-            self.sums.slice(..rows),
-            self.sums.slice(rows..2 * rows),
-        )
-    }
-}
 
 /// The vocabulary-parallel loss of one chunk (training): `row_loss` written, the local
 /// `logits` overwritten with their gradient times `grad_scale` (see the module docs).

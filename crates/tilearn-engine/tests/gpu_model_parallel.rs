@@ -28,7 +28,9 @@
 //! * The same in fp32 with gradient checkpointing (the recomputed forwards all-reduce again),
 //!   and in fp32 with tied embeddings (one slice serves the lookup and lm_head; both gradients
 //!   land in it). The fp32 test prints each rank's logits-chunk bytes against the single rank's
-//!   (the memory the vocabulary split saves: 129/257 of it on rank 0).
+//!   (the memory the vocabulary split saves: 129/257 of it on rank 0), and every test compares
+//!   the trained models' evaluation loss on a held-out batch (the loss-only vocabulary-parallel
+//!   path) with the losses' bounds.
 //! * A tp 2 checkpoint (whole Hugging Face files, one optimizer file per rank with its slice
 //!   layout) resumes on one rank: the next step's loss and the weights after it equal the
 //!   uninterrupted single-rank run's (fp32 bounds above); and a single rank's checkpoint
@@ -264,6 +266,9 @@ fn tp2_matches_one_rank_with(c: &LlamaConfig, a: TrainingArguments, precision: D
         return;
     }
     let (mut single, reference) = one_rank_with(c, &a, precision, 0..3);
+    // The evaluation loss (the loss-only vocabulary-parallel path) of a batch no step saw.
+    let held_out = &step_batches(9)[0];
+    let reference_eval = single.eval_loss(held_out, precision).unwrap();
     let reference_weights = single.model().unwrap().params.data.clone();
     let single_logits_bytes = single.logits_buffer_bytes();
     drop(single);
@@ -277,14 +282,15 @@ fn tp2_matches_one_rank_with(c: &LlamaConfig, a: TrainingArguments, precision: D
             let mut b = tp_backend_with(c, &a, &init, precision, rank, comm);
             let bytes = b.logits_buffer_bytes();
             let log: Vec<(f64, f64)> = (0..3).map(|s| train_step(&mut b, s, precision)).collect();
+            let eval = b.eval_loss(held_out, precision).unwrap();
             b.save_model(&dir, c, DType::F32, None).unwrap();
-            (log, bytes)
+            (log, bytes, eval)
         },
     )
     .unwrap();
     // The vocabulary split: each rank's logits chunk holds its rows' columns only (the
     // replicated head held all 257 on every rank, the single rank's buffer).
-    for (rank, (_, bytes)) in logs.iter().enumerate() {
+    for (rank, (_, bytes, _)) in logs.iter().enumerate() {
         report(&format!(
             "{test}: rank {rank} logits chunk {bytes} bytes (vocab rows {}), replicated head \
              {single_logits_bytes} bytes: {:.1} % of it",
@@ -300,6 +306,16 @@ fn tp2_matches_one_rank_with(c: &LlamaConfig, a: TrainingArguments, precision: D
         logs[0].0, logs[1].0,
         "the tp ranks log the same loss and norm"
     );
+    let eval = logs[0].2;
+    assert_eq!(eval, logs[1].2, "the tp ranks evaluate the same loss");
+    assert_eq!(eval.valid_tokens, reference_eval.valid_tokens);
+    let eval_rel = rel(eval.loss_sum, reference_eval.loss_sum);
+    report(&format!(
+        "{test}: evaluation loss sum {:.7} vs {:.7} (rel {eval_rel:.2e})",
+        eval.loss_sum, reference_eval.loss_sum
+    ));
+    let eval_tol = if precision == DType::F32 { 1e-5 } else { 5e-3 };
+    assert!(eval_rel <= eval_tol, "{test}: evaluation loss");
     compare(
         &test,
         &logs[0].0,

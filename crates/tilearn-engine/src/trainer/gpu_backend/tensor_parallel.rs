@@ -435,7 +435,52 @@ impl StepBackend for GpuTensorParallelBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::merged;
+    use super::{gpu_shard_plan, merged};
+    use crate::config::LlamaConfig;
+    use crate::model::tensor_parallel::{Cut, TensorShard};
+
+    fn config() -> LlamaConfig {
+        LlamaConfig::from_json_str(
+            r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 16,
+            "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 257, "max_position_embeddings": 32,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+            "test/config.json",
+        )
+        .unwrap()
+    }
+
+    /// The GPU plans cut the vocabulary as the CPU engine does (257 = 129 + 128, no padding):
+    /// vocabulary-parallel is the default, and the only mode.
+    #[test]
+    fn gpu_plans_cut_the_vocabulary_like_the_cpu_engine() {
+        let config = config();
+        for (rank, rows) in [(0, 0..129), (1, 129..257)] {
+            let plan = gpu_shard_plan(&config, TensorShard { rank, size: 2 }).unwrap();
+            assert_eq!(plan.vocab, rows);
+            assert_eq!(plan.local_config(&config).vocab_size, rows.len());
+            assert_eq!(plan.cut("lm_head.weight"), Cut::Rows(rows.clone()));
+            assert_eq!(plan.cut("model.embed_tokens.weight"), Cut::Rows(rows));
+        }
+    }
+
+    /// Baichuan2's z-loss needs every logit of a row: refused under tp with the way out, before
+    /// any device is touched; one rank keeps it.
+    #[test]
+    fn z_loss_is_refused_under_tensor_parallelism() {
+        let config = LlamaConfig {
+            z_loss_weight: 2e-4,
+            ..config()
+        };
+        let err = gpu_shard_plan(&config, TensorShard { rank: 0, size: 2 })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("z-loss") && err.contains("--tp-size 1"),
+            "{err}"
+        );
+        assert!(gpu_shard_plan(&config, TensorShard::WHOLE).is_ok());
+    }
 
     #[test]
     fn adjacent_ranges_merge_and_gaps_stay() {

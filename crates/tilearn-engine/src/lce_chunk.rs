@@ -76,6 +76,23 @@ impl LceChunk {
         };
         rows.min(tokens)
     }
+
+    /// The setting every rank of a vocabulary-parallel group builds with (tensor parallelism
+    /// on the GPU engine): the rows this setting gives the widest of `parts` slices of a
+    /// `vocab`-word vocabulary (the engines' `chunk_range` gives the first `vocab mod parts`
+    /// slices one word more), fixed as a token count. Every rank then cuts a call into the
+    /// same chunks, as it must: each chunk's cross entropy all-reduces over the group, and
+    /// under `auto` two slices one word apart can straddle a power of two.
+    pub fn for_vocab_slices(
+        self,
+        tokens: usize,
+        vocab: usize,
+        parts: usize,
+        elem_bytes: usize,
+    ) -> LceChunk {
+        let widest = vocab.div_ceil(parts.max(1));
+        LceChunk::from_tokens(self.rows(tokens, widest, elem_bytes))
+    }
 }
 
 impl fmt::Display for LceChunk {
@@ -122,6 +139,36 @@ mod tests {
                 "{vocab} x {bytes}"
             );
         }
+    }
+
+    /// 65 537 words over two ranks: slices of 32 769 and 32 768 words, whose own `auto` rows
+    /// differ (2 048 against 4 096 tokens in bf16); the group's setting gives both 2 048.
+    #[test]
+    fn vocabulary_slices_share_one_chunk_size() {
+        let (tokens, vocab, elem) = (8192, 65_537, 2);
+        let own: Vec<usize> = [32_769, 32_768]
+            .iter()
+            .map(|&v| LceChunk::Auto.rows(tokens, v, elem))
+            .collect();
+        assert_eq!(own, vec![2048, 4096]);
+        let group = LceChunk::Auto.for_vocab_slices(tokens, vocab, 2, elem);
+        assert_eq!(group, LceChunk::from_tokens(2048));
+        for v in [32_769, 32_768] {
+            assert_eq!(group.rows(tokens, v, elem), 2048);
+        }
+        // Unchunked and explicit settings keep their meaning.
+        assert_eq!(
+            LceChunk::Unchunked
+                .for_vocab_slices(100, 257, 2, 4)
+                .rows(100, 128, 4),
+            100
+        );
+        assert_eq!(
+            LceChunk::from_tokens(33)
+                .for_vocab_slices(100, 257, 2, 4)
+                .rows(100, 129, 4),
+            33
+        );
     }
 
     #[test]

@@ -38,6 +38,33 @@
 //            so an unchecked error cannot train silently: the loss sum is then NaN too.
 // Determinism: no atomics; every reduction has a fixed shape that depends only on
 //            (rows, vocab), so results are bit-identical run to run.
+//
+// Vocabulary-parallel variant (tensor parallelism: a rank holds the logits of its columns
+// col_start .. col_start + cols of a full vocabulary of full_vocab words; the caller completes
+// the per-row statistics over the ranks between the launches):
+//   tilearn_vocab_ce_partials   per row of the rank's [rows, cols] logits, one block per row:
+//                               local_max = max over the slice, sumexp = sum of exp(x - local_max)
+//                               (the same online pass as above), target_logit = the target's
+//                               logit when the slice holds the target, else 0. All three f32,
+//                               written (`=`). Ignored rows write (0, 0, 0); a target that is
+//                               neither -100 nor in [0, full_vocab) writes target_logit = NaN.
+//   (caller: global_max = all-reduce MAX of local_max)
+//   tilearn_vocab_ce_rescale    sumexp *= exp(local_max - global_max), elementwise in f32 (`=`,
+//                               in place; a zero sum stays zero), so the partial sums share
+//                               the global max.
+//   (caller: all-reduce SUM of sumexp and of target_logit)
+//   tilearn_vocab_ce_fused_finish  per row: row_loss = global_max + log(sumexp) - target_logit
+//                               formed in f64, stored f32 (`=`; 0 for ignored rows, NaN for a
+//                               bad target), and the slice's logits OVERWRITTEN in place with
+//                               (exp(x - global_max) / sumexp - onehot(target)) * grad_scale,
+//                               f32 math rounded once to the logits' type (zeros for ignored
+//                               rows, NaN for a bad target); the one-hot only where the slice
+//                               holds the target.
+//   tilearn_vocab_ce_loss_finish   the row losses only (evaluation), elementwise over rows.
+//   Every rank then holds the same row losses; tilearn_cross_entropy_totals with full_vocab
+//   reduces them. The slice's row pass is the whole-vocabulary kernels' (same vectorised
+//   reads, same f32 expf); against one rank only the sum of exponentials is added in another
+//   order (~1e-7 relative in f32).
 
 #include <math.h>
 
@@ -252,6 +279,130 @@ __global__ void ce_totals_kernel(const float* __restrict__ row_loss,
     }
 }
 
+// ---- vocabulary-parallel cross entropy (see the header) ----
+
+__device__ __forceinline__ bool in_slice(int32_t t, size_t col_start, size_t cols) {
+    return t >= 0 && static_cast<size_t>(t) >= col_start &&
+           static_cast<size_t>(t) - col_start < cols;
+}
+
+template <typename T>
+__global__ void vocab_partials_kernel(const T* __restrict__ logits,
+                                      const int32_t* __restrict__ targets, size_t cols,
+                                      size_t col_start, size_t full_vocab,
+                                      float* __restrict__ local_max, float* __restrict__ sumexp,
+                                      float* __restrict__ target_logit) {
+    const size_t row = blockIdx.x;
+    const int32_t t = targets[row];
+    if (t == kIgnoreIndex) {
+        if (threadIdx.x == 0) {
+            local_max[row] = 0.0f;
+            sumexp[row] = 0.0f;
+            target_logit[row] = 0.0f;
+        }
+        return;
+    }
+    const T* x = logits + row * cols;
+    float m, s;
+    row_max_sumexp(x, cols, m, s);
+    if (threadIdx.x == 0) {
+        local_max[row] = m;
+        sumexp[row] = s;
+        float xt = 0.0f;
+        if (!label_in_range(t, full_vocab)) {
+            xt = NAN;
+        } else if (in_slice(t, col_start, cols)) {
+            xt = to_f32(x[static_cast<size_t>(t) - col_start]);
+        }
+        target_logit[row] = xt;
+    }
+}
+
+__global__ void vocab_rescale_kernel(const float* __restrict__ local_max,
+                                     const float* __restrict__ global_max,
+                                     float* __restrict__ sumexp, size_t rows) {
+    const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+    for (size_t r = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
+         r += stride) {
+        const float s = sumexp[r];
+        // A zero partial (ignored row) stays zero, whatever the maxima (no 0 * inf).
+        if (s != 0.0f) sumexp[r] = s * expf(local_max[r] - global_max[r]);
+    }
+}
+
+template <typename T>
+__global__ void vocab_fused_finish_kernel(T* __restrict__ logits,
+                                          const int32_t* __restrict__ targets, size_t cols,
+                                          size_t col_start, size_t full_vocab,
+                                          const float* __restrict__ global_max,
+                                          const float* __restrict__ sumexp,
+                                          const float* __restrict__ target_logit,
+                                          float grad_scale, float* __restrict__ row_loss) {
+    const size_t row = blockIdx.x;
+    T* x = logits + row * cols;
+    const int32_t t = targets[row];
+    if (t == kIgnoreIndex) {
+        for (size_t i = threadIdx.x; i < cols; i += blockDim.x) x[i] = from_f32<T>(0.0f);
+        if (threadIdx.x == 0) row_loss[row] = 0.0f;
+        return;
+    }
+    const bool ok = label_in_range(t, full_vocab);
+    const float m = global_max[row], s = sumexp[row];
+    if (threadIdx.x == 0) row_loss[row] = ok ? row_loss_of(m, s, target_logit[row]) : NAN;
+    if (!ok) {
+        for (size_t i = threadIdx.x; i < cols; i += blockDim.x) x[i] = from_f32<T>(NAN);
+        return;
+    }
+    const float p_scale = grad_scale / s;
+    // The target's column in this slice, or cols (never matched) when another rank holds it.
+    const size_t target = in_slice(t, col_start, cols) ? static_cast<size_t>(t) - col_start : cols;
+    if (row_vectorized(x, cols)) {
+        using V = tilearn::Vec16<T>;
+        V* xv = reinterpret_cast<V*>(x);
+        for (size_t i = threadIdx.x; i < cols / V::kLen; i += blockDim.x) {
+            V v = xv[i];
+#pragma unroll
+            for (int e = 0; e < V::kLen; ++e) {
+                float g = expf(to_f32(v.v[e]) - m) * p_scale;
+                if (i * V::kLen + e == target) g -= grad_scale;
+                v.v[e] = from_f32<T>(g);
+            }
+            xv[i] = v;
+        }
+        return;
+    }
+    for (size_t i = threadIdx.x; i < cols; i += blockDim.x) {
+        float g = expf(to_f32(x[i]) - m) * p_scale;
+        if (i == target) g -= grad_scale;
+        x[i] = from_f32<T>(g);
+    }
+}
+
+__global__ void vocab_loss_finish_kernel(const int32_t* __restrict__ targets, size_t rows,
+                                         size_t full_vocab, const float* __restrict__ global_max,
+                                         const float* __restrict__ sumexp,
+                                         const float* __restrict__ target_logit,
+                                         float* __restrict__ row_loss) {
+    const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+    for (size_t r = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
+         r += stride) {
+        const int32_t t = targets[r];
+        if (t == kIgnoreIndex) {
+            row_loss[r] = 0.0f;
+        } else if (!label_in_range(t, full_vocab)) {
+            row_loss[r] = NAN;
+        } else {
+            row_loss[r] = row_loss_of(global_max[r], sumexp[r], target_logit[r]);
+        }
+    }
+}
+
+// Grid of an elementwise kernel over rows (grid-stride loop past 65535 blocks).
+unsigned elementwise_blocks(size_t rows) {
+    const size_t blocks = (rows + 255) / 256;
+    return static_cast<unsigned>(blocks < 65535 ? blocks : 65535);
+}
+
 unsigned threads_for(size_t vocab) {
     if (vocab <= 1024) return 128;
     if (vocab <= 8192) return 256;
@@ -307,6 +458,44 @@ int launch_forward(const void* logits, const int32_t* targets, size_t rows, size
     return launch_totals(row_loss, targets, rows, vocab, totals, stream);
 }
 
+// The slice lies inside the vocabulary and is not empty; the shapes fit the grid.
+bool slice_ok(size_t rows, size_t cols, size_t col_start, size_t full_vocab) {
+    return cols > 0 && col_start <= full_vocab && cols <= full_vocab - col_start &&
+           full_vocab <= 0x7fffffffu && shape_ok(rows, cols);
+}
+
+template <typename T>
+int launch_vocab_partials(const void* logits, const int32_t* targets, size_t rows, size_t cols,
+                          size_t col_start, size_t full_vocab, float* local_max, float* sumexp,
+                          float* target_logit, cudaStream_t stream) {
+    if (!slice_ok(rows, cols, col_start, full_vocab)) return static_cast<int>(cudaErrorInvalidValue);
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (logits == nullptr || targets == nullptr || local_max == nullptr || sumexp == nullptr ||
+        target_logit == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
+    vocab_partials_kernel<T><<<static_cast<unsigned>(rows), threads_for(cols), 0, stream>>>(
+        static_cast<const T*>(logits), targets, cols, col_start, full_vocab, local_max, sumexp,
+        target_logit);
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+int launch_vocab_fused_finish(void* logits, const int32_t* targets, size_t rows, size_t cols,
+                              size_t col_start, size_t full_vocab, const float* global_max,
+                              const float* sumexp, const float* target_logit, float grad_scale,
+                              float* row_loss, cudaStream_t stream) {
+    if (!slice_ok(rows, cols, col_start, full_vocab) || !isfinite(grad_scale))
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (logits == nullptr || targets == nullptr || global_max == nullptr || sumexp == nullptr ||
+        target_logit == nullptr || row_loss == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
+    vocab_fused_finish_kernel<T><<<static_cast<unsigned>(rows), threads_for(cols), 0, stream>>>(
+        static_cast<T*>(logits), targets, cols, col_start, full_vocab, global_max, sumexp,
+        target_logit, grad_scale, row_loss);
+    return static_cast<int>(cudaGetLastError());
+}
+
 }  // namespace
 
 extern "C" int tilearn_cross_entropy_fused(int dtype, void* logits, const int32_t* targets,
@@ -349,4 +538,55 @@ extern "C" int tilearn_cross_entropy_forward(int dtype, const void* logits,
         return launch_forward<decltype(tag)>(logits, targets, rows, vocab, row_loss, totals,
                                              stream);
     });
+}
+
+extern "C" int tilearn_vocab_ce_partials(int dtype, const void* logits, const int32_t* targets,
+                                         size_t rows, size_t cols, size_t col_start,
+                                         size_t full_vocab, float* local_max, float* sumexp,
+                                         float* target_logit, cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_vocab_partials<decltype(tag)>(logits, targets, rows, cols, col_start,
+                                                    full_vocab, local_max, sumexp, target_logit,
+                                                    stream);
+    });
+}
+
+extern "C" int tilearn_vocab_ce_rescale(const float* local_max, const float* global_max,
+                                        float* sumexp, size_t rows, cudaStream_t stream) {
+    if (rows > 0x7fffffffu) return static_cast<int>(cudaErrorInvalidValue);
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (local_max == nullptr || global_max == nullptr || sumexp == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
+    vocab_rescale_kernel<<<elementwise_blocks(rows), 256, 0, stream>>>(local_max, global_max,
+                                                                       sumexp, rows);
+    return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int tilearn_vocab_ce_fused_finish(int dtype, void* logits, const int32_t* targets,
+                                             size_t rows, size_t cols, size_t col_start,
+                                             size_t full_vocab, const float* global_max,
+                                             const float* sumexp, const float* target_logit,
+                                             float grad_scale, float* row_loss,
+                                             cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_vocab_fused_finish<decltype(tag)>(logits, targets, rows, cols, col_start,
+                                                        full_vocab, global_max, sumexp,
+                                                        target_logit, grad_scale, row_loss,
+                                                        stream);
+    });
+}
+
+extern "C" int tilearn_vocab_ce_loss_finish(const int32_t* targets, size_t rows,
+                                            size_t full_vocab, const float* global_max,
+                                            const float* sumexp, const float* target_logit,
+                                            float* row_loss, cudaStream_t stream) {
+    if (rows > 0x7fffffffu || full_vocab > 0x7fffffffu)
+        return static_cast<int>(cudaErrorInvalidValue);
+    if (rows == 0) return static_cast<int>(cudaSuccess);
+    if (targets == nullptr || global_max == nullptr || sumexp == nullptr ||
+        target_logit == nullptr || row_loss == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
+    vocab_loss_finish_kernel<<<elementwise_blocks(rows), 256, 0, stream>>>(
+        targets, rows, full_vocab, global_max, sumexp, target_logit, row_loss);
+    return static_cast<int>(cudaGetLastError());
 }

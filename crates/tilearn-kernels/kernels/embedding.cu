@@ -30,6 +30,13 @@
 //            names the first bad position of the launch with the earliest one (integer atomicMin,
 //            deterministic). The caller reads it when it chooses (tilearn_ops::cuda::TokenIdCheck)
 //            instead of a host round trip inside every step.
+// Slices:    the *_slice launchers serve a vocabulary-parallel rank whose table holds rows
+//            vocab_start .. vocab_start + table_rows of a vocabulary of full_vocab words: an id in
+//            the slice reads/writes table row id - vocab_start, an id elsewhere in
+//            [0, full_vocab) gives a zero output row (written `=`, so the sum over the ranks is
+//            the lookup) and is skipped by the backward (the sort gives it the sentinel key),
+//            and only ids >= full_vocab are bad. The whole-table launchers are the slice
+//            0 .. vocab of a vocabulary of vocab words: the same kernels, the same results.
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -71,15 +78,32 @@ __device__ __forceinline__ void record_bad_id(unsigned long long* status, size_t
 }
 
 // Block: (x: column packs, y: rows). Grid: (x: row groups, y: column chunks).
+// The table rows a launch reads or writes: rows start .. start + rows of a vocabulary of
+// `full` words.
+struct Slice {
+    size_t start;
+    size_t rows;
+    size_t full;
+};
+
+// The sort key of `id`: its table row when the slice holds it, else `slice.rows` (the sentinel
+// run that the backward skips: ids of other ranks and bad ids alike).
+__device__ __forceinline__ uint32_t slice_key(uint32_t id, const Slice& slice) {
+    const size_t i = id;
+    return i >= slice.start && i - slice.start < slice.rows
+               ? static_cast<uint32_t>(i - slice.start)
+               : static_cast<uint32_t>(slice.rows);
+}
+
 template <typename T, int kVec>
 __global__ void forward_kernel(const uint32_t* __restrict__ ids, const T* __restrict__ table,
-                               size_t rows, size_t vocab, size_t dim, T* __restrict__ out,
+                               size_t rows, Slice slice, size_t dim, T* __restrict__ out,
                                unsigned long long* __restrict__ status) {
     const size_t row = static_cast<size_t>(blockIdx.x) * blockDim.y + threadIdx.y;
     if (row >= rows) return;
     const uint32_t id = ids[row];
     const size_t col = (static_cast<size_t>(blockIdx.y) * blockDim.x + threadIdx.x) * kVec;
-    if (id >= vocab) {
+    if (id >= slice.full) {
         if (blockIdx.y == 0 && threadIdx.x == 0) record_bad_id(status, row, id);
         if (col < dim) {
             Pack<T, kVec> nan;
@@ -89,21 +113,29 @@ __global__ void forward_kernel(const uint32_t* __restrict__ ids, const T* __rest
         }
         return;
     }
-    if (col < dim)  // dim % kVec == 0, so the whole pack is inside the row
-        *reinterpret_cast<Pack<T, kVec>*>(out + row * dim + col) =
-            *reinterpret_cast<const Pack<T, kVec>*>(table + static_cast<size_t>(id) * dim + col);
+    if (col >= dim) return;  // dim % kVec == 0, so a pack that starts inside ends inside
+    const uint32_t key = slice_key(id, slice);
+    Pack<T, kVec> v;
+    if (key < slice.rows) {
+        v = *reinterpret_cast<const Pack<T, kVec>*>(table + static_cast<size_t>(key) * dim + col);
+    } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v.v[k] = tilearn::from_f32<T>(0.0f);
+    }
+    *reinterpret_cast<Pack<T, kVec>*>(out + row * dim + col) = v;
 }
 
-// Sort keys and values for the backward: the id (or `vocab` for a bad one) and the position.
-__global__ void keys_kernel(const uint32_t* __restrict__ ids, size_t rows, size_t vocab,
+// Sort keys and values for the backward: the table row (or the sentinel `slice.rows` for an
+// id outside the slice, bad or not) and the position.
+__global__ void keys_kernel(const uint32_t* __restrict__ ids, size_t rows, Slice slice,
                             uint32_t* __restrict__ keys, uint32_t* __restrict__ positions,
                             unsigned long long* __restrict__ status) {
     const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
     for (size_t r = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
          r += stride) {
         const uint32_t id = ids[r];
-        if (id >= vocab) record_bad_id(status, r, id);
-        keys[r] = id < vocab ? id : static_cast<uint32_t>(vocab);
+        if (id >= slice.full) record_bad_id(status, r, id);
+        keys[r] = slice_key(id, slice);
         positions[r] = static_cast<uint32_t>(r);
     }
 }
@@ -149,6 +181,12 @@ bool shape_ok(size_t rows, size_t vocab, size_t dim) {
            rows <= SIZE_MAX / dim && vocab <= SIZE_MAX / dim;
 }
 
+// The slice lies inside the vocabulary, which fits the u32 ids.
+bool slice_ok(const Slice& slice, size_t rows, size_t dim) {
+    return slice.full <= 0xffffffffu && slice.start <= slice.full &&
+           slice.rows <= slice.full - slice.start && shape_ok(rows, slice.rows, dim);
+}
+
 // Threads along a row: enough 32-wide warps to cover the row's packs, at most kMaxThreads.
 unsigned row_threads(size_t packs) {
     const size_t warps = (packs + 31) / 32;
@@ -157,7 +195,7 @@ unsigned row_threads(size_t packs) {
 }
 
 template <typename T, int kVec>
-int launch_forward_vec(const uint32_t* ids, const T* table, size_t rows, size_t vocab,
+int launch_forward_vec(const uint32_t* ids, const T* table, size_t rows, Slice slice,
                        size_t dim, T* out, unsigned long long* status, cudaStream_t stream) {
     const size_t packs = dim / kVec;
     const unsigned tx = row_threads(packs);
@@ -166,25 +204,26 @@ int launch_forward_vec(const uint32_t* ids, const T* table, size_t rows, size_t 
     const size_t groups = (rows + ty - 1) / ty;
     if (chunks > 65535) return static_cast<int>(cudaErrorInvalidValue);
     const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(chunks));
-    forward_kernel<T, kVec><<<grid, dim3(tx, ty), 0, stream>>>(ids, table, rows, vocab, dim, out,
+    forward_kernel<T, kVec><<<grid, dim3(tx, ty), 0, stream>>>(ids, table, rows, slice, dim, out,
                                                                status);
     return static_cast<int>(cudaGetLastError());
 }
 
 template <typename T>
-int launch_forward(const uint32_t* ids, const void* table, size_t rows, size_t vocab, size_t dim,
+int launch_forward(const uint32_t* ids, const void* table, size_t rows, Slice slice, size_t dim,
                    void* out, uint64_t* status, cudaStream_t stream) {
-    if (!shape_ok(rows, vocab, dim)) return static_cast<int>(cudaErrorInvalidValue);
+    if (!slice_ok(slice, rows, dim)) return static_cast<int>(cudaErrorInvalidValue);
     if (rows == 0) return static_cast<int>(cudaSuccess);
-    if (ids == nullptr || out == nullptr || status == nullptr || (vocab > 0 && table == nullptr))
+    if (ids == nullptr || out == nullptr || status == nullptr ||
+        (slice.rows > 0 && table == nullptr))
         return static_cast<int>(cudaErrorInvalidValue);
     const T* tab = static_cast<const T*>(table);
     T* o = static_cast<T*>(out);
     auto* st = reinterpret_cast<unsigned long long*>(status);
     constexpr int kVec = 16 / sizeof(T);
     if (dim % kVec == 0 && aligned16(table) && aligned16(out))
-        return launch_forward_vec<T, kVec>(ids, tab, rows, vocab, dim, o, st, stream);
-    return launch_forward_vec<T, 1>(ids, tab, rows, vocab, dim, o, st, stream);
+        return launch_forward_vec<T, kVec>(ids, tab, rows, slice, dim, o, st, stream);
+    return launch_forward_vec<T, 1>(ids, tab, rows, slice, dim, o, st, stream);
 }
 
 // Scratch layout (bytes, each part 256-aligned from the first 256-aligned byte of the scratch,
@@ -224,11 +263,13 @@ int launch_accumulate(const uint32_t* sorted_ids, const uint32_t* sorted_positio
 }
 
 template <typename T>
-int launch_backward(const uint32_t* ids, const void* dout, size_t rows, size_t vocab, size_t dim,
+int launch_backward(const uint32_t* ids, const void* dout, size_t rows, Slice slice, size_t dim,
                     float* dtable, uint64_t* status, void* scratch, size_t scratch_bytes,
                     cudaStream_t stream) {
-    if (!shape_ok(rows, vocab, dim)) return static_cast<int>(cudaErrorInvalidValue);
+    if (!slice_ok(slice, rows, dim)) return static_cast<int>(cudaErrorInvalidValue);
     if (rows == 0) return static_cast<int>(cudaSuccess);
+    // The table's rows are the sort's key range; `vocab` below is that count.
+    const size_t vocab = slice.rows;
     if (ids == nullptr || dout == nullptr || status == nullptr || scratch == nullptr ||
         (vocab > 0 && dtable == nullptr))
         return static_cast<int>(cudaErrorInvalidValue);
@@ -249,7 +290,7 @@ int launch_backward(const uint32_t* ids, const void* dout, size_t rows, size_t v
     const unsigned threads = 256;
     const size_t blocks = (rows + threads - 1) / threads;
     keys_kernel<<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), threads, 0, stream>>>(
-        ids, rows, vocab, keys, positions, st);
+        ids, rows, slice, keys, positions, st);
     err = cudaGetLastError();
     if (err != cudaSuccess) return static_cast<int>(err);
     size_t cub_bytes = layout.cub_bytes;
@@ -257,7 +298,7 @@ int launch_backward(const uint32_t* ids, const void* dout, size_t rows, size_t v
                                           sorted_positions, static_cast<int>(rows), 0,
                                           key_bits(vocab), stream);
     if (err != cudaSuccess) return static_cast<int>(err);
-    if (vocab == 0) return static_cast<int>(cudaGetLastError());  // every id was bad
+    if (vocab == 0) return static_cast<int>(cudaGetLastError());  // no id has a table row
 
     const T* dy = static_cast<const T*>(dout);
     constexpr int kVec = 16 / sizeof(T);
@@ -274,7 +315,8 @@ extern "C" int tilearn_embedding_forward(int dtype, const uint32_t* ids, const v
                                          size_t rows, size_t vocab, size_t dim, void* out,
                                          uint64_t* status, cudaStream_t stream) {
     return tilearn::dispatch(dtype, [&](auto tag) {
-        return launch_forward<decltype(tag)>(ids, table, rows, vocab, dim, out, status, stream);
+        return launch_forward<decltype(tag)>(ids, table, rows, Slice{0, vocab, vocab}, dim, out,
+                                             status, stream);
     });
 }
 
@@ -291,7 +333,32 @@ extern "C" int tilearn_embedding_backward(int dtype, const uint32_t* ids, const 
                                           uint64_t* status, void* scratch, size_t scratch_bytes,
                                           cudaStream_t stream) {
     return tilearn::dispatch(dtype, [&](auto tag) {
-        return launch_backward<decltype(tag)>(ids, dout, rows, vocab, dim, dtable, status,
-                                              scratch, scratch_bytes, stream);
+        return launch_backward<decltype(tag)>(ids, dout, rows, Slice{0, vocab, vocab}, dim,
+                                              dtable, status, scratch, scratch_bytes, stream);
+    });
+}
+
+extern "C" int tilearn_embedding_forward_slice(int dtype, const uint32_t* ids, const void* table,
+                                               size_t rows, size_t vocab_start,
+                                               size_t table_rows, size_t full_vocab, size_t dim,
+                                               void* out, uint64_t* status,
+                                               cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_forward<decltype(tag)>(ids, table, rows,
+                                             Slice{vocab_start, table_rows, full_vocab}, dim,
+                                             out, status, stream);
+    });
+}
+
+extern "C" int tilearn_embedding_backward_slice(int dtype, const uint32_t* ids, const void* dout,
+                                                size_t rows, size_t vocab_start,
+                                                size_t table_rows, size_t full_vocab,
+                                                size_t dim, float* dtable, uint64_t* status,
+                                                void* scratch, size_t scratch_bytes,
+                                                cudaStream_t stream) {
+    return tilearn::dispatch(dtype, [&](auto tag) {
+        return launch_backward<decltype(tag)>(ids, dout, rows,
+                                              Slice{vocab_start, table_rows, full_vocab}, dim,
+                                              dtable, status, scratch, scratch_bytes, stream);
     });
 }

@@ -40,6 +40,14 @@ pub enum OpsError {
         value: i32,
         previous: Option<i32>,
     },
+    #[error(
+        "vocabulary slice {start}..{start}+{rows} does not lie inside a vocabulary of {full} words (a tensor-parallel rank holds a non-empty run of the vocabulary's rows)"
+    )]
+    VocabSlice {
+        start: usize,
+        rows: usize,
+        full: usize,
+    },
     #[error("CUDA error in {context}: {message}")]
     Cuda {
         context: &'static str,

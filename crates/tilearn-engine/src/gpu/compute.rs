@@ -21,6 +21,7 @@ use super::arena::{Bufs, Dims, LayerBufs};
 use super::norms::{NormAt, add_norm_fwd, norm_bwd, norm_bwd_add, norm_fwd};
 use super::sink::{GradParts, Handoff};
 use super::tensor_parallel::complete;
+use super::vocab_parallel::{embedding_grad, embedding_lookup};
 use crate::error::Result;
 use crate::model::{LayerLayout, LinearLayout, ModelLayout};
 
@@ -223,9 +224,9 @@ fn embed_forward<T: DeviceFloat>(
     let layout = cx.layout;
     let table = w.slice(layout.embed.clone());
     match &layout.embed_norm {
-        None => k::embedding_forward(cx.stream, ids, &table, d.c, &mut b.resid[0], cx.check)?,
+        None => embedding_lookup(cx, ids, &table, d.c, &mut b.resid[0])?,
         Some((nw, nb)) => {
-            k::embedding_forward(cx.stream, ids, &table, d.c, &mut b.final_xn, cx.check)?;
+            embedding_lookup(cx, ids, &table, d.c, &mut b.final_xn)?;
             let at = NormAt {
                 weight: nw.clone(),
                 bias: Some(nb.clone()),
@@ -366,7 +367,7 @@ pub(crate) fn backward<T: DeviceFloat>(
         // Bloom: through word_embeddings_layernorm, its input (the raw lookup) recomputed into
         // dxn; dtmp = d/d(lookup) replaces dres.
         let table = w.slice(layout.embed.clone());
-        k::embedding_forward(cx.stream, ids, &table, c, &mut b.grad.dxn, cx.check)?;
+        embedding_lookup(cx, ids, &table, c, &mut b.grad.dxn)?;
         let at = NormAt {
             weight: nw.clone(),
             bias: Some(nb.clone()),
@@ -388,15 +389,7 @@ pub(crate) fn backward<T: DeviceFloat>(
     }
     let mut parts = g.grads()?;
     let mut dembed = parts.range(layout.embed.clone())?;
-    k::embedding_backward(
-        cx.stream,
-        ids,
-        &b.grad.dres,
-        c,
-        &mut dembed,
-        cx.check,
-        cx.embed_scratch,
-    )?;
+    embedding_grad(cx, ids, &b.grad.dres, c, &mut dembed)?;
     g.finish(cx.stream)
 }
 

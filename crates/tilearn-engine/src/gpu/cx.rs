@@ -10,6 +10,7 @@ use tilearn_ops::cuda::{
 
 use super::linalg::Matmul;
 use super::tensor_parallel::DeviceSums;
+use super::vocab_shard::VocabShard;
 use crate::model::ModelLayout;
 
 /// What every op of a call needs besides its buffers.
@@ -31,6 +32,9 @@ pub(crate) struct Cx<'a> {
     /// The tensor-parallel group completing the row-parallel outputs and the column-parallel
     /// input gradients (`None`: the whole model on one rank).
     pub tp: Option<&'a dyn DeviceSums>,
+    /// The rank's rows of the vocabulary (`None`: the whole vocabulary): the embedding and the
+    /// cross entropy complete their partial results over `tp` (see `vocab_parallel.rs`).
+    pub vocab: Option<&'a mut VocabShard>,
     /// ALiBi slopes `[q_heads]` (Baichuan-13B): attention biases instead of rotations.
     pub alibi: Option<CudaView<'a, f32>>,
     /// Row maxima of Baichuan2's z-loss (present when `z_loss_weight` is non-zero).

@@ -30,7 +30,7 @@ impl GpuLlama {
                 ),
             ));
         }
-        check_token_ids(ids, self.config.vocab_size)?;
+        check_token_ids(ids, self.full_vocab())?;
         if let Some((_, pb, ps)) = &self.position_ids
             && (*pb, *ps) != (batch, seq)
         {
@@ -93,7 +93,7 @@ impl GpuLlama {
     /// `labels[t + 1]`, the last position of a sequence nothing), checks them and uploads them
     /// (one host-to-device copy). Returns the number of valid targets.
     pub(super) fn upload_targets(&mut self, labels: &[i32], d: &Dims) -> Result<usize> {
-        let (n, seq, vocab) = (d.n, d.seq, d.vocab);
+        let (n, seq, vocab) = (d.n, d.seq, self.full_vocab());
         if labels.len() != n {
             return Err(invalid(
                 "labels",

@@ -24,6 +24,12 @@
 //! adds `weight · max²` to the row losses and `factor · weight · 2 · max` to dlogits at the
 //! maximum, and the totals are then always reduced from the row losses.
 //!
+//! Vocabulary parallelism (a tensor-parallel rank holding rows of lm_head, `vocab_parallel.rs`):
+//! each chunk's logits are the rank's columns; the cross entropy completes its row maxima, sums
+//! of exponentials and target logits over the group (so the row losses are every rank's), the
+//! chunks' `dxn` are the rank's partial sums, completed by one all-reduce after the last chunk,
+//! and d(lm_head) is the rank's own rows. The totals are always reduced from the row losses.
+//!
 //! NormHead (Baichuan2): the products use the row-normalised lm_head, computed once per call
 //! into the arena (`row_normalize_forward`); the chunks' weight gradients are summed in f32
 //! into the arena's `dhead_normed` (zeroed, then each chunk's product adds with `beta = 1`),
@@ -39,7 +45,9 @@ use super::arena::{Bufs, Dims};
 use super::compute::Cx;
 use super::cuda_err;
 use super::sink::GradParts;
+use super::tensor_parallel::complete;
 use super::views::arena_error;
+use super::vocab_parallel;
 use crate::error::Result;
 use crate::lce_chunk::chunk_ranges;
 
@@ -133,6 +141,22 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
         }
         let mut row_loss = view_mut(&mut b.row_loss, r.clone())?;
         match factor {
+            GradFactor::Host(grad_scale) if cx.vocab.is_some() => {
+                vocab_parallel::loss_and_grad_chunk(
+                    cx,
+                    &mut logits,
+                    &chunk_targets,
+                    grad_scale,
+                    &mut row_loss,
+                )?
+            }
+            GradFactor::Device(_) if cx.vocab.is_some() => {
+                return Err(arena_error(
+                    "a vocabulary-parallel loss head runs eagerly (its all-reduces cannot be \
+                     captured in a CUDA graph)"
+                        .into(),
+                ));
+            }
             GradFactor::Host(grad_scale) => k::cross_entropy_fused(
                 cx.stream,
                 &mut logits,
@@ -188,6 +212,10 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
     if norm_head {
         k::row_normalize_backward(cx.stream, &b.dhead_normed, &raw, c, &mut dhead)?;
     }
+    if cx.vocab.is_some() {
+        // Each rank's dxn is its vocabulary slice's share of d(loss)/d(final_xn).
+        complete(cx.tp, &mut b.grad.dxn)?;
+    }
     call_totals(cx, d, targets, totals, b)
 }
 
@@ -208,6 +236,10 @@ pub(crate) fn loss_only<T: DeviceFloat>(
         let logits = head_forward(cx, d, &head, &x, r.len(), &mut b.logit_chunk)?;
         let chunk_targets = view(targets, r.clone())?;
         let mut row_loss = view_mut(&mut b.row_loss, r.clone())?;
+        if cx.vocab.is_some() {
+            vocab_parallel::loss_chunk(cx, &logits.as_view(), &chunk_targets, &mut row_loss)?;
+            continue;
+        }
         k::cross_entropy_forward(
             cx.stream,
             &logits,
@@ -235,7 +267,8 @@ pub(crate) fn loss_only<T: DeviceFloat>(
 /// With several chunks, each cross-entropy launch wrote totals of its own rows only: reduce
 /// the whole call's row losses once (the same reduction, so the same bits, as one launch).
 /// With Baichuan2's z-loss the row losses gained their z terms after the launches' totals,
-/// so they are reduced again in every case.
+/// so they are reduced again in every case; the vocabulary-parallel launches write no totals
+/// (their targets index the whole vocabulary, which the totals count them against).
 fn call_totals<T>(
     cx: &mut Cx<'_>,
     d: &Dims,
@@ -243,15 +276,17 @@ fn call_totals<T>(
     totals: &mut CeTotals,
     b: &Bufs<'_, T>,
 ) -> Result<()> {
-    if b.logit_rows < d.n || cx.z_loss.is_some() {
-        k::cross_entropy_totals(cx.stream, &b.row_loss.as_view(), targets, d.vocab, totals)?;
+    if b.logit_rows < d.n || cx.z_loss.is_some() || cx.vocab.is_some() {
+        let vocab = vocab_parallel::full_vocab(cx, d.vocab);
+        k::cross_entropy_totals(cx.stream, &b.row_loss.as_view(), targets, vocab, totals)?;
     }
     Ok(())
 }
 
 /// The whole call's logits `[n × vocab]` on the host (widened to f32), computed chunk by chunk
 /// into the chunk buffer and downloaded after each (synchronises once per chunk): the host
-/// holds the full logits, the device never does.
+/// holds the full logits, the device never does. On a vocabulary-parallel rank, its columns
+/// (`vocab` is the slice's rows).
 pub(crate) fn logits_to_host<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,

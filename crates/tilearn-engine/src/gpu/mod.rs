@@ -54,6 +54,8 @@ mod staging;
 mod tensor_parallel;
 mod transfer;
 mod views;
+mod vocab_parallel;
+mod vocab_shard;
 mod zero;
 
 use std::sync::Arc;
@@ -214,6 +216,8 @@ pub struct GpuLlama {
     /// Tensor parallelism: the group completing the partial sums of this rank's slices (see
     /// `tensor_parallel.rs`); `None` for the whole model.
     tp: Option<Box<dyn DeviceSums>>,
+    /// The rank's rows of the vocabulary under tensor parallelism (see `vocab_parallel.rs`).
+    vocab: Option<vocab_shard::VocabShard>,
 }
 
 /// The model's buffers split for one forward (and backward) pass: what every op needs, and the
@@ -693,6 +697,7 @@ impl GpuLlama {
             offload,
             graphs: GraphState::default(),
             tp: None,
+            vocab: None,
             memory: GpuMemory {
                 master_bytes,
                 working_copy_bytes: work_bytes,
@@ -800,11 +805,11 @@ impl GpuLlama {
     }
 
     /// Makes this model one rank of a tensor-parallel group: it must have been built for the
-    /// rank's local config ([`ShardPlan::local_config`](crate::model::tensor_parallel::ShardPlan::local_config)
-    /// of [`ShardPlan::with_replicated_vocab`](crate::model::tensor_parallel::ShardPlan::with_replicated_vocab))
+    /// rank's local config ([`ShardPlan::local_config`](crate::model::tensor_parallel::ShardPlan::local_config))
     /// and hold the rank's slices; `sums` completes the row-parallel outputs and the
-    /// column-parallel input gradients. Every call of a pass then communicates, so CUDA graphs
-    /// are turned off.
+    /// column-parallel input gradients (and, after [`set_vocab_slice`](Self::set_vocab_slice),
+    /// the vocabulary-parallel embedding and loss head). Every call of a pass then
+    /// communicates, so CUDA graphs are turned off.
     pub fn set_tensor_parallel(&mut self, sums: Box<dyn DeviceSums>) {
         self.graphs.invalidate();
         self.set_cuda_graphs(crate::cuda_graphs::CudaGraphs::Off);
@@ -856,6 +861,7 @@ impl GpuLlama {
             precision,
             position_ids,
             tp,
+            vocab,
             alibi,
             z_loss,
             ln_scratch,
@@ -872,6 +878,7 @@ impl GpuLlama {
                 embed_scratch,
                 positions: position_ids.as_ref().map(|(p, _, _)| p.as_view()),
                 tp: tp.as_deref(),
+                vocab: vocab.as_mut(),
                 alibi: alibi.as_ref().map(|a| a.as_view()),
                 z_loss: z_loss.as_mut(),
                 ln_scratch: ln_scratch.as_mut(),

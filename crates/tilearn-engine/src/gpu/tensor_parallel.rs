@@ -3,10 +3,12 @@
 //! engine" in `docs/ARCHITECTURE.md`).
 //!
 //! A tensor-parallel rank's [`GpuLlama`](super::GpuLlama) is built for the tp-local config
-//! (its query and kv heads, its intermediate columns; the vocabulary whole) and runs the single
-//! rank's forward and backward with four completions per layer: the o_proj and down_proj
+//! (its query and kv heads, its intermediate columns, its rows of the vocabulary) and runs the
+//! single rank's forward and backward with four completions per layer: the o_proj and down_proj
 //! outputs forward, the input gradients of q/k/v and of gate/up backward. Everything between
-//! them is either the rank's own heads/columns or replicated, as on the CPU engine.
+//! them is either the rank's own heads/columns or replicated, as on the CPU engine. The
+//! vocabulary-parallel embedding and loss head complete theirs too (`vocab_parallel.rs`: the
+//! lookup, the cross entropy's row maxima (a maximum) and sums, the hidden state's gradient).
 
 use std::any::TypeId;
 use std::fmt;
@@ -24,6 +26,8 @@ pub trait DeviceSums: Send + Sync + fmt::Debug {
     /// Replaces `buf` by its element-wise sum over the group (same length on every rank,
     /// called in the same order on every rank).
     fn sum(&self, buf: BufferMut<'_>) -> Result<()>;
+    /// Replaces `buf` by its element-wise maximum over the group (as [`sum`](Self::sum)).
+    fn max(&self, buf: BufferMut<'_>) -> Result<()>;
 }
 
 /// [`DeviceSums`] over a communicator: one all-reduce per call (the host communicator stages
@@ -52,6 +56,11 @@ impl fmt::Debug for GroupDeviceSums {
 impl DeviceSums for GroupDeviceSums {
     fn sum(&self, buf: BufferMut<'_>) -> Result<()> {
         self.comm.all_reduce(buf, ReduceOp::Sum)?.wait()?;
+        Ok(())
+    }
+
+    fn max(&self, buf: BufferMut<'_>) -> Result<()> {
+        self.comm.all_reduce(buf, ReduceOp::Max)?.wait()?;
         Ok(())
     }
 }
@@ -86,6 +95,18 @@ pub(crate) fn complete<T: DeviceFloat>(
 ) -> Result<()> {
     match sums {
         Some(s) => s.sum(device_buffer(view)?),
+        None => Ok(()),
+    }
+}
+
+/// Replaces `view` by its element-wise maximum over the tensor-parallel group when there is
+/// one (a no-op alone).
+pub(crate) fn complete_max<T: DeviceFloat>(
+    sums: Option<&dyn DeviceSums>,
+    view: &mut CudaViewMut<'_, T>,
+) -> Result<()> {
+    match sums {
+        Some(s) => s.max(device_buffer(view)?),
         None => Ok(()),
     }
 }

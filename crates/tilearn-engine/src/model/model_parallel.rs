@@ -531,9 +531,9 @@ pub fn assemble_ranks(
     assemble_planned(full_config, &planned)
 }
 
-/// [`assemble_ranks`] for ranks whose cuts are given as plans (e.g. the GPU engine's
-/// [`ShardPlan::with_replicated_vocab`]); a tensor several ranks hold whole is written by each
-/// (they hold the same values).
+/// [`assemble_ranks`] for ranks whose cuts are given as plans (e.g. the GPU engine's, see
+/// `trainer::gpu_backend::tensor_parallel`); a tensor several ranks hold whole is written by
+/// each (they hold the same values).
 pub fn assemble_planned(
     full_config: &LlamaConfig,
     parts: &[(ShardPlan, PipelineShard, &[f32])],
@@ -570,66 +570,54 @@ mod tests {
         .unwrap()
     }
 
-    /// The GPU engine's plans (embedding and lm_head whole on every rank): the local config
-    /// keeps the vocabulary, replicated tensors count once, and slicing then assembling the
-    /// ranks' buffers gives the model back.
+    /// The vocabulary cut both engines use (the GPU engine's tensor parallelism included): an
+    /// uneven vocabulary (11 words over 2 ranks) gives the first rank one row more (6 + 5, no
+    /// padding), the embedding and lm_head are rows of it on every rank and counted in the norm
+    /// by each (they hold different rows), tied or not, and slicing then assembling the ranks'
+    /// buffers gives the model back.
     #[test]
-    fn replicated_vocabulary_plans_slice_and_assemble_to_the_whole_model() {
-        let config = config();
-        let model = LlamaForCausalLM::from_config(config.clone(), 3);
-        let plans: Vec<ShardPlan> = (0..2)
-            .map(|rank| {
-                ShardPlan::new(&config, TensorShard { rank, size: 2 })
-                    .unwrap()
-                    .with_replicated_vocab(&config)
-            })
-            .collect();
-        for (rank, plan) in plans.iter().enumerate() {
-            let local = plan.local_config(&config);
-            assert_eq!(local.vocab_size, 11);
-            assert_eq!(local.num_attention_heads, 2);
-            assert_eq!(local.num_key_value_heads, 1);
-            assert_eq!(local.intermediate_size, 12);
-            for name in [
-                "model.embed_tokens.weight",
-                "lm_head.weight",
-                "model.norm.weight",
-            ] {
-                assert_eq!(plan.cut(name), Cut::Whole, "{name}");
+    fn vocabulary_rows_split_unevenly_and_assemble_to_the_whole_model() {
+        for tied in [false, true] {
+            let mut config = config();
+            config.tie_word_embeddings = tied;
+            let model = LlamaForCausalLM::from_config(config.clone(), 3);
+            let plans: Vec<ShardPlan> = (0..2)
+                .map(|rank| ShardPlan::new(&config, TensorShard { rank, size: 2 }).unwrap())
+                .collect();
+            for (rank, plan) in plans.iter().enumerate() {
+                let rows = [0..6, 6..11][rank].clone();
+                assert_eq!(plan.vocab, rows);
+                let local = plan.local_config(&config);
+                assert_eq!(local.vocab_size, rows.len());
+                for name in ["model.embed_tokens.weight", "lm_head.weight"] {
+                    assert_eq!(plan.cut(name), Cut::Rows(rows.clone()), "{name}");
+                    assert!(plan.counts_in_norm(name), "{name} on rank {rank}");
+                }
+                assert_eq!(plan.cut("model.norm.weight"), Cut::Whole);
+                assert_eq!(plan.counts_in_norm("model.norm.weight"), rank == 0);
+                let specs = ParamStore::specs_for(&local);
+                let embed = specs
+                    .iter()
+                    .find(|s| s.name == "model.embed_tokens.weight")
+                    .unwrap();
+                assert_eq!(embed.shape, vec![rows.len(), 16]);
                 assert_eq!(
-                    plan.counts_in_norm(name),
-                    rank == 0,
-                    "{name} on rank {rank}"
+                    specs.iter().any(|s| s.name == "lm_head.weight"),
+                    !tied,
+                    "a tied head is the embedding's slice"
                 );
             }
-            assert!(plan.counts_in_norm("model.layers.0.self_attn.q_proj.weight"));
+            let sliced: Vec<ParamStore> = plans
+                .iter()
+                .map(|p| slice_params(&model.params, &config, p))
+                .collect();
+            let parts: Vec<(ShardPlan, PipelineShard, &[f32])> = plans
+                .iter()
+                .zip(&sliced)
+                .map(|(p, s)| (p.clone(), PipelineShard::single(&config), s.data.as_slice()))
+                .collect();
+            let whole = assemble_planned(&config, &parts).unwrap();
+            assert_eq!(whole.data, model.params.data, "tied = {tied}");
         }
-        let sliced: Vec<ParamStore> = plans
-            .iter()
-            .map(|p| slice_params(&model.params, &config, p))
-            .collect();
-        // The embedding is whole on both ranks; q_proj is cut.
-        for s in &sliced {
-            let e = s.spec("model.embed_tokens.weight").unwrap();
-            assert_eq!(e.shape, vec![11, 16]);
-            assert_eq!(
-                s.data[e.range()],
-                model.params.data[model
-                    .params
-                    .spec("model.embed_tokens.weight")
-                    .unwrap()
-                    .range()]
-            );
-        }
-        let parts: Vec<(ShardPlan, PipelineShard, &[f32])> = plans
-            .iter()
-            .zip(&sliced)
-            .map(|(p, s)| (p.clone(), PipelineShard::single(&config), s.data.as_slice()))
-            .collect();
-        let whole = assemble_planned(&config, &parts).unwrap();
-        assert_eq!(whole.data, model.params.data);
-        // The CPU engine's vocabulary-parallel plans still cut by rows.
-        let cpu = ShardPlan::new(&config, TensorShard { rank: 1, size: 2 }).unwrap();
-        assert_eq!(cpu.cut("lm_head.weight"), Cut::Rows(6..11));
     }
 }

@@ -65,9 +65,6 @@ pub struct ShardPlan {
     pub vocab: Range<usize>,
     /// The kv heads are replicated: this many ranks hold each one.
     pub kv_replicas: usize,
-    /// Whether the embedding and `lm_head` are cut by vocabulary rows (the CPU engine) or
-    /// replicated whole on every rank ([`ShardPlan::with_replicated_vocab`]).
-    pub vocab_parallel: bool,
 }
 
 impl ShardPlan {
@@ -142,19 +139,7 @@ impl ShardPlan {
             inter_rows: r * inter_per..(r + 1) * inter_per,
             vocab: chunk_range(config.vocab_size, tp, r),
             kv_replicas,
-            vocab_parallel: true,
         })
-    }
-
-    /// The same cuts with the embedding and `lm_head` replicated whole on every rank instead of
-    /// cut by vocabulary: the GPU engine's tensor parallelism, whose fused cross entropy is not
-    /// vocabulary-parallel yet. Replicated tensors are counted in norms (and unmarked in the
-    /// optimizer layout) by tp rank 0 only, as the norms are, so a checkpoint of either plan
-    /// loads into the other.
-    pub fn with_replicated_vocab(mut self, config: &LlamaConfig) -> ShardPlan {
-        self.vocab = 0..config.vocab_size;
-        self.vocab_parallel = false;
-        self
     }
 
     /// The config of this rank's part: its heads, intermediate size and vocabulary rows.
@@ -180,7 +165,7 @@ impl ShardPlan {
             "o_proj" => Cut::Cols(self.q_rows.clone()),
             "gate_proj" | "up_proj" => Cut::Rows(self.inter_rows.clone()),
             "down_proj" => Cut::Cols(self.inter_rows.clone()),
-            "embed_tokens" | "lm_head" if self.vocab_parallel => Cut::Rows(self.vocab.clone()),
+            "embed_tokens" | "lm_head" => Cut::Rows(self.vocab.clone()),
             _ => Cut::Whole,
         }
     }

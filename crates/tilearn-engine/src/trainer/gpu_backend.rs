@@ -333,6 +333,12 @@ impl GpuBackend {
         }))
     }
 
+    /// Bytes of the loss head's logits buffer (one chunk of `[tokens × vocab]`, see
+    /// [`GpuLlama::logits_buffer_bytes`]).
+    pub fn logits_buffer_bytes(&self) -> usize {
+        self.gpu.logits_buffer_bytes()
+    }
+
     /// The stream the engine computes on (what data parallelism's communication is ordered
     /// against, and where the host communicator stages device buffers).
     pub fn stream(&self) -> std::sync::Arc<cudarc::driver::CudaStream> {

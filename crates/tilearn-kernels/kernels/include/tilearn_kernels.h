@@ -303,6 +303,34 @@ int tilearn_cross_entropy_forward(int dtype, const void *logits, const int32_t *
 int tilearn_cross_entropy_totals(const float *row_loss, const int32_t *targets, size_t rows,
                                  size_t vocab, double *totals, cudaStream_t stream);
 
+/* ---- cross_entropy.cu, vocabulary-parallel: a rank's logits [rows, cols] are the columns
+ * col_start .. col_start + cols of a vocabulary of full_vocab words (tensor parallelism); the
+ * caller all-reduces between the launches: MAX of local_max into global_max after partials,
+ * SUM of sumexp and of target_logit after rescale. Per-row statistics are f32 [rows]. */
+
+/* local_max, sumexp (of exp(x - local_max)) and target_logit (the target's logit when this
+ * slice holds it, else 0; NaN for a target neither -100 nor in [0, full_vocab)), written;
+ * ignored rows write zeros. */
+int tilearn_vocab_ce_partials(int dtype, const void *logits, const int32_t *targets, size_t rows,
+                              size_t cols, size_t col_start, size_t full_vocab, float *local_max,
+                              float *sumexp, float *target_logit, cudaStream_t stream);
+/* sumexp *= exp(local_max - global_max) in place (a zero stays zero). */
+int tilearn_vocab_ce_rescale(const float *local_max, const float *global_max, float *sumexp,
+                             size_t rows, cudaStream_t stream);
+/* row_loss = global_max + log(sumexp) - target_logit (written; 0 for ignored rows) and the
+ * logits overwritten with (exp(x - global_max) / sumexp - onehot(target)) * grad_scale (zeros
+ * for ignored rows). grad_scale must be finite. */
+int tilearn_vocab_ce_fused_finish(int dtype, void *logits, const int32_t *targets, size_t rows,
+                                  size_t cols, size_t col_start, size_t full_vocab,
+                                  const float *global_max, const float *sumexp,
+                                  const float *target_logit, float grad_scale, float *row_loss,
+                                  cudaStream_t stream);
+/* The row losses only (evaluation). */
+int tilearn_vocab_ce_loss_finish(const int32_t *targets, size_t rows, size_t full_vocab,
+                                 const float *global_max, const float *sumexp,
+                                 const float *target_logit, float *row_loss,
+                                 cudaStream_t stream);
+
 /* ---- embedding.cu: token embedding, out[r] = table[ids[r]]; dtable[ids[r]] += dout[r] ----
  * ids: [rows] u32; table / dtable: [vocab, dim]; out / dout: [rows, dim].
  * status: one u64 device word, initialised by the caller to UINT64_MAX ("no error"); a launch
@@ -322,6 +350,19 @@ size_t tilearn_embedding_backward_scratch_bytes(size_t rows, size_t vocab);
 int tilearn_embedding_backward(int dtype, const uint32_t *ids, const void *dout, size_t rows,
                                size_t vocab, size_t dim, float *dtable, uint64_t *status,
                                void *scratch, size_t scratch_bytes, cudaStream_t stream);
+
+/* The lookup of a rank's rows vocab_start .. vocab_start + table_rows of a vocabulary of
+ * full_vocab words (vocabulary-parallel embedding): an id in the slice copies its table row, an
+ * id elsewhere in the vocabulary gives a zero row (forward) or is skipped (backward), an id >=
+ * full_vocab is recorded in status (NaN row forward). table / dtable: [table_rows, dim]. The
+ * backward's scratch: tilearn_embedding_backward_scratch_bytes(rows, table_rows). */
+int tilearn_embedding_forward_slice(int dtype, const uint32_t *ids, const void *table, size_t rows,
+                                    size_t vocab_start, size_t table_rows, size_t full_vocab,
+                                    size_t dim, void *out, uint64_t *status, cudaStream_t stream);
+int tilearn_embedding_backward_slice(int dtype, const uint32_t *ids, const void *dout, size_t rows,
+                                     size_t vocab_start, size_t table_rows, size_t full_vocab,
+                                     size_t dim, float *dtable, uint64_t *status, void *scratch,
+                                     size_t scratch_bytes, cudaStream_t stream);
 
 /* ---- embedding_bag.cu: tilearn-recsys' fused multi-table embedding bag (pooled lookup of
  *      jagged ids) and its backward fused with a sparse optimizer ----

@@ -27,6 +27,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod row_normalize;
 pub mod swiglu;
+pub mod vocab_slice;
 pub mod z_loss;
 
 pub use attention::{
@@ -50,4 +51,8 @@ pub use rope::{
 };
 pub use row_normalize::{ROW_NORMALIZE_EPS, row_normalize_backward, row_normalize_forward};
 pub use swiglu::{swiglu_backward, swiglu_forward};
+pub use vocab_slice::{
+    VocabSlice, embedding_backward_slice, embedding_forward_slice, vocab_ce_fused_finish,
+    vocab_ce_loss_finish, vocab_ce_partials, vocab_ce_rescale,
+};
 pub use z_loss::{z_loss_apply, z_loss_rows};

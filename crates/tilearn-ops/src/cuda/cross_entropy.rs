@@ -15,6 +15,11 @@
 //! the first such position. [`CeTotals::read`] turns that into [`OpsError::LabelOutOfRange`].
 //! Reading is the only synchronising step, so a training loop can launch every micro-batch
 //! without waiting and check once, when it reads the loss for logging.
+//!
+//! The vocabulary-parallel variant ([`vocab_ce_partials`], [`vocab_ce_rescale`],
+//! [`vocab_ce_fused_finish`], [`vocab_ce_loss_finish`]) runs on a tensor-parallel rank's
+//! columns of the logits, with the caller's all-reduces between the steps; its CPU reference
+//! is [`crate::cpu::vocab_slice`], function for function.
 
 use std::sync::Arc;
 
@@ -23,7 +28,7 @@ use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
 use super::launch::{Launch, same_device};
-use crate::cpu::CeStats;
+use crate::cpu::{CeStats, VocabSlice};
 use crate::{OpsError, Result};
 
 /// Number of f64 words the launchers write into the totals (see `tilearn_kernels.h`):
@@ -355,6 +360,214 @@ pub fn cross_entropy_totals(
         })?;
     totals.vocab = vocab;
     Ok(())
+}
+
+/// The checks of a vocabulary-parallel launch: the logits are `[rows, slice.rows]`, the rows fit
+/// the kernels' grid and the vocabulary their i32 targets. Returns the logits' length.
+fn slice_logits_len(
+    op: &'static str,
+    rows: usize,
+    slice: VocabSlice,
+    actual: usize,
+) -> Result<usize> {
+    let checked = VocabSlice::new(slice.start, slice.rows, slice.full)?;
+    if checked.full > i32::MAX as usize {
+        return Err(OpsError::Cuda {
+            context: op,
+            message: format!(
+                "a vocabulary of {} words exceeds the kernel's i32 targets",
+                checked.full
+            ),
+        });
+    }
+    logits_len(op, rows, checked.rows, actual)
+}
+
+/// Vocabulary-parallel cross entropy, step 1 of 3 (see `cross_entropy.cu` and
+/// [`crate::cpu::vocab_slice`]): per row of a rank's logits `[targets.len(), slice.rows]` (the
+/// columns `slice.start ..` of a vocabulary of `slice.full` words), the row's max, the sum of
+/// `exp(x - max)` and the target's logit where the slice holds the target (else 0), written into
+/// three f32 `[targets.len()]` buffers (`=`). Ignored rows write zeros; a target neither `-100`
+/// nor in `0..slice.full` writes a NaN target logit. The caller then all-reduces the maxima
+/// (MAX) into the global maxima and calls [`vocab_ce_rescale`].
+///
+/// Precision: as [`cross_entropy_fused`]'s row pass (f32 max and sum, `expf`).
+pub fn vocab_ce_partials<T: DeviceFloat>(
+    stream: &Arc<CudaStream>,
+    logits: &impl DevicePtr<T>,
+    targets: &impl DevicePtr<i32>,
+    slice: VocabSlice,
+    local_max: &mut impl DevicePtrMut<f32>,
+    sumexp: &mut impl DevicePtrMut<f32>,
+    target_logit: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    const OP: &str = "tilearn_vocab_ce_partials";
+    let rows = targets.len();
+    let logits_len = slice_logits_len(OP, rows, slice, logits.len())?;
+    Launch::new(OP, stream)
+        .input("logits", logits, logits_len)
+        .input("targets", targets, rows)
+        .output("local_max", local_max, rows)
+        .output("sumexp", sumexp, rows)
+        .output("target_logit", target_logit, rows)
+        .skip_launch_if(rows == 0)
+        .run(
+            |[logits, targets], [local_max, sumexp, target_logit], stream| {
+                // SAFETY: the launcher reads rows * slice.rows elements of T (`T::DTYPE`) of logits
+                // and rows i32 targets (indexing a row only at a target inside the slice), and
+                // writes rows f32 to each of the three statistics.
+                unsafe {
+                    ffi::tilearn_vocab_ce_partials(
+                        T::DTYPE,
+                        logits,
+                        targets.cast(),
+                        rows,
+                        slice.rows,
+                        slice.start,
+                        slice.full,
+                        local_max.cast(),
+                        sumexp.cast(),
+                        target_logit.cast(),
+                        stream,
+                    )
+                }
+            },
+        )
+}
+
+/// Vocabulary-parallel cross entropy, step 2 of 3: `sumexp *= exp(local_max - global_max)` in
+/// place (f32; a zero sum stays zero), so that every rank's partial sum is taken relative to
+/// the global max; the caller then all-reduces (SUM) the sums and the target logits.
+pub fn vocab_ce_rescale(
+    stream: &Arc<CudaStream>,
+    local_max: &impl DevicePtr<f32>,
+    global_max: &impl DevicePtr<f32>,
+    sumexp: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    const OP: &str = "tilearn_vocab_ce_rescale";
+    let rows = sumexp.len();
+    Launch::new(OP, stream)
+        .input("local_max", local_max, rows)
+        .input("global_max", global_max, rows)
+        .output("sumexp", sumexp, rows)
+        .skip_launch_if(rows == 0)
+        .run(|[local_max, global_max], [sumexp], stream| {
+            // SAFETY: the launcher reads rows f32 of local_max and global_max and rewrites rows
+            // f32 of sumexp.
+            unsafe {
+                ffi::tilearn_vocab_ce_rescale(
+                    local_max.cast(),
+                    global_max.cast(),
+                    sumexp.cast(),
+                    rows,
+                    stream,
+                )
+            }
+        })
+}
+
+/// The completed per-row statistics of the vocabulary-parallel cross entropy (each f32
+/// `[rows]`, equal on every rank after the all-reduces).
+pub struct VocabCeStats<'a, P: ?Sized> {
+    pub global_max: &'a P,
+    pub sumexp: &'a P,
+    pub target_logit: &'a P,
+}
+
+/// Vocabulary-parallel cross entropy, step 3 of 3 (training): the row losses
+/// `global_max + ln(sumexp) - target_logit` (f64, stored f32, `=`; 0 for ignored rows) and the
+/// slice's logits overwritten in place (`=`) with `(softmax - onehot) * grad_scale` (the
+/// one-hot only where the slice holds the target; zeros for ignored rows). The row losses are
+/// the same on every rank; [`cross_entropy_totals`] with `slice.full` reduces them.
+///
+/// Precision: as [`cross_entropy_fused`] (f32 math, one rounding to `T`).
+pub fn vocab_ce_fused_finish<T: DeviceFloat, P: DevicePtr<f32> + ?Sized>(
+    stream: &Arc<CudaStream>,
+    logits: &mut impl DevicePtrMut<T>,
+    targets: &impl DevicePtr<i32>,
+    slice: VocabSlice,
+    stats: VocabCeStats<'_, P>,
+    grad_scale: f64,
+    row_loss: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    const OP: &str = "tilearn_vocab_ce_fused_finish";
+    let grad_scale = grad_scale_f32(OP, grad_scale)?;
+    let rows = targets.len();
+    let logits_len = slice_logits_len(OP, rows, slice, logits.len())?;
+    Launch::new(OP, stream)
+        .output("logits", logits, logits_len)
+        .input("targets", targets, rows)
+        .input("global_max", stats.global_max, rows)
+        .input("sumexp", stats.sumexp, rows)
+        .input("target_logit", stats.target_logit, rows)
+        .output("row_loss", row_loss, rows)
+        .skip_launch_if(rows == 0)
+        .run(|[targets, m, s, t], [logits, row_loss], stream| {
+            // SAFETY: the launcher rewrites rows * slice.rows elements of T (`T::DTYPE`) of
+            // logits in place, reads rows i32 targets and rows f32 of each statistic, and
+            // writes rows f32 of row_loss.
+            unsafe {
+                ffi::tilearn_vocab_ce_fused_finish(
+                    T::DTYPE,
+                    logits,
+                    targets.cast(),
+                    rows,
+                    slice.rows,
+                    slice.start,
+                    slice.full,
+                    m.cast(),
+                    s.cast(),
+                    t.cast(),
+                    grad_scale,
+                    row_loss.cast(),
+                    stream,
+                )
+            }
+        })
+}
+
+/// Vocabulary-parallel cross entropy, step 3 of 3 (evaluation): the row losses only, as
+/// [`vocab_ce_fused_finish`] writes them.
+pub fn vocab_ce_loss_finish<P: DevicePtr<f32> + ?Sized>(
+    stream: &Arc<CudaStream>,
+    targets: &impl DevicePtr<i32>,
+    full_vocab: usize,
+    stats: VocabCeStats<'_, P>,
+    row_loss: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    const OP: &str = "tilearn_vocab_ce_loss_finish";
+    let rows = targets.len();
+    if rows > i32::MAX as usize || full_vocab > i32::MAX as usize {
+        return Err(OpsError::Cuda {
+            context: OP,
+            message: format!(
+                "{rows} rows / vocabulary {full_vocab} exceed the kernel's range (< 2^31)"
+            ),
+        });
+    }
+    Launch::new(OP, stream)
+        .input("targets", targets, rows)
+        .input("global_max", stats.global_max, rows)
+        .input("sumexp", stats.sumexp, rows)
+        .input("target_logit", stats.target_logit, rows)
+        .output("row_loss", row_loss, rows)
+        .skip_launch_if(rows == 0)
+        .run(|[targets, m, s, t], [row_loss], stream| {
+            // SAFETY: the launcher reads rows i32 targets and rows f32 of each statistic and
+            // writes rows f32 of row_loss.
+            unsafe {
+                ffi::tilearn_vocab_ce_loss_finish(
+                    targets.cast(),
+                    rows,
+                    full_vocab,
+                    m.cast(),
+                    s.cast(),
+                    t.cast(),
+                    row_loss.cast(),
+                    stream,
+                )
+            }
+        })
 }
 
 #[cfg(test)]

@@ -11,6 +11,11 @@
 //!
 //! The backward's sort buffers live in a caller-owned [`EmbeddingBackwardScratch`], allocated
 //! once for the largest token count (a training step then allocates nothing).
+//!
+//! [`embedding_forward_slice`] / [`embedding_backward_slice`] are the vocabulary-parallel
+//! lookup of a tensor-parallel rank holding rows `slice.start ..` of the vocabulary: ids of
+//! other ranks give zero rows and are skipped by the backward (CPU reference:
+//! [`crate::cpu::vocab_slice`]).
 
 use std::sync::Arc;
 
@@ -19,6 +24,7 @@ use tilearn_kernels::ffi;
 
 use super::dtype::DeviceFloat;
 use super::launch::{Launch, bind};
+use crate::cpu::VocabSlice;
 use crate::{OpsError, Result};
 
 /// "No out-of-range id seen": the value the status word starts from.
@@ -271,6 +277,144 @@ pub fn embedding_backward<T: DeviceFloat>(
                     dout,
                     rows,
                     vocab,
+                    dim,
+                    dtable.cast(),
+                    status.cast(),
+                    scratch,
+                    have,
+                    stream,
+                )
+            }
+        })
+}
+
+/// The slice a `check_ids` of the whole vocabulary accepts, refused otherwise.
+fn checked_slice(
+    op: &'static str,
+    slice: VocabSlice,
+    check_ids: &TokenIdCheck,
+) -> Result<VocabSlice> {
+    let slice = VocabSlice::new(slice.start, slice.rows, slice.full)?;
+    if check_ids.vocab != slice.full {
+        return Err(OpsError::Cuda {
+            context: op,
+            message: format!(
+                "the token id check covers a vocabulary of {} words, the slice one of {}; make \
+                 the TokenIdCheck for the whole vocabulary",
+                check_ids.vocab, slice.full
+            ),
+        });
+    }
+    Ok(slice)
+}
+
+/// The vocabulary-parallel lookup (written, `=`): `out[r, :] = table[ids[r] - slice.start, :]`
+/// for the ids in the slice, zeros for the other ids of the vocabulary, so the sum of every
+/// rank's output is [`embedding_forward`]'s. `table` is `[slice.rows, dim]`; `check_ids` covers
+/// the whole vocabulary (`slice.full` words): an id `>= slice.full` is recorded there and its
+/// row filled with NaN.
+///
+/// Precision: a copy in `T` (or exact zeros), bit-exact for every type.
+pub fn embedding_forward_slice<T: DeviceFloat>(
+    stream: &Arc<CudaStream>,
+    ids: &impl DevicePtr<u32>,
+    table: &impl DevicePtr<T>,
+    slice: VocabSlice,
+    dim: usize,
+    out: &mut impl DevicePtrMut<T>,
+    check_ids: &mut TokenIdCheck,
+) -> Result<()> {
+    let op = "tilearn_embedding_forward_slice";
+    let slice = checked_slice(op, slice, check_ids)?;
+    let table_len = table_len(op, slice.rows, dim, table.len())?;
+    let rows = ids.len();
+    let out_len = rows_len(op, rows, dim, out.len())?;
+    rows_in_range(op, rows, slice.full)?;
+    Launch::new(op, stream)
+        .input("table", table, table_len)
+        .output("out", out, out_len)
+        .input("ids", ids, rows)
+        .output("check", &mut check_ids.word, 1)
+        .skip_launch_if(rows == 0)
+        .run(|[table, ids], [out, status], stream| {
+            // SAFETY: the launcher reads `rows` u32 ids and, for ids inside the slice only, rows
+            // of the slice.rows * dim elements of T (`T::DTYPE`) of table; it writes rows * dim
+            // to out and may lower the one u64 status word.
+            unsafe {
+                ffi::tilearn_embedding_forward_slice(
+                    T::DTYPE,
+                    ids.cast(),
+                    table,
+                    rows,
+                    slice.start,
+                    slice.rows,
+                    slice.full,
+                    dim,
+                    out,
+                    status.cast(),
+                    stream,
+                )
+            }
+        })
+}
+
+/// The vocabulary-parallel backward (accumulates, `+=`): `dtable[ids[r] - slice.start, :] +=
+/// dout[r, :]` for the rows whose id the slice holds, in position order; the others are
+/// skipped. `dtable` is the f32 `[slice.rows, dim]` gradient; `scratch` must cover `ids.len()`
+/// tokens of a table of `slice.rows` rows.
+///
+/// Precision: as [`embedding_backward`] (bit-identical to the f32 CPU reference
+/// [`crate::cpu::embedding_backward_slice`]).
+#[allow(clippy::too_many_arguments)]
+pub fn embedding_backward_slice<T: DeviceFloat>(
+    stream: &Arc<CudaStream>,
+    ids: &impl DevicePtr<u32>,
+    dout: &impl DevicePtr<T>,
+    slice: VocabSlice,
+    dim: usize,
+    dtable: &mut impl DevicePtrMut<f32>,
+    check_ids: &mut TokenIdCheck,
+    scratch: &mut EmbeddingBackwardScratch,
+) -> Result<()> {
+    let op = "tilearn_embedding_backward_slice";
+    let slice = checked_slice(op, slice, check_ids)?;
+    let dtable_len = table_len(op, slice.rows, dim, dtable.len())?;
+    let rows = ids.len();
+    let dout_len = rows_len(op, rows, dim, dout.len())?;
+    rows_in_range(op, rows, slice.full)?;
+    let have = scratch.buf.len();
+    if rows > 0 {
+        let need = sort_scratch_bytes(op, stream, rows, slice.rows)?;
+        if have < need {
+            return Err(OpsError::Cuda {
+                context: op,
+                message: format!(
+                    "EmbeddingBackwardScratch holds {have} bytes, {rows} tokens need {need}"
+                ),
+            });
+        }
+    }
+    Launch::new(op, stream)
+        .output("dtable", dtable, dtable_len)
+        .input("dout", dout, dout_len)
+        .input("ids", ids, rows)
+        .output("check", &mut check_ids.word, 1)
+        .workspace("scratch", &mut scratch.buf)
+        .skip_launch_if(rows == 0)
+        .run(|[dout, ids], [dtable, status, scratch], stream| {
+            // SAFETY: the launcher reads `rows` u32 ids and rows * dim elements of T
+            // (`T::DTYPE`) of dout, adds into the rows of the slice.rows * dim f32 of dtable that
+            // the slice's ids select, may lower the one u64 status word, and uses at most `have`
+            // bytes of scratch (at least its need for slice.rows keys, checked above).
+            unsafe {
+                ffi::tilearn_embedding_backward_slice(
+                    T::DTYPE,
+                    ids.cast(),
+                    dout,
+                    rows,
+                    slice.start,
+                    slice.rows,
+                    slice.full,
                     dim,
                     dtable.cast(),
                     status.cast(),

@@ -2,26 +2,28 @@
 //! [`StepBackend`] (see "Tensor parallelism on the GPU engine" in `docs/ARCHITECTURE.md`).
 //!
 //! The rank's [`GpuBackend`] is built for the tp-local config (its query and kv heads, its
-//! intermediate columns) and holds the rank's slices of q/k/v, o, gate/up and down, cut as the
-//! CPU engine cuts them ([`ShardPlan`]); the four partial sums per layer are completed on device
-//! buffers through the tensor-parallel communicator (`gpu/tensor_parallel.rs`). The embedding,
-//! the final norm, `lm_head` and the fused cross entropy are **replicated** on every rank
-//! ([`ShardPlan::with_replicated_vocab`]): the GPU's chunked cross entropy is not
-//! vocabulary-parallel yet, so each rank computes the whole head (their inputs and gradients
-//! are identical on every rank, so are theirs).
+//! intermediate columns, its rows of the vocabulary) and holds the rank's slices of q/k/v, o,
+//! gate/up and down, of the embedding and of `lm_head`, cut exactly as the CPU engine cuts them
+//! ([`ShardPlan`]); the four partial sums per layer are completed on device buffers through the
+//! tensor-parallel communicator (`gpu/tensor_parallel.rs`). The embedding and the fused linear +
+//! cross entropy are **vocabulary-parallel** (`gpu/vocab_parallel.rs`): each rank looks up and
+//! scores its own rows of the vocabulary and the group completes the lookup, the row maxima, the
+//! sums of exponentials and the target logits, so the full logits never exist on one rank and
+//! each rank holds `vocab/tp` rows of the embedding and `lm_head` (weights, gradients, moments).
+//! The final norm is replicated.
 //!
 //! What needs the whole model's view is collective over the group, as on the CPU backend: the
 //! gradient norm (replicated tensors counted by tp rank 0), the overflow check, the saved model
 //! (every rank's part all-gathered and put together by name; tp rank 0 writes plain Hugging
 //! Face files). The optimizer file of a rank is the CPU model-parallel backend's format with its
-//! `layout` of tensor slices (the replicated embedding and `lm_head` are whole slices, marked
-//! `copy` on ranks other than 0), so checkpoints interchange with the CPU engine's layouts.
+//! `layout` of tensor slices, so checkpoints interchange with the CPU engine's layouts.
 
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use tilearn_ops::DType;
+use tilearn_ops::cpu::VocabSlice;
 use tilearn_parallel::{Communicator, scalars};
 
 use super::GpuBackend;
@@ -96,6 +98,15 @@ pub fn gpu_shard_plan(config: &LlamaConfig, shard: TensorShard) -> Result<ShardP
             ),
         ));
     }
+    if shard.size > 1 && config.z_loss_weight != 0.0 {
+        return Err(usage(
+            "--tp-size",
+            "Baichuan2's z-loss needs every logit of a row, which the vocabulary-parallel loss \
+             head never gathers (nor does the CPU engine's); use --tp-size 1, or set \
+             \"z_loss_weight\": 0 in config.json"
+                .into(),
+        ));
+    }
     let plan = ShardPlan::new(config, shard)?;
     if plan.kv_replicas > 1 {
         return Err(usage(
@@ -107,7 +118,7 @@ pub fn gpu_shard_plan(config: &LlamaConfig, shard: TensorShard) -> Result<ShardP
             ),
         ));
     }
-    Ok(plan.with_replicated_vocab(config))
+    Ok(plan)
 }
 
 impl GpuTensorParallelBackend {
@@ -147,15 +158,35 @@ impl GpuTensorParallelBackend {
         let plan = gpu_shard_plan(config, shard)?;
         let local = plan.local_config(config);
         // Every step communicates between its kernels: built without CUDA graphs (so the
-        // description does not announce them either).
+        // description does not announce them either). The loss head's chunks all-reduce, so
+        // every rank cuts a call into the same chunks, whatever its slice's width.
+        let widest = precisions
+            .iter()
+            .map(|p| p.size_in_bytes())
+            .max()
+            .unwrap_or(4);
         let eager = TrainingArguments {
             cuda_graphs: CudaGraphs::Off,
+            lce_chunk: args.lce_chunk.for_vocab_slices(
+                args.per_device_train_batch_size * args.seq_len,
+                config.vocab_size,
+                shard.size,
+                widest,
+            ),
             ..args.clone()
         };
         let mut inner = GpuBackend::build(&local, &eager, ordinal, precisions)?;
         inner
             .gpu
             .set_tensor_parallel(Box::new(GroupDeviceSums::new(tp.clone())));
+        if shard.size > 1 {
+            let vocab = &plan.vocab;
+            inner.gpu.set_vocab_slice(VocabSlice::new(
+                vocab.start,
+                vocab.len(),
+                config.vocab_size,
+            )?)?;
+        }
         let full_specs = ParamStore::specs_for(config);
         let norm_ranges = merged(
             inner
@@ -165,8 +196,9 @@ impl GpuTensorParallelBackend {
                 .map(ParamSpec::range),
         );
         let name = format!(
-            "{}, tensor-parallel rank {} of {} (embedding, lm_head and loss replicated)",
-            inner.name, shard.rank, shard.size
+            "{}, tensor-parallel rank {} of {} (vocabulary-parallel embedding, lm_head and loss: \
+             rows {}..{} of {})",
+            inner.name, shard.rank, shard.size, plan.vocab.start, plan.vocab.end, config.vocab_size
         );
         let mut backend = GpuTensorParallelBackend {
             inner,
@@ -186,6 +218,11 @@ impl GpuTensorParallelBackend {
             ModelInit::Pretrained(dir) => backend.load_weights(dir)?,
         }
         Ok(backend)
+    }
+
+    /// Bytes of this rank's logits buffer (one chunk of the loss head, `[chunk × vocab/tp]`).
+    pub fn logits_buffer_bytes(&self) -> usize {
+        self.inner.logits_buffer_bytes()
     }
 
     /// The slices of the whole model's tensors that elements `range` of the local buffer are.
@@ -248,7 +285,8 @@ impl StepBackend for GpuTensorParallelBackend {
         precision: DType,
         loss_scale: f32,
     ) -> Result<f64> {
-        // The loss is computed whole on every rank (replicated head): no sum over the group.
+        // Every rank computes the same row losses (the cross entropy completes its row
+        // statistics over the group): the loss is the whole loss, no sum over the group.
         self.inner
             .forward_backward(batch, denominator, precision, loss_scale)
     }
@@ -397,7 +435,52 @@ impl StepBackend for GpuTensorParallelBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::merged;
+    use super::{gpu_shard_plan, merged};
+    use crate::config::LlamaConfig;
+    use crate::model::tensor_parallel::{Cut, TensorShard};
+
+    fn config() -> LlamaConfig {
+        LlamaConfig::from_json_str(
+            r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 16,
+            "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 257, "max_position_embeddings": 32,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+            "test/config.json",
+        )
+        .unwrap()
+    }
+
+    /// The GPU plans cut the vocabulary as the CPU engine does (257 = 129 + 128, no padding):
+    /// vocabulary-parallel is the default, and the only mode.
+    #[test]
+    fn gpu_plans_cut_the_vocabulary_like_the_cpu_engine() {
+        let config = config();
+        for (rank, rows) in [(0, 0..129), (1, 129..257)] {
+            let plan = gpu_shard_plan(&config, TensorShard { rank, size: 2 }).unwrap();
+            assert_eq!(plan.vocab, rows);
+            assert_eq!(plan.local_config(&config).vocab_size, rows.len());
+            assert_eq!(plan.cut("lm_head.weight"), Cut::Rows(rows.clone()));
+            assert_eq!(plan.cut("model.embed_tokens.weight"), Cut::Rows(rows));
+        }
+    }
+
+    /// Baichuan2's z-loss needs every logit of a row: refused under tp with the way out, before
+    /// any device is touched; one rank keeps it.
+    #[test]
+    fn z_loss_is_refused_under_tensor_parallelism() {
+        let config = LlamaConfig {
+            z_loss_weight: 2e-4,
+            ..config()
+        };
+        let err = gpu_shard_plan(&config, TensorShard { rank: 0, size: 2 })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("z-loss") && err.contains("--tp-size 1"),
+            "{err}"
+        );
+        assert!(gpu_shard_plan(&config, TensorShard::WHOLE).is_ok());
+    }
 
     #[test]
     fn adjacent_ranges_merge_and_gaps_stay() {

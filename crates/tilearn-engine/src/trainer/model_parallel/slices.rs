@@ -100,11 +100,11 @@ mod tests {
     use crate::model::tensor_parallel::TensorShard;
     use crate::params::ParamStore;
 
-    /// The GPU engine's replicated embedding is a whole slice, unmarked on tp rank 0 and a
-    /// `copy` elsewhere (so the unmarked slices still cover it once); the cut tensors are
-    /// their rows or columns on every rank.
+    /// Both engines' embedding slices (vocabulary-parallel): rows of the whole tensor, unmarked
+    /// on every rank (each holds different rows, so together they cover it once); the norms are
+    /// whole and a `copy` beyond tp rank 0; the column cuts are columns.
     #[test]
-    fn replicated_embedding_is_whole_and_a_copy_beyond_rank_0() {
+    fn vocabulary_rows_are_row_slices_counted_on_every_rank() {
         let config = LlamaConfig::from_json_str(
             r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 16,
             "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -115,15 +115,20 @@ mod tests {
         .unwrap();
         let full = ParamStore::specs_for(&config);
         for rank in 0..2 {
-            let plan = ShardPlan::new(&config, TensorShard { rank, size: 2 })
-                .unwrap()
-                .with_replicated_vocab(&config);
+            let plan = ShardPlan::new(&config, TensorShard { rank, size: 2 }).unwrap();
             let local = ParamStore::specs_for(&plan.local_config(&config));
             let at =
                 |name: &str| place(&plan, &full, local.iter().find(|s| s.name == name).unwrap());
-            let embed = at("model.embed_tokens.weight");
-            assert_eq!((embed.rows.clone(), embed.cols.clone()), (0..11, 0..16));
-            assert_eq!(embed.copy, rank != 0);
+            for name in ["model.embed_tokens.weight", "lm_head.weight"] {
+                let p = at(name);
+                assert_eq!(
+                    (p.rows.clone(), p.cols.clone()),
+                    ([0..6, 6..11][rank].clone(), 0..16)
+                );
+                assert!(!p.copy, "{name} on rank {rank}");
+            }
+            let norm = at("model.norm.weight");
+            assert_eq!(norm.copy, rank != 0);
             let o = at("model.layers.0.self_attn.o_proj.weight");
             assert_eq!((o.cols.clone(), o.copy), (rank * 8..(rank + 1) * 8, false));
         }

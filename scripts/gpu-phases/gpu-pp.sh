@@ -42,31 +42,10 @@ run gpu_pp_dp2 timeout 120 "$B/bin/tilearn" launch --nproc-per-node 4 --standalo
 run gpu_pp_resume_pp2 timeout 120 "$B/bin/tilearn" launch --nproc-per-node 2 --standalone \
   "${common[@]}" "${steps[@]}" --pp-size 2 --save-steps 0 --output-dir "$T/resumed" --data "$T/pp2/data" \
   --resume-from-checkpoint "$T/pp2/checkpoint-10"
-python3 - "$T" > "$OUT/gpu_pp_summary.txt" 2>&1 <<'PY'
-import json, sys, os
-t = sys.argv[1]
-def losses(d):
-    p = os.path.join(t, d, "train_log.jsonl")
-    if not os.path.exists(p):
-        return {}
-    out = {}
-    for line in open(p):
-        r = json.loads(line)
-        if "loss" in r and "step" in r:
-            out[r["step"]] = r["loss"]
-    return out
-for a, b, label in [("one", "pp2", "bf16 pp2 vs one process"),
-                    ("one", "pp2dp2", "bf16 pp2 x dp2 vs one process"),
-                    ("pp2", "resumed", "bf16 pp2 checkpoint-10 resumed on pp2 vs uninterrupted pp2")]:
-    la, lb = losses(a), losses(b)
-    common = sorted(set(la) & set(lb))
-    if not common:
-        print(f"{label}: no common steps ({len(la)} vs {len(lb)} records)")
-        continue
-    worst = max(abs(la[s] - lb[s]) / abs(la[s]) for s in common)
-    print(f"{label}: {len(common)} steps, worst relative loss difference {worst:.2e}; "
-          f"last step {common[-1]}: {la[common[-1]]:.6f} vs {lb[common[-1]]:.6f}")
-PY
+python3 scripts/compare_step_losses.py "$T" \
+  "one:pp2:bf16 pp2 vs one process" \
+  "one:pp2dp2:bf16 pp2 x dp2 vs one process" \
+  "pp2:resumed:bf16 pp2 checkpoint-10 resumed on pp2 vs uninterrupted pp2" > "$OUT/gpu_pp_summary.txt" 2>&1
 cat "$OUT/gpu_pp_summary.txt"
 grep -h "pipeline stage\|hybrid\|^done:" "$OUT"/gpu_pp_one.log "$OUT"/gpu_pp_two.log "$OUT"/gpu_pp_dp2.log \
   "$OUT"/gpu_pp_resume_pp2.log | sort -u | head -16

@@ -23,30 +23,10 @@ done
 # The tp 2 fp32 checkpoint of step 6 resumed by one process for steps 7-12.
 run gpu_tp_resume_one timeout 120 "$B/bin/tilearn" "${common[@]}" --fp32 --output-dir "$T/resumed" \
   --data "$T/tp2-fp32/data" --resume-from-checkpoint "$T/tp2-fp32/checkpoint-6"
-python3 - "$T" > "$OUT/gpu_tp_summary.txt" 2>&1 <<'PY'
-import json, sys, os
-t = sys.argv[1]
-def losses(d):
-    p = os.path.join(t, d, "train_log.jsonl")
-    if not os.path.exists(p):
-        return {}
-    out = {}
-    for line in open(p):
-        r = json.loads(line)
-        if "loss" in r and "step" in r:
-            out[r["step"]] = r["loss"]
-    return out
-for a, b, label in [("one-fp32", "tp2-fp32", "fp32 tp2 vs one"), ("one-bf16", "tp2-bf16", "bf16 tp2 vs one"),
-                    ("one-fp32", "resumed", "fp32 tp2 ckpt-6 resumed on one vs one")]:
-    la, lb = losses(a), losses(b)
-    common = sorted(set(la) & set(lb))
-    if not common:
-        print(f"{label}: no common steps ({len(la)} vs {len(lb)} records)")
-        continue
-    worst = max(abs(la[s] - lb[s]) / abs(la[s]) for s in common)
-    print(f"{label}: {len(common)} steps, worst relative loss difference {worst:.2e}; "
-          f"last step {common[-1]}: {la[common[-1]]:.6f} vs {lb[common[-1]]:.6f}")
-PY
+python3 scripts/compare_step_losses.py "$T" \
+  "one-fp32:tp2-fp32:fp32 tp2 vs one" \
+  "one-bf16:tp2-bf16:bf16 tp2 vs one" \
+  "one-fp32:resumed:fp32 tp2 ckpt-6 resumed on one vs one" > "$OUT/gpu_tp_summary.txt" 2>&1
 cat "$OUT/gpu_tp_summary.txt"
 grep -h "tensor-parallel\|hybrid parallel" "$OUT"/gpu_tp_two_*.log | sort -u | head -4
 rm -rf "$T"

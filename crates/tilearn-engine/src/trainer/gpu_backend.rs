@@ -32,7 +32,8 @@ use tilearn_optim::{AdamWConfig, ParamGroup};
 use super::backend::{ModelInit, StepBackend, WholeStep};
 use super::cpu_backend::write_host_optimizer;
 use super::flat_buffer::FlatBuffer;
-use super::optimizer_layout::TensorSlice;
+use super::model_parallel::slices;
+use super::optimizer_layout::{TensorSlice, slices_within};
 use super::optimizer_shards::{OptimizerCheckpoint, groups_within};
 use super::zero::{RankState, StateBytes};
 use super::{TrainingArguments, adamw_setup, optimizer_file};
@@ -43,6 +44,7 @@ use crate::cuda_graphs::{CudaGraphs, GraphDecision, StepConditions};
 use crate::data::Batch;
 use crate::gpu::{GatheredWeights, GpuLlama, GradientSink, StepRun};
 use crate::model::pipeline_stage::PipelineStage;
+use crate::model::tensor_parallel::ShardPlan;
 use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore, init_random_into};
 
@@ -267,34 +269,55 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// Writes this rank's optimizer state with its shard's `layout` (the slices of the whole
-    /// model's tensors it holds): a tensor- or pipeline-parallel rank's file, in the CPU
-    /// model-parallel backend's format, so layouts and engines interchange.
+    /// The slices of the whole model's tensors (`full_specs`) that this rank's optimizer shard
+    /// holds, placed by `plan` (a tensor-parallel rank's cuts or a pipeline stage's tensors).
+    fn shard_layout(&self, plan: &ShardPlan, full_specs: &[ParamSpec]) -> Vec<TensorSlice> {
+        slices_within(
+            &self.specs,
+            |spec| slices::place(plan, full_specs, spec),
+            &self.shard,
+        )
+    }
+
+    /// Writes this rank's optimizer state as its slices of the whole model's tensors: a
+    /// tensor- or pipeline-parallel rank's file, in the CPU model-parallel backend's format, so
+    /// layouts and engines interchange.
     pub(crate) fn save_optimizer_slices(
         &mut self,
         path: &Path,
-        layout: &[TensorSlice],
+        plan: &ShardPlan,
+        full_specs: &[ParamSpec],
     ) -> Result<()> {
         self.optimizer_ready()?;
+        let layout = self.shard_layout(plan, full_specs);
         let step = self.gpu.optimizer().map_or(0, |o| o.step_count());
         let (config, groups) = (&self.optimizer_config, &self.optimizer_groups);
         let len = self.shard.len();
         self.gpu.with_moments_source(|source| {
-            optimizer_file::write_sliced(path, config, groups, step, len, Some(layout), source)
+            optimizer_file::write_sliced(path, config, groups, step, len, Some(&layout), source)
         })
     }
 
-    /// Fills this rank's moments from `optimizer`, reading its shard's `layout` of the whole
-    /// model's tensors (`full_specs`), whatever layout wrote the file.
+    /// Fills this rank's moments from `optimizer`, reading its slices of the whole model's
+    /// tensors, whatever layout wrote the file.
     pub(crate) fn restore_optimizer_slices(
         &mut self,
         optimizer: &OptimizerCheckpoint,
+        plan: &ShardPlan,
         full_specs: &[ParamSpec],
-        layout: &[TensorSlice],
     ) -> Result<()> {
         self.optimizer_ready()?;
+        let layout = self.shard_layout(plan, full_specs);
         self.gpu
-            .fill_moments(|dest| optimizer.read_slices(full_specs, layout, dest))
+            .fill_moments(|dest| optimizer.read_slices(full_specs, &layout, dest))
+    }
+
+    /// One AdamW step clipped by the norm whose square `total` the caller summed over its
+    /// model-parallel group; returns that norm.
+    pub(crate) fn step_with_group_norm(&mut self, total: f64, lr: f32) -> Result<Option<f64>> {
+        self.gpu.use_global_grad_sum_of_squares(total)?;
+        self.gpu.step(lr)?;
+        Ok(Some(total.sqrt()))
     }
 
     /// Queues `note` for the log unless it is the last one handed out.

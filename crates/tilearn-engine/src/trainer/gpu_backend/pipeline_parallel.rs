@@ -43,7 +43,6 @@ use crate::trainer::TrainingArguments;
 use crate::trainer::backend::{ModelInit, StepBackend};
 use crate::trainer::flat_buffer::FlatBuffer;
 use crate::trainer::model_parallel::{gather_padded, slices};
-use crate::trainer::optimizer_layout::{TensorSlice, slices_within};
 use crate::trainer::optimizer_shards::OptimizerCheckpoint;
 use crate::trainer::stage_executor::{StageCompute, run_actions, stage_actions};
 use crate::trainer::zero::{RankState, StateBytes};
@@ -170,17 +169,6 @@ impl GpuPipelineParallelBackend {
             specs: self.stage.specs.clone(),
             data,
         })
-    }
-
-    /// The slices of the whole model's tensors that elements `range` of the stage's buffer are
-    /// (whole tensors: a stage cuts no tensor).
-    fn slices(&self, range: &Range<usize>) -> Vec<TensorSlice> {
-        let (plan, full) = (&self.stage.plan, &self.full_specs);
-        slices_within(
-            &self.inner.specs,
-            |spec| slices::place(plan, full, spec),
-            range,
-        )
     }
 
     /// The squared gradient norm over `range` of the stage's buffer, summed over the pipeline.
@@ -445,9 +433,7 @@ impl StepBackend for GpuPipelineParallelBackend {
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
         let numel = self.inner.numel;
         let total = self.group_sum_of_squares(&(0..numel))?;
-        self.inner.gpu.use_global_grad_sum_of_squares(total)?;
-        self.inner.gpu.step(lr)?;
-        Ok(Some(total.sqrt()))
+        self.inner.step_with_group_norm(total, lr)
     }
 
     fn model(&mut self) -> Result<&LlamaForCausalLM> {
@@ -482,16 +468,15 @@ impl StepBackend for GpuPipelineParallelBackend {
     }
 
     fn save_optimizer(&mut self, path: &Path) -> Result<()> {
-        let layout = self.slices(&self.inner.shard.clone());
-        self.inner.save_optimizer_slices(path, &layout)
+        self.inner
+            .save_optimizer_slices(path, &self.stage.plan, &self.full_specs)
     }
 
     /// Reads this stage's tensors of the weights and of the optimizer state, whatever layout
     /// (or engine) wrote the checkpoint.
     fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
-        let layout = self.slices(&self.inner.shard.clone());
         self.inner
-            .restore_optimizer_slices(optimizer, &self.full_specs, &layout)?;
+            .restore_optimizer_slices(optimizer, &self.stage.plan, &self.full_specs)?;
         self.load_weights(dir)
     }
 

@@ -40,7 +40,6 @@ use crate::trainer::TrainingArguments;
 use crate::trainer::backend::{ModelInit, StepBackend};
 use crate::trainer::flat_buffer::FlatBuffer;
 use crate::trainer::model_parallel::{gather_padded, slices};
-use crate::trainer::optimizer_layout::{TensorSlice, slices_within};
 use crate::trainer::optimizer_shards::OptimizerCheckpoint;
 use crate::trainer::zero::{RankState, StateBytes};
 use crate::{EngineError, Result};
@@ -224,16 +223,6 @@ impl GpuTensorParallelBackend {
         self.inner.logits_buffer_bytes()
     }
 
-    /// The slices of the whole model's tensors that elements `range` of the local buffer are.
-    fn slices(&self, range: &Range<usize>) -> Vec<TensorSlice> {
-        let (plan, full) = (&self.plan, &self.full_specs);
-        slices_within(
-            &self.inner.specs,
-            |spec| slices::place(plan, full, spec),
-            range,
-        )
-    }
-
     /// This rank's share of the squared gradient norm over `range` of the local buffer,
     /// summed over the group. Synchronises.
     fn group_sum_of_squares(&mut self, range: &Range<usize>) -> Result<f64> {
@@ -315,9 +304,7 @@ impl StepBackend for GpuTensorParallelBackend {
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
         let numel = self.inner.numel;
         let total = self.group_sum_of_squares(&(0..numel))?;
-        self.inner.gpu.use_global_grad_sum_of_squares(total)?;
-        self.inner.gpu.step(lr)?;
-        Ok(Some(total.sqrt()))
+        self.inner.step_with_group_norm(total, lr)
     }
 
     fn model(&mut self) -> Result<&LlamaForCausalLM> {
@@ -352,16 +339,15 @@ impl StepBackend for GpuTensorParallelBackend {
     }
 
     fn save_optimizer(&mut self, path: &Path) -> Result<()> {
-        let layout = self.slices(&self.inner.shard.clone());
-        self.inner.save_optimizer_slices(path, &layout)
+        self.inner
+            .save_optimizer_slices(path, &self.plan, &self.full_specs)
     }
 
     /// Reads this rank's slices of the weights and of the optimizer state, whatever layout
     /// (or engine) wrote the checkpoint.
     fn restore(&mut self, dir: &Path, optimizer: &OptimizerCheckpoint) -> Result<()> {
-        let layout = self.slices(&self.inner.shard.clone());
         self.inner
-            .restore_optimizer_slices(optimizer, &self.full_specs, &layout)?;
+            .restore_optimizer_slices(optimizer, &self.plan, &self.full_specs)?;
         self.load_weights(dir)
     }
 

@@ -20,7 +20,8 @@
 mod gpu_common;
 
 use gpu_common::{
-    Elem, download, expect_within, gpu_or_skip, random, rel_err, report, shape, upload,
+    Elem, download, expect_equal_to_rounding, expect_within, gpu_or_skip, random, rel_err, report,
+    shape, upload,
 };
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
@@ -285,7 +286,9 @@ fn gemm_bf16_masked_matches_cpu_reference() {
 }
 
 /// Positions 0..T in every row mask nothing beyond causality: the masked flash kernels must
-/// then give bit for bit what the unmasked ones give (the same tiles, sums and roundings).
+/// then give bit for bit what the unmasked ones give (the same tiles, sums and roundings) where
+/// both are the mma.sync kernels; on Hopper the unmasked call runs the wgmma kernels and the
+/// two agree to the rounding (1e-2 of the norm; lse 1e-6).
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn flash_mask_of_one_example_per_row_is_bit_identical_to_causal() {
@@ -334,6 +337,17 @@ fn flash_mask_of_one_example_per_row_is_bit_identical_to_causal() {
         &v,
         &dout,
     );
+    if cuda::flash_attention_uses_wgmma::<bf16>(s.head_dim, false) {
+        let pairs: [(&str, &[f64], &[f64]); 5] = [
+            ("out", &a.out, &b.out),
+            ("dq", &a.dq, &b.dq),
+            ("dk", &a.dk, &b.dk),
+            ("dv", &a.dv, &b.dv),
+            ("lse", &a.lse, &b.lse),
+        ];
+        expect_equal_to_rounding(TEST, "masked vs causal on the Hopper kernels", &pairs);
+        return;
+    }
     assert!(
         a.bits == b.bits,
         "{TEST}: the masked kernels differ from the causal ones"

@@ -1139,9 +1139,13 @@ fn attention_rejects_bad_shapes() {
 /// 128): a single token; T = 2 with a batch of 200, whose delta (f32 [B, Hq, T]) outgrows the
 /// one-sequence workspace and goes to a temporary buffer; T = 17 and 200 (one partial tile);
 /// T = 129 (one row past two 64-row tiles); T = 1000 (not a multiple of any tile) with GQA
-/// groups of 4 at D = 64 and D = 128; plain multi-head; B > 1 throughout but one.
+/// groups of 4 at D = 64 and D = 128; plain multi-head; B > 1 throughout but one. On Hopper the
+/// D = 64 cases run the wgmma kernels (key blocks of 128 in the forward): T = 130 and 300 (GQA
+/// group of 8, TinyLlama's) cross that tile by a few rows.
 const FLASH_CASES: &[(usize, usize, usize, usize, usize)] = &[
     (2, 1, 4, 2, 64),
+    (2, 130, 4, 4, 64),
+    (2, 300, 16, 2, 64),
     (200, 2, 4, 2, 64),
     (3, 17, 8, 2, 64),
     (2, 200, 4, 4, 128),

@@ -13,9 +13,11 @@
 //! [`AttentionImpl::Flash`], the fused kernels) at the two preset shapes: llama-134m (B=16,
 //! T=1024, Hq=Hkv=12, D=64) and TinyLlama (B=8, T=2048, Hq=32, Hkv=4, D=64). Random inputs, one
 //! warm-up forward + backward, then 10 timed forwards and 10 timed backwards (CUDA events), one
-//! JSON line per (shape, path) with the medians, then a table. FLOPs counted for causal
-//! attention: forward 2·2·B·Hq·T²·D/2 (the two products over the lower triangle), backward 2.5×
-//! that (five products), whatever the path actually computes.
+//! JSON line per (shape, path) with the medians, then a table; also one sequence of 16 K tokens
+//! with TinyLlama's heads, flash path only. `"kernels"` says which flash kernels ran (`wgmma` on
+//! Hopper where they apply, else `mma.sync`; `TILEARN_FLASH_SM80=1` forces the latter). FLOPs
+//! counted for causal attention: forward 2·2·B·Hq·T²·D/2 (the two products over the lower
+//! triangle), backward 2.5× that (five products), whatever the path actually computes.
 //!
 //! `gemm-bench attention --example-len L`: the same with every row packed with examples of `L`
 //! tokens (position ids restarting every `L`: the key-masked kernels, which skip the key tiles
@@ -164,8 +166,10 @@ fn xorshift<T: DeviceFloat>(seed: u64) -> impl FnMut(usize) -> Vec<T> {
     }
 }
 
-/// The attention bench's shapes: (name, shape).
-const ATTN_PRESETS: [(&str, AttnShape); 2] = [
+/// The attention bench's shapes: (name, shape). The last, one 16 K-token sequence with
+/// TinyLlama's heads (issue 13's long-context shape), runs the flash path alone: the GEMM path's
+/// [T × T] score matrix per head would not be a fair or small thing to time.
+const ATTN_PRESETS: [(&str, AttnShape); 3] = [
     (
         "llama-134m",
         AttnShape {
@@ -186,7 +190,20 @@ const ATTN_PRESETS: [(&str, AttnShape); 2] = [
             head_dim: 64,
         },
     ),
+    (
+        "long-16k",
+        AttnShape {
+            batch: 1,
+            seq: 16384,
+            q_heads: 32,
+            kv_heads: 4,
+            head_dim: 64,
+        },
+    ),
 ];
+
+/// The long shape's length: the GEMM path is timed only below it.
+const GEMM_PATH_MAX_SEQ: usize = 4096;
 
 /// The key mask of an attention bench: packed examples of one length, a sliding window, ALiBi.
 #[derive(Clone, Copy, Debug, Default)]
@@ -234,14 +251,28 @@ fn attention_bench<T: DeviceFloat>(
         let fwd_flops = 4.0 * (s.batch * s.q_heads * s.head_dim) as f64 * mask.visible_keys(s.seq);
         let bwd_flops = 2.5 * fwd_flops;
         for imp in [AttentionImpl::Gemm, AttentionImpl::Flash] {
+            if imp == AttentionImpl::Gemm && s.seq > GEMM_PATH_MAX_SEQ {
+                continue;
+            }
             let (fwd, bwd) = time_attention::<T>(dev, gemm, s, imp, mask)?;
             let (tf_f, tf_b) = (fwd_flops / fwd / 1e9, bwd_flops / bwd / 1e9);
             let path = format!("{imp:?}").to_lowercase();
+            // Which flash kernels ran: the Hopper (wgmma) ones or the mma.sync ones.
+            let masked = mask.example_len.is_some() || mask.window.is_some() || mask.alibi;
+            let kernels = match imp {
+                AttentionImpl::Flash
+                    if cuda::flash_attention_uses_wgmma::<T>(s.head_dim, masked) =>
+                {
+                    "wgmma"
+                }
+                AttentionImpl::Flash => "mma.sync",
+                _ => "cublaslt",
+            };
             println!(
                 concat!(
                     "{{\"bench\":\"attention\",\"shape\":\"{}\",\"batch\":{},\"seq\":{},",
                     "\"q_heads\":{},\"kv_heads\":{},\"head_dim\":{},\"dtype\":\"{}\",",
-                    "\"path\":\"{}\",\"fwd_ms\":{:.4},\"fwd_tflops\":{:.1},\"bwd_ms\":{:.4},",
+                    "\"path\":\"{}\",\"kernels\":\"{}\",\"fwd_ms\":{:.4},\"fwd_tflops\":{:.1},\"bwd_ms\":{:.4},",
                     "\"bwd_tflops\":{:.1},\"example_len\":{:?},\"sliding_window\":{:?},\"alibi\":{},",
                     "\"device\":{:?}}}"
                 ),
@@ -253,6 +284,7 @@ fn attention_bench<T: DeviceFloat>(
                 s.head_dim,
                 T::NAME,
                 path,
+                kernels,
                 fwd,
                 tf_f,
                 bwd,

@@ -564,6 +564,16 @@ pub fn flash_attention_supports<T: DeviceFloat>(s: AttnShape) -> bool {
         && grid.is_some_and(|g| g <= FLASH_MAX_GRID)
 }
 
+/// Whether a flash call of `T` at `head_dim`, with a key mask or ALiBi slopes (`masked`) or
+/// without, runs the Hopper kernels (wgmma, `flash_attention_sm90.cu`) on the current device
+/// rather than the mma.sync ones: compute capability 9.0, bf16 or f16, head_dim 64, unmasked, and
+/// `TILEARN_FLASH_SM80` unset. Their backward is bit-identical to the mma.sync backward; their
+/// forward walks keys in blocks of 128, not 64, so it agrees to the rounding.
+pub fn flash_attention_uses_wgmma<T: DeviceFloat>(head_dim: usize, masked: bool) -> bool {
+    // SAFETY: a host function of integers; it reads the current device's compute capability.
+    unsafe { ffi::tilearn_flash_attention_uses_wgmma(T::DTYPE, head_dim, i32::from(masked)) != 0 }
+}
+
 /// Whether a call with `imp` should try the flash kernels (alignment is checked once the
 /// pointers are known); an error when `imp` forces them and they do not serve `T` at `s`.
 fn wants_flash<T: DeviceFloat>(

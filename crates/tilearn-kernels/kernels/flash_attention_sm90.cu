@@ -1,0 +1,566 @@
+// flash_attention_sm90.cu: flash_attention.cu's causal grouped-query attention, forward and
+// backward, on Hopper's warpgroup tensor-core instructions (wgmma, sm_90a), for head_dim 64, bf16
+// and f16, without a key mask or ALiBi (those, sm_80 and head_dim 128 keep the mma.sync kernels).
+// flash_attention.cu's launcher calls sm90_run (flash_sm90.h) when the device is compute
+// capability 9.0 and the problem is one of these; TILEARN_FLASH_SM80=1 keeps the mma.sync
+// kernels.
+//
+// Fused:     the same three passes as flash_attention.cu; a CTA is one or two warpgroups (128
+//            threads each), each warpgroup owning 64 rows of the CTA's block. Forward (one
+//            warpgroup): one CTA per (64-query block, batch, query head) walks the 128-key blocks
+//            up to the diagonal: S = Q·Kᵀ (wgmma, Q and K from shared memory), the causal mask and
+//            online softmax in registers, O += P·V (wgmma, P from registers, V from shared
+//            memory); O and lse written once. dK/dV (two warpgroups): one CTA per (128-key block,
+//            batch, kv head) walks the GQA group's query heads and their 64-query blocks from the
+//            diagonal on: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, Pᵀ and dSᵀ in registers, dV += Pᵀ·dO and
+//            dK += dSᵀ·Q (A from registers). dQ (two warpgroups): one CTA per (128-query block,
+//            batch, query head) walks the 64-key blocks up to the diagonal: S = Q·Kᵀ, dP = dO·Vᵀ,
+//            dQ += dS·K. The streamed tiles (K/V, or Q/dO/lse/delta for dK/dV) rotate through
+//            three cp.async buffers, one step ahead; blocks above the diagonal are never loaded.
+//            The backward computes exactly what flash_attention.cu's does, in the same order
+//            (same tiles of 64, same roundings): its results are bit-identical to it.
+// Layout:    as flash_attention.cu: q / out / dout / dq [batch, seq, q_heads, 64], k / v / dk /
+//            dv [batch, seq, kv_heads, 64], lse / delta f32 [batch, q_heads, seq]; every tile a
+//            1024-byte aligned [rows][64] block with 128-byte swizzle (wgmma.cuh).
+// Precision: as flash_attention.cu: f32 accumulation, softmax, lse, dP and delta; P and dS rounded
+//            once to the element type as an A operand; outputs rounded once.
+// Gradients: dq, dk, dv written (`=`), every element of rows < seq.
+// Determinism: no atomics; each CTA owns its outputs and sums in a fixed order (key blocks
+//            ascending; for dK / dV the group's heads, then query blocks, ascending): bit-identical
+//            from run to run.
+
+#include <cstdlib>
+
+#include "flash_common.cuh"
+#include "flash_sm90.h"
+#include "wgmma.cuh"
+
+// wgmma exists only in the sm_90a pass; the other passes (sm_80, compute_80 PTX) compile the
+// kernels empty, and the host launches them only on a compute-capability-9.0 device.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TILEARN_HAS_WGMMA 1
+#else
+#define TILEARN_HAS_WGMMA 0
+#endif
+
+namespace {
+
+using namespace tilearn::flash;
+namespace wg = tilearn::wgmma;
+
+constexpr int kD = 64;          // head_dim
+constexpr int kTile = kD * 2;   // bytes of one tile row (16-bit types)
+
+// The dynamic shared memory, its start rounded up to 1024 bytes (the 128-byte swizzle's atom);
+// the launch asks for kAlignSlack bytes more than the tiles need.
+constexpr size_t kAlignSlack = 1024;
+
+#if TILEARN_HAS_WGMMA  // device helpers: the sm_90a pass alone uses them
+
+template <typename T>
+__device__ __forceinline__ T* smem_tiles() {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const uint32_t base = smem_addr(smem);
+    return reinterpret_cast<T*>(smem + ((1024u - (base & 1023u)) & 1023u));
+}
+
+// This thread's place in its warpgroup: warpgroup index, the first row of its warp inside the
+// warpgroup's 64, and the fragment row g / column pair t.
+struct WgIds {
+    int tid, wgi, wrow, g, t;
+};
+
+__device__ __forceinline__ WgIds wg_ids() {
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    return {tid, tid >> 7, ((tid >> 5) & 3) * 16, lane >> 2, lane & 3};
+}
+
+// Accumulator element i of a 64 x N block: row (within the warp's 16) and column.
+__device__ __forceinline__ int acc_row(const WgIds& id, int i) { return id.g + 8 * ((i >> 1) & 1); }
+__device__ __forceinline__ int acc_col(const WgIds& id, int i) {
+    return 8 * (i >> 2) + 2 * id.t + (i & 1);
+}
+
+// The A fragment of k step kk (columns 16 kk .. 16 kk + 15) of an accumulator, rounded to T.
+template <typename T, int N>
+__device__ __forceinline__ void acc_to_a(const float (&d)[N], int kk, uint32_t (&a)[4]) {
+    a[0] = pack2<T>(d[8 * kk + 0], d[8 * kk + 1]);
+    a[1] = pack2<T>(d[8 * kk + 2], d[8 * kk + 3]);
+    a[2] = pack2<T>(d[8 * kk + 4], d[8 * kk + 5]);
+    a[3] = pack2<T>(d[8 * kk + 6], d[8 * kk + 7]);
+}
+
+// d = A · Bᵀ over head_dim (4 k steps): A rows from tile `a` (K-major), B rows from tile `b`
+// (K-major), both [rows][64]; issued and committed, not waited for.
+template <typename T, int N>
+__device__ __forceinline__ void gemm_abt(float (&d)[N], uint32_t a, uint32_t b) {
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+        wg::wgmma_ss<T, 0, 0>(d, wg::desc_k_major(a, kk), wg::desc_k_major(b, kk), kk > 0);
+}
+
+// d += P · B over K rows of B (K / 16 k steps): P from the accumulator p (64 x K), B the
+// MN-major tile `b` ([K rows][64]).
+// The A fragments are all formed before the first wgmma, so that the compiler need not stall
+// the warpgroup between them.
+template <typename T, int K, int NP>
+__device__ __forceinline__ void to_a_frags(const float (&p)[NP], uint32_t (&a)[K / 16][4]) {
+    static_assert(NP == K / 2, "p holds a 64 x K block");
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) acc_to_a<T>(p, kk, a[kk]);
+}
+
+template <typename T, int K>
+__device__ __forceinline__ void gemm_pb(float (&d)[32], const uint32_t (&a)[K / 16][4], uint32_t b) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) wg::wgmma_rs<T, 1>(d, a[kk], wg::desc_mn_major(b, kk), 1);
+}
+
+// Writes a warpgroup's 64 x 64 accumulator as rows row0 + r (those < seq) of a [seq, stride]
+// matrix at `base`, rounded to T.
+template <typename T>
+__device__ __forceinline__ void store_acc(T* base, size_t stride, int row0, int seq,
+                                          const float (&d)[32], const WgIds& id) {
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+        const int row = row0 + id.wrow + acc_row(id, i);
+        if (row < seq)
+            *reinterpret_cast<uint32_t*>(base + static_cast<size_t>(row) * stride + acc_col(id, i)) =
+                pack2<T>(d[i], d[i + 1]);
+    }
+}
+
+#endif  // TILEARN_HAS_WGMMA
+
+// ---- the kernels' shapes ----
+// WGS warpgroups per CTA (128 WGS threads), each owning 64 rows of the CTA's block (queries for
+// the forward and dQ, keys for dK/dV). Tiles rotate through kStages shared-memory buffers,
+// loaded one step ahead: the buffer refilled at step j was last read at step j - 2, which every
+// warpgroup has waited for before the barrier that opens step j.
+
+constexpr int kStages = 3;
+constexpr int kFwdBc = 128;  // keys per forward step
+constexpr int kDqBc = 64;    // keys per dQ step
+constexpr int kKvBr = 64;    // queries per dK/dV step
+
+template <int WGS>
+__host__ __device__ constexpr int threads_of() { return 128 * WGS; }
+
+template <int WGS>
+constexpr size_t fwd_smem() { return (64 * WGS + 2 * kStages * kFwdBc) * kTile + kAlignSlack; }
+
+template <int WGS>
+constexpr size_t dq_smem() { return (2 * 64 * WGS + 2 * kStages * kDqBc) * kTile + kAlignSlack; }
+
+template <int WGS>
+constexpr size_t dkdv_smem() {
+    return (2 * 64 * WGS + 2 * kStages * kKvBr) * kTile + 2 * kStages * kKvBr * sizeof(float) +
+           kAlignSlack;
+}
+
+#if TILEARN_HAS_WGMMA
+// The causal mask of a 64 x 4N block of scores (keys from k0, the warpgroup's rows from row_wg):
+// keys after their query get `masked`; this also hides keys >= seq from every row < seq.
+template <int N>
+__device__ __forceinline__ void mask_causal(float (&s)[N], int k0, int row_wg, const WgIds& id,
+                                            float masked) {
+    if (k0 + 4 * N - 1 <= row_wg) return;  // the block's last key precedes every row
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        if (k0 + acc_col(id, i) > row_wg + id.wrow + acc_row(id, i)) s[i] = masked;
+    }
+}
+#endif
+
+// ---- forward: one CTA per (64 WGS-query block, batch, query head), key blocks of 128 ----
+
+template <typename T, int WGS>
+__global__ void __launch_bounds__(128 * WGS, 1) fwd_kernel(Args a) {
+#if TILEARN_HAS_WGMMA
+    constexpr int kThr = threads_of<WGS>();
+    constexpr int kBr = 64 * WGS;
+    T* sQ = smem_tiles<T>();
+    T* sK = sQ + kBr * kD;
+    T* sV = sK + kStages * kFwdBc * kD;
+    const WgIds id = wg_ids();
+    const int seq = a.seq;
+    // Plain names, not a structured binding: the lambda below captures them (C++17).
+    const QueryBlock<T> blk = query_block<T, kD, kBr, kFwdBc>(a);
+    const int q0 = blk.q0, nkb = blk.nkb;
+    const size_t kv_stride = blk.kv_stride;
+    const T* kg = blk.k;
+    const T* vg = blk.v;
+    auto load_block = [&](int kb) {
+        if (kb < nkb)
+            load_kv<T, kFwdBc, kD, kThr>(sK + (kb % kStages) * kFwdBc * kD,
+                                         sV + (kb % kStages) * kFwdBc * kD, kg, vg, kv_stride,
+                                         kb * kFwdBc, seq, id.tid);
+        cp_async_commit();
+    };
+    load_tile<T, kBr, kD, kThr>(sQ, static_cast<const T*>(a.q) + blk.q_base, blk.q_stride, q0,
+                                seq, id.tid);
+    load_block(0);
+
+    const int row_wg = q0 + id.wgi * 64;  // the warpgroup's first query
+    const uint32_t q_tile = smem_addr(sQ + id.wgi * 64 * kD);
+    const float sl2 = a.scale * kLog2e;
+    float o[32];
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.0f, 0.0f};
+    fill(o, 0.0f);
+
+    for (int kb = 0; kb < nkb; ++kb) {
+        cp_async_wait<0>();
+        wg::fence_smem_for_async();
+        __syncthreads();
+        load_block(kb + 1);
+        const uint32_t k_tile = smem_addr(sK + (kb % kStages) * kFwdBc * kD);
+        const uint32_t v_tile = smem_addr(sV + (kb % kStages) * kFwdBc * kD);
+        float s[64];
+        wg::fence();
+        gemm_abt<T>(s, q_tile, k_tile);
+        wg::commit();
+        wg::wait<0>();
+        wg::fence_regs(s);
+        mask_causal(s, kb * kFwdBc, row_wg, id, -INFINITY);
+        // Online softmax; key 0 is visible to every row and block 0 comes first, so the running
+        // maximum is finite from the first block on.
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int i = 2 * r; i < 64; i += 4) mx = fmaxf(mx, fmaxf(s[i], s[i + 1]));
+            mx = quad_max(mx);
+            const float m_new = fmaxf(row_max[r], mx);
+            const float corr = exp2_approx((row_max[r] - m_new) * sl2);
+            row_max[r] = m_new;
+            const float off = m_new * sl2;
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 2 * r; i < 64; i += 4) {
+                s[i] = exp2_approx(fmaf(s[i], sl2, -off));
+                s[i + 1] = exp2_approx(fmaf(s[i + 1], sl2, -off));
+                sum += s[i] + s[i + 1];
+            }
+            row_sum[r] = row_sum[r] * corr + sum;
+#pragma unroll
+            for (int i = 2 * r; i < 32; i += 4) {
+                o[i] *= corr;
+                o[i + 1] *= corr;
+            }
+        }
+        uint32_t pa[kFwdBc / 16][4];
+        to_a_frags<T, kFwdBc>(s, pa);
+        wg::fence();
+        gemm_pb<T, kFwdBc>(o, pa, v_tile);
+        wg::commit();
+        wg::wait<0>();
+        wg::fence_regs(o);
+    }
+
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float sum = quad_sum(row_sum[r]);
+        inv[r] = 1.0f / sum;
+        const int row = row_wg + id.wrow + id.g + 8 * r;
+        if (id.t == 0 && row < seq)
+            a.lse_out[(static_cast<size_t>(blk.b) * a.q_heads + blk.h) * seq + row] =
+                row_max[r] * a.scale + logf(sum);
+    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[i] *= inv[(i >> 1) & 1];
+    store_acc<T>(static_cast<T*>(a.o_or_dq) + blk.q_base, blk.q_stride, row_wg, seq, o, id);
+#endif
+}
+
+// ---- backward dQ: one CTA per (64 WGS-query block, batch, query head), key blocks of 64 ----
+// Per warpgroup and key block: S and dP issued as two groups, P formed while dP finishes, then
+// dQ += dS·K. (Leaving dQ running into the next block's S and dP measured no faster.)
+
+template <typename T, int WGS>
+__global__ void __launch_bounds__(128 * WGS, 1) dq_kernel(Args a) {
+#if TILEARN_HAS_WGMMA
+    constexpr int kThr = threads_of<WGS>();
+    constexpr int kBr = 64 * WGS;
+    T* sQ = smem_tiles<T>();
+    T* sDo = sQ + kBr * kD;
+    T* sK = sDo + kBr * kD;
+    T* sV = sK + kStages * kDqBc * kD;
+    const WgIds id = wg_ids();
+    const int seq = a.seq;
+    const QueryBlock<T> blk = query_block<T, kD, kBr, kDqBc>(a);
+    const int q0 = blk.q0, nkb = blk.nkb;
+    const size_t kv_stride = blk.kv_stride;
+    const T* kg = blk.k;
+    const T* vg = blk.v;
+    auto load_block = [&](int kb) {
+        if (kb < nkb)
+            load_kv<T, kDqBc, kD, kThr>(sK + (kb % kStages) * kDqBc * kD,
+                                        sV + (kb % kStages) * kDqBc * kD, kg, vg, kv_stride,
+                                        kb * kDqBc, seq, id.tid);
+        cp_async_commit();
+    };
+    load_tile<T, kBr, kD, kThr>(sQ, static_cast<const T*>(a.q) + blk.q_base, blk.q_stride, q0,
+                                seq, id.tid);
+    load_tile<T, kBr, kD, kThr>(sDo, static_cast<const T*>(a.dout) + blk.q_base, blk.q_stride,
+                                q0, seq, id.tid);
+    load_block(0);
+
+    const int row_wg = q0 + id.wgi * 64;
+    const uint32_t q_tile = smem_addr(sQ + id.wgi * 64 * kD);
+    const uint32_t do_tile = smem_addr(sDo + id.wgi * 64 * kD);
+    const float sl2 = a.scale * kLog2e;
+    // lse (in log2 units) and delta of this thread's two rows; rows past seq never reach memory.
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = min(row_wg + id.wrow + id.g + 8 * r, seq - 1);
+        const size_t at = (static_cast<size_t>(blk.b) * a.q_heads + blk.h) * seq + row;
+        lse2[r] = a.lse_in[at] * kLog2e;
+        delta[r] = a.delta[at];
+    }
+    float dq[32];
+    fill(dq, 0.0f);
+
+    for (int kb = 0; kb < nkb; ++kb) {
+        cp_async_wait<0>();
+        wg::fence_smem_for_async();
+        __syncthreads();
+        load_block(kb + 1);
+        const uint32_t k_tile = smem_addr(sK + (kb % kStages) * kDqBc * kD);
+        const uint32_t v_tile = smem_addr(sV + (kb % kStages) * kDqBc * kD);
+        float s[32], dp[32];
+        wg::fence();
+        gemm_abt<T>(s, q_tile, k_tile);
+        wg::commit();
+        gemm_abt<T>(dp, do_tile, v_tile);
+        wg::commit();
+        wg::wait<1>();  // S
+        wg::fence_regs(s);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] = exp2_approx(fmaf(s[i], sl2, -lse2[(i >> 1) & 1]));
+        mask_causal(s, kb * kDqBc, row_wg, id, 0.0f);
+        wg::wait<0>();  // dP
+        wg::fence_regs(dp);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] = s[i] * (dp[i] - delta[(i >> 1) & 1]) * a.scale;  // dS
+        uint32_t dsa[kDqBc / 16][4];
+        to_a_frags<T, kDqBc>(s, dsa);
+        wg::fence();
+        gemm_pb<T, kDqBc>(dq, dsa, k_tile);
+        wg::commit();
+        wg::wait<0>();
+    }
+    wg::wait<0>();
+    wg::fence_regs(dq);
+    store_acc<T>(static_cast<T*>(a.o_or_dq) + blk.q_base, blk.q_stride, row_wg, seq, dq, id);
+#endif
+}
+
+// ---- backward dK/dV: one CTA per (64 WGS-key block, batch, kv head), query blocks of 64 ----
+// Per warpgroup and step: Sᵀ and dPᵀ issued as two groups; dV += Pᵀ·dO issued as soon as P is
+// formed (while dPᵀ finishes), dK += dSᵀ·Q after it.
+
+#if TILEARN_HAS_WGMMA
+// One query block's inputs in shared memory: Q and dO tiles, lse (log2 units, +inf past seq so
+// that P = 0 there) and delta.
+template <typename T>
+struct QStage {
+    T* q;
+    T* dout;
+    float* lse2;
+    float* delta;
+};
+
+template <typename T>
+__device__ __forceinline__ QStage<T> q_stage(T* base, float* fbase, int step) {
+    const int i = step % kStages;
+    return {base + i * 2 * kKvBr * kD, base + (i * 2 + 1) * kKvBr * kD, fbase + i * 2 * kKvBr,
+            fbase + (i * 2 + 1) * kKvBr};
+}
+
+// Loads query block qb of head h into a stage (cp.async; lse and delta as plain loads, read
+// only after the barrier that opens the step).
+template <typename T, int THREADS>
+__device__ __forceinline__ void load_q_stage(const Args& a, const QStage<T>& st, int b, int h,
+                                             int qb, int tid) {
+    const int seq = a.seq;
+    const size_t q_stride = static_cast<size_t>(a.q_heads) * kD;
+    const size_t base = (static_cast<size_t>(b) * seq * a.q_heads + h) * kD;
+    const int q0 = qb * kKvBr;
+    load_tile<T, kKvBr, kD, THREADS>(st.q, static_cast<const T*>(a.q) + base, q_stride, q0, seq,
+                                     tid);
+    load_tile<T, kKvBr, kD, THREADS>(st.dout, static_cast<const T*>(a.dout) + base, q_stride, q0,
+                                     seq, tid);
+    if (tid < kKvBr) {
+        const int row = q0 + tid;
+        const size_t at = (static_cast<size_t>(b) * a.q_heads + h) * seq + row;
+        st.lse2[tid] = row < seq ? a.lse_in[at] * kLog2e : INFINITY;
+        st.delta[tid] = row < seq ? a.delta[at] : 0.0f;
+    }
+}
+#endif
+
+template <typename T, int WGS>
+__global__ void __launch_bounds__(128 * WGS, 1) dkdv_kernel(Args a) {
+#if TILEARN_HAS_WGMMA
+    constexpr int kThr = threads_of<WGS>();
+    constexpr int kBc = 64 * WGS;  // keys per CTA
+    T* sK = smem_tiles<T>();
+    T* sV = sK + kBc * kD;
+    T* sQ = sV + kBc * kD;  // kStages stages of (Q, dO)
+    float* sF = reinterpret_cast<float*>(sQ + 2 * kStages * kKvBr * kD);  // (lse2, delta)
+    const WgIds id = wg_ids();
+    const int seq = a.seq;
+    const int heads_total = a.batch * a.kv_heads;
+    // Heaviest first: the first key blocks see the most queries.
+    const int kb = static_cast<int>(blockIdx.x / static_cast<unsigned>(heads_total));
+    const int bh = static_cast<int>(blockIdx.x % static_cast<unsigned>(heads_total));
+    const int b = bh / a.kv_heads;
+    const int hk = bh % a.kv_heads;
+    const int group = a.q_heads / a.kv_heads;
+    const int k0 = kb * kBc;
+    const size_t kv_stride = static_cast<size_t>(a.kv_heads) * kD;
+    const size_t kv_base = (static_cast<size_t>(b) * seq * a.kv_heads + hk) * kD;
+    // Steps: the group's heads, each over the query blocks from the one holding query k0
+    // (earlier queries see none of these keys) to the end.
+    const int qb_first = k0 / kKvBr;
+    const int nqb = (seq + kKvBr - 1) / kKvBr - qb_first;
+    const int steps = group * nqb;
+    auto load_step = [&](int step) {
+        if (step < steps)
+            load_q_stage<T, kThr>(a, q_stage<T>(sQ, sF, step), b, hk * group + step / nqb,
+                                  qb_first + step % nqb, id.tid);
+        cp_async_commit();
+    };
+    load_tile<T, kBc, kD, kThr>(sK, static_cast<const T*>(a.k) + kv_base, kv_stride, k0, seq,
+                                id.tid);
+    load_tile<T, kBc, kD, kThr>(sV, static_cast<const T*>(a.v) + kv_base, kv_stride, k0, seq,
+                                id.tid);
+    load_step(0);
+
+    const int key_wg = k0 + id.wgi * 64;  // the warpgroup's first key
+    const uint32_t k_tile = smem_addr(sK + id.wgi * 64 * kD);
+    const uint32_t v_tile = smem_addr(sV + id.wgi * 64 * kD);
+    const float sl2 = a.scale * kLog2e;
+    float dk[32], dv[32];
+    fill(dk, 0.0f);
+    fill(dv, 0.0f);
+
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<0>();
+        wg::fence_smem_for_async();
+        __syncthreads();
+        load_step(step + 1);
+        const QStage<T> st = q_stage<T>(sQ, sF, step);
+        const int q0 = (qb_first + step % nqb) * kKvBr;
+        const uint32_t q_tile = smem_addr(st.q);
+        const uint32_t do_tile = smem_addr(st.dout);
+        float s[32], dp[32];
+        wg::fence();
+        gemm_abt<T>(s, k_tile, q_tile);    // Sᵀ: rows keys, columns queries
+        wg::commit();
+        gemm_abt<T>(dp, v_tile, do_tile);  // dPᵀ
+        wg::commit();
+        wg::wait<1>();  // Sᵀ
+        wg::fence_regs(s);
+        const bool diag = key_wg + id.wrow + 15 > q0;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int c = acc_col(id, i);
+            float p = exp2_approx(fmaf(s[i], sl2, -st.lse2[c]));
+            if (diag && key_wg + id.wrow + acc_row(id, i) > q0 + c) p = 0.0f;
+            s[i] = p;
+        }
+        uint32_t pa[kKvBr / 16][4];
+        to_a_frags<T, kKvBr>(s, pa);
+        wg::fence();
+        gemm_pb<T, kKvBr>(dv, pa, do_tile);
+        wg::commit();
+        wg::wait<1>();  // dPᵀ
+        wg::fence_regs(dp);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) dp[i] = s[i] * (dp[i] - st.delta[acc_col(id, i)]) * a.scale;
+        uint32_t dsa[kKvBr / 16][4];
+        to_a_frags<T, kKvBr>(dp, dsa);
+        wg::fence();
+        gemm_pb<T, kKvBr>(dk, dsa, q_tile);
+        wg::commit();
+        wg::wait<0>();
+    }
+    wg::wait<0>();
+    wg::fence_regs(dk);
+    wg::fence_regs(dv);
+    store_acc<T>(static_cast<T*>(a.dk) + kv_base, kv_stride, key_wg, seq, dk, id);
+    store_acc<T>(static_cast<T*>(a.dv) + kv_base, kv_stride, key_wg, seq, dv, id);
+#endif
+}
+
+// ---- launch ----
+
+template <typename K>
+cudaError_t launch(K kernel, size_t blocks, int threads, size_t smem, const Args& a,
+                   cudaStream_t stream) {
+    if (blocks == 0 || blocks > 0x7fffffffu) return cudaErrorInvalidValue;
+    const cudaError_t e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(a);
+    return cudaGetLastError();
+}
+
+// Measured on an H200 (bf16, head_dim 64, forward / backward ms, mma.sync kernels in brackets):
+// TinyLlama's shape (8 x 2048, 32/4 heads): one-warpgroup forward 0.455 (0.489), two-warpgroup
+// 0.519; two-warpgroup backward 1.229 (1.836), one-warpgroup 1.277. Hence the choice below.
+constexpr int kFwdWgs = 1;
+constexpr int kBwdWgs = 2;
+
+template <typename T>
+cudaError_t run(bool backward, const Args& a, cudaStream_t stream) {
+    const size_t q_rows = static_cast<size_t>(a.batch) * a.q_heads;
+    const size_t kv_rows = static_cast<size_t>(a.batch) * a.kv_heads;
+    if (!backward) {
+        const size_t blocks = (a.seq + 64 * kFwdWgs - 1) / (64 * kFwdWgs) * q_rows;
+        return launch(fwd_kernel<T, kFwdWgs>, blocks, threads_of<kFwdWgs>(), fwd_smem<kFwdWgs>(),
+                      a, stream);
+    }
+    const size_t blocks_per_head = (a.seq + 64 * kBwdWgs - 1) / (64 * kBwdWgs);
+    const cudaError_t e = launch(dkdv_kernel<T, kBwdWgs>, blocks_per_head * kv_rows,
+                                 threads_of<kBwdWgs>(), dkdv_smem<kBwdWgs>(), a, stream);
+    if (e != cudaSuccess) return e;
+    return launch(dq_kernel<T, kBwdWgs>, blocks_per_head * q_rows, threads_of<kBwdWgs>(),
+                  dq_smem<kBwdWgs>(), a, stream);
+}
+
+// TILEARN_FLASH_SM80=1 keeps the mma.sync kernels on Hopper too (comparisons, or a way out).
+// Read at every launch (a getenv, far below a launch's cost) so that a benchmark can switch.
+bool forced_off() {
+    const char* v = std::getenv("TILEARN_FLASH_SM80");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
+}  // namespace
+
+namespace tilearn::flash {
+
+bool sm90_applies(int dtype, size_t head_dim, bool masked) {
+    if (masked || head_dim != static_cast<size_t>(kD) || forced_off()) return false;
+    if (dtype != TILEARN_DTYPE_BF16 && dtype != TILEARN_DTYPE_F16) return false;
+    int device = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+        return false;
+    return major == 9 && minor == 0;
+}
+
+int sm90_run(int dtype, bool backward, const Args& a, cudaStream_t stream) {
+    cudaError_t e = cudaErrorInvalidValue;
+    if (dtype == TILEARN_DTYPE_BF16) e = run<__nv_bfloat16>(backward, a, stream);
+    if (dtype == TILEARN_DTYPE_F16) e = run<__half>(backward, a, stream);
+    return static_cast<int>(e);
+}
+
+}  // namespace tilearn::flash

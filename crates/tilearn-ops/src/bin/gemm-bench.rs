@@ -273,7 +273,7 @@ fn attention_bench<T: DeviceFloat>(
                     "{{\"bench\":\"attention\",\"shape\":\"{}\",\"batch\":{},\"seq\":{},",
                     "\"q_heads\":{},\"kv_heads\":{},\"head_dim\":{},\"dtype\":\"{}\",",
                     "\"path\":\"{}\",\"kernels\":\"{}\",\"fwd_ms\":{:.4},\"fwd_tflops\":{:.1},\"bwd_ms\":{:.4},",
-                    "\"bwd_tflops\":{:.1},\"example_len\":{:?},\"sliding_window\":{:?},\"alibi\":{},",
+                    "\"bwd_tflops\":{:.1},\"example_len\":{},\"sliding_window\":{},\"alibi\":{},",
                     "\"device\":{:?}}}"
                 ),
                 preset,
@@ -289,8 +289,8 @@ fn attention_bench<T: DeviceFloat>(
                 tf_f,
                 bwd,
                 tf_b,
-                mask.example_len,
-                mask.window,
+                json_opt(mask.example_len),
+                json_opt(mask.window),
                 mask.alibi,
                 name
             );
@@ -301,6 +301,11 @@ fn attention_bench<T: DeviceFloat>(
         }
     }
     Ok(table.join("\n"))
+}
+
+/// A JSON number, or `null` for none (`{:?}` would print `None`, which no JSON reader takes).
+fn json_opt(v: Option<usize>) -> String {
+    v.map_or_else(|| "null".to_string(), |n| n.to_string())
 }
 
 /// Median forward and backward milliseconds of one path at one shape.

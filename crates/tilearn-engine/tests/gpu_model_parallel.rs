@@ -47,44 +47,29 @@
 mod support;
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use support::{gpu_or_skip, random_batch, rel_err, report};
-use tilearn_engine::checkpoint::load_params;
+use support::gpu_parallel::{
+    compare, rel, staged_on_gpu, step_batches, tiny_args, tiny_config, train_step, weights_of,
+};
+use support::{gpu_or_skip, report};
 use tilearn_engine::config::LlamaConfig;
-use tilearn_engine::data::Batch;
 use tilearn_engine::model::tensor_parallel::TensorShard;
-use tilearn_engine::params::ParamStore;
 use tilearn_engine::trainer::gpu_backend::GpuBackend;
 use tilearn_engine::trainer::gpu_backend::tensor_parallel::GpuTensorParallelBackend;
-use tilearn_engine::trainer::optimizer_shards::{
-    OptimizerCheckpoint, SlicedManifest, shard_file_name,
-};
+use tilearn_engine::trainer::optimizer_shards::{OptimizerCheckpoint, shard_file_name};
 use tilearn_engine::trainer::{ModelInit, StepBackend, TrainingArguments};
 use tilearn_ops::DType;
-use tilearn_ops::cuda::GpuDevice;
-use tilearn_parallel::Communicator;
 use tilearn_parallel::host::{HostCommunicator, run_on_threads};
-
-const TINY: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
- "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
- "num_key_value_heads": 2, "vocab_size": 257, "max_position_embeddings": 64,
- "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}"#;
 
 /// The rows of the 257-word vocabulary each of the two ranks holds (`chunk_range`).
 const VOCAB_ROWS: [usize; 2] = [129, 128];
 
 const SEED: u64 = 7;
-const BATCH: usize = 2;
-const SEQ: usize = 16;
 const MICRO: usize = 2;
-const LR: f32 = 1e-3;
 
 fn config() -> LlamaConfig {
-    LlamaConfig::from_json_str(TINY, "test/config.json").unwrap()
+    tiny_config(2)
 }
 
 /// The same model with tied embeddings (no `lm_head.weight`).
@@ -96,51 +81,7 @@ fn tied_config() -> LlamaConfig {
 }
 
 fn args() -> TrainingArguments {
-    TrainingArguments {
-        per_device_train_batch_size: BATCH,
-        seq_len: SEQ,
-        learning_rate: LR,
-        max_grad_norm: 1.0,
-        ..TrainingArguments::default()
-    }
-}
-
-fn step_batches(step: usize) -> Vec<Batch> {
-    (0..MICRO)
-        .map(|m| {
-            let mut rng = ChaCha8Rng::seed_from_u64((step * 100 + m) as u64);
-            let (input_ids, labels) = random_batch(&mut rng, 257, BATCH, SEQ);
-            Batch {
-                input_ids,
-                labels,
-                positions: None,
-                batch: BATCH,
-                seq_len: SEQ,
-            }
-        })
-        .collect()
-}
-
-/// One optimizer step of `backend` on step `step`'s micro-batches: (loss, gradient norm).
-fn train_step(backend: &mut dyn StepBackend, step: usize, precision: DType) -> (f64, f64) {
-    let batches = step_batches(step);
-    let denominator: f64 = batches
-        .iter()
-        .map(|b| tilearn_engine::model::count_valid_targets(&b.labels, BATCH, SEQ))
-        .sum::<usize>() as f64;
-    backend.zero_grads();
-    let mut loss = 0.0;
-    for b in &batches {
-        loss += backend
-            .forward_backward(b, denominator, precision, 1.0)
-            .unwrap();
-    }
-    backend.clip_grad_norm(1.0).unwrap();
-    let norm = backend
-        .optimizer_step(LR)
-        .unwrap()
-        .expect("the GPU reports the norm");
-    (loss / denominator, norm)
+    tiny_args()
 }
 
 /// The single-rank engine from the random initialisation, trained `steps` steps.
@@ -154,12 +95,7 @@ fn one_rank_with(
     precision: DType,
     steps: std::ops::Range<usize>,
 ) -> (GpuBackend, Vec<(f64, f64)>) {
-    let init = ModelInit::Random { seed: SEED };
-    let mut backend = GpuBackend::from_init(c, &init, a, 0, &[precision]).unwrap();
-    let log = steps
-        .map(|s| train_step(&mut backend, s, precision))
-        .collect();
-    (backend, log)
+    support::gpu_parallel::one_rank(c, a, SEED, MICRO, precision, steps)
 }
 
 fn tp_backend(
@@ -179,72 +115,19 @@ fn tp_backend_with(
     rank: usize,
     comm: HostCommunicator,
 ) -> GpuTensorParallelBackend {
-    // Device buffers are staged through page-locked memory on a stream of the same GPU.
-    comm.set_staging_stream(GpuDevice::new(0).unwrap().stream().clone());
-    let comm: Arc<dyn Communicator> = Arc::new(comm);
     GpuTensorParallelBackend::from_init(
         c,
         init,
         a,
         (0, &[precision]),
         TensorShard { rank, size: 2 },
-        comm,
+        staged_on_gpu(comm),
     )
     .unwrap()
 }
 
 fn weights(dir: &Path) -> Vec<f32> {
     weights_of(dir, &config())
-}
-
-fn weights_of(dir: &Path, c: &LlamaConfig) -> Vec<f32> {
-    load_params(dir, c).unwrap().data
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| f64::from((x - y).abs()))
-        .fold(0.0, f64::max)
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(f64::MIN_POSITIVE)
-}
-
-/// Compares two runs' (loss, norm) logs and final weights with the bounds of `precision`.
-fn compare(
-    what: &str,
-    ours: &[(f64, f64)],
-    reference: &[(f64, f64)],
-    w: (&[f32], &[f32]),
-    precision: DType,
-) {
-    let (loss_tol, norm_tol, w_rel_tol, w_max_tol) = match precision {
-        DType::F32 => (1e-5, 1e-5, 1e-5, 1e-4),
-        _ => (5e-3, 5e-2, 5e-3, 2.0 * f64::from(LR) * ours.len() as f64),
-    };
-    assert_eq!(ours.len(), reference.len());
-    for (step, (o, r)) in ours.iter().zip(reference).enumerate() {
-        report(&format!(
-            "{what} step {step}: loss {:.7} vs {:.7} (rel {:.2e}), norm {:.6} vs {:.6} (rel {:.2e})",
-            o.0,
-            r.0,
-            rel(o.0, r.0),
-            o.1,
-            r.1,
-            rel(o.1, r.1)
-        ));
-        assert!(rel(o.0, r.0) <= loss_tol, "{what}: loss of step {step}");
-        assert!(
-            rel(o.1, r.1) <= norm_tol,
-            "{what}: gradient norm of step {step}"
-        );
-    }
-    let (wr, wm) = (rel_err(w.0, w.1), max_abs_diff(w.0, w.1));
-    report(&format!("{what}: weights rel {wr:.2e}, max |Δw| {wm:.2e}"));
-    assert!(wr <= w_rel_tol, "{what}: weights rel {wr}");
-    assert!(wm <= w_max_tol, "{what}: max |Δw| {wm}");
 }
 
 fn tp2_matches_one_rank(precision: DType) {
@@ -270,7 +153,7 @@ fn tp2_matches_one_rank_with(c: &LlamaConfig, a: TrainingArguments, precision: D
     }
     let (mut single, reference) = one_rank_with(c, &a, precision, 0..3);
     // The evaluation loss (the loss-only vocabulary-parallel path) of a batch no step saw.
-    let held_out = &step_batches(9)[0];
+    let held_out = &step_batches(9, MICRO)[0];
     let reference_eval = single.eval_loss(held_out, precision).unwrap();
     let reference_weights = single.model().unwrap().params.data.clone();
     let single_logits_bytes = single.logits_buffer_bytes();
@@ -284,7 +167,9 @@ fn tp2_matches_one_rank_with(c: &LlamaConfig, a: TrainingArguments, precision: D
             let init = ModelInit::Random { seed: SEED };
             let mut b = tp_backend_with(c, &a, &init, precision, rank, comm);
             let bytes = b.logits_buffer_bytes();
-            let log: Vec<(f64, f64)> = (0..3).map(|s| train_step(&mut b, s, precision)).collect();
+            let log: Vec<(f64, f64)> = (0..3)
+                .map(|s| train_step(&mut b, s, MICRO, precision))
+                .collect();
             let eval = b.eval_loss(held_out, precision).unwrap();
             b.save_model(&dir, c, DType::F32, None).unwrap();
             (log, bytes, eval)
@@ -361,14 +246,7 @@ fn tensor_parallel_2_with_tied_embeddings_matches_one_rank_fp32() {
 
 /// The optimizer state of a tp 2 save in `dir` (as the Trainer's checkpoint writes it).
 fn sliced_checkpoint(dir: &Path) -> OptimizerCheckpoint {
-    let specs = ParamStore::specs_for(&config());
-    let numel = specs.iter().map(|s| s.numel()).sum();
-    let files = (0..2).map(|r| shard_file_name(r, 2)).collect();
-    OptimizerCheckpoint::Sliced {
-        dir: dir.to_path_buf(),
-        manifest: SlicedManifest::new(numel, (2, 1, 1), 0, files),
-        specs,
-    }
+    support::gpu_parallel::sliced_checkpoint(dir, &config(), (2, 1, 1))
 }
 
 #[test]
@@ -392,7 +270,7 @@ fn tensor_parallel_checkpoints_resume_on_one_rank_and_back() {
         |rank, comm: HostCommunicator| {
             let mut b = tp_backend(&ModelInit::Random { seed: SEED }, f32, rank, comm);
             for s in 0..2 {
-                train_step(&mut b, s, f32);
+                train_step(&mut b, s, MICRO, f32);
             }
             b.save_model(&dir, &config(), DType::F32, None).unwrap();
             b.save_optimizer(&dir.join(shard_file_name(rank, 2)))
@@ -403,7 +281,7 @@ fn tensor_parallel_checkpoints_resume_on_one_rank_and_back() {
     let init = ModelInit::Pretrained(dir.clone());
     let mut resumed = GpuBackend::from_init(&config(), &init, &args(), 0, &[f32]).unwrap();
     resumed.restore(&dir, &sliced_checkpoint(&dir)).unwrap();
-    let log = vec![train_step(&mut resumed, 2, f32)];
+    let log = vec![train_step(&mut resumed, 2, MICRO, f32)];
     let w = resumed.model().unwrap().params.data.clone();
     drop(resumed);
     compare(
@@ -433,7 +311,7 @@ fn tensor_parallel_checkpoints_resume_on_one_rank_and_back() {
             let mut b = tp_backend(&ModelInit::Pretrained(dir.clone()), f32, rank, comm);
             b.restore(&dir, &OptimizerCheckpoint::Whole(whole.clone()))
                 .unwrap();
-            let log = vec![train_step(&mut b, 2, f32)];
+            let log = vec![train_step(&mut b, 2, MICRO, f32)];
             b.save_model(&final_dir, &config(), DType::F32, None)
                 .unwrap();
             log
@@ -473,7 +351,7 @@ fn tensor_parallel_checkpoints_resume_on_tp_2_bit_for_bit() {
         Duration::from_secs(120),
         |rank, comm: HostCommunicator| {
             let mut b = tp_backend(&ModelInit::Random { seed: SEED }, f32, rank, comm);
-            let log: Vec<(f64, f64)> = (0..3).map(|s| train_step(&mut b, s, f32)).collect();
+            let log: Vec<(f64, f64)> = (0..3).map(|s| train_step(&mut b, s, MICRO, f32)).collect();
             b.save_model(&full_dir, &config(), DType::F32, None)
                 .unwrap();
             log
@@ -486,7 +364,7 @@ fn tensor_parallel_checkpoints_resume_on_tp_2_bit_for_bit() {
         |rank, comm: HostCommunicator| {
             let mut b = tp_backend(&ModelInit::Random { seed: SEED }, f32, rank, comm);
             for s in 0..2 {
-                train_step(&mut b, s, f32);
+                train_step(&mut b, s, MICRO, f32);
             }
             b.save_model(&dir, &config(), DType::F32, None).unwrap();
             b.save_optimizer(&dir.join(shard_file_name(rank, 2)))
@@ -500,7 +378,7 @@ fn tensor_parallel_checkpoints_resume_on_tp_2_bit_for_bit() {
         |rank, comm: HostCommunicator| {
             let mut b = tp_backend(&ModelInit::Pretrained(dir.clone()), f32, rank, comm);
             b.restore(&dir, &sliced_checkpoint(&dir)).unwrap();
-            let log = vec![train_step(&mut b, 2, f32)];
+            let log = vec![train_step(&mut b, 2, MICRO, f32)];
             b.save_model(&final_dir, &config(), DType::F32, None)
                 .unwrap();
             log

@@ -46,50 +46,34 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use support::{gpu_or_skip, random_batch, rel_err, report};
-use tilearn_engine::checkpoint::load_params;
+use support::gpu_parallel::{
+    LR, SEQ, compare, denominator, forward_backward_all, max_abs_diff, rel, sliced_checkpoint,
+    staged_on_gpu, step_batches, tiny_args, tiny_config, train_step, weights_of,
+};
+use support::{gpu_or_skip, report};
 use tilearn_engine::config::LlamaConfig;
-use tilearn_engine::data::Batch;
 use tilearn_engine::model::model_parallel::PipelineShard;
-use tilearn_engine::params::ParamStore;
 use tilearn_engine::trainer::gpu_backend::GpuBackend;
 use tilearn_engine::trainer::gpu_backend::pipeline_parallel::GpuPipelineParallelBackend;
-use tilearn_engine::trainer::optimizer_shards::{
-    OptimizerCheckpoint, SlicedManifest, shard_file_name,
-};
+use tilearn_engine::trainer::optimizer_shards::{OptimizerCheckpoint, shard_file_name};
 use tilearn_engine::trainer::{ModelInit, StepBackend, TrainingArguments};
 use tilearn_ops::DType;
-use tilearn_ops::cuda::GpuDevice;
 use tilearn_parallel::Communicator;
 use tilearn_parallel::host::{HostCommunicator, run_on_threads};
 use tilearn_parallel::pipeline::ScheduleKind;
 
-const TINY: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
- "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
- "num_key_value_heads": 2, "vocab_size": 257, "max_position_embeddings": 64,
- "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}"#;
-
 const SEED: u64 = 11;
-const BATCH: usize = 2;
-const SEQ: usize = 16;
 const MICRO: usize = 4;
-const LR: f32 = 1e-3;
 const STEPS: usize = 3;
 
 fn config() -> LlamaConfig {
-    LlamaConfig::from_json_str(TINY, "test/config.json").unwrap()
+    tiny_config(4)
 }
 
 fn args_with(micro: usize) -> TrainingArguments {
     TrainingArguments {
-        per_device_train_batch_size: BATCH,
-        seq_len: SEQ,
-        learning_rate: LR,
-        max_grad_norm: 1.0,
         gradient_accumulation_steps: micro,
-        ..TrainingArguments::default()
+        ..tiny_args()
     }
 }
 
@@ -97,67 +81,13 @@ fn args() -> TrainingArguments {
     args_with(MICRO)
 }
 
-fn step_batches(step: usize, micro: usize) -> Vec<Batch> {
-    (0..micro)
-        .map(|m| {
-            let mut rng = ChaCha8Rng::seed_from_u64((step * 100 + m) as u64);
-            let (input_ids, labels) = random_batch(&mut rng, 257, BATCH, SEQ);
-            Batch {
-                input_ids,
-                labels,
-                positions: None,
-                batch: BATCH,
-                seq_len: SEQ,
-            }
-        })
-        .collect()
-}
-
-/// One optimizer step of `backend` on step `step`'s micro-batches, as the Trainer takes it
-/// (the whole step at once where the backend runs it): (loss, gradient norm).
-fn train_step(
-    backend: &mut dyn StepBackend,
-    step: usize,
-    micro: usize,
-    precision: DType,
-) -> (f64, f64) {
-    let batches = step_batches(step, micro);
-    let denominator: f64 = batches
-        .iter()
-        .map(|b| tilearn_engine::model::count_valid_targets(&b.labels, BATCH, SEQ))
-        .sum::<usize>() as f64;
-    backend.zero_grads();
-    let loss = match backend.forward_backward_step(&batches, denominator, precision, 1.0) {
-        Some(loss) => loss.unwrap(),
-        None => batches
-            .iter()
-            .map(|b| {
-                backend
-                    .forward_backward(b, denominator, precision, 1.0)
-                    .unwrap()
-            })
-            .sum(),
-    };
-    backend.clip_grad_norm(1.0).unwrap();
-    let norm = backend
-        .optimizer_step(LR)
-        .unwrap()
-        .expect("the GPU reports the norm");
-    (loss / denominator, norm)
-}
-
 fn one_rank(
     a: &TrainingArguments,
     precision: DType,
     steps: std::ops::Range<usize>,
 ) -> (GpuBackend, Vec<(f64, f64)>) {
-    let init = ModelInit::Random { seed: SEED };
-    let mut backend = GpuBackend::from_init(&config(), &init, a, 0, &[precision]).unwrap();
     let micro = a.gradient_accumulation_steps;
-    let log = steps
-        .map(|s| train_step(&mut backend, s, micro, precision))
-        .collect();
-    (backend, log)
+    support::gpu_parallel::one_rank(&config(), a, SEED, micro, precision, steps)
 }
 
 fn stage_backend(
@@ -167,9 +97,7 @@ fn stage_backend(
     (stage, stages, schedule): (usize, usize, ScheduleKind),
     comm: HostCommunicator,
 ) -> GpuPipelineParallelBackend {
-    // Device buffers are staged through page-locked memory on a stream of the same GPU.
-    comm.set_staging_stream(GpuDevice::new(0).unwrap().stream().clone());
-    let comm: Arc<dyn Communicator> = Arc::new(comm);
+    let comm = staged_on_gpu(comm);
     let pipe = PipelineShard::balanced(&config(), stage, stages, 1, SEQ).unwrap();
     GpuPipelineParallelBackend::from_init(
         &config(),
@@ -183,54 +111,7 @@ fn stage_backend(
 }
 
 fn weights(dir: &Path) -> Vec<f32> {
-    load_params(dir, &config()).unwrap().data
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| f64::from((x - y).abs()))
-        .fold(0.0, f64::max)
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(f64::MIN_POSITIVE)
-}
-
-/// Compares two runs' (loss, norm) logs and final weights with the bounds of `precision`.
-fn compare(
-    what: &str,
-    ours: &[(f64, f64)],
-    reference: &[(f64, f64)],
-    w: (&[f32], &[f32]),
-    precision: DType,
-) {
-    let (loss_tol, norm_tol, w_rel_tol, w_max_tol) = match precision {
-        DType::F32 => (1e-5, 1e-5, 1e-5, 1e-4),
-        _ => (5e-3, 5e-2, 5e-3, 2.0 * f64::from(LR) * ours.len() as f64),
-    };
-    assert_eq!(ours.len(), reference.len());
-    for (step, (o, r)) in ours.iter().zip(reference).enumerate() {
-        report(&format!(
-            "{what} step {step}: loss {:.7} vs {:.7} (rel {:.2e}), norm {:.6} vs {:.6} (rel {:.2e})",
-            o.0,
-            r.0,
-            rel(o.0, r.0),
-            o.1,
-            r.1,
-            rel(o.1, r.1)
-        ));
-        assert!(rel(o.0, r.0) <= loss_tol, "{what}: loss of step {step}");
-        assert!(
-            rel(o.1, r.1) <= norm_tol,
-            "{what}: gradient norm of step {step}"
-        );
-    }
-    assert_eq!(w.0.len(), w.1.len(), "{what}: the saved model's size");
-    let (wr, wm) = (rel_err(w.0, w.1), max_abs_diff(w.0, w.1));
-    report(&format!("{what}: weights rel {wr:.2e}, max |Δw| {wm:.2e}"));
-    assert!(wr <= w_rel_tol, "{what}: weights rel {wr}");
-    assert!(wm <= w_max_tol, "{what}: max |Δw| {wm}");
+    weights_of(dir, &config())
 }
 
 /// `stages` stages with `schedule` train `STEPS` steps of `micro` micro-batches as one rank.
@@ -346,14 +227,7 @@ fn pipeline_2_evaluation_loss_matches_one_rank() {
 
 /// The optimizer state of a pp 2 save in `dir` (as the Trainer's checkpoint writes it).
 fn pipeline_checkpoint(dir: &Path) -> OptimizerCheckpoint {
-    let specs = ParamStore::specs_for(&config());
-    let numel = specs.iter().map(|s| s.numel()).sum();
-    let files = (0..2).map(|r| shard_file_name(r, 2)).collect();
-    OptimizerCheckpoint::Sliced {
-        dir: dir.to_path_buf(),
-        manifest: SlicedManifest::new(numel, (1, 2, 1), 0, files),
-        specs,
-    }
+    sliced_checkpoint(dir, &config(), (1, 2, 1))
 }
 
 #[test]
@@ -501,22 +375,9 @@ fn fp16_step(
     poison: bool,
 ) -> (f64, f64, bool) {
     let batches = step_batches(step, MICRO);
-    let denominator: f64 = batches
-        .iter()
-        .map(|b| tilearn_engine::model::count_valid_targets(&b.labels, BATCH, SEQ))
-        .sum::<usize>() as f64;
+    let denominator = denominator(&batches);
     backend.zero_grads();
-    let loss = match backend.forward_backward_step(&batches, denominator, DType::F16, scale) {
-        Some(loss) => loss.unwrap(),
-        None => batches
-            .iter()
-            .map(|b| {
-                backend
-                    .forward_backward(b, denominator, DType::F16, scale)
-                    .unwrap()
-            })
-            .sum(),
-    };
+    let loss = forward_backward_all(backend, &batches, denominator, DType::F16, scale);
     if poison {
         backend.poison_gradients().unwrap();
     }

@@ -3,6 +3,8 @@
 #![allow(dead_code)]
 
 pub mod golden;
+#[cfg(feature = "cuda")]
+pub mod gpu_parallel;
 pub mod packing;
 pub mod sft;
 

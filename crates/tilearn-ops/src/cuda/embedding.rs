@@ -15,7 +15,8 @@
 //! [`embedding_forward_slice`] / [`embedding_backward_slice`] are the vocabulary-parallel
 //! lookup of a tensor-parallel rank holding rows `slice.start ..` of the vocabulary: ids of
 //! other ranks give zero rows and are skipped by the backward (CPU reference:
-//! [`crate::cpu::vocab_slice`]).
+//! [`crate::cpu::vocab_slice`]). The whole-table wrappers run the same body on the slice
+//! `[0, vocab)` of a `vocab`-word vocabulary, as the kernels' whole-table entry points do.
 
 use std::sync::Arc;
 
@@ -192,35 +193,8 @@ pub fn embedding_forward<T: DeviceFloat>(
     check_ids: &mut TokenIdCheck,
 ) -> Result<()> {
     let op = "tilearn_embedding_forward";
-    let vocab = check_ids.vocab;
-    let table_len = table_len(op, vocab, dim, table.len())?;
-    let rows = ids.len();
-    let out_len = rows_len(op, rows, dim, out.len())?;
-    rows_in_range(op, rows, vocab)?;
-    Launch::new(op, stream)
-        .input("table", table, table_len)
-        .output("out", out, out_len)
-        .input("ids", ids, rows)
-        .output("check", &mut check_ids.word, 1)
-        .skip_launch_if(rows == 0)
-        .run(|[table, ids], [out, status], stream| {
-            // SAFETY: the launcher reads `rows` u32 ids and, for ids < vocab only, rows of the
-            // vocab * dim elements of T (`T::DTYPE`) of table; it writes rows * dim to out and
-            // may lower the one u64 status word.
-            unsafe {
-                ffi::tilearn_embedding_forward(
-                    T::DTYPE,
-                    ids.cast(),
-                    table,
-                    rows,
-                    vocab,
-                    dim,
-                    out,
-                    status.cast(),
-                    stream,
-                )
-            }
-        })
+    let whole = VocabSlice::whole(check_ids.vocab);
+    forward_rows(op, stream, ids, table, whole, dim, out, check_ids)
 }
 
 /// `dtable[ids[r], :] += dout[r, :]` for every row `r` in order (accumulates, `+=`). `dtable` is
@@ -241,51 +215,10 @@ pub fn embedding_backward<T: DeviceFloat>(
     scratch: &mut EmbeddingBackwardScratch,
 ) -> Result<()> {
     let op = "tilearn_embedding_backward";
-    let vocab = check_ids.vocab;
-    let dtable_len = table_len(op, vocab, dim, dtable.len())?;
-    let rows = ids.len();
-    let dout_len = rows_len(op, rows, dim, dout.len())?;
-    rows_in_range(op, rows, vocab)?;
-    let have = scratch.buf.len();
-    if rows > 0 {
-        let need = sort_scratch_bytes(op, stream, rows, vocab)?;
-        if have < need {
-            return Err(OpsError::Cuda {
-                context: op,
-                message: format!(
-                    "EmbeddingBackwardScratch holds {have} bytes, {rows} tokens need {need}"
-                ),
-            });
-        }
-    }
-    Launch::new(op, stream)
-        .output("dtable", dtable, dtable_len)
-        .input("dout", dout, dout_len)
-        .input("ids", ids, rows)
-        .output("check", &mut check_ids.word, 1)
-        .workspace("scratch", &mut scratch.buf)
-        .skip_launch_if(rows == 0)
-        .run(|[dout, ids], [dtable, status, scratch], stream| {
-            // SAFETY: the launcher reads `rows` u32 ids and rows * dim elements of T
-            // (`T::DTYPE`) of dout, adds into rows < vocab of the vocab * dim f32 of dtable, may
-            // lower the one u64 status word, and uses at most `have` bytes of scratch (at least
-            // its need, checked above; it aligns inside and writes every byte it later reads).
-            unsafe {
-                ffi::tilearn_embedding_backward(
-                    T::DTYPE,
-                    ids.cast(),
-                    dout,
-                    rows,
-                    vocab,
-                    dim,
-                    dtable.cast(),
-                    status.cast(),
-                    scratch,
-                    have,
-                    stream,
-                )
-            }
-        })
+    let whole = VocabSlice::whole(check_ids.vocab);
+    backward_rows(
+        op, stream, ids, dout, whole, dim, dtable, check_ids, scratch,
+    )
 }
 
 /// The slice a `check_ids` of the whole vocabulary accepts, refused otherwise.
@@ -326,6 +259,48 @@ pub fn embedding_forward_slice<T: DeviceFloat>(
 ) -> Result<()> {
     let op = "tilearn_embedding_forward_slice";
     let slice = checked_slice(op, slice, check_ids)?;
+    forward_rows(op, stream, ids, table, slice, dim, out, check_ids)
+}
+
+/// The vocabulary-parallel backward (accumulates, `+=`): `dtable[ids[r] - slice.start, :] +=
+/// dout[r, :]` for the rows whose id the slice holds, in position order; the others are
+/// skipped. `dtable` is the f32 `[slice.rows, dim]` gradient; `scratch` must cover `ids.len()`
+/// tokens of a table of `slice.rows` rows.
+///
+/// Precision: as [`embedding_backward`] (bit-identical to the f32 CPU reference
+/// [`crate::cpu::embedding_backward_slice`]).
+#[allow(clippy::too_many_arguments)]
+pub fn embedding_backward_slice<T: DeviceFloat>(
+    stream: &Arc<CudaStream>,
+    ids: &impl DevicePtr<u32>,
+    dout: &impl DevicePtr<T>,
+    slice: VocabSlice,
+    dim: usize,
+    dtable: &mut impl DevicePtrMut<f32>,
+    check_ids: &mut TokenIdCheck,
+    scratch: &mut EmbeddingBackwardScratch,
+) -> Result<()> {
+    let op = "tilearn_embedding_backward_slice";
+    let slice = checked_slice(op, slice, check_ids)?;
+    backward_rows(
+        op, stream, ids, dout, slice, dim, dtable, check_ids, scratch,
+    )
+}
+
+/// The lookup of both [`embedding_forward`] (the whole table is the slice `[0, vocab)`, which
+/// the kernel's whole-table entry point passes too) and [`embedding_forward_slice`]: `slice`
+/// is valid and covers `check_ids.vocab` words.
+#[allow(clippy::too_many_arguments)]
+fn forward_rows<T: DeviceFloat>(
+    op: &'static str,
+    stream: &Arc<CudaStream>,
+    ids: &impl DevicePtr<u32>,
+    table: &impl DevicePtr<T>,
+    slice: VocabSlice,
+    dim: usize,
+    out: &mut impl DevicePtrMut<T>,
+    check_ids: &mut TokenIdCheck,
+) -> Result<()> {
     let table_len = table_len(op, slice.rows, dim, table.len())?;
     let rows = ids.len();
     let out_len = rows_len(op, rows, dim, out.len())?;
@@ -358,15 +333,11 @@ pub fn embedding_forward_slice<T: DeviceFloat>(
         })
 }
 
-/// The vocabulary-parallel backward (accumulates, `+=`): `dtable[ids[r] - slice.start, :] +=
-/// dout[r, :]` for the rows whose id the slice holds, in position order; the others are
-/// skipped. `dtable` is the f32 `[slice.rows, dim]` gradient; `scratch` must cover `ids.len()`
-/// tokens of a table of `slice.rows` rows.
-///
-/// Precision: as [`embedding_backward`] (bit-identical to the f32 CPU reference
-/// [`crate::cpu::embedding_backward_slice`]).
+/// The backward of both [`embedding_backward`] (the whole table is the slice `[0, vocab)`) and
+/// [`embedding_backward_slice`]: `slice` is valid and covers `check_ids.vocab` words.
 #[allow(clippy::too_many_arguments)]
-pub fn embedding_backward_slice<T: DeviceFloat>(
+fn backward_rows<T: DeviceFloat>(
+    op: &'static str,
     stream: &Arc<CudaStream>,
     ids: &impl DevicePtr<u32>,
     dout: &impl DevicePtr<T>,
@@ -376,8 +347,6 @@ pub fn embedding_backward_slice<T: DeviceFloat>(
     check_ids: &mut TokenIdCheck,
     scratch: &mut EmbeddingBackwardScratch,
 ) -> Result<()> {
-    let op = "tilearn_embedding_backward_slice";
-    let slice = checked_slice(op, slice, check_ids)?;
     let dtable_len = table_len(op, slice.rows, dim, dtable.len())?;
     let rows = ids.len();
     let dout_len = rows_len(op, rows, dim, dout.len())?;
@@ -405,7 +374,8 @@ pub fn embedding_backward_slice<T: DeviceFloat>(
             // SAFETY: the launcher reads `rows` u32 ids and rows * dim elements of T
             // (`T::DTYPE`) of dout, adds into the rows of the slice.rows * dim f32 of dtable that
             // the slice's ids select, may lower the one u64 status word, and uses at most `have`
-            // bytes of scratch (at least its need for slice.rows keys, checked above).
+            // bytes of scratch (at least its need for slice.rows keys, checked above; it aligns
+            // inside and writes every byte it later reads).
             unsafe {
                 ffi::tilearn_embedding_backward_slice(
                     T::DTYPE,

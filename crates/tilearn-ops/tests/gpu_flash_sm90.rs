@@ -20,7 +20,7 @@
 
 mod gpu_common;
 
-use gpu_common::{Elem, download, gpu_or_skip, random, report, shape, upload};
+use gpu_common::{Elem, download, gpu_or_skip, random, rel_err, report, shape, upload};
 use half::{bf16, f16};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -44,13 +44,6 @@ fn with_kernels<R>(sm80: bool, f: impl FnOnce() -> R) -> R {
     // SAFETY: as above.
     unsafe { std::env::remove_var(SWITCH) };
     r
-}
-
-/// ‖a − b‖₂ / ‖b‖₂.
-fn rel(a: &[f64], b: &[f64]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-    let den: f64 = b.iter().map(|y| y * y).sum();
-    (num / den).sqrt()
 }
 
 fn widen<T: Elem>(v: &[T]) -> Vec<f64> {
@@ -90,7 +83,8 @@ fn compare<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64, tol_o
     };
     let (out_ref, lse_ref) = forward(true);
     let (out_new, lse_new) = forward(false);
-    let out_err = rel(
+    let out_err = rel_err(
+        "out",
         &widen(&download(dev, &out_new)),
         &widen(&download(dev, &out_ref)),
     );
@@ -100,7 +94,7 @@ fn compare<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64, tol_o
             .map(|&x: &f32| x as f64)
             .collect::<Vec<_>>()
     };
-    let lse_err = rel(&lse_of(&lse_new), &lse_of(&lse_ref));
+    let lse_err = rel_err("lse", &lse_of(&lse_new), &lse_of(&lse_ref));
 
     let mut backward = |sm80: bool| {
         let mut dq = upload(st, &vec![T::NAN; ql]);

@@ -868,8 +868,19 @@ extern "C" int tilearn_flash_attention_backward(int dtype, const void* dout, con
                                                 size_t batch, size_t seq, size_t q_heads,
                                                 size_t kv_heads, size_t head_dim, float scale,
                                                 const tilearn_key_mask* mask,
-                                                cudaStream_t stream) {
-    const Args a{q, k, v, dq, nullptr, dout, lse, delta, dk, dv};
+                                                float* dq_accum, cudaStream_t stream) {
+    Args a{q, k, v, dq, nullptr, dout, lse, delta, dk, dv};
+    a.dq_accum = dq_accum;
     return checked_run(dtype, true, a, batch, seq, q_heads, kv_heads, head_dim, scale, mask,
                        stream);
+}
+
+extern "C" size_t tilearn_flash_attention_dq_accum_len(size_t batch, size_t seq, size_t q_heads,
+                                                       size_t head_dim) {
+    const size_t rows = (seq + 63) / 64 * 64;
+    size_t n = 0;
+    if (__builtin_mul_overflow(batch, q_heads, &n) || __builtin_mul_overflow(n, rows, &n) ||
+        __builtin_mul_overflow(n, head_dim, &n))
+        return 0;
+    return n;
 }

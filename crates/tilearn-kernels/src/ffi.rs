@@ -797,8 +797,15 @@ unsafe extern "C" {
         head_dim: usize,
         scale: f32,
         mask: *const tilearn_key_mask,
+        dq_accum: *mut f32,
         stream: cudaStream_t,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_flash_attention_dq_accum_len(
+        batch: usize,
+        seq: usize,
+        q_heads: usize,
+        head_dim: usize,
+    ) -> usize;
     pub fn tilearn_cached_attention(
         dtype: ::std::os::raw::c_int,
         q: *const ::std::os::raw::c_void,

@@ -135,6 +135,7 @@ struct Args {
     const int* positions;  // [batch, seq] restarting position ids, or null (one sequence a row)
     int window;            // sliding window in keys, 0 for none
     const float* alibi;    // [q_heads] ALiBi slopes, or null (no bias)
+    float* dq_accum;       // backward: f32 dQ sums of the one-pass Hopper backward, or null
     int batch;
     int seq;
     int q_heads;

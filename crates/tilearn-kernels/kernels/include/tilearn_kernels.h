@@ -609,13 +609,21 @@ int tilearn_flash_attention_forward(int dtype, const void *q, const void *k, con
                                     size_t q_heads, size_t kv_heads, size_t head_dim, float scale,
                                     const tilearn_key_mask *mask, cudaStream_t stream);
 /* dq, dk, dv written (=) from dout, the inputs, the forward's lse and delta = rowsum(dout * out)
- * (tilearn_attention_delta). Deterministic: no atomics, fixed summation order. */
+ * (tilearn_attention_delta). dq_accum NULL: deterministic (no atomics, a fixed summation order,
+ * dQ in a second pass over the keys). dq_accum set (16-byte aligned, at least
+ * tilearn_flash_attention_dq_accum_len(..) f32; contents overwritten): where the Hopper kernels
+ * run, one pass computes dK, dV and dQ, dQ summed in f32 by reduce-adds into dq_accum (faster,
+ * the same to f32 rounding, not bit-reproducible from run to run); elsewhere it is unused. */
 int tilearn_flash_attention_backward(int dtype, const void *dout, const void *q, const void *k,
                                      const void *v, const float *lse, const float *delta,
                                      void *dq, void *dk, void *dv, size_t batch, size_t seq,
                                      size_t q_heads, size_t kv_heads, size_t head_dim,
-                                     float scale, const tilearn_key_mask *mask,
+                                     float scale, const tilearn_key_mask *mask, float *dq_accum,
                                      cudaStream_t stream);
+/* f32 elements of the backward's dq_accum for this shape: batch * q_heads * head_dim * seq
+ * rounded up to a multiple of 64 (0 when the product overflows size_t). */
+size_t tilearn_flash_attention_dq_accum_len(size_t batch, size_t seq, size_t q_heads,
+                                            size_t head_dim);
 
 /* ---- cached_attention.cu: causal grouped-query attention of n new queries against a key/value
  *      cache (generation; forward only) ----

@@ -1142,6 +1142,7 @@ pub fn attention_backward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<
                         s.head_dim,
                         plan.scale,
                         mask_ptr(&km),
+                        std::ptr::null_mut(),
                         raw,
                     );
                     return check(op, status);

@@ -26,7 +26,7 @@ def rs(n, ty):
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate), "n"(TB));'''
 
 out = []
-for n in (64, 128):
+for n in (32, 64, 128):
     out.append(f'''// d (64 x {n} f32 per warpgroup) = (accumulate ? d : 0) + A · B, A (64 x 16) and B (16 x {n}) from
 // shared memory through descriptors; TA / TB: 1 when the operand is MN-major (transposed).
 template <typename T, int TA, int TB>

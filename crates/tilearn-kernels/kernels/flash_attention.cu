@@ -708,7 +708,7 @@ bool pointers_ok(const Args& a, bool backward) {
     const bool both = aligned16(a.q) && aligned16(a.k) && aligned16(a.v) && aligned16(a.o_or_dq);
     if (!backward) return both && aligned4(a.lse_out);
     return both && aligned16(a.dout) && aligned16(a.dk) && aligned16(a.dv) && aligned4(a.lse_in) &&
-           aligned4(a.delta);
+           aligned4(a.delta) && (a.dq_accum == nullptr || aligned16(a.dq_accum));
 }
 
 // Validates the sizes and fills the int fields of `a`; false when they are out of range.

@@ -19,15 +19,26 @@
 //            three cp.async buffers, one step ahead; blocks above the diagonal are never loaded.
 //            The backward computes exactly what flash_attention.cu's does, in the same order
 //            (same tiles of 64, same roundings): its results are bit-identical to it.
+//            One-pass backward (when the caller passes dq_accum): the dK/dV kernel also forms dQ.
+//            Each step stores its dSᵀ (already rounded for dK) to shared memory; at the next step
+//            the two warpgroups compute that query block's dQ = dS·K over the CTA's 128 keys (32
+//            columns each, both operands from shared memory, issued ahead of the step's Sᵀ), and
+//            one thread adds the 64 x 64 f32 block into dq_accum with a bulk reduce-add (in L2,
+//            asynchronous); a small kernel rounds dq_accum into dq. Five products instead of
+//            seven and one kernel instead of two: 10-12 % less backward time on an H200.
 // Layout:    as flash_attention.cu: q / out / dout / dq [batch, seq, q_heads, 64], k / v / dk /
 //            dv [batch, seq, kv_heads, 64], lse / delta f32 [batch, q_heads, seq]; every tile a
-//            1024-byte aligned [rows][64] block with 128-byte swizzle (wgmma.cuh).
+//            1024-byte aligned [rows][64] block with 128-byte swizzle (wgmma.cuh). dq_accum: f32
+//            blocks of 64 queries x 64 in fragment order (dq_fragment_index), [batch, q_heads,
+//            ceil(seq / 64)] of them.
 // Precision: as flash_attention.cu: f32 accumulation, softmax, lse, dP and delta; P and dS rounded
-//            once to the element type as an A operand; outputs rounded once.
-// Gradients: dq, dk, dv written (`=`), every element of rows < seq.
-// Determinism: no atomics; each CTA owns its outputs and sums in a fixed order (key blocks
-//            ascending; for dK / dV the group's heads, then query blocks, ascending): bit-identical
-//            from run to run.
+//            once to the element type as an A operand; outputs rounded once. The one-pass dQ sums
+//            the same products in f32, in the order the CTAs' adds arrive.
+// Gradients: dq, dk, dv written (`=`), every element of rows < seq; dq_accum overwritten.
+// Determinism: the two-kernel backward has no atomics; each CTA owns its outputs and sums in a
+//            fixed order (key blocks ascending; for dK / dV the group's heads, then query blocks,
+//            ascending): bit-identical from run to run. The one-pass backward's dK and dV are the
+//            same bits; its dq varies with the order of the reduce-adds (f32 rounding).
 
 #include <cstdlib>
 
@@ -153,9 +164,14 @@ constexpr size_t fwd_smem() { return (64 * WGS + 2 * kStages * kFwdBc) * kTile +
 template <int WGS>
 constexpr size_t dq_smem() { return (2 * 64 * WGS + 2 * kStages * kDqBc) * kTile + kAlignSlack; }
 
-template <int WGS>
+// The one-pass backward's dQ block: 64 queries x 64 f32, the reduce-add's source (two of them,
+// alternating by step, so that one step's add runs while the next is computed).
+constexpr int kDqBlock = kKvBr * kD;
+
+template <int WGS, bool ONE_PASS>
 constexpr size_t dkdv_smem() {
-    return (2 * 64 * WGS + 2 * kStages * kKvBr) * kTile + 2 * kStages * kKvBr * sizeof(float) +
+    return (2 * 64 * WGS + 2 * kStages * kKvBr + (ONE_PASS ? 2 * 64 * WGS : 0)) * kTile +
+           2 * kStages * kKvBr * sizeof(float) + (ONE_PASS ? 2 * kDqBlock * sizeof(float) : 0) +
            kAlignSlack;
 }
 
@@ -401,17 +417,59 @@ __device__ __forceinline__ void load_q_stage(const Args& a, const QStage<T>& st,
         st.delta[tid] = row < seq ? a.delta[at] : 0.0f;
     }
 }
+
+// dst[0, n) += src[0, n) (f32, n bytes, a multiple of 16; both 16-byte aligned): one thread's
+// asynchronous bulk reduce-add from shared into global memory, in L2, committed as a group.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, uint32_t n) {
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+        "cp.async.bulk.commit_group;\n" ::"l"(dst),
+        "r"(smem_addr(src)), "r"(n)
+        : "memory");
+}
+
+// Waits until at most N of this thread's bulk groups still read their shared-memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+// Waits until all of this thread's bulk groups are complete.
+__device__ __forceinline__ void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+// Where query block qb of (batch b, query head h) keeps its dQ sums in dq_accum: 64 x 64 f32 in
+// the order the warpgroups hold them (see dq_fragment_index).
+__device__ __forceinline__ float* dq_accum_block(const Args& a, int b, int h, int qb) {
+    const int nqb = (a.seq + kKvBr - 1) / kKvBr;
+    return a.dq_accum + ((static_cast<size_t>(b) * a.q_heads + h) * nqb + qb) * kDqBlock;
+}
 #endif
 
-template <typename T, int WGS>
+// The one-pass backward's dQ sums are kept in fragment order, so that the warpgroups store them
+// to shared memory without bank conflicts and the reduce-add moves one contiguous block: warpgroup
+// wgi (columns 32 wgi .. 32 wgi + 31), warp w, accumulator pair j, lane l hold the float2 at
+// ((wgi * 4 + w) * 8 + j) * 32 + l, which is row 16 w + l / 4 + 8 (j % 2), columns
+// 32 wgi + 8 (j / 2) + 2 (l % 4) + {0, 1} of the block.
+__host__ __device__ constexpr int dq_fragment_index(int wgi, int warp, int j, int lane) {
+    return ((wgi * 4 + warp) * 8 + j) * 32 + lane;
+}
+
+template <typename T, int WGS, bool ONE_PASS>
 __global__ void __launch_bounds__(128 * WGS, 1) dkdv_kernel(Args a) {
 #if TILEARN_HAS_WGMMA
+    static_assert(!ONE_PASS || WGS == 2, "the one-pass dQ splits its 64 columns over two warpgroups");
     constexpr int kThr = threads_of<WGS>();
     constexpr int kBc = 64 * WGS;  // keys per CTA
     T* sK = smem_tiles<T>();
     T* sV = sK + kBc * kD;
     T* sQ = sV + kBc * kD;  // kStages stages of (Q, dO)
-    float* sF = reinterpret_cast<float*>(sQ + 2 * kStages * kKvBr * kD);  // (lse2, delta)
+    // One pass: two dSᵀ tiles [kBc keys][64 queries] (by step parity) and, after lse2 / delta,
+    // two dQ blocks (fragment order).
+    T* sDs = sQ + 2 * kStages * kKvBr * kD;
+    float* sF = reinterpret_cast<float*>(sDs + (ONE_PASS ? 2 * kBc * kD : 0));
+    float* sDq = sF + 2 * kStages * kKvBr;
     const WgIds id = wg_ids();
     const int seq = a.seq;
     const int heads_total = a.batch * a.kv_heads;
@@ -449,22 +507,61 @@ __global__ void __launch_bounds__(128 * WGS, 1) dkdv_kernel(Args a) {
     fill(dk, 0.0f);
     fill(dv, 0.0f);
 
+    // One pass. Step j's dQ block (64 queries) = dS · K over the CTA's 128 keys needs both
+    // warpgroups' dSᵀ, so it is computed at step j + 1, after the barrier that opens it, ahead
+    // of that step's Sᵀ and dPᵀ: each warpgroup takes 32 columns (A: sDs read transposed; B: the
+    // K tile's columns 32 wgi.., both MN-major), writes them to sDq[j % 2], and thread 0 adds the
+    // block into dq_accum at the top of step j + 2.
+    const uint32_t k_cols = smem_addr(sK) + 64u * id.wgi;
+    const int warp = (id.tid >> 5) & 3;
+    auto issue_dq = [&](float(&dq)[16], int step) {
+        const uint32_t ds_tile = smem_addr(sDs + (step & 1) * kBc * kD);
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk)
+            wg::wgmma_ss<T, 1, 1>(dq, wg::desc_mn_major(ds_tile, kk),
+                                  wg::desc_sw128(k_cols + 2048u * kk), kk > 0);
+        wg::commit();
+    };
+    auto store_dq = [&](const float(&dq)[16], int step) {
+        float2* out = reinterpret_cast<float2*>(sDq + (step & 1) * kDqBlock);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            out[dq_fragment_index(id.wgi, warp, j, id.tid & 31)] =
+                make_float2(dq[2 * j], dq[2 * j + 1]);
+    };
+    auto add_dq = [&](int step) {
+        if (id.tid == 0)
+            bulk_reduce_add(dq_accum_block(a, b, hk * group + step / nqb, qb_first + step % nqb),
+                            sDq + (step & 1) * kDqBlock, kDqBlock * sizeof(float));
+    };
+
     for (int step = 0; step < steps; ++step) {
         cp_async_wait<0>();
         wg::fence_smem_for_async();
         __syncthreads();
         load_step(step + 1);
+        if (ONE_PASS && step >= 2) add_dq(step - 2);
         const QStage<T> st = q_stage<T>(sQ, sF, step);
         const int q0 = (qb_first + step % nqb) * kKvBr;
         const uint32_t q_tile = smem_addr(st.q);
         const uint32_t do_tile = smem_addr(st.dout);
-        float s[32], dp[32];
+        float s[32], dp[32], dq[16];
         wg::fence();
+        if (ONE_PASS && step > 0) issue_dq(dq, step - 1);
         gemm_abt<T>(s, k_tile, q_tile);    // Sᵀ: rows keys, columns queries
         wg::commit();
         gemm_abt<T>(dp, v_tile, do_tile);  // dPᵀ
         wg::commit();
-        wg::wait<1>();  // Sᵀ
+        if (ONE_PASS && step > 0) {
+            wg::wait<2>();  // the previous step's dQ
+            wg::fence_regs(dq);
+            store_dq(dq, step - 1);
+            wg::wait<1>();  // Sᵀ
+        } else {
+            // Sᵀ. The wait is written in both branches: after the join ptxas serialises every
+            // wgmma of the kernel (warning C7514).
+            wg::wait<1>();
+        }
         wg::fence_regs(s);
         const bool diag = key_wg + id.wrow + 15 > q0;
 #pragma unroll
@@ -488,14 +585,90 @@ __global__ void __launch_bounds__(128 * WGS, 1) dkdv_kernel(Args a) {
         wg::fence();
         gemm_pb<T, kKvBr>(dk, dsa, q_tile);
         wg::commit();
+        if constexpr (ONE_PASS) {
+            // dSᵀ, rounded as dK's operand, into the warpgroup's rows of sDs[step % 2] (stored
+            // while dK runs; read after the next step's barrier).
+            T* ds_out = sDs + (step & 1) * kBc * kD;
+#pragma unroll
+            for (int kk = 0; kk < kKvBr / 16; ++kk)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int i = 8 * kk + 2 * j;
+                    const int c = acc_col(id, i);
+                    *reinterpret_cast<uint32_t*>(
+                        ds_out + swz<kD>(id.wgi * 64 + id.wrow + acc_row(id, i), c >> 3) +
+                        (c & 7)) = dsa[kk][j];
+                }
+        }
         wg::wait<0>();
+        // The add issued at this step's top has read sDq[step % 2], which the next step fills.
+        if (ONE_PASS && id.tid == 0) bulk_wait_read<0>();
     }
-    wg::wait<0>();
+    if constexpr (ONE_PASS) {
+        // The last step's dQ, then the last two adds.
+        wg::fence_smem_for_async();
+        __syncthreads();
+        if (steps >= 2) add_dq(steps - 2);
+        if (steps >= 1) {
+            float dq[16];
+            wg::fence();
+            issue_dq(dq, steps - 1);
+            wg::wait<0>();
+            wg::fence_regs(dq);
+            store_dq(dq, steps - 1);
+            wg::fence_smem_for_async();
+            __syncthreads();
+            add_dq(steps - 1);
+        }
+        if (id.tid == 0) bulk_wait_all();
+    }
     wg::fence_regs(dk);
     wg::fence_regs(dv);
     store_acc<T>(static_cast<T*>(a.dk) + kv_base, kv_stride, key_wg, seq, dk, id);
     store_acc<T>(static_cast<T*>(a.dv) + kv_base, kv_stride, key_wg, seq, dv, id);
 #endif
+}
+
+// ---- one-pass backward: dq from dq_accum ----
+// One CTA per (64-query block, batch, query head): the block's 64 x 64 f32 sums (fragment
+// order, see dq_fragment_index) through shared memory into rows of dq, rounded once to T.
+
+constexpr int kConvThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kConvThreads) dq_from_accum_kernel(Args a) {
+    __shared__ float tile[kKvBr][kD + 4];  // +4: the row-major reads below conflict-free
+    const int nqb = (a.seq + kKvBr - 1) / kKvBr;
+    const int qb = static_cast<int>(blockIdx.x % static_cast<unsigned>(nqb));
+    const int bh = static_cast<int>(blockIdx.x / static_cast<unsigned>(nqb));
+    const float2* src = reinterpret_cast<const float2*>(a.dq_accum) +
+                        static_cast<size_t>(blockIdx.x) * (kDqBlock / 2);
+    for (int p = threadIdx.x; p < kDqBlock / 2; p += kConvThreads) {
+        const float2 v = src[p];
+        const int lane = p & 31, j = (p >> 5) & 7, warp = (p >> 8) & 3, wgi = p >> 10;
+        const int row = 16 * warp + (lane >> 2) + 8 * (j & 1);
+        const int col = 32 * wgi + 8 * (j >> 1) + 2 * (lane & 3);
+        tile[row][col] = v.x;
+        tile[row][col + 1] = v.y;
+    }
+    __syncthreads();
+    const int row = threadIdx.x >> 2;
+    const int c0 = (threadIdx.x & 3) * 16;
+    const int t = qb * kKvBr + row;
+    if (t >= a.seq) return;
+    const int b = bh / a.q_heads, h = bh % a.q_heads;
+    T* dst = static_cast<T*>(a.o_or_dq) +
+             ((static_cast<size_t>(b) * a.seq + t) * a.q_heads + h) * kD + c0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        uint4 v;
+        const float* x = &tile[row][c0 + 8 * half];
+        v.x = pack2<T>(x[0], x[1]);
+        v.y = pack2<T>(x[2], x[3]);
+        v.z = pack2<T>(x[4], x[5]);
+        v.w = pack2<T>(x[6], x[7]);
+        reinterpret_cast<uint4*>(dst)[half] = v;
+    }
 }
 
 // ---- launch ----
@@ -514,6 +687,9 @@ cudaError_t launch(K kernel, size_t blocks, int threads, size_t smem, const Args
 // Measured on an H200 (bf16, head_dim 64, forward / backward ms, mma.sync kernels in brackets):
 // TinyLlama's shape (8 x 2048, 32/4 heads): one-warpgroup forward 0.455 (0.489), two-warpgroup
 // 0.519; two-warpgroup backward 1.229 (1.836), one-warpgroup 1.277. Hence the choice below.
+// One-pass backward (same call, harness): 1.173 against 1.300 two-kernel at TinyLlama's shape,
+// 7.89 against 9.02 at 1 x 16 K; with a barrier inside each step instead of the lagged dQ 1.225
+// and 8.35; with the dQ products issued between Sᵀ and dPᵀ 1.445 (ptxas serialises, C7514).
 constexpr int kFwdWgs = 1;
 constexpr int kBwdWgs = 2;
 
@@ -527,8 +703,19 @@ cudaError_t run(bool backward, const Args& a, cudaStream_t stream) {
                       a, stream);
     }
     const size_t blocks_per_head = (a.seq + 64 * kBwdWgs - 1) / (64 * kBwdWgs);
-    const cudaError_t e = launch(dkdv_kernel<T, kBwdWgs>, blocks_per_head * kv_rows,
-                                 threads_of<kBwdWgs>(), dkdv_smem<kBwdWgs>(), a, stream);
+    if (a.dq_accum != nullptr) {
+        // One pass: dK, dV and the dQ sums, then dq from the sums.
+        const size_t q_blocks = (a.seq + kKvBr - 1) / kKvBr * q_rows;
+        cudaError_t e =
+            cudaMemsetAsync(a.dq_accum, 0, q_blocks * kDqBlock * sizeof(float), stream);
+        if (e != cudaSuccess) return e;
+        e = launch(dkdv_kernel<T, kBwdWgs, true>, blocks_per_head * kv_rows,
+                   threads_of<kBwdWgs>(), dkdv_smem<kBwdWgs, true>(), a, stream);
+        if (e != cudaSuccess) return e;
+        return launch(dq_from_accum_kernel<T>, q_blocks, kConvThreads, 0, a, stream);
+    }
+    const cudaError_t e = launch(dkdv_kernel<T, kBwdWgs, false>, blocks_per_head * kv_rows,
+                                 threads_of<kBwdWgs>(), dkdv_smem<kBwdWgs, false>(), a, stream);
     if (e != cudaSuccess) return e;
     return launch(dq_kernel<T, kBwdWgs>, blocks_per_head * q_rows, threads_of<kBwdWgs>(),
                   dq_smem<kBwdWgs>(), a, stream);

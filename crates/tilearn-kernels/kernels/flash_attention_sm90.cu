@@ -40,6 +40,7 @@
 //            ascending): bit-identical from run to run. The one-pass backward's dK and dV are the
 //            same bits; its dq varies with the order of the reduce-adds (f32 rounding).
 
+#include <atomic>
 #include <cstdlib>
 
 #include "flash_common.cuh"
@@ -654,6 +655,8 @@ __global__ void __launch_bounds__(kConvThreads) dq_from_accum_kernel(Args a) {
                         static_cast<size_t>(blockIdx.x) * (kDqBlock / 2);
     for (int p = threadIdx.x; p < kDqBlock / 2; p += kConvThreads) {
         const float2 v = src[p];
+        // p = dq_fragment_index(wgi, warp, j, lane), taken apart.
+        static_assert(dq_fragment_index(1, 2, 5, 9) == (1 << 10 | 2 << 8 | 5 << 5 | 9));
         const int lane = p & 31, j = (p >> 5) & 7, warp = (p >> 8) & 3, wgi = p >> 10;
         const int row = 16 * warp + (lane >> 2) + 8 * (j & 1);
         const int col = 32 * wgi + 8 * (j >> 1) + 2 * (lane & 3);
@@ -737,6 +740,26 @@ bool forced_off() {
     return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
 
+// Whether `device` is compute capability 9.0, asked of the driver once per device (attention
+// launches 44 times a TinyLlama step). Cached as 0 unknown, 1 no, 2 yes; racing first calls
+// store the same answer.
+bool is_sm90(int device) {
+    constexpr int kCachedDevices = 64;
+    static std::atomic<int> cache[kCachedDevices];
+    if (device >= 0 && device < kCachedDevices) {
+        const int known = cache[device].load(std::memory_order_relaxed);
+        if (known != 0) return known == 2;
+    }
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+        return false;
+    const bool yes = major == 9 && minor == 0;
+    if (device >= 0 && device < kCachedDevices)
+        cache[device].store(yes ? 2 : 1, std::memory_order_relaxed);
+    return yes;
+}
+
 }  // namespace
 
 namespace tilearn::flash {
@@ -744,12 +767,9 @@ namespace tilearn::flash {
 bool sm90_applies(int dtype, size_t head_dim, bool masked) {
     if (masked || head_dim != static_cast<size_t>(kD) || forced_off()) return false;
     if (dtype != TILEARN_DTYPE_BF16 && dtype != TILEARN_DTYPE_F16) return false;
-    int device = 0, major = 0, minor = 0;
+    int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return false;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
-        return false;
-    return major == 9 && minor == 0;
+    return is_sm90(device);
 }
 
 int sm90_run(int dtype, bool backward, const Args& a, cudaStream_t stream) {

@@ -5,8 +5,9 @@
 #  2. the engine: graph steps vs eager steps bit for bit, on/auto refusals and fallbacks;
 #  3. tilearn bench, both presets, --cuda-graphs on vs off (tokens/s; the JSON line's
 #     `cuda_graphs` says how the steps ran and, if capture failed, why);
-#  4. tilearn train (embedded default, bf16, 40 steps), --cuda-graphs auto vs off: the logged
-#     losses must be identical, and the log's "CUDA graphs:" notes say what was captured.
+#  4. tilearn train (embedded default, bf16, 40 steps, --deterministic), --cuda-graphs auto vs
+#     off: the logged losses must be identical, and the log's "CUDA graphs:" notes say what was
+#     captured.
 run cg_ce_device_factor "$B/tests/gpu_loss-test" cross_entropy_device_factor --include-ignored \
   --test-threads=1 --nocapture
 for t in "$B"/tests/gpu-test*; do
@@ -34,7 +35,7 @@ for line in open(sys.argv[1]):
 PY
 for g in off auto; do
   run "cg_train_$g" "$B/bin/tilearn" train --device cuda --bf16 --max-steps 40 --logging-steps 1 \
-    --save-steps 0 --output-dir "$OUT/cg_run_$g" --cuda-graphs "$g"
+    --save-steps 0 --output-dir "$OUT/cg_run_$g" --cuda-graphs "$g" --deterministic
   cp "$OUT/cg_run_$g/train_log.jsonl" "$OUT/cg_train_$g.jsonl" 2>/dev/null
   grep -h "CUDA graphs" "$OUT/cg_train_$g.log" | head -5
   rm -rf "$OUT/cg_run_$g"

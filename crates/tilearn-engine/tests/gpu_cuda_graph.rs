@@ -1,7 +1,9 @@
 //! The whole-step CUDA graph (`GpuLlama::train_step` with `--cuda-graphs on`) against eager
 //! steps from the same seed: the same losses, gradient norms, final weights and AdamW moments,
 //! bit for bit. Every kernel of the step is deterministic (no float atomics, fixed reduction
-//! orders, the same cuBLASLt algorithm for the same shapes), and a replay runs the eager
+//! orders, the same cuBLASLt algorithm for the same shapes; the models are built
+//! deterministic, `GpuLlama::set_deterministic`, since the one-pass flash backward sums dQ
+//! with atomics), and a replay runs the eager
 //! step's kernels with the eager step's scalars, read from device memory instead of kernel
 //! arguments, so the tolerance is zero.
 //!
@@ -80,6 +82,7 @@ fn train(dev: &GpuDevice, precision: DType, checkpointing: bool, mode: CudaGraph
         LceChunk::from_tokens(64),
     )
     .unwrap();
+    gpu.set_deterministic(true).unwrap();
     let groups = gpu.default_groups(0.1);
     gpu.configure_optimizer(AdamWConfig::default(), groups, MAX_GRAD_NORM)
         .unwrap();
@@ -221,6 +224,8 @@ fn a_different_learning_rate_changes_the_weights() {
             LceChunk::from_tokens(64),
         )
         .unwrap();
+        // Deterministic, so that only the learning rate can tell the runs apart.
+        gpu.set_deterministic(true).unwrap();
         let groups = gpu.default_groups(0.1);
         gpu.configure_optimizer(AdamWConfig::default(), groups, MAX_GRAD_NORM)
             .unwrap();

@@ -58,9 +58,11 @@ struct Run {
     own_bytes: usize,
 }
 
+/// Deterministic (`GpuLlama::set_deterministic`): the one-pass flash backward's atomic dQ sums
+/// would differ between the two runs by more than the bound.
 fn build(dev: &GpuDevice, checkpointing: bool, memory: MemoryMode) -> GpuLlama {
     let model = LlamaForCausalLM::from_config(config(), 5);
-    GpuLlama::with_memory(
+    let mut gpu = GpuLlama::with_memory(
         dev,
         &model,
         BATCH,
@@ -70,7 +72,9 @@ fn build(dev: &GpuDevice, checkpointing: bool, memory: MemoryMode) -> GpuLlama {
         LceChunk::from_tokens(64),
         memory,
     )
-    .unwrap()
+    .unwrap();
+    gpu.set_deterministic(true).unwrap();
+    gpu
 }
 
 fn train(dev: &GpuDevice, checkpointing: bool, memory: MemoryMode, lr_scale: f32) -> Run {

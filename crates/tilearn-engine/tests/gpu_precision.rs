@@ -59,15 +59,19 @@ fn model_and_batch(seed: u64, flash: bool) -> (LlamaForCausalLM, Vec<u32>, Vec<i
     (model, ids, labels)
 }
 
-/// Loss and gradients of one forward/backward in `precision` (at `loss_scale`).
+/// Loss and gradients of one forward/backward in `precision`, with the bit-reproducible
+/// attention backward when `deterministic` (else the engine's default, the one-pass flash
+/// backward where the Hopper kernels run).
 fn gpu_grads(
     dev: &GpuDevice,
     model: &LlamaForCausalLM,
     ids: &[u32],
     labels: &[i32],
     precision: DType,
+    deterministic: bool,
 ) -> (f64, Vec<f32>) {
     let mut gpu = GpuLlama::new(dev, model, BATCH, SEQ, precision).unwrap();
+    gpu.set_deterministic(deterministic).unwrap();
     let stats = gpu.forward_backward(ids, labels, BATCH, SEQ, None).unwrap();
     (stats.mean(), gpu.download_grads().unwrap())
 }
@@ -95,8 +99,8 @@ fn f16_against_cpu(dev: &GpuDevice, flash: bool) {
         .forward_backward(&ids, &labels, BATCH, SEQ, None, &mut acts, &mut cpu_grads)
         .unwrap()
         .mean();
-    let (l16, g16) = gpu_grads(&dev, &model, &ids, &labels, DType::F16);
-    let (lb, gb) = gpu_grads(&dev, &model, &ids, &labels, DType::BF16);
+    let (l16, g16) = gpu_grads(&dev, &model, &ids, &labels, DType::F16, false);
+    let (lb, gb) = gpu_grads(&dev, &model, &ids, &labels, DType::BF16, false);
     let (loss16, lossb) = ((l16 - cpu).abs() / cpu, (lb - cpu).abs() / cpu);
     let (grad16, gradb) = (rel_err(&g16, &cpu_grads), rel_err(&gb, &cpu_grads));
     report(&format!(
@@ -123,7 +127,9 @@ fn f16_against_cpu(dev: &GpuDevice, flash: bool) {
 }
 
 /// One model built for all three precisions, switched call by call, computes exactly what a
-/// model built for that precision alone computes (same kernels, same arena carving).
+/// model built for that precision alone computes (same kernels, same arena carving; both
+/// deterministic: a model built for f32 too holds the GEMM path's workspace, whose flash
+/// backward is the deterministic one).
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn switching_precision_matches_single_precision_models() {
@@ -140,6 +146,7 @@ fn switching_case(dev: &GpuDevice, flash: bool) {
     let (model, ids, labels) = model_and_batch(31, flash);
     let all = [DType::F32, DType::BF16, DType::F16];
     let mut multi = GpuLlama::with_precisions(&dev, &model, BATCH, SEQ, &all).unwrap();
+    multi.set_deterministic(true).unwrap();
     assert_eq!(multi.precision(), DType::F32);
     for p in [DType::F16, DType::F32, DType::BF16, DType::F16] {
         multi.set_precision(p).unwrap();
@@ -148,7 +155,7 @@ fn switching_case(dev: &GpuDevice, flash: bool) {
             .forward_backward(&ids, &labels, BATCH, SEQ, None)
             .unwrap();
         let grads = multi.download_grads().unwrap();
-        let (loss, want) = gpu_grads(&dev, &model, &ids, &labels, p);
+        let (loss, want) = gpu_grads(&dev, &model, &ids, &labels, p, true);
         let err = rel_err(&grads, &want);
         report(&format!(
             "flash={flash} switched to {p}: loss {:.7} vs dedicated {loss:.7}, gradient rel err {err:.3e}",

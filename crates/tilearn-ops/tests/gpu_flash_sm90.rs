@@ -11,28 +11,64 @@
 //!   ~2-4e-3 rms from the exact answer), f16 within 2e-3, lse within 1e-6.
 //!
 //! Shapes cover a partial last tile on either side of 128 (T = 130, 333), one tile (T = 64), a
-//! GQA group of 8 (TinyLlama's) and plain multi-head. One test only: it switches the kernels by
-//! setting an environment variable, which nothing else in this process reads concurrently.
+//! GQA group of 8 (TinyLlama's) and plain multi-head. The test switches the kernels by setting
+//! an environment variable; the tests of this file hold one lock ([`KERNELS`]) for their whole
+//! run, so nothing reads the environment while it changes.
 //!
-//! Without a GPU, or on a GPU other than compute capability 9.0, the test prints `skipped: ...`
-//! and passes.
+//! The one-pass backward (a [`FlashBackward::OnePass`] workspace: dK, dV and dQ in one kernel,
+//! dQ summed by f32 atomic adds into the workspace's `dq_accum`) against the deterministic one
+//! on the same fresh random inputs, `out` and `lse`:
+//!
+//! * dk and dv are computed as in the deterministic backward: equal within 1e-6 relative (the
+//!   number of differing values is printed; bit-identical is expected);
+//! * dq is the same sum in another order, rounded once to the element type: within 2e-3 of the
+//!   norm in bf16 and 1e-3 in f16 (the order moves the f32 sum by ~1e-7 relative; what remains
+//!   is the occasional value whose 16-bit rounding flips, 2^-8 or 2^-11 of it), and two
+//!   one-pass runs agree with each other within the same bound (the second also shows that
+//!   `dq_accum` is overwritten, not added to);
+//! * a call larger than the one-pass workspace's shape, and a masked call, run the
+//!   deterministic backward: bit-identical to it.
+//!
+//! Shapes: GQA groups of 2 and 8, T = 130 and 333 (partial last tiles), one tile, bf16 and f16,
+//! and TinyLlama's heads (32 / 4) at 2 × 1024 tokens.
+//!
+//! Without a GPU, or on a GPU other than compute capability 9.0, the tests print `skipped: ...`
+//! and pass.
 #![cfg(feature = "cuda")]
 
 mod gpu_common;
+
+use std::sync::{Mutex, MutexGuard};
 
 use gpu_common::{Elem, download, gpu_or_skip, random, rel_err, report, shape, upload};
 use half::{bf16, f16};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use tilearn_ops::KeyMask;
 use tilearn_ops::cpu::AttnShape;
-use tilearn_ops::cuda::{self, AttentionImpl, AttentionWorkspace, Gemm, GpuDevice};
+use tilearn_ops::cuda::{
+    self, AttentionImpl, AttentionWorkspace, CudaSlice, FlashBackward, Gemm, GpuDevice,
+    flash_dq_accum_len,
+};
 
 const SWITCH: &str = "TILEARN_FLASH_SM80";
 
+/// Held by each test of this file for its whole run: one of them sets and removes
+/// [`SWITCH`], and every kernel launch reads it.
+static KERNELS: Mutex<()> = Mutex::new(());
+
+fn kernels_lock() -> MutexGuard<'static, ()> {
+    // A test that failed while holding the lock leaves the environment as it found it.
+    KERNELS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Runs `f` with the mma.sync kernels forced (`sm80`) or the device's choice.
 fn with_kernels<R>(sm80: bool, f: impl FnOnce() -> R) -> R {
-    // SAFETY: this file's single test is the only thread of the process that touches the
-    // environment while it runs (libtest starts no other test here).
+    // SAFETY: the caller holds `KERNELS`, as every test of this file does for its whole run,
+    // and this file's tests are the only threads of the process that launch kernels or touch
+    // the environment.
     unsafe {
         if sm80 {
             std::env::set_var(SWITCH, "1");
@@ -137,6 +173,7 @@ fn compare<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64, tol_o
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn hopper_flash_kernels_match_the_mma_sync_kernels() {
     const TEST: &str = "hopper_flash_kernels_match_the_mma_sync_kernels";
+    let _kernels = kernels_lock();
     let Some((dev, gemm)) = gpu_or_skip(TEST) else {
         return;
     };
@@ -162,4 +199,264 @@ fn hopper_flash_kernels_match_the_mma_sync_kernels() {
     // head_dim 128 and masked calls stay on the mma.sync kernels.
     assert!(!cuda::flash_attention_uses_wgmma::<bf16>(128, false));
     assert!(!cuda::flash_attention_uses_wgmma::<bf16>(64, true));
+}
+
+/// Fresh random inputs of one attention problem in `T` and the forward's `out` and `lse` (the
+/// device's flash kernels, under `mask` when given).
+struct Problem<T: Elem> {
+    s: AttnShape,
+    q: CudaSlice<T>,
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    dout: CudaSlice<T>,
+    out: CudaSlice<T>,
+    lse: CudaSlice<f32>,
+}
+
+/// A sliding window of keys (a masked call: the mma.sync kernels run it).
+type Window = Option<usize>;
+
+fn key_mask(window: Window) -> KeyMask<&'static CudaSlice<i32>> {
+    KeyMask {
+        positions: None,
+        sliding_window: window,
+    }
+}
+
+impl<T: Elem> Problem<T> {
+    fn new(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64, window: Window) -> Self {
+        let st = dev.stream();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let ql = s.batch * s.seq * s.q_heads * s.head_dim;
+        let kvl = s.batch * s.seq * s.kv_heads * s.head_dim;
+        let (q, _) = random::<T>(&mut rng, ql, 0.05, 2.0);
+        let (k, _) = random::<T>(&mut rng, kvl, 0.05, 2.0);
+        let (v, _) = random::<T>(&mut rng, kvl, 0.05, 1.0);
+        let (dout, _) = random::<T>(&mut rng, ql, 0.05, 1.0);
+        let (q, k, v, dout) = (
+            upload(st, &q),
+            upload(st, &k),
+            upload(st, &v),
+            upload(st, &dout),
+        );
+        let mut out = upload(st, &vec![T::NAN; ql]);
+        let mut lse = upload(st, &vec![f32::NAN; s.batch * s.q_heads * s.seq]);
+        let mut ws = AttentionWorkspace::for_flash(st, s, FlashBackward::Deterministic).unwrap();
+        cuda::attention_forward_masked(
+            AttentionImpl::Flash,
+            gemm,
+            &mut ws,
+            s,
+            key_mask(window),
+            &q,
+            &k,
+            &v,
+            &mut out,
+            &mut lse,
+        )
+        .unwrap();
+        Problem {
+            s,
+            q,
+            k,
+            v,
+            dout,
+            out,
+            lse,
+        }
+    }
+
+    /// dq, dk and dv (widened to f64) of the flash backward through `ws`, from NaN-poisoned
+    /// outputs, each checked finite (every value written).
+    fn backward(
+        &self,
+        dev: &GpuDevice,
+        gemm: &Gemm,
+        ws: &mut AttentionWorkspace,
+        window: Window,
+    ) -> [Vec<f64>; 3] {
+        let st = dev.stream();
+        let s = self.s;
+        let ql = s.batch * s.seq * s.q_heads * s.head_dim;
+        let kvl = s.batch * s.seq * s.kv_heads * s.head_dim;
+        let mut dq = upload(st, &vec![T::NAN; ql]);
+        let mut dk = upload(st, &vec![T::NAN; kvl]);
+        let mut dv = upload(st, &vec![T::NAN; kvl]);
+        cuda::attention_backward_masked(
+            AttentionImpl::Flash,
+            gemm,
+            ws,
+            s,
+            key_mask(window),
+            &self.dout,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.out,
+            &self.lse,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+        )
+        .unwrap();
+        let grads = [dq, dk, dv].map(|b| {
+            download(dev, &b)
+                .iter()
+                .map(|x| x.to_f64())
+                .collect::<Vec<_>>()
+        });
+        for (what, g) in ["dq", "dk", "dv"].iter().zip(&grads) {
+            if let Some(i) = g.iter().position(|x| !x.is_finite()) {
+                panic!("{s:?}: {what}[{i}] is {} (not written?)", g[i]);
+            }
+        }
+        grads
+    }
+}
+
+/// How many values of `a` and `b` differ.
+fn differing(a: &[f64], b: &[f64]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
+/// One shape in `T`: the one-pass backward (twice) against the deterministic one, then a call
+/// too large for a one-pass workspace and a masked call, which must run the deterministic
+/// backward. `tol_dq`: dq's bound (see the file's documentation).
+fn one_pass_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64, tol_dq: f64) {
+    const TOL_DKV: f64 = 1e-6;
+    let tag = format!("{} {s:?}", std::any::type_name::<T>());
+    let st = dev.stream();
+    let mut det = AttentionWorkspace::for_flash(st, s, FlashBackward::Deterministic).unwrap();
+    let mut one = AttentionWorkspace::for_flash(st, s, FlashBackward::OnePass).unwrap();
+    assert_eq!(
+        det.flash_backward_for::<T>(s, false),
+        FlashBackward::Deterministic
+    );
+    assert_eq!(
+        one.flash_backward_for::<T>(s, false),
+        FlashBackward::OnePass,
+        "{tag}"
+    );
+    assert_eq!(
+        one.flash_backward_for::<T>(s, true),
+        FlashBackward::Deterministic
+    );
+    let accum_bytes = 4 * flash_dq_accum_len(s).unwrap();
+    assert!(
+        one.bytes() >= det.bytes() + accum_bytes,
+        "{tag}: the one-pass workspace ({} bytes) lacks the {accum_bytes} bytes of dq_accum",
+        one.bytes()
+    );
+
+    let p = Problem::<T>::new(dev, gemm, s, seed, None);
+    let [dq_d, dk_d, dv_d] = p.backward(dev, gemm, &mut det, None);
+    let [dq_1, dk_1, dv_1] = p.backward(dev, gemm, &mut one, None);
+    let [dq_2, dk_2, dv_2] = p.backward(dev, gemm, &mut one, None);
+    let errs = [
+        ("dq", rel_err("dq", &dq_1, &dq_d), tol_dq),
+        ("dk", rel_err("dk", &dk_1, &dk_d), TOL_DKV),
+        ("dv", rel_err("dv", &dv_1, &dv_d), TOL_DKV),
+        ("dq run 2 vs run 1", rel_err("dq", &dq_2, &dq_1), tol_dq),
+        ("dk run 2 vs run 1", rel_err("dk", &dk_2, &dk_1), TOL_DKV),
+        ("dv run 2 vs run 1", rel_err("dv", &dv_2, &dv_1), TOL_DKV),
+    ];
+    report(&format!(
+        "gpu_flash_sm90: one-pass vs deterministic {tag}: {}; values differing (dq, dk, dv): \
+         {:?}, run 2 vs run 1: {:?}",
+        errs.iter()
+            .map(|(what, err, tol)| format!("{what} {err:.2e} (tol {tol:.0e})"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        [
+            differing(&dq_1, &dq_d),
+            differing(&dk_1, &dk_d),
+            differing(&dv_1, &dv_d)
+        ],
+        [
+            differing(&dq_2, &dq_1),
+            differing(&dk_2, &dk_1),
+            differing(&dv_2, &dv_1)
+        ],
+    ));
+    for (what, err, tol) in errs {
+        assert!(err <= tol, "{tag}: {what}: {err:.2e} > {tol:.0e}");
+    }
+
+    // A one-pass workspace built for half the batch (at least one sequence fewer) holds no
+    // dq_accum for this call: the deterministic backward, bit for bit.
+    if s.batch > 1 {
+        let half = AttnShape {
+            batch: s.batch / 2,
+            ..s
+        };
+        let mut small = AttentionWorkspace::for_flash(st, half, FlashBackward::OnePass).unwrap();
+        assert_eq!(
+            small.flash_backward_for::<T>(s, false),
+            FlashBackward::Deterministic
+        );
+        let got = p.backward(dev, gemm, &mut small, None);
+        let diff: Vec<usize> = got
+            .iter()
+            .zip([&dq_d, &dk_d, &dv_d])
+            .map(|(g, w)| differing(g, w))
+            .collect();
+        assert_eq!(diff, [0, 0, 0], "{tag}: a too-small one-pass workspace");
+    }
+    // A masked call (a sliding window) runs the mma.sync kernels' deterministic backward
+    // whatever the workspace.
+    let window = Some(s.seq / 2 + 1);
+    let masked = Problem::<T>::new(dev, gemm, s, seed + 1, window);
+    let want = masked.backward(dev, gemm, &mut det, window);
+    let got = masked.backward(dev, gemm, &mut one, window);
+    let diff: Vec<usize> = got
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| differing(g, w))
+        .collect();
+    assert_eq!(
+        diff,
+        [0, 0, 0],
+        "{tag}: a masked call through a one-pass workspace"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn one_pass_backward_matches_the_deterministic_backward() {
+    const TEST: &str = "one_pass_backward_matches_the_deterministic_backward";
+    let _kernels = kernels_lock();
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    if !cuda::flash_attention_uses_wgmma::<bf16>(64, false) {
+        report(&format!(
+            "skipped: {TEST}: the device does not run the Hopper kernels (needs compute \
+             capability 9.0 and TILEARN_FLASH_SM80 unset)"
+        ));
+        return;
+    }
+    const BF16_DQ: f64 = 2e-3;
+    const F16_DQ: f64 = 1e-3;
+    for (i, &(b, t, hq, hkv)) in [
+        (1, 130, 2, 1),
+        (2, 333, 8, 1),
+        (3, 64, 4, 4),
+        (2, 1024, 32, 4),
+    ]
+    .iter()
+    .enumerate()
+    {
+        one_pass_case::<bf16>(
+            &dev,
+            &gemm,
+            shape(b, t, hq, hkv, 64),
+            300 + i as u64,
+            BF16_DQ,
+        );
+    }
+    one_pass_case::<f16>(&dev, &gemm, shape(2, 257, 4, 2, 64), 400, F16_DQ);
+    one_pass_case::<f16>(&dev, &gemm, shape(2, 1024, 32, 4, 64), 401, F16_DQ);
 }

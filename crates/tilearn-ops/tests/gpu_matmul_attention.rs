@@ -43,8 +43,8 @@ use rand_chacha::ChaCha8Rng;
 use tilearn_ops::OpsError;
 use tilearn_ops::cpu::{self, AttnShape};
 use tilearn_ops::cuda::{
-    self, AttentionImpl, AttentionWorkspace, CudaSlice, CudaStream, DeviceFloat, DevicePtr, Gemm,
-    GpuDevice, MatmulSpec, Operand, Transpose,
+    self, AttentionImpl, AttentionWorkspace, CudaSlice, CudaStream, DeviceFloat, DevicePtr,
+    FlashBackward, Gemm, GpuDevice, MatmulSpec, Operand, Transpose,
 };
 
 /// Writes to the process's stderr directly: libtest captures `eprintln!` of passing tests, and
@@ -1297,7 +1297,8 @@ fn flash_only_workspace_serves_the_flash_path() {
     let s = attn_shape((3, 200, 8, 2, 64));
     let problem = AttnProblem::<bf16>::new(&dev, s, 123);
     let mut full = AttentionWorkspace::new(dev.stream(), AttnShape { batch: 1, ..s }, 2).unwrap();
-    let mut small = AttentionWorkspace::for_flash(dev.stream(), s).unwrap();
+    let mut small =
+        AttentionWorkspace::for_flash(dev.stream(), s, FlashBackward::Deterministic).unwrap();
     assert!(
         small.bytes() < full.bytes() / 10,
         "{} vs {}",

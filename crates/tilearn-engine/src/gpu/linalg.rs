@@ -6,7 +6,9 @@
 //! [`Matmul`] owns the cuBLASLt handle (bound to the model's stream, with its workspace) and
 //! the attention workspace, both allocated once at model build. The attention workspace is
 //! sized for the widest element type the model may run in, so one workspace serves every
-//! precision period.
+//! precision period. A flash-only workspace also holds the one-pass flash backward's f32
+//! `dq_accum` unless the model is deterministic ([`Matmul::set_flash_backward`],
+//! `--deterministic`), and only on a device whose Hopper kernels would use it.
 
 use std::sync::Arc;
 
@@ -14,8 +16,8 @@ use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
 use tilearn_ops::cpu::AttnShape;
 use tilearn_ops::cuda::{
-    self as k, AttentionImpl, AttentionWorkspace, CudaStream, DeviceFloat, Gemm,
-    flash_attention_supports,
+    self as k, AttentionImpl, AttentionWorkspace, CudaStream, DeviceFloat, FlashBackward, Gemm,
+    flash_attention_supports, flash_attention_uses_wgmma,
 };
 use tilearn_ops::{KeyMask, OpsError, Result};
 
@@ -32,6 +34,29 @@ const ATTENTION_WORKSPACE_BUDGET: usize = 2 << 30;
 pub(crate) struct Matmul {
     gemm: Gemm,
     attn: AttentionWorkspace,
+    /// The capacity shape of a flash-only workspace (`None`: the GEMM path's workspace).
+    flash_capacity: Option<AttnShape>,
+}
+
+/// The backward a flash-only workspace for `shape` is built for when `asked`: the one-pass
+/// scratch only where the Hopper kernels would use it (unmasked bf16/f16 at head_dim 64 on
+/// compute capability 9.0); elsewhere the flash backward is the deterministic one anyway.
+fn effective_backward(shape: AttnShape, asked: FlashBackward) -> FlashBackward {
+    let hopper = flash_attention_uses_wgmma::<bf16>(shape.head_dim, false)
+        || flash_attention_uses_wgmma::<f16>(shape.head_dim, false);
+    if hopper {
+        asked
+    } else {
+        FlashBackward::Deterministic
+    }
+}
+
+fn flash_workspace(
+    stream: &Arc<CudaStream>,
+    shape: AttnShape,
+    asked: FlashBackward,
+) -> Result<AttentionWorkspace> {
+    AttentionWorkspace::for_flash(stream, shape, effective_backward(shape, asked))
 }
 
 fn attn_shape(d: &Dims) -> AttnShape {
@@ -49,11 +74,13 @@ impl Matmul {
     /// in element types of up to `max_elem_bytes` bytes. When every precision is 16-bit and the
     /// flash kernels serve the shape, attention never takes the GEMM path and the workspace
     /// holds only the backward's `delta` rows; otherwise it holds the GEMM path's scores for as
-    /// many whole sequences per pass as fit the budget (at least one).
+    /// many whole sequences per pass as fit the budget (at least one). A flash-only workspace
+    /// is built for `backward` (see [`Matmul::set_flash_backward`]).
     pub(crate) fn new(
         stream: &Arc<CudaStream>,
         capacity: &Dims,
         max_elem_bytes: usize,
+        backward: FlashBackward,
     ) -> EngineResult<Matmul> {
         let gemm = Gemm::new(stream)?;
         let shape = attn_shape(capacity);
@@ -61,8 +88,12 @@ impl Matmul {
             && flash_attention_supports::<bf16>(shape)
             && flash_attention_supports::<f16>(shape)
         {
-            let attn = AttentionWorkspace::for_flash(stream, shape)?;
-            return Ok(Matmul { gemm, attn });
+            let attn = flash_workspace(stream, shape, backward)?;
+            return Ok(Matmul {
+                gemm,
+                attn,
+                flash_capacity: Some(shape),
+            });
         }
         let one = AttnShape { batch: 1, ..shape };
         let per_seq = AttentionWorkspace::bytes_for(one, max_elem_bytes)?.max(1);
@@ -75,7 +106,36 @@ impl Matmul {
             },
             max_elem_bytes,
         )?;
-        Ok(Matmul { gemm, attn })
+        Ok(Matmul {
+            gemm,
+            attn,
+            flash_capacity: None,
+        })
+    }
+
+    /// Rebuilds a flash-only attention workspace for `backward` (allocating or freeing the
+    /// one-pass `dq_accum`); returns whether the workspace changed (its device address did:
+    /// a captured CUDA graph must be recaptured). The GEMM path's workspace runs the
+    /// deterministic backward whatever is asked, and is kept.
+    pub(crate) fn set_flash_backward(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        backward: FlashBackward,
+    ) -> EngineResult<bool> {
+        let Some(shape) = self.flash_capacity else {
+            return Ok(false);
+        };
+        if effective_backward(shape, backward) == self.attn.flash_backward() {
+            return Ok(false);
+        }
+        self.attn = flash_workspace(stream, shape, backward)?;
+        Ok(true)
+    }
+
+    /// The flash backward the attention workspace serves at its capacity on this device:
+    /// `OnePass` only for a flash-only workspace built for it where the Hopper kernels run.
+    pub(crate) fn flash_backward(&self) -> FlashBackward {
+        self.attn.flash_backward()
     }
 
     /// Device bytes held (cuBLASLt workspace and attention workspace).

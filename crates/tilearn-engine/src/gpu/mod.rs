@@ -73,8 +73,8 @@ use cudarc::driver::{
 };
 use tilearn_ops::cpu::{IGNORE_INDEX, RopeTable};
 use tilearn_ops::cuda::{
-    CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, GpuDevice, GpuRopeTable,
-    LayerNormScratch, RmsNormScratch, TokenIdCheck, ZLossScratch,
+    CeTotals, CudaStream, DeviceFloat, EmbeddingBackwardScratch, FlashBackward, GpuDevice,
+    GpuRopeTable, LayerNormScratch, RmsNormScratch, TokenIdCheck, ZLossScratch,
 };
 use tilearn_ops::{DType, OpsError};
 use tilearn_optim::cuda::ParamCopy;
@@ -150,6 +150,9 @@ pub struct GpuLlama {
     precisions: Vec<DType>,
     precision: DType,
     gradient_checkpointing: bool,
+    /// `--deterministic`: the flash attention backward without atomics (see
+    /// [`GpuLlama::set_deterministic`]).
+    deterministic: bool,
     /// Tokens per chunk of the loss head at capacity, and the bytes of its logits buffer.
     lce_rows: usize,
     logits_buffer_bytes: usize,
@@ -626,7 +629,7 @@ impl GpuLlama {
         let host_targets = pinned(ctx, n, IGNORE_INDEX)?;
         let check = TokenIdCheck::new(&stream, config.vocab_size)?;
         let totals = CeTotals::new(&stream)?;
-        let mm = Matmul::new(&stream, &cap, widest)?;
+        let mm = Matmul::new(&stream, &cap, widest, FlashBackward::OnePass)?;
         let norm_scratch = RmsNormScratch::new(&stream, n, config.hidden_size)?;
         let embed_scratch = EmbeddingBackwardScratch::new(&stream, n, config.vocab_size)?;
         let alibi = match config.family.position_encoding() {
@@ -665,6 +668,7 @@ impl GpuLlama {
             precisions: allowed,
             precision,
             gradient_checkpointing,
+            deterministic: false,
             lce_rows,
             logits_buffer_bytes,
             batch,
@@ -741,6 +745,39 @@ impl GpuLlama {
     /// Whether the backward recomputes each block's forward (see [`GpuLlama::with_options`]).
     pub fn gradient_checkpointing(&self) -> bool {
         self.gradient_checkpointing
+    }
+
+    /// Makes the following backwards bit-reproducible (`true`) or lets the flash attention
+    /// backward take its one-pass form (`false`, the default; see
+    /// `tilearn_ops::cuda::FlashBackward`): where the Hopper kernels run, one kernel computes
+    /// dK, dV and dQ, summing dQ with f32 atomic adds, which is faster but rounds differently
+    /// from run to run. Reallocates the attention workspace when its one-pass scratch is added
+    /// or dropped (and then recaptures a CUDA graph at the next step).
+    pub fn set_deterministic(&mut self, deterministic: bool) -> Result<()> {
+        let before = self.mm.bytes();
+        let stream = self.device.stream().clone();
+        let backward = FlashBackward::from_deterministic(deterministic);
+        if self.mm.set_flash_backward(&stream, backward)? {
+            self.graphs.invalidate();
+            let after = self.mm.bytes();
+            for bytes in [&mut self.memory.workspace_bytes, &mut self.memory.own_bytes] {
+                *bytes = (*bytes + after).saturating_sub(before);
+            }
+        }
+        self.deterministic = deterministic;
+        Ok(())
+    }
+
+    /// Whether the backward is bit-reproducible (see [`GpuLlama::set_deterministic`]).
+    pub fn deterministic(&self) -> bool {
+        self.deterministic
+    }
+
+    /// The flash attention backward an unmasked 16-bit call runs: `OnePass` only when the
+    /// model is not deterministic, the flash kernels serve its shape and the device runs their
+    /// Hopper form; otherwise `Deterministic`.
+    pub fn flash_backward(&self) -> FlashBackward {
+        self.mm.flash_backward()
     }
 
     /// Tokens per chunk of the fused linear + cross entropy for a full-capacity call (equal to

@@ -10,8 +10,10 @@ use crate::config::LlamaConfig;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Memory predictions stay within this relative error of the measured peaks (observed: 0.3 %;
-/// the bound is tight so that an engine change to what it allocates shows up here).
+/// Memory predictions stay within this relative error of the measured peaks (observed: 0.3 %
+/// before the one-pass flash backward's `dq_accum`, which these runs predate and the model now
+/// counts: up to +1.3 %; the bound is tight so that an engine change to what it allocates shows
+/// up here).
 const MEMORY_BOUND: f64 = 0.02;
 /// Step-time predictions stay within this relative error of the measured steps (observed: up
 /// to 13.9 %, the long-context runs, where attention runs faster than at the 2048-token shape

@@ -11,8 +11,10 @@
 //!   row statistics; under pipeline parallelism the first rank keeps several micro-batches'
 //!   saved buffers ([`Layout::in_flight_layer_sets`]);
 //! * workspace: the cuBLASLt workspace (32 MiB), the attention workspace (the flash kernels'
-//!   `delta` rows, or the GEMM path's scores), the RMSNorm backward's partials, the embedding
-//!   backward's sort buffers, and one NCCL communicator per parallel group of several ranks.
+//!   `delta` rows and, at head_dim 64, the one-pass backward's f32 `dq_accum`, which the H200
+//!   engine holds unless `--deterministic`; or the GEMM path's scores), the RMSNorm backward's
+//!   partials, the embedding backward's sort buffers, and one NCCL communicator per parallel
+//!   group of several ranks.
 
 use serde::Serialize;
 
@@ -153,7 +155,15 @@ pub fn workspace_bytes(
     let t = seq as f64;
     let heads = w.q_heads as f64;
     let attention = if matches!(w.head_dim, 64 | 128) {
-        b * heads * t * 4.0
+        // The delta rows; at head_dim 64 (the Hopper kernels') also the one-pass backward's
+        // dq_accum, `B·Hq·D·round_up(T, 64)` f32 (`tilearn_flash_attention_dq_accum_len`): the
+        // engine's default on an H200 (`--deterministic` drops it).
+        let dq_accum = if w.head_dim == 64 {
+            b * heads * 64.0 * seq.next_multiple_of(64) as f64 * 4.0
+        } else {
+            0.0
+        };
+        b * heads * t * 4.0 + dq_accum
     } else {
         // f32 scores and 16-bit probabilities of whole sequences, at least one per pass.
         let per_seq = heads * t * t * (4.0 + ACTIVATION_ELEM_BYTES);
@@ -315,5 +325,31 @@ mod tests {
         let got = workspace_bytes(&hw, w, &l, 8, middle);
         let nccl = 2.0 * hw.nccl_communicator_bytes;
         assert_eq!(got, expected - 16.0 * EMBEDDING_SORT_BYTES_PER_TOKEN + nccl);
+    }
+
+    #[test]
+    fn flash_workspace_holds_delta_and_the_one_pass_dq_accum_at_head_dim_64() {
+        let hw = Hardware::h200(1, 1, 141.0 * (1u64 << 30) as f64);
+        let attention = |hidden: usize, seq: usize| {
+            let json = format!(
+                r#"{{"architectures": ["LlamaForCausalLM"], "hidden_size": {hidden}, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 100}}"#
+            );
+            let c = LlamaConfig::from_json_str(&json, "test.json").unwrap();
+            let w = RankWidths::new(&c, split_heads(&c, 1).unwrap(), 1);
+            let tokens = 2 * seq;
+            let rest = GEMM_WORKSPACE_BYTES
+                + (tokens * hidden) as f64 * 4.0
+                + tokens as f64 * EMBEDDING_SORT_BYTES_PER_TOKEN;
+            workspace_bytes(&hw, w, &layout(false), seq, StagePosition::ONLY) - rest
+        };
+        // head_dim 64, T = 100: delta 2·4·100 f32, dq_accum 2·4·64·128 f32 (T rounded to 64).
+        assert_eq!(
+            attention(256, 100),
+            2.0 * 4.0 * 100.0 * 4.0 + 2.0 * 4.0 * 64.0 * 128.0 * 4.0
+        );
+        // head_dim 128 stays on the deterministic kernels: delta only.
+        assert_eq!(attention(512, 100), 2.0 * 4.0 * 100.0 * 4.0);
     }
 }

@@ -113,6 +113,12 @@ pub struct TrainingArguments {
     /// [`crate::cuda_graphs`]). The CPU engine ignores it.
     #[serde(default)]
     pub cuda_graphs: CudaGraphs,
+    /// Bit-reproducible GPU backwards (`--deterministic`): the flash attention backward in its
+    /// two-kernel form without atomics instead of the faster one-pass form, whose dQ rounds
+    /// differently from run to run (see `tilearn_ops::cuda::FlashBackward`). The CPU engine
+    /// is deterministic whatever it says.
+    #[serde(default)]
+    pub deterministic: bool,
     /// Where the GPU engine keeps the optimizer state (`--memory`; see
     /// [`crate::memory_mode`]). The CPU engine ignores it.
     #[serde(default)]
@@ -184,6 +190,7 @@ impl Default for TrainingArguments {
             gradient_checkpointing: false,
             lce_chunk: LceChunk::Auto,
             cuda_graphs: CudaGraphs::default(),
+            deterministic: false,
             memory: MemoryMode::Default,
             eval_strategy: EvalStrategy::No,
             eval_steps: None,

@@ -26,7 +26,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use tilearn_ops::DType;
-use tilearn_ops::cuda::GpuDevice;
+use tilearn_ops::cuda::{FlashBackward, GpuDevice};
 use tilearn_optim::{AdamWConfig, ParamGroup};
 
 use super::backend::{ModelInit, StepBackend, WholeStep};
@@ -193,6 +193,7 @@ impl GpuBackend {
             )?,
         };
         let mut gpu = gpu;
+        gpu.set_deterministic(args.deterministic)?;
         // A lean model stays eager whatever is asked (see `GpuLlama::set_cuda_graphs`).
         gpu.set_cuda_graphs(args.cuda_graphs);
         let specs = stage.map_or_else(|| ParamStore::specs_for(config), |s| s.specs.clone());
@@ -207,7 +208,13 @@ impl GpuBackend {
                 .join(" / "),
         ];
         if gpu.flash_attention() && precisions.iter().any(|p| p.is_half()) {
-            features.push("flash attention".into());
+            features.push(match gpu.flash_backward() {
+                FlashBackward::OnePass => "flash attention (one-pass backward)".into(),
+                FlashBackward::Deterministic => "flash attention".into(),
+            });
+        }
+        if gpu.deterministic() {
+            features.push("deterministic".into());
         }
         if gpu.gradient_checkpointing() {
             features.push("gradient checkpointing".into());

@@ -69,6 +69,10 @@ pub struct BenchArgs {
     /// under `on`.
     #[arg(long, default_value_t = DEFAULT_CUDA_GRAPHS, value_parser = CudaGraphs::parse)]
     pub cuda_graphs: CudaGraphs,
+    /// Bit-reproducible GPU steps, as `tilearn train --deterministic`: the flash attention
+    /// backward without atomics instead of its faster one-pass form (Hopper).
+    #[arg(long)]
+    pub deterministic: bool,
     /// Where the GPU engine keeps the optimizer state, as `tilearn train --memory`: `default`
     /// or `lean` (fp32 master weights and AdamW moments in host memory, stepped on the CPU;
     /// bf16 only, no CUDA graphs).
@@ -125,6 +129,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.lce_chunk_tokens,
             args.cuda_graphs,
             args.memory,
+            args.deterministic,
         )?,
     };
     // The chunk the GPU model sized its logits buffer for (built for one precision, so the
@@ -146,6 +151,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "device": result.device,
         "precision": result.precision,
         "gradient_checkpointing": args.gradient_checkpointing,
+        "deterministic": args.deterministic,
         "memory": args.memory.to_string(),
         "lce_chunk_tokens": lce_chunk_tokens,
         "batch": batch,

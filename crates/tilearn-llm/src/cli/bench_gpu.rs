@@ -29,6 +29,7 @@ pub fn bench(
     lce: LceChunk,
     graphs: CudaGraphs,
     memory: MemoryMode,
+    deterministic: bool,
 ) -> Result<BenchResult> {
     use std::time::Instant;
 
@@ -71,6 +72,7 @@ pub fn bench(
         memory,
     )?;
     drop(model);
+    gpu.set_deterministic(deterministic)?;
     let groups = gpu.default_groups(0.0);
     gpu.configure_optimizer(
         AdamWConfig {
@@ -251,6 +253,7 @@ pub fn bench(
     _lce: LceChunk,
     _graphs: CudaGraphs,
     _memory: MemoryMode,
+    _deterministic: bool,
 ) -> Result<BenchResult> {
     Err(crate::LlmError::Usage {
         flag: "--device cuda".into(),

@@ -199,6 +199,12 @@ pub struct TrainArgs {
     /// rows and several processes run eagerly, with the reason logged once).
     #[arg(long, default_value_t = DEFAULT_CUDA_GRAPHS, value_parser = CudaGraphs::parse)]
     pub cuda_graphs: CudaGraphs,
+    /// Make GPU steps bit-reproducible from run to run: the flash attention backward runs its
+    /// two kernels without atomics. Off (default): on Hopper it runs one kernel that sums dQ
+    /// with f32 atomic adds, faster, with differences at the level of f32 rounding between
+    /// runs.
+    #[arg(long)]
+    pub deterministic: bool,
     /// A `checkpoint-N` directory of an earlier run with the same flags.
     #[arg(long)]
     pub resume_from_checkpoint: Option<PathBuf>,
@@ -482,6 +488,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         gradient_checkpointing: args.gradient_checkpointing,
         lce_chunk: args.lce_chunk_tokens,
         cuda_graphs: args.cuda_graphs,
+        deterministic: args.deterministic,
         memory: args.memory,
         eval_strategy: match args.eval_strategy {
             Some(EvalStrategyChoice::No) => EvalStrategy::No,

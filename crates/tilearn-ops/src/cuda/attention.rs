@@ -12,7 +12,10 @@
 //!   chip (online softmax) and scores only the key blocks up to the diagonal; the backward
 //!   recomputes P from `lse` in two deterministic kernels (dK/dV per key block, summing the GQA
 //!   group's heads in a fixed order; dQ per query block) after the `delta` kernel below. No
-//!   workspace regions beyond `delta`.
+//!   workspace regions beyond `delta`, except that a workspace built for
+//!   [`FlashBackward::OnePass`] also holds an f32 `dq_accum`: where the Hopper kernels run,
+//!   one kernel then computes dK, dV and dQ, dQ by f32 atomic adds (faster; dq differs from
+//!   run to run at the level of f32 rounding; see `flash_backward.rs`).
 //! * **Gemm**: cuBLASLt batched GEMMs for the six matrix products and the row kernels of
 //!   `crates/tilearn-kernels/kernels/attention.cu` (causal softmax, probability recomputation,
 //!   dS, delta, permutes);
@@ -93,6 +96,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
+use super::flash_backward::{FlashBackward, FlashRegions};
 use super::gemm::{Epilogue, Gemm, MatmulSpec, Operand};
 use super::launch::{Launch, check, raw_stream};
 use crate::cpu::AttnShape;
@@ -223,10 +227,15 @@ impl Regions {
 /// it into typed regions for its own shape and element size; the shape's `batch` at
 /// construction is the number of sequences one pass handles at that element size (a narrower
 /// type or a smaller shape may fit more; larger batches run in several passes).
+///
+/// A flash workspace ([`for_flash`](Self::for_flash)) built for [`FlashBackward::OnePass`]
+/// also holds the one-pass backward's f32 `dq_accum` after the `delta` rows; every other
+/// workspace runs the deterministic flash backward.
 #[derive(Debug)]
 pub struct AttentionWorkspace {
     buf: CudaSlice<u8>,
     max_elem_bytes: usize,
+    backward: FlashBackward,
 }
 
 impl AttentionWorkspace {
@@ -247,38 +256,86 @@ impl AttentionWorkspace {
         Ok(AttentionWorkspace {
             buf,
             max_elem_bytes,
+            backward: FlashBackward::Deterministic,
         })
     }
 
     /// A workspace for the flash path only (bf16 / f16 at shapes [`flash_attention_supports`]
-    /// accepts, up to `max`): just the backward's f32 `delta` rows, `B·Hq·T` floats instead of
-    /// the GEMM path's `Hq·T²` scores per sequence. A call that resolves to the GEMM path
-    /// (another type or shape, or a misaligned tensor) is refused by it as too small.
-    pub fn for_flash(stream: &Arc<CudaStream>, max: AttnShape) -> Result<Self> {
+    /// accepts, up to `max`): the backward's f32 `delta` rows, `B·Hq·T` floats instead of the
+    /// GEMM path's `Hq·T²` scores per sequence, and with [`FlashBackward::OnePass`] the
+    /// one-pass backward's f32 `dq_accum` ([`flash_dq_accum_len`](super::flash_dq_accum_len),
+    /// `B·Hq·D·round_up(T, 64)` floats); [`flash_bytes_for`](Self::flash_bytes_for) gives its
+    /// size. A call that resolves to the GEMM path (another type or shape, or a misaligned
+    /// tensor) is refused by it as too small.
+    pub fn for_flash(
+        stream: &Arc<CudaStream>,
+        max: AttnShape,
+        backward: FlashBackward,
+    ) -> Result<Self> {
         const OP: &str = "AttentionWorkspace::for_flash";
-        check_shape(OP, &max)?;
-        let bytes = max
-            .batch
-            .checked_mul(max.q_heads)
-            .and_then(|r| r.checked_mul(max.seq))
-            .and_then(|r| r.checked_mul(size_of::<f32>()))
-            .and_then(|b| b.checked_add(REGION_ALIGN))
-            .ok_or_else(|| OpsError::Cuda {
-                context: OP,
-                message: format!("flash attention workspace for {max:?} overflows usize"),
-            })?;
+        let bytes = Self::flash_bytes_for(max, backward)?;
         let buf = stream
             .alloc_zeros::<u8>(bytes)
             .map_err(|e| OpsError::Cuda {
                 context: OP,
                 message: format!(
-                    "cannot allocate the flash attention workspace ({bytes} bytes): {e}"
+                    "cannot allocate the flash attention workspace for {max:?} with the \
+                     {backward:?} backward ({bytes} bytes): {e}; FlashBackward::Deterministic \
+                     needs no dq_accum"
                 ),
             })?;
         Ok(AttentionWorkspace {
             buf,
             max_elem_bytes: 2,
+            backward,
         })
+    }
+
+    /// Device bytes [`for_flash`](Self::for_flash) allocates for `max` and `backward`: the
+    /// `delta` rows, for `OnePass` the `dq_accum` on the next 256-byte boundary, and 256 bytes
+    /// of slack to align the first region whatever the allocation's alignment.
+    pub fn flash_bytes_for(max: AttnShape, backward: FlashBackward) -> Result<usize> {
+        const OP: &str = "AttentionWorkspace::for_flash";
+        check_shape(OP, &max)?;
+        FlashRegions::new(max, backward, REGION_ALIGN)
+            .and_then(|r| r.end.checked_add(REGION_ALIGN))
+            .ok_or_else(|| OpsError::Cuda {
+                context: OP,
+                message: format!(
+                    "flash attention workspace for {max:?} with the {backward:?} backward \
+                     overflows usize"
+                ),
+            })
+    }
+
+    /// The flash backward this workspace was built for (`Deterministic` unless
+    /// [`for_flash`](Self::for_flash) was asked for `OnePass`).
+    pub fn flash_backward(&self) -> FlashBackward {
+        self.backward
+    }
+
+    /// Where the flash backward of a call of shape `s` finds its one-pass `dq_accum`: a byte
+    /// offset from the workspace's first aligned byte and an f32 length, or `None` when the
+    /// call runs the deterministic backward (a workspace built for it, or one too small for
+    /// `s`: a call larger than the workspace's `max`).
+    fn dq_accum_region(&self, s: AttnShape) -> Option<(usize, usize)> {
+        if self.backward != FlashBackward::OnePass {
+            return None;
+        }
+        FlashRegions::new(s, FlashBackward::OnePass, REGION_ALIGN)
+            .filter(|r| r.end <= self.usable())
+            .and_then(|r| r.dq_accum)
+    }
+
+    /// The backward a flash call in `T` of shape `s`, with a key mask or ALiBi slopes
+    /// (`masked`) or without, runs with this workspace on the current device: `OnePass` where
+    /// the Hopper kernels serve it ([`flash_attention_uses_wgmma`]) and the workspace holds its
+    /// `dq_accum`, else `Deterministic`.
+    pub fn flash_backward_for<T: DeviceFloat>(&self, s: AttnShape, masked: bool) -> FlashBackward {
+        let one_pass = self.dq_accum_region(s).is_some()
+            && flash_attention_supports::<T>(s)
+            && flash_attention_uses_wgmma::<T>(s.head_dim, masked);
+        FlashBackward::from_deterministic(!one_pass)
     }
 
     /// Device bytes [`new`](Self::new) allocates for `max` and `max_elem_bytes`: the regions
@@ -567,8 +624,10 @@ pub fn flash_attention_supports<T: DeviceFloat>(s: AttnShape) -> bool {
 /// Whether a flash call of `T` at `head_dim`, with a key mask or ALiBi slopes (`masked`) or
 /// without, runs the Hopper kernels (wgmma, `flash_attention_sm90.cu`) on the current device
 /// rather than the mma.sync ones: compute capability 9.0, bf16 or f16, head_dim 64, unmasked, and
-/// `TILEARN_FLASH_SM80` unset. Their backward is bit-identical to the mma.sync backward; their
-/// forward walks keys in blocks of 128, not 64, so it agrees to the rounding.
+/// `TILEARN_FLASH_SM80` unset. Their deterministic backward is bit-identical to the mma.sync
+/// backward (their one-pass backward, with a [`FlashBackward::OnePass`] workspace, agrees to
+/// the rounding); their forward walks keys in blocks of 128, not 64, so it agrees to the
+/// rounding.
 pub fn flash_attention_uses_wgmma<T: DeviceFloat>(head_dim: usize, masked: bool) -> bool {
     // SAFETY: a host function of integers; it reads the current device's compute capability.
     unsafe { ffi::tilearn_flash_attention_uses_wgmma(T::DTYPE, head_dim, i32::from(masked)) != 0 }
@@ -904,7 +963,9 @@ pub fn attention_forward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<f
 
 /// Causal GQA backward in element type `T`: writes (`=`) `dq`, `dk`, `dv` (type `T`) from
 /// `dout`, the inputs and the forward's `out` and `lse`. Deterministic (bit-identical from run
-/// to run). Same workspace contract as [`attention_forward`]; the fused flash kernels where
+/// to run) except for `dq` where a [`FlashBackward::OnePass`] workspace lets the Hopper kernels
+/// sum it with f32 atomic adds (see [`AttentionWorkspace::flash_backward_for`]). Same workspace
+/// contract as [`attention_forward`]; the fused flash kernels where
 /// they apply, else the cuBLASLt path ([`AttentionImpl::Auto`]). Precision: f32 dP, delta and
 /// accumulation; P and dS rounded once to `T` before their products, outputs rounded once to
 /// `T`.
@@ -1062,6 +1123,9 @@ pub fn attention_backward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<
     // Only the GEMM path carves the workspace, so only it reports a workspace too small.
     let layout = ws_layout::<T>(op, ws, s, &p);
     let usable = ws.usable();
+    // The one-pass backward's scratch, when the workspace was built for it and holds it for
+    // this shape (after the delta rows, which then lie in the workspace too).
+    let dq_accum_region = ws.dq_accum_region(s);
     let plan = Plan::new::<T>(s);
     let (t, d, g, hq, hkv) = (s.seq, s.head_dim, plan.group, s.q_heads, s.kv_heads);
     let e = plan.elem as u64;
@@ -1102,15 +1166,22 @@ pub fn attention_backward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<
                         })?),
                     };
                 let scratch_ptr = scratch.as_mut().map(|buf| buf.device_ptr_mut(&stream));
+                let ws_start = ws_base.next_multiple_of(REGION_ALIGN as u64);
                 let delta = match &scratch_ptr {
                     Some((ptr, _)) => *ptr,
-                    None => ws_base.next_multiple_of(REGION_ALIGN as u64),
+                    None => ws_start,
                 };
+                // Null: the deterministic backward.
+                let dq_accum = dq_accum_region.map_or(std::ptr::null_mut(), |(offset, _)| {
+                    (ws_start + offset as u64) as *mut f32
+                });
                 // SAFETY: the launchers read dout, q and out (`q_len` elements of T, `T::DTYPE`),
                 // k and v (`kv_len`) and lse (`rows_len` f32) and write dq (`q_len`), dk and dv
                 // (`kv_len`) for shape `s`; delta holds rows_len f32 (`usable` bytes from the
                 // workspace's aligned start, or its own allocation, whose guard lives until
-                // after the enqueues) and is neither an input nor an output.
+                // after the enqueues) and is neither an input nor an output; dq_accum, when
+                // set, holds `tilearn_flash_attention_dq_accum_len` f32 for `s` from a
+                // 256-byte boundary inside the usable bytes, after delta (`FlashRegions`).
                 unsafe {
                     let status = ffi::tilearn_attention_delta(
                         T::DTYPE,
@@ -1142,7 +1213,7 @@ pub fn attention_backward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<
                         s.head_dim,
                         plan.scale,
                         mask_ptr(&km),
-                        std::ptr::null_mut(),
+                        dq_accum,
                         raw,
                     );
                     return check(op, status);
@@ -1250,4 +1321,35 @@ pub fn attention_backward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<
             }
             Ok(())
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flash_workspace_bytes_hold_delta_and_the_one_pass_dq_accum() {
+        let s = AttnShape {
+            batch: 2,
+            seq: 130,
+            q_heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+        };
+        // delta: 2·8·130 f32 = 8320 bytes; plus the 256 bytes of alignment slack.
+        let det = AttentionWorkspace::flash_bytes_for(s, FlashBackward::Deterministic).unwrap();
+        assert_eq!(det, 8320 + 256);
+        // dq_accum from the next 256-byte boundary (8448): 2·8·64·192 f32 (T rounded to 64).
+        let one = AttentionWorkspace::flash_bytes_for(s, FlashBackward::OnePass).unwrap();
+        assert_eq!(one, 8448 + 4 * 2 * 8 * 64 * 192 + 256);
+        let huge = AttnShape {
+            batch: usize::MAX / 4,
+            ..s
+        };
+        let err = AttentionWorkspace::flash_bytes_for(huge, FlashBackward::OnePass).unwrap_err();
+        assert!(err.to_string().contains("overflows usize"), "{err}");
+        let bad = AttnShape { kv_heads: 3, ..s };
+        let err = AttentionWorkspace::flash_bytes_for(bad, FlashBackward::OnePass).unwrap_err();
+        assert!(err.to_string().contains("multiple of kv_heads"), "{err}");
+    }
 }

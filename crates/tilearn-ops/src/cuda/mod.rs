@@ -24,6 +24,7 @@ mod cross_entropy;
 mod device;
 mod dtype;
 mod embedding;
+mod flash_backward;
 mod gelu;
 mod gemm;
 pub mod launch;
@@ -46,6 +47,7 @@ pub use cudarc::driver::{
 pub use device::GpuDevice;
 pub use dtype::DeviceFloat;
 pub use embedding::*;
+pub use flash_backward::{FlashBackward, flash_dq_accum_len};
 pub use gelu::*;
 pub use gemm::*;
 pub use norm::*;

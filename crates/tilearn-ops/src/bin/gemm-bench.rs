@@ -15,7 +15,9 @@
 //! warm-up forward + backward, then 10 timed forwards and 10 timed backwards (CUDA events), one
 //! JSON line per (shape, path) with the medians, then a table; also one sequence of 16 K tokens
 //! with TinyLlama's heads, flash path only. `"kernels"` says which flash kernels ran (`wgmma` on
-//! Hopper where they apply, else `mma.sync`; `TILEARN_FLASH_SM80=1` forces the latter). FLOPs
+//! Hopper where they apply, else `mma.sync`; `TILEARN_FLASH_SM80=1` forces the latter) and
+//! `"backward"` which flash backward: the flash path is timed with a one-pass workspace (a row
+//! only where that backward runs: Hopper kernels, unmasked) and a deterministic one. FLOPs
 //! counted for causal attention: forward 2·2·B·Hq·T²·D/2 (the two products over the lower
 //! triangle), backward 2.5× that (five products), whatever the path actually computes.
 //!
@@ -34,8 +36,8 @@ use half::{bf16, f16};
 use tilearn_ops::KeyMask;
 use tilearn_ops::cpu::AttnShape;
 use tilearn_ops::cuda::{
-    self, AttentionImpl, AttentionWorkspace, CudaSlice, DeviceFloat, Gemm, GpuDevice, MatmulSpec,
-    Operand,
+    self, AttentionImpl, AttentionWorkspace, CudaSlice, DeviceFloat, FlashBackward, Gemm,
+    GpuDevice, MatmulSpec, Operand,
 };
 
 const RUNS: usize = 10;
@@ -244,21 +246,36 @@ fn attention_bench<T: DeviceFloat>(
 ) -> Result<String, String> {
     let name = dev.name().unwrap_or_else(|_| "unknown".into());
     let mut table = vec![format!(
-        "{:<11} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9}",
-        "shape", "path", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "total ms"
+        "{:<11} {:<6} {:<13} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "shape", "path", "backward", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "total ms"
     )];
     for (preset, s) in ATTN_PRESETS {
         let fwd_flops = 4.0 * (s.batch * s.q_heads * s.head_dim) as f64 * mask.visible_keys(s.seq);
         let bwd_flops = 2.5 * fwd_flops;
-        for imp in [AttentionImpl::Gemm, AttentionImpl::Flash] {
+        let runs = [
+            (AttentionImpl::Gemm, FlashBackward::Deterministic),
+            (AttentionImpl::Flash, FlashBackward::OnePass),
+            (AttentionImpl::Flash, FlashBackward::Deterministic),
+        ];
+        for (imp, asked) in runs {
             if imp == AttentionImpl::Gemm && s.seq > GEMM_PATH_MAX_SEQ {
                 continue;
             }
-            let (fwd, bwd) = time_attention::<T>(dev, gemm, s, imp, mask)?;
+            let (fwd, bwd, ran) = time_attention::<T>(dev, gemm, s, imp, asked, mask)?;
+            // The one-pass request runs the deterministic backward where the Hopper kernels
+            // do not apply: that row would repeat the next one.
+            if asked == FlashBackward::OnePass && ran != FlashBackward::OnePass {
+                continue;
+            }
             let (tf_f, tf_b) = (fwd_flops / fwd / 1e9, bwd_flops / bwd / 1e9);
             let path = format!("{imp:?}").to_lowercase();
             // Which flash kernels ran: the Hopper (wgmma) ones or the mma.sync ones.
             let masked = mask.example_len.is_some() || mask.window.is_some() || mask.alibi;
+            let backward = match (imp, ran) {
+                (AttentionImpl::Gemm, _) => "gemm",
+                (_, FlashBackward::OnePass) => "one-pass",
+                (_, FlashBackward::Deterministic) => "deterministic",
+            };
             let kernels = match imp {
                 AttentionImpl::Flash
                     if cuda::flash_attention_uses_wgmma::<T>(s.head_dim, masked) =>
@@ -272,7 +289,8 @@ fn attention_bench<T: DeviceFloat>(
                 concat!(
                     "{{\"bench\":\"attention\",\"shape\":\"{}\",\"batch\":{},\"seq\":{},",
                     "\"q_heads\":{},\"kv_heads\":{},\"head_dim\":{},\"dtype\":\"{}\",",
-                    "\"path\":\"{}\",\"kernels\":\"{}\",\"fwd_ms\":{:.4},\"fwd_tflops\":{:.1},\"bwd_ms\":{:.4},",
+                    "\"path\":\"{}\",\"kernels\":\"{}\",\"backward\":\"{}\",\"fwd_ms\":{:.4},",
+                    "\"fwd_tflops\":{:.1},\"bwd_ms\":{:.4},",
                     "\"bwd_tflops\":{:.1},\"example_len\":{},\"sliding_window\":{},\"alibi\":{},",
                     "\"device\":{:?}}}"
                 ),
@@ -285,6 +303,7 @@ fn attention_bench<T: DeviceFloat>(
                 T::NAME,
                 path,
                 kernels,
+                backward,
                 fwd,
                 tf_f,
                 bwd,
@@ -295,7 +314,7 @@ fn attention_bench<T: DeviceFloat>(
                 name
             );
             table.push(format!(
-                "{preset:<11} {path:<6} {fwd:>9.3} {tf_f:>9.1} {bwd:>9.3} {tf_b:>9.1} {:>9.3}",
+                "{preset:<11} {path:<6} {backward:<13} {fwd:>9.3} {tf_f:>9.1} {bwd:>9.3} {tf_b:>9.1} {:>9.3}",
                 fwd + bwd
             ));
         }
@@ -308,14 +327,16 @@ fn json_opt(v: Option<usize>) -> String {
     v.map_or_else(|| "null".to_string(), |n| n.to_string())
 }
 
-/// Median forward and backward milliseconds of one path at one shape.
+/// Median forward and backward milliseconds of one path at one shape, and the flash backward
+/// that ran (the flash path's workspace is built for `backward`).
 fn time_attention<T: DeviceFloat>(
     dev: &GpuDevice,
     gemm: &Gemm,
     s: AttnShape,
     imp: AttentionImpl,
+    backward: FlashBackward,
     mask: BenchMask,
-) -> Result<(f64, f64), String> {
+) -> Result<(f64, f64, FlashBackward), String> {
     let st = dev.stream();
     let err = |e: cudarc::driver::DriverError| e.to_string();
     let ops = |e: tilearn_ops::OpsError| e.to_string();
@@ -348,8 +369,14 @@ fn time_attention<T: DeviceFloat>(
         None
     };
     let slopes = slopes.as_ref();
-    // The whole batch in one pass for the GEMM path (the flash path leaves it unused).
-    let mut ws = AttentionWorkspace::new(st, s, size_of::<T>()).map_err(ops)?;
+    // The whole batch in one pass for the GEMM path; the flash path's own workspace.
+    let mut ws = match imp {
+        AttentionImpl::Flash => AttentionWorkspace::for_flash(st, s, backward),
+        _ => AttentionWorkspace::new(st, s, size_of::<T>()),
+    }
+    .map_err(ops)?;
+    let masked = mask.example_len.is_some() || mask.window.is_some() || mask.alibi;
+    let ran = ws.flash_backward_for::<T>(s, masked);
     let fwd = |ws: &mut AttentionWorkspace, out: &mut CudaSlice<T>, lse: &mut CudaSlice<f32>| {
         cuda::attention_forward_alibi(imp, gemm, ws, s, key_mask, slopes, &q, &k, &v, out, lse)
     };
@@ -383,5 +410,5 @@ fn time_attention<T: DeviceFloat>(
     }
     fwd_ms.sort_by(f64::total_cmp);
     bwd_ms.sort_by(f64::total_cmp);
-    Ok((fwd_ms[RUNS / 2], bwd_ms[RUNS / 2]))
+    Ok((fwd_ms[RUNS / 2], bwd_ms[RUNS / 2], ran))
 }

@@ -18,6 +18,10 @@
 //! Hopper where they apply, else `mma.sync`; `TILEARN_FLASH_SM80=1` forces the latter). FLOPs
 //! counted for causal attention: forward 2·2·B·Hq·T²·D/2 (the two products over the lower
 //! triangle), backward 2.5× that (five products), whatever the path actually computes.
+//! `"backward"` says which flash backward ran: `deterministic` (two kernels, no atomics) on
+//! every path, and where the Hopper kernels run one more flash row, `one-pass` (a
+//! [`FlashBackward::OnePass`] workspace: dK, dV and dQ in one kernel, dQ by f32 atomic adds;
+//! `onepass` in the table).
 //!
 //! `gemm-bench attention --example-len L`: the same with every row packed with examples of `L`
 //! tokens (position ids restarting every `L`: the key-masked kernels, which skip the key tiles
@@ -34,8 +38,8 @@ use half::{bf16, f16};
 use tilearn_ops::KeyMask;
 use tilearn_ops::cpu::AttnShape;
 use tilearn_ops::cuda::{
-    self, AttentionImpl, AttentionWorkspace, CudaSlice, DeviceFloat, Gemm, GpuDevice, MatmulSpec,
-    Operand,
+    self, AttentionImpl, AttentionWorkspace, CudaSlice, DeviceFloat, FlashBackward, Gemm,
+    GpuDevice, MatmulSpec, Operand,
 };
 
 const RUNS: usize = 10;
@@ -244,21 +248,35 @@ fn attention_bench<T: DeviceFloat>(
 ) -> Result<String, String> {
     let name = dev.name().unwrap_or_else(|_| "unknown".into());
     let mut table = vec![format!(
-        "{:<11} {:<6} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "{:<11} {:<7} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "shape", "path", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "total ms"
     )];
+    let masked = mask.example_len.is_some() || mask.window.is_some() || mask.alibi;
     for (preset, s) in ATTN_PRESETS {
         let fwd_flops = 4.0 * (s.batch * s.q_heads * s.head_dim) as f64 * mask.visible_keys(s.seq);
         let bwd_flops = 2.5 * fwd_flops;
-        for imp in [AttentionImpl::Gemm, AttentionImpl::Flash] {
+        for (imp, backward) in [
+            (AttentionImpl::Gemm, FlashBackward::Deterministic),
+            (AttentionImpl::Flash, FlashBackward::Deterministic),
+            (AttentionImpl::Flash, FlashBackward::OnePass),
+        ] {
             if imp == AttentionImpl::Gemm && s.seq > GEMM_PATH_MAX_SEQ {
                 continue;
             }
-            let (fwd, bwd) = time_attention::<T>(dev, gemm, s, imp, mask)?;
+            // The one-pass backward only where it differs: the Hopper kernels, unmasked.
+            if backward == FlashBackward::OnePass
+                && !cuda::flash_attention_uses_wgmma::<T>(s.head_dim, masked)
+            {
+                continue;
+            }
+            let (fwd, bwd) = time_attention::<T>(dev, gemm, s, imp, backward, mask)?;
             let (tf_f, tf_b) = (fwd_flops / fwd / 1e9, bwd_flops / bwd / 1e9);
             let path = format!("{imp:?}").to_lowercase();
+            let (backward_name, label) = match backward {
+                FlashBackward::OnePass => ("one-pass", "onepass".to_string()),
+                FlashBackward::Deterministic => ("deterministic", path.clone()),
+            };
             // Which flash kernels ran: the Hopper (wgmma) ones or the mma.sync ones.
-            let masked = mask.example_len.is_some() || mask.window.is_some() || mask.alibi;
             let kernels = match imp {
                 AttentionImpl::Flash
                     if cuda::flash_attention_uses_wgmma::<T>(s.head_dim, masked) =>
@@ -272,7 +290,8 @@ fn attention_bench<T: DeviceFloat>(
                 concat!(
                     "{{\"bench\":\"attention\",\"shape\":\"{}\",\"batch\":{},\"seq\":{},",
                     "\"q_heads\":{},\"kv_heads\":{},\"head_dim\":{},\"dtype\":\"{}\",",
-                    "\"path\":\"{}\",\"kernels\":\"{}\",\"fwd_ms\":{:.4},\"fwd_tflops\":{:.1},\"bwd_ms\":{:.4},",
+                    "\"path\":\"{}\",\"kernels\":\"{}\",\"backward\":\"{}\",",
+                    "\"fwd_ms\":{:.4},\"fwd_tflops\":{:.1},\"bwd_ms\":{:.4},",
                     "\"bwd_tflops\":{:.1},\"example_len\":{},\"sliding_window\":{},\"alibi\":{},",
                     "\"device\":{:?}}}"
                 ),
@@ -285,6 +304,7 @@ fn attention_bench<T: DeviceFloat>(
                 T::NAME,
                 path,
                 kernels,
+                backward_name,
                 fwd,
                 tf_f,
                 bwd,
@@ -295,7 +315,7 @@ fn attention_bench<T: DeviceFloat>(
                 name
             );
             table.push(format!(
-                "{preset:<11} {path:<6} {fwd:>9.3} {tf_f:>9.1} {bwd:>9.3} {tf_b:>9.1} {:>9.3}",
+                "{preset:<11} {label:<7} {fwd:>9.3} {tf_f:>9.1} {bwd:>9.3} {tf_b:>9.1} {:>9.3}",
                 fwd + bwd
             ));
         }
@@ -314,6 +334,7 @@ fn time_attention<T: DeviceFloat>(
     gemm: &Gemm,
     s: AttnShape,
     imp: AttentionImpl,
+    backward: FlashBackward,
     mask: BenchMask,
 ) -> Result<(f64, f64), String> {
     let st = dev.stream();
@@ -348,8 +369,13 @@ fn time_attention<T: DeviceFloat>(
         None
     };
     let slopes = slopes.as_ref();
-    // The whole batch in one pass for the GEMM path (the flash path leaves it unused).
-    let mut ws = AttentionWorkspace::new(st, s, size_of::<T>()).map_err(ops)?;
+    // The whole batch in one pass for the GEMM path (the flash path uses only its delta rows);
+    // the one-pass flash backward's workspace also holds its dq_accum.
+    let mut ws = match backward {
+        FlashBackward::OnePass => AttentionWorkspace::for_flash(st, s, backward),
+        FlashBackward::Deterministic => AttentionWorkspace::new(st, s, size_of::<T>()),
+    }
+    .map_err(ops)?;
     let fwd = |ws: &mut AttentionWorkspace, out: &mut CudaSlice<T>, lse: &mut CudaSlice<f32>| {
         cuda::attention_forward_alibi(imp, gemm, ws, s, key_mask, slopes, &q, &k, &v, out, lse)
     };

@@ -295,7 +295,7 @@ impl AttentionWorkspace {
     /// `delta` rows, for `OnePass` the `dq_accum` on the next 256-byte boundary, and 256 bytes
     /// of slack to align the first region whatever the allocation's alignment.
     pub fn flash_bytes_for(max: AttnShape, backward: FlashBackward) -> Result<usize> {
-        const OP: &str = "AttentionWorkspace::for_flash";
+        const OP: &str = "AttentionWorkspace::flash_bytes_for";
         check_shape(OP, &max)?;
         FlashRegions::new(max, backward, REGION_ALIGN)
             .and_then(|r| r.end.checked_add(REGION_ALIGN))

@@ -13,6 +13,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# The CLI tests (gpu_data_parallel) run the bundle's `tilearn`, not cargo's.
+export TILEARN_BIN_DIR=${TILEARN_BIN_DIR:-$PWD/$B/bin}
 parts=" ${ONEPASS_PARTS:-tests attn e2e} "
 [[ $parts == *" tests "* ]] && for t in ${ONEPASS_TESTS:-gpu_flash_sm90 gpu_matmul_attention gpu_attention_mask gpu_family_ops gpu_model gpu_cuda_graph gpu_precision gpu_lean gpu_model_parallel gpu_pipeline_parallel gpu_data_parallel}; do
   [ -x "$B/tests/$t-test" ] || { echo "=== $t: not in the bundle (not run)"; continue; }

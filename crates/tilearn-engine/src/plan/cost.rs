@@ -117,14 +117,7 @@ pub fn micro_batch_cost(
     let b = layout.micro_batch as f64;
     let t = seq as f64;
     let forward = 2.0 * b * t * t * (w.q_heads * w.head_dim) as f64;
-    let (fwd_rate, bwd_rate) = if matches!(w.head_dim, 64 | 128) {
-        (hw.flash_forward_flops, hw.flash_backward_flops)
-    } else {
-        (
-            hw.gemm_attention_forward_flops,
-            hw.gemm_attention_backward_flops,
-        )
-    };
+    let (fwd_rate, bwd_rate) = hw.attention_flops(w.head_dim, seq);
     let attention_s = layers_f * ((1.0 + ckpt) * forward / fwd_rate + 2.5 * forward / bwd_rate);
 
     let (c, q, kv, i) = (w.hidden as f64, w.q as f64, w.kv as f64, w.inter as f64);

@@ -18,11 +18,20 @@ pub const H200_COPY_BYTES_PER_S: f64 = 4.26e12;
 /// "Fused optimizers").
 pub const H200_FUSED_ADAMW_BYTES_PER_S: f64 = 3.659e12;
 
-/// The flash attention kernels' forward and backward throughput at the TinyLlama shape
-/// (B 8, T 2048, 32/4 heads, D 64; causal FLOPs, the backward counted as 2.5× the forward;
-/// bench/RESULTS.md, `gemm-bench attention`).
+/// The portable (mma.sync) flash attention kernels' forward and backward throughput at the
+/// TinyLlama shape (B 8, T 2048, 32/4 heads, D 64; causal FLOPs, the backward counted as 2.5×
+/// the forward; bench/RESULTS.md, `gemm-bench attention`): what head_dim 128 runs on an H200.
 pub const H200_FLASH_FORWARD_FLOPS: f64 = 275.0e12;
 pub const H200_FLASH_BACKWARD_FLOPS: f64 = 173.5e12;
+
+/// The Hopper (wgmma) flash kernels that serve head_dim 64 on an H200: forward and one-pass
+/// backward throughput at T = 2048 (the TinyLlama shape) and at T = 16 384 (one sequence,
+/// 32/4 heads), same counting (bench/RESULTS.md "One-pass Hopper backward", `gemm-bench
+/// attention`). Longer key walks amortise each CTA's prologue, so the rate grows with T; the
+/// cost model interpolates in log T between the two and holds the end values outside.
+pub const H200_HOPPER_FLASH_SEQS: [f64; 2] = [2048.0, 16384.0];
+pub const H200_HOPPER_FLASH_FORWARD_FLOPS: [f64; 2] = [330.7e12, 430.5e12];
+pub const H200_HOPPER_FLASH_BACKWARD_FLOPS: [f64; 2] = [273.1e12, 335.8e12];
 
 /// The cuBLASLt attention path (head sizes the flash kernels do not serve, or fp32), same
 /// measurement.
@@ -68,6 +77,10 @@ pub struct Hardware {
     pub optimizer_bytes_per_s: f64,
     pub flash_forward_flops: f64,
     pub flash_backward_flops: f64,
+    /// The Hopper kernels' (head_dim 64) rates at the sequence lengths `hopper_flash_seqs`.
+    pub hopper_flash_seqs: [f64; 2],
+    pub hopper_flash_forward_flops: [f64; 2],
+    pub hopper_flash_backward_flops: [f64; 2],
     pub gemm_attention_forward_flops: f64,
     pub gemm_attention_backward_flops: f64,
     pub peak_flops: f64,
@@ -91,6 +104,9 @@ impl Hardware {
             optimizer_bytes_per_s: H200_FUSED_ADAMW_BYTES_PER_S,
             flash_forward_flops: H200_FLASH_FORWARD_FLOPS,
             flash_backward_flops: H200_FLASH_BACKWARD_FLOPS,
+            hopper_flash_seqs: H200_HOPPER_FLASH_SEQS,
+            hopper_flash_forward_flops: H200_HOPPER_FLASH_FORWARD_FLOPS,
+            hopper_flash_backward_flops: H200_HOPPER_FLASH_BACKWARD_FLOPS,
             gemm_attention_forward_flops: H200_GEMM_ATTENTION_FORWARD_FLOPS,
             gemm_attention_backward_flops: H200_GEMM_ATTENTION_BACKWARD_FLOPS,
             peak_flops: H200_PEAK_BF16_FLOPS,
@@ -99,6 +115,29 @@ impl Hardware {
             collective_latency_s: COLLECTIVE_LATENCY_S,
             reserved_bytes: RESERVED_BYTES,
             nccl_communicator_bytes: NCCL_COMMUNICATOR_BYTES,
+        }
+    }
+
+    /// Forward and backward FLOP/s of causal attention at head dimension `head_dim` over
+    /// sequences of `seq` tokens: the Hopper kernels' rates (interpolated in log T) at 64, the
+    /// portable flash kernels' at 128, the cuBLASLt path's otherwise.
+    pub fn attention_flops(&self, head_dim: usize, seq: usize) -> (f64, f64) {
+        match head_dim {
+            64 => {
+                let [t0, t1] = self.hopper_flash_seqs;
+                let x = ((seq.max(1) as f64).ln() - t0.ln()) / (t1.ln() - t0.ln());
+                let x = x.clamp(0.0, 1.0);
+                let lerp = |r: [f64; 2]| r[0] + x * (r[1] - r[0]);
+                (
+                    lerp(self.hopper_flash_forward_flops),
+                    lerp(self.hopper_flash_backward_flops),
+                )
+            }
+            128 => (self.flash_forward_flops, self.flash_backward_flops),
+            _ => (
+                self.gemm_attention_forward_flops,
+                self.gemm_attention_backward_flops,
+            ),
         }
     }
 

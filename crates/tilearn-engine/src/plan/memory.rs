@@ -6,8 +6,9 @@
 //!   over the data-parallel ranks by the ZeRO stage ([`zero::per_rank`]; stage 3 partitions the
 //!   working copy too and adds a buffer for two gathered layers);
 //! * activations: the arena's `resid[i]` (each layer's input), one set of saved per-layer
-//!   buffers per layer (one shared set with checkpointing), the final norm's output, the logits
-//!   (`[N, V]`, overwritten by their gradient), the backward's gradient scratch and the f32
+//!   buffers per layer (one shared set with checkpointing), the final norm's output, the loss
+//!   head's logits chunk (`[rows, V]` with rows from `--lce-chunk-tokens auto`, overwritten by
+//!   their gradient), the backward's gradient scratch and the f32
 //!   row statistics; under pipeline parallelism the first rank keeps several micro-batches'
 //!   saved buffers ([`Layout::in_flight_layer_sets`]);
 //! * workspace: the cuBLASLt workspace (32 MiB), the attention workspace (the flash kernels'
@@ -21,6 +22,7 @@ use serde::Serialize;
 use super::hardware::Hardware;
 use super::layout::{Layout, ShardStage};
 use super::shard::{RankParams, RankWidths, StagePosition};
+use crate::lce_chunk::LceChunk;
 use crate::trainer::zero::{self, StateBytes};
 
 /// The GPU engine's bytes per parameter in bf16/fp16 mixed precision: the 16-bit working copy
@@ -96,7 +98,8 @@ pub struct ArenaTerms {
     pub grad_scratch: f64,
     /// `final_xn`, the f32 final rstd and row losses, and the u32 ids and i32 targets.
     pub per_call: f64,
-    /// Logits `[N, V]` (vocabulary-parallel: V/TP columns).
+    /// The loss head's logits chunk: `[rows, V]` (vocabulary-parallel: V/TP columns), rows
+    /// as the engine's default `--lce-chunk-tokens auto` gives them (at most 256 MiB).
     pub logits: f64,
 }
 
@@ -111,7 +114,9 @@ impl ArenaTerms {
             resid: e * n * c,
             grad_scratch: e * n * wide,
             per_call: e * n * c + 4.0 * n * 2.0 + 8.0 * n,
-            logits: e * n * w.vocab as f64,
+            logits: e
+                * LceChunk::Auto.rows(tokens, w.vocab, ACTIVATION_ELEM_BYTES as usize) as f64
+                * w.vocab as f64,
         }
     }
 }

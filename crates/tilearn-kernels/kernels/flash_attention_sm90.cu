@@ -199,6 +199,43 @@ __device__ __forceinline__ void mask_causal(float (&s)[N], int k0, int row_wg, c
 }
 #endif
 
+#if TILEARN_HAS_WGMMA
+// The K / V tiles of a forward or dQ CTA's key blocks, BC keys each, streamed through STAGES
+// shared-memory buffers one block ahead (kernel shapes above).
+template <typename T, int BC, int STAGES, int THREADS>
+struct KvStream {
+    T* k_bufs;   // STAGES tiles of BC x kD
+    T* v_bufs;
+    const T* k;  // the CTA's (batch, kv head) column of k / v
+    const T* v;
+    size_t stride;
+    int nkb;     // key blocks the CTA walks
+    int seq;
+    int tid;
+
+    // Starts loading block kb (nothing past the last) and commits a cp.async group either way.
+    __device__ __forceinline__ void load(int kb) const {
+        if (kb < nkb)
+            load_kv<T, BC, kD, THREADS>(k_bufs + (kb % STAGES) * BC * kD,
+                                        v_bufs + (kb % STAGES) * BC * kD, k, v, stride, kb * BC,
+                                        seq, tid);
+        cp_async_commit();
+    }
+
+    // Opens step kb: waits for block kb, makes it visible to wgmma, syncs the CTA (after which
+    // the buffer of block kb + 1 is free, see above) and starts loading kb + 1. Returns the
+    // shared addresses of block kb's K and V tiles.
+    __device__ __forceinline__ uint2 open_step(int kb) const {
+        cp_async_wait<0>();
+        wg::fence_smem_for_async();
+        __syncthreads();
+        load(kb + 1);
+        return make_uint2(smem_addr(k_bufs + (kb % STAGES) * BC * kD),
+                          smem_addr(v_bufs + (kb % STAGES) * BC * kD));
+    }
+};
+#endif
+
 // ---- forward: one CTA per (64 WGS-query block, batch, query head), key blocks of 128 ----
 
 template <typename T, int WGS>
@@ -211,22 +248,13 @@ __global__ void __launch_bounds__(128 * WGS, kFwdCtasPerSm / WGS) fwd_kernel(Arg
     T* sV = sK + kFwdStages * kFwdBc * kD;
     const WgIds id = wg_ids();
     const int seq = a.seq;
-    // Plain names, not a structured binding: the lambda below captures them (C++17).
     const QueryBlock<T> blk = query_block<T, kD, kBr, kFwdBc>(a);
     const int q0 = blk.q0, nkb = blk.nkb;
-    const size_t kv_stride = blk.kv_stride;
-    const T* kg = blk.k;
-    const T* vg = blk.v;
-    auto load_block = [&](int kb) {
-        if (kb < nkb)
-            load_kv<T, kFwdBc, kD, kThr>(sK + (kb % kFwdStages) * kFwdBc * kD,
-                                         sV + (kb % kFwdStages) * kFwdBc * kD, kg, vg, kv_stride,
-                                         kb * kFwdBc, seq, id.tid);
-        cp_async_commit();
-    };
+    const KvStream<T, kFwdBc, kFwdStages, kThr> kv{sK, sV, blk.k, blk.v, blk.kv_stride,
+                                                   nkb, seq, id.tid};
     load_tile<T, kBr, kD, kThr>(sQ, static_cast<const T*>(a.q) + blk.q_base, blk.q_stride, q0,
                                 seq, id.tid);
-    load_block(0);
+    kv.load(0);
 
     const int row_wg = q0 + id.wgi * 64;  // the warpgroup's first query
     const uint32_t q_tile = smem_addr(sQ + id.wgi * 64 * kD);
@@ -237,12 +265,8 @@ __global__ void __launch_bounds__(128 * WGS, kFwdCtasPerSm / WGS) fwd_kernel(Arg
     fill(o, 0.0f);
 
     for (int kb = 0; kb < nkb; ++kb) {
-        cp_async_wait<0>();
-        wg::fence_smem_for_async();
-        __syncthreads();
-        load_block(kb + 1);
-        const uint32_t k_tile = smem_addr(sK + (kb % kFwdStages) * kFwdBc * kD);
-        const uint32_t v_tile = smem_addr(sV + (kb % kFwdStages) * kFwdBc * kD);
+        const uint2 tiles = kv.open_step(kb);
+        const uint32_t k_tile = tiles.x, v_tile = tiles.y;
         float s[64];
         wg::fence();
         gemm_abt<T>(s, q_tile, k_tile);
@@ -318,21 +342,13 @@ __global__ void __launch_bounds__(128 * WGS, 1) dq_kernel(Args a) {
     const int seq = a.seq;
     const QueryBlock<T> blk = query_block<T, kD, kBr, kDqBc>(a);
     const int q0 = blk.q0, nkb = blk.nkb;
-    const size_t kv_stride = blk.kv_stride;
-    const T* kg = blk.k;
-    const T* vg = blk.v;
-    auto load_block = [&](int kb) {
-        if (kb < nkb)
-            load_kv<T, kDqBc, kD, kThr>(sK + (kb % kStages) * kDqBc * kD,
-                                        sV + (kb % kStages) * kDqBc * kD, kg, vg, kv_stride,
-                                        kb * kDqBc, seq, id.tid);
-        cp_async_commit();
-    };
+    const KvStream<T, kDqBc, kStages, kThr> kv{sK, sV, blk.k, blk.v, blk.kv_stride,
+                                               nkb, seq, id.tid};
     load_tile<T, kBr, kD, kThr>(sQ, static_cast<const T*>(a.q) + blk.q_base, blk.q_stride, q0,
                                 seq, id.tid);
     load_tile<T, kBr, kD, kThr>(sDo, static_cast<const T*>(a.dout) + blk.q_base, blk.q_stride,
                                 q0, seq, id.tid);
-    load_block(0);
+    kv.load(0);
 
     const int row_wg = q0 + id.wgi * 64;
     const uint32_t q_tile = smem_addr(sQ + id.wgi * 64 * kD);
@@ -351,12 +367,8 @@ __global__ void __launch_bounds__(128 * WGS, 1) dq_kernel(Args a) {
     fill(dq, 0.0f);
 
     for (int kb = 0; kb < nkb; ++kb) {
-        cp_async_wait<0>();
-        wg::fence_smem_for_async();
-        __syncthreads();
-        load_block(kb + 1);
-        const uint32_t k_tile = smem_addr(sK + (kb % kStages) * kDqBc * kD);
-        const uint32_t v_tile = smem_addr(sV + (kb % kStages) * kDqBc * kD);
+        const uint2 tiles = kv.open_step(kb);
+        const uint32_t k_tile = tiles.x, v_tile = tiles.y;
         float s[32], dp[32];
         wg::fence();
         gemm_abt<T>(s, q_tile, k_tile);

@@ -1173,7 +1173,10 @@ fn rel_diff(what: &str, a: &[f64], b: &[f64], reference: &[f64]) -> f64 {
 /// One flash case in `T`: the fused kernels (forced) vs the f64 CPU reference, twice for
 /// bit-identity (forward and backward), the cuBLASLt path vs the same reference, the two paths
 /// against each other, and `Auto` bit-identical to the path it resolves to. The workspace holds
-/// one sequence (the engine's sizing; the flash path only keeps delta in it).
+/// one sequence (the engine's sizing; the flash path only keeps delta in it), so the flash
+/// backward is the deterministic one; the one-pass backward (Hopper, head_dim 64: a
+/// `FlashBackward::OnePass` flash workspace) is then checked against the same reference with
+/// the same bounds.
 #[allow(clippy::too_many_arguments)]
 fn flash_case<T: Elem>(
     test: &str,
@@ -1206,6 +1209,24 @@ fn flash_case<T: Elem>(
             &format!("{}: flash vs gemm: {what}", problem.tag),
             rel_diff(what, a, b, reference),
             tol,
+        );
+    }
+    let mut one_pass_ws =
+        AttentionWorkspace::for_flash(dev.stream(), s, FlashBackward::OnePass).unwrap();
+    if one_pass_ws.flash_backward_for::<T>(s, false) == FlashBackward::OnePass {
+        let one_pass = problem.run_with(dev, gemm, &mut one_pass_ws, AttentionImpl::Flash);
+        problem.check(
+            test,
+            &one_pass,
+            " (flash, one-pass backward)",
+            tol_t,
+            tol_lse,
+        );
+    } else {
+        println!(
+            "{}: one-pass backward not checked (it runs only on the Hopper kernels: compute \
+             capability 9.0, head_dim 64)",
+            problem.tag
         );
     }
     let auto = problem.run(dev, gemm, &mut ws);

@@ -1,0 +1,202 @@
+// flash_harness.cu: a development harness for the flash attention kernels, outside cargo, for
+// quick iteration on the device machine (no Rust toolchain there). It links the kernels' C API
+// (flash_attention.cu, flash_attention_sm90.cu, attention.cu) and, for each shape:
+//   - checks the one-pass Hopper backward against the deterministic one (dq relative error,
+//     dk / dv bit for bit), a second one-pass run against the first, and the deterministic
+//     backward against the mma.sync one (TILEARN_FLASH_SM80=1) bit for bit;
+//   - with timing on, reports forward, delta and backward milliseconds (CUDA events, mean of
+//     20 launches, 5 at 16 K) and TFLOP/s for mma.sync, the deterministic and the one-pass
+//     backward.
+// It is not a test of record (the Rust GPU tests are); bench/RESULTS.md cites its figures as
+// the "development harness". Build with scripts/flash_harness.sh; run `harness` (all shapes) or
+// `harness small` (correctness only, e.g. under compute-sanitizer).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tilearn_kernels.h"
+
+namespace {
+
+void check_cuda(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return;
+    std::printf("CUDA error %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+}
+
+void check_status(int status, const char* what) {
+    if (status == 0) return;
+    std::printf("kernel status %d (%s): %s\n", status,
+                cudaGetErrorString(static_cast<cudaError_t>(status)), what);
+    std::exit(1);
+}
+
+void use_mma_sync(bool on) {
+    if (on) setenv("TILEARN_FLASH_SM80", "1", 1);
+    else unsetenv("TILEARN_FLASH_SM80");
+}
+
+// A device buffer of n elements of T, freed with the owner.
+template <typename T>
+struct Buffer {
+    T* ptr = nullptr;
+    size_t n = 0;
+    explicit Buffer(size_t count) : n(count) {
+        check_cuda(cudaMalloc(&ptr, n * sizeof(T)), "cudaMalloc");
+        check_cuda(cudaMemset(ptr, 0, n * sizeof(T)), "cudaMemset");
+    }
+    ~Buffer() { cudaFree(ptr); }
+    Buffer(Buffer&& other) noexcept : ptr(other.ptr), n(other.n) { other.ptr = nullptr; }
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+    std::vector<float> download() const {
+        std::vector<T> host(n);
+        check_cuda(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), "copy");
+        return std::vector<float>(host.begin(), host.end());
+    }
+};
+
+// max |a - b| / max |a|.
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+    double scale = 0, worst = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        scale = std::fmax(scale, std::fabs(a[i]));
+        const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
+        if (!(d <= worst)) worst = d;  // NaN sticks
+    }
+    return worst / (scale > 0 ? scale : 1);
+}
+
+size_t differing(const std::vector<float>& a, const std::vector<float>& b) {
+    size_t n = 0;
+    for (size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
+    return n;
+}
+
+struct Shape {
+    int batch, seq, q_heads, kv_heads;
+};
+
+template <typename T>
+bool run_shape(Shape sh, int dtype, bool timing) {
+    constexpr int kD = 64;
+    const size_t nq = size_t(sh.batch) * sh.seq * sh.q_heads * kD;
+    const size_t nk = size_t(sh.batch) * sh.seq * sh.kv_heads * kD;
+    const size_t nl = size_t(sh.batch) * sh.q_heads * sh.seq;
+    std::mt19937 rng(1234 + sh.seq + sh.q_heads);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto random = [&](size_t n) {
+        Buffer<T> b(n);
+        std::vector<T> host(n);
+        for (auto& x : host) x = T(normal(rng));
+        check_cuda(cudaMemcpy(b.ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), "copy");
+        return b;
+    };
+    Buffer<T> q = random(nq), k = random(nk), v = random(nk), dout = random(nq);
+    Buffer<T> out(nq), dq_det(nq), dq_one(nq), dq_again(nq), dk_det(nk), dk_one(nk), dv_det(nk),
+        dv_one(nk);
+    Buffer<float> lse(nl), delta(nl);
+    Buffer<float> acc(tilearn_flash_attention_dq_accum_len(sh.batch, sh.seq, sh.q_heads, kD));
+    const float scale = 0.125f;
+    auto forward = [&] {
+        check_status(tilearn_flash_attention_forward(dtype, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr,
+                                                     sh.batch, sh.seq, sh.q_heads, sh.kv_heads,
+                                                     kD, scale, nullptr, 0),
+                     "forward");
+    };
+    auto make_delta = [&] {
+        check_status(tilearn_attention_delta(dtype, dout.ptr, out.ptr, sh.batch, sh.seq,
+                                             sh.q_heads, kD, delta.ptr, 0),
+                     "delta");
+    };
+    auto backward = [&](T* dq, T* dk, T* dv, float* dq_accum) {
+        check_status(tilearn_flash_attention_backward(dtype, dout.ptr, q.ptr, k.ptr, v.ptr,
+                                                      lse.ptr, delta.ptr, dq, dk, dv, sh.batch,
+                                                      sh.seq, sh.q_heads, sh.kv_heads, kD, scale,
+                                                      nullptr, dq_accum, 0),
+                     "backward");
+    };
+
+    use_mma_sync(false);
+    forward();
+    make_delta();
+    backward(dq_det.ptr, dk_det.ptr, dv_det.ptr, nullptr);
+    backward(dq_one.ptr, dk_one.ptr, dv_one.ptr, acc.ptr);
+    check_cuda(cudaDeviceSynchronize(), "one-pass");
+    const double e_dq = rel_err(dq_det.download(), dq_one.download());
+    const size_t kv_diff = differing(dk_det.download(), dk_one.download()) +
+                           differing(dv_det.download(), dv_one.download());
+    backward(dq_again.ptr, dk_one.ptr, dv_one.ptr, acc.ptr);
+    check_cuda(cudaDeviceSynchronize(), "one-pass again");
+    const double e_again = rel_err(dq_one.download(), dq_again.download());
+    use_mma_sync(true);
+    backward(dq_again.ptr, dk_one.ptr, dv_one.ptr, nullptr);
+    check_cuda(cudaDeviceSynchronize(), "mma.sync");
+    use_mma_sync(false);
+    const size_t sm80_diff = differing(dq_det.download(), dq_again.download());
+    const bool ok = e_dq < 4e-3 && e_again < 4e-3 && kv_diff == 0 && sm80_diff == 0;
+    std::printf(
+        "%s B%d T%d H%d/%d %s: one-pass vs deterministic dq %.2e, dk/dv differing %zu; "
+        "one-pass rerun dq %.2e; deterministic vs mma.sync dq differing %zu\n",
+        ok ? "PASS" : "FAIL", sh.batch, sh.seq, sh.q_heads, sh.kv_heads,
+        dtype == TILEARN_DTYPE_BF16 ? "bf16" : "f16", e_dq, kv_diff, e_again, sm80_diff);
+    if (!timing) return ok;
+
+    cudaEvent_t start, end;
+    check_cuda(cudaEventCreate(&start), "event");
+    check_cuda(cudaEventCreate(&end), "event");
+    const int reps = sh.seq >= 16384 ? 5 : 20;
+    auto time_ms = [&](auto&& launch) {
+        for (int i = 0; i < 2; ++i) launch();
+        check_cuda(cudaEventRecord(start), "record");
+        for (int i = 0; i < reps; ++i) launch();
+        check_cuda(cudaEventRecord(end), "record");
+        check_cuda(cudaEventSynchronize(end), "sync");
+        float ms = 0;
+        check_cuda(cudaEventElapsedTime(&ms, start, end), "elapsed");
+        return ms / reps;
+    };
+    const double fwd_flops = 4.0 * sh.batch * sh.q_heads * kD * (double(sh.seq) * sh.seq / 2);
+    const char* names[] = {"mma.sync", "wgmma-det", "wgmma-1p"};
+    for (int variant = 0; variant < 3; ++variant) {
+        use_mma_sync(variant == 0);
+        float* dq_accum = variant == 2 ? acc.ptr : nullptr;
+        const float tf = time_ms(forward), td = time_ms(make_delta);
+        const float tb = time_ms([&] { backward(dq_one.ptr, dk_one.ptr, dv_one.ptr, dq_accum); });
+        std::printf(
+            "  TIME %-9s B%d T%d H%d/%d: fwd %.3f ms (%.0f TF/s)  delta %.3f  bwd %.3f ms "
+            "(%.0f TF/s)  total %.3f ms\n",
+            names[variant], sh.batch, sh.seq, sh.q_heads, sh.kv_heads, tf, fwd_flops / tf / 1e9,
+            td, tb, 2.5 * fwd_flops / tb / 1e9, tf + td + tb);
+    }
+    use_mma_sync(false);
+    cudaEventDestroy(start);
+    cudaEventDestroy(end);
+    return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    const bool small_only = argc > 1 && std::string(argv[1]) == "small";
+    bool ok = true;
+    ok &= run_shape<__nv_bfloat16>({1, 130, 2, 1}, TILEARN_DTYPE_BF16, false);
+    ok &= run_shape<__nv_bfloat16>({2, 1000, 4, 2}, TILEARN_DTYPE_BF16, false);
+    ok &= run_shape<__half>({2, 333, 4, 4}, TILEARN_DTYPE_F16, false);
+    ok &= run_shape<__nv_bfloat16>({1, 64, 3, 1}, TILEARN_DTYPE_BF16, false);
+    ok &= run_shape<__nv_bfloat16>({2, 300, 16, 2}, TILEARN_DTYPE_BF16, false);
+    if (!small_only) {
+        ok &= run_shape<__nv_bfloat16>({16, 1024, 12, 12}, TILEARN_DTYPE_BF16, true);
+        ok &= run_shape<__nv_bfloat16>({8, 2048, 32, 4}, TILEARN_DTYPE_BF16, true);
+        ok &= run_shape<__nv_bfloat16>({1, 16384, 32, 4}, TILEARN_DTYPE_BF16, true);
+    }
+    std::printf(ok ? "ALL PASS\n" : "SOME FAILED\n");
+    return ok ? 0 : 1;
+}

@@ -64,6 +64,21 @@ fn kernels_lock() -> MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The kernel lock, the device and its GEMM handle when the device runs the Hopper kernels;
+/// `None` (and a printed reason) on a machine without a GPU or with another one.
+fn hopper_or_skip(test: &str) -> Option<(MutexGuard<'static, ()>, GpuDevice, Gemm)> {
+    let kernels = kernels_lock();
+    let (dev, gemm) = gpu_or_skip(test)?;
+    if !cuda::flash_attention_uses_wgmma::<bf16>(64, false) {
+        report(&format!(
+            "skipped: {test}: the device does not run the Hopper kernels (needs compute \
+             capability 9.0 and TILEARN_FLASH_SM80 unset)"
+        ));
+        return None;
+    }
+    Some((kernels, dev, gemm))
+}
+
 /// Runs `f` with the mma.sync kernels forced (`sm80`) or the device's choice.
 fn with_kernels<R>(sm80: bool, f: impl FnOnce() -> R) -> R {
     // SAFETY: the caller holds `KERNELS`, as every test of this file does for its whole run,
@@ -173,17 +188,9 @@ fn compare<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64, tol_o
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn hopper_flash_kernels_match_the_mma_sync_kernels() {
     const TEST: &str = "hopper_flash_kernels_match_the_mma_sync_kernels";
-    let _kernels = kernels_lock();
-    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+    let Some((_kernels, dev, gemm)) = hopper_or_skip(TEST) else {
         return;
     };
-    if !cuda::flash_attention_uses_wgmma::<bf16>(64, false) {
-        report(&format!(
-            "skipped: {TEST}: the device does not run the Hopper kernels (needs compute \
-             capability 9.0 and TILEARN_FLASH_SM80 unset)"
-        ));
-        return;
-    }
     for (i, &(b, t, hq, hkv)) in [
         (1, 130, 2, 1),
         (2, 333, 8, 1),
@@ -427,17 +434,9 @@ fn one_pass_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64,
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn one_pass_backward_matches_the_deterministic_backward() {
     const TEST: &str = "one_pass_backward_matches_the_deterministic_backward";
-    let _kernels = kernels_lock();
-    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+    let Some((_kernels, dev, gemm)) = hopper_or_skip(TEST) else {
         return;
     };
-    if !cuda::flash_attention_uses_wgmma::<bf16>(64, false) {
-        report(&format!(
-            "skipped: {TEST}: the device does not run the Hopper kernels (needs compute \
-             capability 9.0 and TILEARN_FLASH_SM80 unset)"
-        ));
-        return;
-    }
     const BF16_DQ: f64 = 2e-3;
     const F16_DQ: f64 = 1e-3;
     for (i, &(b, t, hq, hkv)) in [

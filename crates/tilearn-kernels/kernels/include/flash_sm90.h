@@ -13,7 +13,8 @@ namespace tilearn::flash {
 // 64, no key mask or ALiBi, a compute-capability-9.0 GPU, and TILEARN_FLASH_SM80 not set.
 bool sm90_applies(int dtype, size_t head_dim, bool masked);
 
-// The forward (out, lse) or the backward (dq, dk, dv) of `a` on the Hopper kernels.
+// The forward (out, lse) or the backward (dq, dk, dv) of `a` on the Hopper kernels; the
+// backward is the one-pass form when `a.dq_accum` is set, else the deterministic two-kernel one.
 int sm90_run(int dtype, bool backward, const Args& a, cudaStream_t stream);
 
 }  // namespace tilearn::flash

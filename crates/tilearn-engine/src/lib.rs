@@ -15,6 +15,7 @@ pub mod memory_mode;
 pub mod model;
 pub mod params;
 pub mod plan;
+pub mod weight_copy;
 // Used by `gpu::staging`; compiled without the `cuda` feature too, so its tests run anywhere.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod staging_ring;

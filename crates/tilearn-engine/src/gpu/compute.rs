@@ -26,6 +26,7 @@ use crate::error::Result;
 use crate::model::{LayerLayout, LinearLayout, ModelLayout};
 
 pub(crate) use super::cx::Cx;
+use super::weights::Weights;
 
 /// Where a block writes the norm of its output: the next layer's `input_layernorm` buffers, or
 /// the final norm's.
@@ -67,7 +68,7 @@ fn output_norm(layout: &ModelLayout) -> Option<NormAt> {
 #[allow(clippy::too_many_arguments)]
 fn linear_fwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     l: &LinearLayout,
     x: &CudaView<'_, T>,
     rows: usize,
@@ -75,11 +76,11 @@ fn linear_fwd<T: DeviceFloat>(
     out_f: usize,
     out: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
-    let bias = l.bias.as_ref().map(|b| w.slice(b.clone()));
+    let bias = l.bias.as_ref().map(|b| w.slice(b.clone())).transpose()?;
     cx.mm.linear_forward(
         cx.stream,
         x,
-        &w.slice(l.weight.clone()),
+        &w.slice(l.weight.clone())?,
         bias.as_ref(),
         rows,
         in_f,
@@ -94,7 +95,7 @@ fn linear_fwd<T: DeviceFloat>(
 #[allow(clippy::too_many_arguments)]
 fn linear_bwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     g: &mut GradParts<'_>,
     l: &LinearLayout,
     dout: &CudaView<'_, T>,
@@ -104,7 +105,7 @@ fn linear_bwd<T: DeviceFloat>(
     out_f: usize,
     dx: Option<&mut CudaViewMut<'_, T>>,
 ) -> Result<()> {
-    let weight = w.slice(l.weight.clone());
+    let weight = w.slice(l.weight.clone())?;
     match &l.bias {
         Some(b) => {
             let (mut dw, mut db) = g.two(l.weight.clone(), b.clone())?;
@@ -137,7 +138,7 @@ fn linear_bwd<T: DeviceFloat>(
 pub(crate) fn forward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &mut Weights<'_, T>,
     ids: &CudaView<'_, u32>,
     b: &mut Bufs<'_, T>,
 ) -> Result<()> {
@@ -149,6 +150,7 @@ pub(crate) fn forward<T: DeviceFloat>(
     }
     if checkpointed(d, b) {
         for i in 0..d.layers {
+            w.load_layer(i)?;
             run_block_checkpointed(cx, d, w, b, i)?;
         }
         return Ok(());
@@ -197,6 +199,7 @@ pub(crate) fn forward<T: DeviceFloat>(
                 rstd: &mut b.final_rstd,
             }),
         };
+        w.load_layer(i)?;
         block_forward(
             cx,
             d,
@@ -217,12 +220,12 @@ pub(crate) fn forward<T: DeviceFloat>(
 fn embed_forward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     ids: &CudaView<'_, u32>,
     b: &mut Bufs<'_, T>,
 ) -> Result<()> {
     let layout = cx.layout;
-    let table = w.slice(layout.embed.clone());
+    let table = w.slice(layout.embed.clone())?;
     match &layout.embed_norm {
         None => embedding_lookup(cx, ids, &table, d.c, &mut b.resid[0])?,
         Some((nw, nb)) => {
@@ -263,7 +266,7 @@ fn checkpointed<T>(d: &Dims, b: &Bufs<'_, T>) -> bool {
 fn run_block_checkpointed<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     b: &mut Bufs<'_, T>,
     i: usize,
 ) -> Result<()> {
@@ -313,7 +316,7 @@ fn run_block_checkpointed<T: DeviceFloat>(
 pub(crate) fn backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &mut Weights<'_, T>,
     mut g: Handoff<'_, '_>,
     ids: &CudaView<'_, u32>,
     b: &mut Bufs<'_, T>,
@@ -341,6 +344,7 @@ pub(crate) fn backward<T: DeviceFloat>(
     g.pass_on(cx.stream)?;
     let checkpointing = checkpointed(d, b);
     for (i, lay) in layout.layers.iter().enumerate().rev() {
+        w.load_layer(i)?;
         let set = if checkpointing {
             run_block_checkpointed(cx, d, w, b, i)?;
             0
@@ -366,7 +370,7 @@ pub(crate) fn backward<T: DeviceFloat>(
     if let Some((nw, nb)) = &layout.embed_norm {
         // Bloom: through word_embeddings_layernorm, its input (the raw lookup) recomputed into
         // dxn; dtmp = d/d(lookup) replaces dres.
-        let table = w.slice(layout.embed.clone());
+        let table = w.slice(layout.embed.clone())?;
         embedding_lookup(cx, ids, &table, c, &mut b.grad.dxn)?;
         let at = NormAt {
             weight: nw.clone(),
@@ -403,7 +407,7 @@ fn block_forward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     lay: &LayerLayout,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     x: &CudaView<'_, T>,
     a: &mut LayerBufs<'_, T>,
     act_scratch: &mut CudaViewMut<'_, T>,
@@ -495,7 +499,7 @@ fn block_backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
     lay: &LayerLayout,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     g: &mut GradParts<'_>,
     x: &CudaView<'_, T>,
     a: &LayerBufs<'_, T>,

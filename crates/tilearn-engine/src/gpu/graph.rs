@@ -478,11 +478,12 @@ impl GpuLlama {
         {
             let p = self.pass();
             let mut cx = p.cx;
+            let stream = cx.stream;
             let layout = cx.layout;
             with_elem!(p.precision, T => train_pass::<T>(
                 &mut cx,
                 d,
-                &weights::<T>(p.master, p.work, p.numel)?,
+                &mut weights::<T>(stream, p.master, p.work, p.numel)?,
                 Handoff::new(p.grads.as_view_mut(), None, layout),
                 &p.ids.slice(..d.n),
                 &p.targets.slice(..d.n),

@@ -48,6 +48,7 @@ use super::sink::GradParts;
 use super::tensor_parallel::complete;
 use super::views::arena_error;
 use super::vocab_parallel;
+use super::weights::Weights;
 use crate::error::Result;
 use crate::lce_chunk::chunk_ranges;
 
@@ -113,7 +114,7 @@ pub(crate) enum GradFactor<'a> {
 pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     g: &mut GradParts<'_>,
     targets: &CudaView<'_, i32>,
     factor: GradFactor<'_>,
@@ -121,7 +122,7 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
     b: &mut Bufs<'_, T>,
 ) -> Result<()> {
     let (n, c) = (d.n, d.c);
-    let raw = w.slice(cx.layout.lm_head.clone());
+    let raw = w.slice(cx.layout.lm_head.clone())?;
     let head = head_weights(cx, d, &raw, &mut b.head_normed)?;
     let mut dhead = g.range(cx.layout.lm_head.clone())?;
     let norm_head = d.head_norm_len > 0;
@@ -223,12 +224,12 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
 pub(crate) fn loss_only<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     targets: &CudaView<'_, i32>,
     totals: &mut CeTotals,
     b: &mut Bufs<'_, T>,
 ) -> Result<()> {
-    let raw = w.slice(cx.layout.lm_head.clone());
+    let raw = w.slice(cx.layout.lm_head.clone())?;
     let head = head_weights(cx, d, &raw, &mut b.head_normed)?;
     let final_xn = b.final_xn.as_view();
     for r in chunk_ranges(d.n, b.logit_rows) {
@@ -290,10 +291,10 @@ fn call_totals<T>(
 pub(crate) fn logits_to_host<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     b: &mut Bufs<'_, T>,
 ) -> Result<Vec<f32>> {
-    let raw = w.slice(cx.layout.lm_head.clone());
+    let raw = w.slice(cx.layout.lm_head.clone())?;
     let head = head_weights(cx, d, &raw, &mut b.head_normed)?;
     let final_xn = b.final_xn.as_view();
     let mut host = Vec::with_capacity(d.n * d.vocab);

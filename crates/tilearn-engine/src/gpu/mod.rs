@@ -42,6 +42,7 @@ mod cx;
 mod decode;
 mod graph;
 mod inputs;
+mod layer_copy;
 mod lce;
 mod linalg;
 mod norms;
@@ -56,6 +57,7 @@ mod transfer;
 mod views;
 mod vocab_parallel;
 mod vocab_shard;
+mod weights;
 mod zero;
 
 use std::sync::Arc;
@@ -91,7 +93,8 @@ use graph::GraphState;
 use lce::GradFactor;
 use linalg::Matmul;
 use offload::Offload;
-use precision::{WorkingCopy, weights, with_elem};
+use precision::{WorkingCopy, with_elem};
+use weights::{Weights, weights};
 
 use crate::config::{LlamaConfig, NormKind, PositionEncoding, RopeScalingConfig};
 use crate::error::{EngineError, Result};
@@ -228,7 +231,7 @@ pub struct GpuLlama {
 struct Pass<'a> {
     cx: Cx<'a>,
     master: &'a CudaSlice<f32>,
-    work: Option<&'a WorkingCopy>,
+    work: Option<&'a mut WorkingCopy>,
     numel: usize,
     precision: DType,
     arena: &'a mut Arena,
@@ -921,7 +924,7 @@ impl GpuLlama {
                 ln_scratch: ln_scratch.as_mut(),
             },
             master,
-            work: work.as_ref(),
+            work: work.as_mut(),
             numel: layout.numel,
             precision: *precision,
             arena,
@@ -1012,6 +1015,7 @@ impl GpuLlama {
         self.whole_in_arena = false;
         let p = self.pass();
         let mut cx = p.cx;
+        let stream = cx.stream;
         let layout = cx.layout;
         let grads = match (p.window, sink) {
             (None, sink) => Handoff::new(p.grads.as_view_mut(), sink, layout),
@@ -1042,7 +1046,7 @@ impl GpuLlama {
         with_elem!(p.precision, T => train_pass::<T>(
             &mut cx,
             &d,
-            &weights::<T>(p.master, p.work, p.numel)?,
+            &mut weights::<T>(stream, p.master, p.work, p.numel)?,
             grads,
             &p.ids.slice(..d.n),
             &p.targets.slice(..d.n),
@@ -1063,10 +1067,11 @@ impl GpuLlama {
         let d = self.prepare(ids, batch, seq)?;
         let p = self.pass();
         let mut cx = p.cx;
+        let stream = cx.stream;
         with_elem!(p.precision, T => logits_pass::<T>(
             &mut cx,
             &d,
-            &weights::<T>(p.master, p.work, p.numel)?,
+            &mut weights::<T>(stream, p.master, p.work, p.numel)?,
             &p.ids.slice(..d.n),
             p.arena,
         ))
@@ -1085,10 +1090,11 @@ impl GpuLlama {
         self.upload_targets(labels, &d)?;
         let p = self.pass();
         let mut cx = p.cx;
+        let stream = cx.stream;
         with_elem!(p.precision, T => loss_pass::<T>(
             &mut cx,
             &d,
-            &weights::<T>(p.master, p.work, p.numel)?,
+            &mut weights::<T>(stream, p.master, p.work, p.numel)?,
             &p.ids.slice(..d.n),
             &p.targets.slice(..d.n),
             p.totals,
@@ -1293,7 +1299,7 @@ impl GpuLlama {
 fn train_pass<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &mut Weights<'_, T>,
     grads: Handoff<'_, '_>,
     ids: &CudaView<'_, u32>,
     targets: &CudaView<'_, i32>,
@@ -1321,7 +1327,7 @@ fn train_pass<T: DeviceFloat>(
 fn logits_pass<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &mut Weights<'_, T>,
     ids: &CudaView<'_, u32>,
     arena: &mut Arena,
 ) -> Result<Vec<f32>> {
@@ -1334,7 +1340,7 @@ fn logits_pass<T: DeviceFloat>(
 fn loss_pass<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &mut Weights<'_, T>,
     ids: &CudaView<'_, u32>,
     targets: &CudaView<'_, i32>,
     totals: &mut CeTotals,

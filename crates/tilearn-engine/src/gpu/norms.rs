@@ -9,6 +9,7 @@ use tilearn_ops::cuda::{self as k, DeviceFloat};
 
 use super::cx::Cx;
 use super::sink::GradParts;
+use super::weights::Weights;
 use crate::error::Result;
 
 /// Where one norm's parameters lie: its weight and, for a LayerNorm, its bias.
@@ -24,18 +25,18 @@ pub(crate) fn norm_fwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     eps: f64,
     c: usize,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     at: &NormAt,
     x: &CudaView<'_, T>,
     out: &mut CudaViewMut<'_, T>,
     mean: &mut CudaViewMut<'_, f32>,
     rstd: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
-    let weight = w.slice(at.weight.clone());
+    let weight = w.slice(at.weight.clone())?;
     match &at.bias {
         None => k::rmsnorm_forward(cx.stream, x, &weight, c, eps, out, rstd)?,
         Some(b) => {
-            let bias = w.slice(b.clone());
+            let bias = w.slice(b.clone())?;
             k::layernorm_forward(cx.stream, x, &weight, &bias, c, eps, out, mean, rstd)?
         }
     }
@@ -48,7 +49,7 @@ pub(crate) fn add_norm_fwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     eps: f64,
     c: usize,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     at: &NormAt,
     acc: &mut CudaViewMut<'_, T>,
     other: &CudaView<'_, T>,
@@ -56,7 +57,7 @@ pub(crate) fn add_norm_fwd<T: DeviceFloat>(
     mean: &mut CudaViewMut<'_, f32>,
     rstd: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
-    let weight = w.slice(at.weight.clone());
+    let weight = w.slice(at.weight.clone())?;
     match &at.bias {
         None => k::add_rmsnorm_forward(cx.stream, acc, other, &weight, c, eps, out, rstd)?,
         Some(_) => {
@@ -73,7 +74,7 @@ pub(crate) fn add_norm_fwd<T: DeviceFloat>(
 pub(crate) fn norm_bwd_add<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     c: usize,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     g: &mut GradParts<'_>,
     at: &NormAt,
     dxn: &CudaViewMut<'_, T>,
@@ -83,7 +84,7 @@ pub(crate) fn norm_bwd_add<T: DeviceFloat>(
     dres: &mut CudaViewMut<'_, T>,
     dtmp: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
-    let weight = w.slice(at.weight.clone());
+    let weight = w.slice(at.weight.clone())?;
     match &at.bias {
         None => {
             let mut dw = g.range(at.weight.clone())?;
@@ -118,7 +119,7 @@ pub(crate) fn norm_bwd_add<T: DeviceFloat>(
 pub(crate) fn norm_bwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     c: usize,
-    w: &CudaView<'_, T>,
+    w: &Weights<'_, T>,
     g: &mut GradParts<'_>,
     at: &NormAt,
     dxn: &CudaViewMut<'_, T>,
@@ -127,7 +128,7 @@ pub(crate) fn norm_bwd<T: DeviceFloat>(
     rstd: &CudaViewMut<'_, f32>,
     dx: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
-    let weight = w.slice(at.weight.clone());
+    let weight = w.slice(at.weight.clone())?;
     match &at.bias {
         None => {
             let mut dw = g.range(at.weight.clone())?;

@@ -17,18 +17,19 @@ use std::ffi::c_int;
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use half::{bf16, f16};
 use tilearn_ops::DType;
 use tilearn_ops::cuda::{CudaStream, DeviceFloat, cast_f32_to_bf16, cast_f32_to_f16, ffi};
 use tilearn_optim::cuda::{ParamCopy, Rounding};
 
 use super::cuda_err;
+use super::layer_copy::{LayerCopy, LayerPlan};
 use super::views::{arena_error, sub_mut};
 use crate::error::Result;
 
 /// The precision whose activations are `T`.
-fn dtype_of<T: DeviceFloat>() -> DType {
+pub(crate) fn dtype_of<T: DeviceFloat>() -> DType {
     if T::DTYPE == ffi::TILEARN_DTYPE_BF16 as c_int {
         DType::BF16
     } else if T::DTYPE == ffi::TILEARN_DTYPE_F16 as c_int {
@@ -66,31 +67,111 @@ pub enum HalfViewMut<'a> {
     F16(cudarc::driver::CudaViewMut<'a, f16>),
 }
 
-/// The 16-bit copy of the fp32 master weights that bf16 and f16 periods compute with; the
-/// fused optimizer rewrites it in the period's type after every step.
+/// The 16-bit copy of the fp32 master weights that bf16 and f16 periods compute with: whole
+/// (the fused optimizer rewrites it in the period's type after every step) or per layer (each
+/// pass casts the layers it runs, see `layer_copy.rs`).
 #[derive(Debug)]
 pub(crate) struct WorkingCopy {
-    buf: CudaSlice<u16>,
+    storage: Storage,
     numel: usize,
     /// The type it currently mirrors the master weights in; `None` when stale (the master
     /// weights changed without it, e.g. in an fp32 period).
     holds: Option<DType>,
 }
 
+#[derive(Debug)]
+enum Storage {
+    Whole(CudaSlice<u16>),
+    PerLayer(LayerCopy),
+}
+
+/// Casts `src` into `dst` as `T` (round to nearest even; bf16 or f16).
+pub(crate) fn cast_f32_into<T: DeviceFloat>(
+    stream: &Arc<CudaStream>,
+    src: &CudaView<'_, f32>,
+    dst: &mut CudaViewMut<'_, T>,
+) -> Result<()> {
+    let len = dst.len();
+    // SAFETY (both arms): `T` is the type `dtype_of` names (same size, any bit pattern valid);
+    // the view is borrowed mutably for the reinterpreted view's lifetime.
+    match dtype_of::<T>() {
+        DType::BF16 => {
+            let mut d = unsafe { dst.transmute_mut::<bf16>(len) }
+                .ok_or_else(|| arena_error("cannot view a weight buffer as bf16".into()))?;
+            cast_f32_to_bf16(stream, src, &mut d)?;
+        }
+        DType::F16 => {
+            let mut d = unsafe { dst.transmute_mut::<f16>(len) }
+                .ok_or_else(|| arena_error("cannot view a weight buffer as f16".into()))?;
+            cast_f32_to_f16(stream, src, &mut d)?;
+        }
+        DType::F32 => {
+            return Err(arena_error(
+                "an f32 pass computes with the master weights, it casts nothing".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl WorkingCopy {
+    /// The whole copy, `numel` elements.
     pub(crate) fn new(stream: &Arc<CudaStream>, numel: usize) -> Result<Self> {
         let buf = stream
             .alloc_zeros::<u16>(numel.max(1))
             .map_err(|e| cuda_err("allocating the 16-bit working copy", e))?;
         Ok(WorkingCopy {
-            buf,
+            storage: Storage::Whole(buf),
             numel,
             holds: None,
         })
     }
 
+    /// The per-layer copy of a model of `numel` parameters laid out as `plan` says.
+    pub(crate) fn per_layer(
+        stream: &Arc<CudaStream>,
+        numel: usize,
+        plan: LayerPlan,
+    ) -> Result<Self> {
+        Ok(WorkingCopy {
+            storage: Storage::PerLayer(LayerCopy::new(stream, plan)?),
+            numel,
+            holds: None,
+        })
+    }
+
+    pub(crate) fn is_per_layer(&self) -> bool {
+        matches!(self.storage, Storage::PerLayer(_))
+    }
+
     pub(crate) fn bytes(&self) -> usize {
-        self.buf.num_bytes()
+        match &self.storage {
+            Storage::Whole(buf) => buf.num_bytes(),
+            Storage::PerLayer(copy) => copy.bytes(),
+        }
+    }
+
+    /// The per-layer buffers, when that is the layout.
+    pub(crate) fn layer_copy_mut(&mut self) -> Option<&mut LayerCopy> {
+        match &mut self.storage {
+            Storage::PerLayer(copy) => Some(copy),
+            Storage::Whole(_) => None,
+        }
+    }
+
+    /// The whole buffer, or an error naming `what` needs it.
+    fn whole(&self, what: &str) -> Result<&CudaSlice<u16>> {
+        match &self.storage {
+            Storage::Whole(buf) => Ok(buf),
+            Storage::PerLayer(_) => Err(per_layer_error(what)),
+        }
+    }
+
+    fn whole_mut(&mut self, what: &str) -> Result<&mut CudaSlice<u16>> {
+        match &mut self.storage {
+            Storage::Whole(buf) => Ok(buf),
+            Storage::PerLayer(_) => Err(per_layer_error(what)),
+        }
     }
 
     /// The type it mirrors the master weights in (`None`: stale).
@@ -113,6 +194,11 @@ impl WorkingCopy {
         if self.holds == Some(precision) {
             return Ok(());
         }
+        if self.is_per_layer() {
+            // Each pass casts what it runs from the master weights.
+            self.holds = precision.is_half().then_some(precision);
+            return Ok(());
+        }
         let src = master.slice(..self.numel);
         match precision {
             DType::F32 => return Ok(()),
@@ -132,18 +218,20 @@ impl WorkingCopy {
                 T::NAME
             )));
         }
+        let buf = self.whole("a whole view of the working copy")?;
         // SAFETY: T is a 2-byte float type (checked above) for which any bit pattern is a
         // valid value; the buffer holds `numel` 2-byte elements and is borrowed for the
         // view's lifetime.
-        unsafe { self.buf.transmute::<T>(self.numel) }
+        unsafe { buf.transmute::<T>(self.numel) }
             .ok_or_else(|| arena_error("cannot view the working copy".into()))
     }
 
     fn typed_mut<T: DeviceFloat>(&mut self) -> Result<cudarc::driver::CudaViewMut<'_, T>> {
         let numel = self.numel;
+        let buf = self.whole_mut("writing the whole working copy")?;
         // SAFETY: only called with bf16 / f16 (2 bytes, any bit pattern valid); the buffer
         // holds `numel` of them and is borrowed mutably for the view's lifetime.
-        unsafe { self.buf.transmute_mut::<T>(numel) }
+        unsafe { buf.transmute_mut::<T>(numel) }
             .ok_or_else(|| arena_error("cannot view the working copy".into()))
     }
 
@@ -154,6 +242,10 @@ impl WorkingCopy {
         precision: DType,
         range: Range<usize>,
     ) -> Result<ParamCopy<'_>> {
+        if self.is_per_layer() {
+            // Nothing to rewrite: the next pass casts from the updated master weights.
+            return Ok(ParamCopy::None);
+        }
         let copy = match precision {
             DType::F32 => ParamCopy::None,
             DType::BF16 => ParamCopy::Bf16(
@@ -184,6 +276,11 @@ impl WorkingCopy {
         source: &CudaView<'_, f32>,
         precision: DType,
     ) -> Result<()> {
+        if self.is_per_layer() {
+            // The whole weights are cast layer by layer from the master weights each pass.
+            self.holds = precision.is_half().then_some(precision);
+            return Ok(());
+        }
         match precision {
             DType::F32 => return Ok(()),
             DType::BF16 => cast_f32_to_bf16(stream, source, &mut self.typed_mut::<bf16>()?)?,
@@ -201,8 +298,9 @@ impl WorkingCopy {
         stream: &Arc<CudaStream>,
         bits: &cudarc::driver::PinnedHostSlice<u16>,
     ) -> Result<()> {
+        let buf = self.whole_mut("the lean mode's weight upload")?;
         stream
-            .memcpy_htod(bits, &mut self.buf)
+            .memcpy_htod(bits, buf)
             .map_err(|e| cuda_err("uploading the bf16 weights", e))?;
         self.holds = Some(DType::BF16);
         Ok(())
@@ -214,23 +312,9 @@ impl WorkingCopy {
     }
 }
 
-/// The weights a `T` period computes with: the master weights themselves in f32, the working
-/// copy otherwise.
-pub(crate) fn weights<'a, T: DeviceFloat>(
-    master: &'a CudaSlice<f32>,
-    work: Option<&'a WorkingCopy>,
-    numel: usize,
-) -> Result<CudaView<'a, T>> {
-    if size_of::<T>() == size_of::<f32>() {
-        // SAFETY: the only 4-byte DeviceFloat is f32 itself, so this is the identity view.
-        return unsafe { master.transmute::<T>(numel) }
-            .ok_or_else(|| arena_error("cannot view the master weights".into()));
-    }
-    match work {
-        Some(w) => w.view::<T>(),
-        None => Err(arena_error(format!(
-            "this model was built without a 16-bit working copy; it cannot run {}",
-            T::NAME
-        ))),
-    }
+fn per_layer_error(what: &str) -> crate::error::EngineError {
+    arena_error(format!(
+        "{what} needs the whole 16-bit working copy and this model keeps it per layer \
+         (--weight-copy per-layer); use --weight-copy whole"
+    ))
 }

@@ -24,8 +24,9 @@ use tilearn_parallel::device::{DeviceSlice, DeviceSliceMut};
 use super::arena::{Bufs, Dims};
 use super::compute::{self, Cx};
 use super::lce::{self, GradFactor};
-use super::precision::{weights, with_elem};
+use super::precision::with_elem;
 use super::sink::Handoff;
+use super::weights::{Weights, weights};
 use super::{GpuLlama, cuda_err, invalid};
 use crate::error::Result;
 use crate::lce_chunk::LceChunk;
@@ -154,10 +155,11 @@ impl GpuLlama {
         }
         let p = self.pass();
         let mut cx = p.cx;
+        let stream = cx.stream;
         with_elem!(p.precision, T => forward_pass::<T>(
             &mut cx,
             &d,
-            &weights::<T>(p.master, p.work, p.numel)?,
+            &mut weights::<T>(stream, p.master, p.work, p.numel)?,
             &p.ids.slice(..d.n),
             p.arena,
             input,
@@ -220,11 +222,12 @@ impl GpuLlama {
         self.whole_in_arena = false;
         let p = self.pass();
         let mut cx = p.cx;
+        let stream = cx.stream;
         let grads = Handoff::new(p.grads.as_view_mut(), None, cx.layout);
         with_elem!(p.precision, T => backward_pass::<T>(
             &mut cx,
             &d,
-            &weights::<T>(p.master, p.work, p.numel)?,
+            &mut weights::<T>(stream, p.master, p.work, p.numel)?,
             grads,
             (&p.ids.slice(..d.n), &p.targets.slice(..d.n)),
             (GradFactor::Host(grad_scale), p.totals),
@@ -261,12 +264,13 @@ impl GpuLlama {
         self.upload_targets(labels, &d)?;
         let p = self.pass();
         let mut cx = p.cx;
+        let stream = cx.stream;
         with_elem!(p.precision, T => {
             let mut b = p.arena.carve::<T>(&d)?;
             lce::loss_only(
                 &mut cx,
                 &d,
-                &weights::<T>(p.master, p.work, p.numel)?,
+                &weights::<T>(stream, p.master, p.work, p.numel)?,
                 &p.targets.slice(..d.n),
                 p.totals,
                 &mut b,
@@ -295,7 +299,7 @@ fn copy<T: DeviceFloat>(
 fn forward_pass<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &mut Weights<'_, T>,
     ids: &CudaView<'_, u32>,
     arena: &mut super::arena::Arena,
     input: Option<&StageBuffer>,
@@ -331,7 +335,7 @@ fn forward_pass<T: DeviceFloat>(
 fn backward_pass<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &CudaView<'_, T>,
+    w: &mut Weights<'_, T>,
     grads: Handoff<'_, '_>,
     (ids, targets): (&CudaView<'_, u32>, &CudaView<'_, i32>),
     (factor, totals): (GradFactor<'_>, &mut tilearn_ops::cuda::CeTotals),

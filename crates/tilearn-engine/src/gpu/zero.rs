@@ -92,6 +92,8 @@ impl GpuLlama {
             self.memory.optimizer_bytes = opt.bytes();
         }
         if self.master_shardable() {
+            // A sharded master leaves no layer to cast from: ZeRO needs the whole copy.
+            self.set_per_layer_weights(false)?;
             let precision = self.precision;
             if let Some(w) = self.work.as_mut() {
                 w.refresh(&stream, &self.master, precision)?;

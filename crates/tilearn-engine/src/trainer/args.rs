@@ -8,6 +8,7 @@ use tilearn_ops::DType;
 use crate::cuda_graphs::CudaGraphs;
 use crate::lce_chunk::LceChunk;
 use crate::memory_mode::MemoryMode;
+use crate::weight_copy::WeightCopy;
 use crate::{EngineError, Result};
 
 /// When checkpoints are written (Hugging Face's `save_strategy`; `epoch` and `best` are not
@@ -123,6 +124,10 @@ pub struct TrainingArguments {
     /// [`crate::memory_mode`]). The CPU engine ignores it.
     #[serde(default)]
     pub memory: MemoryMode,
+    /// How the GPU engine keeps the 16-bit copy of the weights (`--weight-copy`; see
+    /// [`crate::weight_copy`]). The CPU engine ignores it.
+    #[serde(default)]
+    pub weight_copy: WeightCopy,
     /// When the eval set ([`Trainer::set_eval_dataset`](super::Trainer::set_eval_dataset)) is
     /// evaluated.
     #[serde(default)]
@@ -192,6 +197,7 @@ impl Default for TrainingArguments {
             cuda_graphs: CudaGraphs::default(),
             deterministic: false,
             memory: MemoryMode::Default,
+            weight_copy: WeightCopy::Auto,
             eval_strategy: EvalStrategy::No,
             eval_steps: None,
             per_device_eval_batch_size: None,

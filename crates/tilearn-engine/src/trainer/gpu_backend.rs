@@ -194,6 +194,10 @@ impl GpuBackend {
         };
         let mut gpu = gpu;
         gpu.set_deterministic(args.deterministic)?;
+        gpu.set_per_layer_weights(
+            args.weight_copy
+                .per_layer(args.gradient_checkpointing, args.memory.is_lean()),
+        )?;
         // A lean model stays eager whatever is asked (see `GpuLlama::set_cuda_graphs`).
         gpu.set_cuda_graphs(args.cuda_graphs);
         let specs = stage.map_or_else(|| ParamStore::specs_for(config), |s| s.specs.clone());
@@ -218,6 +222,9 @@ impl GpuBackend {
         }
         if gpu.gradient_checkpointing() {
             features.push("gradient checkpointing".into());
+        }
+        if gpu.per_layer_weights() {
+            features.push("16-bit weights cast per layer".into());
         }
         if gpu.is_lean() {
             features.push(

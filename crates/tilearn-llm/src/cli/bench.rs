@@ -12,6 +12,7 @@ use tilearn_engine::cuda_graphs::{CudaGraphs, DEFAULT_CUDA_GRAPHS};
 use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_engine::memory_mode::MemoryMode;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
+use tilearn_engine::weight_copy::WeightCopy;
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig};
 
@@ -78,6 +79,11 @@ pub struct BenchArgs {
     /// bf16 only, no CUDA graphs).
     #[arg(long, default_value = "default", value_parser = MemoryMode::parse)]
     pub memory: MemoryMode,
+    /// How the GPU engine keeps the bf16/fp16 copy of the weights, as `tilearn train
+    /// --weight-copy`: `whole`, `per-layer` (each layer cast from the fp32 master weights just
+    /// before use) or `auto` (per layer under --gradient-checkpointing).
+    #[arg(long, default_value = "auto", value_parser = WeightCopy::parse)]
+    pub weight_copy: WeightCopy,
     /// Print only the JSON line.
     #[arg(long)]
     pub json: bool,
@@ -129,9 +135,20 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.lce_chunk_tokens,
             args.cuda_graphs,
             args.memory,
+            args.weight_copy,
             args.deterministic,
         )?,
     };
+    // The layout the GPU model kept its 16-bit weights in (`null` on the CPU, which has none).
+    let weight_copy = matches!(args.device, BenchDevice::Cuda).then(|| {
+        match args
+            .weight_copy
+            .per_layer(args.gradient_checkpointing, args.memory.is_lean())
+        {
+            true => WeightCopy::PerLayer.to_string(),
+            false => WeightCopy::Whole.to_string(),
+        }
+    });
     // The chunk the GPU model sized its logits buffer for (built for one precision, so the
     // element is that precision's); the CPU engine keeps all logits.
     let lce_chunk_tokens = match args.device {
@@ -153,6 +170,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "gradient_checkpointing": args.gradient_checkpointing,
         "deterministic": args.deterministic,
         "memory": args.memory.to_string(),
+        "weight_copy": weight_copy,
         "lce_chunk_tokens": lce_chunk_tokens,
         "batch": batch,
         "seq": seq,

@@ -12,6 +12,7 @@ use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::cuda_graphs::CudaGraphs;
 use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_engine::memory_mode::MemoryMode;
+use tilearn_engine::weight_copy::WeightCopy;
 use tilearn_ops::DType;
 
 use super::bench_loop::BenchResult;
@@ -29,6 +30,7 @@ pub fn bench(
     lce: LceChunk,
     graphs: CudaGraphs,
     memory: MemoryMode,
+    weight_copy: WeightCopy,
     deterministic: bool,
 ) -> Result<BenchResult> {
     use std::time::Instant;
@@ -73,6 +75,8 @@ pub fn bench(
     )?;
     drop(model);
     gpu.set_deterministic(deterministic)?;
+    weight_copy.check(memory.is_lean(), 0)?;
+    gpu.set_per_layer_weights(weight_copy.per_layer(gradient_checkpointing, memory.is_lean()))?;
     let groups = gpu.default_groups(0.0);
     gpu.configure_optimizer(
         AdamWConfig {
@@ -253,6 +257,7 @@ pub fn bench(
     _lce: LceChunk,
     _graphs: CudaGraphs,
     _memory: MemoryMode,
+    _weight_copy: WeightCopy,
     _deterministic: bool,
 ) -> Result<BenchResult> {
     Err(crate::LlmError::Usage {

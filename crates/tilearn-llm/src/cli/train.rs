@@ -60,6 +60,7 @@ pub enum SaveStrategyChoice {
 use tilearn_engine::cuda_graphs::{CudaGraphs, DEFAULT_CUDA_GRAPHS};
 use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_engine::memory_mode::MemoryMode;
+use tilearn_engine::weight_copy::WeightCopy;
 
 fn parse_dtype(name: &str) -> std::result::Result<DType, String> {
     DType::parse(name).ok_or_else(|| format!("`{name}` is not a dtype; use bf16, fp16 or f32"))
@@ -192,6 +193,14 @@ pub struct TrainArgs {
     /// Lean runs bf16 in one process, without CUDA graphs; each step waits for the host AdamW.
     #[arg(long, default_value = "default", value_parser = MemoryMode::parse)]
     pub memory: MemoryMode,
+    /// How the GPU engine keeps the bf16/fp16 copy of the weights it computes with: `whole`
+    /// (every weight, rewritten by the fused optimizer: 2 bytes a parameter), `per-layer`
+    /// (each decoder layer cast from the fp32 master weights just before its forward and its
+    /// backward: the same bits in about one layer's room, for two extra reads of the weights
+    /// a step) or `auto` (default: per layer under --gradient-checkpointing, whole
+    /// otherwise). Not with --memory lean or ZeRO, whose GPU holds no whole master weights.
+    #[arg(long, default_value = "auto", value_parser = WeightCopy::parse)]
+    pub weight_copy: WeightCopy,
     /// Replay each GPU training step as one CUDA graph, captured once (zeroing, forward,
     /// backward, clipping and AdamW; token ids, the loss factor and the learning rate reach it
     /// through device buffers): `on` (refuse steps that cannot be captured), `off`, or `auto`
@@ -415,6 +424,9 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
             .check(&[tilearn_ops::DType::BF16], processes)
             .map_err(LlmError::from)?;
     }
+    args.weight_copy
+        .check(args.memory.is_lean(), ddp.zero_stage.number())
+        .map_err(LlmError::from)?;
     let hybrid = hybrid_sizes(&args, ranks, trains_on_gpu)?;
     let amp = amp_plan(&args, trains_on_gpu)?;
     // Before anything spawns threads (rayon's pool, the loader): they inherit the main thread's
@@ -490,6 +502,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         cuda_graphs: args.cuda_graphs,
         deterministic: args.deterministic,
         memory: args.memory,
+        weight_copy: args.weight_copy,
         eval_strategy: match args.eval_strategy {
             Some(EvalStrategyChoice::No) => EvalStrategy::No,
             Some(EvalStrategyChoice::Steps) => EvalStrategy::Steps,

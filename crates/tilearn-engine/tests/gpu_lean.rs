@@ -183,18 +183,17 @@ fn check(dev: &GpuDevice, checkpointing: bool) {
         control_err > 100.0 * BOUND,
         "{what}: the control must differ"
     );
-    // The device holds no master weights (one element), no moments and no per-layer MLP
-    // activation: at least 12 bytes a parameter and layers x tokens x intermediate bf16 less.
+    // The device holds no master weights (one element), no moments and (without
+    // checkpointing, which recomputes it in both modes) no per-layer MLP activation: at least
+    // 12 bytes a parameter and layers x tokens x intermediate bf16 less.
     let c = config();
     let numel = lean.params.len();
-    let saved = 4 * (numel - 1)
-        + 8 * numel
-        + c.num_hidden_layers * BATCH * SEQ * c.intermediate_size * 2
-            / if checkpointing {
-                c.num_hidden_layers
-            } else {
-                1
-            };
+    let act = if checkpointing {
+        0
+    } else {
+        c.num_hidden_layers * BATCH * SEQ * c.intermediate_size * 2
+    };
+    let saved = 4 * (numel - 1) + 8 * numel + act;
     report(&format!(
         "{what}: device bytes default {} lean {} (at least {saved} less expected)",
         default.own_bytes, lean.own_bytes

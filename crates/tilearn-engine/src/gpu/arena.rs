@@ -142,16 +142,34 @@ impl Dims {
     /// Elements of `T` the arena needs for this call's shape with `sets` sets of per-layer
     /// buffers (holding the MLP activation or not, `act`) and a logits chunk of `logit_rows`
     /// tokens (the carving below takes exactly these, in the same order).
+    #[cfg(test)]
     pub(crate) fn main_len(&self, sets: usize, logit_rows: usize, act: ActStore) -> usize {
+        self.main_len_with(sets, logit_rows, act, None)
+    }
+
+    /// [`main_len`](Self::main_len) with the residual stream held in `resid_slots` device
+    /// slabs (checkpoint offload, see `resid_offload.rs`) instead of one per layer boundary.
+    pub(crate) fn main_len_with(
+        &self,
+        sets: usize,
+        logit_rows: usize,
+        act: ActStore,
+        resid_slots: Option<usize>,
+    ) -> usize {
         let slab = padded(self.n * self.c);
         let layer: usize = self.layer_lens(act).iter().map(|&l| padded(l)).sum();
         let grad: usize = self.grad_lens().iter().map(|&l| padded(l)).sum();
-        (self.layers + 1) * slab
+        self.resid_slabs(resid_slots) * slab
             + sets * layer
             + slab
             + self.logits_len(logit_rows)
             + grad
             + padded(self.head_norm_len)
+    }
+
+    /// Device slabs of the residual stream: one per layer boundary, or the offload's ring.
+    fn resid_slabs(&self, resid_slots: Option<usize>) -> usize {
+        resid_slots.map_or(self.layers + 1, |k| k.min(self.layers + 1))
     }
 
     /// Elements of `T` the logits chunk of `logit_rows` tokens takes (padded).
@@ -198,23 +216,27 @@ pub(crate) struct Arena {
     act: ActStore,
     /// Tokens per logits chunk at capacity; a call carves `min(logit_rows, n)`.
     logit_rows: usize,
+    /// Checkpoint offload: the residual stream's device ring of this many slabs (`None`: one
+    /// slab per layer boundary).
+    resid_slots: Option<usize>,
 }
 
 impl Arena {
     /// Allocates (zero-filled, so nothing uninitialised is ever read) for `capacity` in
     /// elements of up to `max_elem_bytes` bytes, with one set of layer buffers per layer or,
     /// when `checkpointing`, one shared set, the MLP activation kept or not (`act`), and a
-    /// logits chunk of `logit_rows` tokens.
+    /// logits chunk of `logit_rows` tokens; the residual stream in a ring of `resid_slots`
+    /// slabs (checkpoint offload, with `checkpointing` only) or one slab per layer boundary.
     pub(crate) fn new(
         stream: &Arc<CudaStream>,
         capacity: &Dims,
         max_elem_bytes: usize,
-        checkpointing: bool,
-        act: ActStore,
+        (checkpointing, act): (bool, ActStore),
         logit_rows: usize,
+        resid_slots: Option<usize>,
     ) -> Result<Self> {
         let sets = Self::sets(capacity, checkpointing);
-        let bytes = capacity.main_len(sets, logit_rows, act) * max_elem_bytes;
+        let bytes = capacity.main_len_with(sets, logit_rows, act, resid_slots) * max_elem_bytes;
         let main = stream
             .alloc_zeros::<f32>(bytes.div_ceil(size_of::<f32>()))
             .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
@@ -227,6 +249,7 @@ impl Arena {
             checkpointing,
             act,
             logit_rows,
+            resid_slots,
         })
     }
 
@@ -249,6 +272,11 @@ impl Arena {
         &mut self.main
     }
 
+    /// Whether the layer buffers keep the MLP activation.
+    pub(crate) fn act_store(&self) -> ActStore {
+        self.act
+    }
+
     /// Bytes held.
     pub(crate) fn bytes(&self) -> usize {
         self.main.num_bytes() + self.stats.num_bytes()
@@ -267,7 +295,7 @@ impl Arena {
         })?;
         let mut m = Carver::new(main);
         let mut s = Carver::new(self.stats.as_view_mut());
-        let resid = (0..=d.layers)
+        let resid = (0..d.resid_slabs(self.resid_slots))
             .map(|_| aligned(&mut m, d.n * d.c))
             .collect::<Result<Vec<_>>>()?;
         let sets = Self::sets(d, self.checkpointing);
@@ -317,6 +345,7 @@ impl Arena {
         let embed_mean = aligned(&mut s, d.embed_norm_len)?;
         let embed_rstd = aligned(&mut s, d.embed_norm_len)?;
         Ok(Bufs {
+            resid_ring: self.resid_slots.is_some(),
             final_mean,
             embed_mean,
             embed_rstd,
@@ -389,8 +418,11 @@ pub(crate) struct GradBufs<'a, T> {
 
 /// All views of one call.
 pub(crate) struct Bufs<'a, T> {
-    /// `resid[i]` is the input of layer `i`, `resid[L]` the final norm's input; `[N, C]` each.
+    /// The residual stream, `[N, C]` each: the input of layer `i` (`i = L`: the final norm's
+    /// input) is `resid[resid_slot(i)]`.
     pub resid: Vec<CudaViewMut<'a, T>>,
+    /// Whether `resid` is the checkpoint offload's ring (a boundary's slab is `i % len`).
+    pub resid_ring: bool,
     /// One set per layer, or a single shared set with gradient checkpointing.
     pub layers: Vec<LayerBufs<'a, T>>,
     /// `model.norm(resid[L])`, `[N, C]`.
@@ -415,6 +447,41 @@ pub(crate) struct Bufs<'a, T> {
     /// NormHead: f32 d(loss)/d(normalised lm_head), `[V, C]`, summed over the chunks before
     /// the normalisation's backward adds it into the lm_head gradient.
     pub dhead_normed: CudaViewMut<'a, f32>,
+}
+
+impl<T> Bufs<'_, T> {
+    /// The slab of `resid` holding layer boundary `i` (the input of layer `i`).
+    pub(crate) fn resid_slot(&self, i: usize) -> usize {
+        resid_slot(self.resid.len(), self.resid_ring, i)
+    }
+}
+
+fn resid_slot(slabs: usize, ring: bool, i: usize) -> usize {
+    if ring { i % slabs } else { i }
+}
+
+/// Layer `i`'s input slab (read) and output slab (written) of the residual stream `resid`
+/// (`ring`: the checkpoint offload's ring, see [`Bufs::resid_ring`]); distinct by
+/// construction (a ring has at least two slabs), checked anyway.
+pub(crate) fn resid_in_out<'s, 'a, T>(
+    resid: &'s mut [CudaViewMut<'a, T>],
+    ring: bool,
+    i: usize,
+) -> Result<(&'s CudaViewMut<'a, T>, &'s mut CudaViewMut<'a, T>)> {
+    let n = resid.len();
+    let (a, b) = (resid_slot(n, ring, i), resid_slot(n, ring, i + 1));
+    if a == b || a.max(b) >= n {
+        return Err(super::views::arena_error(format!(
+            "residual slabs {a} and {b} of {n} for layer {i}"
+        )));
+    }
+    if a < b {
+        let (lo, hi) = resid.split_at_mut(b);
+        Ok((&lo[a], &mut hi[0]))
+    } else {
+        let (lo, hi) = resid.split_at_mut(a);
+        Ok((&hi[0], &mut lo[b]))
+    }
 }
 
 #[cfg(test)]

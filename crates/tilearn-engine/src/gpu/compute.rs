@@ -17,8 +17,9 @@
 use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cuda::{self as k, DeviceFloat};
 
-use super::arena::{Bufs, Dims, LayerBufs};
+use super::arena::{Bufs, Dims, LayerBufs, resid_in_out};
 use super::norms::{NormAt, add_norm_fwd, norm_bwd, norm_bwd_add, norm_fwd};
+use super::resid_offload::{RESID_SLOTS, boundary_to_load};
 use super::sink::{GradParts, Handoff};
 use super::tensor_parallel::complete;
 use super::vocab_parallel::{embedding_grad, embedding_lookup};
@@ -149,9 +150,18 @@ pub(crate) fn forward<T: DeviceFloat>(
         embed_forward(cx, d, w, ids, b)?;
     }
     if checkpointed(d, b) {
+        save_boundary(cx, d, b, 0)?;
         for i in 0..d.layers {
             w.load_layer(i)?;
+            // Block i writes boundary i + 1 over boundary i + 1 - RESID_SLOTS in the ring.
+            if let (Some(o), Some(old)) = (
+                cx.resid_offload.as_deref_mut(),
+                (i + 1).checked_sub(RESID_SLOTS),
+            ) {
+                o.wait_saved(cx.stream, old)?;
+            }
             run_block_checkpointed(cx, d, w, b, i)?;
+            save_boundary(cx, d, b, i + 1)?;
         }
         return Ok(());
     }
@@ -272,7 +282,7 @@ fn run_block_checkpointed<T: DeviceFloat>(
 ) -> Result<()> {
     let layout = cx.layout;
     let lay = &layout.layers[i];
-    let (before, after) = b.resid.split_at_mut(i + 1);
+    let (input, output) = resid_in_out(&mut b.resid, b.resid_ring, i)?;
     let shared = &mut b.layers[0];
     norm_fwd(
         cx,
@@ -280,7 +290,7 @@ fn run_block_checkpointed<T: DeviceFloat>(
         d.c,
         w,
         &input_norm(lay),
-        &before[i].as_view(),
+        &input.as_view(),
         &mut shared.xn1,
         &mut shared.mean1,
         &mut shared.rstd1,
@@ -300,12 +310,44 @@ fn run_block_checkpointed<T: DeviceFloat>(
         d,
         lay,
         w,
-        &before[i].as_view(),
+        &input.as_view(),
         shared,
         &mut b.grad.dgate,
-        &mut after[0],
+        output,
         next,
     )
+}
+
+/// Checkpoint offload, forward: queues boundary `j`'s copy to the host when the backward will
+/// need it back (the last [`RESID_SLOTS`] boundaries stay in the ring).
+fn save_boundary<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    b: &Bufs<'_, T>,
+    j: usize,
+) -> Result<()> {
+    match cx.resid_offload.as_deref_mut() {
+        Some(o) if j + RESID_SLOTS <= d.layers => o.save(cx.stream, j, &b.resid[b.resid_slot(j)]),
+        _ => Ok(()),
+    }
+}
+
+/// Checkpoint offload, backward of layer `i`: queues the copy back of the boundary layer
+/// `i - 1` reads (overlapping layer `i`), then waits for layer `i`'s own.
+fn load_boundaries<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    b: &mut Bufs<'_, T>,
+    i: usize,
+) -> Result<()> {
+    let Some(o) = cx.resid_offload.as_deref_mut() else {
+        return Ok(());
+    };
+    if let Some(j) = boundary_to_load(i, d.layers) {
+        let slot = b.resid_slot(j);
+        o.load(cx.stream, j, &mut b.resid[slot])?;
+    }
+    o.wait_loaded(cx.stream, i)
 }
 
 /// Backward from the final norm down to the embedding: `b.grad.dxn` must hold
@@ -333,7 +375,7 @@ pub(crate) fn backward<T: DeviceFloat>(
             &mut g.grads()?,
             &at,
             &b.grad.dxn,
-            &b.resid[d.layers].as_view(),
+            &b.resid[b.resid_slot(d.layers)].as_view(),
             &b.final_mean,
             &b.final_rstd,
             &mut b.grad.dres,
@@ -345,6 +387,7 @@ pub(crate) fn backward<T: DeviceFloat>(
     let checkpointing = checkpointed(d, b);
     for (i, lay) in layout.layers.iter().enumerate().rev() {
         w.load_layer(i)?;
+        load_boundaries(cx, d, b, i)?;
         let set = if checkpointing {
             run_block_checkpointed(cx, d, w, b, i)?;
             0
@@ -357,7 +400,7 @@ pub(crate) fn backward<T: DeviceFloat>(
             lay,
             w,
             &mut g.grads()?,
-            &b.resid[i].as_view(),
+            &b.resid[b.resid_slot(i)].as_view(),
             &b.layers[set],
             &mut b.grad,
         )?;

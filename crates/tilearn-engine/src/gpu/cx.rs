@@ -9,6 +9,7 @@ use tilearn_ops::cuda::{
 };
 
 use super::linalg::Matmul;
+use super::resid_offload::ResidOffload;
 use super::tensor_parallel::DeviceSums;
 use super::vocab_shard::VocabShard;
 use crate::model::ModelLayout;
@@ -39,4 +40,8 @@ pub(crate) struct Cx<'a> {
     pub alibi: Option<CudaView<'a, f32>>,
     /// Row maxima of Baichuan2's z-loss (present when `z_loss_weight` is non-zero).
     pub z_loss: Option<&'a mut k::ZLossScratch>,
+    /// Checkpoint offload (`None`: every layer boundary stays on the device); present only
+    /// with gradient checkpointing, whose arena then holds the ring (see
+    /// `resid_offload.rs`).
+    pub resid_offload: Option<&'a mut ResidOffload>,
 }

@@ -128,9 +128,11 @@ impl GraphState {
 impl GpuLlama {
     /// Sets `--cuda-graphs` for the following [`GpuLlama::train_step`] calls.
     /// A lean model (`--memory lean`) always runs eagerly: its optimizer step is host work
-    /// between the backward and the next forward, which a graph cannot hold.
+    /// between the backward and the next forward, which a graph cannot hold; so does one
+    /// that offloads its checkpoints (copies on a second stream, see
+    /// [`GpuLlama::set_offload_checkpoints`]).
     pub fn set_cuda_graphs(&mut self, mode: CudaGraphs) {
-        self.graphs.mode = if self.is_lean() {
+        self.graphs.mode = if self.is_lean() || self.offload_checkpoints() {
             CudaGraphs::Off
         } else {
             mode

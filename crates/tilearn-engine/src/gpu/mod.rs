@@ -49,6 +49,7 @@ mod norms;
 mod offload;
 mod optim;
 mod precision;
+mod resid_offload;
 mod sink;
 mod stage;
 mod staging;
@@ -216,6 +217,9 @@ pub struct GpuLlama {
     optimizer: Option<GpuAdamW>,
     /// The lean memory mode's host master weights and optimizer (`None`: default mode).
     offload: Option<Offload>,
+    /// Checkpoint offload's host copies and copy stream (`None`: off; see
+    /// [`GpuLlama::set_offload_checkpoints`]).
+    resid_offload: Option<resid_offload::ResidOffload>,
     memory: GpuMemory,
     /// `--cuda-graphs` and the recorded step (see `graph.rs`).
     graphs: GraphState,
@@ -583,12 +587,21 @@ impl GpuLlama {
             .map_err(|e| cuda_err("allocating the gradient buffer", e))?;
         let lce_rows = lce.rows(n, config.vocab_size, widest);
         let logits_buffer_bytes = cap.logits_len(lce_rows) * widest;
-        let act = if lean {
+        // Lean, and checkpointing (one shared layer set, recomputed in the backward anyway):
+        // the backward recomputes `silu(gate) * up` instead of keeping `[N, I]` for it.
+        let act = if lean || gradient_checkpointing {
             ActStore::Recomputed
         } else {
             ActStore::Kept
         };
-        let arena = Arena::new(&stream, &cap, widest, gradient_checkpointing, act, lce_rows)?;
+        let arena = Arena::new(
+            &stream,
+            &cap,
+            widest,
+            (gradient_checkpointing, act),
+            lce_rows,
+            None,
+        )?;
         let arena_bytes = arena.bytes();
         let mut work = if allowed.iter().any(|p| p.is_half()) {
             Some(WorkingCopy::new(&stream, numel)?)
@@ -702,6 +715,7 @@ impl GpuLlama {
             ln_scratch,
             optimizer: None,
             offload,
+            resid_offload: None,
             graphs: GraphState::default(),
             tp: None,
             vocab: None,
@@ -905,6 +919,7 @@ impl GpuLlama {
             alibi,
             z_loss,
             ln_scratch,
+            resid_offload,
             ..
         } = self;
         Pass {
@@ -922,6 +937,7 @@ impl GpuLlama {
                 alibi: alibi.as_ref().map(|a| a.as_view()),
                 z_loss: z_loss.as_mut(),
                 ln_scratch: ln_scratch.as_mut(),
+                resid_offload: resid_offload.as_mut(),
             },
             master,
             work: work.as_mut(),

@@ -323,7 +323,7 @@ fn forward_pass<T: DeviceFloat>(
     {
         copy(
             cx,
-            &b.resid[d.layers].as_view(),
+            &b.resid[b.resid_slot(d.layers)].as_view(),
             &mut out.view_mut::<T>(len)?,
             "handing the stage's activations on",
         )?;

@@ -128,6 +128,11 @@ pub struct TrainingArguments {
     /// [`crate::weight_copy`]). The CPU engine ignores it.
     #[serde(default)]
     pub weight_copy: WeightCopy,
+    /// Keep gradient checkpointing's layer inputs in page-locked host memory
+    /// (`--offload-checkpoints`; see `GpuLlama::set_offload_checkpoints`). The CPU engine
+    /// ignores it.
+    #[serde(default)]
+    pub offload_checkpoints: bool,
     /// When the eval set ([`Trainer::set_eval_dataset`](super::Trainer::set_eval_dataset)) is
     /// evaluated.
     #[serde(default)]
@@ -198,6 +203,7 @@ impl Default for TrainingArguments {
             deterministic: false,
             memory: MemoryMode::Default,
             weight_copy: WeightCopy::Auto,
+            offload_checkpoints: false,
             eval_strategy: EvalStrategy::No,
             eval_steps: None,
             per_device_eval_batch_size: None,

@@ -171,6 +171,24 @@ impl GpuBackend {
                     .into(),
             });
         }
+        if args.offload_checkpoints {
+            let why = if stage.is_some() {
+                Some("is not yet implemented for pipeline stages; drop it or --pp-size")
+            } else if args.cuda_graphs == CudaGraphs::On {
+                Some(
+                    "copies the checkpoints on a second stream, which the step's CUDA graph \
+                     does not hold; use --cuda-graphs auto or off",
+                )
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(crate::EngineError::InvalidArgument {
+                    argument: "--offload-checkpoints".into(),
+                    message: why.into(),
+                });
+            }
+        }
         let shape = (args.per_device_train_batch_size, args.seq_len);
         let gpu = match stage {
             None => GpuLlama::for_config_with_memory(
@@ -194,6 +212,7 @@ impl GpuBackend {
         };
         let mut gpu = gpu;
         gpu.set_deterministic(args.deterministic)?;
+        gpu.set_offload_checkpoints(args.offload_checkpoints)?;
         gpu.set_per_layer_weights(
             args.weight_copy
                 .per_layer(args.gradient_checkpointing, args.memory.is_lean()),
@@ -222,6 +241,12 @@ impl GpuBackend {
         }
         if gpu.gradient_checkpointing() {
             features.push("gradient checkpointing".into());
+        }
+        if gpu.offload_checkpoints() {
+            features.push(format!(
+                "checkpoints in host memory ({:.2} GiB page-locked)",
+                gpu.offloaded_checkpoint_bytes() as f64 / (1u64 << 30) as f64
+            ));
         }
         if gpu.per_layer_weights() {
             features.push("16-bit weights cast per layer".into());

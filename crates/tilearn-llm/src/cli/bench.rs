@@ -84,6 +84,10 @@ pub struct BenchArgs {
     /// before use) or `auto` (per layer under --gradient-checkpointing).
     #[arg(long, default_value = "auto", value_parser = WeightCopy::parse)]
     pub weight_copy: WeightCopy,
+    /// Keep gradient checkpointing's layer inputs in page-locked host memory, as `tilearn
+    /// train --offload-checkpoints` (needs --gradient-checkpointing; steps run eagerly).
+    #[arg(long)]
+    pub offload_checkpoints: bool,
     /// Print only the JSON line.
     #[arg(long)]
     pub json: bool,
@@ -116,6 +120,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let seq = args.seq.unwrap_or(preset.seq);
     let config = preset.config(seq);
     let result = match args.device {
+        BenchDevice::Cpu if args.offload_checkpoints => {
+            return Err(LlmError::Usage {
+                flag: "--offload-checkpoints".into(),
+                message: "is a GPU engine option; use --device cuda".into(),
+            });
+        }
         BenchDevice::Cpu if args.memory.is_lean() => {
             return Err(LlmError::Usage {
                 flag: "--memory lean".into(),
@@ -134,8 +144,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.gradient_checkpointing,
             args.lce_chunk_tokens,
             args.cuda_graphs,
-            args.memory,
-            args.weight_copy,
+            super::bench_gpu::GpuMemoryOptions {
+                memory: args.memory,
+                weight_copy: args.weight_copy,
+                offload_checkpoints: args.offload_checkpoints,
+            },
             args.deterministic,
         )?,
     };
@@ -171,6 +184,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "deterministic": args.deterministic,
         "memory": args.memory.to_string(),
         "weight_copy": weight_copy,
+        "offload_checkpoints": args.offload_checkpoints,
         "lce_chunk_tokens": lce_chunk_tokens,
         "batch": batch,
         "seq": seq,

@@ -18,6 +18,15 @@ use tilearn_ops::DType;
 use super::bench_loop::BenchResult;
 use crate::Result;
 
+/// Where a benchmarked GPU model keeps its state (`--memory`, `--weight-copy`,
+/// `--offload-checkpoints`, as `tilearn train`).
+#[derive(Clone, Copy, Debug)]
+pub struct GpuMemoryOptions {
+    pub memory: MemoryMode,
+    pub weight_copy: WeightCopy,
+    pub offload_checkpoints: bool,
+}
+
 #[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
 pub fn bench(
@@ -29,8 +38,7 @@ pub fn bench(
     gradient_checkpointing: bool,
     lce: LceChunk,
     graphs: CudaGraphs,
-    memory: MemoryMode,
-    weight_copy: WeightCopy,
+    memory_options: GpuMemoryOptions,
     deterministic: bool,
 ) -> Result<BenchResult> {
     use std::time::Instant;
@@ -55,10 +63,16 @@ pub fn bench(
     } else {
         GradScaler::disabled()
     };
-    if memory.is_lean() && graphs == CudaGraphs::On {
+    let GpuMemoryOptions {
+        memory,
+        weight_copy,
+        offload_checkpoints,
+    } = memory_options;
+    if (memory.is_lean() || offload_checkpoints) && graphs == CudaGraphs::On {
         return Err(crate::LlmError::Usage {
             flag: "--cuda-graphs on".into(),
-            message: "--memory lean steps AdamW on the host, which a CUDA graph cannot hold; \
+            message: "--memory lean steps AdamW on the host and --offload-checkpoints copies \
+                      on a second stream, which a CUDA graph does not hold; \
                       use --cuda-graphs auto or off"
                 .into(),
         });
@@ -77,6 +91,7 @@ pub fn bench(
     gpu.set_deterministic(deterministic)?;
     weight_copy.check(memory.is_lean(), 0)?;
     gpu.set_per_layer_weights(weight_copy.per_layer(gradient_checkpointing, memory.is_lean()))?;
+    gpu.set_offload_checkpoints(offload_checkpoints)?;
     let groups = gpu.default_groups(0.0);
     gpu.configure_optimizer(
         AdamWConfig {
@@ -256,8 +271,7 @@ pub fn bench(
     _gradient_checkpointing: bool,
     _lce: LceChunk,
     _graphs: CudaGraphs,
-    _memory: MemoryMode,
-    _weight_copy: WeightCopy,
+    _memory_options: GpuMemoryOptions,
     _deterministic: bool,
 ) -> Result<BenchResult> {
     Err(crate::LlmError::Usage {

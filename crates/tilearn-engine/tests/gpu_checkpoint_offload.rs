@@ -7,8 +7,9 @@
 //! holds), and the steps are deterministic (`set_deterministic(true)`), so losses, gradient
 //! norms, weights and AdamW moments are the same bits, also with the per-layer weight copy
 //! and with an evaluation forward between steps (a forward-only pass writes the ring too).
-//! Six layers, so the backward brings boundaries 0..=3 back from the host (the last three stay
-//! in the ring). A control with another learning rate must differ. The arena shrinks by the
+//! Six layers, so the backward brings boundaries 0..=3 and the attention outputs of layers
+//! 0..=3 back from the host (the last three boundaries and two attention outputs stay in their
+//! rings), and its recomputation skips the attention forward for every layer. A control with another learning rate must differ. The arena shrinks by the
 //! boundaries the ring does not hold.
 //!
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
@@ -182,8 +183,10 @@ fn offloaded_checkpoints_give_the_same_bits() {
             run.losses, run.activation_bytes, on_device.activation_bytes
         ));
         assert_eq!(counts, (0, 0, 0, 0, 0, 0), "{what}: not bit-identical");
-        // The ring holds 3 of the LAYERS + 1 boundaries ([N, C] bf16 each, 128-byte aligned).
-        let saved = (LAYERS + 1 - 3) * BATCH * SEQ * HIDDEN * 2;
+        // The ring holds 3 of the LAYERS + 1 boundaries ([N, C] bf16 each, 128-byte aligned);
+        // the attention ring adds one [N, Hq·D] bf16 output and one [B, Hq, T] f32 lse.
+        let n = BATCH * SEQ;
+        let saved = (LAYERS + 1 - 3) * n * HIDDEN * 2 - n * HIDDEN * 2 - n * 2 * 4;
         assert_eq!(
             on_device.activation_bytes - run.activation_bytes,
             saved,
@@ -216,7 +219,10 @@ fn offload_needs_checkpointing_and_can_be_turned_off() {
     let mut gpu = build(&dev, true);
     let before = gpu.memory().activation_bytes;
     gpu.set_offload_checkpoints(true).unwrap();
-    assert!(gpu.offloaded_checkpoint_bytes() >= (LAYERS + 1) * BATCH * SEQ * HIDDEN * 2);
+    // Boundaries, attention outputs (Hq·D = HIDDEN here) and their f32 lse (2 heads).
+    let n = BATCH * SEQ;
+    let host = (LAYERS + 1) * n * HIDDEN * 2 + LAYERS * n * (HIDDEN * 2 + 2 * 4);
+    assert_eq!(gpu.offloaded_checkpoint_bytes(), host);
     gpu.set_offload_checkpoints(false).unwrap();
     assert_eq!(gpu.memory().activation_bytes, before);
     assert_eq!(gpu.offloaded_checkpoint_bytes(), 0);

@@ -160,11 +160,18 @@ impl Dims {
         let layer: usize = self.layer_lens(act).iter().map(|&l| padded(l)).sum();
         let grad: usize = self.grad_lens().iter().map(|&l| padded(l)).sum();
         self.resid_slabs(resid_slots) * slab
+            + self.attention_spare(resid_slots) * padded(self.n * self.q)
             + sets * layer
             + slab
             + self.logits_len(logit_rows)
             + grad
             + padded(self.head_norm_len)
+    }
+
+    /// Spare attention output / log-sum-exp buffers: one under checkpoint offload (the
+    /// offload's two-slot ring of attention outputs, see `resid_offload.rs`), else none.
+    fn attention_spare(&self, resid_slots: Option<usize>) -> usize {
+        usize::from(resid_slots.is_some())
     }
 
     /// Device slabs of the residual stream: one per layer boundary, or the offload's ring.
@@ -177,10 +184,12 @@ impl Dims {
         padded(logit_rows.min(self.n) * self.vocab)
     }
 
-    /// f32 elements of the statistics arena for this call's shape and `sets`.
-    pub(crate) fn stats_len(&self, sets: usize) -> usize {
+    /// f32 elements of the statistics arena for this call's shape and `sets` (and the
+    /// offload's spare log-sum-exp when `resid_slots` is set).
+    pub(crate) fn stats_len(&self, sets: usize, resid_slots: Option<usize>) -> usize {
         let layer: usize = self.layer_stat_lens().iter().map(|&l| padded(l)).sum();
         sets * layer
+            + self.attention_spare(resid_slots) * padded(self.n * self.q_heads)
             + 2 * padded(self.n)
             + padded(self.head_norm_len)
             + padded(self.mean_len)
@@ -241,7 +250,7 @@ impl Arena {
             .alloc_zeros::<f32>(bytes.div_ceil(size_of::<f32>()))
             .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
         let stats = stream
-            .alloc_zeros::<f32>(capacity.stats_len(sets))
+            .alloc_zeros::<f32>(capacity.stats_len(sets, resid_slots))
             .map_err(|e| super::cuda_err("allocating the statistics arena", e))?;
         Ok(Arena {
             main,
@@ -298,6 +307,13 @@ impl Arena {
         let resid = (0..d.resid_slabs(self.resid_slots))
             .map(|_| aligned(&mut m, d.n * d.c))
             .collect::<Result<Vec<_>>>()?;
+        let att_spare = match d.attention_spare(self.resid_slots) {
+            0 => None,
+            _ => Some((
+                aligned(&mut m, d.n * d.q)?,
+                aligned(&mut s, d.n * d.q_heads)?,
+            )),
+        };
         let sets = Self::sets(d, self.checkpointing);
         let mut layers = Vec::with_capacity(sets);
         for _ in 0..sets {
@@ -346,6 +362,8 @@ impl Arena {
         let embed_rstd = aligned(&mut s, d.embed_norm_len)?;
         Ok(Bufs {
             resid_ring: self.resid_slots.is_some(),
+            att_spare,
+            att_front: 0,
             final_mean,
             embed_mean,
             embed_rstd,
@@ -423,6 +441,11 @@ pub(crate) struct Bufs<'a, T> {
     pub resid: Vec<CudaViewMut<'a, T>>,
     /// Whether `resid` is the checkpoint offload's ring (a boundary's slab is `i % len`).
     pub resid_ring: bool,
+    /// Checkpoint offload: the second slot of the attention output / log-sum-exp ring (the
+    /// first is the layer set's `att` / `lse`; [`Bufs::select_attention_slot`] swaps them).
+    pub att_spare: Option<(CudaViewMut<'a, T>, CudaViewMut<'a, f32>)>,
+    /// Which ring slot the layer set's `att` / `lse` hold now.
+    pub att_front: usize,
     /// One set per layer, or a single shared set with gradient checkpointing.
     pub layers: Vec<LayerBufs<'a, T>>,
     /// `model.norm(resid[L])`, `[N, C]`.
@@ -453,6 +476,18 @@ impl<T> Bufs<'_, T> {
     /// The slab of `resid` holding layer boundary `i` (the input of layer `i`).
     pub(crate) fn resid_slot(&self, i: usize) -> usize {
         resid_slot(self.resid.len(), self.resid_ring, i)
+    }
+
+    /// Makes the (shared) layer set's `att` / `lse` the attention ring's slot `slot` (0 or 1)
+    /// by swapping views with the spare; nothing without a spare.
+    pub(crate) fn select_attention_slot(&mut self, slot: usize) {
+        if let (Some((att, lse)), Some(set)) = (self.att_spare.as_mut(), self.layers.first_mut())
+            && self.att_front != slot
+        {
+            std::mem::swap(&mut set.att, att);
+            std::mem::swap(&mut set.lse, lse);
+            self.att_front = slot;
+        }
     }
 }
 

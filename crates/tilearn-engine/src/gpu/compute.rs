@@ -19,7 +19,7 @@ use tilearn_ops::cuda::{self as k, DeviceFloat};
 
 use super::arena::{Bufs, Dims, LayerBufs, resid_in_out};
 use super::norms::{NormAt, add_norm_fwd, norm_bwd, norm_bwd_add, norm_fwd};
-use super::resid_offload::{RESID_SLOTS, boundary_to_load};
+use super::resid_offload::{Part, RESID_SLOTS, ResidOffload, boundary_to_load};
 use super::sink::{GradParts, Handoff};
 use super::tensor_parallel::complete;
 use super::vocab_parallel::{embedding_grad, embedding_lookup};
@@ -150,18 +150,29 @@ pub(crate) fn forward<T: DeviceFloat>(
         embed_forward(cx, d, w, ids, b)?;
     }
     if checkpointed(d, b) {
+        let keep = keeps_attention(cx, b);
         save_boundary(cx, d, b, 0)?;
         for i in 0..d.layers {
             w.load_layer(i)?;
-            // Block i writes boundary i + 1 over boundary i + 1 - RESID_SLOTS in the ring.
-            if let (Some(o), Some(old)) = (
-                cx.resid_offload.as_deref_mut(),
-                (i + 1).checked_sub(RESID_SLOTS),
-            ) {
-                o.wait_saved(cx.stream, old)?;
+            if let Some(o) = cx.resid_offload.as_deref_mut() {
+                // Block i writes boundary i + 1 over boundary i + 1 - RESID_SLOTS, and its
+                // attention output over layer i - 2's.
+                if let Some(old) = (i + 1).checked_sub(RESID_SLOTS) {
+                    o.wait_saved(cx.stream, Part::Boundary(old))?;
+                }
+                if let (true, Some(old)) = (keep, i.checked_sub(2)) {
+                    o.wait_saved(cx.stream, Part::Attention(old))?;
+                    o.wait_saved(cx.stream, Part::Lse(old))?;
+                }
             }
-            run_block_checkpointed(cx, d, w, b, i)?;
+            if keep {
+                b.select_attention_slot(i % 2);
+            }
+            run_block_checkpointed(cx, d, w, b, i, false)?;
             save_boundary(cx, d, b, i + 1)?;
+            if keep {
+                save_attention(cx, d, b, i)?;
+            }
         }
         return Ok(());
     }
@@ -220,6 +231,7 @@ pub(crate) fn forward<T: DeviceFloat>(
             &mut b.grad.dgate,
             &mut after[0],
             next,
+            false,
         )?;
     }
     Ok(())
@@ -279,6 +291,7 @@ fn run_block_checkpointed<T: DeviceFloat>(
     w: &Weights<'_, T>,
     b: &mut Bufs<'_, T>,
     i: usize,
+    attention_kept: bool,
 ) -> Result<()> {
     let layout = cx.layout;
     let lay = &layout.layers[i];
@@ -315,7 +328,60 @@ fn run_block_checkpointed<T: DeviceFloat>(
         &mut b.grad.dgate,
         output,
         next,
+        attention_kept,
     )
+}
+
+/// Whether this checkpointed pass keeps each layer's attention output and log-sum-exp in
+/// host memory, so that the backward's recomputation skips the attention forward: under
+/// checkpoint offload with room for them, when every attention call is a flash kernel (whose
+/// backward needs nothing else from the forward).
+fn keeps_attention<T>(cx: &Cx<'_>, b: &Bufs<'_, T>) -> bool {
+    b.att_spare.is_some()
+        && cx.mm.flash_only()
+        && cx
+            .resid_offload
+            .as_deref()
+            .is_some_and(ResidOffload::keeps_attention)
+}
+
+/// Checkpoint offload, forward: queues layer `i`'s attention output and log-sum-exp (in the
+/// layer set) to the host when the backward will need them back (the last two layers' stay
+/// in the two-slot ring).
+fn save_attention<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    b: &Bufs<'_, T>,
+    i: usize,
+) -> Result<()> {
+    match (cx.resid_offload.as_deref_mut(), b.layers.first()) {
+        (Some(o), Some(set)) if i + RESID_SLOTS <= d.layers => {
+            o.save(cx.stream, Part::Attention(i), &set.att)?;
+            o.save(cx.stream, Part::Lse(i), &set.lse)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Checkpoint offload, backward of layer `i`: makes the layer set's attention buffers layer
+/// `i`'s slot, queues the copy back of layer `i - 1`'s into the other slot (overlapping layer
+/// `i`), and waits for layer `i`'s own.
+fn load_attention<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    d: &Dims,
+    b: &mut Bufs<'_, T>,
+    i: usize,
+) -> Result<()> {
+    b.select_attention_slot(i % 2);
+    let Some(o) = cx.resid_offload.as_deref_mut() else {
+        return Ok(());
+    };
+    if let (Some(j), Some((att, lse))) = (boundary_to_load(i, d.layers), b.att_spare.as_mut()) {
+        o.load(cx.stream, Part::Attention(j), att)?;
+        o.load(cx.stream, Part::Lse(j), lse)?;
+    }
+    o.wait_loaded(cx.stream, Part::Attention(i))?;
+    o.wait_loaded(cx.stream, Part::Lse(i))
 }
 
 /// Checkpoint offload, forward: queues boundary `j`'s copy to the host when the backward will
@@ -327,7 +393,9 @@ fn save_boundary<T: DeviceFloat>(
     j: usize,
 ) -> Result<()> {
     match cx.resid_offload.as_deref_mut() {
-        Some(o) if j + RESID_SLOTS <= d.layers => o.save(cx.stream, j, &b.resid[b.resid_slot(j)]),
+        Some(o) if j + RESID_SLOTS <= d.layers => {
+            o.save(cx.stream, Part::Boundary(j), &b.resid[b.resid_slot(j)])
+        }
         _ => Ok(()),
     }
 }
@@ -345,9 +413,9 @@ fn load_boundaries<T: DeviceFloat>(
     };
     if let Some(j) = boundary_to_load(i, d.layers) {
         let slot = b.resid_slot(j);
-        o.load(cx.stream, j, &mut b.resid[slot])?;
+        o.load(cx.stream, Part::Boundary(j), &mut b.resid[slot])?;
     }
-    o.wait_loaded(cx.stream, i)
+    o.wait_loaded(cx.stream, Part::Boundary(i))
 }
 
 /// Backward from the final norm down to the embedding: `b.grad.dxn` must hold
@@ -385,11 +453,15 @@ pub(crate) fn backward<T: DeviceFloat>(
     // range, which is handed on last).
     g.pass_on(cx.stream)?;
     let checkpointing = checkpointed(d, b);
+    let keep = checkpointing && keeps_attention(cx, b);
     for (i, lay) in layout.layers.iter().enumerate().rev() {
         w.load_layer(i)?;
         load_boundaries(cx, d, b, i)?;
+        if keep {
+            load_attention(cx, d, b, i)?;
+        }
         let set = if checkpointing {
-            run_block_checkpointed(cx, d, w, b, i)?;
+            run_block_checkpointed(cx, d, w, b, i, keep)?;
             0
         } else {
             i
@@ -456,6 +528,7 @@ fn block_forward<T: DeviceFloat>(
     act_scratch: &mut CudaViewMut<'_, T>,
     out: &mut CudaViewMut<'_, T>,
     next: Option<NextNorm<'_, '_, T>>,
+    attention_kept: bool,
 ) -> Result<()> {
     let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
     let s = cx.stream;
@@ -472,18 +545,22 @@ fn block_forward<T: DeviceFloat>(
             s, &mut a.k, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
         )?;
     }
-    cx.mm.attention_forward(
-        s,
-        d,
-        pos,
-        lay.sliding_window,
-        cx.alibi.as_ref(),
-        &a.q.as_view(),
-        &a.k.as_view(),
-        &a.v.as_view(),
-        &mut a.att,
-        &mut a.lse,
-    )?;
+    // A recomputation whose attention output and log-sum-exp were kept (checkpoint offload)
+    // has them in `a` already: the flash backward needs nothing else from the forward.
+    if !attention_kept {
+        cx.mm.attention_forward(
+            s,
+            d,
+            pos,
+            lay.sliding_window,
+            cx.alibi.as_ref(),
+            &a.q.as_view(),
+            &a.k.as_view(),
+            &a.v.as_view(),
+            &mut a.att,
+            &mut a.lse,
+        )?;
+    }
     linear_fwd(cx, w, &lay.o, &a.att.as_view(), n, q, c, &mut a.h)?;
     // Row-parallel: each rank's o_proj output is its heads' share.
     complete(cx.tp, &mut a.h)?;

@@ -132,6 +132,12 @@ impl Matmul {
         Ok(true)
     }
 
+    /// Whether every attention call runs the flash kernels (a flash-only workspace), whose
+    /// backward needs only q, k, v, the output and the log-sum-exp of the forward.
+    pub(crate) fn flash_only(&self) -> bool {
+        self.flash_capacity.is_some()
+    }
+
     /// The flash backward the attention workspace serves at its capacity on this device:
     /// `OnePass` only for a flash-only workspace built for it where the Hopper kernels run.
     pub(crate) fn flash_backward(&self) -> FlashBackward {

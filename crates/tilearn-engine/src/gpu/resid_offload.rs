@@ -13,6 +13,13 @@
 //!   waits for an event recorded before layer `i`'s kernels), so it overlaps layer `i`'s
 //!   recomputation and backward; the compute stream waits for boundary `i`'s copy before
 //!   layer `i`. The last three boundaries are still in their slabs after the forward.
+//! * attention outputs: where every attention call is a flash kernel, each layer's output
+//!   `[N, Hq·D]` and f32 log-sum-exp are kept too, in a two-slot ring (the layer set's and one
+//!   spare, swapped by view), saved after the layer's forward and brought back one layer
+//!   ahead, so the backward's recomputation skips the attention forward (the flash backward
+//!   needs only q, k, v, the output and the log-sum-exp). This is the costliest part of a
+//!   long-context recomputation (≈ 2.6 ms of ≈ 8 ms a layer at 16 K). Its host room is
+//!   optional: when the driver refuses it, the recomputation runs the attention forward.
 //!
 //! The copies go through the driver directly with the arena's device pointers, so cudarc's
 //! per-allocation event tracking (one pair of events for the whole arena) does not make
@@ -46,113 +53,196 @@ struct HostBuf {
 unsafe impl Send for HostBuf {}
 unsafe impl Sync for HostBuf {}
 
+impl HostBuf {
+    fn new(bytes: usize) -> std::result::Result<HostBuf, cudarc::driver::DriverError> {
+        // SAFETY: a plain page-locked allocation, freed by `drop`.
+        let ptr = unsafe { result::malloc_host(bytes.max(1), 0) }?;
+        Ok(HostBuf {
+            ptr: ptr.cast(),
+            bytes: bytes.max(1),
+        })
+    }
+}
+
 impl Drop for HostBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated by `malloc_host` in `ResidOffload::new`; the owner synchronised
-        // the copy stream before dropping (no copy still reads or writes it).
+        // SAFETY: allocated by `malloc_host`; the owner synchronised the copy stream before
+        // dropping (no copy still reads or writes it).
         unsafe {
             let _ = result::free_host(self.ptr.cast());
         }
     }
 }
 
-/// The host copies of the layer boundaries, the copy stream and the events ordering it
-/// against the compute stream.
+/// What a host region holds: layer boundary `j` (the input of layer `j`), or layer `j`'s
+/// attention output `[N, Hq·D]` and its f32 log-sum-exp `[B, Hq, T]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Part {
+    Boundary(usize),
+    Attention(usize),
+    Lse(usize),
+}
+
+/// Host room for one kind of part: `count` regions of `stride` bytes.
 #[derive(Debug)]
-pub(crate) struct ResidOffload {
-    copy: Arc<CudaStream>,
-    host: HostBuf,
-    /// Bytes reserved per boundary (capacity rows × hidden × widest element).
+struct Regions {
+    buf: HostBuf,
     stride: usize,
-    boundaries: usize,
-    /// Per boundary: its device-to-host copy (`saved`) and host-to-device copy (`loaded`).
+    count: usize,
+    /// Per region: its device-to-host copy (`saved`) and host-to-device copy (`loaded`).
     saved: Vec<Option<CudaEvent>>,
     loaded: Vec<Option<CudaEvent>>,
 }
 
+impl Regions {
+    fn new(
+        count: usize,
+        stride: usize,
+    ) -> std::result::Result<Regions, cudarc::driver::DriverError> {
+        Ok(Regions {
+            buf: HostBuf::new(count * stride)?,
+            stride,
+            count,
+            saved: (0..count).map(|_| None).collect(),
+            loaded: (0..count).map(|_| None).collect(),
+        })
+    }
+}
+
+/// The host copies of the layer boundaries (and, room permitting, of each layer's attention
+/// output), the copy stream and the events ordering it against the compute stream.
+#[derive(Debug)]
+pub(crate) struct ResidOffload {
+    copy: Arc<CudaStream>,
+    boundaries: Regions,
+    /// Attention outputs and log-sum-exps per layer; `None` when page-locked memory for them
+    /// was refused (the backward then recomputes the attention forward).
+    attention: Option<(Regions, Regions)>,
+}
+
+/// Device bytes of one layer part at capacity.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PartBytes {
+    pub boundary: usize,
+    pub attention: usize,
+    pub lse: usize,
+}
+
 impl ResidOffload {
-    /// Host room for `layers + 1` boundaries of `slab_bytes` each.
-    pub(crate) fn new(ctx: &Arc<CudaContext>, layers: usize, slab_bytes: usize) -> Result<Self> {
-        let boundaries = layers + 1;
-        let bytes = boundaries * slab_bytes;
+    /// Host room for `layers + 1` boundaries and, if the driver grants it, `layers` attention
+    /// outputs and log-sum-exps, of `bytes` each.
+    pub(crate) fn new(ctx: &Arc<CudaContext>, layers: usize, bytes: PartBytes) -> Result<Self> {
         ctx.bind_to_thread()
             .map_err(|e| cuda_err("binding the device context", e))?;
-        // SAFETY: a plain page-locked allocation, freed by `HostBuf::drop`.
-        let ptr = unsafe { result::malloc_host(bytes.max(1), 0) }
+        let boundaries = Regions::new(layers + 1, bytes.boundary)
             .map_err(|e| cuda_err("allocating page-locked memory for the checkpoints", e))?;
+        // Optional: at the longest contexts host memory may not hold these too.
+        let attention = match (
+            Regions::new(layers, bytes.attention),
+            Regions::new(layers, bytes.lse),
+        ) {
+            (Ok(a), Ok(l)) => Some((a, l)),
+            _ => None,
+        };
         let copy = ctx
             .new_stream()
             .map_err(|e| cuda_err("creating the checkpoint copy stream", e))?;
         Ok(ResidOffload {
             copy,
-            host: HostBuf {
-                ptr: ptr.cast(),
-                bytes: bytes.max(1),
-            },
-            stride: slab_bytes,
             boundaries,
-            saved: (0..boundaries).map(|_| None).collect(),
-            loaded: (0..boundaries).map(|_| None).collect(),
+            attention,
         })
     }
 
     /// Host bytes held.
     pub(crate) fn host_bytes(&self) -> usize {
-        self.host.bytes
+        self.boundaries.buf.bytes
+            + self
+                .attention
+                .as_ref()
+                .map_or(0, |(a, l)| a.buf.bytes + l.buf.bytes)
     }
 
-    /// Boundary `j`'s host region as `len` elements of `T`.
-    fn region<T>(&mut self, j: usize, len: usize) -> Result<&mut [T]> {
-        let bytes = len * size_of::<T>();
-        if j >= self.boundaries || bytes > self.stride {
+    /// Whether the attention outputs are kept (the backward's recomputation then skips the
+    /// attention forward).
+    pub(crate) fn keeps_attention(&self) -> bool {
+        self.attention.is_some()
+    }
+
+    fn regions(&mut self, part: Part) -> Result<(&mut Regions, usize)> {
+        let (regions, j) = match (part, self.attention.as_mut()) {
+            (Part::Boundary(j), _) => (&mut self.boundaries, j),
+            (Part::Attention(j), Some((a, _))) => (a, j),
+            (Part::Lse(j), Some((_, l))) => (l, j),
+            (_, None) => {
+                return Err(super::views::arena_error(format!(
+                    "{part:?}: no host room for attention outputs"
+                )));
+            }
+        };
+        if j >= regions.count {
             return Err(super::views::arena_error(format!(
-                "checkpoint {j} of {} bytes does not fit its host room ({} boundaries of {})",
-                bytes, self.boundaries, self.stride
+                "{part:?} lies past the {} host regions",
+                regions.count
             )));
         }
-        // SAFETY: in bounds (checked); the stride is a multiple of the slab's element size
-        // and the allocation is page aligned, so the region is aligned for `T`; `&mut self`
-        // makes this the only reference, and the copies using it are ordered by the events.
-        Ok(unsafe {
-            std::slice::from_raw_parts_mut(self.host.ptr.add(j * self.stride).cast(), len)
-        })
+        Ok((regions, j))
     }
 
-    fn event(&self, stream: &CudaStream) -> Result<CudaEvent> {
+    /// `part`'s host region as `len` elements of `T`.
+    fn host_slice<T>(&mut self, part: Part, len: usize) -> Result<&mut [T]> {
+        let (r, j) = self.regions(part)?;
+        let bytes = len * size_of::<T>();
+        if bytes > r.stride {
+            return Err(super::views::arena_error(format!(
+                "{part:?} of {bytes} bytes does not fit its host room of {}",
+                r.stride
+            )));
+        }
+        // SAFETY: in bounds (checked); the stride is a multiple of the element size and the
+        // allocation page aligned, so the region is aligned for `T`; `&mut self` makes this
+        // the only reference, and the copies using it are ordered by the events.
+        Ok(unsafe { std::slice::from_raw_parts_mut(r.buf.ptr.add(j * r.stride).cast(), len) })
+    }
+
+    fn event(stream: &CudaStream) -> Result<CudaEvent> {
         stream
             .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
             .map_err(|e| cuda_err("recording a checkpoint copy event", e))
     }
 
-    /// Queues the copy of boundary `j` (in `slab`, just written on `compute`) to the host.
+    /// Queues the copy of `part` (in `view`, just written on `compute`) to the host.
     pub(crate) fn save<T: DeviceRepr>(
         &mut self,
         compute: &CudaStream,
-        j: usize,
-        slab: &CudaViewMut<'_, T>,
+        part: Part,
+        view: &CudaViewMut<'_, T>,
     ) -> Result<()> {
-        let written = self.event(compute)?;
+        let written = Self::event(compute)?;
         self.copy
             .wait(&written)
             .map_err(|e| cuda_err("ordering a checkpoint copy", e))?;
         // The pointer is taken on the compute stream (cudarc records its read there, where
         // it is already ordered); the copy's order is the event above.
-        let (src, _read) = slab.device_ptr(compute);
-        let len = slab.len();
+        let (src, _read) = view.device_ptr(compute);
+        let len = view.len();
         let cu_stream = self.copy.cu_stream();
-        let dst = self.region::<T>(j, len)?;
+        let dst = self.host_slice::<T>(part, len)?;
         // SAFETY: `dst` is page-locked host memory of `len` elements that nothing else
-        // touches until `saved[j]` completes; `src` is a live slab of `len` elements.
+        // touches until the saved event completes; `src` is a live buffer of `len` elements.
         unsafe { result::memcpy_dtoh_async(dst, src, cu_stream) }
             .map_err(|e| cuda_err("copying a checkpoint to host memory", e))?;
-        self.saved[j] = Some(self.event(&self.copy)?);
+        let done = Self::event(&self.copy)?;
+        let (r, j) = self.regions(part)?;
+        r.saved[j] = Some(done);
         Ok(())
     }
 
-    /// Makes `compute` wait until boundary `j`'s copy to the host has finished (before its
-    /// slab is overwritten).
-    pub(crate) fn wait_saved(&mut self, compute: &CudaStream, j: usize) -> Result<()> {
-        if let Some(e) = self.saved.get_mut(j).and_then(Option::take) {
+    /// Makes `compute` wait until `part`'s copy to the host has finished (before its device
+    /// buffer is overwritten).
+    pub(crate) fn wait_saved(&mut self, compute: &CudaStream, part: Part) -> Result<()> {
+        let (r, j) = self.regions(part)?;
+        if let Some(e) = r.saved[j].take() {
             compute
                 .wait(&e)
                 .map_err(|e| cuda_err("waiting for a checkpoint copy", e))?;
@@ -160,34 +250,37 @@ impl ResidOffload {
         Ok(())
     }
 
-    /// Queues the copy of boundary `j` from the host into `slab` once everything queued so
-    /// far on `compute` has run (the slab's last readers).
+    /// Queues the copy of `part` from the host into `view` once everything queued so far on
+    /// `compute` has run (the buffer's last readers).
     pub(crate) fn load<T: DeviceRepr>(
         &mut self,
         compute: &CudaStream,
-        j: usize,
-        slab: &mut CudaViewMut<'_, T>,
+        part: Part,
+        view: &mut CudaViewMut<'_, T>,
     ) -> Result<()> {
-        let free = self.event(compute)?;
+        let free = Self::event(compute)?;
         self.copy
             .wait(&free)
             .map_err(|e| cuda_err("ordering a checkpoint copy", e))?;
-        let len = slab.len();
+        let len = view.len();
         let cu_stream = self.copy.cu_stream();
-        let (dst, _write) = slab.device_ptr_mut(compute);
-        let src = self.region::<T>(j, len)?;
-        // SAFETY: `src` holds boundary `j` (its save was queued earlier on this same stream,
-        // so it completed first); `dst` is a live slab of `len` elements that no kernel uses
-        // until the compute stream waits for `loaded[j]`.
+        let (dst, _write) = view.device_ptr_mut(compute);
+        let src = self.host_slice::<T>(part, len)?;
+        // SAFETY: `src` holds `part` (its save was queued earlier on this same stream, so it
+        // completed first); `dst` is a live buffer of `len` elements that no kernel uses
+        // until the compute stream waits for the loaded event.
         unsafe { result::memcpy_htod_async(dst, src, cu_stream) }
             .map_err(|e| cuda_err("copying a checkpoint back to the device", e))?;
-        self.loaded[j] = Some(self.event(&self.copy)?);
+        let done = Self::event(&self.copy)?;
+        let (r, j) = self.regions(part)?;
+        r.loaded[j] = Some(done);
         Ok(())
     }
 
-    /// Makes `compute` wait for boundary `j`'s copy back (if one was queued).
-    pub(crate) fn wait_loaded(&mut self, compute: &CudaStream, j: usize) -> Result<()> {
-        if let Some(e) = self.loaded.get_mut(j).and_then(Option::take) {
+    /// Makes `compute` wait for `part`'s copy back (if one was queued).
+    pub(crate) fn wait_loaded(&mut self, compute: &CudaStream, part: Part) -> Result<()> {
+        let (r, j) = self.regions(part)?;
+        if let Some(e) = r.loaded[j].take() {
             compute
                 .wait(&e)
                 .map_err(|e| cuda_err("waiting for a checkpoint copy", e))?;
@@ -247,12 +340,12 @@ impl GpuLlama {
         )?;
         self.resid_offload = if offload {
             self.graphs.mode = CudaGraphs::Off;
-            let slab_bytes = cap.n * cap.c * widest;
-            Some(ResidOffload::new(
-                self.device.ctx(),
-                cap.layers,
-                slab_bytes,
-            )?)
+            let bytes = PartBytes {
+                boundary: cap.n * cap.c * widest,
+                attention: cap.n * cap.q * widest,
+                lse: cap.n * cap.q_heads * size_of::<f32>(),
+            };
+            Some(ResidOffload::new(self.device.ctx(), cap.layers, bytes)?)
         } else {
             None
         };
@@ -332,8 +425,30 @@ mod tests {
         }
     }
 
+    /// The attention ring: layer i's output in slot i % 2, saved when `i + 3 <= layers`,
+    /// brought back one layer ahead by `boundary_to_load`.
+    fn simulate_attention(layers: usize) {
+        let mut slot: [Option<usize>; 2] = [None, None];
+        for i in 0..layers {
+            slot[i % 2] = Some(i);
+        }
+        for i in (0..layers).rev() {
+            // The spare (the other slot) receives layer i - 1's; it held layer i + 1's, whose
+            // backward is done.
+            if let Some(j) = boundary_to_load(i, layers) {
+                assert_eq!(j % 2, (i + 1) % 2);
+                assert!(j + RESID_SLOTS <= layers, "layer {j} was saved");
+                slot[j % 2] = Some(j);
+            }
+            assert_eq!(slot[i % 2], Some(i), "backward layer {i} attention");
+        }
+    }
+
     #[test]
     fn every_layer_finds_its_input_in_the_ring_for_any_depth() {
+        for layers in 1..=9 {
+            simulate_attention(layers);
+        }
         for layers in 1..=9 {
             simulate(layers);
         }

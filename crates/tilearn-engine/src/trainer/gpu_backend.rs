@@ -47,6 +47,7 @@ use crate::model::pipeline_stage::PipelineStage;
 use crate::model::tensor_parallel::ShardPlan;
 use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore, init_random_into};
+use crate::weight_copy::WeightCopy;
 
 pub mod pipeline_parallel;
 pub mod tensor_parallel;
@@ -213,10 +214,17 @@ impl GpuBackend {
         let mut gpu = gpu;
         gpu.set_deterministic(args.deterministic)?;
         gpu.set_offload_checkpoints(args.offload_checkpoints)?;
-        gpu.set_per_layer_weights(
-            args.weight_copy
-                .per_layer(args.gradient_checkpointing, args.memory.is_lean()),
-        )?;
+        // `auto` falls back to the whole copy where the layout has no per-layer plan (the
+        // reason is listed with the run's features); an explicit `per-layer` fails instead.
+        let per_layer = args
+            .weight_copy
+            .per_layer(args.gradient_checkpointing, args.memory.is_lean());
+        let weight_copy_note = match gpu.set_per_layer_weights(per_layer) {
+            Err(e) if args.weight_copy == WeightCopy::Auto => {
+                Some(format!("whole 16-bit weight copy ({e})"))
+            }
+            other => other.map(|()| None)?,
+        };
         // A lean model stays eager whatever is asked (see `GpuLlama::set_cuda_graphs`).
         gpu.set_cuda_graphs(args.cuda_graphs);
         let specs = stage.map_or_else(|| ParamStore::specs_for(config), |s| s.specs.clone());
@@ -251,6 +259,7 @@ impl GpuBackend {
         if gpu.per_layer_weights() {
             features.push("16-bit weights cast per layer".into());
         }
+        features.extend(weight_copy_note);
         if gpu.is_lean() {
             features.push(
                 "lean memory: master weights and AdamW on the host, MLP activation recomputed"

@@ -44,9 +44,13 @@ pub struct BenchArgs {
     /// Tokens per sequence (default: the preset's).
     #[arg(long)]
     pub seq: Option<usize>,
-    /// Timed steps (after 3 warm-up steps); the median is reported.
+    /// Timed steps (after the warm-up steps); the median is reported.
     #[arg(long, default_value_t = 10)]
     pub steps: usize,
+    /// Untimed steps before the timed ones (GPU engine; kernels loaded, cuBLASLt's choices
+    /// made, a CUDA graph captured). Fewer shortens runs whose steps take minutes.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
     #[arg(long, value_enum, default_value_t = BenchDevice::Cuda)]
     pub device: BenchDevice,
     /// Compute precision of the GPU steps: bf16 (default), fp16 (with the GradScaler: scaled
@@ -139,7 +143,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             &config,
             batch,
             seq,
-            args.steps,
+            (args.warmup, args.steps),
             args.precision,
             args.gradient_checkpointing,
             args.lce_chunk_tokens,

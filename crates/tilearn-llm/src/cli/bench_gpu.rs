@@ -33,7 +33,7 @@ pub fn bench(
     config: &LlamaConfig,
     batch: usize,
     seq: usize,
-    steps: usize,
+    (warmup, steps): (usize, usize),
     precision: DType,
     gradient_checkpointing: bool,
     lce: LceChunk,
@@ -123,8 +123,7 @@ pub fn bench(
             false
         }
     };
-    const WARMUP: usize = 3;
-    let batches: Vec<(Vec<u32>, Vec<i32>)> = (0..WARMUP + steps)
+    let batches: Vec<(Vec<u32>, Vec<i32>)> = (0..warmup + steps)
         .map(|i| {
             let ids = random_tokens(config.vocab_size, batch * seq, i as u64);
             let labels = ids.iter().map(|&t| t as i32).collect();
@@ -139,7 +138,7 @@ pub fn bench(
             let start = Instant::now();
             let out = gpu.train_step(ids, labels, batch, seq, None, 1e-4, conditions)?;
             device.synchronize()?;
-            if i >= WARMUP {
+            if i >= warmup {
                 times.push(start.elapsed().as_secs_f64());
             }
             if out.eager_reason.is_some() {
@@ -174,7 +173,7 @@ pub fn bench(
             gpu.step(1e-4)?;
         }
         device.synchronize()?;
-        if i >= WARMUP {
+        if i >= warmup {
             times.push(start.elapsed().as_secs_f64());
         }
         last_loss = stats.mean();
@@ -266,7 +265,7 @@ pub fn bench(
     _config: &LlamaConfig,
     _batch: usize,
     _seq: usize,
-    _steps: usize,
+    _steps: (usize, usize),
     _precision: DType,
     _gradient_checkpointing: bool,
     _lce: LceChunk,

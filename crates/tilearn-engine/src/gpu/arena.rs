@@ -262,6 +262,24 @@ impl Arena {
         })
     }
 
+    /// One element each: what a model holds between dropping its arena and allocating the
+    /// next, so the two never exist together (see `GpuLlama::set_offload_checkpoints`).
+    pub(crate) fn placeholder(stream: &Arc<CudaStream>) -> Result<Self> {
+        let alloc = || {
+            stream
+                .alloc_zeros::<f32>(1)
+                .map_err(|e| super::cuda_err("allocating a placeholder arena", e))
+        };
+        Ok(Arena {
+            main: alloc()?,
+            stats: alloc()?,
+            checkpointing: false,
+            act: ActStore::Kept,
+            logit_rows: 0,
+            resid_slots: None,
+        })
+    }
+
     fn sets(d: &Dims, checkpointing: bool) -> usize {
         if checkpointing {
             d.layers.min(1)

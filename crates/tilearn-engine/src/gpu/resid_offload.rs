@@ -326,10 +326,13 @@ impl GpuLlama {
         let slots = offload.then_some(RESID_SLOTS);
         let before = self.arena.bytes();
         self.graphs.invalidate();
-        // The old arena's readers are queued on the stream; its memory returns to the pool in
-        // stream order when it is replaced, before the new one is taken.
-        self.device.synchronize()?;
+        // The old arena goes first (its readers are queued on the stream, its memory returns
+        // to the pool in stream order), so the two never exist together: at long contexts
+        // they would not fit. A failed allocation leaves the placeholder, whose carving
+        // fails with an error at the next call.
         let act = self.arena.act_store();
+        self.arena = Arena::placeholder(&stream)?;
+        self.device.synchronize()?;
         self.arena = Arena::new(
             &stream,
             &cap,

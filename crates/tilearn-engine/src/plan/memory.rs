@@ -5,8 +5,12 @@
 //!   and K = 12 bytes of fp32 master weights and two AdamW moments per parameter, partitioned
 //!   over the data-parallel ranks by the ZeRO stage ([`zero::per_rank`]; stage 3 partitions the
 //!   working copy too and adds a buffer for two gathered layers);
+//!   Under gradient checkpointing without ZeRO the working copy is per layer
+//!   (`--weight-copy auto`, `crate::weight_copy`): everything outside the decoder layers plus
+//!   one layer's room instead of every weight;
 //! * activations: the arena's `resid[i]` (each layer's input), one set of saved per-layer
-//!   buffers per layer (one shared set with checkpointing), the final norm's output, the loss
+//!   buffers per layer (one shared set with checkpointing, which recomputes the MLP's
+//!   `silu(gate) * up` instead of keeping it), the final norm's output, the loss
 //!   head's logits chunk (`[rows, V]` with rows from `--lce-chunk-tokens auto`, overwritten by
 //!   their gradient), the backward's gradient scratch and the f32
 //!   row statistics; under pipeline parallelism the first rank keeps several micro-batches'
@@ -138,7 +142,9 @@ pub fn activation_bytes(
     };
     let layers = layers as f64;
     let saved = if layout.checkpointing {
-        in_flight * layers * a.resid + a.layer_set
+        // The shared set keeps no MLP activation (`ActStore::Recomputed`).
+        let act = ACTIVATION_ELEM_BYTES * (layout.micro_batch * seq * w.inter) as f64;
+        in_flight * layers * a.resid + a.layer_set - act
     } else {
         in_flight * layers * (a.resid + a.layer_set)
     };
@@ -204,6 +210,12 @@ pub fn rank_memory(
         layout.dp,
         layout.zero,
     );
+    if layout.checkpointing && layout.zero == ShardStage::Zero0 {
+        // The per-layer working copy: all but one decoder layer's 16-bit weights are cast
+        // just before use instead of kept.
+        let streamed = layers.saturating_sub(1) as f64 * params.per_layer as f64;
+        weights -= streamed * GPU_MIXED_PRECISION_ADAMW.weights as f64;
+    }
     if layout.zero == ShardStage::Zero3 && layout.dp > 1 {
         // The layer being computed and the one prefetched, gathered whole (this rank's TP
         // slice) in the working precision.
@@ -261,9 +273,10 @@ mod tests {
         let expected =
             2.0 * (a.resid + a.layer_set) + a.resid + a.grad_scratch + a.per_call + a.logits;
         assert_eq!(plain, expected);
-        // With checkpointing: every layer's input, but one shared set.
+        // With checkpointing: every layer's input, but one shared set, without its MLP
+        // activation (16 rows × 128 bf16).
         let ckpt = activation_bytes(w, &layout(true), 2, 8, StagePosition::ONLY);
-        assert_eq!(ckpt, expected - a.layer_set);
+        assert_eq!(ckpt, expected - a.layer_set - 16.0 * 128.0 * 2.0);
     }
 
     #[test]

@@ -19,7 +19,7 @@ mod support;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use support::{gpu_or_skip, random_batch, report};
+use support::{differing_bits, gpu_or_skip, random_batch, report};
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::cuda_graphs::{CudaGraphs, StepConditions};
 use tilearn_engine::gpu::GpuLlama;
@@ -130,20 +130,6 @@ fn train(dev: &GpuDevice, s: Setup) -> Run {
     }
 }
 
-fn differing(a: &[f32], b: &[f32]) -> usize {
-    a.iter()
-        .zip(b)
-        .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count()
-}
-
-fn differing_f64(a: &[f64], b: &[f64]) -> usize {
-    a.iter()
-        .zip(b)
-        .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count()
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn offloaded_checkpoints_give_the_same_bits() {
@@ -170,12 +156,12 @@ fn offloaded_checkpoints_give_the_same_bits() {
             },
         );
         let counts = (
-            differing_f64(&run.losses, &on_device.losses),
-            differing_f64(&run.eval_losses, &on_device.eval_losses),
-            differing_f64(&run.norms, &on_device.norms),
-            differing(&run.params, &on_device.params),
-            differing(&run.moments.0, &on_device.moments.0),
-            differing(&run.moments.1, &on_device.moments.1),
+            differing_bits(&run.losses, &on_device.losses),
+            differing_bits(&run.eval_losses, &on_device.eval_losses),
+            differing_bits(&run.norms, &on_device.norms),
+            differing_bits(&run.params, &on_device.params),
+            differing_bits(&run.moments.0, &on_device.moments.0),
+            differing_bits(&run.moments.1, &on_device.moments.1),
         );
         report(&format!(
             "{what}: losses {:?}; differing (losses, eval losses, norms, weights, exp_avg, \
@@ -201,7 +187,7 @@ fn offloaded_checkpoints_give_the_same_bits() {
             lr_scale: 1.5,
         },
     );
-    let d = differing(&control.params, &on_device.params);
+    let d = differing_bits(&control.params, &on_device.params);
     report(&format!("control (lr x1.5): {d} weights differ"));
     assert!(d > control.params.len() / 2, "the control must differ");
 }

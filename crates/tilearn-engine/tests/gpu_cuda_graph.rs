@@ -22,7 +22,7 @@ mod support;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use support::{gpu_or_skip, random_batch, report};
+use support::{differing_bits, gpu_or_skip, random_batch, report};
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::cuda_graphs::{CudaGraphs, StepConditions};
 use tilearn_engine::gpu::{GpuLlama, StepRun};
@@ -128,14 +128,6 @@ fn train(dev: &GpuDevice, precision: DType, checkpointing: bool, mode: CudaGraph
     t
 }
 
-fn same_bits(a: &[f32], b: &[f32]) -> usize {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count()
-}
-
 fn check_graph_matches_eager(dev: &GpuDevice, precision: DType, checkpointing: bool) {
     let what = format!("{precision} checkpointing={checkpointing}");
     let eager = train(dev, precision, checkpointing, CudaGraphs::Off);
@@ -181,9 +173,9 @@ fn check_graph_matches_eager(dev: &GpuDevice, precision: DType, checkpointing: b
         graph.evals[0].to_bits(),
         "{what}: eval loss between graph steps"
     );
-    let p = same_bits(&eager.params, &graph.params);
-    let m = same_bits(&eager.moments.0, &graph.moments.0);
-    let v = same_bits(&eager.moments.1, &graph.moments.1);
+    let p = differing_bits(&eager.params, &graph.params);
+    let m = differing_bits(&eager.moments.0, &graph.moments.0);
+    let v = differing_bits(&eager.moments.1, &graph.moments.1);
     report(&format!(
         "{what}: final weights differing: {p} of {}, exp_avg {m}, exp_avg_sq {v}",
         eager.params.len()
@@ -247,7 +239,7 @@ fn a_different_learning_rate_changes_the_weights() {
         }
         gpu.download_params().unwrap().data
     };
-    let differing = same_bits(&run(false), &run(true));
+    let differing = differing_bits(&run(false), &run(true));
     report(&format!(
         "scheduled vs constant lr: {differing} weights differ"
     ));

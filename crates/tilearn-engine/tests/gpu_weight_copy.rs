@@ -17,7 +17,7 @@ mod support;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use support::{gpu_or_skip, random_batch, report};
+use support::{differing_bits, gpu_or_skip, random_batch, report};
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::cuda_graphs::{CudaGraphs, StepConditions};
 use tilearn_engine::gpu::GpuLlama;
@@ -131,13 +131,6 @@ fn train(dev: &GpuDevice, s: Setup) -> Run {
     }
 }
 
-fn same_bits(a: &[f32], b: &[f32]) -> usize {
-    a.iter()
-        .zip(b)
-        .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count()
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn per_layer_copy_steps_are_the_whole_copys_bits() {
@@ -175,16 +168,12 @@ fn per_layer_copy_steps_are_the_whole_copys_bits() {
                 let what = format!("tied={tied} checkpointing={checkpointing} {name}");
                 let run = train(&dev, setup);
                 report(&format!("{what}: losses {:?}", run.losses));
-                let loss_bits = (0..STEPS)
-                    .filter(|&i| run.losses[i].to_bits() != whole.losses[i].to_bits())
-                    .count();
-                let norm_bits = (0..STEPS)
-                    .filter(|&i| run.norms[i].to_bits() != whole.norms[i].to_bits())
-                    .count();
+                let loss_bits = differing_bits(&run.losses, &whole.losses);
+                let norm_bits = differing_bits(&run.norms, &whole.norms);
                 let (p, m, v) = (
-                    same_bits(&run.params, &whole.params),
-                    same_bits(&run.moments.0, &whole.moments.0),
-                    same_bits(&run.moments.1, &whole.moments.1),
+                    differing_bits(&run.params, &whole.params),
+                    differing_bits(&run.moments.0, &whole.moments.0),
+                    differing_bits(&run.moments.1, &whole.moments.1),
                 );
                 report(&format!(
                     "{what}: differing bits: losses {loss_bits}, norms {norm_bits}, weights \
@@ -232,7 +221,7 @@ fn per_layer_copy_steps_are_the_whole_copys_bits() {
             lr_scale: 1.0,
         },
     );
-    let differ = same_bits(&control.params, &whole.params);
+    let differ = differing_bits(&control.params, &whole.params);
     report(&format!("control (lr x1.5): {differ} weights differ"));
     assert!(differ > control.params.len() / 2, "the control must differ");
 }

@@ -328,15 +328,7 @@ impl GpuLlama {
         let after = work.bytes();
         self.work = Some(work);
         self.graphs.invalidate();
-        for bytes in [
-            &mut self.memory.working_copy_bytes,
-            &mut self.memory.own_bytes,
-        ] {
-            *bytes = (*bytes + after).saturating_sub(before);
-        }
-        self.device.synchronize()?;
-        self.memory.device_used_peak = 0;
-        self.sample_memory()
+        self.rebooked(|m| &mut m.working_copy_bytes, before, after)
     }
 
     /// Whether the 16-bit working copy is kept per layer (see

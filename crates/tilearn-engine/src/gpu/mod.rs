@@ -952,6 +952,32 @@ impl GpuLlama {
         }
     }
 
+    /// Bytes of the widest element type the model may run in (its activation buffers' unit).
+    fn widest_elem_bytes(&self) -> usize {
+        self.precisions
+            .iter()
+            .map(|p| p.size_in_bytes())
+            .max()
+            .unwrap_or(4)
+    }
+
+    /// Books a set-up reallocation of one part of the model (`part` of [`GpuMemory`], from
+    /// `before` to `after` bytes) and restarts the observed peak, which the replaced
+    /// allocation would otherwise keep (waits for the device, so the pool has let it go).
+    fn rebooked(
+        &mut self,
+        part: fn(&mut GpuMemory) -> &mut usize,
+        before: usize,
+        after: usize,
+    ) -> Result<()> {
+        let resize = |bytes: &mut usize| *bytes = (*bytes + after).saturating_sub(before);
+        resize(part(&mut self.memory));
+        resize(&mut self.memory.own_bytes);
+        self.device.synchronize()?;
+        self.memory.device_used_peak = 0;
+        self.sample_memory()
+    }
+
     /// Updates the observed peak with the device's current use (no synchronisation).
     fn sample_memory(&mut self) -> Result<()> {
         let (free, total) = self

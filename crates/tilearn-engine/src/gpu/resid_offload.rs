@@ -317,12 +317,7 @@ impl GpuLlama {
         }
         let stream = self.device.stream().clone();
         let cap = Dims::new(&self.config, self.batch, self.seq);
-        let widest = self
-            .precisions
-            .iter()
-            .map(|p| p.size_in_bytes())
-            .max()
-            .unwrap_or(4);
+        let widest = self.widest_elem_bytes();
         let slots = offload.then_some(RESID_SLOTS);
         let before = self.arena.bytes();
         self.graphs.invalidate();
@@ -353,15 +348,7 @@ impl GpuLlama {
             None
         };
         let after = self.arena.bytes();
-        for bytes in [
-            &mut self.memory.activation_bytes,
-            &mut self.memory.own_bytes,
-        ] {
-            *bytes = (*bytes + after).saturating_sub(before);
-        }
-        self.device.synchronize()?;
-        self.memory.device_used_peak = 0;
-        self.sample_memory()
+        self.rebooked(|m| &mut m.activation_bytes, before, after)
     }
 
     /// Whether checkpointed layer inputs live in host memory (see

@@ -121,12 +121,7 @@ impl GpuLlama {
     /// A buffer for the activations (or gradients) between two stages of this model's
     /// capacity, `[batch · seq, hidden]` in the widest precision it was built for.
     pub fn stage_buffer(&self) -> Result<StageBuffer> {
-        let widest = self
-            .precisions
-            .iter()
-            .map(|p| p.size_in_bytes())
-            .max()
-            .unwrap_or(4);
+        let widest = self.widest_elem_bytes();
         let bytes = self.batch * self.seq * self.config.hidden_size * widest;
         let bytes = self
             .stream()

@@ -13,6 +13,32 @@ use std::io::Write;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
+/// A float whose bit pattern can be compared.
+pub trait Bits: Copy {
+    fn bits(self) -> u64;
+}
+
+impl Bits for f32 {
+    fn bits(self) -> u64 {
+        u64::from(self.to_bits())
+    }
+}
+
+impl Bits for f64 {
+    fn bits(self) -> u64 {
+        self.to_bits()
+    }
+}
+
+/// How many elements of `a` and `b` (same length) differ in their bits.
+pub fn differing_bits<T: Bits>(a: &[T], b: &[T]) -> usize {
+    assert_eq!(a.len(), b.len(), "compared slices differ in length");
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.bits() != y.bits())
+        .count()
+}
+
 /// ‖ours − ref‖ / ‖ref‖ in f64; infinite when anything is not finite (so a NaN can never pass a
 /// bound).
 pub fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {

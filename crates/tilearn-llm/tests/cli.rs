@@ -499,3 +499,49 @@ fn train_with_eval_data_logs_eval_loss_and_perplexity() {
         "2 batches of 4 windows: {evals:?}"
     );
 }
+
+#[test]
+fn gpu_memory_flags_that_cannot_apply_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = |name: &str| dir.path().join(name);
+    // The offload is the GPU engine's: the CPU engine refuses it, in train and bench alike.
+    let a = out_dir("a");
+    let out = tilearn(&[
+        "train",
+        "--device",
+        "cpu",
+        "--gradient-checkpointing",
+        "--offload-checkpoints",
+        "--output-dir",
+        path_str(&a),
+        "--max-steps",
+        "1",
+    ]);
+    assert_clean_error(&out, &["--offload-checkpoints", "--device cuda"]);
+    assert!(!a.join("config.json").exists(), "nothing trained");
+    let out = tilearn(&[
+        "bench",
+        "--preset",
+        "llama-134m",
+        "--device",
+        "cpu",
+        "--offload-checkpoints",
+    ]);
+    assert_clean_error(&out, &["--offload-checkpoints", "--device cuda"]);
+    // ZeRO shards the master weights: no whole layer to cast from.
+    let b = out_dir("b");
+    let out = tilearn(&[
+        "train",
+        "--device",
+        "cpu",
+        "--weight-copy",
+        "per-layer",
+        "--zero-stage",
+        "1",
+        "--output-dir",
+        path_str(&b),
+        "--max-steps",
+        "1",
+    ]);
+    assert_clean_error(&out, &["--weight-copy per-layer", "--zero-stage 0"]);
+}

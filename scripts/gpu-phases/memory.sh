@@ -9,8 +9,12 @@
 #      weights under bf16 autocast), all in this call, to $OUT/mem_table.jsonl;
 #   3. the two presets with checkpointing (the advisor's calibration runs), per-layer and
 #      whole copy.
+#   4. `long`: one step each (no warm-up) at the MEMORY_LONG_SEQS lengths, tilearn with the
+#      offload beside Liger (the longest-context search; a failure is logged, not fatal).
 # MEMORY_PARTS picks parts (default "tests bench presets"); MEMORY_TESTS names the test binaries;
-# MEMORY_SEQS the lengths (default "16384 32768"); MEMORY_STEPS the timed steps (default 5).
+# MEMORY_SEQS the lengths (default "16384 32768"); MEMORY_STEPS the timed steps (default 5),
+# MEMORY_WARMUP / MEMORY_LIGER_WARMUP the untimed ones (default 3 / 5); MEMORY_WHOLE=0 skips
+# the whole-copy run.
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -26,11 +30,12 @@ mem() { # name, tool (tilearn|liger), seq, extra flags...
   local name=$1 tool=$2 seq=$3; shift 3
   if [ "$tool" = tilearn ]; then
     run "mem_$name" timeout 400 "$B/bin/tilearn" bench --preset tinyllama-1.1b --batch 1 \
-      --seq "$seq" --gradient-checkpointing --steps "$steps" --json "$@"
+      --seq "$seq" --gradient-checkpointing --steps "$steps" --warmup "${MEMORY_WARMUP:-3}" \
+      --json "$@"
   else
     run "mem_$name" timeout 400 python3 benches/pytorch_baseline.py --mode liger \
       --preset tinyllama-1.1b --weights fp32 --batch 1 --seq "$seq" --gradient-checkpointing \
-      --steps "$steps" "$@"
+      --steps "$steps" --warmup "${MEMORY_LIGER_WARMUP:-5}" "$@"
   fi
   grep -h '"impl"' "$OUT/mem_$name.log" | sed "s/^{/{\"case\":\"$name\",/" >> "$OUT/mem_table.jsonl"
 }
@@ -38,7 +43,8 @@ if [[ $parts == *" bench "* ]]; then
   for seq in ${MEMORY_SEQS:-16384 32768}; do
     mem "tilearn_$seq" tilearn "$seq"
     mem "tilearn_offload_$seq" tilearn "$seq" --offload-checkpoints
-    [ "$seq" = 16384 ] && mem "tilearn_whole_$seq" tilearn "$seq" --weight-copy whole
+    [ "$seq" = 16384 ] && [ "${MEMORY_WHOLE:-1}" = 1 ] && \
+      mem "tilearn_whole_$seq" tilearn "$seq" --weight-copy whole
     mem "liger_$seq" liger "$seq"
   done
 fi
@@ -50,5 +56,12 @@ if [[ $parts == *" presets "* ]]; then
       grep -h '"impl"' "$OUT/mem_${preset}_ckpt_$copy.log" \
         | sed "s/^{/{\"case\":\"${preset}_ckpt_$copy\",/" >> "$OUT/mem_table.jsonl"
     done
+  done
+fi
+if [[ $parts == *" long "* ]]; then
+  for seq in ${MEMORY_LONG_SEQS:-131072}; do
+    MEMORY_WARMUP=0 MEMORY_LIGER_WARMUP=0 steps=1 mem "long_tilearn_$seq" tilearn "$seq" \
+      --offload-checkpoints
+    MEMORY_WARMUP=0 MEMORY_LIGER_WARMUP=0 steps=1 mem "long_liger_$seq" liger "$seq"
   done
 fi

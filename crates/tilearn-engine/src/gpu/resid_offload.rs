@@ -134,8 +134,16 @@ impl ResidOffload {
     pub(crate) fn new(ctx: &Arc<CudaContext>, layers: usize, bytes: PartBytes) -> Result<Self> {
         ctx.bind_to_thread()
             .map_err(|e| cuda_err("binding the device context", e))?;
-        let boundaries = Regions::new(layers + 1, bytes.boundary)
-            .map_err(|e| cuda_err("allocating page-locked memory for the checkpoints", e))?;
+        let boundaries = Regions::new(layers + 1, bytes.boundary).map_err(|e| {
+            let gib = ((layers + 1) * bytes.boundary) as f64 / (1u64 << 30) as f64;
+            cuda_err(
+                &format!(
+                    "allocating {gib:.1} GiB of page-locked host memory for the checkpoints \
+                     (--offload-checkpoints; shorten --seq-len or the batch, or drop the flag)"
+                ),
+                e,
+            )
+        })?;
         // Optional: at the longest contexts host memory may not hold these too.
         let attention = match (
             Regions::new(layers, bytes.attention),

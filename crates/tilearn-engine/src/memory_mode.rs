@@ -3,7 +3,9 @@
 //! are checked and the host step is tested on any machine; the device side is `gpu::offload`.
 //!
 //! **Default** keeps 18 bytes per parameter on the device (fp32 master 4, bf16 working copy 2,
-//! fp32 gradients 4, AdamW moments 8) and every layer's `silu(gate) * up` for the backward.
+//! fp32 gradients 4, AdamW moments 8) and every layer's `silu(gate) * up` for the backward;
+//! under gradient checkpointing about 16 (the working copy kept per layer, see
+//! [`crate::weight_copy`]) and the activation recomputed.
 //!
 //! **Lean** keeps 6 (the bf16 working copy and the fp32 gradients), as ZeRO-Offload does with
 //! one process: the fp32 master weights and the AdamW moments live in host memory and are

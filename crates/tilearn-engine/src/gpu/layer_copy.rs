@@ -15,13 +15,14 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView};
-use tilearn_ops::cuda::{CudaStream, DeviceFloat};
+use std::ffi::c_int;
 
-use super::precision::WorkingCopy;
-use super::precision::cast_f32_into;
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use half::{bf16, f16};
+use tilearn_ops::cuda::{CudaStream, DeviceFloat, cast_f32_to_bf16, cast_f32_to_f16, ffi};
+
+use super::cuda_err;
 use super::views::{arena_error, sub_mut};
-use super::{GpuLlama, cuda_err, invalid};
 use crate::error::Result;
 use crate::model::{LayerLayout, ModelLayout};
 
@@ -176,6 +177,35 @@ impl LayerCopy {
     }
 }
 
+/// Casts `src` into `dst` as `T` (round to nearest even; bf16 or f16).
+pub(crate) fn cast_f32_into<T: DeviceFloat>(
+    stream: &Arc<CudaStream>,
+    src: &CudaView<'_, f32>,
+    dst: &mut CudaViewMut<'_, T>,
+) -> Result<()> {
+    let len = dst.len();
+    // SAFETY (both arms): `T` is the type its DTYPE names (same size, any bit pattern valid);
+    // the view is borrowed mutably for the reinterpreted view's lifetime.
+    match T::DTYPE {
+        d if d == ffi::TILEARN_DTYPE_BF16 as c_int => {
+            let mut d = unsafe { dst.transmute_mut::<bf16>(len) }
+                .ok_or_else(|| arena_error("cannot view a weight buffer as bf16".into()))?;
+            cast_f32_to_bf16(stream, src, &mut d)?;
+        }
+        d if d == ffi::TILEARN_DTYPE_F16 as c_int => {
+            let mut d = unsafe { dst.transmute_mut::<f16>(len) }
+                .ok_or_else(|| arena_error("cannot view a weight buffer as f16".into()))?;
+            cast_f32_to_f16(stream, src, &mut d)?;
+        }
+        _ => {
+            return Err(arena_error(
+                "an f32 pass computes with the master weights, it casts nothing".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Casts `master[global]` into `buf[at..]` as `T` (bf16 or f16).
 fn cast_part<T: DeviceFloat>(
     stream: &Arc<CudaStream>,
@@ -273,68 +303,6 @@ impl<'a, T: DeviceFloat> PerLayerWeights<'a, T> {
                 self.loaded
             ))),
         }
-    }
-}
-
-impl GpuLlama {
-    /// Keeps the 16-bit working copy per layer (`true`: each pass casts the layers it runs
-    /// from the master weights, see the module docs) or whole (`false`, as built). Set-up
-    /// work: frees one layout before allocating the other, re-casts a whole copy, drops a
-    /// recorded CUDA graph, and restarts the observed peak (the build's whole copy is gone).
-    /// Refused for the lean mode (no master weights on the device) and under ZeRO's sharded
-    /// master weights; a model without a 16-bit precision has no copy to lay out.
-    pub fn set_per_layer_weights(&mut self, per_layer: bool) -> Result<()> {
-        let Some(current) = self.work.as_ref() else {
-            return match per_layer {
-                true => Err(invalid(
-                    "--weight-copy per-layer",
-                    "this model runs f32 only and has no 16-bit weight copy".into(),
-                )),
-                false => Ok(()),
-            };
-        };
-        if current.is_per_layer() == per_layer {
-            return Ok(());
-        }
-        let plan = if per_layer {
-            if self.is_lean() || self.master_shard.is_some() {
-                return Err(invalid(
-                    "--weight-copy per-layer",
-                    "the fp32 master weights are not whole on this GPU (lean mode or ZeRO), \
-                     so no layer can be cast from them; use --weight-copy whole"
-                        .into(),
-                ));
-            }
-            Some(LayerPlan::new(&self.layout).map_err(|why| {
-                invalid(
-                    "--weight-copy per-layer",
-                    format!("{why}; use --weight-copy whole"),
-                )
-            })?)
-        } else {
-            None
-        };
-        let before = current.bytes();
-        let stream = self.device.stream().clone();
-        let numel = self.layout.numel;
-        // The old layout's readers are queued on this stream; its memory returns to the pool
-        // in stream order when dropped here, before the new one is taken.
-        self.work = None;
-        let mut work = match plan {
-            Some(plan) => WorkingCopy::per_layer(&stream, numel, plan)?,
-            None => WorkingCopy::new(&stream, numel)?,
-        };
-        work.refresh(&stream, &self.master, self.precision)?;
-        let after = work.bytes();
-        self.work = Some(work);
-        self.graphs.invalidate();
-        self.rebooked(|m| &mut m.working_copy_bytes, before, after)
-    }
-
-    /// Whether the 16-bit working copy is kept per layer (see
-    /// [`GpuLlama::set_per_layer_weights`]).
-    pub fn per_layer_weights(&self) -> bool {
-        self.work.as_ref().is_some_and(WorkingCopy::is_per_layer)
     }
 }
 

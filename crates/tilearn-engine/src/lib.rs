@@ -12,6 +12,7 @@ pub mod gpu;
 pub(crate) mod grad_window;
 pub mod lce_chunk;
 pub mod memory_mode;
+pub mod mlp_chunk;
 pub mod model;
 pub mod params;
 pub mod plan;

@@ -89,9 +89,12 @@ impl Dims {
     }
 
     /// Lengths of the `T` buffers of one layer, in carving order: xn1, q, k, v, att, h, xn2,
-    /// gate, up, act (empty when the backward recomputes it, see [`ActStore`]).
-    fn layer_lens(&self, act: ActStore) -> [usize; 10] {
+    /// gate, up, act (empty when the backward recomputes it, see [`ActStore`]). `gate` and `up`
+    /// hold one MLP chunk of `mlp_rows` tokens (all `n` without checkpointing, see
+    /// [`crate::mlp_chunk`]).
+    fn layer_lens(&self, act: ActStore, mlp_rows: usize) -> [usize; 10] {
         let (n, c, q, kv, i) = (self.n, self.c, self.q, self.kv, self.inter);
+        let m = mlp_rows.min(n);
         let act_len = match act {
             ActStore::Kept => n * i,
             ActStore::Recomputed => 0,
@@ -104,28 +107,35 @@ impl Dims {
             n * q,
             n * c,
             n * c,
-            n * i,
-            n * i,
+            m * i,
+            m * i,
             act_len,
         ]
     }
 
-    /// Lengths of the gradient scratch, in carving order: dres, dxn, dtmp, dq, dk, dv, datt,
-    /// dgate, dup, dact.
-    fn grad_lens(&self) -> [usize; 10] {
-        let (n, c, q, kv, i) = (self.n, self.c, self.q, self.kv, self.inter);
-        [
-            n * c,
-            n * c,
-            n * c,
-            n * q,
-            n * kv,
-            n * kv,
-            n * q,
-            n * i,
-            n * i,
-            n * i,
-        ]
+    /// Lengths of the gradient scratch that lives through the whole backward, in carving
+    /// order: dres, dxn, dtmp.
+    fn grad_lens(&self) -> [usize; 3] {
+        [self.n * self.c; 3]
+    }
+
+    /// Lengths of one block backward's gradient buffers, in carving order: dq, dk, dv, datt,
+    /// dgate, dup, dact (the last three one MLP chunk of `mlp_rows` tokens).
+    fn layer_grad_lens(&self, mlp_rows: usize) -> [usize; 7] {
+        let (n, q, kv, i) = (self.n, self.q, self.kv, self.inter);
+        let m = mlp_rows.min(n);
+        [n * q, n * kv, n * kv, n * q, m * i, m * i, m * i]
+    }
+
+    /// Elements of the region the loss head's logits chunk (`logit_rows` tokens) and a block
+    /// backward's gradient buffers share (see [`Scratch`]).
+    fn scratch_len(&self, logit_rows: usize, mlp_rows: usize) -> usize {
+        let grads: usize = self
+            .layer_grad_lens(mlp_rows)
+            .iter()
+            .map(|&l| padded(l))
+            .sum();
+        grads.max(self.logits_len(logit_rows))
     }
 
     /// Lengths of one layer's f32 statistics: rstd1, lse, rstd2, mean1, mean2.
@@ -140,11 +150,18 @@ impl Dims {
     }
 
     /// Elements of `T` the arena needs for this call's shape with `sets` sets of per-layer
-    /// buffers (holding the MLP activation or not, `act`) and a logits chunk of `logit_rows`
-    /// tokens (the carving below takes exactly these, in the same order).
+    /// buffers (holding the MLP activation or not, `act`), a logits chunk of `logit_rows`
+    /// tokens and MLP chunks of `mlp_rows` (the carving below takes exactly these, in the
+    /// same order).
     #[cfg(test)]
-    pub(crate) fn main_len(&self, sets: usize, logit_rows: usize, act: ActStore) -> usize {
-        self.main_len_with(sets, logit_rows, act, None)
+    pub(crate) fn main_len(
+        &self,
+        sets: usize,
+        logit_rows: usize,
+        act: ActStore,
+        mlp_rows: usize,
+    ) -> usize {
+        self.main_len_with(sets, logit_rows, act, mlp_rows, None)
     }
 
     /// [`main_len`](Self::main_len) with the residual stream held in `resid_slots` device
@@ -154,16 +171,21 @@ impl Dims {
         sets: usize,
         logit_rows: usize,
         act: ActStore,
+        mlp_rows: usize,
         resid_slots: Option<usize>,
     ) -> usize {
         let slab = padded(self.n * self.c);
-        let layer: usize = self.layer_lens(act).iter().map(|&l| padded(l)).sum();
+        let layer: usize = self
+            .layer_lens(act, mlp_rows)
+            .iter()
+            .map(|&l| padded(l))
+            .sum();
         let grad: usize = self.grad_lens().iter().map(|&l| padded(l)).sum();
         self.resid_slabs(resid_slots) * slab
             + self.attention_spare(resid_slots) * padded(self.n * self.q)
             + sets * layer
             + slab
-            + self.logits_len(logit_rows)
+            + self.scratch_len(logit_rows, mlp_rows)
             + grad
             + padded(self.head_norm_len)
     }
@@ -208,6 +230,23 @@ pub(crate) enum ActStore {
     Recomputed,
 }
 
+/// What the arena is sized for beyond the capacity shape and element width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ArenaPlan {
+    /// One shared set of layer buffers (gradient checkpointing) instead of one per layer.
+    pub checkpointing: bool,
+    /// Whether the layer buffers keep the MLP activation.
+    pub act: ActStore,
+    /// Tokens per logits chunk at capacity; a call carves `min(logit_rows, n)`.
+    pub logit_rows: usize,
+    /// Tokens per MLP chunk at capacity (see [`crate::mlp_chunk`]); a call carves
+    /// `min(mlp_rows, n)`. Fewer than the capacity's tokens only with `Recomputed`.
+    pub mlp_rows: usize,
+    /// Checkpoint offload: the residual stream's device ring of this many slabs (`None`: one
+    /// slab per layer boundary).
+    pub resid_slots: Option<usize>,
+}
+
 /// The two allocations, sized for the largest call (the build's batch and sequence). The main
 /// one is untyped: it holds `main_len` elements of the widest type the model may run in, and
 /// each call carves it as the type of its period, so switching precision between periods
@@ -221,50 +260,45 @@ pub(crate) enum ActStore {
 pub(crate) struct Arena {
     main: CudaSlice<f32>,
     stats: CudaSlice<f32>,
-    checkpointing: bool,
-    act: ActStore,
-    /// Tokens per logits chunk at capacity; a call carves `min(logit_rows, n)`.
-    logit_rows: usize,
-    /// Checkpoint offload: the residual stream's device ring of this many slabs (`None`: one
-    /// slab per layer boundary).
-    resid_slots: Option<usize>,
+    plan: ArenaPlan,
 }
 
 impl Arena {
     /// Allocates (zero-filled, so nothing uninitialised is ever read) for `capacity` in
-    /// elements of up to `max_elem_bytes` bytes, with one set of layer buffers per layer or,
-    /// when `checkpointing`, one shared set, the MLP activation kept or not (`act`), and a
-    /// logits chunk of `logit_rows` tokens; the residual stream in a ring of `resid_slots`
-    /// slabs (checkpoint offload, with `checkpointing` only) or one slab per layer boundary.
+    /// elements of up to `max_elem_bytes` bytes, as `plan` says.
     pub(crate) fn new(
         stream: &Arc<CudaStream>,
         capacity: &Dims,
         max_elem_bytes: usize,
-        (checkpointing, act): (bool, ActStore),
-        logit_rows: usize,
-        resid_slots: Option<usize>,
+        plan: ArenaPlan,
     ) -> Result<Self> {
-        let sets = Self::sets(capacity, checkpointing);
-        let bytes = capacity.main_len_with(sets, logit_rows, act, resid_slots) * max_elem_bytes;
+        if plan.mlp_rows < capacity.n && plan.act == ActStore::Kept {
+            return Err(super::views::arena_error(format!(
+                "MLP chunks of {} tokens need the recomputed activation",
+                plan.mlp_rows
+            )));
+        }
+        let sets = Self::sets(capacity, plan.checkpointing);
+        let len = capacity.main_len_with(
+            sets,
+            plan.logit_rows,
+            plan.act,
+            plan.mlp_rows,
+            plan.resid_slots,
+        );
+        let bytes = len * max_elem_bytes;
         let main = stream
             .alloc_zeros::<f32>(bytes.div_ceil(size_of::<f32>()))
             .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
         let stats = stream
-            .alloc_zeros::<f32>(capacity.stats_len(sets, resid_slots))
+            .alloc_zeros::<f32>(capacity.stats_len(sets, plan.resid_slots))
             .map_err(|e| super::cuda_err("allocating the statistics arena", e))?;
-        Ok(Arena {
-            main,
-            stats,
-            checkpointing,
-            act,
-            logit_rows,
-            resid_slots,
-        })
+        Ok(Arena { main, stats, plan })
     }
 
     /// One element each: what a model holds between dropping its arena and allocating the
-    /// next, so the two never exist together (see `GpuLlama::set_offload_checkpoints`).
-    pub(crate) fn placeholder(stream: &Arc<CudaStream>) -> Result<Self> {
+    /// next, so the two never exist together (see `GpuLlama::rebuild_arena`).
+    pub(crate) fn placeholder(stream: &Arc<CudaStream>, plan: ArenaPlan) -> Result<Self> {
         let alloc = || {
             stream
                 .alloc_zeros::<f32>(1)
@@ -273,10 +307,7 @@ impl Arena {
         Ok(Arena {
             main: alloc()?,
             stats: alloc()?,
-            checkpointing: false,
-            act: ActStore::Kept,
-            logit_rows: 0,
-            resid_slots: None,
+            plan,
         })
     }
 
@@ -299,9 +330,9 @@ impl Arena {
         &mut self.main
     }
 
-    /// Whether the layer buffers keep the MLP activation.
-    pub(crate) fn act_store(&self) -> ActStore {
-        self.act
+    /// What the arena was sized for.
+    pub(crate) fn plan(&self) -> ArenaPlan {
+        self.plan
     }
 
     /// Bytes held.
@@ -322,20 +353,21 @@ impl Arena {
         })?;
         let mut m = Carver::new(main);
         let mut s = Carver::new(self.stats.as_view_mut());
-        let resid = (0..d.resid_slabs(self.resid_slots))
+        let resid = (0..d.resid_slabs(self.plan.resid_slots))
             .map(|_| aligned(&mut m, d.n * d.c))
             .collect::<Result<Vec<_>>>()?;
-        let att_spare = match d.attention_spare(self.resid_slots) {
+        let att_spare = match d.attention_spare(self.plan.resid_slots) {
             0 => None,
             _ => Some((
                 aligned(&mut m, d.n * d.q)?,
                 aligned(&mut s, d.n * d.q_heads)?,
             )),
         };
-        let sets = Self::sets(d, self.checkpointing);
+        let sets = Self::sets(d, self.plan.checkpointing);
+        let mlp_rows = self.plan.mlp_rows.min(d.n);
         let mut layers = Vec::with_capacity(sets);
         for _ in 0..sets {
-            let [xn1, q, k, v, att, h, xn2, gate, up, act] = d.layer_lens(self.act);
+            let [xn1, q, k, v, att, h, xn2, gate, up, act] = d.layer_lens(self.plan.act, mlp_rows);
             let [rstd1, lse, rstd2, mean1, mean2] = d.layer_stat_lens();
             layers.push(LayerBufs {
                 xn1: aligned(&mut m, xn1)?,
@@ -356,20 +388,17 @@ impl Arena {
             });
         }
         let final_xn = aligned(&mut m, d.n * d.c)?;
-        let logit_rows = self.logit_rows.min(d.n);
-        let logit_chunk = aligned(&mut m, logit_rows * d.vocab)?;
-        let [dres, dxn, dtmp, dq, dk, dv, datt, dgate, dup, dact] = d.grad_lens();
+        let logit_rows = self.plan.logit_rows.min(d.n);
+        let [dres, dxn, dtmp] = d.grad_lens();
         let grad = GradBufs {
             dres: aligned(&mut m, dres)?,
             dxn: aligned(&mut m, dxn)?,
             dtmp: aligned(&mut m, dtmp)?,
-            dq: aligned(&mut m, dq)?,
-            dk: aligned(&mut m, dk)?,
-            dv: aligned(&mut m, dv)?,
-            datt: aligned(&mut m, datt)?,
-            dgate: aligned(&mut m, dgate)?,
-            dup: aligned(&mut m, dup)?,
-            dact: aligned(&mut m, dact)?,
+        };
+        let scratch = Scratch {
+            region: m.take(d.scratch_len(logit_rows, mlp_rows))?,
+            logits_len: logit_rows * d.vocab,
+            grad_lens: d.layer_grad_lens(mlp_rows),
         };
         let head_normed = aligned(&mut m, d.head_norm_len)?;
         let final_rstd = aligned(&mut s, d.n)?;
@@ -379,7 +408,7 @@ impl Arena {
         let embed_mean = aligned(&mut s, d.embed_norm_len)?;
         let embed_rstd = aligned(&mut s, d.embed_norm_len)?;
         Ok(Bufs {
-            resid_ring: self.resid_slots.is_some(),
+            resid_ring: self.plan.resid_slots.is_some(),
             att_spare,
             att_front: 0,
             final_mean,
@@ -389,10 +418,11 @@ impl Arena {
             layers,
             final_xn,
             final_rstd,
-            logit_chunk,
             logit_rows,
+            mlp_rows,
             row_loss,
             grad,
+            scratch,
             head_normed,
             dhead_normed,
         })
@@ -420,6 +450,8 @@ pub(crate) struct LayerBufs<'a, T> {
     pub h: CudaViewMut<'a, T>,
     /// `post_attention_layernorm(h)`, `[N, C]`.
     pub xn2: CudaViewMut<'a, T>,
+    /// `gate_proj(xn2)` and `up_proj(xn2)` of one MLP chunk, `[M, I]` (`M = N` unless
+    /// checkpointing chunks the MLP, see [`crate::mlp_chunk`]).
     pub gate: CudaViewMut<'a, T>,
     pub up: CudaViewMut<'a, T>,
     /// `silu(gate) * up`, `[N, I]`; empty under [`ActStore::Recomputed`].
@@ -435,7 +467,7 @@ pub(crate) struct LayerBufs<'a, T> {
     pub mean2: CudaViewMut<'a, f32>,
 }
 
-/// Gradient scratch of the backward, shared by all layers (written `=` by each op).
+/// Gradient scratch of the backward that lives through all of it (written `=` by each op).
 pub(crate) struct GradBufs<'a, T> {
     /// d(loss)/d(residual stream), `[N, C]`.
     pub dres: CudaViewMut<'a, T>,
@@ -443,13 +475,53 @@ pub(crate) struct GradBufs<'a, T> {
     pub dxn: CudaViewMut<'a, T>,
     /// Temporary `[N, C]`: the `=` output of a backward before it is added.
     pub dtmp: CudaViewMut<'a, T>,
+}
+
+/// One block backward's gradient buffers (written `=` by each op), carved from [`Scratch`].
+pub(crate) struct LayerGrads<'a, T> {
     pub dq: CudaViewMut<'a, T>,
     pub dk: CudaViewMut<'a, T>,
     pub dv: CudaViewMut<'a, T>,
     pub datt: CudaViewMut<'a, T>,
+    /// `[M, I]` for an MLP chunk of `M` tokens (see [`crate::mlp_chunk`]); the forward and
+    /// the backward's recomputation also write the chunk's `silu(gate) * up` here when the
+    /// layer buffers do not keep it.
     pub dgate: CudaViewMut<'a, T>,
     pub dup: CudaViewMut<'a, T>,
     pub dact: CudaViewMut<'a, T>,
+}
+
+/// The region the loss head's logits chunk and a block's gradient buffers share. They are
+/// never live together: the logits exist only inside the loss head (`lce.rs`), the block
+/// gradients only inside one block's forward MLP (the recomputed activation) or backward, and
+/// everything runs in order on one stream. Sharing saves the smaller of the two (the logits'
+/// 250 MiB at a 32 000-word vocabulary).
+pub(crate) struct Scratch<'a, T> {
+    region: CudaViewMut<'a, T>,
+    logits_len: usize,
+    grad_lens: [usize; 7],
+}
+
+impl<T> Scratch<'_, T> {
+    /// The logits chunk, `[logit_rows, V]`.
+    pub(crate) fn logits(&mut self) -> Result<CudaViewMut<'_, T>> {
+        sub_mut(self.region.slice_mut(..), 0..self.logits_len)
+    }
+
+    /// The block gradient buffers (over the same bytes as [`logits`](Self::logits)).
+    pub(crate) fn layer_grads(&mut self) -> Result<LayerGrads<'_, T>> {
+        let mut m = Carver::new(self.region.slice_mut(..));
+        let [dq, dk, dv, datt, dgate, dup, dact] = self.grad_lens;
+        Ok(LayerGrads {
+            dq: aligned(&mut m, dq)?,
+            dk: aligned(&mut m, dk)?,
+            dv: aligned(&mut m, dv)?,
+            datt: aligned(&mut m, datt)?,
+            dgate: aligned(&mut m, dgate)?,
+            dup: aligned(&mut m, dup)?,
+            dact: aligned(&mut m, dact)?,
+        })
+    }
 }
 
 /// All views of one call.
@@ -474,14 +546,16 @@ pub(crate) struct Bufs<'a, T> {
     /// Bloom's `word_embeddings_layernorm` mean and rstd, `[N]` each (empty otherwise).
     pub embed_mean: CudaViewMut<'a, f32>,
     pub embed_rstd: CudaViewMut<'a, f32>,
-    /// One chunk of the loss head's logits, `[logit_rows, V]`; after the fused cross entropy,
-    /// d(loss)/d(logits) of that chunk (see `lce.rs`).
-    pub logit_chunk: CudaViewMut<'a, T>,
-    /// Tokens per chunk of this call (`1..=N`).
+    /// Tokens per chunk of the loss head's logits in this call (`1..=N`).
     pub logit_rows: usize,
+    /// Tokens per MLP chunk in this call (`1..=N`; `N`: the MLP runs whole).
+    pub mlp_rows: usize,
     /// Per-row cross-entropy losses (f32, 0 for ignored rows), `[N]`.
     pub row_loss: CudaViewMut<'a, f32>,
     pub grad: GradBufs<'a, T>,
+    /// The logits chunk (after the fused cross entropy, d(loss)/d(logits) of that chunk; see
+    /// `lce.rs`) or a block's gradient buffers.
+    pub scratch: Scratch<'a, T>,
     /// NormHead (Baichuan2): the row-normalised lm_head `[V, C]` the logits are computed with
     /// (empty without NormHead).
     pub head_normed: CudaViewMut<'a, T>,
@@ -552,19 +626,38 @@ mod tests {
     }
 
     #[test]
-    fn the_arena_shrinks_by_the_logits_outside_the_chunk() {
+    fn the_logits_chunk_shares_the_block_gradients_region() {
         let d = tiny_llama(8, 2048);
-        let sets = d.layers;
-        let unchunked = LceChunk::Unchunked.rows(d.n, d.vocab, 2);
-        let full = d.main_len(sets, unchunked, ActStore::Kept);
-        let rows = LceChunk::Auto.rows(d.n, d.vocab, 2);
+        let (sets, kept, n) = (d.layers, ActStore::Kept, d.n);
+        let rows = LceChunk::Auto.rows(n, d.vocab, 2);
         assert_eq!(rows, 4096);
-        let chunked = d.main_len(sets, rows, ActStore::Kept);
-        // Exactly the logits of the tokens outside the chunk: 12 288 × 32 000 elements,
-        // 750 MiB in bf16.
-        assert_eq!(full - chunked, (d.n - rows) * d.vocab);
-        assert_eq!((full - chunked) * 2, 750 << 20);
-        assert_eq!(d.logits_len(rows), rows * d.vocab);
+        let grads: usize = d.layer_grad_lens(n).iter().map(|&l| padded(l)).sum();
+        // dq, dk, dv, datt and three [N, I]: 672 MiB in bf16.
+        assert_eq!(grads * 2, 672 << 20);
+        // The 4 096 × 32 000 logits (250 MiB) fit in the same bytes: they cost nothing.
+        assert!(d.logits_len(rows) < grads);
+        assert_eq!(
+            d.main_len(sets, rows, kept, n),
+            d.main_len(sets, 1, kept, n)
+        );
+        // Unchunked, the logits are the region: `n × vocab`, over the gradients.
+        let full = d.main_len(sets, n, kept, n);
+        assert_eq!(full - d.main_len(sets, rows, kept, n), n * d.vocab - grads);
+    }
+
+    #[test]
+    fn mlp_chunks_shrink_the_shared_set_and_the_block_gradients() {
+        let d = tiny_llama(1, 65_536);
+        let rows = LceChunk::Auto.rows(d.n, d.vocab, 2);
+        let recomputed = ActStore::Recomputed;
+        let m = crate::mlp_chunk::mlp_chunk_rows(d.n, d.inter, 2, true);
+        assert_eq!(m, 4096);
+        let whole = d.main_len(1, rows, recomputed, d.n);
+        let chunked = d.main_len(1, rows, recomputed, m);
+        // gate and up in the shared set, dgate, dup and dact in the block gradients: five
+        // [N, I] buffers become five [M, I], 3.22 GiB less at 64 K tokens in bf16.
+        assert_eq!(whole - chunked, 5 * (d.n - m) * d.inter);
+        assert_eq!((whole - chunked) * 2, 3_460_300_800);
     }
 
     #[test]
@@ -572,8 +665,8 @@ mod tests {
         let d = tiny_llama(1, 64);
         let kept = ActStore::Kept;
         assert_eq!(
-            d.main_len(d.layers, 10_000, kept),
-            d.main_len(d.layers, d.n, kept)
+            d.main_len(d.layers, 10_000, kept, d.n),
+            d.main_len(d.layers, d.n, kept, d.n)
         );
         // A chunk that does not divide the tokens is padded like any buffer.
         assert_eq!(d.logits_len(7), padded(7 * d.vocab));
@@ -584,13 +677,14 @@ mod tests {
     fn recomputing_the_mlp_activation_drops_one_tokens_by_intermediate_buffer_per_layer() {
         let d = tiny_llama(8, 2048);
         let rows = LceChunk::Auto.rows(d.n, d.vocab, 2);
-        let kept = d.main_len(d.layers, rows, ActStore::Kept);
-        let recomputed = d.main_len(d.layers, rows, ActStore::Recomputed);
+        let kept = d.main_len(d.layers, rows, ActStore::Kept, d.n);
+        let recomputed = d.main_len(d.layers, rows, ActStore::Recomputed, d.n);
         assert_eq!(kept - recomputed, d.layers * d.n * d.inter);
         // 22 × 16 384 × 5 632 bf16 elements: 3.78 GiB at TinyLlama's bench shape.
         assert_eq!((kept - recomputed) * 2, 4_060_086_272);
         // With checkpointing's one shared set, one layer's worth.
-        let one = d.main_len(1, rows, ActStore::Kept) - d.main_len(1, rows, ActStore::Recomputed);
+        let one = d.main_len(1, rows, ActStore::Kept, d.n)
+            - d.main_len(1, rows, ActStore::Recomputed, d.n);
         assert_eq!(one, d.n * d.inter);
     }
 }

@@ -17,7 +17,8 @@
 use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cuda::{self as k, DeviceFloat};
 
-use super::arena::{Bufs, Dims, LayerBufs, resid_in_out};
+use super::arena::{Bufs, Dims, GradBufs, LayerBufs, LayerGrads, resid_in_out};
+use super::mlp::{MlpBackward, mlp_backward, mlp_forward};
 use super::norms::{NormAt, add_norm_fwd, norm_bwd, norm_bwd_add, norm_fwd};
 use super::resid_offload::{Part, RESID_SLOTS, ResidOffload, boundary_to_load};
 use super::sink::{GradParts, Handoff};
@@ -67,7 +68,7 @@ fn output_norm(layout: &ModelLayout) -> Option<NormAt> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn linear_fwd<T: DeviceFloat>(
+pub(super) fn linear_fwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     w: &Weights<'_, T>,
     l: &LinearLayout,
@@ -94,7 +95,7 @@ fn linear_fwd<T: DeviceFloat>(
 /// Backward of one linear layer: `dx =` (when asked), weight and bias gradients `+=` into
 /// their ranges of the flat f32 gradient buffer.
 #[allow(clippy::too_many_arguments)]
-fn linear_bwd<T: DeviceFloat>(
+pub(super) fn linear_bwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     w: &Weights<'_, T>,
     g: &mut GradParts<'_>,
@@ -168,7 +169,7 @@ pub(crate) fn forward<T: DeviceFloat>(
             if keep {
                 b.select_attention_slot(i % 2);
             }
-            run_block_checkpointed(cx, d, w, b, i, false)?;
+            run_block_checkpointed(cx, d, w, b, i, BlockPass::Forward)?;
             save_boundary(cx, d, b, i + 1)?;
             if keep {
                 save_attention(cx, d, b, i)?;
@@ -203,6 +204,9 @@ pub(crate) fn forward<T: DeviceFloat>(
         first_mean,
         first_rstd,
     )?;
+    // Where the MLP activation goes when the layer buffers do not keep it (free until the
+    // loss head and the backward).
+    let mut lg = b.scratch.layer_grads()?;
     for (i, lay) in layout.layers.iter().enumerate() {
         let (before, after) = b.resid.split_at_mut(i + 1);
         let (cur, rest) = b.layers.split_at_mut(i + 1);
@@ -228,10 +232,10 @@ pub(crate) fn forward<T: DeviceFloat>(
             w,
             &before[i].as_view(),
             &mut cur[i],
-            &mut b.grad.dgate,
+            &mut lg.dgate,
             &mut after[0],
             next,
-            false,
+            (BlockPass::Forward, b.mlp_rows),
         )?;
     }
     Ok(())
@@ -291,7 +295,7 @@ fn run_block_checkpointed<T: DeviceFloat>(
     w: &Weights<'_, T>,
     b: &mut Bufs<'_, T>,
     i: usize,
-    attention_kept: bool,
+    pass: BlockPass,
 ) -> Result<()> {
     let layout = cx.layout;
     let lay = &layout.layers[i];
@@ -325,10 +329,10 @@ fn run_block_checkpointed<T: DeviceFloat>(
         w,
         &input.as_view(),
         shared,
-        &mut b.grad.dgate,
+        &mut b.scratch.layer_grads()?.dgate,
         output,
         next,
-        attention_kept,
+        (pass, b.mlp_rows),
     )
 }
 
@@ -461,20 +465,25 @@ pub(crate) fn backward<T: DeviceFloat>(
             load_attention(cx, d, b, i)?;
         }
         let set = if checkpointing {
-            run_block_checkpointed(cx, d, w, b, i, keep)?;
+            let pass = BlockPass::Recompute {
+                attention_kept: keep,
+            };
+            run_block_checkpointed(cx, d, w, b, i, pass)?;
             0
         } else {
             i
         };
+        let x = b.resid_slot(i);
         block_backward(
             cx,
             d,
             lay,
             w,
             &mut g.grads()?,
-            &b.resid[b.resid_slot(i)].as_view(),
-            &b.layers[set],
-            &mut b.grad,
+            &b.resid[x].as_view(),
+            &mut b.layers[set],
+            (&mut b.grad, &mut b.scratch.layer_grads()?),
+            (checkpointing, b.mlp_rows),
         )?;
         g.pass_on(cx.stream)?;
     }
@@ -512,11 +521,24 @@ pub(crate) fn backward<T: DeviceFloat>(
     g.finish(cx.stream)
 }
 
+/// What a block's forward computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BlockPass {
+    /// Everything: the block output and the norm of it.
+    Forward,
+    /// The backward's recomputation of a checkpointed block: up to `post_attention_layernorm`
+    /// (the MLP backward recomputes its own `gate` and `up` chunk by chunk, see `mlp.rs`, and
+    /// the block output is not needed). `attention_kept`: the attention output and
+    /// log-sum-exp are in the layer buffers already (checkpoint offload).
+    Recompute { attention_kept: bool },
+}
+
 /// Forward of one block from `x` (whose `input_layernorm` is already in `a.xn1`/`a.rstd1`)
 /// into `a`; `out` receives the block output and `next` its norm (none after a pipeline
-/// stage's last block, unless it ends the model). When `a` keeps no MLP
-/// activation (the arena's `ActStore::Recomputed`), it goes to `act_scratch` (the backward's
-/// `dgate`, idle during the forward) and the backward recomputes it.
+/// stage's last block, unless it ends the model). When `a` keeps no MLP activation (the
+/// arena's `ActStore::Recomputed`), it goes to `act_scratch` (the block gradients' `dgate`,
+/// idle during the forward) and the backward recomputes it. The MLP runs in chunks of
+/// `mlp_rows` tokens.
 #[allow(clippy::too_many_arguments)]
 fn block_forward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
@@ -528,9 +550,9 @@ fn block_forward<T: DeviceFloat>(
     act_scratch: &mut CudaViewMut<'_, T>,
     out: &mut CudaViewMut<'_, T>,
     next: Option<NextNorm<'_, '_, T>>,
-    attention_kept: bool,
+    (pass, mlp_rows): (BlockPass, usize),
 ) -> Result<()> {
-    let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
+    let (n, c, q, kv) = (d.n, d.c, d.q, d.kv);
     let s = cx.stream;
     let xn1 = a.xn1.as_view();
     linear_fwd(cx, w, &lay.q, &xn1, n, c, q, &mut a.q)?;
@@ -547,7 +569,7 @@ fn block_forward<T: DeviceFloat>(
     }
     // A recomputation whose attention output and log-sum-exp were kept (checkpoint offload)
     // has them in `a` already: the flash backward needs nothing else from the forward.
-    if !attention_kept {
+    if pass != (BlockPass::Recompute { attention_kept: true }) {
         cx.mm.attention_forward(
             s,
             d,
@@ -577,21 +599,18 @@ fn block_forward<T: DeviceFloat>(
         &mut a.mean2,
         &mut a.rstd2,
     )?;
-    let xn2 = a.xn2.as_view();
-    linear_fwd(cx, w, &lay.up, &xn2, n, c, inter, &mut a.up)?;
+    if pass != BlockPass::Forward {
+        return Ok(());
+    }
     let mut act = if a.act.is_empty() {
         act_scratch.slice_mut(..)
     } else {
         a.act.slice_mut(..)
     };
-    match &lay.gate {
-        Some(gate) => {
-            linear_fwd(cx, w, gate, &xn2, n, c, inter, &mut a.gate)?;
-            k::swiglu_forward(s, &a.gate, &a.up, &mut act)?;
-        }
-        None => k::gelu_tanh_forward(s, &a.up, &mut act)?,
-    }
-    linear_fwd(cx, w, &lay.down, &act.as_view(), n, inter, c, out)?;
+    let xn2 = a.xn2.as_view();
+    mlp_forward(
+        cx, d, lay, w, mlp_rows, &xn2, &mut a.gate, &mut a.up, &mut act, out,
+    )?;
     // Row-parallel: each rank's down_proj output is its columns' share.
     complete(cx.tp, out)?;
     // out = down + h in place, and the next norm of out (one launch for RMSNorm).
@@ -613,7 +632,9 @@ fn block_forward<T: DeviceFloat>(
     Ok(())
 }
 
-/// Backward of one block: `gb.dres` holds d/d(out) on entry and d/d(x) on return.
+/// Backward of one block: `gb.dres` holds d/d(out) on entry and d/d(x) on return. Under
+/// checkpointing (`recomputed`) the MLP's `gate` and `up` are recomputed chunk by chunk of
+/// `mlp_rows` tokens (see `mlp.rs`).
 #[allow(clippy::too_many_arguments)]
 fn block_backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
@@ -622,86 +643,34 @@ fn block_backward<T: DeviceFloat>(
     w: &Weights<'_, T>,
     g: &mut GradParts<'_>,
     x: &CudaView<'_, T>,
-    a: &LayerBufs<'_, T>,
-    gb: &mut super::arena::GradBufs<'_, T>,
+    a: &mut LayerBufs<'_, T>,
+    (gb, lg): (&mut GradBufs<'_, T>, &mut LayerGrads<'_, T>),
+    (recomputed, mlp_rows): (bool, usize),
 ) -> Result<()> {
-    let (n, c, q, kv, inter) = (d.n, d.c, d.q, d.kv, d.inter);
+    let (n, c, q, kv) = (d.n, d.c, d.q, d.kv);
     let s = cx.stream;
-    let xn1 = a.xn1.as_view();
     let xn2 = a.xn2.as_view();
-
-    // MLP: out = h + down(act), act = silu(gate(n2)) * up(n2) or gelu(up(n2)). Without a
-    // kept activation, recompute it into dgate (written `=` by the SwiGLU backward only after
-    // the down projection's backward has read it; the GeLU backward writes dup instead).
-    let recompute = a.act.is_empty();
-    if recompute {
-        match &lay.gate {
-            Some(_) => k::swiglu_forward(s, &a.gate, &a.up, &mut gb.dgate)?,
-            None => k::gelu_tanh_forward(s, &a.up, &mut gb.dgate)?,
-        }
-    }
-    let act = if recompute {
-        gb.dgate.as_view()
-    } else {
-        a.act.as_view()
+    let mlp = MlpBackward {
+        gate: &mut a.gate,
+        up: &mut a.up,
+        act: &a.act,
+        grads: &mut *lg,
+        recompute_gate_up: recomputed,
     };
-    linear_bwd(
+    mlp_backward(
         cx,
+        d,
+        lay,
         w,
         g,
-        &lay.down,
+        mlp_rows,
+        &xn2,
         &gb.dres.as_view(),
-        &act,
-        n,
-        inter,
-        c,
-        Some(&mut gb.dact),
+        mlp,
+        &mut gb.dxn,
+        &mut gb.dtmp,
     )?;
-    match &lay.gate {
-        Some(gate) => {
-            k::swiglu_backward(s, &gb.dact, &a.gate, &a.up, &mut gb.dgate, &mut gb.dup)?;
-            linear_bwd(
-                cx,
-                w,
-                g,
-                gate,
-                &gb.dgate.as_view(),
-                &xn2,
-                n,
-                c,
-                inter,
-                Some(&mut gb.dxn),
-            )?;
-            linear_bwd(
-                cx,
-                w,
-                g,
-                &lay.up,
-                &gb.dup.as_view(),
-                &xn2,
-                n,
-                c,
-                inter,
-                Some(&mut gb.dtmp),
-            )?;
-            k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
-        }
-        None => {
-            k::gelu_tanh_backward(s, &gb.dact, &a.up, &mut gb.dup)?;
-            linear_bwd(
-                cx,
-                w,
-                g,
-                &lay.up,
-                &gb.dup.as_view(),
-                &xn2,
-                n,
-                c,
-                inter,
-                Some(&mut gb.dxn),
-            )?;
-        }
-    }
+    let xn1 = a.xn1.as_view();
     // Column-parallel gate/up: each rank's input gradient covers its columns only.
     complete(cx.tp, &mut gb.dxn)?;
     // dres += the norm's input gradient: dres becomes d/dh.
@@ -730,7 +699,7 @@ fn block_backward<T: DeviceFloat>(
         n,
         q,
         c,
-        Some(&mut gb.datt),
+        Some(&mut lg.datt),
     )?;
     let pos = cx.positions.as_ref();
     cx.mm.attention_backward(
@@ -739,22 +708,22 @@ fn block_backward<T: DeviceFloat>(
         pos,
         lay.sliding_window,
         cx.alibi.as_ref(),
-        &gb.datt.as_view(),
+        &lg.datt.as_view(),
         &a.q.as_view(),
         &a.k.as_view(),
         &a.v.as_view(),
         &a.att.as_view(),
         &a.lse.as_view(),
-        &mut gb.dq,
-        &mut gb.dk,
-        &mut gb.dv,
+        &mut lg.dq,
+        &mut lg.dk,
+        &mut lg.dv,
     )?;
     if cx.alibi.is_none() {
         k::rope_backward_at(
-            s, &mut gb.dq, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
+            s, &mut lg.dq, d.batch, d.seq, d.q_heads, d.head_dim, cx.rope, pos,
         )?;
         k::rope_backward_at(
-            s, &mut gb.dk, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
+            s, &mut lg.dk, d.batch, d.seq, d.kv_heads, d.head_dim, cx.rope, pos,
         )?;
     }
     linear_bwd(
@@ -762,7 +731,7 @@ fn block_backward<T: DeviceFloat>(
         w,
         g,
         &lay.q,
-        &gb.dq.as_view(),
+        &lg.dq.as_view(),
         &xn1,
         n,
         c,
@@ -774,7 +743,7 @@ fn block_backward<T: DeviceFloat>(
         w,
         g,
         &lay.k,
-        &gb.dk.as_view(),
+        &lg.dk.as_view(),
         &xn1,
         n,
         c,
@@ -787,7 +756,7 @@ fn block_backward<T: DeviceFloat>(
         w,
         g,
         &lay.v,
-        &gb.dv.as_view(),
+        &lg.dv.as_view(),
         &xn1,
         n,
         c,

@@ -46,26 +46,11 @@ use super::compute::Cx;
 use super::cuda_err;
 use super::sink::GradParts;
 use super::tensor_parallel::complete;
-use super::views::arena_error;
+use super::views::{arena_error, view, view_mut};
 use super::vocab_parallel;
 use super::weights::Weights;
 use crate::error::Result;
 use crate::lce_chunk::chunk_ranges;
-
-fn view<'b, T>(v: &'b CudaView<'_, T>, r: std::ops::Range<usize>) -> Result<CudaView<'b, T>> {
-    let len = v.len();
-    v.try_slice(r.clone())
-        .ok_or_else(|| arena_error(format!("range {r:?} lies outside a view of {len}")))
-}
-
-fn view_mut<'b, T>(
-    v: &'b mut CudaViewMut<'_, T>,
-    r: std::ops::Range<usize>,
-) -> Result<CudaViewMut<'b, T>> {
-    let len = v.len();
-    v.try_slice_mut(r.clone())
-        .ok_or_else(|| arena_error(format!("range {r:?} lies outside a view of {len}")))
-}
 
 /// The lm_head the logits are computed with: `raw`, or with NormHead its row-normalised copy,
 /// computed into `normed`.
@@ -132,10 +117,11 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
             .map_err(|e| cuda_err("zeroing the NormHead gradient", e))?;
     }
     let final_xn = b.final_xn.as_view();
+    let mut logit_chunk = b.scratch.logits()?;
     for r in chunk_ranges(n, b.logit_rows) {
         let rows = r.len();
         let x = view(&final_xn, r.start * c..r.end * c)?;
-        let mut logits = head_forward(cx, d, &head, &x, rows, &mut b.logit_chunk)?;
+        let mut logits = head_forward(cx, d, &head, &x, rows, &mut logit_chunk)?;
         let chunk_targets = view(targets, r.clone())?;
         if let Some(z) = cx.z_loss.as_deref_mut() {
             k::z_loss_rows(cx.stream, &logits, &chunk_targets, d.vocab, z)?;
@@ -232,9 +218,10 @@ pub(crate) fn loss_only<T: DeviceFloat>(
     let raw = w.slice(cx.layout.lm_head.clone())?;
     let head = head_weights(cx, d, &raw, &mut b.head_normed)?;
     let final_xn = b.final_xn.as_view();
+    let mut logit_chunk = b.scratch.logits()?;
     for r in chunk_ranges(d.n, b.logit_rows) {
         let x = view(&final_xn, r.start * d.c..r.end * d.c)?;
-        let logits = head_forward(cx, d, &head, &x, r.len(), &mut b.logit_chunk)?;
+        let logits = head_forward(cx, d, &head, &x, r.len(), &mut logit_chunk)?;
         let chunk_targets = view(targets, r.clone())?;
         let mut row_loss = view_mut(&mut b.row_loss, r.clone())?;
         if cx.vocab.is_some() {
@@ -298,9 +285,10 @@ pub(crate) fn logits_to_host<T: DeviceFloat>(
     let head = head_weights(cx, d, &raw, &mut b.head_normed)?;
     let final_xn = b.final_xn.as_view();
     let mut host = Vec::with_capacity(d.n * d.vocab);
+    let mut logit_chunk = b.scratch.logits()?;
     for r in chunk_ranges(d.n, b.logit_rows) {
         let x = view(&final_xn, r.start * d.c..r.end * d.c)?;
-        let logits = head_forward(cx, d, &head, &x, r.len(), &mut b.logit_chunk)?;
+        let logits = head_forward(cx, d, &head, &x, r.len(), &mut logit_chunk)?;
         let chunk = cx
             .stream
             .clone_dtoh(&logits)

@@ -44,6 +44,7 @@ mod graph;
 mod inputs;
 mod layer_copy;
 mod lce;
+mod mlp;
 mod linalg;
 mod norms;
 mod offload;
@@ -88,7 +89,7 @@ pub use precision::HalfViewMut;
 pub use zero::GatheredWeights;
 use zero::GradWindow;
 
-use arena::{ActStore, Arena, Dims};
+use arena::{ActStore, Arena, ArenaPlan, Dims};
 use compute::Cx;
 use graph::GraphState;
 use lce::GradFactor;
@@ -100,6 +101,7 @@ use weights::{Weights, weights};
 use crate::config::{LlamaConfig, NormKind, PositionEncoding, RopeScalingConfig};
 use crate::error::{EngineError, Result};
 use crate::lce_chunk::LceChunk;
+use crate::mlp_chunk::mlp_chunk_rows;
 use crate::memory_mode::MemoryMode;
 use crate::model::{LlamaForCausalLM, LossStats, ModelLayout};
 use crate::params::{ParamSpec, ParamStore};
@@ -594,14 +596,14 @@ impl GpuLlama {
         } else {
             ActStore::Kept
         };
-        let arena = Arena::new(
-            &stream,
-            &cap,
-            widest,
-            (gradient_checkpointing, act),
-            lce_rows,
-            None,
-        )?;
+        let plan = ArenaPlan {
+            checkpointing: gradient_checkpointing,
+            act,
+            logit_rows: lce_rows,
+            mlp_rows: mlp_chunk_rows(n, config.intermediate_size, widest, gradient_checkpointing),
+            resid_slots: None,
+        };
+        let arena = Arena::new(&stream, &cap, widest, plan)?;
         let arena_bytes = arena.bytes();
         let mut work = if allowed.iter().any(|p| p.is_half()) {
             Some(WorkingCopy::new(&stream, numel)?)
@@ -976,6 +978,24 @@ impl GpuLlama {
         self.device.synchronize()?;
         self.memory.device_used_peak = 0;
         self.sample_memory()
+    }
+
+    /// Replaces the activation arena by one sized as `plan` says (set-up work: CUDA graphs
+    /// captured over the old one are dropped) and books the change. The old arena goes first
+    /// (its readers are queued on the stream, its memory returns to the pool in stream order),
+    /// so the two never exist together: at long contexts they would not fit. A failed
+    /// allocation leaves the placeholder, whose carving fails with an error at the next call.
+    fn rebuild_arena(&mut self, plan: ArenaPlan) -> Result<()> {
+        let stream = self.device.stream().clone();
+        let cap = Dims::new(&self.config, self.batch, self.seq);
+        let widest = self.widest_elem_bytes();
+        let before = self.arena.bytes();
+        self.graphs.invalidate();
+        self.arena = Arena::placeholder(&stream, plan)?;
+        self.device.synchronize()?;
+        self.arena = Arena::new(&stream, &cap, widest, plan)?;
+        let after = self.arena.bytes();
+        self.rebooked(|m| &mut m.activation_bytes, before, after)
     }
 
     /// Updates the observed peak with the device's current use (no synchronisation).

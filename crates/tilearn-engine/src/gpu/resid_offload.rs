@@ -32,7 +32,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut};
 use cudarc::driver::{DeviceRepr, result};
 
-use super::arena::{Arena, Dims};
+use super::arena::{ArenaPlan, Dims};
 use super::{GpuLlama, cuda_err, invalid};
 use crate::cuda_graphs::CudaGraphs;
 use crate::error::Result;
@@ -323,27 +323,14 @@ impl GpuLlama {
                     .into(),
             ));
         }
-        let stream = self.device.stream().clone();
         let cap = Dims::new(&self.config, self.batch, self.seq);
         let widest = self.widest_elem_bytes();
-        let slots = offload.then_some(RESID_SLOTS);
-        let before = self.arena.bytes();
-        self.graphs.invalidate();
-        // The old arena goes first (its readers are queued on the stream, its memory returns
-        // to the pool in stream order), so the two never exist together: at long contexts
-        // they would not fit. A failed allocation leaves the placeholder, whose carving
-        // fails with an error at the next call.
-        let act = self.arena.act_store();
-        self.arena = Arena::placeholder(&stream)?;
-        self.device.synchronize()?;
-        self.arena = Arena::new(
-            &stream,
-            &cap,
-            widest,
-            (self.gradient_checkpointing, act),
-            self.lce_rows,
-            slots,
-        )?;
+        // The old ring's copies must not outlive their buffers.
+        self.resid_offload = None;
+        self.rebuild_arena(ArenaPlan {
+            resid_slots: offload.then_some(RESID_SLOTS),
+            ..self.arena.plan()
+        })?;
         self.resid_offload = if offload {
             self.graphs.mode = CudaGraphs::Off;
             let bytes = PartBytes {
@@ -355,8 +342,7 @@ impl GpuLlama {
         } else {
             None
         };
-        let after = self.arena.bytes();
-        self.rebooked(|m| &mut m.activation_bytes, before, after)
+        Ok(())
     }
 
     /// Whether checkpointed layer inputs live in host memory (see

@@ -7,7 +7,7 @@
 
 use std::ops::Range;
 
-use cudarc::driver::CudaViewMut;
+use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::OpsError;
 
 use crate::error::{EngineError, Result};
@@ -54,6 +54,30 @@ pub(crate) fn sub_mut<'a, T>(
     let (_, rest) = split_owned(view, range.start)?;
     let (mid, _) = split_owned(rest, range.end - range.start)?;
     Ok(mid)
+}
+
+/// The sub-view `r` of `v`, borrowing it; an error (not a panic) when `r` lies outside.
+pub(crate) fn view<'b, T>(v: &'b CudaView<'_, T>, r: Range<usize>) -> Result<CudaView<'b, T>> {
+    let len = v.len();
+    v.try_slice(r.clone())
+        .ok_or_else(|| arena_error(format!("range {r:?} lies outside a view of {len}")))
+}
+
+/// [`view`] of a writable view, to read.
+pub(crate) fn view_of<'b, T>(v: &'b CudaViewMut<'_, T>, r: Range<usize>) -> Result<CudaView<'b, T>> {
+    let len = v.len();
+    v.try_slice(r.clone())
+        .ok_or_else(|| arena_error(format!("range {r:?} lies outside a view of {len}")))
+}
+
+/// [`view`], to write.
+pub(crate) fn view_mut<'b, T>(
+    v: &'b mut CudaViewMut<'_, T>,
+    r: Range<usize>,
+) -> Result<CudaViewMut<'b, T>> {
+    let len = v.len();
+    v.try_slice_mut(r.clone())
+        .ok_or_else(|| arena_error(format!("range {r:?} lies outside a view of {len}")))
 }
 
 /// Two disjoint sub-views `a` and `b` of `view` (`a` must end before `b` starts, as a weight

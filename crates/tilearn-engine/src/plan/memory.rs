@@ -10,11 +10,12 @@
 //!   one layer's room instead of every weight;
 //! * activations: the arena's `resid[i]` (each layer's input), one set of saved per-layer
 //!   buffers per layer (one shared set with checkpointing, which recomputes the MLP's
-//!   `silu(gate) * up` instead of keeping it), the final norm's output, the loss
-//!   head's logits chunk (`[rows, V]` with rows from `--lce-chunk-tokens auto`, overwritten by
-//!   their gradient), the backward's gradient scratch and the f32
-//!   row statistics; under pipeline parallelism the first rank keeps several micro-batches'
-//!   saved buffers ([`Layout::in_flight_layer_sets`]);
+//!   `silu(gate) * up` instead of keeping it and holds `gate`/`up` for one MLP chunk of
+//!   tokens, `crate::mlp_chunk`), the final norm's output, the backward's gradient scratch,
+//!   one block backward's gradients sharing their bytes with the loss head's logits chunk
+//!   (`[rows, V]` with rows from `--lce-chunk-tokens auto`), and the f32 row statistics; under
+//!   pipeline parallelism the first rank keeps several micro-batches' saved buffers
+//!   ([`Layout::in_flight_layer_sets`]);
 //! * workspace: the cuBLASLt workspace (32 MiB), the attention workspace (the flash kernels'
 //!   `delta` rows and, at head_dim 64, the one-pass backward's f32 `dq_accum`, which the H200
 //!   engine holds unless `--deterministic`; or the GEMM path's scores), the RMSNorm backward's
@@ -27,6 +28,7 @@ use super::hardware::Hardware;
 use super::layout::{Layout, ShardStage};
 use super::shard::{RankParams, RankWidths, StagePosition};
 use crate::lce_chunk::LceChunk;
+use crate::mlp_chunk::mlp_chunk_rows;
 use crate::trainer::zero::{self, StateBytes};
 
 /// The GPU engine's bytes per parameter in bf16/fp16 mixed precision: the 16-bit working copy
@@ -93,13 +95,18 @@ pub fn model_state(bytes: StateBytes, psi: u64, dp: usize, stage: ShardStage) ->
 /// Activation-arena sizes for micro-batches of `tokens` rows, per the engine's carving.
 #[derive(Clone, Copy, Debug)]
 pub struct ArenaTerms {
-    /// One layer's saved buffers (xn1, q, k, v, att, h, xn2, gate, up, act and the f32 rstd1,
-    /// lse, rstd2).
+    /// One layer's saved buffers (xn1, q, k, v, att, h, xn2, the MLP's gate and up, the
+    /// activation unless recomputed, and the f32 rstd1, lse, rstd2). Under checkpointing the
+    /// shared set keeps no activation and its gate and up hold one MLP chunk
+    /// ([`crate::mlp_chunk`]).
     pub layer_set: f64,
     /// One `resid[i]` slab, `[N, C]`.
     pub resid: f64,
-    /// The backward's gradient scratch (dres, dxn, dtmp, dq, dk, dv, datt, dgate, dup, dact).
+    /// The gradient scratch that lives through the backward (dres, dxn, dtmp).
     pub grad_scratch: f64,
+    /// One block backward's gradients (dq, dk, dv, datt, and dgate, dup, dact of one MLP
+    /// chunk), which share their bytes with the logits chunk.
+    pub layer_grads: f64,
     /// `final_xn`, the f32 final rstd and row losses, and the u32 ids and i32 targets.
     pub per_call: f64,
     /// The loss head's logits chunk: `[rows, V]` (vocabulary-parallel: V/TP columns), rows
@@ -108,19 +115,21 @@ pub struct ArenaTerms {
 }
 
 impl ArenaTerms {
-    pub fn new(w: RankWidths, tokens: usize) -> ArenaTerms {
+    pub fn new(w: RankWidths, tokens: usize, checkpointing: bool) -> ArenaTerms {
         let n = tokens as f64;
         let e = ACTIVATION_ELEM_BYTES;
         let (c, q, kv, i) = (w.hidden as f64, w.q as f64, w.kv as f64, w.inter as f64);
-        let wide = 3.0 * c + 2.0 * q + 2.0 * kv + 3.0 * i;
+        let elem = ACTIVATION_ELEM_BYTES as usize;
+        let m = mlp_chunk_rows(tokens, w.inter, elem, checkpointing) as f64;
+        let act = if checkpointing { 0.0 } else { n * i };
         ArenaTerms {
-            layer_set: e * n * wide + 4.0 * n * (2.0 + w.q_heads as f64),
+            layer_set: e * (n * (3.0 * c + 2.0 * q + 2.0 * kv) + 2.0 * m * i + act)
+                + 4.0 * n * (2.0 + w.q_heads as f64),
             resid: e * n * c,
-            grad_scratch: e * n * wide,
+            grad_scratch: e * 3.0 * n * c,
+            layer_grads: e * (n * (2.0 * q + 2.0 * kv) + 3.0 * m * i),
             per_call: e * n * c + 4.0 * n * 2.0 + 8.0 * n,
-            logits: e
-                * LceChunk::Auto.rows(tokens, w.vocab, ACTIVATION_ELEM_BYTES as usize) as f64
-                * w.vocab as f64,
+            logits: e * LceChunk::Auto.rows(tokens, w.vocab, elem) as f64 * w.vocab as f64,
         }
     }
 }
@@ -133,7 +142,7 @@ pub fn activation_bytes(
     seq: usize,
     position: StagePosition,
 ) -> f64 {
-    let a = ArenaTerms::new(w, layout.micro_batch * seq);
+    let a = ArenaTerms::new(w, layout.micro_batch * seq, layout.checkpointing);
     // Micro-batches in flight on this rank: the first holds the most, the last one.
     let in_flight = if position.first {
         layout.in_flight_layer_sets()
@@ -142,16 +151,14 @@ pub fn activation_bytes(
     };
     let layers = layers as f64;
     let saved = if layout.checkpointing {
-        // The shared set keeps no MLP activation (`ActStore::Recomputed`).
-        let act = ACTIVATION_ELEM_BYTES * (layout.micro_batch * seq * w.inter) as f64;
-        in_flight * layers * a.resid + a.layer_set - act
+        in_flight * layers * a.resid + a.layer_set
     } else {
         in_flight * layers * (a.resid + a.layer_set)
     };
-    // `resid[L]`, the final norm's input, lives on the last stage.
+    // `resid[L]`, the final norm's input, and the logits live on the last stage.
     let final_input = if position.last { a.resid } else { 0.0 };
     let logits = if position.last { a.logits } else { 0.0 };
-    saved + final_input + a.grad_scratch + a.per_call + logits
+    saved + final_input + a.grad_scratch + a.layer_grads.max(logits) + a.per_call
 }
 
 /// Workspace bytes of one rank (see the module docs).
@@ -262,21 +269,40 @@ mod tests {
         let w = RankWidths::new(&c, split_heads(&c, 1).unwrap(), 1);
         // n = 2 × 8 = 16 rows. Per row, bf16: xn1 64, q 64, k 32, v 32, att 64, h 64, xn2 64,
         // gate/up/act 3 × 128 = 768 elements; f32: rstd1, rstd2 and 4 lse = 6 floats.
-        let a = ArenaTerms::new(w, 16);
+        let a = ArenaTerms::new(w, 16, false);
         assert_eq!(a.layer_set, 16.0 * (768.0 * 2.0 + 6.0 * 4.0));
         assert_eq!(a.resid, 16.0 * 64.0 * 2.0);
-        assert_eq!(a.grad_scratch, 16.0 * 768.0 * 2.0);
+        assert_eq!(a.grad_scratch, 16.0 * 3.0 * 64.0 * 2.0);
+        // dq 64, dk 32, dv 32, datt 64 and dgate/dup/dact 3 × 128.
+        assert_eq!(a.layer_grads, 16.0 * 576.0 * 2.0);
         assert_eq!(a.logits, 16.0 * 100.0 * 2.0);
         assert_eq!(a.per_call, 16.0 * (64.0 * 2.0 + 8.0 + 8.0));
-        // Without checkpointing: 2 layers of (resid + set), resid[L], scratch, call, logits.
+        // Without checkpointing: 2 layers of (resid + set), resid[L], scratch, the block
+        // gradients (larger than the logits, which share their bytes), call.
         let plain = activation_bytes(w, &layout(false), 2, 8, StagePosition::ONLY);
         let expected =
-            2.0 * (a.resid + a.layer_set) + a.resid + a.grad_scratch + a.per_call + a.logits;
+            2.0 * (a.resid + a.layer_set) + a.resid + a.grad_scratch + a.layer_grads + a.per_call;
         assert_eq!(plain, expected);
         // With checkpointing: every layer's input, but one shared set, without its MLP
-        // activation (16 rows × 128 bf16).
+        // activation (16 rows × 128 bf16; 16 rows are one MLP chunk).
         let ckpt = activation_bytes(w, &layout(true), 2, 8, StagePosition::ONLY);
         assert_eq!(ckpt, expected - a.layer_set - 16.0 * 128.0 * 2.0);
+    }
+
+    #[test]
+    fn checkpointing_counts_one_mlp_chunk() {
+        // TinyLlama at 1 × 64 K: gate and up of the shared set and the block gradients'
+        // dgate, dup, dact hold 4 096 tokens, not 65 536.
+        let json = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
+            "hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "intermediate_size": 5632}"#;
+        let c = LlamaConfig::from_json_str(json, "<test>").unwrap();
+        let w = RankWidths::new(&c, split_heads(&c, 1).unwrap(), 1);
+        let (n, m, i) = (65_536.0, 4096.0, 5632.0);
+        let plain = ArenaTerms::new(w, 65_536, false);
+        let ckpt = ArenaTerms::new(w, 65_536, true);
+        assert_eq!(plain.layer_set - ckpt.layer_set, 2.0 * (n * i + 2.0 * (n - m) * i));
+        assert_eq!(plain.layer_grads - ckpt.layer_grads, 2.0 * 3.0 * (n - m) * i);
     }
 
     #[test]

@@ -21,7 +21,12 @@ pub const MLP_CHUNK_BUDGET_BYTES: usize = 64 << 20;
 /// features in `elem_bytes`-byte elements: `tokens` (no chunking) without checkpointing, else
 /// the largest power of two of rows whose buffer fits [`MLP_CHUNK_BUDGET_BYTES`] (at least 1),
 /// capped at `tokens`. Always in `1..=tokens` (0 only when `tokens` is 0).
-pub fn mlp_chunk_rows(tokens: usize, inter: usize, elem_bytes: usize, checkpointing: bool) -> usize {
+pub fn mlp_chunk_rows(
+    tokens: usize,
+    inter: usize,
+    elem_bytes: usize,
+    checkpointing: bool,
+) -> usize {
     if !checkpointing {
         return tokens;
     }

@@ -89,12 +89,12 @@ impl Dims {
     }
 
     /// Lengths of the `T` buffers of one layer, in carving order: xn1, q, k, v, att, h, xn2,
-    /// gate, up, act (empty when the backward recomputes it, see [`ActStore`]). `gate` and `up`
-    /// hold one MLP chunk of `mlp_rows` tokens (all `n` without checkpointing, see
-    /// [`crate::mlp_chunk`]).
-    fn layer_lens(&self, act: ActStore, mlp_rows: usize) -> [usize; 10] {
+    /// gate, up, act. Under checkpointing (`shared`: one set for all layers) `gate` and `up`
+    /// live in the [`Scratch`] instead, one MLP chunk at a time; `act` is empty when the
+    /// backward recomputes it (see [`ActStore`]).
+    fn layer_lens(&self, act: ActStore, shared: bool) -> [usize; 10] {
         let (n, c, q, kv, i) = (self.n, self.c, self.q, self.kv, self.inter);
-        let m = mlp_rows.min(n);
+        let gate_up = if shared { 0 } else { n * i };
         let act_len = match act {
             ActStore::Kept => n * i,
             ActStore::Recomputed => 0,
@@ -107,8 +107,8 @@ impl Dims {
             n * q,
             n * c,
             n * c,
-            m * i,
-            m * i,
+            gate_up,
+            gate_up,
             act_len,
         ]
     }
@@ -119,23 +119,26 @@ impl Dims {
         [self.n * self.c; 3]
     }
 
-    /// Lengths of one block backward's gradient buffers, in carving order: dq, dk, dv, datt,
-    /// dgate, dup, dact (the last three one MLP chunk of `mlp_rows` tokens).
-    fn layer_grad_lens(&self, mlp_rows: usize) -> [usize; 7] {
-        let (n, q, kv, i) = (self.n, self.q, self.kv, self.inter);
-        let m = mlp_rows.min(n);
-        [n * q, n * kv, n * kv, n * q, m * i, m * i, m * i]
+    /// Lengths of an MLP chunk's buffers in the scratch, in carving order: gate, up (only
+    /// under checkpointing, `shared`), dgate, dup, dact, for `mlp_rows` tokens.
+    fn mlp_lens(&self, mlp_rows: usize, shared: bool) -> [usize; 5] {
+        let m = mlp_rows.min(self.n) * self.inter;
+        let gate_up = if shared { m } else { 0 };
+        [gate_up, gate_up, m, m, m]
     }
 
-    /// Elements of the region the loss head's logits chunk (`logit_rows` tokens) and a block
-    /// backward's gradient buffers share (see [`Scratch`]).
-    fn scratch_len(&self, logit_rows: usize, mlp_rows: usize) -> usize {
-        let grads: usize = self
-            .layer_grad_lens(mlp_rows)
-            .iter()
-            .map(|&l| padded(l))
-            .sum();
-        grads.max(self.logits_len(logit_rows))
+    /// Lengths of the attention backward's gradients, in carving order: dq, dk, dv, datt.
+    fn attention_grad_lens(&self) -> [usize; 4] {
+        let (n, q, kv) = (self.n, self.q, self.kv);
+        [n * q, n * kv, n * kv, n * q]
+    }
+
+    /// Elements of the [`Scratch`]: the largest of its three uses.
+    fn scratch_len(&self, logit_rows: usize, mlp_rows: usize, shared: bool) -> usize {
+        let sum = |lens: &[usize]| lens.iter().map(|&l| padded(l)).sum::<usize>();
+        self.logits_len(logit_rows)
+            .max(sum(&self.mlp_lens(mlp_rows, shared)))
+            .max(sum(&self.attention_grad_lens()))
     }
 
     /// Lengths of one layer's f32 statistics: rstd1, lse, rstd2, mean1, mean2.
@@ -149,44 +152,25 @@ impl Dims {
         ]
     }
 
-    /// Elements of `T` the arena needs for this call's shape with `sets` sets of per-layer
-    /// buffers (holding the MLP activation or not, `act`), a logits chunk of `logit_rows`
-    /// tokens and MLP chunks of `mlp_rows` (the carving below takes exactly these, in the
-    /// same order).
-    #[cfg(test)]
-    pub(crate) fn main_len(
-        &self,
-        sets: usize,
-        logit_rows: usize,
-        act: ActStore,
-        mlp_rows: usize,
-    ) -> usize {
-        self.main_len_with(sets, logit_rows, act, mlp_rows, None)
-    }
-
-    /// [`main_len`](Self::main_len) with the residual stream held in `resid_slots` device
-    /// slabs (checkpoint offload, see `resid_offload.rs`) instead of one per layer boundary.
-    pub(crate) fn main_len_with(
-        &self,
-        sets: usize,
-        logit_rows: usize,
-        act: ActStore,
-        mlp_rows: usize,
-        resid_slots: Option<usize>,
-    ) -> usize {
+    /// Elements of `T` the arena needs for this call's shape under `plan` (the carving below
+    /// takes exactly these, in the same order).
+    pub(crate) fn main_len(&self, plan: &ArenaPlan) -> usize {
+        let shared = plan.checkpointing;
+        let sets = Arena::sets(self, shared);
         let slab = padded(self.n * self.c);
         let layer: usize = self
-            .layer_lens(act, mlp_rows)
+            .layer_lens(plan.act, shared)
             .iter()
             .map(|&l| padded(l))
             .sum();
         let grad: usize = self.grad_lens().iter().map(|&l| padded(l)).sum();
+        let resid_slots = plan.resid_slots;
         self.resid_slabs(resid_slots) * slab
             + self.attention_spare(resid_slots) * padded(self.n * self.q)
             + sets * layer
             + slab
-            + self.scratch_len(logit_rows, mlp_rows)
             + grad
+            + self.scratch_len(plan.logit_rows, plan.mlp_rows, shared)
             + padded(self.head_norm_len)
     }
 
@@ -240,7 +224,7 @@ pub(crate) struct ArenaPlan {
     /// Tokens per logits chunk at capacity; a call carves `min(logit_rows, n)`.
     pub logit_rows: usize,
     /// Tokens per MLP chunk at capacity (see [`crate::mlp_chunk`]); a call carves
-    /// `min(mlp_rows, n)`. Fewer than the capacity's tokens only with `Recomputed`.
+    /// `min(mlp_rows, n)`. Fewer than the capacity's tokens only under checkpointing.
     pub mlp_rows: usize,
     /// Checkpoint offload: the residual stream's device ring of this many slabs (`None`: one
     /// slab per layer boundary).
@@ -272,21 +256,15 @@ impl Arena {
         max_elem_bytes: usize,
         plan: ArenaPlan,
     ) -> Result<Self> {
-        if plan.mlp_rows < capacity.n && plan.act == ActStore::Kept {
+        if plan.mlp_rows < capacity.n && !plan.checkpointing {
             return Err(super::views::arena_error(format!(
-                "MLP chunks of {} tokens need the recomputed activation",
+                "MLP chunks of {} tokens need gradient checkpointing (each layer keeps its \
+                 whole MLP otherwise)",
                 plan.mlp_rows
             )));
         }
         let sets = Self::sets(capacity, plan.checkpointing);
-        let len = capacity.main_len_with(
-            sets,
-            plan.logit_rows,
-            plan.act,
-            plan.mlp_rows,
-            plan.resid_slots,
-        );
-        let bytes = len * max_elem_bytes;
+        let bytes = capacity.main_len(&plan) * max_elem_bytes;
         let main = stream
             .alloc_zeros::<f32>(bytes.div_ceil(size_of::<f32>()))
             .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
@@ -367,7 +345,8 @@ impl Arena {
         let mlp_rows = self.plan.mlp_rows.min(d.n);
         let mut layers = Vec::with_capacity(sets);
         for _ in 0..sets {
-            let [xn1, q, k, v, att, h, xn2, gate, up, act] = d.layer_lens(self.plan.act, mlp_rows);
+            let [xn1, q, k, v, att, h, xn2, gate, up, act] =
+                d.layer_lens(self.plan.act, self.plan.checkpointing);
             let [rstd1, lse, rstd2, mean1, mean2] = d.layer_stat_lens();
             layers.push(LayerBufs {
                 xn1: aligned(&mut m, xn1)?,
@@ -396,9 +375,10 @@ impl Arena {
             dtmp: aligned(&mut m, dtmp)?,
         };
         let scratch = Scratch {
-            region: m.take(d.scratch_len(logit_rows, mlp_rows))?,
+            region: m.take(d.scratch_len(logit_rows, mlp_rows, self.plan.checkpointing))?,
             logits_len: logit_rows * d.vocab,
-            grad_lens: d.layer_grad_lens(mlp_rows),
+            mlp_lens: d.mlp_lens(mlp_rows, self.plan.checkpointing),
+            attention_lens: d.attention_grad_lens(),
         };
         let head_normed = aligned(&mut m, d.head_norm_len)?;
         let final_rstd = aligned(&mut s, d.n)?;
@@ -450,8 +430,8 @@ pub(crate) struct LayerBufs<'a, T> {
     pub h: CudaViewMut<'a, T>,
     /// `post_attention_layernorm(h)`, `[N, C]`.
     pub xn2: CudaViewMut<'a, T>,
-    /// `gate_proj(xn2)` and `up_proj(xn2)` of one MLP chunk, `[M, I]` (`M = N` unless
-    /// checkpointing chunks the MLP, see [`crate::mlp_chunk`]).
+    /// `gate_proj(xn2)` and `up_proj(xn2)`, `[N, I]`; empty under checkpointing, whose
+    /// shared set leaves them to the [`Scratch`] one MLP chunk at a time.
     pub gate: CudaViewMut<'a, T>,
     pub up: CudaViewMut<'a, T>,
     /// `silu(gate) * up`, `[N, I]`; empty under [`ActStore::Recomputed`].
@@ -477,29 +457,37 @@ pub(crate) struct GradBufs<'a, T> {
     pub dtmp: CudaViewMut<'a, T>,
 }
 
-/// One block backward's gradient buffers (written `=` by each op), carved from [`Scratch`].
-pub(crate) struct LayerGrads<'a, T> {
-    pub dq: CudaViewMut<'a, T>,
-    pub dk: CudaViewMut<'a, T>,
-    pub dv: CudaViewMut<'a, T>,
-    pub datt: CudaViewMut<'a, T>,
-    /// `[M, I]` for an MLP chunk of `M` tokens (see [`crate::mlp_chunk`]); the forward and
-    /// the backward's recomputation also write the chunk's `silu(gate) * up` here when the
-    /// layer buffers do not keep it.
+/// One MLP chunk's buffers in the [`Scratch`] (`[M, I]` for a chunk of `M` tokens, see
+/// [`crate::mlp_chunk`]).
+pub(crate) struct MlpScratch<'a, T> {
+    /// `gate_proj` and `up_proj` outputs under checkpointing (empty otherwise: each layer's
+    /// own are in its [`LayerBufs`]).
+    pub gate: CudaViewMut<'a, T>,
+    pub up: CudaViewMut<'a, T>,
+    /// Gradients (`=`). The forward and the backward also write the chunk's
+    /// `silu(gate) * up` to `dgate` when the layer buffers do not keep it.
     pub dgate: CudaViewMut<'a, T>,
     pub dup: CudaViewMut<'a, T>,
     pub dact: CudaViewMut<'a, T>,
 }
 
-/// The region the loss head's logits chunk and a block's gradient buffers share. They are
-/// never live together: the logits exist only inside the loss head (`lce.rs`), the block
-/// gradients only inside one block's forward MLP (the recomputed activation) or backward, and
-/// everything runs in order on one stream. Sharing saves the smaller of the two (the logits'
-/// 250 MiB at a 32 000-word vocabulary).
+/// The attention backward's gradients (`=`), in the [`Scratch`].
+pub(crate) struct AttentionGrads<'a, T> {
+    pub dq: CudaViewMut<'a, T>,
+    pub dk: CudaViewMut<'a, T>,
+    pub dv: CudaViewMut<'a, T>,
+    pub datt: CudaViewMut<'a, T>,
+}
+
+/// The region three short-lived groups of buffers share, each live only inside one phase that
+/// runs in order on one stream: the loss head's logits chunk (`lce.rs`), an MLP chunk's
+/// buffers (a block's MLP forward, and the MLP part of its backward, see `mlp.rs`), and the
+/// attention backward's gradients. The region is the largest of the three, not their sum.
 pub(crate) struct Scratch<'a, T> {
     region: CudaViewMut<'a, T>,
     logits_len: usize,
-    grad_lens: [usize; 7],
+    mlp_lens: [usize; 5],
+    attention_lens: [usize; 4],
 }
 
 impl<T> Scratch<'_, T> {
@@ -508,18 +496,28 @@ impl<T> Scratch<'_, T> {
         sub_mut(self.region.slice_mut(..), 0..self.logits_len)
     }
 
-    /// The block gradient buffers (over the same bytes as [`logits`](Self::logits)).
-    pub(crate) fn layer_grads(&mut self) -> Result<LayerGrads<'_, T>> {
+    /// An MLP chunk's buffers (over the same bytes as the other uses).
+    pub(crate) fn mlp(&mut self) -> Result<MlpScratch<'_, T>> {
         let mut m = Carver::new(self.region.slice_mut(..));
-        let [dq, dk, dv, datt, dgate, dup, dact] = self.grad_lens;
-        Ok(LayerGrads {
+        let [gate, up, dgate, dup, dact] = self.mlp_lens;
+        Ok(MlpScratch {
+            gate: aligned(&mut m, gate)?,
+            up: aligned(&mut m, up)?,
+            dgate: aligned(&mut m, dgate)?,
+            dup: aligned(&mut m, dup)?,
+            dact: aligned(&mut m, dact)?,
+        })
+    }
+
+    /// The attention backward's gradients (over the same bytes as the other uses).
+    pub(crate) fn attention(&mut self) -> Result<AttentionGrads<'_, T>> {
+        let mut m = Carver::new(self.region.slice_mut(..));
+        let [dq, dk, dv, datt] = self.attention_lens;
+        Ok(AttentionGrads {
             dq: aligned(&mut m, dq)?,
             dk: aligned(&mut m, dk)?,
             dv: aligned(&mut m, dv)?,
             datt: aligned(&mut m, datt)?,
-            dgate: aligned(&mut m, dgate)?,
-            dup: aligned(&mut m, dup)?,
-            dact: aligned(&mut m, dact)?,
         })
     }
 }
@@ -554,7 +552,7 @@ pub(crate) struct Bufs<'a, T> {
     pub row_loss: CudaViewMut<'a, f32>,
     pub grad: GradBufs<'a, T>,
     /// The logits chunk (after the fused cross entropy, d(loss)/d(logits) of that chunk; see
-    /// `lce.rs`) or a block's gradient buffers.
+    /// `lce.rs`), an MLP chunk's buffers or the attention backward's gradients.
     pub scratch: Scratch<'a, T>,
     /// NormHead (Baichuan2): the row-normalised lm_head `[V, C]` the logits are computed with
     /// (empty without NormHead).
@@ -615,6 +613,7 @@ pub(crate) fn resid_in_out<'s, 'a, T>(
 mod tests {
     use super::*;
     use crate::lce_chunk::LceChunk;
+    use crate::mlp_chunk::mlp_chunk_rows;
 
     fn tiny_llama(batch: usize, seq: usize) -> Dims {
         // TinyLlama-1.1B's shape (the bench preset).
@@ -625,39 +624,55 @@ mod tests {
         Dims::new(&config, batch, seq)
     }
 
-    #[test]
-    fn the_logits_chunk_shares_the_block_gradients_region() {
-        let d = tiny_llama(8, 2048);
-        let (sets, kept, n) = (d.layers, ActStore::Kept, d.n);
-        let rows = LceChunk::Auto.rows(n, d.vocab, 2);
-        assert_eq!(rows, 4096);
-        let grads: usize = d.layer_grad_lens(n).iter().map(|&l| padded(l)).sum();
-        // dq, dk, dv, datt and three [N, I]: 672 MiB in bf16.
-        assert_eq!(grads * 2, 672 << 20);
-        // The 4 096 × 32 000 logits (250 MiB) fit in the same bytes: they cost nothing.
-        assert!(d.logits_len(rows) < grads);
-        assert_eq!(
-            d.main_len(sets, rows, kept, n),
-            d.main_len(sets, 1, kept, n)
-        );
-        // Unchunked, the logits are the region: `n × vocab`, over the gradients.
-        let full = d.main_len(sets, n, kept, n);
-        assert_eq!(full - d.main_len(sets, rows, kept, n), n * d.vocab - grads);
+    /// The plan of a model built for `d` in bf16, with logits chunks of `logit_rows`.
+    fn plan(d: &Dims, checkpointing: bool, act: ActStore, logit_rows: usize) -> ArenaPlan {
+        ArenaPlan {
+            checkpointing,
+            act,
+            logit_rows,
+            mlp_rows: mlp_chunk_rows(d.n, d.inter, 2, checkpointing),
+            resid_slots: None,
+        }
     }
 
     #[test]
-    fn mlp_chunks_shrink_the_shared_set_and_the_block_gradients() {
+    fn the_logits_chunk_shares_the_scratch_with_the_mlp_gradients() {
+        let d = tiny_llama(8, 2048);
+        let n = d.n;
+        let rows = LceChunk::Auto.rows(n, d.vocab, 2);
+        assert_eq!(rows, 4096);
+        let kept = |logit_rows| d.main_len(&plan(&d, false, ActStore::Kept, logit_rows));
+        // Without checkpointing the scratch holds dgate, dup, dact of every token (528 MiB in
+        // bf16), more than dq, dk, dv, datt (144 MiB) or the 4 096 × 32 000 logits (250 MiB),
+        // which therefore cost nothing.
+        let mlp = 3 * n * d.inter;
+        assert_eq!(mlp * 2, 528 << 20);
+        assert_eq!(kept(rows), kept(1));
+        // Unchunked, the logits are the largest: `n × vocab` over the MLP's.
+        assert_eq!(kept(n) - kept(rows), n * d.vocab - mlp);
+    }
+
+    #[test]
+    fn checkpointing_keeps_one_mlp_chunk_in_the_scratch() {
         let d = tiny_llama(1, 65_536);
         let rows = LceChunk::Auto.rows(d.n, d.vocab, 2);
-        let recomputed = ActStore::Recomputed;
-        let m = crate::mlp_chunk::mlp_chunk_rows(d.n, d.inter, 2, true);
-        assert_eq!(m, 4096);
-        let whole = d.main_len(1, rows, recomputed, d.n);
-        let chunked = d.main_len(1, rows, recomputed, m);
-        // gate and up in the shared set, dgate, dup and dact in the block gradients: five
-        // [N, I] buffers become five [M, I], 3.22 GiB less at 64 K tokens in bf16.
-        assert_eq!(whole - chunked, 5 * (d.n - m) * d.inter);
-        assert_eq!((whole - chunked) * 2, 3_460_300_800);
+        let ckpt = plan(&d, true, ActStore::Recomputed, rows);
+        assert_eq!(ckpt.mlp_rows, 4096);
+        let whole = ArenaPlan {
+            mlp_rows: d.n,
+            ..ckpt
+        };
+        // Whole, the scratch is gate, up, dgate, dup, dact of every token; in chunks of 4 096
+        // it is the attention gradients (dq, dk, dv, datt of every token, 576 MiB), more than
+        // five [M, I] (220 MiB) and the logits (250 MiB).
+        let attention = 2 * d.n * (d.q + d.kv);
+        assert_eq!(attention * 2, 576 << 20);
+        assert_eq!(
+            d.main_len(&whole) - d.main_len(&ckpt),
+            5 * d.n * d.inter - attention
+        );
+        // 2.87 GiB less at 64 K tokens in bf16.
+        assert_eq!((d.main_len(&whole) - d.main_len(&ckpt)) * 2, 3_087_007_744);
     }
 
     #[test]
@@ -665,8 +680,8 @@ mod tests {
         let d = tiny_llama(1, 64);
         let kept = ActStore::Kept;
         assert_eq!(
-            d.main_len(d.layers, 10_000, kept, d.n),
-            d.main_len(d.layers, d.n, kept, d.n)
+            d.main_len(&plan(&d, false, kept, 10_000)),
+            d.main_len(&plan(&d, false, kept, d.n))
         );
         // A chunk that does not divide the tokens is padded like any buffer.
         assert_eq!(d.logits_len(7), padded(7 * d.vocab));
@@ -677,14 +692,15 @@ mod tests {
     fn recomputing_the_mlp_activation_drops_one_tokens_by_intermediate_buffer_per_layer() {
         let d = tiny_llama(8, 2048);
         let rows = LceChunk::Auto.rows(d.n, d.vocab, 2);
-        let kept = d.main_len(d.layers, rows, ActStore::Kept, d.n);
-        let recomputed = d.main_len(d.layers, rows, ActStore::Recomputed, d.n);
-        assert_eq!(kept - recomputed, d.layers * d.n * d.inter);
+        let len = |ckpt, act| d.main_len(&plan(&d, ckpt, act, rows));
+        let saved = len(false, ActStore::Kept) - len(false, ActStore::Recomputed);
+        assert_eq!(saved, d.layers * d.n * d.inter);
         // 22 × 16 384 × 5 632 bf16 elements: 3.78 GiB at TinyLlama's bench shape.
-        assert_eq!((kept - recomputed) * 2, 4_060_086_272);
+        assert_eq!(saved * 2, 4_060_086_272);
         // With checkpointing's one shared set, one layer's worth.
-        let one = d.main_len(1, rows, ActStore::Kept, d.n)
-            - d.main_len(1, rows, ActStore::Recomputed, d.n);
-        assert_eq!(one, d.n * d.inter);
+        assert_eq!(
+            len(true, ActStore::Kept) - len(true, ActStore::Recomputed),
+            d.n * d.inter
+        );
     }
 }

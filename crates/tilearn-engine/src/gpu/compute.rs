@@ -17,7 +17,8 @@
 use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cuda::{self as k, DeviceFloat};
 
-use super::arena::{Bufs, Dims, GradBufs, LayerBufs, LayerGrads, resid_in_out};
+use super::arena::{Bufs, Dims, GradBufs, LayerBufs, Scratch, resid_in_out};
+use super::linear::{linear_bwd, linear_fwd};
 use super::mlp::{MlpBackward, mlp_backward, mlp_forward};
 use super::norms::{NormAt, add_norm_fwd, norm_bwd, norm_bwd_add, norm_fwd};
 use super::resid_offload::{Part, RESID_SLOTS, ResidOffload, boundary_to_load};
@@ -25,7 +26,7 @@ use super::sink::{GradParts, Handoff};
 use super::tensor_parallel::complete;
 use super::vocab_parallel::{embedding_grad, embedding_lookup};
 use crate::error::Result;
-use crate::model::{LayerLayout, LinearLayout, ModelLayout};
+use crate::model::{LayerLayout, ModelLayout};
 
 pub(crate) use super::cx::Cx;
 use super::weights::Weights;
@@ -65,74 +66,6 @@ fn final_norm(layout: &ModelLayout) -> NormAt {
 /// the last (its output goes to the next stage, whose first layer normalises it).
 fn output_norm(layout: &ModelLayout) -> Option<NormAt> {
     layout.has_head().then(|| final_norm(layout))
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(super) fn linear_fwd<T: DeviceFloat>(
-    cx: &mut Cx<'_>,
-    w: &Weights<'_, T>,
-    l: &LinearLayout,
-    x: &CudaView<'_, T>,
-    rows: usize,
-    in_f: usize,
-    out_f: usize,
-    out: &mut CudaViewMut<'_, T>,
-) -> Result<()> {
-    let bias = l.bias.as_ref().map(|b| w.slice(b.clone())).transpose()?;
-    cx.mm.linear_forward(
-        cx.stream,
-        x,
-        &w.slice(l.weight.clone())?,
-        bias.as_ref(),
-        rows,
-        in_f,
-        out_f,
-        out,
-    )?;
-    Ok(())
-}
-
-/// Backward of one linear layer: `dx =` (when asked), weight and bias gradients `+=` into
-/// their ranges of the flat f32 gradient buffer.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn linear_bwd<T: DeviceFloat>(
-    cx: &mut Cx<'_>,
-    w: &Weights<'_, T>,
-    g: &mut GradParts<'_>,
-    l: &LinearLayout,
-    dout: &CudaView<'_, T>,
-    x: &CudaView<'_, T>,
-    rows: usize,
-    in_f: usize,
-    out_f: usize,
-    dx: Option<&mut CudaViewMut<'_, T>>,
-) -> Result<()> {
-    let weight = w.slice(l.weight.clone())?;
-    match &l.bias {
-        Some(b) => {
-            let (mut dw, mut db) = g.two(l.weight.clone(), b.clone())?;
-            cx.mm.linear_backward(
-                cx.stream,
-                dout,
-                x,
-                &weight,
-                rows,
-                in_f,
-                out_f,
-                dx,
-                &mut dw,
-                Some(&mut db),
-            )?;
-            Ok(())
-        }
-        None => {
-            let mut dw = g.range(l.weight.clone())?;
-            cx.mm.linear_backward(
-                cx.stream, dout, x, &weight, rows, in_f, out_f, dx, &mut dw, None,
-            )?;
-            Ok(())
-        }
-    }
 }
 
 /// Forward through the final norm into `b.final_xn` (the loss head, `lm_head` and the cross
@@ -204,9 +137,6 @@ pub(crate) fn forward<T: DeviceFloat>(
         first_mean,
         first_rstd,
     )?;
-    // Where the MLP activation goes when the layer buffers do not keep it (free until the
-    // loss head and the backward).
-    let mut lg = b.scratch.layer_grads()?;
     for (i, lay) in layout.layers.iter().enumerate() {
         let (before, after) = b.resid.split_at_mut(i + 1);
         let (cur, rest) = b.layers.split_at_mut(i + 1);
@@ -232,7 +162,7 @@ pub(crate) fn forward<T: DeviceFloat>(
             w,
             &before[i].as_view(),
             &mut cur[i],
-            &mut lg.dgate,
+            &mut b.scratch,
             &mut after[0],
             next,
             (BlockPass::Forward, b.mlp_rows),
@@ -329,7 +259,7 @@ fn run_block_checkpointed<T: DeviceFloat>(
         w,
         &input.as_view(),
         shared,
-        &mut b.scratch.layer_grads()?.dgate,
+        &mut b.scratch,
         output,
         next,
         (pass, b.mlp_rows),
@@ -482,7 +412,7 @@ pub(crate) fn backward<T: DeviceFloat>(
             &mut g.grads()?,
             &b.resid[x].as_view(),
             &mut b.layers[set],
-            (&mut b.grad, &mut b.scratch.layer_grads()?),
+            (&mut b.grad, &mut b.scratch),
             (checkpointing, b.mlp_rows),
         )?;
         g.pass_on(cx.stream)?;
@@ -535,10 +465,9 @@ enum BlockPass {
 
 /// Forward of one block from `x` (whose `input_layernorm` is already in `a.xn1`/`a.rstd1`)
 /// into `a`; `out` receives the block output and `next` its norm (none after a pipeline
-/// stage's last block, unless it ends the model). When `a` keeps no MLP activation (the
-/// arena's `ActStore::Recomputed`), it goes to `act_scratch` (the block gradients' `dgate`,
-/// idle during the forward) and the backward recomputes it. The MLP runs in chunks of
-/// `mlp_rows` tokens.
+/// stage's last block, unless it ends the model). The MLP runs in chunks of `mlp_rows` tokens
+/// through the scratch (see `mlp.rs`), which also takes its activation when `a` keeps none
+/// (the arena's `ActStore::Recomputed`; the backward recomputes it).
 #[allow(clippy::too_many_arguments)]
 fn block_forward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
@@ -547,7 +476,7 @@ fn block_forward<T: DeviceFloat>(
     w: &Weights<'_, T>,
     x: &CudaView<'_, T>,
     a: &mut LayerBufs<'_, T>,
-    act_scratch: &mut CudaViewMut<'_, T>,
+    scratch: &mut Scratch<'_, T>,
     out: &mut CudaViewMut<'_, T>,
     next: Option<NextNorm<'_, '_, T>>,
     (pass, mlp_rows): (BlockPass, usize),
@@ -569,7 +498,11 @@ fn block_forward<T: DeviceFloat>(
     }
     // A recomputation whose attention output and log-sum-exp were kept (checkpoint offload)
     // has them in `a` already: the flash backward needs nothing else from the forward.
-    if pass != (BlockPass::Recompute { attention_kept: true }) {
+    if pass
+        != (BlockPass::Recompute {
+            attention_kept: true,
+        })
+    {
         cx.mm.attention_forward(
             s,
             d,
@@ -602,14 +535,16 @@ fn block_forward<T: DeviceFloat>(
     if pass != BlockPass::Forward {
         return Ok(());
     }
+    let mut ms = scratch.mlp()?;
+    let (mut gate, mut up) = layer_or_scratch((&mut a.gate, &mut a.up), (&mut ms.gate, &mut ms.up));
     let mut act = if a.act.is_empty() {
-        act_scratch.slice_mut(..)
+        ms.dgate.slice_mut(..)
     } else {
         a.act.slice_mut(..)
     };
     let xn2 = a.xn2.as_view();
     mlp_forward(
-        cx, d, lay, w, mlp_rows, &xn2, &mut a.gate, &mut a.up, &mut act, out,
+        cx, d, lay, w, mlp_rows, &xn2, &mut gate, &mut up, &mut act, out,
     )?;
     // Row-parallel: each rank's down_proj output is its columns' share.
     complete(cx.tp, out)?;
@@ -644,17 +579,21 @@ fn block_backward<T: DeviceFloat>(
     g: &mut GradParts<'_>,
     x: &CudaView<'_, T>,
     a: &mut LayerBufs<'_, T>,
-    (gb, lg): (&mut GradBufs<'_, T>, &mut LayerGrads<'_, T>),
+    (gb, scratch): (&mut GradBufs<'_, T>, &mut Scratch<'_, T>),
     (recomputed, mlp_rows): (bool, usize),
 ) -> Result<()> {
     let (n, c, q, kv) = (d.n, d.c, d.q, d.kv);
     let s = cx.stream;
     let xn2 = a.xn2.as_view();
+    let mut ms = scratch.mlp()?;
+    let (gate, up) = layer_or_scratch((&mut a.gate, &mut a.up), (&mut ms.gate, &mut ms.up));
     let mlp = MlpBackward {
-        gate: &mut a.gate,
-        up: &mut a.up,
-        act: &a.act,
-        grads: &mut *lg,
+        gate,
+        up,
+        act: a.act.as_view(),
+        dgate: ms.dgate.slice_mut(..),
+        dup: ms.dup.slice_mut(..),
+        dact: ms.dact.slice_mut(..),
         recompute_gate_up: recomputed,
     };
     mlp_backward(
@@ -670,6 +609,7 @@ fn block_backward<T: DeviceFloat>(
         &mut gb.dxn,
         &mut gb.dtmp,
     )?;
+    let mut lg = scratch.attention()?;
     let xn1 = a.xn1.as_view();
     // Column-parallel gate/up: each rank's input gradient covers its columns only.
     complete(cx.tp, &mut gb.dxn)?;
@@ -781,4 +721,19 @@ fn block_backward<T: DeviceFloat>(
         &mut gb.dtmp,
     )?;
     Ok(())
+}
+
+/// The MLP's `gate` and `up`: the layer buffers' own (`own`, without checkpointing), or one
+/// chunk's in the scratch (`chunk`, under checkpointing, whose shared set has none).
+type ViewPair<'s, 'a, T> = (&'s mut CudaViewMut<'a, T>, &'s mut CudaViewMut<'a, T>);
+
+fn layer_or_scratch<'s, T>(
+    own: ViewPair<'s, '_, T>,
+    chunk: ViewPair<'s, '_, T>,
+) -> (CudaViewMut<'s, T>, CudaViewMut<'s, T>) {
+    if own.0.is_empty() && own.1.is_empty() {
+        (chunk.0.slice_mut(..), chunk.1.slice_mut(..))
+    } else {
+        (own.0.slice_mut(..), own.1.slice_mut(..))
+    }
 }

@@ -15,8 +15,9 @@
 use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cuda::{self as k, DeviceFloat};
 
-use super::arena::{Dims, LayerGrads};
-use super::compute::{Cx, linear_bwd, linear_fwd};
+use super::arena::Dims;
+use super::cx::Cx;
+use super::linear::{linear_bwd, linear_fwd};
 use super::sink::GradParts;
 use super::views::{view, view_mut, view_of};
 use super::weights::Weights;
@@ -80,14 +81,17 @@ fn gate_up_forward<T: DeviceFloat>(
     Ok(())
 }
 
-/// The MLP's buffers in a backward: the layer buffers' `gate`/`up` and kept activation (empty
-/// when recomputed), the block gradients, and whether `gate`/`up` must be recomputed (under
-/// checkpointing the block's recomputation stops before the MLP).
-pub(super) struct MlpBackward<'s, 'a, 'g, T> {
-    pub gate: &'s mut CudaViewMut<'a, T>,
-    pub up: &'s mut CudaViewMut<'a, T>,
-    pub act: &'s CudaViewMut<'a, T>,
-    pub grads: &'s mut LayerGrads<'g, T>,
+/// The MLP's buffers in a backward: `gate` and `up` (the layer's, or one chunk's in the
+/// scratch), the kept activation (empty when recomputed), one chunk's gradients, and whether
+/// `gate`/`up` must be recomputed (under checkpointing the block's recomputation stops before
+/// the MLP).
+pub(super) struct MlpBackward<'s, T> {
+    pub gate: CudaViewMut<'s, T>,
+    pub up: CudaViewMut<'s, T>,
+    pub act: CudaView<'s, T>,
+    pub dgate: CudaViewMut<'s, T>,
+    pub dup: CudaViewMut<'s, T>,
+    pub dact: CudaViewMut<'s, T>,
     pub recompute_gate_up: bool,
 }
 
@@ -104,17 +108,19 @@ pub(super) fn mlp_backward<T: DeviceFloat>(
     rows: usize,
     xn2: &CudaView<'_, T>,
     dres: &CudaView<'_, T>,
-    bufs: MlpBackward<'_, '_, '_, T>,
+    bufs: MlpBackward<'_, T>,
     dxn: &mut CudaViewMut<'_, T>,
     dtmp: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
     let (c, inter) = (d.c, d.inter);
     let s = cx.stream;
     let MlpBackward {
-        gate,
-        up,
+        mut gate,
+        mut up,
         act,
-        grads: gb,
+        mut dgate,
+        mut dup,
+        mut dact,
         recompute_gate_up,
     } = bufs;
     let kept_act = !act.is_empty();
@@ -126,25 +132,25 @@ pub(super) fn mlp_backward<T: DeviceFloat>(
         // The activation: kept, or recomputed into dgate (written `=` by the SwiGLU backward
         // only after the down projection's backward has read it; the GeLU backward writes
         // dup instead).
-        let mut dgate = view_mut(&mut gb.dgate, mi.clone())?;
+        let mut dgate = view_mut(&mut dgate, mi.clone())?;
         if recompute_gate_up {
-            gate_up_forward(cx, lay, w, &x, m, c, inter, gate, up, &mut dgate)?;
+            gate_up_forward(cx, lay, w, &x, m, c, inter, &mut gate, &mut up, &mut dgate)?;
         } else if !kept_act {
-            let up_r = view_of(up, mi.clone())?;
+            let up_r = view_of(&up, mi.clone())?;
             match &lay.gate {
                 Some(_) => {
-                    let gate_r = view_of(gate, mi.clone())?;
+                    let gate_r = view_of(&gate, mi.clone())?;
                     k::swiglu_forward(s, &gate_r, &up_r, &mut dgate)?;
                 }
                 None => k::gelu_tanh_forward(s, &up_r, &mut dgate)?,
             }
         }
         let act_r = if kept_act {
-            view_of(act, mi.clone())?
+            view(&act, mi.clone())?
         } else {
             dgate.as_view()
         };
-        let mut dact = view_mut(&mut gb.dact, mi.clone())?;
+        let mut dact = view_mut(&mut dact, mi.clone())?;
         let dres_r = view(dres, rc.clone())?;
         linear_bwd(
             cx,
@@ -158,12 +164,12 @@ pub(super) fn mlp_backward<T: DeviceFloat>(
             c,
             Some(&mut dact),
         )?;
-        let up_r = view_of(up, mi.clone())?;
-        let mut dup = view_mut(&mut gb.dup, mi.clone())?;
+        let up_r = view_of(&up, mi.clone())?;
+        let mut dup = view_mut(&mut dup, mi.clone())?;
         let mut dxn_r = view_mut(dxn, rc.clone())?;
         match &lay.gate {
             Some(gw) => {
-                let gate_r = view_of(gate, mi.clone())?;
+                let gate_r = view_of(&gate, mi.clone())?;
                 k::swiglu_backward(s, &dact, &gate_r, &up_r, &mut dgate, &mut dup)?;
                 linear_bwd(
                     cx,

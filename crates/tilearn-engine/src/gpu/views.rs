@@ -64,7 +64,10 @@ pub(crate) fn view<'b, T>(v: &'b CudaView<'_, T>, r: Range<usize>) -> Result<Cud
 }
 
 /// [`view`] of a writable view, to read.
-pub(crate) fn view_of<'b, T>(v: &'b CudaViewMut<'_, T>, r: Range<usize>) -> Result<CudaView<'b, T>> {
+pub(crate) fn view_of<'b, T>(
+    v: &'b CudaViewMut<'_, T>,
+    r: Range<usize>,
+) -> Result<CudaView<'b, T>> {
     let len = v.len();
     v.try_slice(r.clone())
         .ok_or_else(|| arena_error(format!("range {r:?} lies outside a view of {len}")))

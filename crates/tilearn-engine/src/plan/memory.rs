@@ -97,16 +97,18 @@ pub fn model_state(bytes: StateBytes, psi: u64, dp: usize, stage: ShardStage) ->
 pub struct ArenaTerms {
     /// One layer's saved buffers (xn1, q, k, v, att, h, xn2, the MLP's gate and up, the
     /// activation unless recomputed, and the f32 rstd1, lse, rstd2). Under checkpointing the
-    /// shared set keeps no activation and its gate and up hold one MLP chunk
-    /// ([`crate::mlp_chunk`]).
+    /// shared set keeps neither the activation nor gate and up (one MLP chunk's are in the
+    /// scratch, [`crate::mlp_chunk`]).
     pub layer_set: f64,
     /// One `resid[i]` slab, `[N, C]`.
     pub resid: f64,
     /// The gradient scratch that lives through the backward (dres, dxn, dtmp).
     pub grad_scratch: f64,
-    /// One block backward's gradients (dq, dk, dv, datt, and dgate, dup, dact of one MLP
-    /// chunk), which share their bytes with the logits chunk.
-    pub layer_grads: f64,
+    /// One MLP chunk's buffers in the scratch: dgate, dup, dact, and under checkpointing gate
+    /// and up.
+    pub mlp_chunk: f64,
+    /// The attention backward's gradients in the scratch: dq, dk, dv, datt.
+    pub attention_grads: f64,
     /// `final_xn`, the f32 final rstd and row losses, and the u32 ids and i32 targets.
     pub per_call: f64,
     /// The loss head's logits chunk: `[rows, V]` (vocabulary-parallel: V/TP columns), rows
@@ -121,13 +123,20 @@ impl ArenaTerms {
         let (c, q, kv, i) = (w.hidden as f64, w.q as f64, w.kv as f64, w.inter as f64);
         let elem = ACTIVATION_ELEM_BYTES as usize;
         let m = mlp_chunk_rows(tokens, w.inter, elem, checkpointing) as f64;
-        let act = if checkpointing { 0.0 } else { n * i };
+        // Without checkpointing each layer keeps gate, up and the activation; with it the
+        // chunk's gate and up join its gradients in the scratch.
+        let (own_mlp, chunk_mlp) = if checkpointing {
+            (0.0, 5.0 * m * i)
+        } else {
+            (3.0 * n * i, 3.0 * m * i)
+        };
         ArenaTerms {
-            layer_set: e * (n * (3.0 * c + 2.0 * q + 2.0 * kv) + 2.0 * m * i + act)
+            layer_set: e * (n * (3.0 * c + 2.0 * q + 2.0 * kv) + own_mlp)
                 + 4.0 * n * (2.0 + w.q_heads as f64),
             resid: e * n * c,
             grad_scratch: e * 3.0 * n * c,
-            layer_grads: e * (n * (2.0 * q + 2.0 * kv) + 3.0 * m * i),
+            mlp_chunk: e * chunk_mlp,
+            attention_grads: e * n * (2.0 * q + 2.0 * kv),
             per_call: e * n * c + 4.0 * n * 2.0 + 8.0 * n,
             logits: e * LceChunk::Auto.rows(tokens, w.vocab, elem) as f64 * w.vocab as f64,
         }
@@ -158,7 +167,8 @@ pub fn activation_bytes(
     // `resid[L]`, the final norm's input, and the logits live on the last stage.
     let final_input = if position.last { a.resid } else { 0.0 };
     let logits = if position.last { a.logits } else { 0.0 };
-    saved + final_input + a.grad_scratch + a.layer_grads.max(logits) + a.per_call
+    let scratch = a.mlp_chunk.max(a.attention_grads).max(logits);
+    saved + final_input + a.grad_scratch + scratch + a.per_call
 }
 
 /// Workspace bytes of one rank (see the module docs).
@@ -273,26 +283,29 @@ mod tests {
         assert_eq!(a.layer_set, 16.0 * (768.0 * 2.0 + 6.0 * 4.0));
         assert_eq!(a.resid, 16.0 * 64.0 * 2.0);
         assert_eq!(a.grad_scratch, 16.0 * 3.0 * 64.0 * 2.0);
-        // dq 64, dk 32, dv 32, datt 64 and dgate/dup/dact 3 × 128.
-        assert_eq!(a.layer_grads, 16.0 * 576.0 * 2.0);
+        // dgate/dup/dact 3 × 128; dq 64, dk 32, dv 32, datt 64.
+        assert_eq!(a.mlp_chunk, 16.0 * 384.0 * 2.0);
+        assert_eq!(a.attention_grads, 16.0 * 192.0 * 2.0);
         assert_eq!(a.logits, 16.0 * 100.0 * 2.0);
         assert_eq!(a.per_call, 16.0 * (64.0 * 2.0 + 8.0 + 8.0));
-        // Without checkpointing: 2 layers of (resid + set), resid[L], scratch, the block
-        // gradients (larger than the logits, which share their bytes), call.
+        // Without checkpointing: 2 layers of (resid + set), resid[L], the gradient scratch, the
+        // shared scratch (the MLP gradients, larger than the logits and the attention
+        // gradients), call.
         let plain = activation_bytes(w, &layout(false), 2, 8, StagePosition::ONLY);
         let expected =
-            2.0 * (a.resid + a.layer_set) + a.resid + a.grad_scratch + a.layer_grads + a.per_call;
+            2.0 * (a.resid + a.layer_set) + a.resid + a.grad_scratch + a.mlp_chunk + a.per_call;
         assert_eq!(plain, expected);
-        // With checkpointing: every layer's input, but one shared set, without its MLP
-        // activation (16 rows × 128 bf16; 16 rows are one MLP chunk).
+        // With checkpointing: every layer's input, but one shared set without its MLP (16 rows
+        // × 3 × 128 bf16), whose gate and up (16 rows are one chunk) join the scratch.
         let ckpt = activation_bytes(w, &layout(true), 2, 8, StagePosition::ONLY);
-        assert_eq!(ckpt, expected - a.layer_set - 16.0 * 128.0 * 2.0);
+        let mlp = 16.0 * 128.0 * 2.0;
+        assert_eq!(ckpt, expected - a.layer_set - 3.0 * mlp + 2.0 * mlp);
     }
 
     #[test]
     fn checkpointing_counts_one_mlp_chunk() {
-        // TinyLlama at 1 × 64 K: gate and up of the shared set and the block gradients'
-        // dgate, dup, dact hold 4 096 tokens, not 65 536.
+        // TinyLlama at 1 × 64 K: gate, up, dgate, dup and dact hold 4 096 tokens, not 65 536,
+        // in the scratch.
         let json = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
             "hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,
             "num_key_value_heads": 4, "intermediate_size": 5632}"#;
@@ -301,8 +314,10 @@ mod tests {
         let (n, m, i) = (65_536.0, 4096.0, 5632.0);
         let plain = ArenaTerms::new(w, 65_536, false);
         let ckpt = ArenaTerms::new(w, 65_536, true);
-        assert_eq!(plain.layer_set - ckpt.layer_set, 2.0 * (n * i + 2.0 * (n - m) * i));
-        assert_eq!(plain.layer_grads - ckpt.layer_grads, 2.0 * 3.0 * (n - m) * i);
+        assert_eq!(plain.layer_set - ckpt.layer_set, 2.0 * 3.0 * n * i);
+        assert_eq!(plain.mlp_chunk, 2.0 * 3.0 * n * i);
+        assert_eq!(ckpt.mlp_chunk, 2.0 * 5.0 * m * i);
+        assert_eq!(ckpt.attention_grads, plain.attention_grads);
     }
 
     #[test]

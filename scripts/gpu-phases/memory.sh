@@ -41,8 +41,8 @@ mem() { # name, tool (tilearn|liger), seq, extra flags...
 }
 if [[ $parts == *" bench "* ]]; then
   for seq in ${MEMORY_SEQS:-16384 32768}; do
-    mem "tilearn_$seq" tilearn "$seq"
-    mem "tilearn_offload_$seq" tilearn "$seq" --offload-checkpoints
+    mem "tilearn_$seq" tilearn "$seq" --offload-checkpoints off
+    mem "tilearn_offload_$seq" tilearn "$seq" --offload-checkpoints on
     [ "$seq" = 16384 ] && [ "${MEMORY_WHOLE:-1}" = 1 ] && \
       mem "tilearn_whole_$seq" tilearn "$seq" --weight-copy whole
     mem "liger_$seq" liger "$seq"

@@ -14,6 +14,7 @@ pub mod lce_chunk;
 pub mod memory_mode;
 pub mod mlp_chunk;
 pub mod model;
+pub mod offload_checkpoints;
 pub mod params;
 pub mod plan;
 pub mod weight_copy;

@@ -204,10 +204,12 @@ fn offload_needs_checkpointing_and_can_be_turned_off() {
     assert!(!plain.offload_checkpoints());
     let mut gpu = build(&dev, true);
     let before = gpu.memory().activation_bytes;
-    gpu.set_offload_checkpoints(true).unwrap();
-    // Boundaries, attention outputs (Hq·D = HIDDEN here) and their f32 lse (2 heads).
+    // Boundaries, attention outputs (Hq·D = HIDDEN here) and their f32 lse (2 heads): what
+    // `--offload-checkpoints auto` weighs before asking, and what it then holds.
     let n = BATCH * SEQ;
     let host = (LAYERS + 1) * n * HIDDEN * 2 + LAYERS * n * (HIDDEN * 2 + 2 * 4);
+    assert_eq!(gpu.checkpoint_offload_host_bytes(), host);
+    gpu.set_offload_checkpoints(true).unwrap();
     assert_eq!(gpu.offloaded_checkpoint_bytes(), host);
     gpu.set_offload_checkpoints(false).unwrap();
     assert_eq!(gpu.memory().activation_bytes, before);

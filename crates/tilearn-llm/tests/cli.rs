@@ -526,8 +526,25 @@ fn gpu_memory_flags_that_cannot_apply_are_clear_errors() {
         "--device",
         "cpu",
         "--offload-checkpoints",
+        "on",
     ]);
     assert_clean_error(&out, &["--offload-checkpoints", "--device cuda"]);
+    // A placement it does not know is refused by name, with the choices.
+    let out = tilearn(&[
+        "bench",
+        "--preset",
+        "llama-134m",
+        "--device",
+        "cpu",
+        "--offload-checkpoints",
+        "host",
+    ]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "a usage error: {err}");
+    assert!(
+        err.contains("`host`") && err.contains("`auto`") && !err.contains("panicked"),
+        "{err}"
+    );
     // ZeRO shards the master weights: no whole layer to cast from.
     let b = out_dir("b");
     let out = tilearn(&[

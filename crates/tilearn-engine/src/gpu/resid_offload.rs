@@ -323,25 +323,22 @@ impl GpuLlama {
                     .into(),
             ));
         }
-        let cap = Dims::new(&self.config, self.batch, self.seq);
-        let widest = self.widest_elem_bytes();
-        // The old ring's copies must not outlive their buffers.
-        self.resid_offload = None;
-        self.rebuild_arena(ArenaPlan {
+        let layers = Dims::new(&self.config, self.batch, self.seq).layers;
+        let plan = ArenaPlan {
             resid_slots: offload.then_some(RESID_SLOTS),
             ..self.arena.plan()
-        })?;
-        self.resid_offload = if offload {
-            self.graphs.mode = CudaGraphs::Off;
-            let bytes = PartBytes {
-                boundary: cap.n * cap.c * widest,
-                attention: cap.n * cap.q * widest,
-                lse: cap.n * cap.q_heads * size_of::<f32>(),
-            };
-            Some(ResidOffload::new(self.device.ctx(), cap.layers, bytes)?)
-        } else {
-            None
         };
+        if offload {
+            // The host room first: a refusal leaves the model as it was.
+            let ring = ResidOffload::new(self.device.ctx(), layers, self.offload_part_bytes())?;
+            self.rebuild_arena(plan)?;
+            self.graphs.mode = CudaGraphs::Off;
+            self.resid_offload = Some(ring);
+        } else {
+            // The old ring's copies must not outlive their buffers.
+            self.resid_offload = None;
+            self.rebuild_arena(plan)?;
+        }
         Ok(())
     }
 
@@ -349,6 +346,26 @@ impl GpuLlama {
     /// [`GpuLlama::set_offload_checkpoints`]).
     pub fn offload_checkpoints(&self) -> bool {
         self.resid_offload.is_some()
+    }
+
+    /// One layer part's bytes at the build's capacity, in the widest element type.
+    fn offload_part_bytes(&self) -> PartBytes {
+        let cap = Dims::new(&self.config, self.batch, self.seq);
+        let widest = self.widest_elem_bytes();
+        PartBytes {
+            boundary: cap.n * cap.c * widest,
+            attention: cap.n * cap.q * widest,
+            lse: cap.n * cap.q_heads * size_of::<f32>(),
+        }
+    }
+
+    /// Page-locked host bytes [`GpuLlama::set_offload_checkpoints`] would take (the layer
+    /// boundaries and every layer's attention output and log-sum-exp), for deciding before
+    /// asking the driver.
+    pub fn checkpoint_offload_host_bytes(&self) -> usize {
+        let layers = Dims::new(&self.config, self.batch, self.seq).layers;
+        let b = self.offload_part_bytes();
+        (layers + 1) * b.boundary + layers * (b.attention + b.lse)
     }
 
     /// Page-locked host bytes the checkpoint offload holds (0 when off).

@@ -8,6 +8,7 @@ use tilearn_ops::DType;
 use crate::cuda_graphs::CudaGraphs;
 use crate::lce_chunk::LceChunk;
 use crate::memory_mode::MemoryMode;
+use crate::offload_checkpoints::OffloadCheckpoints;
 use crate::weight_copy::WeightCopy;
 use crate::{EngineError, Result};
 
@@ -128,11 +129,11 @@ pub struct TrainingArguments {
     /// [`crate::weight_copy`]). The CPU engine ignores it.
     #[serde(default)]
     pub weight_copy: WeightCopy,
-    /// Keep gradient checkpointing's layer inputs in page-locked host memory
-    /// (`--offload-checkpoints`; see `GpuLlama::set_offload_checkpoints`). The CPU engine
-    /// ignores it.
+    /// Where the GPU engine keeps gradient checkpointing's layer inputs
+    /// (`--offload-checkpoints`; see [`crate::offload_checkpoints`]). The CPU engine ignores
+    /// it.
     #[serde(default)]
-    pub offload_checkpoints: bool,
+    pub offload_checkpoints: OffloadCheckpoints,
     /// When the eval set ([`Trainer::set_eval_dataset`](super::Trainer::set_eval_dataset)) is
     /// evaluated.
     #[serde(default)]
@@ -203,7 +204,7 @@ impl Default for TrainingArguments {
             deterministic: false,
             memory: MemoryMode::Default,
             weight_copy: WeightCopy::Auto,
-            offload_checkpoints: false,
+            offload_checkpoints: OffloadCheckpoints::Auto,
             eval_strategy: EvalStrategy::No,
             eval_steps: None,
             per_device_eval_batch_size: None,

@@ -46,6 +46,9 @@ use crate::gpu::{GatheredWeights, GpuLlama, GradientSink, StepRun};
 use crate::model::pipeline_stage::PipelineStage;
 use crate::model::tensor_parallel::ShardPlan;
 use crate::model::{LlamaForCausalLM, LossStats};
+use crate::offload_checkpoints::{
+    OffloadCheckpoints, OffloadDecision, OffloadSetting, host_available_bytes, local_processes,
+};
 use crate::params::{ParamSpec, ParamStore, init_random_into};
 use crate::weight_copy::WeightCopy;
 
@@ -172,7 +175,7 @@ impl GpuBackend {
                     .into(),
             });
         }
-        if args.offload_checkpoints {
+        if args.offload_checkpoints == OffloadCheckpoints::On {
             let why = if stage.is_some() {
                 Some("is not yet implemented for pipeline stages; drop it or --pp-size")
             } else if args.cuda_graphs == CudaGraphs::On {
@@ -213,7 +216,25 @@ impl GpuBackend {
         };
         let mut gpu = gpu;
         gpu.set_deterministic(args.deterministic)?;
-        gpu.set_offload_checkpoints(args.offload_checkpoints)?;
+        let offload = args.offload_checkpoints.resolve(&OffloadSetting {
+            gradient_checkpointing: args.gradient_checkpointing,
+            lean: args.memory.is_lean(),
+            pipeline_stage: stage.is_some(),
+            cuda_graphs_forced: args.cuda_graphs == CudaGraphs::On,
+            seq: args.seq_len,
+            host_bytes: gpu.checkpoint_offload_host_bytes(),
+            host_available: host_available_bytes(),
+            local_processes: local_processes(),
+        });
+        // An `auto` the driver refuses page-locked memory for keeps the checkpoints on the
+        // device (the model is left as it was); an explicit `on` fails.
+        let offload = match gpu.set_offload_checkpoints(offload.offload) {
+            Err(e) if args.offload_checkpoints == OffloadCheckpoints::Auto => OffloadDecision {
+                offload: false,
+                reason: Some(format!("checkpoints on the GPU ({e})")),
+            },
+            other => other.map(|()| offload)?,
+        };
         // `auto` falls back to the whole copy where the layout has no per-layer plan (the
         // reason is listed with the run's features); an explicit `per-layer` fails instead.
         let per_layer = args
@@ -252,9 +273,12 @@ impl GpuBackend {
         }
         if gpu.offload_checkpoints() {
             features.push(format!(
-                "checkpoints in host memory ({:.2} GiB page-locked)",
-                gpu.offloaded_checkpoint_bytes() as f64 / (1u64 << 30) as f64
+                "checkpoints in host memory ({:.2} GiB page-locked{})",
+                gpu.offloaded_checkpoint_bytes() as f64 / (1u64 << 30) as f64,
+                offload.reason.map_or(String::new(), |r| format!("; {r}"))
             ));
+        } else if let Some(why) = offload.reason {
+            features.push(why);
         }
         if gpu.per_layer_weights() {
             features.push("16-bit weights cast per layer".into());

@@ -12,6 +12,7 @@ use tilearn_engine::cuda_graphs::{CudaGraphs, DEFAULT_CUDA_GRAPHS};
 use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_engine::memory_mode::MemoryMode;
 use tilearn_engine::model::{Activations, LlamaForCausalLM};
+use tilearn_engine::offload_checkpoints::OffloadCheckpoints;
 use tilearn_engine::weight_copy::WeightCopy;
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig};
@@ -88,10 +89,13 @@ pub struct BenchArgs {
     /// before use) or `auto` (per layer under --gradient-checkpointing).
     #[arg(long, default_value = "auto", value_parser = WeightCopy::parse)]
     pub weight_copy: WeightCopy,
-    /// Keep gradient checkpointing's layer inputs in page-locked host memory, as `tilearn
-    /// train --offload-checkpoints` (needs --gradient-checkpointing; steps run eagerly).
-    #[arg(long)]
-    pub offload_checkpoints: bool,
+    /// Where gradient checkpointing's layer inputs live, as `tilearn train
+    /// --offload-checkpoints`: `on` (page-locked host memory; steps run eagerly), `off`, or
+    /// `auto` (default: on from 16 K tokens a sequence when the host has room). A bare
+    /// `--offload-checkpoints` means `on`.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on",
+          value_parser = OffloadCheckpoints::parse)]
+    pub offload_checkpoints: OffloadCheckpoints,
     /// Print only the JSON line.
     #[arg(long)]
     pub json: bool,
@@ -124,7 +128,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let seq = args.seq.unwrap_or(preset.seq);
     let config = preset.config(seq);
     let result = match args.device {
-        BenchDevice::Cpu if args.offload_checkpoints => {
+        BenchDevice::Cpu if args.offload_checkpoints == OffloadCheckpoints::On => {
             return Err(LlmError::Usage {
                 flag: "--offload-checkpoints".into(),
                 message: "is a GPU engine option; use --device cuda".into(),
@@ -188,7 +192,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "deterministic": args.deterministic,
         "memory": args.memory.to_string(),
         "weight_copy": weight_copy,
-        "offload_checkpoints": args.offload_checkpoints,
+        "offload_checkpoints": result.offload_checkpoints.as_ref().map(|(on, _)| on),
+        "offload_reason": result.offload_checkpoints.as_ref().and_then(|(_, why)| why.clone()),
         "lce_chunk_tokens": lce_chunk_tokens,
         "batch": batch,
         "seq": seq,
@@ -255,6 +260,7 @@ fn bench_cpu(
         step_seconds: median(times),
         peak_memory_bytes: bytes,
         cuda_graphs: None,
+        offload_checkpoints: None,
         last_loss,
         skipped_steps: 0,
     })

@@ -12,6 +12,7 @@ use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::cuda_graphs::CudaGraphs;
 use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_engine::memory_mode::MemoryMode;
+use tilearn_engine::offload_checkpoints::OffloadCheckpoints;
 use tilearn_engine::weight_copy::WeightCopy;
 use tilearn_ops::DType;
 
@@ -24,7 +25,7 @@ use crate::Result;
 pub struct GpuMemoryOptions {
     pub memory: MemoryMode,
     pub weight_copy: WeightCopy,
-    pub offload_checkpoints: bool,
+    pub offload_checkpoints: OffloadCheckpoints,
 }
 
 #[cfg(feature = "cuda")]
@@ -44,6 +45,7 @@ pub fn bench(
     use std::time::Instant;
 
     use tilearn_engine::cuda_graphs::{GraphDecision, StepConditions};
+    use tilearn_engine::offload_checkpoints::{OffloadSetting, host_available_bytes};
 
     use super::bench_loop::GraphReport;
 
@@ -68,7 +70,9 @@ pub fn bench(
         weight_copy,
         offload_checkpoints,
     } = memory_options;
-    if (memory.is_lean() || offload_checkpoints) && graphs == CudaGraphs::On {
+    if (memory.is_lean() || offload_checkpoints == OffloadCheckpoints::On)
+        && graphs == CudaGraphs::On
+    {
         return Err(crate::LlmError::Usage {
             flag: "--cuda-graphs on".into(),
             message: "--memory lean steps AdamW on the host and --offload-checkpoints copies \
@@ -91,7 +95,17 @@ pub fn bench(
     gpu.set_deterministic(deterministic)?;
     weight_copy.check(memory.is_lean(), 0)?;
     gpu.set_per_layer_weights(weight_copy.per_layer(gradient_checkpointing, memory.is_lean()))?;
-    gpu.set_offload_checkpoints(offload_checkpoints)?;
+    let offload = offload_checkpoints.resolve(&OffloadSetting {
+        gradient_checkpointing,
+        lean: memory.is_lean(),
+        pipeline_stage: false,
+        cuda_graphs_forced: graphs == CudaGraphs::On,
+        seq,
+        host_bytes: gpu.checkpoint_offload_host_bytes(),
+        host_available: host_available_bytes(),
+        local_processes: 1,
+    });
+    gpu.set_offload_checkpoints(offload.offload)?;
     let groups = gpu.default_groups(0.0);
     gpu.configure_optimizer(
         AdamWConfig {
@@ -188,6 +202,7 @@ pub fn bench(
     report.replayed_steps = stats.replays;
     Ok(BenchResult {
         cuda_graphs: Some(report),
+        offload_checkpoints: Some((gpu.offload_checkpoints(), offload.reason)),
         device: format!("cuda:0 {}", device.name()?),
         precision,
         num_params,

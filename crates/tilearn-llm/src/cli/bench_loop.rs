@@ -21,6 +21,9 @@ pub struct BenchResult {
     /// GPU only: how the steps ran under `--cuda-graphs` (warm-up included), and why they ran
     /// eagerly when graphs were asked for and not used.
     pub cuda_graphs: Option<GraphReport>,
+    /// GPU only: whether the checkpoints lived in host memory (`--offload-checkpoints`
+    /// resolved), and why `auto` decided as it did.
+    pub offload_checkpoints: Option<(bool, Option<String>)>,
 }
 
 /// `cuda_graphs` in the JSON line.

@@ -60,6 +60,7 @@ pub enum SaveStrategyChoice {
 use tilearn_engine::cuda_graphs::{CudaGraphs, DEFAULT_CUDA_GRAPHS};
 use tilearn_engine::lce_chunk::LceChunk;
 use tilearn_engine::memory_mode::MemoryMode;
+use tilearn_engine::offload_checkpoints::OffloadCheckpoints;
 use tilearn_engine::weight_copy::WeightCopy;
 
 fn parse_dtype(name: &str) -> std::result::Result<DType, String> {
@@ -201,14 +202,17 @@ pub struct TrainArgs {
     /// otherwise). Not with --memory lean or ZeRO, whose GPU holds no whole master weights.
     #[arg(long, default_value = "auto", value_parser = WeightCopy::parse)]
     pub weight_copy: WeightCopy,
-    /// Keep the layer inputs gradient checkpointing saves for the backward in page-locked
-    /// host memory instead of on the GPU (`(layers + 1) × batch × seq × hidden` elements:
-    /// 1.4 GiB at TinyLlama's 16 K tokens, 11 GiB at 128 K); a second stream copies each one
-    /// out after its layer's forward and back one layer ahead in the backward, overlapping
-    /// the compute. Needs --gradient-checkpointing and the GPU engine; steps run eagerly (no
-    /// CUDA graphs); not with --pp-size > 1.
-    #[arg(long)]
-    pub offload_checkpoints: bool,
+    /// Where gradient checkpointing's layer inputs (and each layer's attention output) live:
+    /// `on` (page-locked host memory: `(layers + 1) × batch × seq × hidden` elements plus the
+    /// attention outputs, 2.8 GiB at TinyLlama's 16 K tokens; a second stream copies each one
+    /// out after its layer's forward and back one layer ahead in the backward, and the
+    /// recomputation skips the attention forward; steps run eagerly, no CUDA graphs; not with
+    /// --pp-size > 1), `off` (on the GPU), or `auto` (default: on for sequences of 16 K tokens
+    /// or more under --gradient-checkpointing when half the host's available memory, shared
+    /// among this host's ranks, holds it). A bare `--offload-checkpoints` means `on`.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on",
+          value_parser = OffloadCheckpoints::parse)]
+    pub offload_checkpoints: OffloadCheckpoints,
     /// Replay each GPU training step as one CUDA graph, captured once (zeroing, forward,
     /// backward, clipping and AdamW; token ids, the loss factor and the learning rate reach it
     /// through device buffers): `on` (refuse steps that cannot be captured), `off`, or `auto`
@@ -435,7 +439,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
     args.weight_copy
         .check(args.memory.is_lean(), ddp.zero_stage.number())
         .map_err(LlmError::from)?;
-    if args.offload_checkpoints {
+    if args.offload_checkpoints == OffloadCheckpoints::On {
         let why = if !trains_on_gpu {
             Some("offloads the GPU engine's checkpoints to host memory; use --device cuda")
         } else if !args.gradient_checkpointing {

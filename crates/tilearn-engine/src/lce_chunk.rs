@@ -14,11 +14,13 @@ use std::num::NonZeroUsize;
 
 use serde::{Deserialize, Serialize};
 
-/// Budget of the logits chunk under [`LceChunk::Auto`]: 256 MiB, an eighth to a quarter of the
-/// full logits at the bench presets, and large enough that each chunk's products stay
-/// efficient GEMMs (at vocab 32 000 in bf16 a chunk is 4 096 tokens, an M of 4 096 that
-/// cuBLASLt runs near its peak).
-pub const LCE_CHUNK_BUDGET_BYTES: usize = 256 << 20;
+/// Budget of the logits chunk under [`LceChunk::Auto`]: 128 MiB, an eighth of the full
+/// logits at the bench presets, and large enough that each chunk's products stay efficient
+/// GEMMs (at vocab 32 000 in bf16 a chunk is 2 048 tokens: M = 2 048, N = 32 000). The chunk
+/// shares the arena's scratch with an MLP chunk and the attention gradients (`gpu::arena`),
+/// so a budget above theirs would set the scratch's size alone: at TinyLlama and 16 K tokens
+/// those are 110 and 144 MiB.
+pub const LCE_CHUNK_BUDGET_BYTES: usize = 128 << 20;
 
 /// How many tokens the loss head processes per chunk.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,12 +123,12 @@ mod tests {
 
     #[test]
     fn auto_takes_the_largest_power_of_two_within_the_budget() {
-        // 32 000 × 2 bytes = 64 000 bytes a token: 4 194 fit, 4 096 taken (250 MiB).
-        assert_eq!(LceChunk::Auto.rows(16 * 1024, 32_000, 2), 4096);
+        // 32 000 × 2 bytes = 64 000 bytes a token: 2 097 fit, 2 048 taken (125 MiB).
+        assert_eq!(LceChunk::Auto.rows(16 * 1024, 32_000, 2), 2048);
         // The arena sized for f32: half as many.
-        assert_eq!(LceChunk::Auto.rows(16 * 1024, 32_000, 4), 2048);
-        // Llama 3's vocabulary: 1 046 fit, 1 024 taken.
-        assert_eq!(LceChunk::Auto.rows(8 * 2048, 128_256, 2), 1024);
+        assert_eq!(LceChunk::Auto.rows(16 * 1024, 32_000, 4), 1024);
+        // Llama 3's vocabulary: 523 fit, 512 taken.
+        assert_eq!(LceChunk::Auto.rows(8 * 2048, 128_256, 2), 512);
         for (vocab, bytes) in [(32_000, 2), (32_000, 4), (128_256, 2), (151_936, 4), (7, 2)] {
             let rows = LceChunk::Auto.rows(usize::MAX, vocab, bytes);
             assert!(rows.is_power_of_two(), "{vocab} x {bytes}: {rows}");
@@ -142,7 +144,7 @@ mod tests {
     }
 
     /// 65 537 words over two ranks: slices of 32 769 and 32 768 words, whose own `auto` rows
-    /// differ (2 048 against 4 096 tokens in bf16); the group's setting gives both 2 048.
+    /// differ (1 024 against 2 048 tokens in bf16); the group's setting gives both 1 024.
     #[test]
     fn vocabulary_slices_share_one_chunk_size() {
         let (tokens, vocab, elem) = (8192, 65_537, 2);
@@ -150,11 +152,11 @@ mod tests {
             .iter()
             .map(|&v| LceChunk::Auto.rows(tokens, v, elem))
             .collect();
-        assert_eq!(own, vec![2048, 4096]);
+        assert_eq!(own, vec![1024, 2048]);
         let group = LceChunk::Auto.for_vocab_slices(tokens, vocab, 2, elem);
-        assert_eq!(group, LceChunk::from_tokens(2048));
+        assert_eq!(group, LceChunk::from_tokens(1024));
         for v in [32_769, 32_768] {
-            assert_eq!(group.rows(tokens, v, elem), 2048);
+            assert_eq!(group.rows(tokens, v, elem), 1024);
         }
         // Unchunked and explicit settings keep their meaning.
         assert_eq!(
@@ -173,7 +175,7 @@ mod tests {
 
     #[test]
     fn auto_keeps_one_row_when_a_row_exceeds_the_budget() {
-        let huge_vocab = LCE_CHUNK_BUDGET_BYTES; // one row of 2-byte elements is 512 MiB
+        let huge_vocab = LCE_CHUNK_BUDGET_BYTES; // one row of 2-byte elements is 256 MiB
         assert_eq!(LceChunk::Auto.rows(100, huge_vocab, 2), 1);
     }
 

@@ -7,15 +7,16 @@
 //! block output, and the backward recomputes `gate` and `up` of one chunk at a time from the
 //! kept `post_attention_layernorm` output, adding each chunk's weight gradients (`+=`) as the
 //! products always do. At TinyLlama's widths and 64 K tokens the five `[N × I]` buffers are
-//! 3.4 GiB in bf16; in chunks of 4 096 tokens they are 220 MiB. Without checkpointing each
+//! 3.4 GiB in bf16; in chunks of 2 048 tokens they are 110 MiB. Without checkpointing each
 //! layer keeps its own `gate`/`up` for the backward anyway, so the MLP runs whole. This module
 //! has no device code, so the rule is tested on any machine.
 
-/// Budget of one `[rows × intermediate]` buffer: 64 MiB. At TinyLlama's intermediate size
-/// (5 632) in bf16 a chunk is 4 096 tokens, whose products (M = 4 096, N = 5 632, K = 2 048)
-/// cuBLASLt runs near its peak; the weight gradients then take four `+=` products instead of
-/// one, at the same FLOPs.
-pub const MLP_CHUNK_BUDGET_BYTES: usize = 64 << 20;
+/// Budget of one `[rows × intermediate]` buffer: 32 MiB. At TinyLlama's intermediate size
+/// (5 632) in bf16 a chunk is 2 048 tokens, whose products (M = 2 048, N = 5 632, K = 2 048)
+/// cuBLASLt still runs near its peak; the weight gradients then take eight `+=` products
+/// instead of one at 16 K tokens, at the same FLOPs. The five buffers (110 MiB there) stay
+/// below the attention gradients they share the scratch with (144 MiB at 16 K).
+pub const MLP_CHUNK_BUDGET_BYTES: usize = 32 << 20;
 
 /// Rows (tokens) per MLP chunk for calls of up to `tokens` tokens with `inter` intermediate
 /// features in `elem_bytes`-byte elements: `tokens` (no chunking) without checkpointing, else
@@ -42,12 +43,12 @@ mod tests {
 
     #[test]
     fn checkpointing_chunks_within_the_budget() {
-        // TinyLlama: 5 632 × 2 bytes a token, 5 957 fit, 4 096 taken (44 MiB).
-        assert_eq!(mlp_chunk_rows(16 * 1024, 5632, 2, true), 4096);
+        // TinyLlama: 5 632 × 2 bytes a token, 2 978 fit, 2 048 taken (22 MiB).
+        assert_eq!(mlp_chunk_rows(16 * 1024, 5632, 2, true), 2048);
         // The arena sized for f32: half as many.
-        assert_eq!(mlp_chunk_rows(16 * 1024, 5632, 4, true), 2048);
-        // Llama-2-7B's 11 008: 3 048 fit, 2 048 taken.
-        assert_eq!(mlp_chunk_rows(4096, 11_008, 2, true), 2048);
+        assert_eq!(mlp_chunk_rows(16 * 1024, 5632, 4, true), 1024);
+        // Llama-2-7B's 11 008: 1 524 fit, 1 024 taken.
+        assert_eq!(mlp_chunk_rows(4096, 11_008, 2, true), 1024);
         for (inter, bytes) in [(5632, 2), (11_008, 4), (28_672, 2), (3, 2)] {
             let rows = mlp_chunk_rows(usize::MAX, inter, bytes, true);
             assert!(rows.is_power_of_two(), "{inter} x {bytes}: {rows}");
@@ -58,8 +59,10 @@ mod tests {
 
     #[test]
     fn short_calls_and_plain_runs_are_one_chunk() {
-        // A call shorter than a chunk runs whole (llama-134m's 2 048 at 16 K tokens).
-        assert_eq!(mlp_chunk_rows(16 * 1024, 2048, 2, true), 16 * 1024);
+        // A call shorter than a chunk runs whole (llama-134m's 2 048 at 8 K tokens); at 16 K
+        // it takes two.
+        assert_eq!(mlp_chunk_rows(8 * 1024, 2048, 2, true), 8 * 1024);
+        assert_eq!(mlp_chunk_rows(16 * 1024, 2048, 2, true), 8 * 1024);
         assert_eq!(mlp_chunk_rows(100, 5632, 2, true), 100);
         // Without checkpointing every layer keeps its activations: never chunked.
         assert_eq!(mlp_chunk_rows(1 << 20, 5632, 2, false), 1 << 20);

@@ -640,10 +640,10 @@ mod tests {
         let d = tiny_llama(8, 2048);
         let n = d.n;
         let rows = LceChunk::Auto.rows(n, d.vocab, 2);
-        assert_eq!(rows, 4096);
+        assert_eq!(rows, 2048);
         let kept = |logit_rows| d.main_len(&plan(&d, false, ActStore::Kept, logit_rows));
         // Without checkpointing the scratch holds dgate, dup, dact of every token (528 MiB in
-        // bf16), more than dq, dk, dv, datt (144 MiB) or the 4 096 × 32 000 logits (250 MiB),
+        // bf16), more than dq, dk, dv, datt (144 MiB) or the 2 048 × 32 000 logits (125 MiB),
         // which therefore cost nothing.
         let mlp = 3 * n * d.inter;
         assert_eq!(mlp * 2, 528 << 20);
@@ -657,14 +657,14 @@ mod tests {
         let d = tiny_llama(1, 65_536);
         let rows = LceChunk::Auto.rows(d.n, d.vocab, 2);
         let ckpt = plan(&d, true, ActStore::Recomputed, rows);
-        assert_eq!(ckpt.mlp_rows, 4096);
+        assert_eq!(ckpt.mlp_rows, 2048);
         let whole = ArenaPlan {
             mlp_rows: d.n,
             ..ckpt
         };
-        // Whole, the scratch is gate, up, dgate, dup, dact of every token; in chunks of 4 096
+        // Whole, the scratch is gate, up, dgate, dup, dact of every token; in chunks of 2 048
         // it is the attention gradients (dq, dk, dv, datt of every token, 576 MiB), more than
-        // five [M, I] (220 MiB) and the logits (250 MiB).
+        // five [M, I] (110 MiB) and the logits (125 MiB).
         let attention = 2 * d.n * (d.q + d.kv);
         assert_eq!(attention * 2, 576 << 20);
         assert_eq!(

@@ -176,11 +176,12 @@ pub(crate) fn forward<T: DeviceFloat>(
 fn embed_forward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
     d: &Dims,
-    w: &Weights<'_, T>,
+    w: &mut Weights<'_, T>,
     ids: &CudaView<'_, u32>,
     b: &mut Bufs<'_, T>,
 ) -> Result<()> {
     let layout = cx.layout;
+    w.load_embedding()?;
     let table = w.slice(layout.embed.clone())?;
     match &layout.embed_norm {
         None => embedding_lookup(cx, ids, &table, d.c, &mut b.resid[0])?,
@@ -424,6 +425,7 @@ pub(crate) fn backward<T: DeviceFloat>(
     if let Some((nw, nb)) = &layout.embed_norm {
         // Bloom: through word_embeddings_layernorm, its input (the raw lookup) recomputed into
         // dxn; dtmp = d/d(lookup) replaces dres.
+        w.load_embedding()?;
         let table = w.slice(layout.embed.clone())?;
         embedding_lookup(cx, ids, &table, c, &mut b.grad.dxn)?;
         let at = NormAt {

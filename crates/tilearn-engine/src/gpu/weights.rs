@@ -35,6 +35,15 @@ impl<T: DeviceFloat> Weights<'_, T> {
         }
     }
 
+    /// Makes the embedding table readable (queues its cast into the window when the
+    /// per-layer copy does not keep it resident; free otherwise). Call it before each lookup.
+    pub(crate) fn load_embedding(&mut self) -> Result<()> {
+        match self {
+            Weights::Whole(_) => Ok(()),
+            Weights::PerLayer(p) => p.load_embedding(),
+        }
+    }
+
     /// Makes decoder layer `layer` readable (queues its cast under the per-layer copy; free
     /// otherwise). Call it before each block's forward and before its backward.
     pub(crate) fn load_layer(&mut self, layer: usize) -> Result<()> {

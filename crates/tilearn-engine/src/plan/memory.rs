@@ -112,7 +112,7 @@ pub struct ArenaTerms {
     /// `final_xn`, the f32 final rstd and row losses, and the u32 ids and i32 targets.
     pub per_call: f64,
     /// The loss head's logits chunk: `[rows, V]` (vocabulary-parallel: V/TP columns), rows
-    /// as the engine's default `--lce-chunk-tokens auto` gives them (at most 256 MiB).
+    /// as the engine's default `--lce-chunk-tokens auto` gives them (at most 128 MiB).
     pub logits: f64,
 }
 
@@ -229,8 +229,11 @@ pub fn rank_memory(
     );
     if layout.checkpointing && layout.zero == ShardStage::Zero0 {
         // The per-layer working copy: all but one decoder layer's 16-bit weights are cast
-        // just before use instead of kept.
-        let streamed = layers.saturating_sub(1) as f64 * params.per_layer as f64;
+        // just before use instead of kept, and so is an embedding table only the lookup
+        // reads (into the same window, which grows to the table when the table is larger).
+        let table = params.lookup_only_table;
+        let streamed = layers.saturating_sub(1) as f64 * params.per_layer as f64
+            + table.min(params.per_layer) as f64;
         weights -= streamed * GPU_MIXED_PRECISION_ADAMW.weights as f64;
     }
     if layout.zero == ShardStage::Zero3 && layout.dp > 1 {
@@ -304,14 +307,14 @@ mod tests {
 
     #[test]
     fn checkpointing_counts_one_mlp_chunk() {
-        // TinyLlama at 1 × 64 K: gate, up, dgate, dup and dact hold 4 096 tokens, not 65 536,
+        // TinyLlama at 1 × 64 K: gate, up, dgate, dup and dact hold 2 048 tokens, not 65 536,
         // in the scratch.
         let json = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
             "hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,
             "num_key_value_heads": 4, "intermediate_size": 5632}"#;
         let c = LlamaConfig::from_json_str(json, "<test>").unwrap();
         let w = RankWidths::new(&c, split_heads(&c, 1).unwrap(), 1);
-        let (n, m, i) = (65_536.0, 4096.0, 5632.0);
+        let (n, m, i) = (65_536.0, 2048.0, 5632.0);
         let plain = ArenaTerms::new(w, 65_536, false);
         let ckpt = ArenaTerms::new(w, 65_536, true);
         assert_eq!(plain.layer_set - ckpt.layer_set, 2.0 * 3.0 * n * i);

@@ -92,6 +92,10 @@ pub struct RankParams {
     pub layer_matmul: u64,
     /// Parameters of one decoder layer on this rank.
     pub per_layer: u64,
+    /// The embedding table when nothing else on this rank reads it (the first stage, untied
+    /// or lm_head elsewhere): the per-layer working copy casts it into the layer window just
+    /// before the lookup instead of keeping it (0 otherwise).
+    pub lookup_only_table: u64,
 }
 
 /// The parameters of the rank at `position` holding `layers` decoder layers.
@@ -130,11 +134,17 @@ pub fn rank_params(
             total += table;
         }
     }
+    let shares_lm_head = position.last && config.tie_word_embeddings;
     RankParams {
         total,
         matmul,
         layer_matmul: layers * linear,
         per_layer: linear + other,
+        lookup_only_table: if position.first && !shares_lm_head {
+            table
+        } else {
+            0
+        },
     }
 }
 

@@ -184,7 +184,7 @@ pub struct TrainArgs {
     /// Tokens per chunk of the GPU engine's fused linear + cross entropy: the lm_head product,
     /// the loss and its gradient run chunk by chunk, so only one chunk's [tokens × vocab]
     /// logits exist. `auto` (default): the largest power of two of tokens whose logits fit in
-    /// 256 MiB; `0`: no chunking (all logits at once); N: at most N tokens.
+    /// 128 MiB; `0`: no chunking (all logits at once); N: at most N tokens.
     #[arg(long, default_value = "auto", value_parser = LceChunk::parse)]
     pub lce_chunk_tokens: LceChunk,
     /// Where the GPU engine keeps the optimizer state: `default` (fp32 master weights, AdamW

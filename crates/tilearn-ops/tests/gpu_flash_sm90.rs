@@ -281,6 +281,7 @@ impl<T: Elem> Problem<T> {
         gemm: &Gemm,
         ws: &mut AttentionWorkspace,
         window: Window,
+        lent: Option<&mut CudaSlice<f32>>,
     ) -> [Vec<f64>; 3] {
         let st = dev.stream();
         let s = self.s;
@@ -289,12 +290,14 @@ impl<T: Elem> Problem<T> {
         let mut dq = upload(st, &vec![T::NAN; ql]);
         let mut dk = upload(st, &vec![T::NAN; kvl]);
         let mut dv = upload(st, &vec![T::NAN; kvl]);
-        cuda::attention_backward_masked(
+        let mut lent = lent.map(|buf| buf.as_view_mut());
+        cuda::attention_backward_lent(
             AttentionImpl::Flash,
             gemm,
             ws,
             s,
             key_mask(window),
+            None::<&CudaSlice<f32>>,
             &self.dout,
             &self.q,
             &self.k,
@@ -304,6 +307,7 @@ impl<T: Elem> Problem<T> {
             &mut dq,
             &mut dk,
             &mut dv,
+            lent.as_mut(),
         )
         .unwrap();
         let grads = [dq, dk, dv].map(|b| {
@@ -359,9 +363,9 @@ fn one_pass_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64,
     );
 
     let p = Problem::<T>::new(dev, gemm, s, seed, None);
-    let [dq_d, dk_d, dv_d] = p.backward(dev, gemm, &mut det, None);
-    let [dq_1, dk_1, dv_1] = p.backward(dev, gemm, &mut one, None);
-    let [dq_2, dk_2, dv_2] = p.backward(dev, gemm, &mut one, None);
+    let [dq_d, dk_d, dv_d] = p.backward(dev, gemm, &mut det, None, None);
+    let [dq_1, dk_1, dv_1] = p.backward(dev, gemm, &mut one, None, None);
+    let [dq_2, dk_2, dv_2] = p.backward(dev, gemm, &mut one, None, None);
     let errs = [
         ("dq", rel_err("dq", &dq_1, &dq_d), tol_dq),
         ("dk", rel_err("dk", &dk_1, &dk_d), TOL_DKV),
@@ -392,6 +396,46 @@ fn one_pass_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64,
         assert!(err <= tol, "{tag}: {what}: {err:.2e} > {tol:.0e}");
     }
 
+    // A workspace that borrows its dq_accum holds only delta. Lent enough (NaN-filled: the
+    // backward clears it), it runs the one-pass backward: dk and dv the same bits as with its
+    // own scratch, dq within the bound; lent one float too few, or nothing, the deterministic
+    // backward bit for bit.
+    let mut lending = AttentionWorkspace::for_flash_lent(st, s).unwrap();
+    assert!(
+        lending.lends_dq_accum() && lending.bytes() == det.bytes(),
+        "{tag}"
+    );
+    assert_eq!(
+        lending.flash_backward_for::<T>(s, false),
+        FlashBackward::OnePass
+    );
+    let len = flash_dq_accum_len(s).unwrap();
+    let mut lent = upload(st, &vec![f32::NAN; len]);
+    let [dq_l, dk_l, dv_l] = p.backward(dev, gemm, &mut lending, None, Some(&mut lent));
+    assert_eq!(
+        [differing(&dk_l, &dk_1), differing(&dv_l, &dv_1)],
+        [0, 0],
+        "{tag}: lent dq_accum: dk, dv"
+    );
+    let err = rel_err("dq", &dq_l, &dq_d);
+    report(&format!(
+        "gpu_flash_sm90: lent dq_accum {tag}: dq vs deterministic {err:.2e}"
+    ));
+    assert!(
+        err <= tol_dq,
+        "{tag}: lent dq_accum: dq {err:.2e} > {tol_dq:.0e}"
+    );
+    let mut short = upload(st, &vec![0f32; len - 1]);
+    for lent in [Some(&mut short), None] {
+        let got = p.backward(dev, gemm, &mut lending, None, lent);
+        let diff: Vec<usize> = got
+            .iter()
+            .zip([&dq_d, &dk_d, &dv_d])
+            .map(|(g, w)| differing(g, w))
+            .collect();
+        assert_eq!(diff, [0, 0, 0], "{tag}: too little or no dq_accum lent");
+    }
+
     // A one-pass workspace built for half the batch (at least one sequence fewer) holds no
     // dq_accum for this call: the deterministic backward, bit for bit.
     if s.batch > 1 {
@@ -404,7 +448,7 @@ fn one_pass_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64,
             small.flash_backward_for::<T>(s, false),
             FlashBackward::Deterministic
         );
-        let got = p.backward(dev, gemm, &mut small, None);
+        let got = p.backward(dev, gemm, &mut small, None, None);
         let diff: Vec<usize> = got
             .iter()
             .zip([&dq_d, &dk_d, &dv_d])
@@ -416,8 +460,8 @@ fn one_pass_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64,
     // whatever the workspace.
     let window = Some(s.seq / 2 + 1);
     let masked = Problem::<T>::new(dev, gemm, s, seed + 1, window);
-    let want = masked.backward(dev, gemm, &mut det, window);
-    let got = masked.backward(dev, gemm, &mut one, window);
+    let want = masked.backward(dev, gemm, &mut det, window, None);
+    let got = masked.backward(dev, gemm, &mut one, window, None);
     let diff: Vec<usize> = got
         .iter()
         .zip(&want)

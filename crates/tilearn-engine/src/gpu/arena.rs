@@ -12,7 +12,7 @@
 //! [`crate::lce_chunk`]), not the whole call's `[n × vocab]`: the fused linear + cross entropy
 //! computes, differentiates and discards the logits chunk by chunk.
 
-use cudarc::driver::{CudaSlice, CudaViewMut};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceSlice};
 use tilearn_ops::cuda::{CudaStream, DeviceFloat};
 
 use super::views::{Carver, sub_mut};
@@ -185,6 +185,13 @@ impl Dims {
         resid_slots.map_or(self.layers + 1, |k| k.min(self.layers + 1))
     }
 
+    /// Bytes of one layer set's post-attention buffers (`h` and `xn2`, contiguous) in
+    /// `elem_bytes`-byte elements: what each attention backward can lend the one-pass
+    /// `dq_accum` (see [`PostAttention::as_f32`]).
+    pub(crate) fn post_attention_bytes(&self, elem_bytes: usize) -> usize {
+        2 * padded(self.n * self.c) * elem_bytes
+    }
+
     /// Elements of `T` the logits chunk of `logit_rows` tokens takes (padded).
     pub(crate) fn logits_len(&self, logit_rows: usize) -> usize {
         padded(logit_rows.min(self.n) * self.vocab)
@@ -348,14 +355,17 @@ impl Arena {
             let [xn1, q, k, v, att, h, xn2, gate, up, act] =
                 d.layer_lens(self.plan.act, self.plan.checkpointing);
             let [rstd1, lse, rstd2, mean1, mean2] = d.layer_stat_lens();
+            debug_assert_eq!(h, xn2);
             layers.push(LayerBufs {
                 xn1: aligned(&mut m, xn1)?,
                 q: aligned(&mut m, q)?,
                 k: aligned(&mut m, k)?,
                 v: aligned(&mut m, v)?,
                 att: aligned(&mut m, att)?,
-                h: aligned(&mut m, h)?,
-                xn2: aligned(&mut m, xn2)?,
+                post: PostAttention {
+                    region: m.take(2 * padded(h))?,
+                    len: h,
+                },
                 gate: aligned(&mut m, gate)?,
                 up: aligned(&mut m, up)?,
                 act: aligned(&mut m, act)?,
@@ -426,10 +436,8 @@ pub(crate) struct LayerBufs<'a, T> {
     pub v: CudaViewMut<'a, T>,
     /// Attention output (input of `o_proj`), `[N, Hq*D]`.
     pub att: CudaViewMut<'a, T>,
-    /// Residual stream after attention, `[N, C]`.
-    pub h: CudaViewMut<'a, T>,
-    /// `post_attention_layernorm(h)`, `[N, C]`.
-    pub xn2: CudaViewMut<'a, T>,
+    /// The residual stream after attention `h` and `post_attention_layernorm(h)` `xn2`.
+    pub post: PostAttention<'a, T>,
     /// `gate_proj(xn2)` and `up_proj(xn2)`, `[N, I]`; empty under checkpointing, whose
     /// shared set leaves them to the [`Scratch`] one MLP chunk at a time.
     pub gate: CudaViewMut<'a, T>,
@@ -445,6 +453,53 @@ pub(crate) struct LayerBufs<'a, T> {
     /// LayerNorm (Bloom): f32 means of the block input and of `h`, `[N]` (empty for RMSNorm).
     pub mean1: CudaViewMut<'a, f32>,
     pub mean2: CudaViewMut<'a, f32>,
+}
+
+/// A layer's `h` (the residual stream after attention) and `xn2` (`post_attention_layernorm(h)`),
+/// `[N, C]` each, in one region: `h` then `xn2` from the next aligned element. Both are dead
+/// once the layer's MLP and post-attention norm have run their backward, so the attention
+/// backward that follows borrows the region as the one-pass flash backward's f32 `dq_accum`
+/// ([`as_f32`](Self::as_f32)) instead of the workspace holding one.
+pub(crate) struct PostAttention<'a, T> {
+    region: CudaViewMut<'a, T>,
+    len: usize,
+}
+
+impl<'a, T> PostAttention<'a, T> {
+    fn xn2_at(&self) -> usize {
+        padded(self.len)
+    }
+
+    pub(crate) fn h(&self) -> CudaView<'_, T> {
+        self.region.slice(..self.len)
+    }
+
+    pub(crate) fn xn2(&self) -> CudaView<'_, T> {
+        let at = self.xn2_at();
+        self.region.slice(at..at + self.len)
+    }
+
+    pub(crate) fn h_mut(&mut self) -> CudaViewMut<'_, T> {
+        self.region.slice_mut(..self.len)
+    }
+
+    /// `h` and `xn2`, both writable.
+    pub(crate) fn split_mut(&mut self) -> Result<(CudaViewMut<'_, T>, CudaViewMut<'_, T>)> {
+        let (len, at) = (self.len, self.xn2_at());
+        let (h, rest) = self.region.split_at_mut(at);
+        // Cut to their lengths (the split point is padded).
+        Ok((sub_mut(h, 0..len)?, sub_mut(rest, 0..len)?))
+    }
+
+    /// The whole region as f32 scratch (clobbers `h` and `xn2`).
+    pub(crate) fn as_f32(&mut self) -> Result<CudaViewMut<'_, f32>> {
+        let floats = self.region.num_bytes() / size_of::<f32>();
+        // SAFETY: device memory of plain floats, any bit pattern valid for f32; the region
+        // starts aligned (the carver's alignment is a multiple of 4 bytes) and holds `floats`
+        // f32; borrowed mutably for the view's lifetime.
+        unsafe { self.region.transmute_mut::<f32>(floats) }
+            .ok_or_else(|| super::views::arena_error("cannot view h and xn2 as f32".into()))
+    }
 }
 
 /// Gradient scratch of the backward that lives through all of it (written `=` by each op).

@@ -518,9 +518,19 @@ fn block_forward<T: DeviceFloat>(
             &mut a.lse,
         )?;
     }
-    linear_fwd(cx, w, &lay.o, &a.att.as_view(), n, q, c, &mut a.h)?;
+    linear_fwd(
+        cx,
+        w,
+        &lay.o,
+        &a.att.as_view(),
+        n,
+        q,
+        c,
+        &mut a.post.h_mut(),
+    )?;
     // Row-parallel: each rank's o_proj output is its heads' share.
-    complete(cx.tp, &mut a.h)?;
+    complete(cx.tp, &mut a.post.h_mut())?;
+    let (mut h, mut xn2) = a.post.split_mut()?;
     // h = o + x in place, and post_attention_layernorm(h) (one launch for RMSNorm).
     add_norm_fwd(
         cx,
@@ -528,9 +538,9 @@ fn block_forward<T: DeviceFloat>(
         c,
         w,
         &post_attention_norm(lay),
-        &mut a.h,
+        &mut h,
         x,
-        &mut a.xn2,
+        &mut xn2,
         &mut a.mean2,
         &mut a.rstd2,
     )?;
@@ -544,7 +554,7 @@ fn block_forward<T: DeviceFloat>(
     } else {
         a.act.slice_mut(..)
     };
-    let xn2 = a.xn2.as_view();
+    let xn2 = a.post.xn2();
     mlp_forward(
         cx, d, lay, w, mlp_rows, &xn2, &mut gate, &mut up, &mut act, out,
     )?;
@@ -559,12 +569,12 @@ fn block_forward<T: DeviceFloat>(
             w,
             &next.at,
             out,
-            &a.h.as_view(),
+            &a.post.h(),
             next.xn,
             next.mean,
             next.rstd,
         )?,
-        None => k::residual_add_inplace(s, out, &a.h)?,
+        None => k::residual_add_inplace(s, out, &a.post.h())?,
     }
     Ok(())
 }
@@ -586,7 +596,7 @@ fn block_backward<T: DeviceFloat>(
 ) -> Result<()> {
     let (n, c, q, kv) = (d.n, d.c, d.q, d.kv);
     let s = cx.stream;
-    let xn2 = a.xn2.as_view();
+    let xn2 = a.post.xn2();
     let mut ms = scratch.mlp()?;
     let (gate, up) = layer_or_scratch((&mut a.gate, &mut a.up), (&mut ms.gate, &mut ms.up));
     let mlp = MlpBackward {
@@ -623,7 +633,7 @@ fn block_backward<T: DeviceFloat>(
         g,
         &post_attention_norm(lay),
         &gb.dxn,
-        &a.h.as_view(),
+        &a.post.h(),
         &a.mean2,
         &a.rstd2,
         &mut gb.dres,
@@ -659,6 +669,8 @@ fn block_backward<T: DeviceFloat>(
         &mut lg.dq,
         &mut lg.dk,
         &mut lg.dv,
+        // h and xn2 are dead from here on: the one-pass backward's scratch.
+        &mut a.post.as_f32()?,
     )?;
     if cx.alibi.is_none() {
         k::rope_backward_at(

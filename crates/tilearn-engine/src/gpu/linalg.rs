@@ -8,7 +8,10 @@
 //! sized for the widest element type the model may run in, so one workspace serves every
 //! precision period. A flash-only workspace also holds the one-pass flash backward's f32
 //! `dq_accum` unless the model is deterministic ([`Matmul::set_flash_backward`],
-//! `--deterministic`), and only on a device whose Hopper kernels would use it.
+//! `--deterministic`), and only on a device whose Hopper kernels would use it; where each
+//! layer's post-attention buffers (`h` and `xn2`, dead by the time the attention backward
+//! runs) can hold it, the workspace holds none and those buffers are lent to each call
+//! instead (`AttentionWorkspace::for_flash_lent`).
 
 use std::sync::Arc;
 
@@ -17,7 +20,7 @@ use half::{bf16, f16};
 use tilearn_ops::cpu::AttnShape;
 use tilearn_ops::cuda::{
     self as k, AttentionImpl, AttentionWorkspace, CudaStream, DeviceFloat, FlashBackward, Gemm,
-    flash_attention_supports, flash_attention_uses_wgmma,
+    flash_attention_supports, flash_attention_uses_wgmma, flash_dq_accum_len,
 };
 use tilearn_ops::{KeyMask, OpsError, Result};
 
@@ -36,6 +39,9 @@ pub(crate) struct Matmul {
     attn: AttentionWorkspace,
     /// The capacity shape of a flash-only workspace (`None`: the GEMM path's workspace).
     flash_capacity: Option<AttnShape>,
+    /// Bytes each backward call can lend the one-pass `dq_accum` at capacity (the layer
+    /// set's post-attention buffers, [`Dims::post_attention_bytes`]).
+    lendable_bytes: usize,
 }
 
 /// The backward a flash-only workspace for `shape` is built for when `asked`: the one-pass
@@ -51,12 +57,22 @@ fn effective_backward(shape: AttnShape, asked: FlashBackward) -> FlashBackward {
     }
 }
 
+/// The flash workspace for `shape` and `asked`: a one-pass one borrows its `dq_accum` from
+/// each call when `lendable_bytes` hold it at capacity, else holds its own.
 fn flash_workspace(
     stream: &Arc<CudaStream>,
     shape: AttnShape,
     asked: FlashBackward,
+    lendable_bytes: usize,
 ) -> Result<AttentionWorkspace> {
-    AttentionWorkspace::for_flash(stream, shape, effective_backward(shape, asked))
+    let backward = effective_backward(shape, asked);
+    let lend =
+        flash_dq_accum_len(shape).is_some_and(|len| len * size_of::<f32>() <= lendable_bytes);
+    if backward == FlashBackward::OnePass && lend {
+        AttentionWorkspace::for_flash_lent(stream, shape)
+    } else {
+        AttentionWorkspace::for_flash(stream, shape, backward)
+    }
 }
 
 fn attn_shape(d: &Dims) -> AttnShape {
@@ -84,15 +100,17 @@ impl Matmul {
     ) -> EngineResult<Matmul> {
         let gemm = Gemm::new(stream)?;
         let shape = attn_shape(capacity);
+        let lendable_bytes = capacity.post_attention_bytes(max_elem_bytes);
         if max_elem_bytes == 2
             && flash_attention_supports::<bf16>(shape)
             && flash_attention_supports::<f16>(shape)
         {
-            let attn = flash_workspace(stream, shape, backward)?;
+            let attn = flash_workspace(stream, shape, backward, lendable_bytes)?;
             return Ok(Matmul {
                 gemm,
                 attn,
                 flash_capacity: Some(shape),
+                lendable_bytes,
             });
         }
         let one = AttnShape { batch: 1, ..shape };
@@ -110,6 +128,7 @@ impl Matmul {
             gemm,
             attn,
             flash_capacity: None,
+            lendable_bytes,
         })
     }
 
@@ -128,7 +147,7 @@ impl Matmul {
         if effective_backward(shape, backward) == self.attn.flash_backward() {
             return Ok(false);
         }
-        self.attn = flash_workspace(stream, shape, backward)?;
+        self.attn = flash_workspace(stream, shape, backward, self.lendable_bytes)?;
         Ok(true)
     }
 
@@ -238,7 +257,8 @@ impl Matmul {
         )
     }
 
-    /// `dq`, `dk`, `dv` written.
+    /// `dq`, `dk`, `dv` written; `dq_accum` is the layer's idle post-attention buffers as f32
+    /// (clobbered), lent to a workspace that borrows the one-pass scratch.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_backward<T: DeviceFloat>(
         &mut self,
@@ -256,9 +276,10 @@ impl Matmul {
         dq: &mut CudaViewMut<'_, T>,
         dk: &mut CudaViewMut<'_, T>,
         dv: &mut CudaViewMut<'_, T>,
+        dq_accum: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         self.same_stream(s, "attention_backward")?;
-        k::attention_backward_alibi(
+        k::attention_backward_lent(
             AttentionImpl::Auto,
             &self.gemm,
             &mut self.attn,
@@ -277,6 +298,7 @@ impl Matmul {
             dq,
             dk,
             dv,
+            Some(dq_accum),
         )
     }
 }

@@ -185,9 +185,13 @@ pub fn workspace_bytes(
     let attention = if matches!(w.head_dim, 64 | 128) {
         // The delta rows; at head_dim 64 (the Hopper kernels') also the one-pass backward's
         // dq_accum, `B·Hq·D·round_up(T, 64)` f32 (`tilearn_flash_attention_dq_accum_len`): the
-        // engine's default on an H200 (`--deterministic` drops it).
-        let dq_accum = if w.head_dim == 64 {
-            b * heads * 64.0 * seq.next_multiple_of(64) as f64 * 4.0
+        // engine's default on an H200 (`--deterministic` drops it), unless each layer's
+        // post-attention buffers (`h` and `xn2`, `2·N·C` 16-bit elements, dead during the
+        // attention backward) hold it and are lent instead (`gpu::arena::PostAttention`).
+        let dq_accum_bytes = b * heads * 64.0 * seq.next_multiple_of(64) as f64 * 4.0;
+        let lendable = 2.0 * b * t * w.hidden as f64 * ACTIVATION_ELEM_BYTES;
+        let dq_accum = if w.head_dim == 64 && dq_accum_bytes > lendable {
+            dq_accum_bytes
         } else {
             0.0
         };

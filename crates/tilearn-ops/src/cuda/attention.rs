@@ -92,11 +92,11 @@ use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut};
 use tilearn_kernels::ffi;
 
 use super::DeviceFloat;
-use super::flash_backward::{FlashBackward, FlashRegions};
+use super::flash_backward::{FlashBackward, FlashRegions, flash_dq_accum_len};
 use super::gemm::{Epilogue, Gemm, MatmulSpec, Operand};
 use super::launch::{Launch, check, raw_stream};
 use crate::cpu::AttnShape;
@@ -236,6 +236,9 @@ pub struct AttentionWorkspace {
     buf: CudaSlice<u8>,
     max_elem_bytes: usize,
     backward: FlashBackward,
+    /// A one-pass workspace without its own `dq_accum`: each backward call lends one
+    /// ([`for_flash_lent`](Self::for_flash_lent)).
+    lent_dq_accum: bool,
 }
 
 impl AttentionWorkspace {
@@ -257,6 +260,7 @@ impl AttentionWorkspace {
             buf,
             max_elem_bytes,
             backward: FlashBackward::Deterministic,
+            lent_dq_accum: false,
         })
     }
 
@@ -288,7 +292,25 @@ impl AttentionWorkspace {
             buf,
             max_elem_bytes: 2,
             backward,
+            lent_dq_accum: false,
         })
+    }
+
+    /// A flash workspace for the one-pass backward that holds only the `delta` rows: each
+    /// backward call lends its f32 `dq_accum` ([`attention_backward_lent`]), memory the caller
+    /// has idle during the call (the engine: the layer's post-attention buffers, dead once the
+    /// MLP's backward ran). A call that lends none, or too little for its shape, runs the
+    /// deterministic backward, as a [`FlashBackward::Deterministic`] workspace does.
+    pub fn for_flash_lent(stream: &Arc<CudaStream>, max: AttnShape) -> Result<Self> {
+        let mut ws = Self::for_flash(stream, max, FlashBackward::Deterministic)?;
+        ws.backward = FlashBackward::OnePass;
+        ws.lent_dq_accum = true;
+        Ok(ws)
+    }
+
+    /// Whether backward calls lend the one-pass `dq_accum` ([`for_flash_lent`](Self::for_flash_lent)).
+    pub fn lends_dq_accum(&self) -> bool {
+        self.lent_dq_accum
     }
 
     /// Device bytes [`for_flash`](Self::for_flash) allocates for `max` and `backward`: the
@@ -319,7 +341,7 @@ impl AttentionWorkspace {
     /// call runs the deterministic backward (a workspace built for it, or one too small for
     /// `s`: a call larger than the workspace's `max`).
     fn dq_accum_region(&self, s: AttnShape) -> Option<(usize, usize)> {
-        if self.backward != FlashBackward::OnePass {
+        if self.backward != FlashBackward::OnePass || self.lent_dq_accum {
             return None;
         }
         FlashRegions::new(s, FlashBackward::OnePass, REGION_ALIGN)
@@ -331,8 +353,10 @@ impl AttentionWorkspace {
     /// (`masked`) or without, runs with this workspace on the current device: `OnePass` where
     /// the Hopper kernels serve it ([`flash_attention_uses_wgmma`]) and the workspace holds its
     /// `dq_accum`, else `Deterministic`.
+    /// (A lending workspace answers for a call that lends enough.)
     pub fn flash_backward_for<T: DeviceFloat>(&self, s: AttnShape, masked: bool) -> FlashBackward {
-        let one_pass = self.dq_accum_region(s).is_some()
+        let lent = self.lent_dq_accum && self.backward == FlashBackward::OnePass;
+        let one_pass = (self.dq_accum_region(s).is_some() || lent)
             && flash_attention_supports::<T>(s)
             && flash_attention_uses_wgmma::<T>(s.head_dim, masked);
         FlashBackward::from_deterministic(!one_pass)
@@ -1095,6 +1119,36 @@ pub fn attention_backward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<
     dk: &mut impl DevicePtrMut<T>,
     dv: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
+    attention_backward_lent(
+        imp, gemm, ws, s, mask, alibi, dout, q, k, v, out, lse, dq, dk, dv, None,
+    )
+}
+
+/// [`attention_backward_alibi`] with the one-pass backward's f32 `dq_accum` lent by the
+/// caller: a workspace built by [`AttentionWorkspace::for_flash_lent`] runs the one-pass
+/// backward in `dq_accum` when it holds at least
+/// [`flash_dq_accum_len`](super::flash_dq_accum_len)`(s)` floats (its contents on entry do not
+/// matter; they are scratch, clobbered), and the deterministic one otherwise. Other
+/// workspaces ignore it.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_lent<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<f32>>(
+    imp: AttentionImpl,
+    gemm: &Gemm,
+    ws: &mut AttentionWorkspace,
+    s: AttnShape,
+    mask: KeyMask<&P>,
+    alibi: Option<&A>,
+    dout: &impl DevicePtr<T>,
+    q: &impl DevicePtr<T>,
+    k: &impl DevicePtr<T>,
+    v: &impl DevicePtr<T>,
+    out: &impl DevicePtr<T>,
+    lse: &impl DevicePtr<f32>,
+    dq: &mut impl DevicePtrMut<T>,
+    dk: &mut impl DevicePtrMut<T>,
+    dv: &mut impl DevicePtrMut<T>,
+    dq_accum: Option<&mut CudaViewMut<'_, f32>>,
+) -> Result<()> {
     let op = "attention_backward";
     check_mask(op, &mask)?;
     let (p, [q_len, kv_len, rows_len]) = checked_sizes::<T>(op, ws, &s)?;
@@ -1126,10 +1180,19 @@ pub fn attention_backward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<
     // The one-pass backward's scratch, when the workspace was built for it and holds it for
     // this shape (after the delta rows, which then lie in the workspace too).
     let dq_accum_region = ws.dq_accum_region(s);
+    // A lent dq_accum: used when the workspace lends and it holds enough for this shape. Its
+    // guard (cudarc's write tracking) lives until after the enqueues.
+    let lends = ws.lent_dq_accum && ws.backward == FlashBackward::OnePass;
+    let needed = flash_dq_accum_len(s);
     let plan = Plan::new::<T>(s);
     let (t, d, g, hq, hkv) = (s.seq, s.head_dim, plan.group, s.q_heads, s.kv_heads);
     let e = plan.elem as u64;
     let stream = gemm.stream().clone();
+    let lent_guard = match (lends, dq_accum, needed) {
+        (true, Some(buf), Some(len)) if buf.len() >= len => Some(buf.device_ptr_mut(&stream)),
+        _ => None,
+    };
+    let lent_ptr = lent_guard.as_ref().map(|(ptr, _)| *ptr);
     Launch::new(op, &stream)
         .input("dout", dout, q_len)
         .input("q", q, q_len)
@@ -1172,16 +1235,21 @@ pub fn attention_backward_alibi<T: DeviceFloat, P: DevicePtr<i32>, A: DevicePtr<
                     None => ws_start,
                 };
                 // Null: the deterministic backward.
-                let dq_accum = dq_accum_region.map_or(std::ptr::null_mut(), |(offset, _)| {
-                    (ws_start + offset as u64) as *mut f32
-                });
+                let dq_accum = match (dq_accum_region, lent_ptr) {
+                    (Some((offset, _)), _) => (ws_start + offset as u64) as *mut f32,
+                    (None, Some(ptr)) => ptr as *mut f32,
+                    (None, None) => std::ptr::null_mut(),
+                };
                 // SAFETY: the launchers read dout, q and out (`q_len` elements of T, `T::DTYPE`),
                 // k and v (`kv_len`) and lse (`rows_len` f32) and write dq (`q_len`), dk and dv
                 // (`kv_len`) for shape `s`; delta holds rows_len f32 (`usable` bytes from the
                 // workspace's aligned start, or its own allocation, whose guard lives until
                 // after the enqueues) and is neither an input nor an output; dq_accum, when
                 // set, holds `tilearn_flash_attention_dq_accum_len` f32 for `s` from a
-                // 256-byte boundary inside the usable bytes, after delta (`FlashRegions`).
+                // 256-byte boundary inside the usable bytes, after delta (`FlashRegions`), or
+                // is the caller's lent buffer of at least that many f32 (checked above),
+                // borrowed mutably for this call and disjoint from every tensor argument
+                // (the borrow checker keeps it apart from them).
                 unsafe {
                     let status = ffi::tilearn_attention_delta(
                         T::DTYPE,

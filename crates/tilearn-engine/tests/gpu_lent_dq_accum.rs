@@ -10,7 +10,9 @@
 //! the deterministic backward's within the one-pass bound (1e-3 on the loss, 2e-2 ‖Δ‖/‖g‖ on
 //! the gradients: dq's f32 atomic sums in another order, then rounded to bf16). A wrong or
 //! clobbered scratch (h or xn2 still read after the attention backward, a dq summed over
-//! garbage) moves the gradients by far more.
+//! garbage) moves the gradients by far more. (At this size every dq block has one key block,
+//! so the one-pass sums happen in one order and the bits match the deterministic backward;
+//! `tilearn-ops`' `gpu_flash_sm90` checks the lent scratch at shapes where they differ.)
 //!
 //! Without a GPU or driver the test prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]

@@ -27,6 +27,10 @@ use serde::{Deserialize, Deserializer, Serialize};
 /// were not measured, and their steps gain from CUDA graphs).
 pub const AUTO_MIN_SEQ: usize = 16 * 1024;
 
+/// Layer inputs the device keeps under offload: the one a layer reads, the one it writes, and
+/// the one being copied (see `gpu::resid_offload`).
+pub const DEVICE_RING_SLOTS: usize = 3;
+
 /// Largest share of the host's available memory `auto` pins for one host's processes.
 pub const AUTO_HOST_SHARE: f64 = 0.5;
 

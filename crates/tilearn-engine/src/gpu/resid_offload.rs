@@ -39,7 +39,7 @@ use crate::error::Result;
 
 /// Device slabs of the residual stream under offload: the boundary a layer reads, the one
 /// its recomputation writes, and the one being brought back for the next layer down.
-pub(crate) const RESID_SLOTS: usize = 3;
+pub(crate) const RESID_SLOTS: usize = crate::offload_checkpoints::DEVICE_RING_SLOTS;
 
 /// Page-locked host memory from the driver, freed on drop.
 #[derive(Debug)]

@@ -25,6 +25,8 @@ struct Measured {
     batch: usize,
     seq: usize,
     checkpointing: bool,
+    /// `--offload-checkpoints` resolved on (the default's `auto` at 16 K and more).
+    offload: bool,
     peak_gib: f64,
     tokens_per_s: f64,
 }
@@ -35,15 +37,15 @@ const LLAMA2_7B: (usize, usize, usize, usize, usize) = (4096, 32, 32, 32, 11008)
 
 /// bench/RESULTS.md "Checkpoint offload by default, smaller scratch, lent dq_accum" (2026-12-03,
 /// one call: `tilearn bench` with the engine's defaults, median step of 10 or 4; the 16/32/64 K
-/// rows with `--offload-checkpoints off`, the checkpoints on the GPU, which is what the advisor
-/// models) and issue 18's 7B run (0.26 s per step over its 4 steps, i.e. 7.9 K tokens/s).
-const MEASURED: [Measured; 8] = [
+/// rows with `--offload-checkpoints off` and with the default, which offloads there) and issue 18's 7B run (0.26 s per step over its 4 steps, i.e. 7.9 K tokens/s).
+const MEASURED: [Measured; 11] = [
     Measured {
         what: "llama-134m 16×1024",
         shape: LLAMA_134M,
         batch: 16,
         seq: 1024,
         checkpointing: false,
+        offload: false,
         peak_gib: 7.13,
         tokens_per_s: 543.8e3,
     },
@@ -53,6 +55,7 @@ const MEASURED: [Measured; 8] = [
         batch: 16,
         seq: 1024,
         checkpointing: true,
+        offload: false,
         peak_gib: 2.91,
         tokens_per_s: 437.1e3,
     },
@@ -62,6 +65,7 @@ const MEASURED: [Measured; 8] = [
         batch: 8,
         seq: 2048,
         checkpointing: false,
+        offload: false,
         peak_gib: 39.32,
         tokens_per_s: 72.9e3,
     },
@@ -71,6 +75,7 @@ const MEASURED: [Measured; 8] = [
         batch: 8,
         seq: 2048,
         checkpointing: true,
+        offload: false,
         peak_gib: 18.92,
         tokens_per_s: 56.1e3,
     },
@@ -80,6 +85,7 @@ const MEASURED: [Measured; 8] = [
         batch: 1,
         seq: 16384,
         checkpointing: true,
+        offload: false,
         peak_gib: 18.92,
         tokens_per_s: 29.7e3,
     },
@@ -89,6 +95,7 @@ const MEASURED: [Measured; 8] = [
         batch: 1,
         seq: 32768,
         checkpointing: true,
+        offload: false,
         peak_gib: 21.09,
         tokens_per_s: 19.5e3,
     },
@@ -98,8 +105,39 @@ const MEASURED: [Measured; 8] = [
         batch: 1,
         seq: 65536,
         checkpointing: true,
+        offload: false,
         peak_gib: 25.41,
         tokens_per_s: 11.4e3,
+    },
+    Measured {
+        what: "TinyLlama 1×16K ckpt offload",
+        shape: TINYLLAMA,
+        batch: 1,
+        seq: 16384,
+        checkpointing: true,
+        offload: true,
+        peak_gib: 17.76,
+        tokens_per_s: 32.69e3,
+    },
+    Measured {
+        what: "TinyLlama 1×32K ckpt offload",
+        shape: TINYLLAMA,
+        batch: 1,
+        seq: 32768,
+        checkpointing: true,
+        offload: true,
+        peak_gib: 18.73,
+        tokens_per_s: 22.8e3,
+    },
+    Measured {
+        what: "TinyLlama 1×64K ckpt offload",
+        shape: TINYLLAMA,
+        batch: 1,
+        seq: 65536,
+        checkpointing: true,
+        offload: true,
+        peak_gib: 20.68,
+        tokens_per_s: 13.77e3,
     },
     Measured {
         what: "Llama-2-7B shape 1×2048",
@@ -107,6 +145,7 @@ const MEASURED: [Measured; 8] = [
         batch: 1,
         seq: 2048,
         checkpointing: false,
+        offload: false,
         peak_gib: 121.4,
         tokens_per_s: 7.9e3,
     },
@@ -138,6 +177,7 @@ fn predictions() -> Vec<(&'static str, f64, f64, f64, f64)> {
                 micro_batch: m.batch,
                 micro_batches: 1,
                 checkpointing: m.checkpointing,
+                offload_checkpoints: m.offload,
             };
             let c = config(m.shape, m.seq);
             let tokens = (m.batch * m.seq) as f64;

@@ -118,7 +118,14 @@ pub fn micro_batch_cost(
     let t = seq as f64;
     let forward = 2.0 * b * t * t * (w.q_heads * w.head_dim) as f64;
     let (fwd_rate, bwd_rate) = hw.attention_flops(w.head_dim, seq);
-    let attention_s = layers_f * ((1.0 + ckpt) * forward / fwd_rate + 2.5 * forward / bwd_rate);
+    // Checkpoint offload keeps each layer's attention output: no recomputed attention forward.
+    let recomputed = if layout.offload_checkpoints {
+        0.0
+    } else {
+        ckpt
+    };
+    let attention_s =
+        layers_f * ((1.0 + recomputed) * forward / fwd_rate + 2.5 * forward / bwd_rate);
 
     let (c, q, kv, i) = (w.hidden as f64, w.q as f64, w.kv as f64, w.inter as f64);
     let saved_per_token = 4.0 * c + 2.0 * (q + kv) + 3.0 * i;
@@ -301,6 +308,7 @@ mod tests {
             micro_batch: 2,
             micro_batches: m,
             checkpointing: false,
+            offload_checkpoints: false,
         }
     }
 

@@ -67,9 +67,22 @@ pub struct Layout {
     /// Micro-batches per step on one rank (gradient accumulation steps).
     pub micro_batches: usize,
     pub checkpointing: bool,
+    /// The checkpointed layer inputs and attention outputs in host memory
+    /// (`--offload-checkpoints`): the device keeps a ring of three layer inputs and a spare
+    /// attention output, and the recomputation skips the attention forward. The advisor
+    /// follows the engine's `auto` ([`Layout::auto_offload`]); host memory is assumed to hold
+    /// them.
+    pub offload_checkpoints: bool,
 }
 
 impl Layout {
+    /// What `--offload-checkpoints auto` gives this layout at sequences of `seq` tokens:
+    /// under checkpointing, without a pipeline, from
+    /// [`AUTO_MIN_SEQ`](crate::offload_checkpoints::AUTO_MIN_SEQ) tokens.
+    pub fn auto_offload(&self, seq: usize) -> bool {
+        self.checkpointing && self.pp == 1 && seq >= crate::offload_checkpoints::AUTO_MIN_SEQ
+    }
+
     pub fn world(&self) -> usize {
         self.tp * self.pp * self.dp
     }
@@ -212,6 +225,7 @@ mod tests {
             micro_batch: 1,
             micro_batches: 8,
             checkpointing: false,
+            offload_checkpoints: false,
         };
         assert_eq!(l.bubble_fraction(), 3.0 / 8.0);
         assert_eq!(l.in_flight_layer_sets(), 4.0);

@@ -29,6 +29,7 @@ use super::layout::{Layout, ShardStage};
 use super::shard::{RankParams, RankWidths, StagePosition};
 use crate::lce_chunk::LceChunk;
 use crate::mlp_chunk::mlp_chunk_rows;
+use crate::offload_checkpoints::DEVICE_RING_SLOTS;
 use crate::trainer::zero::{self, StateBytes};
 
 /// The GPU engine's bytes per parameter in bf16/fp16 mixed precision: the 16-bit working copy
@@ -111,6 +112,9 @@ pub struct ArenaTerms {
     pub attention_grads: f64,
     /// `final_xn`, the f32 final rstd and row losses, and the u32 ids and i32 targets.
     pub per_call: f64,
+    /// Checkpoint offload's spare attention output and f32 log-sum-exp (the second slot of
+    /// its two-slot ring; the first is the layer set's).
+    pub attention_spare: f64,
     /// The loss head's logits chunk: `[rows, V]` (vocabulary-parallel: V/TP columns), rows
     /// as the engine's default `--lce-chunk-tokens auto` gives them (at most 128 MiB).
     pub logits: f64,
@@ -137,6 +141,7 @@ impl ArenaTerms {
             grad_scratch: e * 3.0 * n * c,
             mlp_chunk: e * chunk_mlp,
             attention_grads: e * n * (2.0 * q + 2.0 * kv),
+            attention_spare: e * n * q + 4.0 * n * w.q_heads as f64,
             per_call: e * n * c + 4.0 * n * 2.0 + 8.0 * n,
             logits: e * LceChunk::Auto.rows(tokens, w.vocab, elem) as f64 * w.vocab as f64,
         }
@@ -159,13 +164,22 @@ pub fn activation_bytes(
         1.0
     };
     let layers = layers as f64;
-    let saved = if layout.checkpointing {
+    let saved = if layout.offload_checkpoints {
+        // A ring of layer inputs (`resid[L]` among them) and a spare attention output; the
+        // rest is in host memory.
+        let slabs = (layers + 1.0).min(DEVICE_RING_SLOTS as f64);
+        slabs * a.resid + a.attention_spare + a.layer_set
+    } else if layout.checkpointing {
         in_flight * layers * a.resid + a.layer_set
     } else {
         in_flight * layers * (a.resid + a.layer_set)
     };
     // `resid[L]`, the final norm's input, and the logits live on the last stage.
-    let final_input = if position.last { a.resid } else { 0.0 };
+    let final_input = if position.last && !layout.offload_checkpoints {
+        a.resid
+    } else {
+        0.0
+    };
     let logits = if position.last { a.logits } else { 0.0 };
     let scratch = a.mlp_chunk.max(a.attention_grads).max(logits);
     saved + final_input + a.grad_scratch + scratch + a.per_call
@@ -277,6 +291,7 @@ mod tests {
             micro_batch: 2,
             micro_batches: 1,
             checkpointing,
+            offload_checkpoints: false,
         }
     }
 
@@ -325,6 +340,28 @@ mod tests {
         assert_eq!(plain.mlp_chunk, 2.0 * 3.0 * n * i);
         assert_eq!(ckpt.mlp_chunk, 2.0 * 5.0 * m * i);
         assert_eq!(ckpt.attention_grads, plain.attention_grads);
+    }
+
+    #[test]
+    fn offload_keeps_a_ring_of_three_inputs_and_a_spare_attention_output() {
+        let c = config();
+        let w = RankWidths::new(&c, split_heads(&c, 1).unwrap(), 1);
+        let ckpt = layout(true);
+        let offloaded = Layout {
+            offload_checkpoints: true,
+            ..ckpt
+        };
+        let on_device = activation_bytes(w, &ckpt, 4, 8, StagePosition::ONLY);
+        let host = activation_bytes(w, &offloaded, 4, 8, StagePosition::ONLY);
+        let a = ArenaTerms::new(w, 16, true);
+        // Four layers' inputs and resid[4] on the device against the ring's three, plus the
+        // spare attention output (16 rows × 64 bf16) and log-sum-exp (16 × 4 f32).
+        assert_eq!(a.attention_spare, 16.0 * (64.0 * 2.0 + 4.0 * 4.0));
+        assert_eq!(on_device - host, 2.0 * a.resid - a.attention_spare);
+        // The engine's `auto`: from 16 K tokens, under checkpointing, without a pipeline.
+        assert!(ckpt.auto_offload(16 * 1024) && !ckpt.auto_offload(8 * 1024));
+        assert!(!layout(false).auto_offload(1 << 20));
+        assert!(!Layout { pp: 2, ..ckpt }.auto_offload(1 << 20));
     }
 
     #[test]

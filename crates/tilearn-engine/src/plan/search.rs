@@ -185,7 +185,7 @@ pub fn layouts(hw: &Hardware, config: &LlamaConfig, request: &PlanRequest) -> Ve
                     }
                     for &zero in stages {
                         for checkpointing in [false, true] {
-                            out.push(Layout {
+                            let mut layout = Layout {
                                 tp,
                                 pp,
                                 virtual_stages: v,
@@ -194,7 +194,10 @@ pub fn layouts(hw: &Hardware, config: &LlamaConfig, request: &PlanRequest) -> Ve
                                 micro_batch: b,
                                 micro_batches: m,
                                 checkpointing,
-                            });
+                                offload_checkpoints: false,
+                            };
+                            layout.offload_checkpoints = layout.auto_offload(request.seq_len);
+                            out.push(layout);
                         }
                     }
                 }

@@ -164,6 +164,7 @@ mod tests {
             micro_batch: 1,
             micro_batches: 1,
             checkpointing: false,
+            offload_checkpoints: false,
         }
     }
 

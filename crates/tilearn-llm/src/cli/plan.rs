@@ -185,7 +185,11 @@ fn row(rank: usize, c: &Candidate, recommended: bool) -> String {
         l.zero.number(),
         l.micro_batch,
         l.micro_batches,
-        if l.checkpointing { "on" } else { "off" },
+        match (l.checkpointing, l.offload_checkpoints) {
+            (true, true) => "on, host",
+            (true, false) => "on",
+            (false, _) => "off",
+        },
         gib(m.weights),
         gib(m.grads),
         gib(m.optimizer),

@@ -187,6 +187,11 @@ pub enum BufferMut<'a> {
 }
 
 impl Buffer<'_> {
+    /// Whether the elements live in host memory (else on a GPU).
+    pub fn is_host(&self) -> bool {
+        matches!(self, Buffer::Host(_))
+    }
+
     pub fn dtype(&self) -> DType {
         match self {
             Buffer::Host(h) => h.dtype(),
@@ -209,6 +214,11 @@ impl Buffer<'_> {
 }
 
 impl BufferMut<'_> {
+    /// Whether the elements live in host memory (else on a GPU).
+    pub fn is_host(&self) -> bool {
+        matches!(self, BufferMut::Host(_))
+    }
+
     pub fn dtype(&self) -> DType {
         match self {
             BufferMut::Host(h) => h.dtype(),

@@ -2,7 +2,8 @@
 //!
 //! * [`Communicator`]: collectives over flat typed buffers with work handles and a timeout;
 //!   backends [`host::HostCommunicator`] (TCP between processes, gloo's role) and, with the `cuda`
-//!   feature, `nccl::NcclCommunicator`.
+//!   feature, `nccl::NcclCommunicator`; [`RoutedCommunicator`] pairs them for one group (device
+//!   buffers over NCCL, host buffers over the host), as model-parallel ranks need.
 //! * [`store`]: the rendezvous key-value store.
 //! * [`RankEnv`]: who this process is, read from `tilearn launch`, torchrun or Slurm variables.
 //! * [`launch`]: the launcher behind `tilearn launch`.
@@ -24,6 +25,7 @@ pub mod pipeline;
 pub mod process_group;
 pub mod rank_env;
 pub mod reduce;
+pub mod routed;
 pub mod scalars;
 pub mod slurm;
 pub mod store;
@@ -37,5 +39,6 @@ pub use error::{ParallelError, Result};
 pub use process_group::{GroupOptions, ProcessGroup};
 pub use rank_env::RankEnv;
 pub use reduce::ReduceOp;
+pub use routed::RoutedCommunicator;
 pub use token::JobToken;
 pub use work::Work;

@@ -298,8 +298,10 @@ pub struct TrainArgs {
     /// log's `allreduce_ms`/`allreduce_hidden` report how much of it was hidden).
     #[arg(long)]
     pub no_ddp_overlap: bool,
-    /// What carries the gradients between ranks: nccl (default on the GPU) or host (TCP; the
-    /// CPU's, and for ranks that share one GPU).
+    /// What carries device buffers between ranks (the gradients, and the activations and
+    /// partial sums of --tp-size/--pp-size): nccl or host (TCP through page-locked memory; the
+    /// CPU's). Default on the GPU: nccl when the node has a GPU for each of its ranks, else
+    /// host (ranks sharing a GPU).
     #[arg(long, value_enum)]
     pub ddp_backend: Option<DdpBackend>,
     /// ZeRO: 1 shards the optimizer state (and the master weights it steps) across the ranks,
@@ -307,8 +309,9 @@ pub struct TrainArgs {
     #[arg(long)]
     pub zero_stage: Option<String>,
     /// Tensor parallelism: split every layer's matrices, the embedding and the loss over this
-    /// many consecutive ranks (Megatron-style; CPU engine). Default: TILEARN_HYBRID_TP_SIZE,
-    /// else 1. Data parallelism spans the launched ranks / tp.
+    /// many consecutive ranks (Megatron-style; the GPU engine runs it alone, the CPU engine
+    /// also with pipeline and data parallelism). Default: TILEARN_HYBRID_TP_SIZE, else 1. Data
+    /// parallelism spans the launched ranks / tp.
     #[arg(long)]
     pub tp_size: Option<usize>,
     /// Megatron's sequence parallelism with --tp-size: the norms and the residual stream hold
@@ -560,7 +563,7 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
         hybrid.filter(HybridSizes::splits_model),
         ranks,
     ) {
-        let trainer = if sizes.pp > 1 {
+        let (trainer, backend) = if sizes.pp > 1 {
             let pipe = match &args.pp_layers {
                 Some(counts) => {
                     PipelineShard::with_layer_counts(&config, sizes.pp_rank, sizes.pp, 1, counts)?
@@ -576,12 +579,20 @@ fn run_rank(args: TrainArgs, ranks: Option<&Ranks>, started: Instant) -> Result<
                 &init,
                 (dataset, &amp, ddp),
                 (&sizes, ranks, pipe, schedule),
+                args.ddp_backend,
             )?
         } else {
-            gpu_tensor_parallel_trainer(training, &config, &init, dataset, &amp, (&sizes, ranks))?
+            gpu_tensor_parallel_trainer(
+                training,
+                &config,
+                &init,
+                (dataset, &amp, ddp),
+                (&sizes, ranks),
+                args.ddp_backend,
+            )?
         };
         if primary {
-            println!("{}", sizes.describe());
+            println!("{}; device buffers over {backend}", sizes.describe());
         }
         (trainer, None)
     } else if trains_on_gpu {
@@ -752,9 +763,8 @@ fn hybrid_sizes(
 }
 
 /// What the GPU engine's model parallelism runs so far (the rest runs on the CPU engine):
-/// tensor parallelism alone, or pipeline parallelism (1F1B or GPipe) with data parallelism
-/// around it or not; not both together, not data parallelism around tensor parallelism,
-/// sequence parallelism or interleaving.
+/// tensor parallelism or pipeline parallelism (1F1B or GPipe), each with data parallelism
+/// around it or not; not both together, sequence parallelism or interleaving.
 fn gpu_split_supported(
     sizes: &HybridSizes,
     sequence_parallel: bool,
@@ -765,20 +775,13 @@ fn gpu_split_supported(
             flag: flag.into(),
             message: format!(
                 "{what} runs on the CPU engine only so far (the GPU engine splits a model by \
-                 tensor parallelism alone, or by pipeline parallelism with data parallelism \
-                 around it); add --device cpu, or use --tp-size with as many processes as its \
-                 size, or --pp-size alone"
+                 tensor parallelism or by pipeline parallelism, with data parallelism around \
+                 either); add --device cpu, or use --tp-size or --pp-size alone"
             ),
         })
     };
     if sizes.pp > 1 && sizes.tp > 1 {
         return refuse("--pp-size", "tensor and pipeline parallelism together");
-    }
-    if sizes.dp > 1 && sizes.tp > 1 {
-        return refuse(
-            "--nproc-per-node",
-            "data parallelism around tensor parallelism",
-        );
     }
     if sizes.pp > 1 && schedule == PipelineSchedule::Interleaved {
         return refuse("--pp-schedule", "the interleaved schedule");
@@ -868,21 +871,22 @@ fn gpu_trainer(
 
 /// A Trainer for one tensor-parallel rank on the GPU engine (see
 /// `tilearn_engine::trainer::gpu_backend::tensor_parallel`); its group's collectives on device
-/// buffers go through the host communicator, staged on a stream of the rank's GPU.
+/// buffers go over NCCL, or through the host communicator staged on a stream of the rank's GPU
+/// (`backend`, see [`Ranks::gpu_model_parallel_world`]).
 #[cfg(feature = "cuda")]
 fn gpu_tensor_parallel_trainer(
     training: TrainingArguments,
     config: &LlamaConfig,
     init: &ModelInit,
-    dataset: TokenDataset,
-    amp: &adaptfp16::AmpPlan,
+    (dataset, amp, ddp): (TokenDataset, &adaptfp16::AmpPlan, DdpOptions),
     (sizes, ranks): (&HybridSizes, &Ranks),
-) -> Result<Trainer> {
+    backend: Option<DdpBackend>,
+) -> Result<(Trainer, &'static str)> {
     use tilearn_engine::trainer::gpu_backend::tensor_parallel::GpuTensorParallelBackend;
     let ordinal = super::device::local_gpu();
     let staging = tilearn_ops::cuda::GpuDevice::new(ordinal)?;
-    ranks.host.set_staging_stream(staging.stream().clone());
-    let groups = HybridGroups::new(sizes, ranks.host.as_ref())?;
+    let world = ranks.gpu_model_parallel_world(backend, staging.stream().clone())?;
+    let groups = HybridGroups::new(sizes, world.as_ref())?;
     let Some(tp) = groups.tp else {
         return Err(LlmError::Usage {
             flag: "--tp-size".into(),
@@ -907,15 +911,23 @@ fn gpu_tensor_parallel_trainer(
         rank: sizes.tp_rank,
         tp: sizes.tp,
         pp: 1,
-        world: ranks.host.clone(),
+        // The job's communicator lives as long as the trainer (its groups were cut from it).
+        world: world.clone(),
     })?;
-    Ok(trainer)
+    // Data parallelism around the split: each tp rank's gradients are summed with the same
+    // tp rank's of the other replicas (after the backward, not overlapped with it).
+    if let Some(dp) = groups.dp {
+        let local = trainer.local_parameter_count();
+        trainer.set_data_parallel(DataParallel::new(dp.clone(), dp, ddp, local)?)?;
+    }
+    Ok((trainer, world.backend()))
 }
 
 /// A Trainer for one pipeline stage on the GPU engine (see
 /// `tilearn_engine::trainer::gpu_backend::pipeline_parallel`); its activations cross stages,
 /// and with data parallelism around the pipeline its gradients are summed between the
-/// replicas' same stages, through the host communicator, staged on a stream of the rank's GPU.
+/// replicas' same stages, over NCCL or through the host communicator staged on a stream of the
+/// rank's GPU (`backend`, see [`Ranks::gpu_model_parallel_world`]).
 #[cfg(feature = "cuda")]
 fn gpu_pipeline_parallel_trainer(
     training: TrainingArguments,
@@ -923,12 +935,13 @@ fn gpu_pipeline_parallel_trainer(
     init: &ModelInit,
     (dataset, amp, ddp): (TokenDataset, &adaptfp16::AmpPlan, DdpOptions),
     (sizes, ranks, pipe, schedule): (&HybridSizes, &Ranks, PipelineShard, ScheduleKind),
-) -> Result<Trainer> {
+    backend: Option<DdpBackend>,
+) -> Result<(Trainer, &'static str)> {
     use tilearn_engine::trainer::gpu_backend::pipeline_parallel::GpuPipelineParallelBackend;
     let ordinal = super::device::local_gpu();
     let staging = tilearn_ops::cuda::GpuDevice::new(ordinal)?;
-    ranks.host.set_staging_stream(staging.stream().clone());
-    let groups = HybridGroups::new(sizes, ranks.host.as_ref())?;
+    let world = ranks.gpu_model_parallel_world(backend, staging.stream().clone())?;
+    let groups = HybridGroups::new(sizes, world.as_ref())?;
     let Some(pp) = groups.pp else {
         return Err(LlmError::Usage {
             flag: "--pp-size".into(),
@@ -949,13 +962,14 @@ fn gpu_pipeline_parallel_trainer(
         rank: sizes.pp_rank,
         tp: 1,
         pp: sizes.pp,
-        world: ranks.host.clone(),
+        // The job's communicator lives as long as the trainer (its groups were cut from it).
+        world: world.clone(),
     })?;
     if let Some(dp) = groups.dp {
         let local = trainer.local_parameter_count();
         trainer.set_data_parallel(DataParallel::new(dp.clone(), dp, ddp, local)?)?;
     }
-    Ok(trainer)
+    Ok((trainer, world.backend()))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -965,7 +979,8 @@ fn gpu_pipeline_parallel_trainer(
     _init: &ModelInit,
     _data: (TokenDataset, &adaptfp16::AmpPlan, DdpOptions),
     _split: (&HybridSizes, &Ranks, PipelineShard, ScheduleKind),
-) -> Result<Trainer> {
+    _backend: Option<DdpBackend>,
+) -> Result<(Trainer, &'static str)> {
     Err(LlmError::Usage {
         flag: "--device cuda".into(),
         message: "this build has no CUDA kernels; rebuild with --features cuda".into(),
@@ -977,10 +992,10 @@ fn gpu_tensor_parallel_trainer(
     _training: TrainingArguments,
     _config: &LlamaConfig,
     _init: &ModelInit,
-    _dataset: TokenDataset,
-    _amp: &adaptfp16::AmpPlan,
+    _data: (TokenDataset, &adaptfp16::AmpPlan, DdpOptions),
     _split: (&HybridSizes, &Ranks),
-) -> Result<Trainer> {
+    _backend: Option<DdpBackend>,
+) -> Result<(Trainer, &'static str)> {
     Err(LlmError::Usage {
         flag: "--device cuda".into(),
         message: "this build has no CUDA kernels; rebuild with --features cuda".into(),
@@ -1089,7 +1104,7 @@ mod tests {
     }
 
     #[test]
-    fn the_gpu_engine_splits_by_tensor_or_pipeline_parallelism_not_both() {
+    fn the_gpu_engine_splits_by_tensor_or_pipeline_parallelism_with_data_parallelism_not_both() {
         let ok = |tp, pp, schedule| {
             let sizes = HybridSizes::new(Some(tp), Some(pp), 0, tp * pp).unwrap();
             gpu_split_supported(&sizes, false, schedule)
@@ -1097,20 +1112,19 @@ mod tests {
         assert!(ok(2, 1, PipelineSchedule::OneFOneB).is_ok());
         assert!(ok(1, 2, PipelineSchedule::OneFOneB).is_ok());
         assert!(ok(1, 4, PipelineSchedule::Gpipe).is_ok());
-        // Data parallelism around the pipeline: pp 2 × dp 2.
+        // Data parallelism around the pipeline (pp 2 × dp 2) and around the tensor split
+        // (tp 2 × dp 2).
         let pp_dp = HybridSizes::new(Some(1), Some(2), 0, 4).unwrap();
         assert_eq!(pp_dp.dp, 2);
         assert!(gpu_split_supported(&pp_dp, false, PipelineSchedule::OneFOneB).is_ok());
+        let tp_dp = HybridSizes::new(Some(2), Some(1), 0, 4).unwrap();
+        assert_eq!(tp_dp.dp, 2);
+        assert!(gpu_split_supported(&tp_dp, false, PipelineSchedule::OneFOneB).is_ok());
 
         let both = refusal(2, 2, 4, false, PipelineSchedule::OneFOneB);
         assert!(
             both.starts_with("--pp-size") && both.contains("--device cpu"),
             "{both}"
-        );
-        let dp = refusal(2, 1, 4, false, PipelineSchedule::OneFOneB);
-        assert!(
-            dp.starts_with("--nproc-per-node") && dp.contains("around tensor"),
-            "{dp}"
         );
         let interleaved = refusal(1, 2, 2, false, PipelineSchedule::Interleaved);
         assert!(interleaved.starts_with("--pp-schedule"), "{interleaved}");

@@ -2,9 +2,10 @@
 //! process group, choosing the communicators, and how a rank reports output and failures.
 //!
 //! A process that some launcher started (even a group of one) joins the group and trains data
-//! parallel; a plain `tilearn train` runs alone. Gradients go over NCCL when each rank has its own
-//! GPU, or over the host (TCP) communicator on the CPU and when ranks share a GPU (device
-//! buffers staged through page-locked memory); scalars always go over the host communicator.
+//! parallel; a plain `tilearn train` runs alone. Device buffers (gradients, and the activations
+//! and partial sums of tensor and pipeline parallelism) go over NCCL when each rank of the node
+//! has a GPU of its own, or over the host (TCP) communicator on the CPU and when ranks share a
+//! GPU (staged through page-locked memory); scalars always go over the host communicator.
 
 use std::sync::Arc;
 
@@ -17,13 +18,25 @@ use tilearn_parallel::{Communicator, ProcessGroup, RankEnv};
 
 use crate::{LlmError, Result};
 
-/// `--ddp-backend`: what carries the gradients.
+/// `--ddp-backend`: what carries device buffers between ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DdpBackend {
-    /// NCCL, one GPU per rank (the default on the GPU).
+    /// NCCL, one GPU per rank (the default on the GPU when the node has a GPU for each rank).
     Nccl,
-    /// The host (TCP) communicator (the CPU's, and for ranks that share a GPU).
+    /// The host (TCP) communicator (the CPU's, and the default for ranks that share a GPU).
     Host,
+}
+
+impl DdpBackend {
+    /// `chosen`, else NCCL when each of the node's `local_ranks` has one of its `gpus` to
+    /// itself, else the host communicator (NCCL refuses two ranks of a group on one GPU).
+    pub fn for_gpus(chosen: Option<DdpBackend>, local_ranks: usize, gpus: usize) -> DdpBackend {
+        chosen.unwrap_or(if local_ranks <= gpus {
+            DdpBackend::Nccl
+        } else {
+            DdpBackend::Host
+        })
+    }
 }
 
 /// This process's membership in a launched job.
@@ -91,15 +104,24 @@ impl Ranks {
         Ok(self.host.clone())
     }
 
-    /// The gradients' communicator for a GPU run on `stream`'s device: NCCL (default) or the
-    /// host communicator staging through page-locked memory on `stream`.
+    /// The backend for device buffers: `chosen`, else by [`DdpBackend::for_gpus`] from the
+    /// node's ranks and visible GPUs.
+    #[cfg(feature = "cuda")]
+    pub fn device_backend(&self, chosen: Option<DdpBackend>) -> DdpBackend {
+        let gpus = tilearn_ops::backend::probe().devices.len();
+        DdpBackend::for_gpus(chosen, self.group.env().local_world_size, gpus)
+    }
+
+    /// The gradients' communicator for a GPU run on `stream`'s device: NCCL or the host
+    /// communicator staging through page-locked memory on `stream` (see
+    /// [`Self::device_backend`]).
     #[cfg(feature = "cuda")]
     pub fn gpu_gradient_communicator(
         &self,
         backend: Option<DdpBackend>,
         stream: Arc<cudarc::driver::CudaStream>,
     ) -> Result<Arc<dyn Communicator>> {
-        match backend.unwrap_or(DdpBackend::Nccl) {
+        match self.device_backend(backend) {
             DdpBackend::Host => {
                 self.host.set_staging_stream(stream);
                 Ok(self.host.clone())
@@ -108,6 +130,30 @@ impl Ranks {
                 let nccl =
                     tilearn_parallel::nccl::NcclCommunicator::new(&self.group, stream.context())?;
                 Ok(Arc::new(nccl))
+            }
+        }
+    }
+
+    /// The whole job's communicator for a model split over GPUs (tensor or pipeline
+    /// parallelism, with data parallelism around it), from which each rank's groups are cut:
+    /// device buffers over NCCL and host buffers over the host communicator
+    /// ([`RoutedCommunicator`](tilearn_parallel::RoutedCommunicator)), or everything over the
+    /// host communicator staging device buffers on `stream` (see [`Self::device_backend`]).
+    #[cfg(feature = "cuda")]
+    pub fn gpu_model_parallel_world(
+        &self,
+        backend: Option<DdpBackend>,
+        stream: Arc<cudarc::driver::CudaStream>,
+    ) -> Result<Arc<dyn Communicator>> {
+        self.host.set_staging_stream(stream.clone());
+        match self.device_backend(backend) {
+            DdpBackend::Host => Ok(self.host.clone()),
+            DdpBackend::Nccl => {
+                let nccl =
+                    tilearn_parallel::nccl::NcclCommunicator::new(&self.group, stream.context())?;
+                let routed =
+                    tilearn_parallel::RoutedCommunicator::new(Arc::new(nccl), self.host.clone())?;
+                Ok(Arc::new(routed))
             }
         }
     }
@@ -140,4 +186,22 @@ impl ProgressSink for Quiet {
     fn finish(&mut self) {}
     fn note(&mut self, _: &str) {}
     fn warn(&mut self, _: &str) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nccl_by_default_only_where_each_rank_has_a_gpu_of_its_own() {
+        assert_eq!(DdpBackend::for_gpus(None, 2, 2), DdpBackend::Nccl);
+        assert_eq!(DdpBackend::for_gpus(None, 1, 8), DdpBackend::Nccl);
+        assert_eq!(DdpBackend::for_gpus(None, 2, 1), DdpBackend::Host);
+        assert_eq!(DdpBackend::for_gpus(None, 4, 0), DdpBackend::Host);
+        // An explicit choice stands either way (NCCL then refuses ranks sharing a GPU itself).
+        let nccl = Some(DdpBackend::Nccl);
+        assert_eq!(DdpBackend::for_gpus(nccl, 2, 1), DdpBackend::Nccl);
+        let host = Some(DdpBackend::Host);
+        assert_eq!(DdpBackend::for_gpus(host, 2, 2), DdpBackend::Host);
+    }
 }

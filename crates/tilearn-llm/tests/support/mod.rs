@@ -1,6 +1,9 @@
 //! Helpers of the CLI test binaries: which binary to run, running it, comparing saved weights.
 #![allow(dead_code)] // each test binary uses a different subset
 
+#[cfg(feature = "cuda")]
+pub mod gpu_runs;
+
 use std::ffi::OsString;
 use std::path::Path;
 use std::process::Output;

@@ -6,8 +6,9 @@
 //! It predicts; it runs nothing. The memory model is checked against the single-GPU engine's
 //! measured peaks (`calibration` tests, errors stated in docs/ARCHITECTURE.md); the cost model's
 //! compute rates are the H200's measured ones, its interconnect rates stated assumptions.
-//! Tensor and pipeline parallel execution is being built (issue 12): their terms follow
-//! Megatron's layout (TP innermost, then DP, then PP), which that work follows.
+//! The layouts follow Megatron's order (TP innermost, then DP, then PP), as the engines' groups
+//! do; every layout is priced, and only those the GPU engine runs today are recommended
+//! ([`engine_support`]).
 //!
 //! Data-parallel schedules per ZeRO stage (what [`cost`] charges): stage 0 all-reduces the
 //! gradients once, under the last micro-batch's backward; stage 1 reduce-scatters them likewise
@@ -15,6 +16,7 @@
 //! micro-batch; stage 3 also gathers each layer's weights for the forward and the backward.
 
 pub mod cost;
+pub mod engine_support;
 pub mod hardware;
 pub mod layout;
 pub mod memory;

@@ -5,6 +5,9 @@
 //! are several per cent), while each extra degree of model parallelism, ZeRO-3's per-layer
 //! gathers and recomputation are real costs in complexity the model does not price. Simplest
 //! means: the smallest TP·PP·v, then not ZeRO-3, then no checkpointing, then the least memory.
+//! Every layout is priced, but only those the GPU engine runs today are recommended
+//! ([`engine_support`](super::engine_support)), so the recommendation can be launched as
+//! printed; when it runs none that fit, the recommendation is the simplest of all, marked.
 
 use serde::Serialize;
 
@@ -36,6 +39,8 @@ pub struct Candidate {
     pub memory_total: f64,
     pub fits: bool,
     pub cost: StepCost,
+    /// Why `tilearn train --device cuda` would refuse the layout today; `None` when it runs it.
+    pub gpu_engine_refuses: Option<&'static str>,
 }
 
 /// The model as the advisor saw it.
@@ -67,8 +72,19 @@ pub struct Plan {
 /// Layouts predicted within this fraction of the fastest step count as equally fast.
 pub const NEAR_FASTEST: f64 = 0.02;
 
-/// The simplest of the `ranked` (fastest first) layouts within [`NEAR_FASTEST`] of the first.
+/// The simplest of the `ranked` (fastest first) layouts the GPU engine runs within
+/// [`NEAR_FASTEST`] of the fastest of those; of all of them when it runs none.
 pub fn recommend(ranked: &[Candidate]) -> Option<Candidate> {
+    let runs: Vec<Candidate> = ranked
+        .iter()
+        .filter(|c| c.gpu_engine_refuses.is_none())
+        .copied()
+        .collect();
+    simplest_near_fastest(if runs.is_empty() { ranked } else { &runs })
+}
+
+/// The simplest of the `ranked` (fastest first) layouts within [`NEAR_FASTEST`] of the first.
+fn simplest_near_fastest(ranked: &[Candidate]) -> Option<Candidate> {
     let fastest = ranked.first()?.cost.step_s;
     let simplicity = |c: &Candidate| {
         let l = &c.layout;
@@ -136,6 +152,7 @@ pub fn evaluate(
         memory_total: memory.total(),
         fits: memory.total() <= hw.usable_bytes(),
         cost,
+        gpu_engine_refuses: super::engine_support::gpu_engine_refusal(config, layout),
     })
 }
 
@@ -430,14 +447,21 @@ mod tests {
             );
             let fastest = p.ranked[0].cost.step_s;
             assert!(p.ranked.contains(&r));
-            assert!(r.cost.step_s <= fastest * (1.0 + NEAR_FASTEST));
-            // Nothing as fast is simpler: no smaller TP·PP·v, no ZeRO-3 needlessly, no
-            // checkpointing needlessly, no less memory at the same simplicity.
-            let degree = |l: &Layout| l.tp * l.pp * l.virtual_stages;
-            for x in p
+            // The recommendation runs on the GPU engine, within 2 % of the fastest that does.
+            assert_eq!(r.gpu_engine_refuses, None);
+            let runs: Vec<&Candidate> = p
                 .ranked
                 .iter()
-                .filter(|x| x.cost.step_s <= fastest * (1.0 + NEAR_FASTEST))
+                .filter(|x| x.gpu_engine_refuses.is_none())
+                .collect();
+            let fastest_run = runs[0].cost.step_s;
+            assert!(r.cost.step_s <= fastest_run * (1.0 + NEAR_FASTEST));
+            // Nothing as fast that runs is simpler: no smaller TP·PP·v, no checkpointing
+            // needlessly, no less memory at the same simplicity.
+            let degree = |l: &Layout| l.tp * l.pp * l.virtual_stages;
+            for x in runs
+                .into_iter()
+                .filter(|x| x.cost.step_s <= fastest_run * (1.0 + NEAR_FASTEST))
             {
                 assert!(degree(&x.layout) >= degree(&r.layout), "{x:?}");
                 if degree(&x.layout) == degree(&r.layout)

@@ -22,6 +22,8 @@ use crate::Result;
 /// Where a benchmarked GPU model keeps its state (`--memory`, `--weight-copy`,
 /// `--offload-checkpoints`, as `tilearn train`).
 #[derive(Clone, Copy, Debug)]
+// Parsed in every build (bad values are errors without a GPU too); read only by the CUDA bench.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub struct GpuMemoryOptions {
     pub memory: MemoryMode,
     pub weight_copy: WeightCopy,

@@ -177,7 +177,7 @@ fn row(rank: usize, c: &Candidate, recommended: bool) -> String {
     let m = &c.memory;
     let mark = if recommended { " ◀" } else { "" };
     format!(
-        "| {rank}{mark} | {} | {} | {} | {} | {} | {} × {} | {} | {} | {} | {} | {} | {} | **{}** | {:.3} | {} | {:.1} % |",
+        "| {rank}{mark} | {} | {} | {} | {} | {} | {} × {} | {} | {} | {} | {} | {} | {} | **{}** | {:.3} | {} | {:.1} % | {} |",
         l.tp,
         l.pp,
         l.virtual_stages,
@@ -198,7 +198,8 @@ fn row(rank: usize, c: &Candidate, recommended: bool) -> String {
         gib(c.memory_total),
         c.cost.step_s,
         tokens_per_s(c.cost.tokens_per_s),
-        c.cost.mfu * 100.0
+        c.cost.mfu * 100.0,
+        c.gpu_engine_refuses.unwrap_or("runs")
     )
 }
 
@@ -233,8 +234,8 @@ fn print_table(plan: &Plan, model: &Path, top: usize) {
         (req.seq_len * req.global_batch) as f64 / 1e6
     );
     println!(
-        "{} layouts considered, {} fit; the fastest {} (◀ the recommendation: the simplest \
-         within {:.0} % of the fastest step):",
+        "{} layouts considered, {} fit; the fastest {} (◀ the recommendation: the simplest the \
+         GPU engine runs within {:.0} % of the fastest step it runs):",
         plan.considered,
         plan.ranked.len(),
         top.min(plan.ranked.len()),
@@ -242,20 +243,27 @@ fn print_table(plan: &Plan, model: &Path, top: usize) {
     );
     println!();
     println!(
-        "| # | TP | PP | v | DP | ZeRO | micro-batch × steps | ckpt | weights | grads | optimizer | activations | workspace | GiB/GPU | step s | tokens/s | MFU |"
+        "| # | TP | PP | v | DP | ZeRO | micro-batch × steps | ckpt | weights | grads | optimizer | activations | workspace | GiB/GPU | step s | tokens/s | MFU | GPU engine |"
     );
-    println!("|{}", "---|".repeat(17));
+    println!("|{}", "---|".repeat(18));
     let r = &plan.recommended;
     for (i, c) in plan.ranked.iter().take(top).enumerate() {
         println!("{}", row(i + 1, c, c == r));
     }
     if let Some(i) = plan.ranked.iter().skip(top).position(|c| c == r) {
-        println!("| … |{}", " |".repeat(16));
+        println!("| … |{}", " |".repeat(17));
         println!("{}", row(top + i + 1, r, true));
     }
     let cost = &r.cost;
     println!();
-    println!("recommended: {}", r.layout.describe());
+    match r.gpu_engine_refuses {
+        None => println!("recommended: {}", r.layout.describe()),
+        Some(why) => println!(
+            "recommended: {} (the GPU engine runs no layout that fits: {why}; the CPU engine \
+             runs it where it is not ZeRO-3)",
+            r.layout.describe()
+        ),
+    }
     println!(
         "  memory per GPU: {} GiB of {} (weights {}, gradients {}, optimizer {}, activations {}, \
          workspace {}; {} kept free for the CUDA context)",
@@ -294,9 +302,10 @@ fn print_table(plan: &Plan, model: &Path, top: usize) {
     );
     println!(
         "note: predictions. Compute rates are the H200's measured ones, NVLink {:.0} GB/s and \
-         InfiniBand {:.0} GB/s bus bandwidths are assumptions; tensor and pipeline parallel \
-         execution and ZeRO-3 are being built (issue 12): today the engine runs TP=PP=1, with \
-         ZeRO-1/2 on the CPU engine only.",
+         InfiniBand {:.0} GB/s bus bandwidths are assumptions. The GPU engine runs data \
+         parallelism with ZeRO-0/1/2, and TP or PP with plain data parallelism around either \
+         (the column says why it refuses the rest: the CPU engine runs them, ZeRO-3 is not \
+         built).",
         hw.intra_node_bus_bytes_per_s / 1e9,
         hw.inter_node_bus_bytes_per_s / 1e9
     );

@@ -61,6 +61,11 @@ fn plan_json(model: &Path, memory: &str, extra: &[&str]) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("not one JSON document ({e}): {out}"))
 }
 
+/// A layout field of a candidate as text.
+fn layout_value(candidate: &serde_json::Value, key: &str) -> String {
+    candidate["layout"][key].as_u64().unwrap().to_string()
+}
+
 #[test]
 fn llama2_7b_and_13b_plans_fit_and_rank_fastest_first() {
     for model in ["llama2-7b.json", "llama2-13b.json"] {
@@ -95,6 +100,22 @@ fn llama2_7b_and_13b_plans_fit_and_rank_fastest_first() {
             assert!(
                 rec["gpu_engine_refuses"].is_null(),
                 "{model} {memory}: {rec}"
+            );
+            // Its train flags carry its micro-batch and accumulation.
+            let flags: Vec<&str> = plan["recommended_train_flags"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| f.as_str().unwrap())
+                .collect();
+            let after = |flag: &str| flags[flags.iter().position(|f| *f == flag).unwrap() + 1];
+            assert_eq!(
+                after("--per-device-train-batch-size"),
+                layout_value(rec, "micro_batch")
+            );
+            assert_eq!(
+                after("--gradient-accumulation-steps"),
+                layout_value(rec, "micro_batches")
             );
             let step = |c: &serde_json::Value| c["cost"]["step_s"].as_f64().unwrap();
             let rec_step = step(rec);
@@ -162,6 +183,12 @@ fn the_table_names_the_recommendation_and_its_environment() {
     assert!(marked.ends_with("| runs |"), "{marked}");
     assert!(out.contains("recommended: TP="), "{out}");
     assert!(out.contains("TILEARN_HYBRID_TP_SIZE="), "{out}");
+    // The command that runs it, with the flags of the recommended layout.
+    assert!(
+        out.contains("tilearn launch --standalone --nproc-per-node 8 train --device cuda")
+            && out.contains("--gradient-accumulation-steps"),
+        "{out}"
+    );
     assert!(out.contains("predictions"), "{out}");
 }
 

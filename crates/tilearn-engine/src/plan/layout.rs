@@ -113,6 +113,43 @@ impl Layout {
         (p * interleaving).min(m)
     }
 
+    /// The `tilearn train` flags that run this layout on sequences of `seq` tokens (the data
+    /// parallel size follows from the launched ranks; `--offload-checkpoints` is left to its
+    /// `auto`, which [`Layout::auto_offload`] follows).
+    pub fn train_flags(&self, seq: usize) -> Vec<String> {
+        let mut flags = vec![
+            "--seq-len".to_string(),
+            seq.to_string(),
+            "--per-device-train-batch-size".into(),
+            self.micro_batch.to_string(),
+            "--gradient-accumulation-steps".into(),
+            self.micro_batches.to_string(),
+        ];
+        let mut add = |flag: &str, value: usize| {
+            flags.push(flag.to_string());
+            flags.push(value.to_string());
+        };
+        if self.tp > 1 {
+            add("--tp-size", self.tp);
+        }
+        if self.pp > 1 {
+            add("--pp-size", self.pp);
+        }
+        if self.virtual_stages > 1 {
+            add("--virtual-stages", self.virtual_stages);
+        }
+        if self.zero != ShardStage::Zero0 {
+            add("--zero-stage", self.zero.number().into());
+        }
+        if self.virtual_stages > 1 {
+            flags.extend(["--pp-schedule".to_string(), "interleaved".to_string()]);
+        }
+        if self.checkpointing {
+            flags.push("--gradient-checkpointing".into());
+        }
+        flags
+    }
+
     /// `TP=2 PP=4 (v=2) DP=1 ZeRO-1 mb=1×32 ckpt` style.
     pub fn describe(&self) -> String {
         let v = if self.virtual_stages > 1 {
@@ -196,6 +233,42 @@ mod tests {
         LlamaConfig::from_json_str(&json, "test.json").unwrap()
     }
 
+    #[test]
+    fn train_flags_name_each_dimension_that_is_not_the_default() {
+        let plain = Layout {
+            tp: 1,
+            pp: 1,
+            virtual_stages: 1,
+            dp: 8,
+            zero: ShardStage::Zero2,
+            micro_batch: 1,
+            micro_batches: 32,
+            checkpointing: false,
+            offload_checkpoints: false,
+        };
+        assert_eq!(
+            plain.train_flags(4096).join(" "),
+            "--seq-len 4096 --per-device-train-batch-size 1 --gradient-accumulation-steps 32 \
+             --zero-stage 2"
+        );
+        let split = Layout {
+            tp: 2,
+            pp: 4,
+            virtual_stages: 2,
+            dp: 1,
+            zero: ShardStage::Zero0,
+            micro_batch: 2,
+            micro_batches: 8,
+            checkpointing: true,
+            ..plain
+        };
+        assert_eq!(
+            split.train_flags(2048).join(" "),
+            "--seq-len 2048 --per-device-train-batch-size 2 --gradient-accumulation-steps 8 \
+             --tp-size 2 --pp-size 4 --virtual-stages 2 --pp-schedule interleaved \
+             --gradient-checkpointing"
+        );
+    }
     #[test]
     fn kv_heads_split_when_divisible_and_replicated_beyond() {
         let c = config(32, 4);

@@ -67,6 +67,8 @@ pub struct Plan {
     pub ranked: Vec<Candidate>,
     /// The simplest layout within [`NEAR_FASTEST`] of the fastest that fits.
     pub recommended: Candidate,
+    /// The `tilearn train` flags of the recommendation ([`Layout::train_flags`]).
+    pub recommended_train_flags: Vec<String>,
 }
 
 /// Layouts predicted within this fraction of the fastest step count as equally fast.
@@ -382,6 +384,7 @@ pub fn plan(config: &LlamaConfig, hw: &Hardware, request: &PlanRequest) -> Resul
         request: *request,
         considered,
         ranked,
+        recommended_train_flags: recommended.layout.train_flags(request.seq_len),
         recommended,
     })
 }

@@ -300,6 +300,19 @@ fn print_table(plan: &Plan, model: &Path, top: usize) {
             String::new()
         }
     );
+    let nodes = hw.gpus / hw.gpus_per_node.max(1);
+    let launcher = if nodes > 1 {
+        format!(
+            "--nnodes {nodes} --node-rank <this node> --master-addr <node 0> --nproc-per-node {}",
+            hw.gpus_per_node
+        )
+    } else {
+        format!("--standalone --nproc-per-node {}", hw.gpus_per_node)
+    };
+    println!(
+        "  tilearn launch {launcher} train --device cuda --bf16 {} --model … --data …",
+        plan.recommended_train_flags.join(" ")
+    );
     println!(
         "note: predictions. Compute rates are the H200's measured ones, NVLink {:.0} GB/s and \
          InfiniBand {:.0} GB/s bus bandwidths are assumptions. The GPU engine runs data \

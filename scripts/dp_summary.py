@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Summarises the data-parallel runs of scripts/multi_gpu_call.sh (phase dp).
+"""Summarises the multi-GPU runs of scripts/multi_gpu_call.sh (phases dp, zero, split).
 
-For each preset: per-GPU tokens/s of one GPU (a plain run, one_PRESET) and of N GPUs with the all-reduce
-overlapped and after the backward, the ratio to one GPU, the all-reduce's mean ms per step and
-the share of it hidden behind the backward, and the peak memory from the run's last line. Then
+For each preset: per-GPU tokens/s of one GPU (a plain run, one_PRESET) and of N GPUs (data
+parallel with the all-reduce overlapped and after the backward, dp*_; ZeRO stages, zero*_;
+tensor and pipeline parallel, tp*_ and pp*_), the ratio to one GPU, the all-reduce's mean ms per
+step and the share of it hidden behind the backward, the peak memory from the run's last line
+and, for the ZeRO runs, each rank's model-state line (held bytes against the formula). Then
 the loss check: the per-step losses of one GPU (gradient accumulation N) against N GPUs with the
 same global batch.
 
@@ -51,6 +53,9 @@ def run_figures(directory, name):
         "peak": peak(os.path.join(directory, name + ".log")),
     }
     out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / world
+    log = os.path.join(directory, name + ".log")
+    if name.startswith("zero") and os.path.exists(log):
+        out["model_states"] = re.findall(r"model states on rank \d+: [^\n]*", open(log).read())
     hidden = [r["allreduce_hidden"] for r in recs if r.get("allreduce_hidden") is not None]
     if hidden:
         out["allreduce_ms"] = mean([r["allreduce_ms"] for r in recs if r.get("allreduce_ms")])
@@ -61,7 +66,10 @@ def run_figures(directory, name):
 def main(directory):
     for preset in ("llama-134m", "tinyllama-1.1b"):
         one = run_figures(directory, f"one_{preset}")
-        names = sorted(os.path.basename(p)[:-6] for p in glob.glob(os.path.join(directory, f"dp*_{preset}.jsonl")))
+        names = sorted(
+            os.path.basename(p)[:-6]
+            for kind in ("dp", "zero", "tp", "pp")
+            for p in glob.glob(os.path.join(directory, f"{kind}*_{preset}.jsonl")))
         for name in names:
             fig = run_figures(directory, name)
             if fig is None:

@@ -78,21 +78,21 @@ impl Setup {
 
     /// [`Setup::command`] with more `tilearn launch` flags.
     fn launch(&self, ranks: usize, launch: &[&str], out: &str, extra: &[&str]) -> Command {
+        let ranks = ranks.to_string();
+        let mut launcher = vec!["launch", "--nproc-per-node", &ranks, "--standalone"];
+        launcher.extend(launch);
+        self.under(if ranks == "0" { &[] } else { &launcher }, out, extra)
+    }
+
+    /// The tiny model's `tilearn train` after `launcher` (`launch` and its flags, or nothing).
+    fn under(&self, launcher: &[&str], out: &str, extra: &[&str]) -> Command {
         let (config, data) = (self.path("tiny.json"), self.path("gen/data"));
         let mut cmd = Command::new(support::bin("tilearn", env!("CARGO_BIN_EXE_tilearn")));
         cmd.env_remove("OMP_NUM_THREADS")
             .env_remove("TILEARN_HYBRID_ZERO_STAGE")
             .env_remove("TILEARN_HYBRID_TP_SIZE")
             .env_remove("TILEARN_HYBRID_PP_SIZE");
-        if ranks > 0 {
-            cmd.args([
-                "launch",
-                "--nproc-per-node",
-                &ranks.to_string(),
-                "--standalone",
-            ]);
-            cmd.args(launch);
-        }
+        cmd.args(launcher);
         cmd.args([
             "train",
             "--config",
@@ -203,6 +203,57 @@ fn two_and_four_ranks_equal_one_process() {
             "{stdout}"
         );
     }
+}
+
+/// Two launchers on this host as the two nodes of one job (`--nnodes 2`, node ranks 0 and 1,
+/// node 0's store on a free loopback port), two ranks each: the four data-parallel ranks equal
+/// one process with the same global batch, and rank 0 (on node 0) reports the world of four.
+#[test]
+fn two_nodes_on_one_host_train_as_one_job_of_four_ranks() {
+    let s = Setup::new();
+    let (one, nodes) = (s.path("one"), s.path("nodes"));
+    s.train(
+        0,
+        &one,
+        &with(NO_SAVES, &["--gradient-accumulation-steps", "4"]),
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let node = |rank: &str| {
+        let launcher = [
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--nproc-per-node",
+            "2",
+            "--comm-timeout",
+            "60",
+        ];
+        s.under(&launcher, &nodes, NO_SAVES)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Node 1 first: its launcher waits for node 0's store.
+    let second = node("1");
+    let first = node("0");
+    let stdout = ok(first.wait_with_output().unwrap());
+    ok(second.wait_with_output().unwrap());
+    let diff = max_abs_diff(&weights(&one), &weights(&nodes));
+    assert!(diff <= TOLERANCE, "two nodes: max |Δw| = {diff}");
+    assert!(log(&nodes).iter().all(|r| r["world_size"] == 4));
+    assert!(stdout.contains("[rank 0] step      4"), "{stdout}");
 }
 
 /// The per-rank model-state line: the bytes held, and the formula's value and Ψ, N.

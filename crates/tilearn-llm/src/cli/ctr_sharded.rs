@@ -50,7 +50,7 @@ pub struct ShardArgs {
     #[arg(long, default_value_t = 1_000_000)]
     pub shard_row_wise_rows: usize,
     /// Sharded GPU runs: what carries the device buffers (pooled embeddings, their gradients,
-    /// the dense gradient): nccl (the default when the node has a GPU for each rank) or host
+    /// the dense gradient): nccl (the default unless two ranks run on one GPU) or host
     /// (TCP through pinned memory; the default for ranks sharing a GPU).
     #[arg(long, value_enum)]
     pub ddp_backend: Option<DdpBackend>,

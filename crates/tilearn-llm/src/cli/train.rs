@@ -300,8 +300,8 @@ pub struct TrainArgs {
     pub no_ddp_overlap: bool,
     /// What carries device buffers between ranks (the gradients, and the activations and
     /// partial sums of --tp-size/--pp-size): nccl or host (TCP through page-locked memory; the
-    /// CPU's). Default on the GPU: nccl when the node has a GPU for each of its ranks, else
-    /// host (ranks sharing a GPU).
+    /// CPU's). Default on the GPU: nccl unless two ranks run on one GPU (compared by
+    /// UUID), else host.
     #[arg(long, value_enum)]
     pub ddp_backend: Option<DdpBackend>,
     /// ZeRO: 1 shards the optimizer state (and the master weights it steps) across the ranks,

@@ -21,22 +21,30 @@ use crate::{LlmError, Result};
 /// `--ddp-backend`: what carries device buffers between ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DdpBackend {
-    /// NCCL, one GPU per rank (the default on the GPU when the node has a GPU for each rank).
+    /// NCCL, one GPU per rank (the default on the GPU unless two ranks run on one GPU).
     Nccl,
     /// The host (TCP) communicator (the CPU's, and the default for ranks that share a GPU).
     Host,
 }
 
 impl DdpBackend {
-    /// `chosen`, else NCCL when each of the node's `local_ranks` has one of its `gpus` to
-    /// itself, else the host communicator (NCCL refuses two ranks of a group on one GPU).
-    pub fn for_gpus(chosen: Option<DdpBackend>, local_ranks: usize, gpus: usize) -> DdpBackend {
-        chosen.unwrap_or(if local_ranks <= gpus {
-            DdpBackend::Nccl
-        } else {
+    /// `chosen`, else NCCL unless two ranks of the job run on one GPU, where the host
+    /// communicator is the default (NCCL refuses two ranks of a group on one GPU).
+    pub fn or_default(chosen: Option<DdpBackend>, ranks_share_a_gpu: bool) -> DdpBackend {
+        chosen.unwrap_or(if ranks_share_a_gpu {
             DdpBackend::Host
+        } else {
+            DdpBackend::Nccl
         })
     }
+}
+
+/// Whether two of the ranks' GPU ids (UUIDs, one per rank) are the same GPU.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // asked only where GPUs are
+fn any_shared(gpu_ids: &[u128]) -> bool {
+    let mut sorted = gpu_ids.to_vec();
+    sorted.sort_unstable();
+    sorted.windows(2).any(|w| w[0] == w[1])
 }
 
 /// This process's membership in a launched job.
@@ -104,12 +112,36 @@ impl Ranks {
         Ok(self.host.clone())
     }
 
-    /// The backend for device buffers: `chosen`, else by [`DdpBackend::for_gpus`] from the
-    /// node's ranks and visible GPUs.
+    /// The backend for device buffers of ranks computing on `ctx`'s GPU: `chosen`, else by
+    /// [`DdpBackend::or_default`] from whether two ranks of the job run on the same GPU,
+    /// compared by the GPUs' UUIDs over the host communicator (so it holds whatever each rank's
+    /// `CUDA_VISIBLE_DEVICES` is). Collective when `chosen` is `None` (every rank has the same
+    /// flags, so all or none of them gather).
     #[cfg(feature = "cuda")]
-    pub fn device_backend(&self, chosen: Option<DdpBackend>) -> DdpBackend {
-        let gpus = tilearn_ops::backend::probe().devices.len();
-        DdpBackend::for_gpus(chosen, self.group.env().local_world_size, gpus)
+    pub fn device_backend(
+        &self,
+        chosen: Option<DdpBackend>,
+        ctx: &cudarc::driver::CudaContext,
+    ) -> Result<DdpBackend> {
+        if chosen.is_some() {
+            return Ok(DdpBackend::or_default(chosen, false));
+        }
+        let uuid = ctx.uuid().map_err(|e| LlmError::Usage {
+            flag: "--ddp-backend".into(),
+            message: format!(
+                "cannot read this rank's GPU id to tell whether ranks share a GPU ({e}); pass \
+                 --ddp-backend nccl or host"
+            ),
+        })?;
+        let id = u128::from_le_bytes(uuid.bytes.map(|b| b as u8));
+        let high = tilearn_parallel::scalars::gather_words(self.host.as_ref(), (id >> 64) as u64)?;
+        let low = tilearn_parallel::scalars::gather_words(self.host.as_ref(), id as u64)?;
+        let ids: Vec<u128> = high
+            .into_iter()
+            .zip(low)
+            .map(|(h, l)| (u128::from(h) << 64) | u128::from(l))
+            .collect();
+        Ok(DdpBackend::or_default(None, any_shared(&ids)))
     }
 
     /// The gradients' communicator for a GPU run on `stream`'s device: NCCL or the host
@@ -121,7 +153,7 @@ impl Ranks {
         backend: Option<DdpBackend>,
         stream: Arc<cudarc::driver::CudaStream>,
     ) -> Result<Arc<dyn Communicator>> {
-        match self.device_backend(backend) {
+        match self.device_backend(backend, stream.context())? {
             DdpBackend::Host => {
                 self.host.set_staging_stream(stream);
                 Ok(self.host.clone())
@@ -146,7 +178,7 @@ impl Ranks {
         stream: Arc<cudarc::driver::CudaStream>,
     ) -> Result<Arc<dyn Communicator>> {
         self.host.set_staging_stream(stream.clone());
-        match self.device_backend(backend) {
+        match self.device_backend(backend, stream.context())? {
             DdpBackend::Host => Ok(self.host.clone()),
             DdpBackend::Nccl => {
                 let nccl =
@@ -194,14 +226,22 @@ mod tests {
 
     #[test]
     fn nccl_by_default_only_where_each_rank_has_a_gpu_of_its_own() {
-        assert_eq!(DdpBackend::for_gpus(None, 2, 2), DdpBackend::Nccl);
-        assert_eq!(DdpBackend::for_gpus(None, 1, 8), DdpBackend::Nccl);
-        assert_eq!(DdpBackend::for_gpus(None, 2, 1), DdpBackend::Host);
-        assert_eq!(DdpBackend::for_gpus(None, 4, 0), DdpBackend::Host);
+        // Four ranks on four GPUs; two of them on one GPU (whatever their device ordinals).
+        let own = [0x10u128, 0x20, 0x30, 0x40];
+        let shared = [0x10u128, 0x20, 0x10 << 100, 0x20];
+        assert!(!any_shared(&own) && any_shared(&shared) && !any_shared(&[7]));
+        assert_eq!(
+            DdpBackend::or_default(None, any_shared(&own)),
+            DdpBackend::Nccl
+        );
+        assert_eq!(
+            DdpBackend::or_default(None, any_shared(&shared)),
+            DdpBackend::Host
+        );
         // An explicit choice stands either way (NCCL then refuses ranks sharing a GPU itself).
         let nccl = Some(DdpBackend::Nccl);
-        assert_eq!(DdpBackend::for_gpus(nccl, 2, 1), DdpBackend::Nccl);
+        assert_eq!(DdpBackend::or_default(nccl, true), DdpBackend::Nccl);
         let host = Some(DdpBackend::Host);
-        assert_eq!(DdpBackend::for_gpus(host, 2, 2), DdpBackend::Host);
+        assert_eq!(DdpBackend::or_default(host, false), DdpBackend::Host);
     }
 }

@@ -153,17 +153,10 @@ impl Ranks {
         backend: Option<DdpBackend>,
         stream: Arc<cudarc::driver::CudaStream>,
     ) -> Result<Arc<dyn Communicator>> {
-        match self.device_backend(backend, stream.context())? {
-            DdpBackend::Host => {
-                self.host.set_staging_stream(stream);
-                Ok(self.host.clone())
-            }
-            DdpBackend::Nccl => {
-                let nccl =
-                    tilearn_parallel::nccl::NcclCommunicator::new(&self.group, stream.context())?;
-                Ok(Arc::new(nccl))
-            }
-        }
+        Ok(match self.nccl_or_host_staging(backend, stream)? {
+            Some(nccl) => nccl,
+            None => self.host.clone(),
+        })
     }
 
     /// The whole job's communicator for a model split over GPUs (tensor or pipeline
@@ -177,15 +170,32 @@ impl Ranks {
         backend: Option<DdpBackend>,
         stream: Arc<cudarc::driver::CudaStream>,
     ) -> Result<Arc<dyn Communicator>> {
-        self.host.set_staging_stream(stream.clone());
+        Ok(match self.nccl_or_host_staging(backend, stream)? {
+            Some(nccl) => Arc::new(tilearn_parallel::RoutedCommunicator::new(
+                nccl,
+                self.host.clone(),
+            )?),
+            None => self.host.clone(),
+        })
+    }
+
+    /// The job's NCCL communicator on `stream`'s GPU, or `None` where device buffers go over
+    /// the host communicator, which then stages them on `stream`.
+    #[cfg(feature = "cuda")]
+    fn nccl_or_host_staging(
+        &self,
+        backend: Option<DdpBackend>,
+        stream: Arc<cudarc::driver::CudaStream>,
+    ) -> Result<Option<Arc<dyn Communicator>>> {
         match self.device_backend(backend, stream.context())? {
-            DdpBackend::Host => Ok(self.host.clone()),
+            DdpBackend::Host => {
+                self.host.set_staging_stream(stream);
+                Ok(None)
+            }
             DdpBackend::Nccl => {
                 let nccl =
                     tilearn_parallel::nccl::NcclCommunicator::new(&self.group, stream.context())?;
-                let routed =
-                    tilearn_parallel::RoutedCommunicator::new(Arc::new(nccl), self.host.clone())?;
-                Ok(Arc::new(routed))
+                Ok(Some(Arc::new(nccl)))
             }
         }
     }

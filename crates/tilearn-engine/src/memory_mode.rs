@@ -21,8 +21,6 @@
 
 use std::fmt;
 
-use half::bf16;
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use tilearn_ops::DType;
 use tilearn_optim::{AdamW, AdamWConfig, ParamGroup};
@@ -168,10 +166,12 @@ impl HostAdamW {
         (self.master.len() + self.adamw.exp_avg().len() + self.adamw.exp_avg_sq().len()) * 4
     }
 
-    /// One step at `lr` with `grads` (clipped in place, as `clip_grad_norm_`), then the new
+    /// One step at `lr` with `grads` clipped as `clip_grad_norm_` clips them, then the new
     /// weights as bf16 bits into `bf16_out` (round to nearest even, as the fused kernel's
-    /// copy). Returns the norm before clipping.
-    pub fn step(&mut self, grads: &mut [f32], lr: f32, bf16_out: &mut [u16]) -> Result<f64> {
+    /// copy). Returns the norm before clipping. One pass for the norm and one over the state
+    /// (`AdamW::step_fused` applies the clip coefficient and writes the copy as it steps;
+    /// `grads` are left unscaled): the same bits as clipping, stepping and casting in turn.
+    pub fn step(&mut self, grads: &[f32], lr: f32, bf16_out: &mut [u16]) -> Result<f64> {
         if bf16_out.len() != self.master.len() {
             return Err(EngineError::InvalidArgument {
                 argument: "bf16_out".into(),
@@ -182,32 +182,24 @@ impl HostAdamW {
                 ),
             });
         }
-        let norm = if self.max_grad_norm > 0.0 {
-            tilearn_optim::clip_grad_norm(grads, self.max_grad_norm)
+        let norm = tilearn_optim::global_grad_norm(grads);
+        let coefficient = if self.max_grad_norm > 0.0 {
+            tilearn_optim::clip::clip_coefficient(norm, self.max_grad_norm)
         } else {
-            tilearn_optim::global_grad_norm(grads)
+            None
         };
-        self.adamw.step(&mut self.master, grads, lr)?;
-        cast_to_bf16_bits(&self.master, bf16_out);
+        let scale = coefficient.map_or(1.0, |c| c as f32);
+        self.adamw
+            .step_fused(&mut self.master, grads, lr, scale, Some(bf16_out))?;
         self.last_grad_norm = Some(norm);
         Ok(norm)
     }
 }
 
-/// `out[i] = bf16(src[i])` as bits (round to nearest even), in parallel.
-pub fn cast_to_bf16_bits(src: &[f32], out: &mut [u16]) {
-    const CHUNK: usize = 1 << 16;
-    out.par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
-        .for_each(|(o, s)| {
-            for (o, &x) in o.iter_mut().zip(s) {
-                *o = bf16::from_f32(x).to_bits();
-            }
-        });
-}
-
 #[cfg(test)]
 mod tests {
+    use half::bf16;
+
     use super::*;
     use rand::{Rng, SeedableRng};
 
@@ -283,8 +275,7 @@ mod tests {
             // Gradients with a norm well above 1, so clipping is active.
             let g = random(n, 100 + step, 0.05);
             let lr = 1e-3 * (1.0 + step as f32);
-            let mut g_host = g.clone();
-            let norm = host.step(&mut g_host, lr, &mut bits).unwrap();
+            let norm = host.step(&g, lr, &mut bits).unwrap();
             let mut g_ref = g.clone();
             let ref_norm = tilearn_optim::clip_grad_norm(&mut g_ref, 1.0);
             reference.step(&mut params, &g_ref, lr).unwrap();
@@ -302,8 +293,7 @@ mod tests {
                     .zip(&params)
                     .all(|(&b, &p)| b == bf16::from_f32(p).to_bits())
             );
-            let mut g_u = g;
-            unclipped.step(&mut g_u, lr, &mut bits_unclipped).unwrap();
+            unclipped.step(&g, lr, &mut bits_unclipped).unwrap();
         }
         assert_eq!(host.adamw().exp_avg(), reference.exp_avg());
         assert_eq!(host.adamw().exp_avg_sq(), reference.exp_avg_sq());
@@ -320,8 +310,7 @@ mod tests {
     fn a_wrong_copy_length_is_an_error_before_any_update() {
         let mut host =
             HostAdamW::new(vec![1.0; 8], AdamWConfig::default(), groups(8), 1.0).unwrap();
-        let mut g = vec![0.5; 8];
-        let err = host.step(&mut g, 1e-3, &mut [0u16; 7]).unwrap_err();
+        let err = host.step(&[0.5; 8], 1e-3, &mut [0u16; 7]).unwrap_err();
         assert!(err.to_string().contains("7 elements"), "{err}");
         assert_eq!(host.master(), &[1.0; 8]);
         assert_eq!(host.adamw().step_count(), 0);

@@ -30,7 +30,9 @@ pub use crate::adam_config::{AdamConfig, AdamVariant, WeightDecayMode};
 pub use crate::adam_update::AdamStepScalars;
 use crate::adam_update::update_slice;
 use crate::bookkeeping::{Bookkeeping, bookkeeping_accessors, group_lr};
-use crate::common::{chunks_of_segments, decimal_f64, split, split_mut, split_mut_opt};
+use crate::common::{
+    check_len, chunks_of_segments, decimal_f64, gaps, split, split_mut, split_mut_opt,
+};
 use crate::error::{OptimError, Result};
 use crate::group::ParamGroup;
 
@@ -157,8 +159,29 @@ impl<C: AdamVariant> Adam<C> {
     /// `InvalidHyperParameter` for a non-finite or negative `lr`. Non-finite gradients are not
     /// checked (the caller — e.g. a GradScaler — decides whether to step).
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<()> {
+        self.step_fused(params, grads, lr, 1.0, None)
+    }
+
+    /// [`Adam::step`] with what the fused CUDA kernel does around it, for the host copy of its
+    /// work (the lean mode's host optimizer): every gradient multiplied by `grad_scale` first
+    /// (the clip coefficient, without `clip_grad_norm`'s pass over the gradients, which are
+    /// left as they are; 1 changes nothing) and, with `copy` (`numel` elements), every
+    /// parameter afterwards written to it as bf16 bits ([`bf16_copy`](crate::bf16_copy)), the
+    /// elements outside the groups included. The same bits as scaling the gradients, stepping
+    /// and casting in three passes, in one pass over the state.
+    pub fn step_fused(
+        &mut self,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        grad_scale: f32,
+        mut copy: Option<&mut [u16]>,
+    ) -> Result<()> {
         let what = ["Adam::step params", "Adam::step grads"];
         self.base.check_step(what, params, grads, lr)?;
+        if let Some(copy) = &copy {
+            check_len("Adam::step_fused copy", self.base.numel, copy.len())?;
+        }
         let step = self.base.step + 1;
         let scalars: Vec<AdamStepScalars<C>> = self
             .base
@@ -173,6 +196,10 @@ impl<C: AdamVariant> Adam<C> {
         let m = split_mut(&mut self.exp_avg, &chunks);
         let v = split_mut(&mut self.exp_avg_sq, &chunks);
         let x = split_mut_opt(&mut self.max_exp_avg_sq, amsgrad, &chunks);
+        let copies: Vec<Option<&mut [u16]>> = match copy.as_deref_mut() {
+            Some(copy) => split_mut(copy, &chunks).into_iter().map(Some).collect(),
+            None => chunks.iter().map(|_| None).collect(),
+        };
         chunks
             .par_iter()
             .zip(p)
@@ -180,9 +207,16 @@ impl<C: AdamVariant> Adam<C> {
             .zip(m)
             .zip(v)
             .zip(x)
-            .for_each(|(((((c, p), g), m), v), x)| {
-                update_slice(&scalars[c.group], p, g, m, v, x);
+            .zip(copies)
+            .for_each(|((((((c, p), g), m), v), x), copy)| {
+                update_slice(&scalars[c.group], (p, g, m, v), x, grad_scale, copy);
             });
+        if let Some(copy) = copy {
+            // Elements outside every group keep their value; their copy is written too.
+            for gap in gaps(&chunks, params.len()) {
+                crate::bf16_copy::cast_to_bf16_bits(&params[gap.clone()], &mut copy[gap]);
+            }
+        }
         self.base.step = step;
         Ok(())
     }

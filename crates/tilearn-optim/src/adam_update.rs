@@ -120,26 +120,30 @@ fn update_element<C: AdamVariant>(
 }
 
 /// The elementwise update on equal-length slices (one chunk of one range); `vmax` is the
-/// amsgrad maximum when enabled.
+/// amsgrad maximum when enabled. Each gradient is multiplied by `grad_scale` first (1 leaves
+/// it as it is, bit for bit); with `copy`, the updated parameters are then written to it as
+/// bf16 bits (the chunk is still in cache).
 pub(crate) fn update_slice<C: AdamVariant>(
     s: &AdamStepScalars<C>,
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    (p, g, m, v): (&mut [f32], &[f32], &mut [f32], &mut [f32]),
     vmax: Option<&mut [f32]>,
+    grad_scale: f32,
+    copy: Option<&mut [u16]>,
 ) {
     let pgmv = p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut());
     match vmax {
         Some(vmax) => {
             for ((((p, &g), m), v), x) in pgmv.zip(vmax) {
-                update_element(s, p, g, m, v, Some(x));
+                update_element(s, p, g * grad_scale, m, v, Some(x));
             }
         }
         None => {
             for (((p, &g), m), v) in pgmv {
-                update_element(s, p, g, m, v, None);
+                update_element(s, p, g * grad_scale, m, v, None);
             }
         }
+    }
+    if let Some(copy) = copy {
+        crate::bf16_copy::copy_slice(p, copy);
     }
 }

@@ -128,11 +128,28 @@ pub(crate) fn chunks_of_segments(segments: &[Segment]) -> Vec<Chunk> {
     out
 }
 
+/// The ranges of `0..len` that no chunk covers (`chunks` sorted by start and disjoint, as
+/// [`chunks_of_segments`] gives them), in order.
+pub(crate) fn gaps(chunks: &[Chunk], len: usize) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let mut pos = 0;
+    for c in chunks {
+        if c.range.start > pos {
+            out.push(pos..c.range.start);
+        }
+        pos = pos.max(c.range.end);
+    }
+    if pos < len {
+        out.push(pos..len);
+    }
+    out
+}
+
 /// Disjoint mutable slices of `buf` for `chunks` (sorted by start, disjoint, within
 /// `buf` — as produced by [`chunks_of_segments`] for a buffer of the validated length).
-pub(crate) fn split_mut<'a>(buf: &'a mut [f32], chunks: &[Chunk]) -> Vec<&'a mut [f32]> {
+pub(crate) fn split_mut<'a, T>(buf: &'a mut [T], chunks: &[Chunk]) -> Vec<&'a mut [T]> {
     let mut out = Vec::with_capacity(chunks.len());
-    let mut rest: &'a mut [f32] = buf;
+    let mut rest: &'a mut [T] = buf;
     let mut pos = 0usize;
     for c in chunks {
         let tail = std::mem::take(&mut rest);
@@ -162,6 +179,36 @@ pub(crate) fn split_mut_opt<'a>(
 /// Shared slices of `buf` for `chunks` (same contract as [`split_mut`]).
 pub(crate) fn split<'a>(buf: &'a [f32], chunks: &[Chunk]) -> Vec<&'a [f32]> {
     chunks.iter().map(|c| &buf[c.range.clone()]).collect()
+}
+
+#[cfg(test)]
+mod gap_tests {
+    use super::*;
+
+    #[test]
+    fn gaps_are_what_the_segments_leave_out() {
+        let segments = [
+            Segment {
+                group: 0,
+                range: 3..5,
+            },
+            Segment {
+                group: 1,
+                range: 5..CHUNK + 9,
+            },
+            Segment {
+                group: 0,
+                range: CHUNK + 20..CHUNK + 30,
+            },
+        ];
+        let chunks = chunks_of_segments(&segments);
+        assert_eq!(
+            gaps(&chunks, CHUNK + 40),
+            vec![0..3, CHUNK + 9..CHUNK + 20, CHUNK + 30..CHUNK + 40]
+        );
+        assert_eq!(gaps(&chunks, CHUNK + 30), vec![0..3, CHUNK + 9..CHUNK + 20]);
+        assert_eq!(gaps(&[], 4), vec![0..4]);
+    }
 }
 
 #[cfg(test)]

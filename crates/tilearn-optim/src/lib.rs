@@ -11,12 +11,14 @@
 //! * [`optimizer`]: the [`Optimizer`] trait all five implement, and [`OptimizerConfig`].
 //!   Every optimizer saves and loads its state in one safetensors format (`state_file.rs`).
 //! * [`clip`]: deterministic global L2 gradient norm and `clip_grad_norm_`.
+//! * [`bf16_copy`]: the bf16 working copy of fp32 weights, rounded as the fused kernels do.
 //! * [`schedule`]: Hugging Face `get_scheduler` learning-rate curves.
 
 pub mod adam;
 mod adam_config;
 mod adam_update;
 pub mod adamw;
+pub mod bf16_copy;
 mod bookkeeping;
 pub mod clip;
 mod common;

@@ -501,3 +501,58 @@ fn single_update_matches_f64_reference() {
         assert!(err <= 1e-6, "step {t}: update rel err {err:e}");
     }
 }
+
+/// `step_fused` (the lean mode's host step) is, bit for bit, the three passes it replaces:
+/// gradients multiplied by the clip coefficient, `step`, and the bf16 cast of every parameter
+/// (those outside the groups included: two_groups leaves a gap and a tail), with and without
+/// amsgrad, with a coefficient of 1 and another, over several steps.
+#[test]
+fn the_fused_step_is_scale_step_and_cast_in_turn() {
+    use tilearn_optim::bf16_copy::cast_to_bf16_bits;
+    let numel = 40_000;
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for amsgrad in [false, true] {
+        let config = AdamWConfig {
+            amsgrad,
+            ..AdamWConfig::default()
+        };
+        let (groups, _) = two_groups(numel);
+        let mut fused = AdamW::new(config, groups.clone(), numel).unwrap();
+        let mut passes = AdamW::new(config, groups, numel).unwrap();
+        let init: Vec<f32> = (0..numel).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (mut p_fused, mut p_passes) = (init.clone(), init);
+        let mut copy_fused = vec![0u16; numel];
+        let mut copy_passes = vec![0u16; numel];
+        for (step, scale) in [(1, 1.0f32), (2, 0.37), (3, 1.0), (4, 2.5e-3)] {
+            let grads: Vec<f32> = (0..numel).map(|_| rng.random_range(-3.0..3.0)).collect();
+            let lr = 1e-3 * step as f32;
+            fused
+                .step_fused(&mut p_fused, &grads, lr, scale, Some(&mut copy_fused))
+                .unwrap();
+            let scaled: Vec<f32> = grads.iter().map(|&g| g * scale).collect();
+            let grads_in = if scale == 1.0 { &grads } else { &scaled };
+            passes.step(&mut p_passes, grads_in, lr).unwrap();
+            cast_to_bf16_bits(&p_passes, &mut copy_passes);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&p_fused),
+                bits(&p_passes),
+                "amsgrad {amsgrad}, step {step}"
+            );
+            assert_eq!(copy_fused, copy_passes, "amsgrad {amsgrad}, step {step}");
+            assert_eq!(bits(fused.exp_avg_sq()), bits(passes.exp_avg_sq()));
+        }
+        // The copy covers the tail outside every group, which the step leaves alone.
+        assert_ne!(copy_fused[numel - 1], 0);
+    }
+    // A copy of the wrong length is refused before anything changes.
+    let (groups, _) = two_groups(numel);
+    let mut opt = AdamW::new(AdamWConfig::default(), groups, numel).unwrap();
+    let mut p = vec![0.5f32; numel];
+    let err = opt
+        .step_fused(&mut p, &vec![1.0; numel], 1e-3, 1.0, Some(&mut [0u16; 3]))
+        .unwrap_err();
+    assert!(matches!(err, OptimError::LengthMismatch { .. }), "{err}");
+    assert_eq!(opt.step_count(), 0);
+    assert!(p.iter().all(|&x| x == 0.5));
+}

@@ -2,7 +2,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tilearn_optim::clip::{NORM_CHUNK, clip_coefficient, sum_of_squares};
+use tilearn_optim::clip::{NORM_CHUNK, NORM_LANES, clip_coefficient, sum_of_squares};
 use tilearn_optim::{clip_grad_norm, global_grad_norm};
 
 fn bits(x: &[f32]) -> Vec<u32> {
@@ -42,12 +42,16 @@ fn norm_is_accumulated_in_f64() {
 #[test]
 fn norm_is_deterministic_and_follows_the_chunk_contract() {
     let g = random(5 * NORM_CHUNK + 123, 1);
-    // The contract: chunks of NORM_CHUNK summed sequentially in f64, chunk sums added in order.
+    // The contract: chunks of NORM_CHUNK, each summed in f64 over NORM_LANES interleaved
+    // lanes (element i into lane i mod NORM_LANES) added in lane order; chunk sums in order.
     let expected: f64 = g
         .chunks(NORM_CHUNK)
         .map(|c| {
-            c.iter()
-                .fold(0.0f64, |a, &x| a + f64::from(x) * f64::from(x))
+            let mut lanes = [0.0f64; NORM_LANES];
+            for (i, &x) in c.iter().enumerate() {
+                lanes[i % NORM_LANES] += f64::from(x) * f64::from(x);
+            }
+            lanes.iter().sum::<f64>()
         })
         .collect::<Vec<_>>()
         .iter()

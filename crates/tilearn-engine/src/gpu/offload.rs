@@ -184,7 +184,7 @@ impl GpuLlama {
             .weights
             .as_mut_slice()
             .map_err(|e| cuda_err("waiting for the previous weight upload", e))?;
-        adamw.step(&mut host_grads[..numel], lr, &mut bits[..numel])?;
+        adamw.step(&host_grads[..numel], lr, &mut bits[..numel])?;
         work.upload_bf16_bits(&stream, &off.weights)?;
         self.sample_memory()
     }
@@ -219,7 +219,7 @@ impl GpuLlama {
             .weights
             .as_mut_slice()
             .map_err(|e| cuda_err("waiting for the previous weight upload", e))?;
-        crate::memory_mode::cast_to_bf16_bits(params, &mut bits[..n]);
+        tilearn_optim::bf16_copy::cast_to_bf16_bits(params, &mut bits[..n]);
         match work.as_mut() {
             Some(w) => w.upload_bf16_bits(&stream, &off.weights),
             None => Err(invalid(

@@ -7,6 +7,8 @@
 //   - with timing on, reports forward, delta and backward milliseconds (CUDA events, mean of
 //     20 launches, 5 at 16 K) and TFLOP/s for mma.sync, the deterministic and the one-pass
 //     backward.
+//   - checks and times the experimental head_dim-128 wgmma forward (TILEARN_FLASH_SM90_HD128=1)
+//     against the mma.sync forward.
 // It is not a test of record (the Rust GPU tests are); bench/RESULTS.md cites its figures as
 // the "development harness". Build with scripts/flash_harness.sh; run `harness` (all shapes) or
 // `harness small` (correctness only, e.g. under compute-sanitizer).
@@ -182,6 +184,76 @@ bool run_shape(Shape sh, int dtype, bool timing) {
     return ok;
 }
 
+void use_hd128_forward(bool on) {
+    if (on) setenv("TILEARN_FLASH_SM90_HD128", "1", 1);
+    else unsetenv("TILEARN_FLASH_SM90_HD128");
+}
+
+// head_dim 128, forward only: the experimental wgmma forward (TILEARN_FLASH_SM90_HD128=1)
+// against the mma.sync forward on the same inputs (out max relative error, lse), and with
+// timing on both forwards' milliseconds and TFLOP/s.
+template <typename T>
+bool run_hd128_forward(Shape sh, int dtype, bool timing) {
+    constexpr int kD = 128;
+    const size_t nq = size_t(sh.batch) * sh.seq * sh.q_heads * kD;
+    const size_t nk = size_t(sh.batch) * sh.seq * sh.kv_heads * kD;
+    const size_t nl = size_t(sh.batch) * sh.q_heads * sh.seq;
+    std::mt19937 rng(777 + sh.seq + sh.q_heads);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto random = [&](size_t n) {
+        Buffer<T> b(n);
+        std::vector<T> host(n);
+        for (auto& x : host) x = T(normal(rng));
+        check_cuda(cudaMemcpy(b.ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), "copy");
+        return b;
+    };
+    Buffer<T> q = random(nq), k = random(nk), v = random(nk), out_ref(nq), out_new(nq);
+    Buffer<float> lse_ref(nl), lse_new(nl);
+    const float scale = 0.08838834764f;  // 1 / sqrt(128)
+    auto forward = [&](T* out, float* lse) {
+        check_status(tilearn_flash_attention_forward(dtype, q.ptr, k.ptr, v.ptr, out, lse,
+                                                     sh.batch, sh.seq, sh.q_heads, sh.kv_heads,
+                                                     kD, scale, nullptr, 0),
+                     "forward hd128");
+    };
+    use_hd128_forward(false);
+    forward(out_ref.ptr, lse_ref.ptr);
+    use_hd128_forward(true);
+    forward(out_new.ptr, lse_new.ptr);
+    check_cuda(cudaDeviceSynchronize(), "hd128 forward");
+    const double e_out = rel_err(out_ref.download(), out_new.download());
+    const double e_lse = rel_err(lse_ref.download(), lse_new.download());
+    const bool ok = e_out < (dtype == TILEARN_DTYPE_BF16 ? 1e-2 : 2e-3) && e_lse < 1e-6;
+    std::printf("%s hd128 forward B%d T%d H%d/%d %s: wgmma vs mma.sync out %.2e, lse %.2e\n",
+                ok ? "PASS" : "FAIL", sh.batch, sh.seq, sh.q_heads, sh.kv_heads,
+                dtype == TILEARN_DTYPE_BF16 ? "bf16" : "f16", e_out, e_lse);
+    if (timing) {
+        cudaEvent_t start, end;
+        check_cuda(cudaEventCreate(&start), "event");
+        check_cuda(cudaEventCreate(&end), "event");
+        const int reps = sh.seq >= 16384 ? 5 : 20;
+        const double flops = 4.0 * sh.batch * sh.q_heads * kD * (double(sh.seq) * sh.seq / 2);
+        for (int on = 0; on < 2; ++on) {
+            use_hd128_forward(on == 1);
+            for (int i = 0; i < 2; ++i) forward(out_new.ptr, lse_new.ptr);
+            check_cuda(cudaEventRecord(start), "record");
+            for (int i = 0; i < reps; ++i) forward(out_new.ptr, lse_new.ptr);
+            check_cuda(cudaEventRecord(end), "record");
+            check_cuda(cudaEventSynchronize(end), "sync");
+            float ms = 0;
+            check_cuda(cudaEventElapsedTime(&ms, start, end), "elapsed");
+            ms /= reps;
+            std::printf("  TIME hd128 %-8s B%d T%d H%d/%d: fwd %.3f ms (%.0f TF/s)\n",
+                        on ? "wgmma" : "mma.sync", sh.batch, sh.seq, sh.q_heads, sh.kv_heads, ms,
+                        flops / ms / 1e9);
+        }
+        cudaEventDestroy(start);
+        cudaEventDestroy(end);
+    }
+    use_hd128_forward(false);
+    return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -192,7 +264,14 @@ int main(int argc, char** argv) {
     ok &= run_shape<__half>({2, 333, 4, 4}, TILEARN_DTYPE_F16, false);
     ok &= run_shape<__nv_bfloat16>({1, 64, 3, 1}, TILEARN_DTYPE_BF16, false);
     ok &= run_shape<__nv_bfloat16>({2, 300, 16, 2}, TILEARN_DTYPE_BF16, false);
+    ok &= run_hd128_forward<__nv_bfloat16>({1, 130, 2, 1}, TILEARN_DTYPE_BF16, false);
+    ok &= run_hd128_forward<__nv_bfloat16>({2, 333, 8, 1}, TILEARN_DTYPE_BF16, false);
+    ok &= run_hd128_forward<__half>({2, 257, 4, 2}, TILEARN_DTYPE_F16, false);
+    ok &= run_hd128_forward<__nv_bfloat16>({1, 64, 3, 3}, TILEARN_DTYPE_BF16, false);
     if (!small_only) {
+        // Llama-2-7B's attention (32 heads of 128) at 1 x 4096 and 2 x 2048.
+        ok &= run_hd128_forward<__nv_bfloat16>({1, 4096, 32, 32}, TILEARN_DTYPE_BF16, true);
+        ok &= run_hd128_forward<__nv_bfloat16>({2, 2048, 32, 32}, TILEARN_DTYPE_BF16, true);
         ok &= run_shape<__nv_bfloat16>({16, 1024, 12, 12}, TILEARN_DTYPE_BF16, true);
         ok &= run_shape<__nv_bfloat16>({8, 2048, 32, 4}, TILEARN_DTYPE_BF16, true);
         ok &= run_shape<__nv_bfloat16>({1, 16384, 32, 4}, TILEARN_DTYPE_BF16, true);

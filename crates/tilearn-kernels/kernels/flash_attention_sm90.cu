@@ -1,6 +1,8 @@
 // flash_attention_sm90.cu: flash_attention.cu's causal grouped-query attention, forward and
 // backward, on Hopper's warpgroup tensor-core instructions (wgmma, sm_90a), for head_dim 64, bf16
-// and f16, without a key mask or ALiBi (those, sm_80 and head_dim 128 keep the mma.sync kernels).
+// and f16, without a key mask or ALiBi (those, sm_80 and head_dim 128 keep the mma.sync kernels);
+// and, experimental behind TILEARN_FLASH_SM90_HD128=1, the head_dim-128 forward (two 64-wide
+// panels per tile row, key blocks of 64).
 // flash_attention.cu's launcher calls sm90_run (flash_sm90.h) when the device is compute
 // capability 9.0 and the problem is one of these; TILEARN_FLASH_SM80=1 keeps the mma.sync
 // kernels.
@@ -104,12 +106,15 @@ __device__ __forceinline__ void acc_to_a(const float (&d)[N], int kk, uint32_t (
 }
 
 // d = A · Bᵀ over head_dim (4 k steps): A rows from tile `a` (K-major), B rows from tile `b`
-// (K-major), both [rows][64]; issued and committed, not waited for.
+// (K-major), both [rows][64]; issued and committed, not waited for. `accumulate`: add to d
+// (the second 64 columns of a head_dim-128 product) instead of starting from 0.
 template <typename T, int N>
-__device__ __forceinline__ void gemm_abt(float (&d)[N], uint32_t a, uint32_t b) {
+__device__ __forceinline__ void gemm_abt(float (&d)[N], uint32_t a, uint32_t b,
+                                         bool accumulate = false) {
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
-        wg::wgmma_ss<T, 0, 0>(d, wg::desc_k_major(a, kk), wg::desc_k_major(b, kk), kk > 0);
+        wg::wgmma_ss<T, 0, 0>(d, wg::desc_k_major(a, kk), wg::desc_k_major(b, kk),
+                              accumulate || kk > 0);
 }
 
 // d += P · B over K rows of B (K / 16 k steps): P from the accumulator p (64 x K), B the
@@ -168,8 +173,21 @@ __host__ __device__ constexpr int threads_of() { return 128 * WGS; }
 constexpr int kFwdStages = 2;
 constexpr int kFwdCtasPerSm = 3;
 
-template <int WGS>
-constexpr size_t fwd_smem() { return (64 * WGS + 2 * kFwdStages * kFwdBc) * kTile + kAlignSlack; }
+// head_dim 128 (PANELS = 2: every tile row two 64-element panels, each its own [rows][64]
+// swizzled tile, so the head_dim-64 descriptors and loaders serve both halves): S sums the two
+// panels' products, O is two 64 x 64 accumulators. Keys per step halve to 64 (S 32 registers,
+// O 64) and the CTA's tiles double: 82 KB, two CTAs an SM. Experimental until measured on the
+// device: launched only with TILEARN_FLASH_SM90_HD128=1 (see sm90_applies).
+template <int PANELS>
+__host__ __device__ constexpr int fwd_bc() { return PANELS == 1 ? kFwdBc : 64; }
+
+template <int PANELS>
+__host__ __device__ constexpr int fwd_ctas_per_sm() { return PANELS == 1 ? kFwdCtasPerSm : 2; }
+
+template <int WGS, int PANELS = 1>
+constexpr size_t fwd_smem() {
+    return (64 * WGS + 2 * kFwdStages * fwd_bc<PANELS>()) * kTile * PANELS + kAlignSlack;
+}
 
 template <int WGS>
 constexpr size_t dq_smem() { return (2 * 64 * WGS + 2 * kStages * kDqBc) * kTile + kAlignSlack; }
@@ -201,10 +219,11 @@ __device__ __forceinline__ void mask_causal(float (&s)[N], int k0, int row_wg, c
 
 #if TILEARN_HAS_WGMMA
 // The K / V tiles of a forward or dQ CTA's key blocks, BC keys each, streamed through STAGES
-// shared-memory buffers one block ahead (kernel shapes above).
-template <typename T, int BC, int STAGES, int THREADS>
+// shared-memory buffers one block ahead (kernel shapes above). A buffer holds PANELS tiles of
+// BC x kD (head_dim = PANELS x 64: panel p is columns 64 p .. 64 p + 63).
+template <typename T, int BC, int STAGES, int THREADS, int PANELS = 1>
 struct KvStream {
-    T* k_bufs;   // STAGES tiles of BC x kD
+    T* k_bufs;   // STAGES x PANELS tiles of BC x kD
     T* v_bufs;
     const T* k;  // the CTA's (batch, kv head) column of k / v
     const T* v;
@@ -215,51 +234,62 @@ struct KvStream {
 
     // Starts loading block kb (nothing past the last) and commits a cp.async group either way.
     __device__ __forceinline__ void load(int kb) const {
-        if (kb < nkb)
-            load_kv<T, BC, kD, THREADS>(k_bufs + (kb % STAGES) * BC * kD,
-                                        v_bufs + (kb % STAGES) * BC * kD, k, v, stride, kb * BC,
-                                        seq, tid);
+        if (kb < nkb) {
+#pragma unroll
+            for (int p = 0; p < PANELS; ++p)
+                load_kv<T, BC, kD, THREADS>(k_bufs + ((kb % STAGES) * PANELS + p) * BC * kD,
+                                            v_bufs + ((kb % STAGES) * PANELS + p) * BC * kD,
+                                            k + p * kD, v + p * kD, stride, kb * BC, seq, tid);
+        }
         cp_async_commit();
     }
 
     // Opens step kb: waits for block kb, makes it visible to wgmma, syncs the CTA (after which
     // the buffer of block kb + 1 is free, see above) and starts loading kb + 1. Returns the
-    // shared addresses of block kb's K and V tiles.
+    // shared addresses of block kb's K and V tiles (panel 0; panel p is p x BC x kTile bytes on).
     __device__ __forceinline__ uint2 open_step(int kb) const {
         cp_async_wait<0>();
         wg::fence_smem_for_async();
         __syncthreads();
         load(kb + 1);
-        return make_uint2(smem_addr(k_bufs + (kb % STAGES) * BC * kD),
-                          smem_addr(v_bufs + (kb % STAGES) * BC * kD));
+        return make_uint2(smem_addr(k_bufs + (kb % STAGES) * PANELS * BC * kD),
+                          smem_addr(v_bufs + (kb % STAGES) * PANELS * BC * kD));
     }
 };
 #endif
 
 // ---- forward: one CTA per (64 WGS-query block, batch, query head), key blocks of 128 ----
+// (head_dim 128, PANELS = 2: key blocks of 64, the products over both panels; see fwd_bc.)
 
-template <typename T, int WGS>
-__global__ void __launch_bounds__(128 * WGS, kFwdCtasPerSm / WGS) fwd_kernel(Args a) {
+template <typename T, int WGS, int PANELS = 1>
+__global__ void __launch_bounds__(128 * WGS, fwd_ctas_per_sm<PANELS>() / WGS) fwd_kernel(Args a) {
 #if TILEARN_HAS_WGMMA
     constexpr int kThr = threads_of<WGS>();
     constexpr int kBr = 64 * WGS;
+    constexpr int kBc = fwd_bc<PANELS>();
+    constexpr int kS = kBc / 2;               // score registers: a 64 x kBc block
+    constexpr uint32_t kKvPanel = kBc * kTile;  // bytes from one K (or V) panel to the next
     T* sQ = smem_tiles<T>();
-    T* sK = sQ + kBr * kD;
-    T* sV = sK + kFwdStages * kFwdBc * kD;
+    T* sK = sQ + PANELS * kBr * kD;
+    T* sV = sK + kFwdStages * PANELS * kBc * kD;
     const WgIds id = wg_ids();
     const int seq = a.seq;
-    const QueryBlock<T> blk = query_block<T, kD, kBr, kFwdBc>(a);
+    const QueryBlock<T> blk = query_block<T, kD * PANELS, kBr, kBc>(a);
     const int q0 = blk.q0, nkb = blk.nkb;
-    const KvStream<T, kFwdBc, kFwdStages, kThr> kv{sK, sV, blk.k, blk.v, blk.kv_stride,
-                                                   nkb, seq, id.tid};
-    load_tile<T, kBr, kD, kThr>(sQ, static_cast<const T*>(a.q) + blk.q_base, blk.q_stride, q0,
-                                seq, id.tid);
+    const KvStream<T, kBc, kFwdStages, kThr, PANELS> kv{sK, sV, blk.k, blk.v, blk.kv_stride,
+                                                        nkb, seq, id.tid};
+#pragma unroll
+    for (int p = 0; p < PANELS; ++p)
+        load_tile<T, kBr, kD, kThr>(sQ + p * kBr * kD,
+                                    static_cast<const T*>(a.q) + blk.q_base + p * kD, blk.q_stride,
+                                    q0, seq, id.tid);
     kv.load(0);
 
     const int row_wg = q0 + id.wgi * 64;  // the warpgroup's first query
     const uint32_t q_tile = smem_addr(sQ + id.wgi * 64 * kD);
+    constexpr uint32_t kQPanel = kBr * kTile;
     const float sl2 = a.scale * kLog2e;
-    float o[32];
+    float o[PANELS][32];
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.0f, 0.0f};
     fill(o, 0.0f);
@@ -267,20 +297,22 @@ __global__ void __launch_bounds__(128 * WGS, kFwdCtasPerSm / WGS) fwd_kernel(Arg
     for (int kb = 0; kb < nkb; ++kb) {
         const uint2 tiles = kv.open_step(kb);
         const uint32_t k_tile = tiles.x, v_tile = tiles.y;
-        float s[64];
+        float s[kS];
         wg::fence();
-        gemm_abt<T>(s, q_tile, k_tile);
+#pragma unroll
+        for (int p = 0; p < PANELS; ++p)
+            gemm_abt<T>(s, q_tile + p * kQPanel, k_tile + p * kKvPanel, p > 0);
         wg::commit();
         wg::wait<0>();
         wg::fence_regs(s);
-        mask_causal(s, kb * kFwdBc, row_wg, id, -INFINITY);
+        mask_causal(s, kb * kBc, row_wg, id, -INFINITY);
         // Online softmax; key 0 is visible to every row and block 0 comes first, so the running
         // maximum is finite from the first block on.
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = -INFINITY;
 #pragma unroll
-            for (int i = 2 * r; i < 64; i += 4) mx = fmaxf(mx, fmaxf(s[i], s[i + 1]));
+            for (int i = 2 * r; i < kS; i += 4) mx = fmaxf(mx, fmaxf(s[i], s[i + 1]));
             mx = quad_max(mx);
             const float m_new = fmaxf(row_max[r], mx);
             const float corr = exp2_approx((row_max[r] - m_new) * sl2);
@@ -288,25 +320,30 @@ __global__ void __launch_bounds__(128 * WGS, kFwdCtasPerSm / WGS) fwd_kernel(Arg
             const float off = m_new * sl2;
             float sum = 0.0f;
 #pragma unroll
-            for (int i = 2 * r; i < 64; i += 4) {
+            for (int i = 2 * r; i < kS; i += 4) {
                 s[i] = exp2_approx(fmaf(s[i], sl2, -off));
                 s[i + 1] = exp2_approx(fmaf(s[i + 1], sl2, -off));
                 sum += s[i] + s[i + 1];
             }
             row_sum[r] = row_sum[r] * corr + sum;
 #pragma unroll
-            for (int i = 2 * r; i < 32; i += 4) {
-                o[i] *= corr;
-                o[i + 1] *= corr;
+            for (int p = 0; p < PANELS; ++p) {
+#pragma unroll
+                for (int i = 2 * r; i < 32; i += 4) {
+                    o[p][i] *= corr;
+                    o[p][i + 1] *= corr;
+                }
             }
         }
-        uint32_t pa[kFwdBc / 16][4];
-        to_a_frags<T, kFwdBc>(s, pa);
+        uint32_t pa[kBc / 16][4];
+        to_a_frags<T, kBc>(s, pa);
         wg::fence();
-        gemm_pb<T, kFwdBc>(o, pa, v_tile);
+#pragma unroll
+        for (int p = 0; p < PANELS; ++p) gemm_pb<T, kBc>(o[p], pa, v_tile + p * kKvPanel);
         wg::commit();
         wg::wait<0>();
-        wg::fence_regs(o);
+#pragma unroll
+        for (int p = 0; p < PANELS; ++p) wg::fence_regs(o[p]);
     }
 
     float inv[2];
@@ -320,8 +357,12 @@ __global__ void __launch_bounds__(128 * WGS, kFwdCtasPerSm / WGS) fwd_kernel(Arg
                 row_max[r] * a.scale + logf(sum);
     }
 #pragma unroll
-    for (int i = 0; i < 32; ++i) o[i] *= inv[(i >> 1) & 1];
-    store_acc<T>(static_cast<T*>(a.o_or_dq) + blk.q_base, blk.q_stride, row_wg, seq, o, id);
+    for (int p = 0; p < PANELS; ++p) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) o[p][i] *= inv[(i >> 1) & 1];
+        store_acc<T>(static_cast<T*>(a.o_or_dq) + blk.q_base + p * kD, blk.q_stride, row_wg, seq,
+                     o[p], id);
+    }
 #endif
 }
 
@@ -718,14 +759,18 @@ constexpr int kFwdWgs = 1;
 constexpr int kBwdWgs = 2;
 
 template <typename T>
-cudaError_t run(bool backward, const Args& a, cudaStream_t stream) {
+cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stream) {
     const size_t q_rows = static_cast<size_t>(a.batch) * a.q_heads;
     const size_t kv_rows = static_cast<size_t>(a.batch) * a.kv_heads;
     if (!backward) {
         const size_t blocks = (a.seq + 64 * kFwdWgs - 1) / (64 * kFwdWgs) * q_rows;
+        if (head_dim == 2 * kD)
+            return launch(fwd_kernel<T, kFwdWgs, 2>, blocks, threads_of<kFwdWgs>(),
+                          fwd_smem<kFwdWgs, 2>(), a, stream);
         return launch(fwd_kernel<T, kFwdWgs>, blocks, threads_of<kFwdWgs>(), fwd_smem<kFwdWgs>(),
                       a, stream);
     }
+    if (head_dim != static_cast<size_t>(kD)) return cudaErrorInvalidValue;
     const size_t blocks_per_head = (a.seq + 64 * kBwdWgs - 1) / (64 * kBwdWgs);
     if (a.dq_accum != nullptr) {
         // One pass: dK, dV and the dQ sums, then dq from the sums.
@@ -745,12 +790,19 @@ cudaError_t run(bool backward, const Args& a, cudaStream_t stream) {
                   dq_smem<kBwdWgs>(), a, stream);
 }
 
-// TILEARN_FLASH_SM80=1 keeps the mma.sync kernels on Hopper too (comparisons, or a way out).
-// Read at every launch (a getenv, far below a launch's cost) so that a benchmark can switch.
-bool forced_off() {
-    const char* v = std::getenv("TILEARN_FLASH_SM80");
+// Whether the environment variable `name` is set to something other than "" or "0". Read at
+// every launch (a getenv, far below a launch's cost) so that a benchmark can switch.
+bool env_flag(const char* name) {
+    const char* v = std::getenv(name);
     return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
+
+// TILEARN_FLASH_SM80=1 keeps the mma.sync kernels on Hopper too (comparisons, or a way out).
+bool forced_off() { return env_flag("TILEARN_FLASH_SM80"); }
+
+// TILEARN_FLASH_SM90_HD128=1 runs the head_dim-128 forward on the wgmma kernel (its backward
+// stays on mma.sync). Off by default until the device tests and the harness have measured it.
+bool hd128_forward_on() { return env_flag("TILEARN_FLASH_SM90_HD128"); }
 
 // Whether `device` is compute capability 9.0, asked of the driver once per device (attention
 // launches 44 times a TinyLlama step). Cached as 0 unknown, 1 no, 2 yes; racing first calls
@@ -776,18 +828,20 @@ bool is_sm90(int device) {
 
 namespace tilearn::flash {
 
-bool sm90_applies(int dtype, size_t head_dim, bool masked) {
-    if (masked || head_dim != static_cast<size_t>(kD) || forced_off()) return false;
+bool sm90_applies(int dtype, size_t head_dim, bool masked, bool backward) {
+    const bool shape = head_dim == static_cast<size_t>(kD) ||
+                       (head_dim == static_cast<size_t>(2 * kD) && !backward && hd128_forward_on());
+    if (masked || !shape || forced_off()) return false;
     if (dtype != TILEARN_DTYPE_BF16 && dtype != TILEARN_DTYPE_F16) return false;
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return false;
     return is_sm90(device);
 }
 
-int sm90_run(int dtype, bool backward, const Args& a, cudaStream_t stream) {
+int sm90_run(int dtype, bool backward, size_t head_dim, const Args& a, cudaStream_t stream) {
     cudaError_t e = cudaErrorInvalidValue;
-    if (dtype == TILEARN_DTYPE_BF16) e = run<__nv_bfloat16>(backward, a, stream);
-    if (dtype == TILEARN_DTYPE_F16) e = run<__half>(backward, a, stream);
+    if (dtype == TILEARN_DTYPE_BF16) e = run<__nv_bfloat16>(backward, head_dim, a, stream);
+    if (dtype == TILEARN_DTYPE_F16) e = run<__half>(backward, head_dim, a, stream);
     return static_cast<int>(e);
 }
 

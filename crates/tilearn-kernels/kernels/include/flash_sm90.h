@@ -9,13 +9,14 @@
 
 namespace tilearn::flash {
 
-// True when the Hopper kernels serve this problem on the current device: bf16 / f16, head_dim
-// 64, no key mask or ALiBi, a compute-capability-9.0 GPU, and TILEARN_FLASH_SM80 not set.
-bool sm90_applies(int dtype, size_t head_dim, bool masked);
+// True when the Hopper kernels serve this direction of the problem on the current device:
+// bf16 / f16, head_dim 64 (or 128 for the forward, with TILEARN_FLASH_SM90_HD128=1), no key mask
+// or ALiBi, a compute-capability-9.0 GPU, and TILEARN_FLASH_SM80 not set.
+bool sm90_applies(int dtype, size_t head_dim, bool masked, bool backward);
 
 // The forward (out, lse) or the backward (dq, dk, dv) of `a` on the Hopper kernels; the
 // backward is the one-pass form when `a.dq_accum` is set, else the deterministic two-kernel one.
-int sm90_run(int dtype, bool backward, const Args& a, cudaStream_t stream);
+int sm90_run(int dtype, bool backward, size_t head_dim, const Args& a, cudaStream_t stream);
 
 }  // namespace tilearn::flash
 

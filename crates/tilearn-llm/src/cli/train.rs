@@ -1103,6 +1103,65 @@ mod tests {
         }
     }
 
+    /// The advisor recommends only layouts the GPU engine runs (`plan::engine_support`, whose
+    /// rules are written by hand): every layout whose split `tilearn train` refuses on the GPU
+    /// is one the advisor marks as refused too, on 8 ranks, for every TP/PP/v and ZeRO stage.
+    #[test]
+    fn the_advisor_never_recommends_a_split_the_gpu_engine_refuses() {
+        use tilearn_engine::plan::engine_support::gpu_engine_refusal;
+        use tilearn_engine::plan::layout::{Layout, ShardStage};
+        let config = LlamaConfig::from_json_str(
+            r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+                "intermediate_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
+                "num_key_value_heads": 8, "vocab_size": 1000}"#,
+            "consistency.json",
+        )
+        .unwrap();
+        let mut checked = 0;
+        for (tp, pp) in [
+            (1, 1),
+            (2, 1),
+            (4, 1),
+            (1, 2),
+            (1, 4),
+            (2, 2),
+            (2, 4),
+            (4, 2),
+        ] {
+            for v in [1, 2] {
+                for zero in ShardStage::ALL {
+                    let layout = Layout {
+                        tp,
+                        pp,
+                        virtual_stages: v,
+                        dp: 8 / (tp * pp),
+                        zero,
+                        micro_batch: 1,
+                        micro_batches: 8,
+                        checkpointing: false,
+                        offload_checkpoints: false,
+                    };
+                    let schedule = if v > 1 {
+                        PipelineSchedule::Interleaved
+                    } else {
+                        PipelineSchedule::OneFOneB
+                    };
+                    let sizes = HybridSizes::new(Some(tp), Some(pp), 0, 8).unwrap();
+                    let train_refuses = sizes.splits_model()
+                        && gpu_split_supported(&sizes, false, schedule).is_err();
+                    if train_refuses {
+                        assert!(
+                            gpu_engine_refusal(&config, &layout).is_some(),
+                            "the advisor would recommend {layout:?}, which train refuses"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 0);
+    }
+
     #[test]
     fn the_gpu_engine_splits_by_tensor_or_pipeline_parallelism_with_data_parallelism_not_both() {
         let ok = |tp, pp, schedule| {

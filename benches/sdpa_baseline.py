@@ -1,6 +1,7 @@
 """PyTorch's scaled_dot_product_attention, causal with grouped-query heads, forward and backward,
 at the shapes of `gemm-bench attention` (llama-134m 16 x 1024 x 12/12, TinyLlama 8 x 2048 x 32/4,
-and one 16 K-token sequence with TinyLlama's heads; head_dim 64, bf16), per SDPA backend (cuDNN
+and one 16 K-token sequence with TinyLlama's heads, head_dim 64; Llama-2-7B's 1 x 4096 x 32/32 at
+head_dim 128; bf16), per SDPA backend (cuDNN
 and FlashAttention-2 by default; the memory-efficient one refuses grouped-query heads), timed as
 gemm-bench times tilearn's kernels: one warm-up forward + backward, then 10 timed forwards and 10
 timed backwards (CUDA events), medians. One JSON line per (shape, backend, layout) with the same
@@ -20,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SHAPES = [("llama-134m", 16, 1024, 12, 12), ("tinyllama", 8, 2048, 32, 4),
-          ("long-16k", 1, 16384, 32, 4)]
+SHAPES = [("llama-134m", 16, 1024, 12, 12, 64), ("tinyllama", 8, 2048, 32, 4, 64),
+          ("long-16k", 1, 16384, 32, 4, 64), ("llama2-7b", 1, 4096, 32, 32, 128)]
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash2": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 RUNS = 10
@@ -62,8 +63,7 @@ def main():
     ap.add_argument("--backends", nargs="+", default=["cudnn", "flash2"], choices=list(BACKENDS))
     ap.add_argument("--layouts", nargs="+", default=["bthd", "bhtd"], choices=["bthd", "bhtd"])
     args = ap.parse_args()
-    d = 64
-    for name, b, t, hq, hkv in SHAPES:
+    for name, b, t, hq, hkv, d in SHAPES:
         fwd_flops = 4.0 * b * hq * d * t * (t + 1) / 2
         for backend, layout in [(k, l) for k in args.backends for l in args.layouts]:
             row = {"bench": "attention", "shape": name, "batch": b, "seq": t, "q_heads": hq,

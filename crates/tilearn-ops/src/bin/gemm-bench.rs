@@ -14,8 +14,10 @@
 //! T=1024, Hq=Hkv=12, D=64) and TinyLlama (B=8, T=2048, Hq=32, Hkv=4, D=64). Random inputs, one
 //! warm-up forward + backward, then 10 timed forwards and 10 timed backwards (CUDA events), one
 //! JSON line per (shape, path) with the medians, then a table; also one sequence of 16 K tokens
-//! with TinyLlama's heads, flash path only. `"kernels"` says which flash kernels ran (`wgmma` on
-//! Hopper where they apply, else `mma.sync`; `TILEARN_FLASH_SM80=1` forces the latter) and
+//! with TinyLlama's heads, flash path only, and Llama-2-7B's heads (1 x 4096, 32/32, D=128).
+//! `"kernels"` says which flash kernels ran (`wgmma` on Hopper where they apply, `wgmma-fwd`
+//! for the experimental head_dim-128 forward with `TILEARN_FLASH_SM90_HD128=1`, else
+//! `mma.sync`; `TILEARN_FLASH_SM80=1` forces the latter) and
 //! `"backward"` which flash backward: the flash path is timed with a one-pass workspace (a row
 //! only where that backward runs: Hopper kernels, unmasked) and a deterministic one. FLOPs
 //! counted for causal attention: forward 2·2·B·Hq·T²·D/2 (the two products over the lower
@@ -171,7 +173,7 @@ fn xorshift<T: DeviceFloat>(seed: u64) -> impl FnMut(usize) -> Vec<T> {
 /// The attention bench's shapes: (name, shape). The last, one 16 K-token sequence with
 /// TinyLlama's heads (issue 13's long-context shape), runs the flash path alone: the GEMM path's
 /// [T × T] score matrix per head would not be a fair or small thing to time.
-const ATTN_PRESETS: [(&str, AttnShape); 3] = [
+const ATTN_PRESETS: [(&str, AttnShape); 4] = [
     (
         "llama-134m",
         AttnShape {
@@ -202,7 +204,22 @@ const ATTN_PRESETS: [(&str, AttnShape); 3] = [
             head_dim: 64,
         },
     ),
+    (
+        "llama2-7b",
+        AttnShape {
+            batch: 1,
+            seq: 4096,
+            q_heads: 32,
+            kv_heads: 32,
+            head_dim: 128,
+        },
+    ),
 ];
+
+/// Whether `TILEARN_FLASH_SM90_HD128` opts the head_dim-128 forward into the Hopper kernel.
+fn hd128_forward_opted_in() -> bool {
+    std::env::var("TILEARN_FLASH_SM90_HD128").is_ok_and(|v| !v.is_empty() && v != "0")
+}
 
 /// The long shape's length: the GEMM path is timed only below it.
 const GEMM_PATH_MAX_SEQ: usize = 4096;
@@ -281,6 +298,15 @@ fn attention_bench<T: DeviceFloat>(
                     if cuda::flash_attention_uses_wgmma::<T>(s.head_dim, masked) =>
                 {
                     "wgmma"
+                }
+                // The experimental head_dim-128 Hopper forward (its backward is mma.sync).
+                AttentionImpl::Flash
+                    if s.head_dim == 128
+                        && !masked
+                        && hd128_forward_opted_in()
+                        && cuda::flash_attention_uses_wgmma::<T>(64, false) =>
+                {
+                    "wgmma-fwd"
                 }
                 AttentionImpl::Flash => "mma.sync",
                 _ => "cublaslt",

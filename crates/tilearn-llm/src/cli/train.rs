@@ -321,9 +321,9 @@ pub struct TrainArgs {
     #[arg(long)]
     pub sequence_parallel: bool,
     /// Pipeline parallelism: split the layers into this many stages balanced by compute (CPU
-    /// engine; on the GPU engine alone, with 1f1b or gpipe and untied embeddings); the
-    /// micro-batches of a step are --gradient-accumulation-steps. Default:
-    /// TILEARN_HYBRID_PP_SIZE, else 1.
+    /// engine; on the GPU engine without --tp-size, with 1f1b or gpipe and untied embeddings,
+    /// data parallelism around it allowed); the micro-batches of a step are
+    /// --gradient-accumulation-steps. Default: TILEARN_HYBRID_PP_SIZE, else 1.
     #[arg(long)]
     pub pp_size: Option<usize>,
     /// The pipeline schedule: 1f1b (default), gpipe, or interleaved (with --virtual-stages).

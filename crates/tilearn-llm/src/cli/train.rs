@@ -309,9 +309,9 @@ pub struct TrainArgs {
     #[arg(long)]
     pub zero_stage: Option<String>,
     /// Tensor parallelism: split every layer's matrices, the embedding and the loss over this
-    /// many consecutive ranks (Megatron-style; the GPU engine runs it alone, the CPU engine
-    /// also with pipeline and data parallelism). Default: TILEARN_HYBRID_TP_SIZE, else 1. Data
-    /// parallelism spans the launched ranks / tp.
+    /// many consecutive ranks (Megatron-style; the GPU engine runs it with data parallelism
+    /// around it, not with --pp-size; the CPU engine also with pipeline parallelism). Default:
+    /// TILEARN_HYBRID_TP_SIZE, else 1. Data parallelism spans the launched ranks / tp.
     #[arg(long)]
     pub tp_size: Option<usize>,
     /// Megatron's sequence parallelism with --tp-size: the norms and the residual stream hold

@@ -93,6 +93,7 @@ for phase in "$@"; do
       # Tensor and pipeline parallelism with device buffers over NCCL: TinyLlama at TP = the
       # GPUs up to 4 (its 4 kv heads; data parallelism around it beyond), and at PP = the GPUs
       # (8 micro-batches of 1 × 2048). TP and PP together are not built on the GPU engine.
+      if [ "$GPUS" -lt 2 ]; then echo "split: skipped, one GPU (nothing to split over)"; continue; fi
       prepare
       tp=$(( GPUS < 4 ? GPUS : 4 ))
       train "tp${tp}_tinyllama-1.1b" "$T launch --standalone --nproc-per-node $GPUS" tinyllama-1.1b 20 \

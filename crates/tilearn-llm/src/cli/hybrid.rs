@@ -213,6 +213,46 @@ mod tests {
         assert_eq!(s.dp_groups()[2], vec![4, 6]);
     }
 
+    /// The groups of a GPU split are cut from a routed world (device buffers over NCCL, host
+    /// buffers over the host communicator). With a second host communicator of the same ranks
+    /// standing in for NCCL, tp 2 × dp 2 on four ranks gets every group routed, each with the
+    /// same rank and size in both backends, and the groups work: a host sum over each.
+    #[test]
+    fn groups_cut_from_a_routed_world_pair_both_backends() {
+        use std::time::Duration;
+        use tilearn_parallel::host::run_on_threads;
+        use tilearn_parallel::{BufferMut, ReduceOp, RoutedCommunicator};
+
+        let sums = run_on_threads(4, Duration::from_secs(30), |rank, host| {
+            let host: Arc<dyn Communicator> = Arc::new(host);
+            let device: Arc<dyn Communicator> =
+                Arc::from(host.new_group(&[0, 1, 2, 3]).unwrap().unwrap());
+            let world = RoutedCommunicator::new(device, host).unwrap();
+            let sizes = HybridSizes::new(Some(2), Some(1), rank, 4).unwrap();
+            let groups = HybridGroups::new(&sizes, &world).unwrap();
+            let (tp, dp) = (groups.tp.unwrap(), groups.dp.unwrap());
+            assert!(groups.pp.is_none());
+            assert_eq!((tp.rank(), tp.world_size()), (sizes.tp_rank, 2));
+            assert_eq!((dp.rank(), dp.world_size()), (sizes.dp_rank, 2));
+            let mut values = [rank as f32, 10.0 * rank as f32];
+            tp.all_reduce(BufferMut::from(&mut values[..1]), ReduceOp::Sum)
+                .unwrap()
+                .wait()
+                .unwrap();
+            dp.all_reduce(BufferMut::from(&mut values[1..]), ReduceOp::Sum)
+                .unwrap()
+                .wait()
+                .unwrap();
+            values
+        })
+        .unwrap();
+        // tp groups {0, 1} and {2, 3}; dp groups {0, 2} and {1, 3}.
+        assert_eq!(
+            sums,
+            vec![[1.0, 20.0], [1.0, 40.0], [5.0, 20.0], [5.0, 40.0]]
+        );
+    }
+
     #[test]
     fn sizes_that_do_not_fit_the_world_are_refused() {
         let err = HybridSizes::new(Some(3), None, 0, 4)

@@ -29,6 +29,9 @@
 //! * fp16 with loss scaling (scale 1024) against one rank within the 16-bit bounds, and an
 //!   infinite gradient planted on the last stage alone makes both stages skip the step.
 //! * The evaluation loss of pp 2 equals the single rank's (fp32, 1e-5 relative).
+//! * tp 2 × pp 2 (four ranks: tensor parallelism inside each stage) against one rank in fp32
+//!   and bf16, with the bounds above (which are tensor parallelism's). Written in a session
+//!   without device time: not yet run.
 //! * A pp 2 checkpoint (whole Hugging Face files, one optimizer file per stage in the sliced
 //!   layout) resumes on pp 2 bit for bit against the uninterrupted pp 2 run, and on one rank
 //!   within the fp32 bounds.
@@ -53,8 +56,11 @@ use support::gpu_parallel::{
 use support::{gpu_or_skip, report};
 use tilearn_engine::config::LlamaConfig;
 use tilearn_engine::model::model_parallel::PipelineShard;
+use tilearn_engine::model::tensor_parallel::TensorShard;
 use tilearn_engine::trainer::gpu_backend::GpuBackend;
-use tilearn_engine::trainer::gpu_backend::pipeline_parallel::GpuPipelineParallelBackend;
+use tilearn_engine::trainer::gpu_backend::pipeline_parallel::{
+    GpuPipelineParallelBackend, TensorSplit,
+};
 use tilearn_engine::trainer::optimizer_shards::{OptimizerCheckpoint, shard_file_name};
 use tilearn_engine::trainer::{ModelInit, StepBackend, TrainingArguments};
 use tilearn_ops::DType;
@@ -194,6 +200,93 @@ fn pipeline_2_gpipe_with_gradient_checkpointing_matches_one_rank_fp32() {
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn pipeline_3_one_f_one_b_matches_one_rank_fp32() {
     pipeline_matches_one_rank(args_with(5), DType::F32, 3, ScheduleKind::OneFOneB);
+}
+
+/// tp 2 × pp 2 (four ranks on threads; rank = stage · 2 + tensor rank, as the launcher lays
+/// them out): each stage's two tensor ranks complete their partial sums, the first stage's
+/// embedding and the last stage's loss head are vocabulary-parallel, activations cross between
+/// the same tensor rank of each stage; against one rank with tensor parallelism's bounds
+/// (`compare`), every rank logging the same loss and norm, the saved model gathered from the
+/// four ranks' slices.
+fn tensor_by_pipeline_matches_one_rank(precision: DType) {
+    let test = format!("gpu tp 2 x pp 2 1f1b {precision}");
+    if gpu_or_skip(&test).is_none() {
+        return;
+    }
+    let a = args();
+    let (mut single, reference) = one_rank(&a, precision, 0..STEPS);
+    let reference_weights = single.model().unwrap().params.data.clone();
+    drop(single);
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().to_path_buf();
+    let logs = run_on_threads(
+        4,
+        Duration::from_secs(180),
+        |rank, comm: HostCommunicator| {
+            let world = staged_on_gpu(comm);
+            // Every rank creates every group, in the same order (as HybridGroups does).
+            let mine = |groups: &[&[usize]]| -> Arc<dyn Communicator> {
+                let mut found = None;
+                for g in groups {
+                    if let Some(c) = world.new_group(g).unwrap() {
+                        found = Some(Arc::from(c));
+                    }
+                }
+                found.unwrap()
+            };
+            let tp = mine(&[&[0, 1], &[2, 3]]);
+            let pp = mine(&[&[0, 2], &[1, 3]]);
+            let replica = mine(&[&[0, 1, 2, 3]]);
+            let (stage, tp_rank) = (rank / 2, rank % 2);
+            let pipe = PipelineShard::balanced(&config(), stage, 2, 1, SEQ).unwrap();
+            let split = TensorSplit {
+                shard: TensorShard {
+                    rank: tp_rank,
+                    size: 2,
+                },
+                tp,
+                replica,
+            };
+            let mut b = GpuPipelineParallelBackend::with_tensor_split(
+                &config(),
+                &ModelInit::Random { seed: SEED },
+                &a,
+                (0, &[precision]),
+                (pipe, ScheduleKind::OneFOneB),
+                pp,
+                Some(split),
+            )
+            .unwrap();
+            let log: Vec<(f64, f64)> = (0..STEPS)
+                .map(|s| train_step(&mut b, s, MICRO, precision))
+                .collect();
+            b.save_model(&dir, &config(), DType::F32, None).unwrap();
+            log
+        },
+    )
+    .unwrap();
+    for log in &logs[1..] {
+        assert_eq!(log, &logs[0], "every rank logs the same loss and norm");
+    }
+    compare(
+        &test,
+        &logs[0],
+        &reference,
+        (&weights(&dir), &reference_weights),
+        precision,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn tensor_2_by_pipeline_2_matches_one_rank_fp32() {
+    tensor_by_pipeline_matches_one_rank(DType::F32);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn tensor_2_by_pipeline_2_matches_one_rank_bf16() {
+    tensor_by_pipeline_matches_one_rank(DType::BF16);
 }
 
 #[test]

@@ -26,21 +26,23 @@ fn usage(message: String) -> EngineError {
     }
 }
 
-/// One pipeline stage (one model chunk, no tensor parallelism) of a model.
+/// One pipeline stage (one model chunk) of a model, or of one tensor-parallel rank's part of it.
 #[derive(Clone, Debug)]
 pub struct PipelineStage {
     /// The whole model's config.
     pub full_config: LlamaConfig,
     /// Where this stage lies in the pipeline and the layers of every stage.
     pub pipe: PipelineShard,
-    /// The whole model's config with this stage's layer count (and their attention kinds):
-    /// what the stage's activation buffers are sized by.
+    /// The rank's config (the whole model's, or its tensor-parallel rank's local one: its
+    /// heads, columns and vocabulary rows) with this stage's layer count (and their attention
+    /// kinds): what the stage's weights and activation buffers are sized by.
     pub config: LlamaConfig,
     /// The tensors this stage holds, with their offsets in its flat buffer.
     pub specs: Vec<ParamSpec>,
     /// Where they lie in that buffer (empty ranges for what the stage does not hold).
     pub layout: ModelLayout,
-    /// The (whole-tensor) plan the CPU engine's slicing and assembling helpers take.
+    /// The tensor-parallel plan (whole tensors without tensor parallelism) the CPU engine's
+    /// slicing and assembling helpers take.
     pub plan: ShardPlan,
 }
 
@@ -48,6 +50,17 @@ impl PipelineStage {
     /// Stage `pipe.stage` of `full`, refusing what a one-chunk stage of a whole-model engine
     /// cannot run, with the way out.
     pub fn new(full: &LlamaConfig, pipe: PipelineShard) -> Result<PipelineStage> {
+        Self::with_plan(full, pipe, ShardPlan::new(full, TensorShard::WHOLE)?)
+    }
+
+    /// Stage `pipe.stage` of the tensor-parallel rank of `plan` (tensor and pipeline
+    /// parallelism together): the stage's tensors cut as `plan` cuts them, sized by the rank's
+    /// local config. The activations between stages stay whole (`[tokens, hidden]`).
+    pub fn with_plan(
+        full: &LlamaConfig,
+        pipe: PipelineShard,
+        plan: ShardPlan,
+    ) -> Result<PipelineStage> {
         if pipe.chunks != 1 {
             return Err(usage(format!(
                 "{} virtual stages (the interleaved schedule) run on the CPU engine only so \
@@ -84,12 +97,12 @@ impl PipelineStage {
                 pipe.partition.len()
             )));
         }
-        let plan = ShardPlan::new(full, TensorShard { rank: 0, size: 1 })?;
         let specs = rank_specs(full, &plan, &pipe);
         let layers: Range<usize> = pipe.partition[stage].clone();
         let first = stage == 0;
         let last = stage + 1 == stages;
-        let mut config = full.clone();
+        let local = plan.local_config(full);
+        let mut config = local.clone();
         config.num_hidden_layers = layers.len();
         if full.layer_types.len() == full.num_hidden_layers {
             config.layer_types = full.layer_types[layers.clone()].to_vec();
@@ -119,7 +132,7 @@ impl PipelineStage {
         let layer_layouts = layers
             .clone()
             .map(|i| {
-                LayerLayout::find(&specs, i, full).ok_or_else(|| {
+                LayerLayout::find(&specs, i, &local).ok_or_else(|| {
                     usage(format!(
                         "internal: stage {stage} lacks a tensor of layer {i}"
                     ))
@@ -313,6 +326,51 @@ mod tests {
             .iter()
             .zip(&datas)
             .map(|(p, d)| (p.plan.clone(), p.pipe.clone(), &d[..]))
+            .collect();
+        let assembled = assemble_planned(&full, &planned).unwrap();
+        assert_eq!(assembled.data, model.params.data);
+    }
+
+    /// tp 2 × pp 2: each of the four ranks' stages holds its tensor rank's slices of its
+    /// layers (sized by the local config: half the heads, columns and vocabulary rows; the
+    /// hidden size whole), its buffer is what the backend uploads (the stage's tensors of the
+    /// tensor rank's sliced model), and the four buffers put together are the whole model.
+    #[test]
+    fn tensor_split_stages_hold_their_slices_and_assemble_into_the_whole_model() {
+        use crate::model::tensor_parallel::slice_params;
+        let full = untied();
+        let model = crate::model::LlamaForCausalLM::from_config(full.clone(), 5);
+        let mut planned_parts = Vec::new();
+        for stage in 0..2 {
+            for rank in 0..2 {
+                let plan = ShardPlan::new(&full, TensorShard { rank, size: 2 }).unwrap();
+                let pipe = PipelineShard::balanced(&full, stage, 2, 1, 16).unwrap();
+                let part = PipelineStage::with_plan(&full, pipe, plan.clone()).unwrap();
+                assert_eq!(part.config.num_attention_heads, 2);
+                assert_eq!(part.config.num_key_value_heads, 1);
+                assert_eq!(part.config.intermediate_size, 12);
+                assert_eq!(part.config.hidden_size, full.hidden_size);
+                assert_eq!(part.boundary_len(10), 10 * full.hidden_size);
+                assert_eq!(part.is_first(), stage == 0);
+                assert_eq!(part.layout.has_embedding(), stage == 0);
+                assert_eq!(part.layout.has_head(), stage == 1);
+                let local = slice_params(&model.params, &full, &plan);
+                let data: Vec<f32> = part
+                    .specs
+                    .iter()
+                    .flat_map(|s| {
+                        let w = local.spec(&s.name).unwrap();
+                        assert_eq!(w.shape, s.shape, "{}", s.name);
+                        local.data[w.range()].to_vec()
+                    })
+                    .collect();
+                assert_eq!(data.len(), part.numel());
+                planned_parts.push((plan, part.pipe.clone(), data));
+            }
+        }
+        let planned: Vec<_> = planned_parts
+            .iter()
+            .map(|(plan, pipe, d)| (plan.clone(), pipe.clone(), &d[..]))
             .collect();
         let assembled = assemble_planned(&full, &planned).unwrap();
         assert_eq!(assembled.data, model.params.data);

@@ -937,30 +937,51 @@ fn gpu_pipeline_parallel_trainer(
     (sizes, ranks, pipe, schedule): (&HybridSizes, &Ranks, PipelineShard, ScheduleKind),
     backend: Option<DdpBackend>,
 ) -> Result<(Trainer, &'static str)> {
-    use tilearn_engine::trainer::gpu_backend::pipeline_parallel::GpuPipelineParallelBackend;
+    use tilearn_engine::trainer::gpu_backend::pipeline_parallel::{
+        GpuPipelineParallelBackend, TensorSplit,
+    };
     let ordinal = super::device::local_gpu();
     let staging = tilearn_ops::cuda::GpuDevice::new(ordinal)?;
     let world = ranks.gpu_model_parallel_world(backend, staging.stream().clone())?;
     let groups = HybridGroups::new(sizes, world.as_ref())?;
+    let internal = |message: &str| LlmError::Usage {
+        flag: "--pp-size".into(),
+        message: format!("internal: {message}"),
+    };
     let Some(pp) = groups.pp else {
-        return Err(LlmError::Usage {
-            flag: "--pp-size".into(),
-            message: "internal: a pipelined run without a pipeline group".into(),
-        });
+        return Err(internal("a pipelined run without a pipeline group"));
+    };
+    // Tensor parallelism inside each stage (`gpu_split_supported` decides whether it runs).
+    let split = match (sizes.tp > 1, groups.tp, groups.replica) {
+        (false, _, _) => None,
+        (true, Some(tp), Some(replica)) => Some(TensorSplit {
+            shard: TensorShard {
+                rank: sizes.tp_rank,
+                size: sizes.tp,
+            },
+            tp,
+            replica,
+        }),
+        _ => {
+            return Err(internal(
+                "a split stage without its tensor or replica group",
+            ));
+        }
     };
     let precisions = amp.possible_precisions();
-    let backend = GpuPipelineParallelBackend::from_init(
+    let backend = GpuPipelineParallelBackend::with_tensor_split(
         config,
         init,
         &training,
         (ordinal, &precisions),
         (pipe, schedule),
         pp,
+        split,
     )?;
     let mut trainer = Trainer::with_backend(training, config.clone(), Box::new(backend), dataset)?;
     trainer.set_model_parallel(ModelParallelPlace {
-        rank: sizes.pp_rank,
-        tp: 1,
+        rank: sizes.tp_rank + sizes.tp * sizes.pp_rank,
+        tp: sizes.tp,
         pp: sizes.pp,
         // The job's communicator lives as long as the trainer (its groups were cut from it).
         world: world.clone(),

@@ -20,23 +20,36 @@
 //! tensors as slices), so checkpoints interchange with the CPU engine's layouts. Data
 //! parallelism around the pipeline is the Trainer's: it reduces this stage's flat gradient
 //! buffer between the replicas after [`StepBackend::forward_backward_step`]; ZeRO is refused.
+//!
+//! With a [`TensorSplit`] the stage is one tensor-parallel rank's part of it (tensor and
+//! pipeline parallelism together, Megatron's 2D layout): the stage is built for the rank's local
+//! config and slices ([`PipelineStage::with_plan`]), completes its partial sums over the tensor
+//! group as [`GpuTensorParallelBackend`](super::tensor_parallel::GpuTensorParallelBackend)
+//! does (the vocabulary-parallel embedding on the first stage and loss head on the last), and
+//! exchanges whole activations with the same tensor rank of the neighbouring stages; what
+//! needs the whole model's view (the clip norm, the overflow check, the saved model) is
+//! collective over the replica (every tensor rank of every stage).
 
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use tilearn_ops::DType;
+use tilearn_ops::cpu::VocabSlice;
 use tilearn_parallel::pipeline::{P2p, ScheduleKind};
 use tilearn_parallel::{Communicator, P2pOp, scalars};
 
 use super::GpuBackend;
+use super::tensor_parallel::{gpu_shard_plan, merged};
 use crate::checkpoint::{load_into, save_pretrained};
 use crate::config::LlamaConfig;
 use crate::cuda_graphs::CudaGraphs;
 use crate::data::Batch;
+use crate::gpu::GroupDeviceSums;
 use crate::gpu::{GpuLlama, StageBuffer};
 use crate::model::model_parallel::{PipelineShard, assemble_planned};
 use crate::model::pipeline_stage::PipelineStage;
+use crate::model::tensor_parallel::{ShardPlan, TensorShard, slice_params};
 use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore};
 use crate::trainer::TrainingArguments;
@@ -55,12 +68,28 @@ fn usage(flag: &str, message: String) -> EngineError {
     }
 }
 
+/// Tensor parallelism inside each pipeline stage: this rank's place in its tensor group, the
+/// group, and the replica (every rank of the model: tensor ranks of every stage, ordered by
+/// stage, then tensor rank).
+pub struct TensorSplit {
+    pub shard: TensorShard,
+    pub tp: Arc<dyn Communicator>,
+    pub replica: Arc<dyn Communicator>,
+}
+
 /// One pipeline stage of a model on the GPU engine.
 pub struct GpuPipelineParallelBackend {
     inner: GpuBackend,
     stage: PipelineStage,
     schedule: ScheduleKind,
     pp: Arc<dyn Communicator>,
+    /// The whole model's ranks: the pipeline without tensor parallelism, else the replica.
+    model_group: Arc<dyn Communicator>,
+    /// The tensor-parallel size (1 without tensor parallelism).
+    tp_size: usize,
+    /// The local gradient ranges this rank counts in the global norm (merged where adjacent):
+    /// all of the stage's, except the replicated tensors of tensor ranks other than 0.
+    norm_ranges: Vec<Range<usize>>,
     full_specs: Vec<ParamSpec>,
     /// Boundary buffers kept between steps (the inputs of in-flight micro-batches and the
     /// tensors waiting to be sent: 1F1B holds about `stages − stage` of them at its peak).
@@ -81,6 +110,28 @@ impl GpuPipelineParallelBackend {
         (ordinal, precisions): (usize, &[DType]),
         (pipe, schedule): (PipelineShard, ScheduleKind),
         pp: Arc<dyn Communicator>,
+    ) -> Result<GpuPipelineParallelBackend> {
+        Self::with_tensor_split(
+            config,
+            init,
+            args,
+            (ordinal, precisions),
+            (pipe, schedule),
+            pp,
+            None,
+        )
+    }
+
+    /// [`from_init`](Self::from_init) for one tensor rank of the stage when `split` is given
+    /// (see the module docs).
+    pub fn with_tensor_split(
+        config: &LlamaConfig,
+        init: &ModelInit,
+        args: &TrainingArguments,
+        (ordinal, precisions): (usize, &[DType]),
+        (pipe, schedule): (PipelineShard, ScheduleKind),
+        pp: Arc<dyn Communicator>,
+        split: Option<TensorSplit>,
     ) -> Result<GpuPipelineParallelBackend> {
         if pp.world_size() != pipe.stages || pp.rank() != pipe.stage {
             return Err(usage(
@@ -113,7 +164,35 @@ impl GpuPipelineParallelBackend {
                     .into(),
             ));
         }
-        let stage = PipelineStage::new(config, pipe)?;
+        let shard = split.as_ref().map_or(TensorShard::WHOLE, |t| t.shard);
+        if let Some(t) = &split
+            && (t.tp.world_size() != shard.size
+                || t.tp.rank() != shard.rank
+                || t.replica.world_size() != shard.size * pipe.stages
+                || t.replica.rank() != pipe.stage * shard.size + shard.rank)
+        {
+            return Err(usage(
+                "--tp-size",
+                format!(
+                    "internal: the tensor group is rank {} of {} and the replica rank {} of {}; \
+                     the layout says tensor rank {} of {} in stage {} of {}",
+                    t.tp.rank(),
+                    t.tp.world_size(),
+                    t.replica.rank(),
+                    t.replica.world_size(),
+                    shard.rank,
+                    shard.size,
+                    pipe.stage,
+                    pipe.stages
+                ),
+            ));
+        }
+        let plan = if shard.size > 1 {
+            gpu_shard_plan(config, shard)?
+        } else {
+            ShardPlan::new(config, TensorShard::WHOLE)?
+        };
+        let stage = PipelineStage::with_plan(config, pipe, plan)?;
         // Refuse an unsupported schedule (or too few micro-batches) before allocating.
         stage_actions(
             schedule,
@@ -121,16 +200,60 @@ impl GpuPipelineParallelBackend {
             stage.pipe.stages,
             args.gradient_accumulation_steps,
         )?;
+        // Every rank of a tensor group cuts a loss-head call into the same chunks (each chunk
+        // all-reduces), whatever its slice's width.
+        let widest = precisions
+            .iter()
+            .map(|p| p.size_in_bytes())
+            .max()
+            .unwrap_or(4);
         let eager = TrainingArguments {
             cuda_graphs: CudaGraphs::Off,
+            lce_chunk: if shard.size > 1 {
+                args.lce_chunk.for_vocab_slices(
+                    args.per_device_train_batch_size * args.seq_len,
+                    config.vocab_size,
+                    shard.size,
+                    widest,
+                )
+            } else {
+                args.lce_chunk
+            },
             ..args.clone()
         };
-        let inner =
+        let mut inner =
             GpuBackend::build_for(&stage.config, Some(&stage), &eager, ordinal, precisions)?;
+        let (model_group, tp_note) = match &split {
+            Some(t) => {
+                inner
+                    .gpu
+                    .set_tensor_parallel(Box::new(GroupDeviceSums::new(t.tp.clone())));
+                if shard.size > 1 {
+                    // Every stage checks token ids against the whole vocabulary; the first
+                    // looks up and the last scores only its rows.
+                    let vocab = &stage.plan.vocab;
+                    inner.gpu.set_vocab_slice(VocabSlice::new(
+                        vocab.start,
+                        vocab.len(),
+                        config.vocab_size,
+                    )?)?;
+                }
+                let note = format!(", tensor-parallel rank {} of {}", shard.rank, shard.size);
+                (t.replica.clone(), note)
+            }
+            None => (pp.clone(), String::new()),
+        };
+        let norm_ranges = merged(
+            inner
+                .specs
+                .iter()
+                .filter(|s| stage.plan.counts_in_norm(&s.name))
+                .map(ParamSpec::range),
+        );
         let layers = &stage.pipe.partition[stage.pipe.stage];
         let name = format!(
-            "{}, pipeline stage {} of {} (layers {}..{}, {schedule}, forward recomputed before \
-             each backward that does not follow it)",
+            "{}, pipeline stage {} of {}{tp_note} (layers {}..{}, {schedule}, forward recomputed \
+             before each backward that does not follow it)",
             inner.name, stage.pipe.stage, stage.pipe.stages, layers.start, layers.end
         );
         let mut backend = GpuPipelineParallelBackend {
@@ -139,13 +262,21 @@ impl GpuPipelineParallelBackend {
             stage,
             schedule,
             pp,
+            model_group,
+            tp_size: shard.size,
+            norm_ranges,
             pool: Vec::new(),
             name,
         };
         match init {
             ModelInit::Random { seed } => {
                 let full = LlamaForCausalLM::from_config(config.clone(), *seed);
-                let mine = backend.stage_params(&full.params)?;
+                let rank_params = if shard.size > 1 {
+                    slice_params(&full.params, config, &backend.stage.plan)
+                } else {
+                    full.params
+                };
+                let mine = backend.stage_params(&rank_params)?;
                 backend.inner.gpu.upload_params(&mine)?;
             }
             ModelInit::Pretrained(dir) => backend.load_weights(dir)?,
@@ -153,7 +284,7 @@ impl GpuPipelineParallelBackend {
         Ok(backend)
     }
 
-    /// This stage's tensors of the whole model `full`.
+    /// This stage's tensors of `full` (the whole model, or this tensor rank's part of it).
     fn stage_params(&self, full: &ParamStore) -> Result<ParamStore> {
         let mut data = Vec::with_capacity(self.stage.numel());
         for spec in &self.stage.specs {
@@ -171,33 +302,48 @@ impl GpuPipelineParallelBackend {
         })
     }
 
-    /// The squared gradient norm over `range` of the stage's buffer, summed over the pipeline.
-    /// Synchronises.
+    /// The squared gradient norm over `range` of the stage's buffer (the parts this rank
+    /// counts), summed over the model's ranks. Synchronises.
     fn group_sum_of_squares(&mut self, range: &Range<usize>) -> Result<f64> {
         self.inner.optimizer_ready()?;
-        let part = range.start.min(self.inner.numel)..range.end.min(self.inner.numel);
-        let local = if part.is_empty() {
-            0.0
-        } else {
-            self.inner.gpu.grad_sum_of_squares(part)?
-        };
-        Ok(scalars::sum_f64(self.pp.as_ref(), local)?)
+        let mut local = 0.0;
+        for r in &self.norm_ranges {
+            let part = r.start.max(range.start)..r.end.min(range.end);
+            if !part.is_empty() {
+                local += self.inner.gpu.grad_sum_of_squares(part)?;
+            }
+        }
+        Ok(scalars::sum_f64(self.model_group.as_ref(), local)?)
     }
 
-    /// Every stage's weights all-gathered and put together as the whole model.
+    /// Every rank's weights all-gathered over the model's ranks and put together as the whole
+    /// model (rank r of the replica is tensor rank r mod tp of stage r / tp).
     fn gather_full_params(&self) -> Result<ParamStore> {
         let local = self.inner.gpu.download_params()?.data;
-        let (all, longest) = gather_padded(self.pp.as_ref(), &local)?;
-        let parts: Vec<_> = (0..self.stage.pipe.stages)
-            .map(|s| {
-                (
-                    self.stage.plan.clone(),
-                    self.stage.pipe_of(s),
-                    &all[s * longest..(s + 1) * longest],
-                )
+        let (all, longest) = gather_padded(self.model_group.as_ref(), &local)?;
+        let full = &self.stage.full_config;
+        let tp = self.tp_size;
+        let parts = (0..self.stage.pipe.stages * tp)
+            .map(|r| {
+                let plan = if tp > 1 {
+                    gpu_shard_plan(
+                        full,
+                        TensorShard {
+                            rank: r % tp,
+                            size: tp,
+                        },
+                    )?
+                } else {
+                    self.stage.plan.clone()
+                };
+                Ok((
+                    plan,
+                    self.stage.pipe_of(r / tp),
+                    &all[r * longest..(r + 1) * longest],
+                ))
             })
-            .collect();
-        assemble_planned(&self.stage.full_config, &parts)
+            .collect::<Result<Vec<_>>>()?;
+        assemble_planned(full, &parts)
     }
 
     /// One training step's forwards and backwards over `batches`; the step's loss sum, the same
@@ -422,7 +568,7 @@ impl StepBackend for GpuPipelineParallelBackend {
 
     fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {
         let local = self.inner.unscale_and_check(inv_scale)?;
-        Ok(scalars::any(self.pp.as_ref(), local)?)
+        Ok(scalars::any(self.model_group.as_ref(), local)?)
     }
 
     fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
@@ -461,7 +607,7 @@ impl StepBackend for GpuPipelineParallelBackend {
         max_shard_bytes: Option<usize>,
     ) -> Result<()> {
         let full = self.gather_full_params()?;
-        if self.pp.rank() != 0 {
+        if self.model_group.rank() != 0 {
             return Ok(());
         }
         save_pretrained(dir, config, &full, dtype, max_shard_bytes)

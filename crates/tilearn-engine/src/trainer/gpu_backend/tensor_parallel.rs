@@ -64,7 +64,7 @@ pub struct GpuTensorParallelBackend {
 }
 
 /// Consecutive ranges merged.
-fn merged(ranges: impl IntoIterator<Item = Range<usize>>) -> Vec<Range<usize>> {
+pub(crate) fn merged(ranges: impl IntoIterator<Item = Range<usize>>) -> Vec<Range<usize>> {
     let mut out: Vec<Range<usize>> = Vec::new();
     for r in ranges {
         match out.last_mut() {

@@ -82,6 +82,17 @@ size_t differing(const std::vector<float>& a, const std::vector<float>& b) {
     return n;
 }
 
+// n standard-normal values of T on the device.
+template <typename T>
+Buffer<T> random_buffer(std::mt19937& rng, size_t n) {
+    std::normal_distribution<float> normal(0.f, 1.f);
+    Buffer<T> b(n);
+    std::vector<T> host(n);
+    for (auto& x : host) x = T(normal(rng));
+    check_cuda(cudaMemcpy(b.ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), "copy");
+    return b;
+}
+
 struct Shape {
     int batch, seq, q_heads, kv_heads;
 };
@@ -93,14 +104,7 @@ bool run_shape(Shape sh, int dtype, bool timing) {
     const size_t nk = size_t(sh.batch) * sh.seq * sh.kv_heads * kD;
     const size_t nl = size_t(sh.batch) * sh.q_heads * sh.seq;
     std::mt19937 rng(1234 + sh.seq + sh.q_heads);
-    std::normal_distribution<float> normal(0.f, 1.f);
-    auto random = [&](size_t n) {
-        Buffer<T> b(n);
-        std::vector<T> host(n);
-        for (auto& x : host) x = T(normal(rng));
-        check_cuda(cudaMemcpy(b.ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), "copy");
-        return b;
-    };
+    auto random = [&](size_t n) { return random_buffer<T>(rng, n); };
     Buffer<T> q = random(nq), k = random(nk), v = random(nk), dout = random(nq);
     Buffer<T> out(nq), dq_det(nq), dq_one(nq), dq_again(nq), dk_det(nk), dk_one(nk), dv_det(nk),
         dv_one(nk);
@@ -199,14 +203,7 @@ bool run_hd128_forward(Shape sh, int dtype, bool timing) {
     const size_t nk = size_t(sh.batch) * sh.seq * sh.kv_heads * kD;
     const size_t nl = size_t(sh.batch) * sh.q_heads * sh.seq;
     std::mt19937 rng(777 + sh.seq + sh.q_heads);
-    std::normal_distribution<float> normal(0.f, 1.f);
-    auto random = [&](size_t n) {
-        Buffer<T> b(n);
-        std::vector<T> host(n);
-        for (auto& x : host) x = T(normal(rng));
-        check_cuda(cudaMemcpy(b.ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), "copy");
-        return b;
-    };
+    auto random = [&](size_t n) { return random_buffer<T>(rng, n); };
     Buffer<T> q = random(nq), k = random(nk), v = random(nk), out_ref(nq), out_new(nq);
     Buffer<float> lse_ref(nl), lse_new(nl);
     const float scale = 0.08838834764f;  // 1 / sqrt(128)

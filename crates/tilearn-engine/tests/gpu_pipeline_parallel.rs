@@ -120,6 +120,47 @@ fn weights(dir: &Path) -> Vec<f32> {
     weights_of(dir, &config())
 }
 
+/// `ranks` ranks on threads, each built by `build` from its rank and communicator, train
+/// `STEPS` steps of `a`'s micro-batches as one rank: every rank logs the same loss and norm,
+/// and the logs and the saved (gathered) model match the single rank's within `compare`'s
+/// bounds.
+fn ranks_match_one_rank(
+    test: &str,
+    a: &TrainingArguments,
+    precision: DType,
+    ranks: usize,
+    build: impl Fn(usize, HostCommunicator) -> GpuPipelineParallelBackend + Sync,
+) {
+    if gpu_or_skip(test).is_none() {
+        return;
+    }
+    let micro = a.gradient_accumulation_steps;
+    let (mut single, reference) = one_rank(a, precision, 0..STEPS);
+    let reference_weights = single.model().unwrap().params.data.clone();
+    drop(single);
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().to_path_buf();
+    let logs = run_on_threads(ranks, Duration::from_secs(180), |rank, comm| {
+        let mut b = build(rank, comm);
+        let log: Vec<(f64, f64)> = (0..STEPS)
+            .map(|s| train_step(&mut b, s, micro, precision))
+            .collect();
+        b.save_model(&dir, &config(), DType::F32, None).unwrap();
+        log
+    })
+    .unwrap();
+    for log in &logs[1..] {
+        assert_eq!(log, &logs[0], "every rank logs the same loss and norm");
+    }
+    compare(
+        test,
+        &logs[0],
+        &reference,
+        (&weights(&dir), &reference_weights),
+        precision,
+    );
+}
+
 /// `stages` stages with `schedule` train `STEPS` steps of `micro` micro-batches as one rank.
 fn pipeline_matches_one_rank(
     a: TrainingArguments,
@@ -136,39 +177,10 @@ fn pipeline_matches_one_rank(
             ""
         }
     );
-    if gpu_or_skip(&test).is_none() {
-        return;
-    }
-    let (mut single, reference) = one_rank(&a, precision, 0..STEPS);
-    let reference_weights = single.model().unwrap().params.data.clone();
-    drop(single);
-    let out = tempfile::tempdir().unwrap();
-    let dir = out.path().to_path_buf();
-    let logs = run_on_threads(
-        stages,
-        Duration::from_secs(120),
-        |stage, comm: HostCommunicator| {
-            let init = ModelInit::Random { seed: SEED };
-            let place = (stage, stages, schedule);
-            let mut b = stage_backend(&a, &init, precision, place, comm);
-            let log: Vec<(f64, f64)> = (0..STEPS)
-                .map(|s| train_step(&mut b, s, micro, precision))
-                .collect();
-            b.save_model(&dir, &config(), DType::F32, None).unwrap();
-            log
-        },
-    )
-    .unwrap();
-    for log in &logs[1..] {
-        assert_eq!(log, &logs[0], "every stage logs the same loss and norm");
-    }
-    compare(
-        &test,
-        &logs[0],
-        &reference,
-        (&weights(&dir), &reference_weights),
-        precision,
-    );
+    ranks_match_one_rank(&test, &a, precision, stages, |stage, comm| {
+        let init = ModelInit::Random { seed: SEED };
+        stage_backend(&a, &init, precision, (stage, stages, schedule), comm)
+    });
 }
 
 #[test]
@@ -210,71 +222,43 @@ fn pipeline_3_one_f_one_b_matches_one_rank_fp32() {
 /// four ranks' slices.
 fn tensor_by_pipeline_matches_one_rank(precision: DType) {
     let test = format!("gpu tp 2 x pp 2 1f1b {precision}");
-    if gpu_or_skip(&test).is_none() {
-        return;
-    }
     let a = args();
-    let (mut single, reference) = one_rank(&a, precision, 0..STEPS);
-    let reference_weights = single.model().unwrap().params.data.clone();
-    drop(single);
-    let out = tempfile::tempdir().unwrap();
-    let dir = out.path().to_path_buf();
-    let logs = run_on_threads(
-        4,
-        Duration::from_secs(180),
-        |rank, comm: HostCommunicator| {
-            let world = staged_on_gpu(comm);
-            // Every rank creates every group, in the same order (as HybridGroups does).
-            let mine = |groups: &[&[usize]]| -> Arc<dyn Communicator> {
-                let mut found = None;
-                for g in groups {
-                    if let Some(c) = world.new_group(g).unwrap() {
-                        found = Some(Arc::from(c));
-                    }
+    ranks_match_one_rank(&test, &a, precision, 4, |rank, comm| {
+        let world = staged_on_gpu(comm);
+        // Every rank creates every group, in the same order (as HybridGroups does).
+        let mine = |groups: &[&[usize]]| -> Arc<dyn Communicator> {
+            let mut found = None;
+            for g in groups {
+                if let Some(c) = world.new_group(g).unwrap() {
+                    found = Some(Arc::from(c));
                 }
-                found.unwrap()
-            };
-            let tp = mine(&[&[0, 1], &[2, 3]]);
-            let pp = mine(&[&[0, 2], &[1, 3]]);
-            let replica = mine(&[&[0, 1, 2, 3]]);
-            let (stage, tp_rank) = (rank / 2, rank % 2);
-            let pipe = PipelineShard::balanced(&config(), stage, 2, 1, SEQ).unwrap();
-            let split = TensorSplit {
-                shard: TensorShard {
-                    rank: tp_rank,
-                    size: 2,
-                },
-                tp,
-                replica,
-            };
-            let mut b = GpuPipelineParallelBackend::with_tensor_split(
-                &config(),
-                &ModelInit::Random { seed: SEED },
-                &a,
-                (0, &[precision]),
-                (pipe, ScheduleKind::OneFOneB),
-                pp,
-                Some(split),
-            )
-            .unwrap();
-            let log: Vec<(f64, f64)> = (0..STEPS)
-                .map(|s| train_step(&mut b, s, MICRO, precision))
-                .collect();
-            b.save_model(&dir, &config(), DType::F32, None).unwrap();
-            log
-        },
-    )
-    .unwrap();
-    for log in &logs[1..] {
-        assert_eq!(log, &logs[0], "every rank logs the same loss and norm");
-    }
-    compare(
-        &test,
-        &logs[0],
-        &reference,
-        (&weights(&dir), &reference_weights),
-        precision,
-    );
+            }
+            found.unwrap()
+        };
+        let tp = mine(&[&[0, 1], &[2, 3]]);
+        let pp = mine(&[&[0, 2], &[1, 3]]);
+        let replica = mine(&[&[0, 1, 2, 3]]);
+        let (stage, tp_rank) = (rank / 2, rank % 2);
+        let pipe = PipelineShard::balanced(&config(), stage, 2, 1, SEQ).unwrap();
+        let split = TensorSplit {
+            shard: TensorShard {
+                rank: tp_rank,
+                size: 2,
+            },
+            tp,
+            replica,
+        };
+        GpuPipelineParallelBackend::with_tensor_split(
+            &config(),
+            &ModelInit::Random { seed: SEED },
+            &a,
+            (0, &[precision]),
+            (pipe, ScheduleKind::OneFOneB),
+            pp,
+            Some(split),
+        )
+        .unwrap()
+    });
 }
 
 #[test]

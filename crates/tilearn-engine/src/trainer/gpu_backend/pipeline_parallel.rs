@@ -35,17 +35,17 @@ use std::path::Path;
 use std::sync::Arc;
 
 use tilearn_ops::DType;
-use tilearn_ops::cpu::VocabSlice;
 use tilearn_parallel::pipeline::{P2p, ScheduleKind};
 use tilearn_parallel::{Communicator, P2pOp, scalars};
 
 use super::GpuBackend;
-use super::tensor_parallel::{gpu_shard_plan, merged};
+use super::tensor_parallel::{
+    counted_sum_of_squares, gpu_shard_plan, join_tensor_group, norm_ranges, split_rank_args,
+};
 use crate::checkpoint::{load_into, save_pretrained};
 use crate::config::LlamaConfig;
 use crate::cuda_graphs::CudaGraphs;
 use crate::data::Batch;
-use crate::gpu::GroupDeviceSums;
 use crate::gpu::{GpuLlama, StageBuffer};
 use crate::model::model_parallel::{PipelineShard, assemble_planned};
 use crate::model::pipeline_stage::PipelineStage;
@@ -200,56 +200,20 @@ impl GpuPipelineParallelBackend {
             stage.pipe.stages,
             args.gradient_accumulation_steps,
         )?;
-        // Every rank of a tensor group cuts a loss-head call into the same chunks (each chunk
-        // all-reduces), whatever its slice's width.
-        let widest = precisions
-            .iter()
-            .map(|p| p.size_in_bytes())
-            .max()
-            .unwrap_or(4);
-        let eager = TrainingArguments {
-            cuda_graphs: CudaGraphs::Off,
-            lce_chunk: if shard.size > 1 {
-                args.lce_chunk.for_vocab_slices(
-                    args.per_device_train_batch_size * args.seq_len,
-                    config.vocab_size,
-                    shard.size,
-                    widest,
-                )
-            } else {
-                args.lce_chunk
-            },
-            ..args.clone()
-        };
+        let eager = split_rank_args(args, config, shard, precisions);
         let mut inner =
             GpuBackend::build_for(&stage.config, Some(&stage), &eager, ordinal, precisions)?;
         let (model_group, tp_note) = match &split {
             Some(t) => {
-                inner
-                    .gpu
-                    .set_tensor_parallel(Box::new(GroupDeviceSums::new(t.tp.clone())));
-                if shard.size > 1 {
-                    // Every stage checks token ids against the whole vocabulary; the first
-                    // looks up and the last scores only its rows.
-                    let vocab = &stage.plan.vocab;
-                    inner.gpu.set_vocab_slice(VocabSlice::new(
-                        vocab.start,
-                        vocab.len(),
-                        config.vocab_size,
-                    )?)?;
-                }
+                // Every stage gets the vocabulary slice: each checks token ids against the whole
+                // vocabulary; the first looks up and the last scores only its rows.
+                join_tensor_group(&mut inner.gpu, t.tp.clone(), &stage.plan, config)?;
                 let note = format!(", tensor-parallel rank {} of {}", shard.rank, shard.size);
                 (t.replica.clone(), note)
             }
             None => (pp.clone(), String::new()),
         };
-        let norm_ranges = merged(
-            inner
-                .specs
-                .iter()
-                .filter(|s| stage.plan.counts_in_norm(&s.name))
-                .map(ParamSpec::range),
-        );
+        let norm_ranges = norm_ranges(&inner.specs, &stage.plan);
         let layers = &stage.pipe.partition[stage.pipe.stage];
         let name = format!(
             "{}, pipeline stage {} of {}{tp_note} (layers {}..{}, {schedule}, forward recomputed \
@@ -306,13 +270,7 @@ impl GpuPipelineParallelBackend {
     /// counts), summed over the model's ranks. Synchronises.
     fn group_sum_of_squares(&mut self, range: &Range<usize>) -> Result<f64> {
         self.inner.optimizer_ready()?;
-        let mut local = 0.0;
-        for r in &self.norm_ranges {
-            let part = r.start.max(range.start)..r.end.min(range.end);
-            if !part.is_empty() {
-                local += self.inner.gpu.grad_sum_of_squares(part)?;
-            }
-        }
+        let local = counted_sum_of_squares(&mut self.inner.gpu, &self.norm_ranges, range)?;
         Ok(scalars::sum_f64(self.model_group.as_ref(), local)?)
     }
 

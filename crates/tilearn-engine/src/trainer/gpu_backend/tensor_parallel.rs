@@ -31,7 +31,7 @@ use crate::checkpoint::{load_into, save_pretrained};
 use crate::config::{LlamaConfig, ModelFamily};
 use crate::cuda_graphs::CudaGraphs;
 use crate::data::Batch;
-use crate::gpu::GroupDeviceSums;
+use crate::gpu::{GpuLlama, GroupDeviceSums};
 use crate::model::model_parallel::{PipelineShard, assemble_planned};
 use crate::model::tensor_parallel::{ShardPlan, TensorShard, slice_params};
 use crate::model::{LlamaForCausalLM, LossStats};
@@ -63,8 +63,88 @@ pub struct GpuTensorParallelBackend {
     name: String,
 }
 
+/// The arguments a split rank's engine is built with: eager (every step communicates between
+/// its kernels, which a CUDA graph cannot capture; so the description does not announce graphs
+/// either) and, over several tensor ranks, a loss-head chunk every rank cuts the same (each
+/// chunk all-reduces), whatever the width of its vocabulary slice.
+pub(crate) fn split_rank_args(
+    args: &TrainingArguments,
+    config: &LlamaConfig,
+    shard: TensorShard,
+    precisions: &[DType],
+) -> TrainingArguments {
+    let widest = precisions
+        .iter()
+        .map(|p| p.size_in_bytes())
+        .max()
+        .unwrap_or(4);
+    TrainingArguments {
+        cuda_graphs: CudaGraphs::Off,
+        lce_chunk: if shard.size > 1 {
+            args.lce_chunk.for_vocab_slices(
+                args.per_device_train_batch_size * args.seq_len,
+                config.vocab_size,
+                shard.size,
+                widest,
+            )
+        } else {
+            args.lce_chunk
+        },
+        ..args.clone()
+    }
+}
+
+/// Joins `gpu` (built for `plan`'s local config) to its tensor group: partial sums completed
+/// over `tp` and, over several ranks, the rank's vocabulary rows of `config`'s vocabulary.
+pub(crate) fn join_tensor_group(
+    gpu: &mut GpuLlama,
+    tp: Arc<dyn Communicator>,
+    plan: &ShardPlan,
+    config: &LlamaConfig,
+) -> Result<()> {
+    let size = tp.world_size();
+    gpu.set_tensor_parallel(Box::new(GroupDeviceSums::new(tp)));
+    if size > 1 {
+        let vocab = &plan.vocab;
+        gpu.set_vocab_slice(VocabSlice::new(
+            vocab.start,
+            vocab.len(),
+            config.vocab_size,
+        )?)?;
+    }
+    Ok(())
+}
+
+/// The ranges of a rank's buffer (`specs`) it counts in the global gradient norm under `plan`
+/// (replicated tensors on tensor rank 0 only), merged where adjacent.
+pub(crate) fn norm_ranges(specs: &[ParamSpec], plan: &ShardPlan) -> Vec<Range<usize>> {
+    merged(
+        specs
+            .iter()
+            .filter(|s| plan.counts_in_norm(&s.name))
+            .map(ParamSpec::range),
+    )
+}
+
+/// This rank's share of the squared gradient norm over `range`: the parts of `counted` in it.
+/// Synchronises.
+pub(crate) fn counted_sum_of_squares(
+    gpu: &mut GpuLlama,
+    counted: &[Range<usize>],
+    range: &Range<usize>,
+) -> Result<f64> {
+    let mut local = 0.0;
+    for r in counted {
+        let part = r.start.max(range.start)..r.end.min(range.end);
+        if !part.is_empty() {
+            local += gpu.grad_sum_of_squares(part)?;
+        }
+    }
+    Ok(local)
+}
+
 /// Consecutive ranges merged.
-pub(crate) fn merged(ranges: impl IntoIterator<Item = Range<usize>>) -> Vec<Range<usize>> {
+fn merged(ranges: impl IntoIterator<Item = Range<usize>>) -> Vec<Range<usize>> {
     let mut out: Vec<Range<usize>> = Vec::new();
     for r in ranges {
         match out.last_mut() {
@@ -155,44 +235,11 @@ impl GpuTensorParallelBackend {
         }
         let plan = gpu_shard_plan(config, shard)?;
         let local = plan.local_config(config);
-        // Every step communicates between its kernels: built without CUDA graphs (so the
-        // description does not announce them either). The loss head's chunks all-reduce, so
-        // every rank cuts a call into the same chunks, whatever its slice's width.
-        let widest = precisions
-            .iter()
-            .map(|p| p.size_in_bytes())
-            .max()
-            .unwrap_or(4);
-        let eager = TrainingArguments {
-            cuda_graphs: CudaGraphs::Off,
-            lce_chunk: args.lce_chunk.for_vocab_slices(
-                args.per_device_train_batch_size * args.seq_len,
-                config.vocab_size,
-                shard.size,
-                widest,
-            ),
-            ..args.clone()
-        };
+        let eager = split_rank_args(args, config, shard, precisions);
         let mut inner = GpuBackend::build(&local, &eager, ordinal, precisions)?;
-        inner
-            .gpu
-            .set_tensor_parallel(Box::new(GroupDeviceSums::new(tp.clone())));
-        if shard.size > 1 {
-            let vocab = &plan.vocab;
-            inner.gpu.set_vocab_slice(VocabSlice::new(
-                vocab.start,
-                vocab.len(),
-                config.vocab_size,
-            )?)?;
-        }
+        join_tensor_group(&mut inner.gpu, tp.clone(), &plan, config)?;
         let full_specs = ParamStore::specs_for(config);
-        let norm_ranges = merged(
-            inner
-                .specs
-                .iter()
-                .filter(|s| plan.counts_in_norm(&s.name))
-                .map(ParamSpec::range),
-        );
+        let norm_ranges = norm_ranges(&inner.specs, &plan);
         let name = format!(
             "{}, tensor-parallel rank {} of {} (vocabulary-parallel embedding, lm_head and loss: \
              rows {}..{} of {})",
@@ -227,13 +274,7 @@ impl GpuTensorParallelBackend {
     /// summed over the group. Synchronises.
     fn group_sum_of_squares(&mut self, range: &Range<usize>) -> Result<f64> {
         self.inner.optimizer_ready()?;
-        let mut local = 0.0;
-        for r in &self.norm_ranges {
-            let part = r.start.max(range.start)..r.end.min(range.end);
-            if !part.is_empty() {
-                local += self.inner.gpu.grad_sum_of_squares(part)?;
-            }
-        }
+        let local = counted_sum_of_squares(&mut self.inner.gpu, &self.norm_ranges, range)?;
         Ok(scalars::sum_f64(self.tp.as_ref(), local)?)
     }
 

@@ -3,9 +3,9 @@
 //!
 //! A process that some launcher started (even a group of one) joins the group and trains data
 //! parallel; a plain `tilearn train` runs alone. Device buffers (gradients, and the activations
-//! and partial sums of tensor and pipeline parallelism) go over NCCL when each rank of the node
-//! has a GPU of its own, or over the host (TCP) communicator on the CPU and when ranks share a
-//! GPU (staged through page-locked memory); scalars always go over the host communicator.
+//! and partial sums of tensor and pipeline parallelism) go over NCCL unless two ranks run on one
+//! GPU, else over the host (TCP) communicator (staged through page-locked memory; the CPU's
+//! too); scalars always go over the host communicator.
 
 use std::sync::Arc;
 
@@ -123,8 +123,8 @@ impl Ranks {
         chosen: Option<DdpBackend>,
         ctx: &cudarc::driver::CudaContext,
     ) -> Result<DdpBackend> {
-        if chosen.is_some() {
-            return Ok(DdpBackend::or_default(chosen, false));
+        if let Some(backend) = chosen {
+            return Ok(backend);
         }
         let uuid = ctx.uuid().map_err(|e| LlmError::Usage {
             flag: "--ddp-backend".into(),

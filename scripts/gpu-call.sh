@@ -6,6 +6,8 @@
 set -uo pipefail
 B=target/gpu-bundle
 . "$B/env.sh"
+# The launcher-level tests run the bundled CLI.
+export TILEARN_BIN_DIR="$PWD/$B/bin"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 status=0

@@ -12,23 +12,5 @@
 #      hopper-bin/) when present; all attention lines to $OUT/attn_table.jsonl;
 #   3. the lean mode's step at both presets (tilearn bench --memory lean) against the default,
 #      to compare with bench/RESULTS.md's 167.1 K / 20.7 K tok/s before the one-pass host step.
-for t in gpu_model_parallel_launch gpu_flash_sm90 gpu_lean gpu_data_parallel gpu_model_parallel \
-  gpu_pipeline_parallel; do
-  run "$t" timeout 300 "$B/tests/$t-test" --include-ignored --test-threads=1 --nocapture
-done
-run attn_default timeout 180 "$B/bin/gemm-bench" attention
-run attn_hd128 timeout 180 env TILEARN_FLASH_SM90_HD128=1 "$B/bin/gemm-bench" attention
-run attn_sdpa timeout 180 python3 benches/sdpa_baseline.py
-if [ -x hopper-bin/harness ]; then
-  run flash_harness timeout 240 hopper-bin/harness
-else
-  echo "flash harness: hopper-bin/harness not carried (build it with scripts/flash_harness.sh)"
-fi
-grep -h '"bench":"attention"\|"bench": "attention"' "$OUT"/attn_*.log > "$OUT/attn_table.jsonl"
-for preset in llama-134m tinyllama-1.1b; do
-  for memory in default lean; do
-    run "lean_bench_${preset}_$memory" timeout 150 "$B/bin/tilearn" bench --preset "$preset" \
-      --steps 5 --memory "$memory" --json
-  done
-done
-grep -h '"impl"' "$OUT"/lean_bench_*.log > "$OUT/lean_table.jsonl"
+. scripts/gpu-phases/unmeasured-tests.sh
+. scripts/gpu-phases/unmeasured-bench.sh

@@ -11,6 +11,10 @@
 //!   only reorder f32 additions, ~1e-7 relative, which AdamW can magnify for a weight whose
 //!   gradient is near ε); a replica that trained on the wrong data, or a sum left out, moves
 //!   weights by ~lr.
+//! * tp 2 × pp 2 (four processes) and tp 2 × pp 2 × dp 2 (eight) on one GPU, 1F1B over 4
+//!   micro-batches, equal one process with the same global batch (4 and 8 accumulation steps),
+//!   within the same bound: the tensor sums inside each stage, the boundary sends between the
+//!   stages and the replicas' gradient sum composed by the launcher's groups.
 //! * On two GPUs (skipped, saying so, with fewer): tp 2 and pp 2 (4 micro-batches, 1F1B) with
 //!   the device buffers over NCCL (the default when each rank has a GPU of its own, and the
 //!   run says so) equal one process, within the same bound.
@@ -60,6 +64,36 @@ fn tensor_parallel_with_data_parallel_around_it_on_one_gpu_equals_one_process() 
     let diff = weight_diff(dir.path(), "one", "tp2dp2");
     println!("tp 2 × dp 2 on {gpus} GPU(s) vs one process: max |Δw| = {diff:e}");
     assert!(diff <= 1e-4, "max |Δw| = {diff}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn tensor_and_pipeline_parallel_with_and_without_replicas_on_one_gpu_equal_one_process() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = setup();
+    let split = ["--tp-size", "2", "--pp-size", "2"];
+    for (ranks, replicas, accumulation) in [("4", 1, "4"), ("8", 2, "8")] {
+        let one = format!("one{accumulation}");
+        train(
+            dir.path(),
+            &[],
+            &one,
+            &["--gradient-accumulation-steps", accumulation],
+        );
+        let name = format!("tp2pp2dp{replicas}");
+        let mut flags = vec!["--gradient-accumulation-steps", "4"];
+        flags.extend(split);
+        let stdout = train(dir.path(), &launch(ranks), &name, &flags);
+        assert!(
+            stdout.contains(&format!("tp 2 × dp {replicas} × pp 2")),
+            "{stdout}"
+        );
+        let diff = weight_diff(dir.path(), &one, &name);
+        println!("tp 2 × pp 2 × dp {replicas} on one GPU vs one process: max |Δw| = {diff:e}");
+        assert!(diff <= 1e-4, "max |Δw| = {diff}");
+    }
 }
 
 #[test]

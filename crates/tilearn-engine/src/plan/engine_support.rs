@@ -13,9 +13,6 @@ pub fn gpu_engine_refusal(config: &LlamaConfig, layout: &Layout) -> Option<&'sta
     if layout.zero == ShardStage::Zero3 {
         return Some("ZeRO-3 is not built");
     }
-    if layout.tp > 1 && layout.pp > 1 {
-        return Some("TP with PP: CPU engine only");
-    }
     if layout.virtual_stages > 1 {
         return Some("interleaving: CPU engine only");
     }
@@ -68,19 +65,19 @@ mod tests {
     fn what_tilearn_train_accepts_on_the_gpu_runs_and_the_rest_is_named() {
         let untied = config(false);
         let runs = |l: Layout| gpu_engine_refusal(&untied, &l);
-        // Data parallelism with ZeRO 0-2; TP or PP alone, with plain DP around either.
+        // Data parallelism with ZeRO 0-2; TP, PP and both, with plain DP around them.
         for zero in [ShardStage::Zero0, ShardStage::Zero1, ShardStage::Zero2] {
             assert_eq!(runs(layout(1, 1, 1, zero)), None);
         }
         assert_eq!(runs(layout(2, 1, 1, ShardStage::Zero0)), None);
         assert_eq!(runs(layout(1, 4, 1, ShardStage::Zero0)), None);
+        assert_eq!(runs(layout(2, 2, 1, ShardStage::Zero0)), None);
 
         let refused = |l: Layout, part: &str| {
             let why = runs(l).unwrap_or_else(|| panic!("{l:?} should be refused"));
             assert!(why.contains(part), "{l:?}: {why}");
         };
         refused(layout(1, 1, 1, ShardStage::Zero3), "ZeRO-3");
-        refused(layout(2, 2, 1, ShardStage::Zero0), "TP with PP");
         refused(layout(1, 2, 2, ShardStage::Zero0), "interleaving");
         refused(layout(2, 1, 1, ShardStage::Zero1), "ZeRO with TP");
         refused(layout(1, 2, 1, ShardStage::Zero2), "ZeRO with TP or PP");

@@ -309,9 +309,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub zero_stage: Option<String>,
     /// Tensor parallelism: split every layer's matrices, the embedding and the loss over this
-    /// many consecutive ranks (Megatron-style; the GPU engine runs it with data parallelism
-    /// around it, not with --pp-size; the CPU engine also with pipeline parallelism). Default:
-    /// TILEARN_HYBRID_TP_SIZE, else 1. Data parallelism spans the launched ranks / tp.
+    /// many consecutive ranks (Megatron-style; with --pp-size and data parallelism around
+    /// either on both engines). Default: TILEARN_HYBRID_TP_SIZE, else 1. Data parallelism spans the launched ranks / tp.
     #[arg(long)]
     pub tp_size: Option<usize>,
     /// Megatron's sequence parallelism with --tp-size: the norms and the residual stream hold
@@ -763,8 +762,8 @@ fn hybrid_sizes(
 }
 
 /// What the GPU engine's model parallelism runs so far (the rest runs on the CPU engine):
-/// tensor parallelism or pipeline parallelism (1F1B or GPipe), each with data parallelism
-/// around it or not; not both together, sequence parallelism or interleaving.
+/// tensor parallelism, pipeline parallelism (1F1B or GPipe) and both together, with data
+/// parallelism around them or not; not sequence parallelism or interleaving.
 fn gpu_split_supported(
     sizes: &HybridSizes,
     sequence_parallel: bool,
@@ -775,14 +774,11 @@ fn gpu_split_supported(
             flag: flag.into(),
             message: format!(
                 "{what} runs on the CPU engine only so far (the GPU engine splits a model by \
-                 tensor parallelism or by pipeline parallelism, with data parallelism around \
-                 either); add --device cpu, or use --tp-size or --pp-size alone"
+                 tensor and pipeline parallelism, with the 1F1B or GPipe schedule and without \
+                 sequence parallelism); add --device cpu, or drop the flag"
             ),
         })
     };
-    if sizes.pp > 1 && sizes.tp > 1 {
-        return refuse("--pp-size", "tensor and pipeline parallelism together");
-    }
     if sizes.pp > 1 && schedule == PipelineSchedule::Interleaved {
         return refuse("--pp-schedule", "the interleaved schedule");
     }

@@ -7,7 +7,7 @@
 //   - with timing on, reports forward, delta and backward milliseconds (CUDA events, mean of
 //     20 launches, 5 at 16 K) and TFLOP/s for mma.sync, the deterministic and the one-pass
 //     backward.
-//   - checks and times the experimental head_dim-128 wgmma forward (TILEARN_FLASH_SM90_HD128=1)
+//   - checks and times the head_dim-128 wgmma forward (TILEARN_FLASH_SM90_HD128=0 turns it off)
 //     against the mma.sync forward.
 // It is not a test of record (the Rust GPU tests are); bench/RESULTS.md cites its figures as
 // the "development harness". Build with scripts/flash_harness.sh; run `harness` (all shapes) or
@@ -189,11 +189,11 @@ bool run_shape(Shape sh, int dtype, bool timing) {
 }
 
 void use_hd128_forward(bool on) {
-    if (on) setenv("TILEARN_FLASH_SM90_HD128", "1", 1);
-    else unsetenv("TILEARN_FLASH_SM90_HD128");
+    if (on) unsetenv("TILEARN_FLASH_SM90_HD128");  // the default
+    else setenv("TILEARN_FLASH_SM90_HD128", "0", 1);
 }
 
-// head_dim 128, forward only: the experimental wgmma forward (TILEARN_FLASH_SM90_HD128=1)
+// head_dim 128, forward only: the wgmma forward (the default)
 // against the mma.sync forward on the same inputs (out max relative error, lse), and with
 // timing on both forwards' milliseconds and TFLOP/s.
 template <typename T>

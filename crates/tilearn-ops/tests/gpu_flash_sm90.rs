@@ -32,9 +32,9 @@
 //! Shapes: GQA groups of 2 and 8, T = 130 and 333 (partial last tiles), one tile, bf16 and f16,
 //! and TinyLlama's heads (32 / 4) at 2 × 1024 tokens.
 //!
-//! The experimental head_dim-128 forward (`TILEARN_FLASH_SM90_HD128=1`) against the mma.sync
-//! forward with the same bounds, at GQA groups of 2 and 8, plain multi-head (the 7B shape's
-//! 32 heads at T = 1000), partial tiles, bf16 and f16.
+//! The head_dim-128 forward (the default on Hopper; `TILEARN_FLASH_SM90_HD128=0` turns it
+//! off) against the mma.sync forward with the same bounds, at GQA groups of 2 and 8, plain
+//! multi-head (the 7B shape's 32 heads at T = 1000), partial tiles, bf16 and f16.
 //!
 //! Without a GPU, or on a GPU other than compute capability 9.0, the tests print `skipped: ...`
 //! and pass.
@@ -57,7 +57,7 @@ use tilearn_ops::cuda::{
 
 const SWITCH: &str = "TILEARN_FLASH_SM80";
 
-/// Opts the head_dim-128 forward into the Hopper kernel (experimental).
+/// `0` keeps the head_dim-128 forward on the mma.sync kernels (unset: the Hopper kernel).
 const HD128: &str = "TILEARN_FLASH_SM90_HD128";
 
 /// Held by each test of this file for its whole run: one of them sets and removes
@@ -215,9 +215,9 @@ fn hopper_flash_kernels_match_the_mma_sync_kernels() {
     assert!(!cuda::flash_attention_uses_wgmma::<bf16>(64, true));
 }
 
-/// The experimental head_dim-128 Hopper forward (`TILEARN_FLASH_SM90_HD128=1`: two 64-wide
-/// panels per tile row, key blocks of 64) against the mma.sync forward, as `compare` does for
-/// head_dim 64 and with its bounds; the backward stays on the mma.sync kernels either way (the
+/// The head_dim-128 Hopper forward (the default; `TILEARN_FLASH_SM90_HD128=0` turns it off:
+/// two 64-wide panels per tile row, key blocks of 64) against the mma.sync forward, as
+/// `compare` does for head_dim 64 and with its bounds; the backward stays on the mma.sync kernels either way (the
 /// workspace query says so), so `compare`'s bit-for-bit backward check holds trivially here.
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
@@ -226,8 +226,8 @@ fn the_head_dim_128_forward_matches_the_mma_sync_forward() {
     let Some((_kernels, dev, gemm)) = hopper_or_skip(TEST) else {
         return;
     };
-    // SAFETY: this test holds `KERNELS` (see `with_kernels`).
-    unsafe { std::env::set_var(HD128, "1") };
+    // SAFETY: this test holds `KERNELS` (see `with_kernels`). Unset is the default (on).
+    unsafe { std::env::remove_var(HD128) };
     assert!(!cuda::flash_attention_uses_wgmma::<bf16>(128, false));
     for (i, &(b, t, hq, hkv)) in [
         (1, 130, 2, 1),
@@ -241,8 +241,6 @@ fn the_head_dim_128_forward_matches_the_mma_sync_forward() {
         compare::<bf16>(&dev, &gemm, shape(b, t, hq, hkv, 128), 300 + i as u64, 1e-2);
     }
     compare::<f16>(&dev, &gemm, shape(2, 257, 4, 2, 128), 400, 2e-3);
-    // SAFETY: as above.
-    unsafe { std::env::remove_var(HD128) };
 }
 
 /// Fresh random inputs of one attention problem in `T` and the forward's `out` and `lse` (the

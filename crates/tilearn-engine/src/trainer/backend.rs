@@ -118,8 +118,9 @@ pub trait StepBackend {
     /// training steps of that precision use); leaves the gradients alone.
     fn eval_loss(&mut self, batch: &Batch, precision: DType) -> Result<LossStats>;
 
-    /// The stream the backend computes on, when it is a GPU (the data-parallel overlap orders
-    /// its collectives against it).
+    /// The stream the backend computes on, when it is a GPU backend that also implements
+    /// [`forward_backward_into`](Self::forward_backward_into): the data-parallel overlap orders
+    /// its collectives against it, and `None` tells it to reduce after the backward instead.
     #[cfg(feature = "cuda")]
     fn compute_stream(&self) -> Option<std::sync::Arc<tilearn_ops::cuda::CudaStream>> {
         None

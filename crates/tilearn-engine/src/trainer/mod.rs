@@ -311,12 +311,23 @@ impl Trainer {
     /// under ZeRO the backend's optimizer keeps only this rank's shard from now on.
     pub fn set_data_parallel(&mut self, dp: DataParallel) -> Result<()> {
         let on_device = self.backend.flat_gradients()?.host().is_none();
-        if dp.options().comm_dtype != DType::F32 && on_device && !dp.options().overlap {
+        // Only a backend with the backward's gradient hook overlaps (the tensor- and
+        // pipeline-parallel GPU backends reduce after the backward).
+        #[cfg(feature = "cuda")]
+        let hooked = self.backend.compute_stream().is_some();
+        #[cfg(not(feature = "cuda"))]
+        let hooked = false;
+        if dp.options().comm_dtype != DType::F32 && on_device && !(dp.options().overlap && hooked) {
+            let fix = if hooked {
+                "drop --no-ddp-overlap (or --ddp-comm-dtype)"
+            } else {
+                "this backend reduces after the backward: drop --ddp-comm-dtype"
+            };
             return Err(EngineError::InvalidArgument {
                 argument: "--ddp-comm-dtype".into(),
                 message: format!(
                     "{} compresses its gradients to bf16 inside the all-reduce overlapped with \
-                     the backward; drop --no-ddp-overlap (or --ddp-comm-dtype)",
+                     the backward; {fix}",
                     self.backend.describe()
                 ),
             });

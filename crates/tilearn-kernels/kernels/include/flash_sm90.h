@@ -10,7 +10,7 @@
 namespace tilearn::flash {
 
 // True when the Hopper kernels serve this direction of the problem on the current device:
-// bf16 / f16, head_dim 64 (or 128 for the forward, with TILEARN_FLASH_SM90_HD128=1), no key mask
+// bf16 / f16, head_dim 64 (or 128 for the forward, unless TILEARN_FLASH_SM90_HD128=0), no key mask
 // or ALiBi, a compute-capability-9.0 GPU, and TILEARN_FLASH_SM80 not set.
 bool sm90_applies(int dtype, size_t head_dim, bool masked, bool backward);
 

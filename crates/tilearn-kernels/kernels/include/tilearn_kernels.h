@@ -601,7 +601,8 @@ int tilearn_flash_attention_supported(int dtype, size_t head_dim);
  * 9.0, bf16 / f16, head_dim 64, unmasked, TILEARN_FLASH_SM80 unset) on the current device; else
  * 0 (the mma.sync kernels). Their backward is bit-identical to the mma.sync one; the forward
  * walks keys in blocks of 128 instead of 64, so its results agree to the rounding. (The
- * experimental head_dim-128 forward, TILEARN_FLASH_SM90_HD128=1, has no Hopper backward: 0.) */
+ * head_dim-128 forward runs on Hopper too, unless TILEARN_FLASH_SM90_HD128=0; its backward is
+ * mma.sync: 0.) */
 int tilearn_flash_attention_uses_wgmma(int dtype, size_t head_dim, int masked);
 /* out = softmax(scale * q k^T, causal) v and lse = log sum_{j <= i} exp(scale * q_i . k_j)
  * (natural log), both written (=); under a key mask (NULL: causal) the keys lo(i) <= j <= i. */

@@ -16,7 +16,7 @@
 //! JSON line per (shape, path) with the medians, then a table; also one sequence of 16 K tokens
 //! with TinyLlama's heads, flash path only, and Llama-2-7B's heads (1 x 4096, 32/32, D=128).
 //! `"kernels"` says which flash kernels ran (`wgmma` on Hopper where they apply, `wgmma-fwd`
-//! for the experimental head_dim-128 forward with `TILEARN_FLASH_SM90_HD128=1`, else
+//! for the head_dim-128 forward there unless `TILEARN_FLASH_SM90_HD128=0`, else
 //! `mma.sync`; `TILEARN_FLASH_SM80=1` forces the latter) and
 //! `"backward"` which flash backward: the flash path is timed with a one-pass workspace (a row
 //! only where that backward runs: Hopper kernels, unmasked) and a deterministic one. FLOPs
@@ -216,9 +216,10 @@ const ATTN_PRESETS: [(&str, AttnShape); 4] = [
     ),
 ];
 
-/// Whether `TILEARN_FLASH_SM90_HD128` opts the head_dim-128 forward into the Hopper kernel.
-fn hd128_forward_opted_in() -> bool {
-    std::env::var("TILEARN_FLASH_SM90_HD128").is_ok_and(|v| !v.is_empty() && v != "0")
+/// Whether the head_dim-128 forward runs on the Hopper kernel (`TILEARN_FLASH_SM90_HD128=0`
+/// keeps it on mma.sync; the launcher reads the same variable the same way).
+fn hd128_forward_on() -> bool {
+    !std::env::var("TILEARN_FLASH_SM90_HD128").is_ok_and(|v| v.starts_with('0'))
 }
 
 /// The long shape's length: the GEMM path is timed only below it.
@@ -299,11 +300,11 @@ fn attention_bench<T: DeviceFloat>(
                 {
                     "wgmma"
                 }
-                // The experimental head_dim-128 Hopper forward (its backward is mma.sync).
+                // The head_dim-128 Hopper forward (its backward is mma.sync).
                 AttentionImpl::Flash
                     if s.head_dim == 128
                         && !masked
-                        && hd128_forward_opted_in()
+                        && hd128_forward_on()
                         && cuda::flash_attention_uses_wgmma::<T>(64, false) =>
                 {
                     "wgmma-fwd"

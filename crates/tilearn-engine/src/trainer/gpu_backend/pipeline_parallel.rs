@@ -520,10 +520,6 @@ impl StepBackend for GpuPipelineParallelBackend {
         })
     }
 
-    fn compute_stream(&self) -> Option<Arc<tilearn_ops::cuda::CudaStream>> {
-        Some(self.inner.stream())
-    }
-
     fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {
         let local = self.inner.unscale_and_check(inv_scale)?;
         Ok(scalars::any(self.model_group.as_ref(), local)?)

@@ -328,10 +328,6 @@ impl StepBackend for GpuTensorParallelBackend {
         self.inner.eval_loss(batch, precision)
     }
 
-    fn compute_stream(&self) -> Option<Arc<tilearn_ops::cuda::CudaStream>> {
-        Some(self.inner.stream())
-    }
-
     fn unscale_and_check(&mut self, inv_scale: f32) -> Result<bool> {
         let local = self.inner.unscale_and_check(inv_scale)?;
         Ok(scalars::any(self.tp.as_ref(), local)?)

@@ -72,6 +72,8 @@ pub fn train_in(dir: &Path, launch: &[&str], out: &str, precision: &str, extra: 
         "--warmup-steps",
         "0",
         "--deterministic",
+        "--logging-steps",
+        "1",
     ]);
     if !extra.contains(&"--save-steps") {
         args.extend(["--save-strategy", "no"]);

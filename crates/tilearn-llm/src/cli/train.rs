@@ -1180,7 +1180,7 @@ mod tests {
     }
 
     #[test]
-    fn the_gpu_engine_splits_by_tensor_or_pipeline_parallelism_with_data_parallelism_not_both() {
+    fn the_gpu_engine_splits_by_tensor_and_pipeline_parallelism_with_data_parallelism() {
         let ok = |tp, pp, schedule| {
             let sizes = HybridSizes::new(Some(tp), Some(pp), 0, tp * pp).unwrap();
             gpu_split_supported(&sizes, false, schedule)
@@ -1196,14 +1196,18 @@ mod tests {
         let tp_dp = HybridSizes::new(Some(2), Some(1), 0, 4).unwrap();
         assert_eq!(tp_dp.dp, 2);
         assert!(gpu_split_supported(&tp_dp, false, PipelineSchedule::OneFOneB).is_ok());
+        // Both splits, with and without replicas around them.
+        assert!(ok(2, 2, PipelineSchedule::OneFOneB).is_ok());
+        assert!(ok(2, 2, PipelineSchedule::Gpipe).is_ok());
+        let tp_pp_dp = HybridSizes::new(Some(2), Some(2), 0, 8).unwrap();
+        assert_eq!(tp_pp_dp.dp, 2);
+        assert!(gpu_split_supported(&tp_pp_dp, false, PipelineSchedule::OneFOneB).is_ok());
 
-        let both = refusal(2, 2, 4, false, PipelineSchedule::OneFOneB);
-        assert!(
-            both.starts_with("--pp-size") && both.contains("--device cpu"),
-            "{both}"
-        );
         let interleaved = refusal(1, 2, 2, false, PipelineSchedule::Interleaved);
-        assert!(interleaved.starts_with("--pp-schedule"), "{interleaved}");
+        assert!(
+            interleaved.starts_with("--pp-schedule") && interleaved.contains("--device cpu"),
+            "{interleaved}"
+        );
         let sp = refusal(2, 1, 2, true, PipelineSchedule::OneFOneB);
         assert!(sp.starts_with("--sequence-parallel"), "{sp}");
     }

@@ -92,7 +92,8 @@ for phase in "$@"; do
     split)
       # Tensor and pipeline parallelism with device buffers over NCCL: TinyLlama at TP = the
       # GPUs up to 4 (its 4 kv heads; data parallelism around it beyond), and at PP = the GPUs
-      # (8 micro-batches of 1 × 2048). TP and PP together are not built on the GPU engine.
+      # (8 micro-batches of 1 × 2048), and on 4 GPUs or more TP 2 × PP 2 (data parallelism
+      # around it beyond 4).
       if [ "$GPUS" -lt 2 ]; then echo "split: skipped, one GPU (nothing to split over)"; continue; fi
       prepare
       tp=$(( GPUS < 4 ? GPUS : 4 ))
@@ -100,6 +101,10 @@ for phase in "$@"; do
         --tp-size "$tp"
       BATCH=1 train "pp${GPUS}_tinyllama-1.1b" "$T launch --standalone --nproc-per-node $GPUS" \
         tinyllama-1.1b 20 --pp-size "$GPUS" --gradient-accumulation-steps 8
+      if [ "$GPUS" -ge 4 ]; then
+        BATCH=1 train "tp2pp2_tinyllama-1.1b" "$T launch --standalone --nproc-per-node $GPUS" \
+          tinyllama-1.1b 20 --tp-size 2 --pp-size 2 --gradient-accumulation-steps 8
+      fi
       grep -h "hybrid parallel" "$L"/tp*_tinyllama-1.1b.log "$L"/pp*_tinyllama-1.1b.log | head -2
       python3 scripts/dp_summary.py "$L" | tee "$L/dp_summary.txt";;
     mfu7b)

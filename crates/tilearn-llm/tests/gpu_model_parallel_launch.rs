@@ -17,7 +17,7 @@
 //!   stages and the replicas' gradient sum composed by the launcher's groups.
 //! * On two GPUs (skipped, saying so, with fewer): tp 2 and pp 2 (4 micro-batches, 1F1B) with
 //!   the device buffers over NCCL (the default when each rank has a GPU of its own, and the
-//!   run says so) equal one process, within the same bound.
+//!   run says so) equal one process, within the same bound; on four, tp 2 × pp 2.
 
 #![cfg(feature = "cuda")]
 
@@ -129,4 +129,31 @@ fn two_gpus_pipeline_over_nccl_equals_one_process() {
     let stdout = train(dir.path(), &launch("2"), "pp2", &pp);
     assert!(stdout.contains("device buffers over nccl"), "{stdout}");
     assert_split_equals_one(dir.path(), "one", "pp2", "pp 2 over NCCL on 2 GPUs");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn four_gpus_tensor_and_pipeline_over_nccl_equal_one_process() {
+    if !gpus_present(4) {
+        return;
+    }
+    let dir = setup();
+    let micro_batches = ["--gradient-accumulation-steps", "4"];
+    train(dir.path(), &[], "one", &micro_batches);
+    let split = [
+        micro_batches[0],
+        micro_batches[1],
+        "--tp-size",
+        "2",
+        "--pp-size",
+        "2",
+    ];
+    let stdout = train(dir.path(), &launch("4"), "tp2pp2", &split);
+    assert!(stdout.contains("device buffers over nccl"), "{stdout}");
+    assert_split_equals_one(
+        dir.path(),
+        "one",
+        "tp2pp2",
+        "tp 2 × pp 2 over NCCL on 4 GPUs",
+    );
 }

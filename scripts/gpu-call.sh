@@ -91,6 +91,7 @@ for phase in "$@"; do
       else echo "unknown phase: $phase"; status=1; fi;;
   esac
 done
-# Only a few files come back from the device: every log travels in one tar.
-(cd "$OUT" && ls *.log > /dev/null 2>&1 && tar -cf logs.tar *.log && rm -f *.log)
+# Only a few files come back from the device: every log travels in one tar, appended to (a
+# command that runs this script twice keeps the first run's logs).
+(cd "$OUT" && ls *.log > /dev/null 2>&1 && tar -rf logs.tar *.log && rm -f *.log)
 exit $status

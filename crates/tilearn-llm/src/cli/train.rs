@@ -319,9 +319,9 @@ pub struct TrainArgs {
     /// --seq-len divisible by the tensor-parallel size.
     #[arg(long)]
     pub sequence_parallel: bool,
-    /// Pipeline parallelism: split the layers into this many stages balanced by compute (CPU
-    /// engine; on the GPU engine without --tp-size, with 1f1b or gpipe and untied embeddings,
-    /// data parallelism around it allowed); the micro-batches of a step are
+    /// Pipeline parallelism: split the layers into this many stages balanced by compute (on
+    /// the GPU engine with 1f1b or gpipe and untied embeddings; with --tp-size and data
+    /// parallelism around it on both engines); the micro-batches of a step are
     /// --gradient-accumulation-steps. Default: TILEARN_HYBRID_PP_SIZE, else 1.
     #[arg(long)]
     pub pp_size: Option<usize>,

@@ -4,8 +4,8 @@
 #   AUTOOFFLOAD_PARTS="tests presets bench" (default) or "long":
 #   tests, presets, bench — as scripts/gpu-phases/mlpchunk.sh (bench: the default, `off` and
 #            HF + Liger under autocast at 16/32/64 K, all in this call);
-#   long   — the longest context of each in one call: tilearn's default at 512 K, Liger at
-#            256 K and 512 K (one step each, no warm-up; a failure is logged, not fatal).
+#   long   — the longest context of each in one call: the phase `longest` (tilearn's default
+#            at 512 K, Liger at 256 K and 512 K, tilearn at 1 M with the time left).
 auto_parts=" ${AUTOOFFLOAD_PARTS:-tests presets bench} "
 export MEMORY_TESTS=${MEMORY_TESTS:-"gpu_weight_copy gpu_checkpoint_offload gpu_mlp_chunk gpu_lce \
 gpu_model gpu_cuda_graph gpu_lean gpu_families gpu_pipeline_parallel gpu_model_parallel gpu_precision"}
@@ -15,10 +15,5 @@ mlp=""
 [[ $auto_parts == *" bench "* ]] && mlp+=" bench"
 [ -n "$mlp" ] && MLPCHUNK_PARTS="$mlp" . scripts/gpu-phases/mlpchunk.sh
 if [[ $auto_parts == *" long "* ]]; then
-  # memory.sh with no part of its own: installs the wheels and defines `mem`.
-  MEMORY_PARTS=" none " . scripts/gpu-phases/memory.sh
-  MEMORY_WARMUP=0 MEMORY_LIGER_WARMUP=0 steps=1 mem "long_tilearn_524288" tilearn 524288
-  for seq in 262144 524288; do
-    MEMORY_WARMUP=0 MEMORY_LIGER_WARMUP=0 steps=1 mem "long_liger_$seq" liger "$seq"
-  done
+  . scripts/gpu-phases/longest.sh
 fi

@@ -31,15 +31,8 @@ lean_train() { # name, memory, flags...
   rm -rf "/tmp/lean_${name}_${memory}"
 }
 for memory in default lean; do lean_train embedded "$memory"; done
-cat > /tmp/tinyllama_shape.json <<'J'
-{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
- "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
- "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048,
- "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false,
- "initializer_range": 0.02, "torch_dtype": "float32"}
-J
 for memory in default lean; do
-  lean_train tinyllama "$memory" --config /tmp/tinyllama_shape.json --max-steps 20 \
+  lean_train tinyllama "$memory" --config scripts/gpu-phases/tinyllama-shape.json --max-steps 20 \
     --per-device-train-batch-size 8 --seq-len 512 --learning-rate 3e-4 --warmup-steps 5
 done
 for name in embedded tinyllama; do

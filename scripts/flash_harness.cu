@@ -7,8 +7,8 @@
 //   - with timing on, reports forward, delta and backward milliseconds (CUDA events, mean of
 //     20 launches, 5 at 16 K) and TFLOP/s for mma.sync, the deterministic and the one-pass
 //     backward.
-//   - checks and times the head_dim-128 wgmma forward (TILEARN_FLASH_SM90_HD128=0 turns it off)
-//     against the mma.sync forward.
+//   - checks and times the head_dim-128 wgmma forward and backward (TILEARN_FLASH_SM90_HD128=0
+//     turns them off) against the mma.sync ones.
 // It is not a test of record (the Rust GPU tests are); bench/RESULTS.md cites its figures as
 // the "development harness". Build with scripts/flash_harness.sh; run `harness` (all shapes) or
 // `harness small` (correctness only, e.g. under compute-sanitizer).
@@ -188,24 +188,27 @@ bool run_shape(Shape sh, int dtype, bool timing) {
     return ok;
 }
 
-void use_hd128_forward(bool on) {
+void use_hd128_wgmma(bool on) {
     if (on) unsetenv("TILEARN_FLASH_SM90_HD128");  // the default
     else setenv("TILEARN_FLASH_SM90_HD128", "0", 1);
 }
 
-// head_dim 128, forward only: the wgmma forward (the default)
-// against the mma.sync forward on the same inputs (out max relative error, lse), and with
-// timing on both forwards' milliseconds and TFLOP/s.
+// head_dim 128: the wgmma kernels (the default) against the mma.sync ones on the same inputs:
+// the forward (out max relative error, lse), then both backwards from the mma.sync forward's out
+// and lse (dq, dk, dv: max relative error and values differing); with timing on, both
+// families' forward and backward milliseconds and TFLOP/s.
 template <typename T>
-bool run_hd128_forward(Shape sh, int dtype, bool timing) {
+bool run_hd128(Shape sh, int dtype, bool timing) {
     constexpr int kD = 128;
     const size_t nq = size_t(sh.batch) * sh.seq * sh.q_heads * kD;
     const size_t nk = size_t(sh.batch) * sh.seq * sh.kv_heads * kD;
     const size_t nl = size_t(sh.batch) * sh.q_heads * sh.seq;
     std::mt19937 rng(777 + sh.seq + sh.q_heads);
     auto random = [&](size_t n) { return random_buffer<T>(rng, n); };
-    Buffer<T> q = random(nq), k = random(nk), v = random(nk), out_ref(nq), out_new(nq);
-    Buffer<float> lse_ref(nl), lse_new(nl);
+    Buffer<T> q = random(nq), k = random(nk), v = random(nk), dout = random(nq), out_ref(nq),
+              out_new(nq);
+    Buffer<T> dq_ref(nq), dq_new(nq), dk_ref(nk), dk_new(nk), dv_ref(nk), dv_new(nk);
+    Buffer<float> lse_ref(nl), lse_new(nl), delta(nl);
     const float scale = 0.08838834764f;  // 1 / sqrt(128)
     auto forward = [&](T* out, float* lse) {
         check_status(tilearn_flash_attention_forward(dtype, q.ptr, k.ptr, v.ptr, out, lse,
@@ -213,41 +216,73 @@ bool run_hd128_forward(Shape sh, int dtype, bool timing) {
                                                      kD, scale, nullptr, 0),
                      "forward hd128");
     };
-    use_hd128_forward(false);
+    auto backward = [&](T* dq, T* dk, T* dv) {
+        check_status(tilearn_flash_attention_backward(
+                         dtype, dout.ptr, q.ptr, k.ptr, v.ptr, lse_ref.ptr, delta.ptr, dq, dk, dv,
+                         sh.batch, sh.seq, sh.q_heads, sh.kv_heads, kD, scale, nullptr, nullptr,
+                         0),
+                     "backward hd128");
+    };
+    use_hd128_wgmma(false);
     forward(out_ref.ptr, lse_ref.ptr);
-    use_hd128_forward(true);
+    check_status(tilearn_attention_delta(dtype, dout.ptr, out_ref.ptr, sh.batch, sh.seq,
+                                         sh.q_heads, kD, delta.ptr, 0),
+                 "delta hd128");
+    backward(dq_ref.ptr, dk_ref.ptr, dv_ref.ptr);
+    use_hd128_wgmma(true);
     forward(out_new.ptr, lse_new.ptr);
-    check_cuda(cudaDeviceSynchronize(), "hd128 forward");
+    backward(dq_new.ptr, dk_new.ptr, dv_new.ptr);
+    check_cuda(cudaDeviceSynchronize(), "hd128");
     const double e_out = rel_err(out_ref.download(), out_new.download());
     const double e_lse = rel_err(lse_ref.download(), lse_new.download());
-    const bool ok = e_out < (dtype == TILEARN_DTYPE_BF16 ? 1e-2 : 2e-3) && e_lse < 1e-6;
-    std::printf("%s hd128 forward B%d T%d H%d/%d %s: wgmma vs mma.sync out %.2e, lse %.2e\n",
-                ok ? "PASS" : "FAIL", sh.batch, sh.seq, sh.q_heads, sh.kv_heads,
-                dtype == TILEARN_DTYPE_BF16 ? "bf16" : "f16", e_out, e_lse);
+    const Buffer<T>* pairs[3][2] = {{&dq_ref, &dq_new}, {&dk_ref, &dk_new}, {&dv_ref, &dv_new}};
+    double e_grad[3];
+    size_t n_diff[3];
+    for (int i = 0; i < 3; ++i) {
+        const auto a = pairs[i][0]->download(), b = pairs[i][1]->download();
+        e_grad[i] = rel_err(a, b);
+        n_diff[i] = differing(a, b);
+    }
+    const double tol_out = dtype == TILEARN_DTYPE_BF16 ? 1e-2 : 2e-3;
+    const double tol_grad = dtype == TILEARN_DTYPE_BF16 ? 2e-2 : 4e-3;
+    const bool ok = e_out < tol_out && e_lse < 1e-6 && e_grad[0] < tol_grad &&
+                    e_grad[1] < tol_grad && e_grad[2] < tol_grad;
+    std::printf(
+        "%s hd128 B%d T%d H%d/%d %s: wgmma vs mma.sync out %.2e, lse %.2e; backward dq %.2e "
+        "(%zu differ), dk %.2e (%zu), dv %.2e (%zu)\n",
+        ok ? "PASS" : "FAIL", sh.batch, sh.seq, sh.q_heads, sh.kv_heads,
+        dtype == TILEARN_DTYPE_BF16 ? "bf16" : "f16", e_out, e_lse, e_grad[0], n_diff[0],
+        e_grad[1], n_diff[1], e_grad[2], n_diff[2]);
     if (timing) {
         cudaEvent_t start, end;
         check_cuda(cudaEventCreate(&start), "event");
         check_cuda(cudaEventCreate(&end), "event");
         const int reps = sh.seq >= 16384 ? 5 : 20;
-        const double flops = 4.0 * sh.batch * sh.q_heads * kD * (double(sh.seq) * sh.seq / 2);
-        for (int on = 0; on < 2; ++on) {
-            use_hd128_forward(on == 1);
-            for (int i = 0; i < 2; ++i) forward(out_new.ptr, lse_new.ptr);
+        auto time_ms = [&](auto&& launch) {
+            for (int i = 0; i < 2; ++i) launch();
             check_cuda(cudaEventRecord(start), "record");
-            for (int i = 0; i < reps; ++i) forward(out_new.ptr, lse_new.ptr);
+            for (int i = 0; i < reps; ++i) launch();
             check_cuda(cudaEventRecord(end), "record");
             check_cuda(cudaEventSynchronize(end), "sync");
             float ms = 0;
             check_cuda(cudaEventElapsedTime(&ms, start, end), "elapsed");
-            ms /= reps;
-            std::printf("  TIME hd128 %-8s B%d T%d H%d/%d: fwd %.3f ms (%.0f TF/s)\n",
-                        on ? "wgmma" : "mma.sync", sh.batch, sh.seq, sh.q_heads, sh.kv_heads, ms,
-                        flops / ms / 1e9);
+            return ms / reps;
+        };
+        const double flops = 4.0 * sh.batch * sh.q_heads * kD * (double(sh.seq) * sh.seq / 2);
+        for (int on = 0; on < 2; ++on) {
+            use_hd128_wgmma(on == 1);
+            const float tf = time_ms([&] { forward(out_new.ptr, lse_new.ptr); });
+            const float tb = time_ms([&] { backward(dq_new.ptr, dk_new.ptr, dv_new.ptr); });
+            std::printf(
+                "  TIME hd128 %-8s B%d T%d H%d/%d: fwd %.3f ms (%.0f TF/s)  bwd %.3f ms (%.0f "
+                "TF/s)  total %.3f ms\n",
+                on ? "wgmma" : "mma.sync", sh.batch, sh.seq, sh.q_heads, sh.kv_heads, tf,
+                flops / tf / 1e9, tb, 2.5 * flops / tb / 1e9, tf + tb);
         }
         cudaEventDestroy(start);
         cudaEventDestroy(end);
     }
-    use_hd128_forward(false);
+    use_hd128_wgmma(false);
     return ok;
 }
 
@@ -261,14 +296,14 @@ int main(int argc, char** argv) {
     ok &= run_shape<__half>({2, 333, 4, 4}, TILEARN_DTYPE_F16, false);
     ok &= run_shape<__nv_bfloat16>({1, 64, 3, 1}, TILEARN_DTYPE_BF16, false);
     ok &= run_shape<__nv_bfloat16>({2, 300, 16, 2}, TILEARN_DTYPE_BF16, false);
-    ok &= run_hd128_forward<__nv_bfloat16>({1, 130, 2, 1}, TILEARN_DTYPE_BF16, false);
-    ok &= run_hd128_forward<__nv_bfloat16>({2, 333, 8, 1}, TILEARN_DTYPE_BF16, false);
-    ok &= run_hd128_forward<__half>({2, 257, 4, 2}, TILEARN_DTYPE_F16, false);
-    ok &= run_hd128_forward<__nv_bfloat16>({1, 64, 3, 3}, TILEARN_DTYPE_BF16, false);
+    ok &= run_hd128<__nv_bfloat16>({1, 130, 2, 1}, TILEARN_DTYPE_BF16, false);
+    ok &= run_hd128<__nv_bfloat16>({2, 333, 8, 1}, TILEARN_DTYPE_BF16, false);
+    ok &= run_hd128<__half>({2, 257, 4, 2}, TILEARN_DTYPE_F16, false);
+    ok &= run_hd128<__nv_bfloat16>({1, 64, 3, 3}, TILEARN_DTYPE_BF16, false);
     if (!small_only) {
         // Llama-2-7B's attention (32 heads of 128) at 1 x 4096 and 2 x 2048.
-        ok &= run_hd128_forward<__nv_bfloat16>({1, 4096, 32, 32}, TILEARN_DTYPE_BF16, true);
-        ok &= run_hd128_forward<__nv_bfloat16>({2, 2048, 32, 32}, TILEARN_DTYPE_BF16, true);
+        ok &= run_hd128<__nv_bfloat16>({1, 4096, 32, 32}, TILEARN_DTYPE_BF16, true);
+        ok &= run_hd128<__nv_bfloat16>({2, 2048, 32, 32}, TILEARN_DTYPE_BF16, true);
         ok &= run_shape<__nv_bfloat16>({16, 1024, 12, 12}, TILEARN_DTYPE_BF16, true);
         ok &= run_shape<__nv_bfloat16>({8, 2048, 32, 4}, TILEARN_DTYPE_BF16, true);
         ok &= run_shape<__nv_bfloat16>({1, 16384, 32, 4}, TILEARN_DTYPE_BF16, true);

@@ -834,7 +834,7 @@ int checked_run(int dtype, bool backward, Args a, size_t batch, size_t seq, size
     }
     // Hopper: the wgmma kernels of flash_attention_sm90.cu where they apply.
     const bool masked = a.alibi != nullptr || a.positions != nullptr || a.window > 0;
-    if (tilearn::flash::sm90_applies(dtype, head_dim, masked, backward))
+    if (tilearn::flash::sm90_applies(dtype, head_dim, masked))
         return tilearn::flash::sm90_run(dtype, backward, head_dim, a, stream);
     return tilearn::dispatch(dtype, [&](auto tag) {
         return run<decltype(tag)>(backward, head_dim, a, stream);
@@ -849,8 +849,12 @@ extern "C" int tilearn_flash_attention_supported(int dtype, size_t head_dim) {
 }
 
 extern "C" int tilearn_flash_attention_uses_wgmma(int dtype, size_t head_dim, int masked) {
-    // The backward's kernels: what decides the one-pass workspace.
-    return tilearn::flash::sm90_applies(dtype, head_dim, masked != 0, true) ? 1 : 0;
+    return tilearn::flash::sm90_applies(dtype, head_dim, masked != 0) ? 1 : 0;
+}
+
+extern "C" int tilearn_flash_attention_one_pass(int dtype, size_t head_dim, int masked) {
+    // What decides the one-pass workspace.
+    return tilearn::flash::sm90_one_pass_applies(dtype, head_dim, masked != 0) ? 1 : 0;
 }
 
 extern "C" int tilearn_flash_attention_forward(int dtype, const void* q, const void* k,

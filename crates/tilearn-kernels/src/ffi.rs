@@ -763,6 +763,11 @@ unsafe extern "C" {
         head_dim: usize,
         masked: ::std::os::raw::c_int,
     ) -> ::std::os::raw::c_int;
+    pub fn tilearn_flash_attention_one_pass(
+        dtype: ::std::os::raw::c_int,
+        head_dim: usize,
+        masked: ::std::os::raw::c_int,
+    ) -> ::std::os::raw::c_int;
     pub fn tilearn_flash_attention_forward(
         dtype: ::std::os::raw::c_int,
         q: *const ::std::os::raw::c_void,

@@ -32,9 +32,11 @@
 //! Shapes: GQA groups of 2 and 8, T = 130 and 333 (partial last tiles), one tile, bf16 and f16,
 //! and TinyLlama's heads (32 / 4) at 2 × 1024 tokens.
 //!
-//! The head_dim-128 forward (the default on Hopper; `TILEARN_FLASH_SM90_HD128=0` turns it
-//! off) against the mma.sync forward with the same bounds, at GQA groups of 2 and 8, plain
-//! multi-head (the 7B shape's 32 heads at T = 1000), partial tiles, bf16 and f16.
+//! The head_dim-128 kernels (the default on Hopper; `TILEARN_FLASH_SM90_HD128=0` turns them
+//! off: forward and the deterministic two-kernel backward; no one-pass backward) against the
+//! mma.sync kernels: the forward with the same bounds, the backward bit for bit, at GQA groups
+//! of 2 and 8, plain multi-head (the 7B shape's 32 heads at T = 1000), partial tiles, bf16 and
+//! f16.
 //!
 //! Without a GPU, or on a GPU other than compute capability 9.0, the tests print `skipped: ...`
 //! and pass.
@@ -109,7 +111,8 @@ fn widen<T: Elem>(v: &[T]) -> Vec<f64> {
 }
 
 /// One shape in `T`: forwards of both kernel families compared to the rounding, then both
-/// backwards from the mma.sync forward's `out` and `lse` compared bit for bit.
+/// backwards from the mma.sync forward's `out` and `lse` compared bit for bit (their relative
+/// errors are printed too, to size a difference should one appear).
 fn compare<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64, tol_out: f64) {
     let tag = format!("{} {s:?}", std::any::type_name::<T>());
     let st = dev.stream();
@@ -165,23 +168,34 @@ fn compare<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64, tol_o
             )
         })
         .unwrap();
-        [dq, dk, dv].map(|b| {
-            download(dev, &b)
-                .iter()
-                .map(|x| x.bits())
-                .collect::<Vec<_>>()
-        })
+        [dq, dk, dv].map(|b| download(dev, &b))
     };
     let grads_ref = backward(true);
     let grads_new = backward(false);
     let differing: Vec<usize> = grads_ref
         .iter()
         .zip(&grads_new)
-        .map(|(a, b)| a.iter().zip(b).filter(|(x, y)| x != y).count())
+        .map(|(a, b)| {
+            a.iter()
+                .zip(b)
+                .filter(|(x, y)| x.bits() != y.bits())
+                .count()
+        })
         .collect();
+    let grad_errs: Vec<f64> = ["dq", "dk", "dv"]
+        .iter()
+        .zip(grads_ref.iter().zip(&grads_new))
+        .map(|(name, (r, n))| rel_err(name, &widen(n), &widen(r)))
+        .collect();
+    let errs = grad_errs
+        .iter()
+        .map(|e| format!("{e:.2e}"))
+        .collect::<Vec<_>>()
+        .join(", ");
     report(&format!(
         "gpu_flash_sm90: {tag}: forward out {out_err:.2e} (tol {tol_out:.0e}), lse {lse_err:.2e} \
-         (tol 1e-6); backward values differing (dq, dk, dv): {differing:?}"
+         (tol 1e-6); backward values differing (dq, dk, dv): {differing:?}, relative errors \
+         [{errs}]"
     ));
     assert!(
         out_err <= tol_out,
@@ -207,28 +221,41 @@ fn hopper_flash_kernels_match_the_mma_sync_kernels() {
     .iter()
     .enumerate()
     {
-        compare::<bf16>(&dev, &gemm, shape(b, t, hq, hkv, 64), 100 + i as u64, 1e-2);
+        let s = shape(b, t, hq, hkv, 64);
+        compare::<bf16>(&dev, &gemm, s, 100 + i as u64, 1e-2);
     }
     compare::<f16>(&dev, &gemm, shape(2, 257, 4, 2, 64), 200, 2e-3);
-    // head_dim 128 and masked calls stay on the mma.sync kernels.
-    assert!(!cuda::flash_attention_uses_wgmma::<bf16>(128, false));
+    // Masked calls stay on the mma.sync kernels; the one-pass backward is head_dim 64's alone.
     assert!(!cuda::flash_attention_uses_wgmma::<bf16>(64, true));
+    assert!(cuda::flash_attention_one_pass::<bf16>(64, false));
+    assert!(!cuda::flash_attention_one_pass::<bf16>(64, true));
+    assert!(!cuda::flash_attention_one_pass::<bf16>(128, false));
 }
 
-/// The head_dim-128 Hopper forward (the default; `TILEARN_FLASH_SM90_HD128=0` turns it off:
-/// two 64-wide panels per tile row, key blocks of 64) against the mma.sync forward, as
-/// `compare` does for head_dim 64 and with its bounds; the backward stays on the mma.sync kernels either way (the
-/// workspace query says so), so `compare`'s bit-for-bit backward check holds trivially here.
+/// The head_dim-128 Hopper kernels (the default; `TILEARN_FLASH_SM90_HD128=0` turns them off:
+/// two 64-wide panels per tile row; the forward walks key blocks of 64, the backward is the
+/// two-kernel one) against the mma.sync kernels, as `compare` does for head_dim 64: the
+/// backward sums the same products in the same order as mma.sync's (panel 0's k-steps, then
+/// panel 1's, into one accumulator), so it is bit-identical.
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
-fn the_head_dim_128_forward_matches_the_mma_sync_forward() {
-    const TEST: &str = "the_head_dim_128_forward_matches_the_mma_sync_forward";
+fn the_head_dim_128_kernels_match_the_mma_sync_kernels() {
+    const TEST: &str = "the_head_dim_128_kernels_match_the_mma_sync_kernels";
     let Some((_kernels, dev, gemm)) = hopper_or_skip(TEST) else {
         return;
     };
     // SAFETY: this test holds `KERNELS` (see `with_kernels`). Unset is the default (on).
     unsafe { std::env::remove_var(HD128) };
-    assert!(!cuda::flash_attention_uses_wgmma::<bf16>(128, false));
+    assert!(cuda::flash_attention_uses_wgmma::<bf16>(128, false));
+    // SAFETY: as above.
+    unsafe { std::env::set_var(HD128, "0") };
+    let off = cuda::flash_attention_uses_wgmma::<bf16>(128, false);
+    // SAFETY: as above.
+    unsafe { std::env::remove_var(HD128) };
+    assert!(
+        !off,
+        "TILEARN_FLASH_SM90_HD128=0 keeps head_dim 128 on mma.sync"
+    );
     for (i, &(b, t, hq, hkv)) in [
         (1, 130, 2, 1),
         (2, 333, 8, 1),
@@ -238,9 +265,11 @@ fn the_head_dim_128_forward_matches_the_mma_sync_forward() {
     .iter()
     .enumerate()
     {
-        compare::<bf16>(&dev, &gemm, shape(b, t, hq, hkv, 128), 300 + i as u64, 1e-2);
+        let s = shape(b, t, hq, hkv, 128);
+        compare::<bf16>(&dev, &gemm, s, 300 + i as u64, 1e-2);
     }
-    compare::<f16>(&dev, &gemm, shape(2, 257, 4, 2, 128), 400, 2e-3);
+    let s = shape(2, 257, 4, 2, 128);
+    compare::<f16>(&dev, &gemm, s, 400, 2e-3);
 }
 
 /// Fresh random inputs of one attention problem in `T` and the forward's `out` and `lse` (the

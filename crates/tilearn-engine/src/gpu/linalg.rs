@@ -20,7 +20,7 @@ use half::{bf16, f16};
 use tilearn_ops::cpu::AttnShape;
 use tilearn_ops::cuda::{
     self as k, AttentionImpl, AttentionWorkspace, CudaStream, DeviceFloat, FlashBackward, Gemm,
-    flash_attention_supports, flash_attention_uses_wgmma, flash_dq_accum_len,
+    flash_attention_one_pass, flash_attention_supports, flash_dq_accum_len,
 };
 use tilearn_ops::{KeyMask, OpsError, Result};
 
@@ -48,8 +48,8 @@ pub(crate) struct Matmul {
 /// scratch only where the Hopper kernels would use it (unmasked bf16/f16 at head_dim 64 on
 /// compute capability 9.0); elsewhere the flash backward is the deterministic one anyway.
 fn effective_backward(shape: AttnShape, asked: FlashBackward) -> FlashBackward {
-    let hopper = flash_attention_uses_wgmma::<bf16>(shape.head_dim, false)
-        || flash_attention_uses_wgmma::<f16>(shape.head_dim, false);
+    let hopper = flash_attention_one_pass::<bf16>(shape.head_dim, false)
+        || flash_attention_one_pass::<f16>(shape.head_dim, false);
     if hopper {
         asked
     } else {

@@ -596,14 +596,15 @@ int tilearn_attention_delta(int dtype, const void *dout, const void *out, size_t
 
 /* 1 when the kernels serve this dtype and head_dim, else 0. */
 int tilearn_flash_attention_supported(int dtype, size_t head_dim);
-/* 1 when a backward of this dtype and head_dim, with (masked = 1) or without a key mask or
- * ALiBi slopes, runs the Hopper kernels (flash_attention_sm90.cu: wgmma, compute capability
- * 9.0, bf16 / f16, head_dim 64, unmasked, TILEARN_FLASH_SM80 unset) on the current device; else
- * 0 (the mma.sync kernels). Their backward is bit-identical to the mma.sync one; the forward
- * walks keys in blocks of 128 instead of 64, so its results agree to the rounding. (The
- * head_dim-128 forward runs on Hopper too, unless TILEARN_FLASH_SM90_HD128=0; its backward is
- * mma.sync: 0.) */
+/* 1 when a call of this dtype and head_dim, with (masked = 1) or without a key mask or ALiBi
+ * slopes, runs the Hopper kernels (flash_attention_sm90.cu: wgmma, compute capability 9.0,
+ * bf16 / f16, head_dim 64 or 128 (128 unless TILEARN_FLASH_SM90_HD128=0), unmasked,
+ * TILEARN_FLASH_SM80 unset) on the current device, forward and backward; else 0 (the mma.sync
+ * kernels). Their deterministic backward computes the mma.sync one's products in the same order;
+ * the forward walks keys in other blocks, so its results agree to the rounding. */
 int tilearn_flash_attention_uses_wgmma(int dtype, size_t head_dim, int masked);
+/* 1 when, besides, the one-pass backward (dq_accum) exists for the call: head_dim 64. */
+int tilearn_flash_attention_one_pass(int dtype, size_t head_dim, int masked);
 /* out = softmax(scale * q k^T, causal) v and lse = log sum_{j <= i} exp(scale * q_i . k_j)
  * (natural log), both written (=); under a key mask (NULL: causal) the keys lo(i) <= j <= i. */
 int tilearn_flash_attention_forward(int dtype, const void *q, const void *k, const void *v,

@@ -15,9 +15,9 @@
 //! warm-up forward + backward, then 10 timed forwards and 10 timed backwards (CUDA events), one
 //! JSON line per (shape, path) with the medians, then a table; also one sequence of 16 K tokens
 //! with TinyLlama's heads, flash path only, and Llama-2-7B's heads (1 x 4096, 32/32, D=128).
-//! `"kernels"` says which flash kernels ran (`wgmma` on Hopper where they apply, `wgmma-fwd`
-//! for the head_dim-128 forward there unless `TILEARN_FLASH_SM90_HD128=0`, else
-//! `mma.sync`; `TILEARN_FLASH_SM80=1` forces the latter) and
+//! `"kernels"` says which flash kernels ran (`wgmma` on Hopper where they apply, head_dim 128
+//! included unless `TILEARN_FLASH_SM90_HD128=0`, else `mma.sync`; `TILEARN_FLASH_SM80=1`
+//! forces the latter) and
 //! `"backward"` which flash backward: the flash path is timed with a one-pass workspace (a row
 //! only where that backward runs: Hopper kernels, unmasked) and a deterministic one. FLOPs
 //! counted for causal attention: forward 2·2·B·Hq·T²·D/2 (the two products over the lower
@@ -216,12 +216,6 @@ const ATTN_PRESETS: [(&str, AttnShape); 4] = [
     ),
 ];
 
-/// Whether the head_dim-128 forward runs on the Hopper kernel (`TILEARN_FLASH_SM90_HD128=0`
-/// keeps it on mma.sync; the launcher reads the same variable the same way).
-fn hd128_forward_on() -> bool {
-    !std::env::var("TILEARN_FLASH_SM90_HD128").is_ok_and(|v| v.starts_with('0'))
-}
-
 /// The long shape's length: the GEMM path is timed only below it.
 const GEMM_PATH_MAX_SEQ: usize = 4096;
 
@@ -299,15 +293,6 @@ fn attention_bench<T: DeviceFloat>(
                     if cuda::flash_attention_uses_wgmma::<T>(s.head_dim, masked) =>
                 {
                     "wgmma"
-                }
-                // The head_dim-128 Hopper forward (its backward is mma.sync).
-                AttentionImpl::Flash
-                    if s.head_dim == 128
-                        && !masked
-                        && hd128_forward_on()
-                        && cuda::flash_attention_uses_wgmma::<T>(64, false) =>
-                {
-                    "wgmma-fwd"
                 }
                 AttentionImpl::Flash => "mma.sync",
                 _ => "cublaslt",

@@ -351,14 +351,14 @@ impl AttentionWorkspace {
 
     /// The backward a flash call in `T` of shape `s`, with a key mask or ALiBi slopes
     /// (`masked`) or without, runs with this workspace on the current device: `OnePass` where
-    /// the Hopper kernels serve it ([`flash_attention_uses_wgmma`]) and the workspace holds its
+    /// the one-pass Hopper kernel serves it ([`flash_attention_one_pass`]) and the workspace holds its
     /// `dq_accum`, else `Deterministic`.
     /// (A lending workspace answers for a call that lends enough.)
     pub fn flash_backward_for<T: DeviceFloat>(&self, s: AttnShape, masked: bool) -> FlashBackward {
         let lent = self.lent_dq_accum && self.backward == FlashBackward::OnePass;
         let one_pass = (self.dq_accum_region(s).is_some() || lent)
             && flash_attention_supports::<T>(s)
-            && flash_attention_uses_wgmma::<T>(s.head_dim, masked);
+            && flash_attention_one_pass::<T>(s.head_dim, masked);
         FlashBackward::from_deterministic(!one_pass)
     }
 
@@ -647,14 +647,22 @@ pub fn flash_attention_supports<T: DeviceFloat>(s: AttnShape) -> bool {
 
 /// Whether a flash call of `T` at `head_dim`, with a key mask or ALiBi slopes (`masked`) or
 /// without, runs the Hopper kernels (wgmma, `flash_attention_sm90.cu`) on the current device
-/// rather than the mma.sync ones: compute capability 9.0, bf16 or f16, head_dim 64, unmasked, and
-/// `TILEARN_FLASH_SM80` unset. Their deterministic backward is bit-identical to the mma.sync
-/// backward (their one-pass backward, with a [`FlashBackward::OnePass`] workspace, agrees to
-/// the rounding); their forward walks keys in blocks of 128, not 64, so it agrees to the
-/// rounding.
+/// rather than the mma.sync ones, forward and backward: compute capability 9.0, bf16 or f16,
+/// head_dim 64 or 128 (128 unless `TILEARN_FLASH_SM90_HD128=0`), unmasked, and
+/// `TILEARN_FLASH_SM80` unset. Their deterministic backward computes the mma.sync backward's
+/// products in the same order (their one-pass backward, with a [`FlashBackward::OnePass`]
+/// workspace, agrees to the rounding); their forward walks keys in other blocks, so it agrees
+/// to the rounding.
 pub fn flash_attention_uses_wgmma<T: DeviceFloat>(head_dim: usize, masked: bool) -> bool {
     // SAFETY: a host function of integers; it reads the current device's compute capability.
     unsafe { ffi::tilearn_flash_attention_uses_wgmma(T::DTYPE, head_dim, i32::from(masked)) != 0 }
+}
+
+/// Whether such a call, besides, has the one-pass backward (the Hopper kernels at head_dim 64):
+/// what decides whether a [`FlashBackward::OnePass`] workspace's `dq_accum` is used.
+pub fn flash_attention_one_pass<T: DeviceFloat>(head_dim: usize, masked: bool) -> bool {
+    // SAFETY: as above.
+    unsafe { ffi::tilearn_flash_attention_one_pass(T::DTYPE, head_dim, i32::from(masked)) != 0 }
 }
 
 /// Whether a call with `imp` should try the flash kernels (alignment is checked once the

@@ -16,9 +16,6 @@ pub fn gpu_engine_refusal(config: &LlamaConfig, layout: &Layout) -> Option<&'sta
     if layout.virtual_stages > 1 {
         return Some("interleaving: CPU engine only");
     }
-    if splits_model && layout.zero != ShardStage::Zero0 {
-        return Some("ZeRO with TP or PP: CPU engine only");
-    }
     if layout.pp > 1 && config.tie_word_embeddings {
         return Some("PP needs untied embeddings");
     }
@@ -65,13 +62,13 @@ mod tests {
     fn what_tilearn_train_accepts_on_the_gpu_runs_and_the_rest_is_named() {
         let untied = config(false);
         let runs = |l: Layout| gpu_engine_refusal(&untied, &l);
-        // Data parallelism with ZeRO 0-2; TP, PP and both, with plain DP around them.
+        // Data parallelism with ZeRO 0-2, alone or around TP, PP and both.
         for zero in [ShardStage::Zero0, ShardStage::Zero1, ShardStage::Zero2] {
             assert_eq!(runs(layout(1, 1, 1, zero)), None);
+            assert_eq!(runs(layout(2, 1, 1, zero)), None);
+            assert_eq!(runs(layout(1, 4, 1, zero)), None);
+            assert_eq!(runs(layout(2, 2, 1, zero)), None);
         }
-        assert_eq!(runs(layout(2, 1, 1, ShardStage::Zero0)), None);
-        assert_eq!(runs(layout(1, 4, 1, ShardStage::Zero0)), None);
-        assert_eq!(runs(layout(2, 2, 1, ShardStage::Zero0)), None);
 
         let refused = |l: Layout, part: &str| {
             let why = runs(l).unwrap_or_else(|| panic!("{l:?} should be refused"));
@@ -79,8 +76,6 @@ mod tests {
         };
         refused(layout(1, 1, 1, ShardStage::Zero3), "ZeRO-3");
         refused(layout(1, 2, 2, ShardStage::Zero0), "interleaving");
-        refused(layout(2, 1, 1, ShardStage::Zero1), "ZeRO with TP");
-        refused(layout(1, 2, 1, ShardStage::Zero2), "ZeRO with TP or PP");
         // 2 kv heads: TP 4 replicates them.
         refused(layout(4, 1, 1, ShardStage::Zero0), "kv heads");
         let tied = config(true);

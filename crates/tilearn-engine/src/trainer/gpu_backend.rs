@@ -385,11 +385,43 @@ impl GpuBackend {
     }
 
     /// One AdamW step clipped by the norm whose square `total` the caller summed over its
-    /// model-parallel group; returns that norm.
+    /// model-parallel group; returns that norm. (Under ZeRO the data-parallel layer hands the
+    /// step the sum over both groups instead, through [`StepBackend::clip_shard`], and the
+    /// rank steps with [`StepBackend::optimizer_step`].)
     pub(crate) fn step_with_group_norm(&mut self, total: f64, lr: f32) -> Result<Option<f64>> {
         self.gpu.use_global_grad_sum_of_squares(total)?;
         self.gpu.step(lr)?;
         Ok(Some(total.sqrt()))
+    }
+
+    /// Whether ZeRO sharded the optimizer (it steps part of the parameters).
+    pub(crate) fn optimizer_sharded(&self) -> bool {
+        self.shard != (0..self.numel)
+    }
+
+    /// Loads a tensor- or pipeline-parallel rank's slices (placed by `plan`) of the whole
+    /// model's weights saved in `dir` (`full_config`, `full_specs`), whatever layout wrote
+    /// them. Through [`GpuLlama::fill_params`], so that under ZeRO the rank keeps its shard of
+    /// the master weights.
+    pub(crate) fn load_weight_slices(
+        &mut self,
+        dir: &Path,
+        full_config: &LlamaConfig,
+        full_specs: &[ParamSpec],
+        plan: &ShardPlan,
+    ) -> Result<()> {
+        let mut data = vec![0f32; self.numel];
+        let mut dest = slices::RankSlices::new(full_specs, &self.specs, plan, &mut data);
+        load_into(dir, full_config, full_specs, &mut dest)?;
+        let numel = self.numel;
+        self.gpu.fill_params(|dest| {
+            dest.write(0..numel, &mut |offset, buf| {
+                buf.copy_from_slice(&data[offset..offset + buf.len()]);
+                Ok(())
+            })
+        })?;
+        self.host = None;
+        Ok(())
     }
 
     /// Queues `note` for the log unless it is the last one handed out.

@@ -42,7 +42,7 @@ use super::GpuBackend;
 use super::tensor_parallel::{
     counted_sum_of_squares, gpu_shard_plan, join_tensor_group, norm_ranges, split_rank_args,
 };
-use crate::checkpoint::{load_into, save_pretrained};
+use crate::checkpoint::save_pretrained;
 use crate::config::LlamaConfig;
 use crate::cuda_graphs::CudaGraphs;
 use crate::data::Batch;
@@ -55,7 +55,7 @@ use crate::params::{ParamSpec, ParamStore};
 use crate::trainer::TrainingArguments;
 use crate::trainer::backend::{ModelInit, StepBackend};
 use crate::trainer::flat_buffer::FlatBuffer;
-use crate::trainer::model_parallel::{gather_padded, slices};
+use crate::trainer::model_parallel::gather_padded;
 use crate::trainer::optimizer_shards::OptimizerCheckpoint;
 use crate::trainer::stage_executor::{StageCompute, run_actions, stage_actions};
 use crate::trainer::zero::{RankState, StateBytes};
@@ -531,6 +531,10 @@ impl StepBackend for GpuPipelineParallelBackend {
     }
 
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
+        if self.inner.optimizer_sharded() {
+            // ZeRO: `clip_shard` gave the step the sum over the model's and the replicas' ranks.
+            return self.inner.optimizer_step(lr);
+        }
         let numel = self.inner.numel;
         let total = self.group_sum_of_squares(&(0..numel))?;
         self.inner.step_with_group_norm(total, lr)
@@ -581,14 +585,9 @@ impl StepBackend for GpuPipelineParallelBackend {
     }
 
     fn load_weights(&mut self, dir: &Path) -> Result<()> {
-        let specs = self.inner.specs.clone();
-        let mut data = vec![0f32; self.inner.numel];
-        let plan = &self.stage.plan;
-        let mut dest = slices::RankSlices::new(&self.full_specs, &specs, plan, &mut data);
-        load_into(dir, &self.stage.full_config, &self.full_specs, &mut dest)?;
-        self.inner.gpu.upload_params(&ParamStore { specs, data })?;
-        self.inner.host = None;
-        Ok(())
+        let stage = &self.stage;
+        self.inner
+            .load_weight_slices(dir, &stage.full_config, &self.full_specs, &stage.plan)
     }
 
     fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {
@@ -600,13 +599,20 @@ impl StepBackend for GpuPipelineParallelBackend {
     }
 
     fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
-        let _ = shard;
-        Err(usage(
-            "--zero-stage",
-            "ZeRO together with pipeline parallelism runs on the CPU engine only so far; drop \
-             --zero-stage or add --device cpu"
-                .into(),
-        ))
+        self.inner.shard_optimizer(shard)
+    }
+
+    fn clip_shard(
+        &mut self,
+        range: Range<usize>,
+        sum_of_squares: f64,
+        max_norm: f64,
+    ) -> Result<()> {
+        self.inner.clip_shard(range, sum_of_squares, max_norm)
+    }
+
+    fn stage_whole_weights(&mut self) -> Result<Option<FlatBuffer<'_>>> {
+        self.inner.stage_whole_weights()
     }
 
     fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {

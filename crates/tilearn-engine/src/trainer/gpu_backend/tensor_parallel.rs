@@ -27,7 +27,7 @@ use tilearn_ops::cpu::VocabSlice;
 use tilearn_parallel::{Communicator, scalars};
 
 use super::GpuBackend;
-use crate::checkpoint::{load_into, save_pretrained};
+use crate::checkpoint::save_pretrained;
 use crate::config::{LlamaConfig, ModelFamily};
 use crate::cuda_graphs::CudaGraphs;
 use crate::data::Batch;
@@ -39,7 +39,7 @@ use crate::params::{ParamSpec, ParamStore};
 use crate::trainer::TrainingArguments;
 use crate::trainer::backend::{ModelInit, StepBackend};
 use crate::trainer::flat_buffer::FlatBuffer;
-use crate::trainer::model_parallel::{gather_padded, slices};
+use crate::trainer::model_parallel::gather_padded;
 use crate::trainer::optimizer_shards::OptimizerCheckpoint;
 use crate::trainer::zero::{RankState, StateBytes};
 use crate::{EngineError, Result};
@@ -339,6 +339,10 @@ impl StepBackend for GpuTensorParallelBackend {
     }
 
     fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
+        if self.inner.optimizer_sharded() {
+            // ZeRO: `clip_shard` gave the step the sum over the model's and the replicas' ranks.
+            return self.inner.optimizer_step(lr);
+        }
         let numel = self.inner.numel;
         let total = self.group_sum_of_squares(&(0..numel))?;
         self.inner.step_with_group_norm(total, lr)
@@ -389,13 +393,8 @@ impl StepBackend for GpuTensorParallelBackend {
     }
 
     fn load_weights(&mut self, dir: &Path) -> Result<()> {
-        let specs = self.inner.specs.clone();
-        let mut data = vec![0f32; self.inner.numel];
-        let mut dest = slices::RankSlices::new(&self.full_specs, &specs, &self.plan, &mut data);
-        load_into(dir, &self.full_config, &self.full_specs, &mut dest)?;
-        self.inner.gpu.upload_params(&ParamStore { specs, data })?;
-        self.inner.host = None;
-        Ok(())
+        self.inner
+            .load_weight_slices(dir, &self.full_config, &self.full_specs, &self.plan)
     }
 
     fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {
@@ -407,13 +406,20 @@ impl StepBackend for GpuTensorParallelBackend {
     }
 
     fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
-        let _ = shard;
-        Err(usage(
-            "--zero-stage",
-            "ZeRO together with tensor parallelism runs on the CPU engine only so far; drop \
-             --zero-stage or add --device cpu"
-                .into(),
-        ))
+        self.inner.shard_optimizer(shard)
+    }
+
+    fn clip_shard(
+        &mut self,
+        range: Range<usize>,
+        sum_of_squares: f64,
+        max_norm: f64,
+    ) -> Result<()> {
+        self.inner.clip_shard(range, sum_of_squares, max_norm)
+    }
+
+    fn stage_whole_weights(&mut self) -> Result<Option<FlatBuffer<'_>>> {
+        self.inner.stage_whole_weights()
     }
 
     fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {

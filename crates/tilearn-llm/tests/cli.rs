@@ -400,6 +400,44 @@ fn device_cuda_without_a_gpu_is_a_clear_error() {
     assert_clean_error(&out, &["--device cuda", "--device cpu"]);
 }
 
+/// A step too large for the GPU (8 × 1 M tokens of TinyLlama: about a terabyte of activations
+/// even with checkpointing) ends with one error line that says how much the activation arena
+/// needed, for how many tokens, and what needs less, instead of the driver's bare
+/// out-of-memory code. Skipped, saying so, without a CUDA device.
+#[test]
+fn a_step_too_large_for_the_gpu_says_what_it_needed_and_what_needs_less() {
+    const TEST: &str = "a_step_too_large_for_the_gpu_says_what_it_needed_and_what_needs_less";
+    if !tilearn_ops::backend::probe().cuda_usable() {
+        eprintln!("skipped: {TEST}: no CUDA device");
+        return;
+    }
+    let out = tilearn(&[
+        "bench",
+        "--preset",
+        "tinyllama-1.1b",
+        "--batch",
+        "8",
+        "--seq",
+        "1048576",
+        "--gradient-checkpointing",
+        "--offload-checkpoints",
+        "off",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    assert_clean_error(
+        &out,
+        &[
+            "activation arena",
+            "GiB for 8388608 tokens a step do not fit",
+            "GiB are free",
+            "--offload-checkpoints on",
+        ],
+    );
+}
+
 #[test]
 fn train_with_eval_data_logs_eval_loss_and_perplexity() {
     let dir = tempfile::tempdir().unwrap();

@@ -274,7 +274,15 @@ impl Arena {
         let bytes = capacity.main_len(&plan) * max_elem_bytes;
         let main = stream
             .alloc_zeros::<f32>(bytes.div_ceil(size_of::<f32>()))
-            .map_err(|e| super::cuda_err("allocating the activation arena", e))?;
+            .map_err(|e| {
+                super::step_alloc_err(
+                    "allocating the activation arena",
+                    bytes,
+                    capacity.n,
+                    stream,
+                    e,
+                )
+            })?;
         let stats = stream
             .alloc_zeros::<f32>(capacity.stats_len(sets, plan.resid_slots))
             .map_err(|e| super::cuda_err("allocating the statistics arena", e))?;

@@ -342,6 +342,39 @@ pub(crate) fn cuda_err(what: &str, e: DriverError) -> EngineError {
     })
 }
 
+/// [`cuda_err`] for an allocation of `bytes` for a step of `tokens` tokens: out of memory, the
+/// message says how much was asked, how much the device has free and what needs less, rather
+/// than the driver's bare `CUDA_ERROR_OUT_OF_MEMORY`.
+pub(crate) fn step_alloc_err(
+    what: &str,
+    bytes: usize,
+    tokens: usize,
+    stream: &CudaStream,
+    e: DriverError,
+) -> EngineError {
+    if e.0 != cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        return cuda_err(what, e);
+    }
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let free = match stream.context().mem_get_info() {
+        Ok((free, total)) => format!(
+            "{:.1} of the GPU's {:.1} GiB are free",
+            gib(free),
+            gib(total)
+        ),
+        Err(_) => "the GPU has less free".into(),
+    };
+    EngineError::Ops(OpsError::Cuda {
+        context: "tilearn_engine::gpu",
+        message: format!(
+            "{what}: {:.1} GiB for {tokens} tokens a step do not fit ({free}); a step of fewer \
+             tokens (a shorter sequence or a smaller batch), --gradient-checkpointing, or with \
+             it --offload-checkpoints on (layer inputs in page-locked host memory) needs less",
+            gib(bytes)
+        ),
+    })
+}
+
 fn invalid(argument: &str, message: String) -> EngineError {
     EngineError::InvalidArgument {
         argument: argument.to_string(),

@@ -53,6 +53,7 @@ use crate::params::{ParamSpec, ParamStore, init_random_into};
 use crate::weight_copy::WeightCopy;
 
 pub mod pipeline_parallel;
+mod split_rank;
 pub mod tensor_parallel;
 
 pub struct GpuBackend {

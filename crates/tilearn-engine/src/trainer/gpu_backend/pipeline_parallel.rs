@@ -39,6 +39,7 @@ use tilearn_parallel::pipeline::{P2p, ScheduleKind};
 use tilearn_parallel::{Communicator, P2pOp, scalars};
 
 use super::GpuBackend;
+use super::split_rank::split_rank_methods;
 use super::tensor_parallel::{
     counted_sum_of_squares, gpu_shard_plan, join_tensor_group, norm_ranges, split_rank_args,
 };
@@ -54,11 +55,9 @@ use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore};
 use crate::trainer::TrainingArguments;
 use crate::trainer::backend::{ModelInit, StepBackend};
-use crate::trainer::flat_buffer::FlatBuffer;
 use crate::trainer::model_parallel::gather_padded;
 use crate::trainer::optimizer_shards::OptimizerCheckpoint;
 use crate::trainer::stage_executor::{StageCompute, run_actions, stage_actions};
-use crate::trainer::zero::{RankState, StateBytes};
 use crate::{EngineError, Result};
 
 fn usage(flag: &str, message: String) -> EngineError {
@@ -437,17 +436,7 @@ impl StageCompute for DeviceStage<'_> {
 }
 
 impl StepBackend for GpuPipelineParallelBackend {
-    fn describe(&self) -> String {
-        self.name.clone()
-    }
-
-    fn supports(&self, precision: DType) -> bool {
-        self.inner.supports(precision)
-    }
-
-    fn zero_grads(&mut self) {
-        self.inner.zero_grads();
-    }
+    split_rank_methods!();
 
     fn forward_backward(
         &mut self,
@@ -472,10 +461,6 @@ impl StepBackend for GpuPipelineParallelBackend {
         loss_scale: f32,
     ) -> Option<Result<f64>> {
         Some(self.run_step(batches, denominator, precision, loss_scale))
-    }
-
-    fn take_note(&mut self) -> Option<String> {
-        self.inner.take_note()
     }
 
     /// The forward only, stage after stage: each receives its input from the one before and
@@ -530,16 +515,6 @@ impl StepBackend for GpuPipelineParallelBackend {
         self.inner.clip_grad_norm(max_norm)
     }
 
-    fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
-        if self.inner.optimizer_sharded() {
-            // ZeRO: `clip_shard` gave the step the sum over the model's and the replicas' ranks.
-            return self.inner.optimizer_step(lr);
-        }
-        let numel = self.inner.numel;
-        let total = self.group_sum_of_squares(&(0..numel))?;
-        self.inner.step_with_group_norm(total, lr)
-    }
-
     fn model(&mut self) -> Result<&LlamaForCausalLM> {
         Err(usage(
             "--pp-size",
@@ -547,14 +522,6 @@ impl StepBackend for GpuPipelineParallelBackend {
              (the final model is gathered)"
                 .into(),
         ))
-    }
-
-    fn specs(&self) -> &[ParamSpec] {
-        &self.inner.specs
-    }
-
-    fn saved_specs(&self) -> &[ParamSpec] {
-        &self.full_specs
     }
 
     fn save_model(
@@ -588,50 +555,5 @@ impl StepBackend for GpuPipelineParallelBackend {
         let stage = &self.stage;
         self.inner
             .load_weight_slices(dir, &stage.full_config, &self.full_specs, &stage.plan)
-    }
-
-    fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {
-        self.inner.flat_gradients()
-    }
-
-    fn flat_parameters(&mut self) -> Result<FlatBuffer<'_>> {
-        self.inner.flat_parameters()
-    }
-
-    fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
-        self.inner.shard_optimizer(shard)
-    }
-
-    fn clip_shard(
-        &mut self,
-        range: Range<usize>,
-        sum_of_squares: f64,
-        max_norm: f64,
-    ) -> Result<()> {
-        self.inner.clip_shard(range, sum_of_squares, max_norm)
-    }
-
-    fn stage_whole_weights(&mut self) -> Result<Option<FlatBuffer<'_>>> {
-        self.inner.stage_whole_weights()
-    }
-
-    fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {
-        self.group_sum_of_squares(&range)
-    }
-
-    fn state_layout(&self) -> StateBytes {
-        self.inner.state_layout()
-    }
-
-    fn state_held(&self) -> RankState {
-        self.inner.state_held()
-    }
-
-    fn poison_gradients(&mut self) -> Result<()> {
-        self.inner.poison_gradients()
-    }
-
-    fn peak_memory_bytes(&self) -> u64 {
-        self.inner.peak_memory_bytes()
     }
 }

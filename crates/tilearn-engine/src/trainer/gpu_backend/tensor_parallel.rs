@@ -27,6 +27,7 @@ use tilearn_ops::cpu::VocabSlice;
 use tilearn_parallel::{Communicator, scalars};
 
 use super::GpuBackend;
+use super::split_rank::split_rank_methods;
 use crate::checkpoint::save_pretrained;
 use crate::config::{LlamaConfig, ModelFamily};
 use crate::cuda_graphs::CudaGraphs;
@@ -38,10 +39,8 @@ use crate::model::{LlamaForCausalLM, LossStats};
 use crate::params::{ParamSpec, ParamStore};
 use crate::trainer::TrainingArguments;
 use crate::trainer::backend::{ModelInit, StepBackend};
-use crate::trainer::flat_buffer::FlatBuffer;
 use crate::trainer::model_parallel::gather_padded;
 use crate::trainer::optimizer_shards::OptimizerCheckpoint;
-use crate::trainer::zero::{RankState, StateBytes};
 use crate::{EngineError, Result};
 
 fn usage(flag: &str, message: String) -> EngineError {
@@ -295,17 +294,7 @@ impl GpuTensorParallelBackend {
 }
 
 impl StepBackend for GpuTensorParallelBackend {
-    fn describe(&self) -> String {
-        self.name.clone()
-    }
-
-    fn supports(&self, precision: DType) -> bool {
-        self.inner.supports(precision)
-    }
-
-    fn zero_grads(&mut self) {
-        self.inner.zero_grads();
-    }
+    split_rank_methods!();
 
     fn forward_backward(
         &mut self,
@@ -318,10 +307,6 @@ impl StepBackend for GpuTensorParallelBackend {
         // statistics over the group): the loss is the whole loss, no sum over the group.
         self.inner
             .forward_backward(batch, denominator, precision, loss_scale)
-    }
-
-    fn take_note(&mut self) -> Option<String> {
-        self.inner.take_note()
     }
 
     fn eval_loss(&mut self, batch: &Batch, precision: DType) -> Result<LossStats> {
@@ -338,16 +323,6 @@ impl StepBackend for GpuTensorParallelBackend {
         self.inner.clip_grad_norm(max_norm)
     }
 
-    fn optimizer_step(&mut self, lr: f32) -> Result<Option<f64>> {
-        if self.inner.optimizer_sharded() {
-            // ZeRO: `clip_shard` gave the step the sum over the model's and the replicas' ranks.
-            return self.inner.optimizer_step(lr);
-        }
-        let numel = self.inner.numel;
-        let total = self.group_sum_of_squares(&(0..numel))?;
-        self.inner.step_with_group_norm(total, lr)
-    }
-
     fn model(&mut self) -> Result<&LlamaForCausalLM> {
         Err(usage(
             "--tp-size",
@@ -355,14 +330,6 @@ impl StepBackend for GpuTensorParallelBackend {
              in the saved files (the final model is gathered)"
                 .into(),
         ))
-    }
-
-    fn specs(&self) -> &[ParamSpec] {
-        &self.inner.specs
-    }
-
-    fn saved_specs(&self) -> &[ParamSpec] {
-        &self.full_specs
     }
 
     fn save_model(
@@ -395,51 +362,6 @@ impl StepBackend for GpuTensorParallelBackend {
     fn load_weights(&mut self, dir: &Path) -> Result<()> {
         self.inner
             .load_weight_slices(dir, &self.full_config, &self.full_specs, &self.plan)
-    }
-
-    fn flat_gradients(&mut self) -> Result<FlatBuffer<'_>> {
-        self.inner.flat_gradients()
-    }
-
-    fn flat_parameters(&mut self) -> Result<FlatBuffer<'_>> {
-        self.inner.flat_parameters()
-    }
-
-    fn shard_optimizer(&mut self, shard: Range<usize>) -> Result<()> {
-        self.inner.shard_optimizer(shard)
-    }
-
-    fn clip_shard(
-        &mut self,
-        range: Range<usize>,
-        sum_of_squares: f64,
-        max_norm: f64,
-    ) -> Result<()> {
-        self.inner.clip_shard(range, sum_of_squares, max_norm)
-    }
-
-    fn stage_whole_weights(&mut self) -> Result<Option<FlatBuffer<'_>>> {
-        self.inner.stage_whole_weights()
-    }
-
-    fn grad_sum_of_squares(&mut self, range: Range<usize>) -> Result<f64> {
-        self.group_sum_of_squares(&range)
-    }
-
-    fn state_layout(&self) -> StateBytes {
-        self.inner.state_layout()
-    }
-
-    fn state_held(&self) -> RankState {
-        self.inner.state_held()
-    }
-
-    fn poison_gradients(&mut self) -> Result<()> {
-        self.inner.poison_gradients()
-    }
-
-    fn peak_memory_bytes(&self) -> u64 {
-        self.inner.peak_memory_bytes()
     }
 }
 

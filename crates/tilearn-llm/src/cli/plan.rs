@@ -316,9 +316,8 @@ fn print_table(plan: &Plan, model: &Path, top: usize) {
     println!(
         "note: predictions. Compute rates are the H200's measured ones, NVLink {:.0} GB/s and \
          InfiniBand {:.0} GB/s bus bandwidths are assumptions. The GPU engine runs data \
-         parallelism with ZeRO-0/1/2, and TP, PP or both with plain data parallelism around \
-         them (the column says why it refuses the rest: the CPU engine runs them, ZeRO-3 is not \
-         built).",
+         parallelism with ZeRO-0/1/2, alone or around TP, PP or both (the column says why it \
+         refuses the rest: the CPU engine runs them, ZeRO-3 is not built).",
         hw.intra_node_bus_bytes_per_s / 1e9,
         hw.inter_node_bus_bytes_per_s / 1e9
     );

@@ -4,8 +4,8 @@
 #   AUTOOFFLOAD_PARTS="tests presets bench" (default) or "long":
 #   tests, presets, bench — as scripts/gpu-phases/mlpchunk.sh (bench: the default, `off` and
 #            HF + Liger under autocast at 16/32/64 K, all in this call);
-#   long   — the longest context of each in one call: the phase `longest` (tilearn's default
-#            at 512 K, Liger at 256 K and 512 K, tilearn at 1 M with the time left).
+#   long   — the longest context of each in one call: the phase `longest` (tilearn at 1 M,
+#            Liger at 512 K and 256 K, tilearn's default at 512 K with the time left).
 auto_parts=" ${AUTOOFFLOAD_PARTS:-tests presets bench} "
 export MEMORY_TESTS=${MEMORY_TESTS:-"gpu_weight_copy gpu_checkpoint_offload gpu_mlp_chunk gpu_lce \
 gpu_model gpu_cuda_graph gpu_lean gpu_families gpu_pipeline_parallel gpu_model_parallel gpu_precision"}

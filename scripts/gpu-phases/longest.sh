@@ -1,20 +1,36 @@
 # Phase `longest` (sourced by scripts/gpu-call.sh; uses its `run`, $B and $OUT): issue 13 goal 5's
-# longest context of each, in one call, TinyLlama with gradient checkpointing at 1 x T, one step
-# each (no warm-up; a failure is logged, not fatal), to $OUT/mem_table.jsonl:
-#   tilearn's default (`--offload-checkpoints auto`) at 512 K, the longest it trained before;
-#   HF + Liger-Kernel under autocast at 256 K and 512 K (its longest before, and the double);
-#   tilearn at 1 M with what is left of LONGEST_BUDGET seconds (default 570), the double.
-# Carry .whl/ with the Liger-Kernel wheel (see memory.sh).
+# longest context of each, in one call: TinyLlama with gradient checkpointing at 1 x T, one step
+# each (no warm-up; a failure is logged, not fatal), to $OUT/mem_table.jsonl. The doubling
+# search's two ends for each, the runs expected to fail first (they fail fast), so that the
+# long step that trains gets what is left of LONGEST_BUDGET seconds (default 570, counted from
+# the start of the call):
+#   tilearn at 1 M (failed at set-up in 3 s on an H200 with 125 GiB of host memory; 60 s cap);
+#   HF + Liger-Kernel under autocast at 512 K (out of memory after 81 s; 150 s cap) and 256 K
+#   (trains, about 113 s; 200 s cap);
+#   tilearn's default (`--offload-checkpoints auto`) at 512 K (trains, about 330 s).
+# The four took about 530 s in 2026-12-03's calls 2 and 3. Carry .whl/ with the Liger-Kernel
+# wheel (see memory.sh).
 MEMORY_PARTS=" none " . scripts/gpu-phases/memory.sh
-MEMORY_WARMUP=0 MEMORY_LIGER_WARMUP=0 steps=1 mem "long_tilearn_524288" tilearn 524288
-for seq in 262144 524288; do
-  MEMORY_WARMUP=0 MEMORY_LIGER_WARMUP=0 steps=1 mem "long_liger_$seq" liger "$seq"
-done
-left=$(( ${LONGEST_BUDGET:-570} - SECONDS ))
-if [ "$left" -gt 30 ]; then
-  run long_tilearn_1048576 timeout "$left" "$B/bin/tilearn" bench --preset tinyllama-1.1b \
-    --batch 1 --seq 1048576 --gradient-checkpointing --steps 1 --warmup 0 --json
-  echo "tilearn at 1 M: exit within ${left} s (124 = timed out, not concluded)"
-else
-  echo "tilearn at 1 M: not run, ${left} s left"
-fi
+longest() { # name, cap seconds, tool (tilearn|liger), seq
+  local name=$1 cap=$2 tool=$3 seq=$4
+  local left=$(( ${LONGEST_BUDGET:-570} - SECONDS ))
+  [ "$cap" -gt "$left" ] && cap=$left
+  if [ "$cap" -lt 20 ]; then
+    echo "$name: not run, ${left} s of the budget left"
+    return
+  fi
+  if [ "$tool" = tilearn ]; then
+    run "$name" timeout "$cap" "$B/bin/tilearn" bench --preset tinyllama-1.1b --batch 1 \
+      --seq "$seq" --gradient-checkpointing --steps 1 --warmup 0 --json
+  else
+    run "$name" timeout "$cap" python3 benches/pytorch_baseline.py --mode liger \
+      --preset tinyllama-1.1b --weights fp32 --batch 1 --seq "$seq" --gradient-checkpointing \
+      --steps 1 --warmup 0
+  fi
+  echo "$name: exit within $cap s (124 = cut by the cap, not concluded)"
+  grep -h '"impl"' "$OUT/$name.log" | sed "s/^{/{\"case\":\"$name\",/" >> "$OUT/mem_table.jsonl"
+}
+longest long_tilearn_1048576 60 tilearn 1048576
+longest long_liger_524288 150 liger 524288
+longest long_liger_262144 200 liger 262144
+longest long_tilearn_524288 600 tilearn 524288

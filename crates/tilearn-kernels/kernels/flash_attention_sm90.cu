@@ -24,13 +24,16 @@
 //            The backward computes exactly what flash_attention.cu's does, in the same order
 //            (same tiles of 64, same roundings): its results are bit-identical to it, at head_dim
 //            128 too (each panel's k-steps in turn into one accumulator).
-//            One-pass backward (when the caller passes dq_accum): the dK/dV kernel also forms dQ.
-//            Each step stores its dSᵀ (already rounded for dK) to shared memory; at the next step
-//            the two warpgroups compute that query block's dQ = dS·K over the CTA's 128 keys (32
-//            columns each, both operands from shared memory, issued ahead of the step's Sᵀ), and
-//            one thread adds the 64 x 64 f32 block into dq_accum with a bulk reduce-add (in L2,
-//            asynchronous); a small kernel rounds dq_accum into dq. Five products instead of
-//            seven and one kernel instead of two: 10-12 % less backward time on an H200.
+//            One-pass backward (when the caller passes dq_accum; dkdv_ws_kernel): one CTA per
+//            128-key block forms dK, dV and dQ with three warpgroups that meet at no barrier.
+//            Warpgroups 0 and 1 run the dK/dV steps above and leave each step's dSᵀ (already
+//            rounded for dK) in shared memory; warpgroup 2 loads the query stages three steps
+//            ahead and forms each step's dQ = dS·K over the CTA's 128 keys (both operands from
+//            shared memory), and one of its threads adds the 64 x 64 f32 block into dq_accum
+//            with a bulk reduce-add (in L2, asynchronous); mbarriers pass stages and dSᵀ tiles
+//            between them. A small kernel rounds dq_accum into dq. Five products instead of
+//            seven and one kernel instead of two; on an H200 the backward takes 0.88 of the
+//            earlier barrier-per-step one-pass kernel's time and 0.78-0.82 of the two-kernel's.
 // Layout:    as flash_attention.cu: q / out / dout / dq [batch, seq, q_heads, 64], k / v / dk /
 //            dv [batch, seq, kv_heads, 64], lse / delta f32 [batch, q_heads, seq]; every tile a
 //            1024-byte aligned [rows][64] block with 128-byte swizzle (wgmma.cuh). dq_accum: f32
@@ -202,12 +205,10 @@ constexpr size_t dq_smem() {
 // alternating by step, so that one step's add runs while the next is computed).
 constexpr int kDqBlock = kKvBr * kD;
 
-template <int WGS, bool ONE_PASS, int PANELS = 1>
+template <int WGS, int PANELS = 1>
 constexpr size_t dkdv_smem() {
-    return ((2 * 64 * WGS + 2 * kStages * kKvBr) * PANELS + (ONE_PASS ? 2 * 64 * WGS : 0)) *
-               kTile +
-           2 * kStages * kKvBr * sizeof(float) + (ONE_PASS ? 2 * kDqBlock * sizeof(float) : 0) +
-           kAlignSlack;
+    return (2 * 64 * WGS + 2 * kStages * kKvBr) * PANELS * kTile +
+           2 * kStages * kKvBr * sizeof(float) + kAlignSlack;
 }
 
 #if TILEARN_HAS_WGMMA
@@ -464,33 +465,34 @@ __global__ void __launch_bounds__(128 * WGS, 1) dq_kernel(Args a) {
 }
 
 // ---- backward dK/dV: one CTA per (64 WGS-key block, batch, kv head), query blocks of 64 ----
-// Per warpgroup and step: Sᵀ and dPᵀ issued as two groups; dV += Pᵀ·dO issued as soon as P is
-// formed (while dPᵀ finishes), dK += dSᵀ·Q after it.
+// Per warpgroup and step (dkdv_products): Sᵀ and dPᵀ issued as two groups; dV += Pᵀ·dO issued as
+// soon as P is formed (while dPᵀ finishes), dK += dSᵀ·Q after it.
 
 #if TILEARN_HAS_WGMMA
-// One query block's inputs in shared memory: Q and dO tiles (PANELS panels each, see dkdv_kernel),
-// lse (log2 units, +inf past seq so that P = 0 there) and delta.
+// One query block's inputs in shared memory: Q and dO tiles (PANELS panels each, see
+// dkdv_kernel), lse (natural units) and delta, zero past seq (see dkdv_products).
 template <typename T>
 struct QStage {
     T* q;
     T* dout;
-    float* lse2;
+    float* lse;
     float* delta;
 };
 
-template <typename T, int PANELS>
+template <typename T, int PANELS, int STAGES = kStages>
 __device__ __forceinline__ QStage<T> q_stage(T* base, float* fbase, int step) {
-    const int i = step % kStages;
+    const int i = step % STAGES;
     constexpr int kTileElems = PANELS * kKvBr * kD;
     return {base + i * 2 * kTileElems, base + (i * 2 + 1) * kTileElems, fbase + i * 2 * kKvBr,
             fbase + (i * 2 + 1) * kKvBr};
 }
 
-// Loads query block qb of head h into a stage (cp.async; lse and delta as plain loads, read
-// only after the barrier that opens the step).
+// Loads query block qb of head h into a stage, all by cp.async (THREADS >= 128: the first 64
+// threads copy lse, the next 64 delta).
 template <typename T, int THREADS, int PANELS>
 __device__ __forceinline__ void load_q_stage(const Args& a, const QStage<T>& st, int b, int h,
                                              int qb, int tid) {
+    static_assert(THREADS >= 2 * kKvBr, "lse and delta take a thread per row each");
     const int seq = a.seq;
     const size_t q_stride = static_cast<size_t>(a.q_heads) * kD * PANELS;
     const size_t base = (static_cast<size_t>(b) * seq * a.q_heads + h) * kD * PANELS;
@@ -504,12 +506,103 @@ __device__ __forceinline__ void load_q_stage(const Args& a, const QStage<T>& st,
                                          static_cast<const T*>(a.dout) + base + p * kD, q_stride,
                                          q0, seq, tid);
     }
-    if (tid < kKvBr) {
-        const int row = q0 + tid;
-        const size_t at = (static_cast<size_t>(b) * a.q_heads + h) * seq + row;
-        st.lse2[tid] = row < seq ? a.lse_in[at] * kLog2e : INFINITY;
-        st.delta[tid] = row < seq ? a.delta[at] : 0.0f;
+    if (tid < 2 * kKvBr) {
+        const int r = tid % kKvBr;
+        const int row = q0 + r;
+        const size_t at = (static_cast<size_t>(b) * a.q_heads + h) * seq + min(row, seq - 1);
+        if (tid < kKvBr) cp_async4(smem_addr(st.lse + r), a.lse_in + at, row < seq);
+        else cp_async4(smem_addr(st.delta + r), a.delta + at, row < seq);
     }
+}
+
+// What a dK/dV CTA works on: KEYS keys from k0 of (batch b, kv head hk), the heaviest key
+// blocks (the first ones: the most queries see them) scheduled first; its steps are the GQA
+// group's query heads, each over the query blocks from the one holding query k0 (earlier queries
+// see none of these keys) to the end.
+struct KeyBlock {
+    int b, hk, group;
+    int k0;            // the block's first key
+    size_t kv_stride;  // elements from one token to the next in k / v / dk / dv
+    size_t kv_base;    // (b, token 0, hk) in k / v / dk / dv
+    int qb_first;      // the first query block of every head's steps
+    int nqb;           // query blocks per head
+    int steps;         // group x nqb
+};
+
+template <int PANELS, int KEYS>
+__device__ __forceinline__ KeyBlock key_block(const Args& a) {
+    const int heads_total = a.batch * a.kv_heads;
+    const int kb = static_cast<int>(blockIdx.x / static_cast<unsigned>(heads_total));
+    const int bh = static_cast<int>(blockIdx.x % static_cast<unsigned>(heads_total));
+    const int b = bh / a.kv_heads;
+    const int hk = bh % a.kv_heads;
+    const int group = a.q_heads / a.kv_heads;
+    const int k0 = kb * KEYS;
+    const int qb_first = k0 / kKvBr;
+    const int nqb = (a.seq + kKvBr - 1) / kKvBr - qb_first;
+    return {b,
+            hk,
+            group,
+            k0,
+            static_cast<size_t>(a.kv_heads) * kD * PANELS,
+            (static_cast<size_t>(b) * a.seq * a.kv_heads + hk) * kD * PANELS,
+            qb_first,
+            nqb,
+            group * nqb};
+}
+
+// One step of a dK/dV warpgroup: its 64 keys (from key_wg; tiles k_tile / v_tile, PANELS panels
+// KEYS rows apart) against the stage's 64 queries (from q0). dV += Pᵀ·dO and dK += dSᵀ·Q, dK's
+// product left in flight (committed, not waited for); dSᵀ, rounded as dK's A operand, in `dsa`.
+// P is 0 above the diagonal and for queries past seq (their Q, dO, lse and delta are zero).
+template <typename T, int PANELS, int KEYS>
+__device__ __forceinline__ void dkdv_products(const QStage<T>& st, uint32_t k_tile,
+                                              uint32_t v_tile, int key_wg, int q0, int seq,
+                                              float scale, const WgIds& id,
+                                              float (&dk)[PANELS][32], float (&dv)[PANELS][32],
+                                              uint32_t (&dsa)[kKvBr / 16][4]) {
+    constexpr uint32_t kKvPanel = KEYS * kTile;  // bytes from one K (or V) panel to the next
+    constexpr uint32_t kQPanel = kKvBr * kTile;  // the same for a stage's Q and dO
+    const uint32_t q_tile = smem_addr(st.q);
+    const uint32_t do_tile = smem_addr(st.dout);
+    const float sl2 = scale * kLog2e;
+    float s[32], dp[32];
+    wg::fence();
+#pragma unroll
+    for (int p = 0; p < PANELS; ++p)  // Sᵀ: rows keys, columns queries
+        gemm_abt<T>(s, k_tile + p * kKvPanel, q_tile + p * kQPanel, p > 0);
+    wg::commit();
+#pragma unroll
+    for (int p = 0; p < PANELS; ++p)  // dPᵀ
+        gemm_abt<T>(dp, v_tile + p * kKvPanel, do_tile + p * kQPanel, p > 0);
+    wg::commit();
+    wg::wait<1>();  // Sᵀ
+    wg::fence_regs(s);
+    const bool diag = key_wg + id.wrow + 15 > q0;
+    const bool tail = q0 + kKvBr > seq;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const int c = acc_col(id, i);
+        float p = exp2_approx(fmaf(s[i], sl2, -(st.lse[c] * kLog2e)));
+        if (diag && key_wg + id.wrow + acc_row(id, i) > q0 + c) p = 0.0f;
+        if (tail && q0 + c >= seq) p = 0.0f;
+        s[i] = p;
+    }
+    uint32_t pa[kKvBr / 16][4];
+    to_a_frags<T, kKvBr>(s, pa);
+    wg::fence();
+#pragma unroll
+    for (int p = 0; p < PANELS; ++p) gemm_pb<T, kKvBr>(dv[p], pa, do_tile + p * kQPanel);
+    wg::commit();
+    wg::wait<1>();  // dPᵀ
+    wg::fence_regs(dp);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dp[i] = s[i] * (dp[i] - st.delta[acc_col(id, i)]) * scale;
+    to_a_frags<T, kKvBr>(dp, dsa);
+    wg::fence();
+#pragma unroll
+    for (int p = 0; p < PANELS; ++p) gemm_pb<T, kKvBr>(dk[p], dsa, q_tile + p * kQPanel);
+    wg::commit();
 }
 
 // dst[0, n) += src[0, n) (f32, n bytes, a multiple of 16; both 16-byte aligned): one thread's
@@ -534,59 +627,41 @@ __device__ __forceinline__ void bulk_wait_all() {
 }
 
 // Where query block qb of (batch b, query head h) keeps its dQ sums in dq_accum: 64 x 64 f32 in
-// the order the warpgroups hold them (see dq_fragment_index).
+// fragment order (see dq_fragment_index).
 __device__ __forceinline__ float* dq_accum_block(const Args& a, int b, int h, int qb) {
     const int nqb = (a.seq + kKvBr - 1) / kKvBr;
     return a.dq_accum + ((static_cast<size_t>(b) * a.q_heads + h) * nqb + qb) * kDqBlock;
 }
 #endif
 
-// The one-pass backward's dQ sums are kept in fragment order, so that the warpgroups store them
-// to shared memory without bank conflicts and the reduce-add moves one contiguous block: warpgroup
-// wgi (columns 32 wgi .. 32 wgi + 31), warp w, accumulator pair j, lane l hold the float2 at
-// ((wgi * 4 + w) * 8 + j) * 32 + l, which is row 16 w + l / 4 + 8 (j % 2), columns
-// 32 wgi + 8 (j / 2) + 2 (l % 4) + {0, 1} of the block.
-__host__ __device__ constexpr int dq_fragment_index(int wgi, int warp, int j, int lane) {
-    return ((wgi * 4 + warp) * 8 + j) * 32 + lane;
+// The one-pass backward's dQ sums are kept in fragment order, so that the dQ warpgroup stores
+// them to shared memory without bank conflicts and the reduce-add moves one contiguous block:
+// column half hf (columns 32 hf .. 32 hf + 31), warp w, accumulator pair j of the half, lane l
+// hold the float2 at ((hf * 4 + w) * 8 + j) * 32 + l, which is row 16 w + l / 4 + 8 (j % 2),
+// columns 32 hf + 8 (j / 2) + 2 (l % 4) + {0, 1} of the block.
+__host__ __device__ constexpr int dq_fragment_index(int hf, int warp, int j, int lane) {
+    return ((hf * 4 + warp) * 8 + j) * 32 + lane;
 }
 
-// head_dim 128 (PANELS = 2, the two-kernel backward only): every tile two 64-wide panels, as in
-// the forward; Sᵀ and dPᵀ sum the panels' products, dK and dV are two 64 x 64 accumulators each
-// (one per panel of Q and dO): 128 of the 255 registers a thread may hold.
-template <typename T, int WGS, bool ONE_PASS, int PANELS = 1>
+// The deterministic (two-kernel) backward's dK/dV kernel. head_dim 128 (PANELS = 2): every tile
+// two 64-wide panels, as in the forward; Sᵀ and dPᵀ sum the panels' products, dK and dV are two
+// 64 x 64 accumulators each (one per panel of Q and dO): 128 of the 255 registers a thread may
+// hold.
+template <typename T, int WGS, int PANELS = 1>
 __global__ void __launch_bounds__(128 * WGS, 1) dkdv_kernel(Args a) {
 #if TILEARN_HAS_WGMMA
-    static_assert(!ONE_PASS || WGS == 2, "the one-pass dQ splits its 64 columns over two warpgroups");
-    static_assert(!ONE_PASS || PANELS == 1, "the one-pass backward is head_dim 64 only");
     constexpr int kThr = threads_of<WGS>();
     constexpr int kBc = 64 * WGS;  // keys per CTA
-    constexpr uint32_t kKvPanel = kBc * kTile;   // bytes from one K (or V) panel to the next
-    constexpr uint32_t kQPanel = kKvBr * kTile;  // the same for a stage's Q and dO
     T* sK = smem_tiles<T>();
     T* sV = sK + PANELS * kBc * kD;
     T* sQ = sV + PANELS * kBc * kD;  // kStages stages of (Q, dO)
-    // One pass: two dSᵀ tiles [kBc keys][64 queries] (by step parity) and, after lse2 / delta,
-    // two dQ blocks (fragment order).
-    T* sDs = sQ + 2 * kStages * PANELS * kKvBr * kD;
-    float* sF = reinterpret_cast<float*>(sDs + (ONE_PASS ? 2 * kBc * kD : 0));
-    float* sDq = sF + 2 * kStages * kKvBr;
+    float* sF = reinterpret_cast<float*>(sQ + 2 * kStages * PANELS * kKvBr * kD);
     const WgIds id = wg_ids();
     const int seq = a.seq;
-    const int heads_total = a.batch * a.kv_heads;
-    // Heaviest first: the first key blocks see the most queries.
-    const int kb = static_cast<int>(blockIdx.x / static_cast<unsigned>(heads_total));
-    const int bh = static_cast<int>(blockIdx.x % static_cast<unsigned>(heads_total));
-    const int b = bh / a.kv_heads;
-    const int hk = bh % a.kv_heads;
-    const int group = a.q_heads / a.kv_heads;
-    const int k0 = kb * kBc;
-    const size_t kv_stride = static_cast<size_t>(a.kv_heads) * kD * PANELS;
-    const size_t kv_base = (static_cast<size_t>(b) * seq * a.kv_heads + hk) * kD * PANELS;
-    // Steps: the group's heads, each over the query blocks from the one holding query k0
-    // (earlier queries see none of these keys) to the end.
-    const int qb_first = k0 / kKvBr;
-    const int nqb = (seq + kKvBr - 1) / kKvBr - qb_first;
-    const int steps = group * nqb;
+    const KeyBlock kbk = key_block<PANELS, kBc>(a);
+    const int b = kbk.b, hk = kbk.hk, group = kbk.group, k0 = kbk.k0;
+    const size_t kv_stride = kbk.kv_stride, kv_base = kbk.kv_base;
+    const int qb_first = kbk.qb_first, nqb = kbk.nqb, steps = kbk.steps;
     auto load_step = [&](int step) {
         if (step < steps)
             load_q_stage<T, kThr, PANELS>(a, q_stage<T, PANELS>(sQ, sF, step), b,
@@ -607,131 +682,19 @@ __global__ void __launch_bounds__(128 * WGS, 1) dkdv_kernel(Args a) {
     const int key_wg = k0 + id.wgi * 64;  // the warpgroup's first key
     const uint32_t k_tile = smem_addr(sK + id.wgi * 64 * kD);
     const uint32_t v_tile = smem_addr(sV + id.wgi * 64 * kD);
-    const float sl2 = a.scale * kLog2e;
     float dk[PANELS][32], dv[PANELS][32];
     fill(dk, 0.0f);
     fill(dv, 0.0f);
-
-    // One pass. Step j's dQ block (64 queries) = dS · K over the CTA's 128 keys needs both
-    // warpgroups' dSᵀ, so it is computed at step j + 1, after the barrier that opens it, ahead
-    // of that step's Sᵀ and dPᵀ: each warpgroup takes 32 columns (A: sDs read transposed; B: the
-    // K tile's columns 32 wgi.., both MN-major), writes them to sDq[j % 2], and thread 0 adds the
-    // block into dq_accum at the top of step j + 2.
-    const uint32_t k_cols = smem_addr(sK) + 64u * id.wgi;
-    const int warp = (id.tid >> 5) & 3;
-    auto issue_dq = [&](float(&dq)[16], int step) {
-        const uint32_t ds_tile = smem_addr(sDs + (step & 1) * kBc * kD);
-#pragma unroll
-        for (int kk = 0; kk < kBc / 16; ++kk)
-            wg::wgmma_ss<T, 1, 1>(dq, wg::desc_mn_major(ds_tile, kk),
-                                  wg::desc_sw128(k_cols + 2048u * kk), kk > 0);
-        wg::commit();
-    };
-    auto store_dq = [&](const float(&dq)[16], int step) {
-        float2* out = reinterpret_cast<float2*>(sDq + (step & 1) * kDqBlock);
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-            out[dq_fragment_index(id.wgi, warp, j, id.tid & 31)] =
-                make_float2(dq[2 * j], dq[2 * j + 1]);
-    };
-    auto add_dq = [&](int step) {
-        if (id.tid == 0)
-            bulk_reduce_add(dq_accum_block(a, b, hk * group + step / nqb, qb_first + step % nqb),
-                            sDq + (step & 1) * kDqBlock, kDqBlock * sizeof(float));
-    };
-
     for (int step = 0; step < steps; ++step) {
         cp_async_wait<0>();
         wg::fence_smem_for_async();
         __syncthreads();
         load_step(step + 1);
-        if (ONE_PASS && step >= 2) add_dq(step - 2);
-        const QStage<T> st = q_stage<T, PANELS>(sQ, sF, step);
         const int q0 = (qb_first + step % nqb) * kKvBr;
-        const uint32_t q_tile = smem_addr(st.q);
-        const uint32_t do_tile = smem_addr(st.dout);
-        float s[32], dp[32], dq[16];
-        wg::fence();
-        if (ONE_PASS && step > 0) issue_dq(dq, step - 1);
-#pragma unroll
-        for (int p = 0; p < PANELS; ++p)  // Sᵀ: rows keys, columns queries
-            gemm_abt<T>(s, k_tile + p * kKvPanel, q_tile + p * kQPanel, p > 0);
-        wg::commit();
-#pragma unroll
-        for (int p = 0; p < PANELS; ++p)  // dPᵀ
-            gemm_abt<T>(dp, v_tile + p * kKvPanel, do_tile + p * kQPanel, p > 0);
-        wg::commit();
-        if (ONE_PASS && step > 0) {
-            wg::wait<2>();  // the previous step's dQ
-            wg::fence_regs(dq);
-            store_dq(dq, step - 1);
-            wg::wait<1>();  // Sᵀ
-        } else {
-            // Sᵀ. The wait is written in both branches: after the join ptxas serialises every
-            // wgmma of the kernel (warning C7514).
-            wg::wait<1>();
-        }
-        wg::fence_regs(s);
-        const bool diag = key_wg + id.wrow + 15 > q0;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int c = acc_col(id, i);
-            float p = exp2_approx(fmaf(s[i], sl2, -st.lse2[c]));
-            if (diag && key_wg + id.wrow + acc_row(id, i) > q0 + c) p = 0.0f;
-            s[i] = p;
-        }
-        uint32_t pa[kKvBr / 16][4];
-        to_a_frags<T, kKvBr>(s, pa);
-        wg::fence();
-#pragma unroll
-        for (int p = 0; p < PANELS; ++p) gemm_pb<T, kKvBr>(dv[p], pa, do_tile + p * kQPanel);
-        wg::commit();
-        wg::wait<1>();  // dPᵀ
-        wg::fence_regs(dp);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) dp[i] = s[i] * (dp[i] - st.delta[acc_col(id, i)]) * a.scale;
         uint32_t dsa[kKvBr / 16][4];
-        to_a_frags<T, kKvBr>(dp, dsa);
-        wg::fence();
-#pragma unroll
-        for (int p = 0; p < PANELS; ++p) gemm_pb<T, kKvBr>(dk[p], dsa, q_tile + p * kQPanel);
-        wg::commit();
-        if constexpr (ONE_PASS) {
-            // dSᵀ, rounded as dK's operand, into the warpgroup's rows of sDs[step % 2] (stored
-            // while dK runs; read after the next step's barrier).
-            T* ds_out = sDs + (step & 1) * kBc * kD;
-#pragma unroll
-            for (int kk = 0; kk < kKvBr / 16; ++kk)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int i = 8 * kk + 2 * j;
-                    const int c = acc_col(id, i);
-                    *reinterpret_cast<uint32_t*>(
-                        ds_out + swz<kD>(id.wgi * 64 + id.wrow + acc_row(id, i), c >> 3) +
-                        (c & 7)) = dsa[kk][j];
-                }
-        }
+        dkdv_products<T, PANELS, kBc>(q_stage<T, PANELS>(sQ, sF, step), k_tile, v_tile, key_wg,
+                                      q0, seq, a.scale, id, dk, dv, dsa);
         wg::wait<0>();
-        // The add issued at this step's top has read sDq[step % 2], which the next step fills.
-        if (ONE_PASS && id.tid == 0) bulk_wait_read<0>();
-    }
-    if constexpr (ONE_PASS) {
-        // The last step's dQ, then the last two adds.
-        wg::fence_smem_for_async();
-        __syncthreads();
-        if (steps >= 2) add_dq(steps - 2);
-        if (steps >= 1) {
-            float dq[16];
-            wg::fence();
-            issue_dq(dq, steps - 1);
-            wg::wait<0>();
-            wg::fence_regs(dq);
-            store_dq(dq, steps - 1);
-            wg::fence_smem_for_async();
-            __syncthreads();
-            add_dq(steps - 1);
-        }
-        if (id.tid == 0) bulk_wait_all();
     }
 #pragma unroll
     for (int p = 0; p < PANELS; ++p) {
@@ -740,6 +703,213 @@ __global__ void __launch_bounds__(128 * WGS, 1) dkdv_kernel(Args a) {
         store_acc<T>(static_cast<T*>(a.dk) + kv_base + p * kD, kv_stride, key_wg, seq, dk[p], id);
         store_acc<T>(static_cast<T*>(a.dv) + kv_base + p * kD, kv_stride, key_wg, seq, dv[p], id);
     }
+#endif
+}
+
+// ---- one-pass backward, warp-specialised: two math warpgroups and a dQ warpgroup ----
+// The same products and roundings as dkdv_kernel<T, 2, true> (dK and dV the same bits; each dQ
+// block the same bits before its reduce-add), but the CTA's three warpgroups no longer meet at a
+// barrier every step. Warpgroups 0 and 1 (the keys' rows, as in dkdv_kernel) form Sᵀ, dPᵀ, dV,
+// dK and each step's dSᵀ; warpgroup 2 loads the query stages kWsLead steps ahead and forms each
+// step's dQ = dS·K over all 128 keys and 64 columns (one m64n64 product instead of two
+// m64n32 ones reading dS twice), stores it and adds it into dq_accum. Hand-offs are mbarriers in
+// shared memory: `full` (a stage's Q, dO, lse and delta have landed: one cp.async arrival per
+// thread of warpgroup 2), `empty` (both math warpgroups are done with a stage: one arrival per warp),
+// `ds_full` / `ds_empty` (a step's dSᵀ tile written / read by the dQ products). The math
+// warpgroups take the registers the dQ warpgroup does not need (setmaxnreg).
+
+#if TILEARN_HAS_WGMMA
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
+                 : "memory");
+}
+
+// A plain arrival (release: this thread's earlier shared-memory writes are seen by the waiters).
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// An arrival made when this thread's earlier cp.async copies have landed (counted in the init
+// count: .noinc).
+__device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar))
+                 : "memory");
+}
+
+// Waits until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// One arrival per warp, after every lane's earlier work (lane 0 arrives).
+__device__ __forceinline__ void mbar_arrive_warp(uint64_t* bar) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
+}
+
+// The dQ warpgroup's own barrier (id 1; __syncthreads is 0).
+__device__ __forceinline__ void dq_warpgroup_sync() {
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+}
+#endif
+
+constexpr int kWsStages = 4;              // query stages (Q, dO, lse, delta) in flight
+constexpr int kWsLead = kWsStages - 1;    // steps the loads run ahead of the math
+constexpr int kWsKeys = 128;              // keys per CTA: two math warpgroups of 64
+constexpr int kWsThreads = 3 * 128;
+// Registers per thread after setmaxnreg: 2 x 200 + 104 = 3 x 168, the launch's share.
+constexpr int kWsMathRegs = 200;
+constexpr int kWsDqRegs = 104;
+
+constexpr size_t dkdv_ws_smem() {
+    return (2 * kWsKeys + 2 * kWsStages * kKvBr + 2 * kWsKeys) * kTile  // K, V; stages; 2 dSᵀ
+           + 2 * kDqBlock * sizeof(float)                              // two dQ blocks
+           + 2 * kWsStages * kKvBr * sizeof(float)                     // lse, delta per stage
+           + (2 * kWsStages + 4) * sizeof(uint64_t) + kAlignSlack;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWsThreads, 1) dkdv_ws_kernel(Args a) {
+#if TILEARN_HAS_WGMMA
+    constexpr int kBc = kWsKeys;
+    T* sK = smem_tiles<T>();
+    T* sV = sK + kBc * kD;
+    T* sQ = sV + kBc * kD;                      // kWsStages stages of (Q, dO)
+    T* sDs = sQ + 2 * kWsStages * kKvBr * kD;   // two dSᵀ tiles [kBc keys][64 queries]
+    float* sDq = reinterpret_cast<float*>(sDs + 2 * kBc * kD);  // two dQ blocks
+    float* sF = sDq + 2 * kDqBlock;             // each stage's lse (natural units) and delta
+    uint64_t* full = reinterpret_cast<uint64_t*>(sF + 2 * kWsStages * kKvBr);
+    uint64_t* empty = full + kWsStages;
+    uint64_t* ds_full = empty + kWsStages;
+    uint64_t* ds_empty = ds_full + 2;
+    const WgIds id = wg_ids();
+    const int seq = a.seq;
+    const KeyBlock kbk = key_block<1, kBc>(a);
+    const int b = kbk.b, hk = kbk.hk, group = kbk.group, k0 = kbk.k0;
+    const size_t kv_stride = kbk.kv_stride, kv_base = kbk.kv_base;
+    const int qb_first = kbk.qb_first, nqb = kbk.nqb, steps = kbk.steps;
+
+    if (id.tid == 0) {
+        for (int s = 0; s < kWsStages; ++s) {
+            mbar_init(&full[s], 128);
+            mbar_init(&empty[s], 8);
+        }
+        for (int p = 0; p < 2; ++p) {
+            mbar_init(&ds_full[p], 8);
+            mbar_init(&ds_empty[p], 4);
+        }
+    }
+    __syncthreads();
+
+    if (id.wgi == 2) {
+        // ---- the loads and the dQ products ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsDqRegs));
+        const int tid = id.tid - 256;
+        load_tile<T, kBc, kD, 128>(sK, static_cast<const T*>(a.k) + kv_base, kv_stride, k0, seq,
+                                   tid);
+        load_tile<T, kBc, kD, 128>(sV, static_cast<const T*>(a.v) + kv_base, kv_stride, k0, seq,
+                                   tid);
+        cp_async_commit();
+        // Step j's stage by cp.async; `full` completes when every thread's copies have landed.
+        auto produce = [&](int j) {
+            const int s = j % kWsStages;
+            if (j >= kWsStages) mbar_wait(&empty[s], ((j / kWsStages) - 1) & 1);
+            load_q_stage<T, 128, 1>(a, q_stage<T, 1, kWsStages>(sQ, sF, j), b,
+                                    hk * group + j / nqb, qb_first + j % nqb, tid);
+            cp_async_commit();
+            mbar_arrive_on_copies(&full[s]);
+        };
+        // kWsLead groups after K and V's, empty ones past the last step, so that the wait
+        // below is for K and V alone.
+        for (int j = 0; j < kWsLead; ++j) {
+            if (j < steps) produce(j);
+            else cp_async_commit();
+        }
+        cp_async_wait<kWsLead>();
+        wg::fence_smem_for_async();
+        __syncthreads();  // K and V visible to every warpgroup
+
+        const uint32_t k_all = smem_addr(sK);
+        const int warp = (tid >> 5) & 3;
+        for (int j = 0; j < steps; ++j) {
+            if (j + kWsLead < steps) produce(j + kWsLead);
+            mbar_wait(&ds_full[j & 1], (j >> 1) & 1);
+            const uint32_t ds_tile = smem_addr(sDs + (j & 1) * kBc * kD);
+            float dq[32];
+            wg::fence();
+#pragma unroll
+            for (int kk = 0; kk < kBc / 16; ++kk)
+                wg::wgmma_ss<T, 1, 1>(dq, wg::desc_mn_major(ds_tile, kk),
+                                      wg::desc_mn_major(k_all, kk), kk > 0);
+            wg::commit();
+            wg::wait<0>();
+            wg::fence_regs(dq);
+            mbar_arrive_warp(&ds_empty[j & 1]);
+            // The add of step j - 2 has read sDq[j % 2]; then every thread writes its part in
+            // dq_fragment_index order (column half c / 32 as its `wgi`).
+            if (tid == 0) bulk_wait_read<1>();
+            dq_warpgroup_sync();
+            float2* out = reinterpret_cast<float2*>(sDq + (j & 1) * kDqBlock);
+#pragma unroll
+            for (int p = 0; p < 16; ++p)
+                out[dq_fragment_index(p >> 3, warp, p & 7, tid & 31)] =
+                    make_float2(dq[2 * p], dq[2 * p + 1]);
+            wg::fence_smem_for_async();
+            dq_warpgroup_sync();
+            if (tid == 0)
+                bulk_reduce_add(
+                    dq_accum_block(a, b, hk * group + j / nqb, qb_first + j % nqb),
+                    sDq + (j & 1) * kDqBlock, kDqBlock * sizeof(float));
+        }
+        if (tid == 0) bulk_wait_all();
+        return;
+    }
+
+    // ---- the math warpgroups: dK and dV of their 64 keys ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsMathRegs));
+    __syncthreads();  // K and V visible
+    const int key_wg = k0 + id.wgi * 64;
+    const uint32_t k_tile = smem_addr(sK + id.wgi * 64 * kD);
+    const uint32_t v_tile = smem_addr(sV + id.wgi * 64 * kD);
+    float dk[1][32], dv[1][32];
+    fill(dk, 0.0f);
+    fill(dv, 0.0f);
+    for (int j = 0; j < steps; ++j) {
+        const int stage = j % kWsStages;
+        mbar_wait(&full[stage], (j / kWsStages) & 1);
+        wg::fence_smem_for_async();  // the landed copies, for wgmma
+        const int q0 = (qb_first + j % nqb) * kKvBr;
+        uint32_t dsa[kKvBr / 16][4];
+        dkdv_products<T, 1, kBc>(q_stage<T, 1, kWsStages>(sQ, sF, j), k_tile, v_tile, key_wg, q0,
+                                 seq, a.scale, id, dk, dv, dsa);
+        // dSᵀ, rounded as dK's operand, into this warpgroup's rows of sDs[j % 2] once the dQ
+        // products of step j - 2 have read it.
+        if (j >= 2) mbar_wait(&ds_empty[j & 1], ((j >> 1) - 1) & 1);
+        T* ds_out = sDs + (j & 1) * kBc * kD;
+#pragma unroll
+        for (int kk = 0; kk < kKvBr / 16; ++kk)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int i = 8 * kk + 2 * q;
+                const int c = acc_col(id, i);
+                *reinterpret_cast<uint32_t*>(
+                    ds_out + swz<kD>(id.wgi * 64 + id.wrow + acc_row(id, i), c >> 3) + (c & 7)) =
+                    dsa[kk][q];
+            }
+        wg::fence_smem_for_async();
+        mbar_arrive_warp(&ds_full[j & 1]);
+        wg::wait<0>();
+        mbar_arrive_warp(&empty[stage]);  // this warp is done with the stage
+    }
+    wg::fence_regs(dk[0]);
+    wg::fence_regs(dv[0]);
+    store_acc<T>(static_cast<T*>(a.dk) + kv_base, kv_stride, key_wg, seq, dk[0], id);
+    store_acc<T>(static_cast<T*>(a.dv) + kv_base, kv_stride, key_wg, seq, dv[0], id);
 #endif
 }
 
@@ -803,9 +973,9 @@ cudaError_t launch(K kernel, size_t blocks, int threads, size_t smem, const Args
 // Measured on an H200 (bf16, head_dim 64, forward / backward ms, mma.sync kernels in brackets):
 // TinyLlama's shape (8 x 2048, 32/4 heads): one-warpgroup forward 0.455 (0.489), two-warpgroup
 // 0.519; two-warpgroup backward 1.229 (1.836), one-warpgroup 1.277. Hence the choice below.
-// One-pass backward (same call, harness): 1.173 against 1.300 two-kernel at TinyLlama's shape,
-// 7.89 against 9.02 at 1 x 16 K; with a barrier inside each step instead of the lagged dQ 1.225
-// and 8.35; with the dQ products issued between Sᵀ and dPᵀ 1.445 (ptxas serialises, C7514).
+// One-pass backward (harness, 2026-12-03): warp-specialised 1.078 ms at TinyLlama's shape and
+// 7.54 at 1 x 16 K, against 1.231 and 8.17 for the earlier kernel whose two warpgroups formed dQ
+// between a barrier per step, and 1.292 and 9.39 for the two-kernel backward.
 constexpr int kFwdWgs = 1;
 constexpr int kBwdWgs = 2;
 
@@ -830,8 +1000,8 @@ cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stre
         // dQ's 32 more accumulators beside dK and dV's 128 and more shared memory than the SM has
         // (the two dQ blocks double to 64 KB): not built.
         const cudaError_t e =
-            launch(dkdv_kernel<T, kBwdWgs, false, 2>, blocks_per_head * kv_rows,
-                   threads_of<kBwdWgs>(), dkdv_smem<kBwdWgs, false, 2>(), a, stream);
+            launch(dkdv_kernel<T, kBwdWgs, 2>, blocks_per_head * kv_rows,
+                   threads_of<kBwdWgs>(), dkdv_smem<kBwdWgs, 2>(), a, stream);
         if (e != cudaSuccess) return e;
         return launch(dq_kernel<T, kBwdWgs, 2>, blocks_per_head * q_rows, threads_of<kBwdWgs>(),
                       dq_smem<kBwdWgs, 2>(), a, stream);
@@ -843,13 +1013,13 @@ cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stre
         cudaError_t e =
             cudaMemsetAsync(a.dq_accum, 0, q_blocks * kDqBlock * sizeof(float), stream);
         if (e != cudaSuccess) return e;
-        e = launch(dkdv_kernel<T, kBwdWgs, true>, blocks_per_head * kv_rows,
-                   threads_of<kBwdWgs>(), dkdv_smem<kBwdWgs, true>(), a, stream);
+        e = launch(dkdv_ws_kernel<T>, (a.seq + kWsKeys - 1) / kWsKeys * kv_rows, kWsThreads,
+                   dkdv_ws_smem(), a, stream);
         if (e != cudaSuccess) return e;
         return launch(dq_from_accum_kernel<T>, q_blocks, kConvThreads, 0, a, stream);
     }
-    const cudaError_t e = launch(dkdv_kernel<T, kBwdWgs, false>, blocks_per_head * kv_rows,
-                                 threads_of<kBwdWgs>(), dkdv_smem<kBwdWgs, false>(), a, stream);
+    const cudaError_t e = launch(dkdv_kernel<T, kBwdWgs>, blocks_per_head * kv_rows,
+                                 threads_of<kBwdWgs>(), dkdv_smem<kBwdWgs>(), a, stream);
     if (e != cudaSuccess) return e;
     return launch(dq_kernel<T, kBwdWgs>, blocks_per_head * q_rows, threads_of<kBwdWgs>(),
                   dq_smem<kBwdWgs>(), a, stream);

@@ -715,8 +715,9 @@ __global__ void __launch_bounds__(128 * WGS, 1) dkdv_kernel(Args a) {
 // m64n32 ones reading dS twice), stores it and adds it into dq_accum. Hand-offs are mbarriers in
 // shared memory: `full` (a stage's Q, dO, lse and delta have landed: one cp.async arrival per
 // thread of warpgroup 2), `empty` (both math warpgroups are done with a stage: one arrival per warp),
-// `ds_full` / `ds_empty` (a step's dSᵀ tile written / read by the dQ products). The math
-// warpgroups take the registers the dQ warpgroup does not need (setmaxnreg).
+// `ds_full` / `ds_empty` (a step's dSᵀ tile written / read by the dQ products). ptxas fits the
+// kernel in the launch's 168 registers a thread (no spills); the setmaxnreg requests below move
+// physical registers to the math warpgroups at run time, not what ptxas allocates.
 
 #if TILEARN_HAS_WGMMA
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
@@ -762,7 +763,7 @@ constexpr int kWsStages = 4;              // query stages (Q, dO, lse, delta) in
 constexpr int kWsLead = kWsStages - 1;    // steps the loads run ahead of the math
 constexpr int kWsKeys = 128;              // keys per CTA: two math warpgroups of 64
 constexpr int kWsThreads = 3 * 128;
-// Registers per thread after setmaxnreg: 2 x 200 + 104 = 3 x 168, the launch's share.
+// setmaxnreg's registers per thread: 2 x 200 + 104 = 3 x 168, the launch's share.
 constexpr int kWsMathRegs = 200;
 constexpr int kWsDqRegs = 104;
 

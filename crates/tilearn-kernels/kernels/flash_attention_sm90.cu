@@ -757,15 +757,16 @@ __device__ __forceinline__ void mbar_arrive_warp(uint64_t* bar) {
 __device__ __forceinline__ void dq_warpgroup_sync() {
     asm volatile("bar.sync 1, 128;\n" ::: "memory");
 }
-#endif
 
-constexpr int kWsStages = 4;              // query stages (Q, dO, lse, delta) in flight
-constexpr int kWsLead = kWsStages - 1;    // steps the loads run ahead of the math
-constexpr int kWsKeys = 128;              // keys per CTA: two math warpgroups of 64
-constexpr int kWsThreads = 3 * 128;
+constexpr int kWsLead = 3;  // steps the loads run ahead of the math (kWsStages - 1)
 // setmaxnreg's registers per thread: 2 x 200 + 104 = 3 x 168, the launch's share.
 constexpr int kWsMathRegs = 200;
 constexpr int kWsDqRegs = 104;
+#endif
+
+constexpr int kWsStages = 4;              // query stages (Q, dO, lse, delta) in flight
+constexpr int kWsKeys = 128;              // keys per CTA: two math warpgroups of 64
+constexpr int kWsThreads = 3 * 128;
 
 constexpr size_t dkdv_ws_smem() {
     return (2 * kWsKeys + 2 * kWsStages * kKvBr + 2 * kWsKeys) * kTile  // K, V; stages; 2 dSᵀ
@@ -777,6 +778,7 @@ constexpr size_t dkdv_ws_smem() {
 template <typename T>
 __global__ void __launch_bounds__(kWsThreads, 1) dkdv_ws_kernel(Args a) {
 #if TILEARN_HAS_WGMMA
+    static_assert(kWsLead == kWsStages - 1, "the loads run one stage short of the buffers ahead");
     constexpr int kBc = kWsKeys;
     T* sK = smem_tiles<T>();
     T* sV = sK + kBc * kD;

@@ -352,27 +352,78 @@ pub(crate) fn step_alloc_err(
     stream: &CudaStream,
     e: DriverError,
 ) -> EngineError {
+    alloc_err(
+        what,
+        &format!("{:.1} GiB for {tokens} tokens a step", gib(bytes)),
+        STEP_NEEDS_LESS,
+        stream,
+        e,
+    )
+}
+
+/// [`cuda_err`] for an allocation of `bytes` of the model's own state (master weights,
+/// gradients, the 16-bit copy, optimizer moments, their shards): out of memory, the message
+/// says how much was asked, how much is free and what keeps less of the model on each GPU.
+pub(crate) fn model_alloc_err(
+    what: &str,
+    bytes: usize,
+    stream: &CudaStream,
+    e: DriverError,
+) -> EngineError {
+    alloc_err(
+        what,
+        &format!("{:.1} GiB", gib(bytes)),
+        MODEL_NEEDS_LESS,
+        stream,
+        e,
+    )
+}
+
+const STEP_NEEDS_LESS: &str = "a step of fewer tokens (a shorter sequence or a smaller batch), \
+     --gradient-checkpointing, or with it --offload-checkpoints on (layer inputs in page-locked \
+     host memory) needs less";
+
+const MODEL_NEEDS_LESS: &str = "--memory lean (fp32 master weights and optimizer state in host \
+     memory), --zero-stage 1 or 2 over data-parallel ranks, or --tp-size / --pp-size keep less \
+     of the model on each GPU (`tilearn plan` estimates each)";
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+fn alloc_err(
+    what: &str,
+    asked: &str,
+    needs_less: &str,
+    stream: &CudaStream,
+    e: DriverError,
+) -> EngineError {
     if e.0 != cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
         return cuda_err(what, e);
     }
-    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-    let free = match stream.context().mem_get_info() {
-        Ok((free, total)) => format!(
+    let free = stream.context().mem_get_info().ok();
+    EngineError::Ops(OpsError::Cuda {
+        context: "tilearn_engine::gpu",
+        message: out_of_memory_message(what, asked, free, needs_less),
+    })
+}
+
+/// "{what}: {asked} do not fit ({free} of the GPU's {total} GiB are free); {needs_less}".
+fn out_of_memory_message(
+    what: &str,
+    asked: &str,
+    free_total: Option<(usize, usize)>,
+    needs_less: &str,
+) -> String {
+    let free = match free_total {
+        Some((free, total)) => format!(
             "{:.1} of the GPU's {:.1} GiB are free",
             gib(free),
             gib(total)
         ),
-        Err(_) => "the GPU has less free".into(),
+        None => "the GPU has less free".into(),
     };
-    EngineError::Ops(OpsError::Cuda {
-        context: "tilearn_engine::gpu",
-        message: format!(
-            "{what}: {:.1} GiB for {tokens} tokens a step do not fit ({free}); a step of fewer \
-             tokens (a shorter sequence or a smaller batch), --gradient-checkpointing, or with \
-             it --offload-checkpoints on (layer inputs in page-locked host memory) needs less",
-            gib(bytes)
-        ),
-    })
+    format!("{what}: {asked} do not fit ({free}); {needs_less}")
 }
 
 fn invalid(argument: &str, message: String) -> EngineError {
@@ -616,11 +667,14 @@ impl GpuLlama {
         let numel = layout.numel;
         // Lean: one element, never read (the master weights are on the host; the empty
         // shard below marks the buffer so, see `offload.rs`).
-        let master = stream
-            .alloc_zeros::<f32>(if lean { 1 } else { numel.max(1) })
-            .map_err(|e| cuda_err("allocating the master weights", e))?;
-        let grads = untracked(&stream, || stream.alloc_zeros::<f32>(numel.max(1)))
-            .map_err(|e| cuda_err("allocating the gradient buffer", e))?;
+        let master_len = if lean { 1 } else { numel.max(1) };
+        let master = stream.alloc_zeros::<f32>(master_len).map_err(|e| {
+            model_alloc_err("allocating the master weights", 4 * master_len, &stream, e)
+        })?;
+        let grads =
+            untracked(&stream, || stream.alloc_zeros::<f32>(numel.max(1))).map_err(|e| {
+                model_alloc_err("allocating the gradient buffer", 4 * numel, &stream, e)
+            })?;
         let lce_rows = lce.rows(n, config.vocab_size, widest);
         let logits_buffer_bytes = cap.logits_len(lce_rows) * widest;
         // Lean, and checkpointing (one shared layer set, recomputed in the backward anyway):
@@ -1445,4 +1499,29 @@ fn loss_pass<T: DeviceFloat>(
     let mut b = arena.carve::<T>(d)?;
     compute::forward(cx, d, w, ids, &mut b)?;
     lce::loss_only(cx, d, w, targets, totals, &mut b)
+}
+
+#[cfg(test)]
+mod out_of_memory_tests {
+    use super::{MODEL_NEEDS_LESS, out_of_memory_message};
+
+    #[test]
+    fn the_message_names_the_buffer_the_size_the_free_memory_and_the_ways_out() {
+        let gib = 1usize << 30;
+        let m = out_of_memory_message(
+            "allocating the master weights",
+            "28.0 GiB",
+            Some((gib * 3 / 2, 140 * gib)),
+            MODEL_NEEDS_LESS,
+        );
+        assert!(
+            m.starts_with("allocating the master weights: 28.0 GiB do not fit (1.5 of the GPU's 140.0 GiB are free); "),
+            "{m}"
+        );
+        for way in ["--memory lean", "--zero-stage", "--tp-size", "tilearn plan"] {
+            assert!(m.contains(way), "{way} missing from: {m}");
+        }
+        let unknown = out_of_memory_message("x", "1.0 GiB", None, "y");
+        assert_eq!(unknown, "x: 1.0 GiB do not fit (the GPU has less free); y");
+    }
 }

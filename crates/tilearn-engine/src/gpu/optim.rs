@@ -125,7 +125,7 @@ impl GpuAdamW {
         let zeros = |what: &'static str| {
             stream
                 .alloc_zeros::<f32>(len.max(1))
-                .map_err(|e| super::cuda_err(what, e))
+                .map_err(|e| super::model_alloc_err(what, 4 * len, stream, e))
         };
         let exp_avg = zeros("allocating exp_avg")?;
         let exp_avg_sq = zeros("allocating exp_avg_sq")?;

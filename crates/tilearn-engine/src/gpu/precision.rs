@@ -88,9 +88,9 @@ enum Storage {
 impl WorkingCopy {
     /// The whole copy, `numel` elements.
     pub(crate) fn new(stream: &Arc<CudaStream>, numel: usize) -> Result<Self> {
-        let buf = stream
-            .alloc_zeros::<u16>(numel.max(1))
-            .map_err(|e| cuda_err("allocating the 16-bit working copy", e))?;
+        let buf = stream.alloc_zeros::<u16>(numel.max(1)).map_err(|e| {
+            super::model_alloc_err("allocating the 16-bit working copy", 2 * numel, stream, e)
+        })?;
         Ok(WorkingCopy {
             storage: Storage::Whole(buf),
             numel,

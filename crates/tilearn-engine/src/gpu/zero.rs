@@ -36,7 +36,7 @@ use tilearn_ops::cuda::CudaStream;
 use cudarc::driver::CudaSlice;
 
 use super::precision::HalfViewMut;
-use super::{GpuLlama, cuda_err, invalid, untracked};
+use super::{GpuLlama, cuda_err, invalid, model_alloc_err, untracked};
 use crate::error::Result;
 use crate::grad_window::WindowPlan;
 
@@ -98,9 +98,14 @@ impl GpuLlama {
             if let Some(w) = self.work.as_mut() {
                 w.refresh(&stream, &self.master, precision)?;
             }
-            let mut part = stream
-                .alloc_zeros::<f32>(shard.len().max(1))
-                .map_err(|e| cuda_err("allocating the master weights' shard", e))?;
+            let mut part = stream.alloc_zeros::<f32>(shard.len().max(1)).map_err(|e| {
+                model_alloc_err(
+                    "allocating the master weights' shard",
+                    4 * shard.len(),
+                    &stream,
+                    e,
+                )
+            })?;
             stream
                 .memcpy_dtod(
                     &self.master.slice(shard.clone()),
@@ -156,10 +161,18 @@ impl GpuLlama {
         }
         let stream = self.stream().clone();
         self.graphs.invalidate();
-        let window = untracked(&stream, || stream.alloc_zeros::<f32>(plan.len))
-            .map_err(|e| cuda_err("allocating the gradient window", e))?;
-        let acc = untracked(&stream, || stream.alloc_zeros::<f32>(owned.len().max(1)))
-            .map_err(|e| cuda_err("allocating the owned gradients", e))?;
+        let window = untracked(&stream, || stream.alloc_zeros::<f32>(plan.len)).map_err(|e| {
+            model_alloc_err("allocating the gradient window", 4 * plan.len, &stream, e)
+        })?;
+        let acc =
+            untracked(&stream, || stream.alloc_zeros::<f32>(owned.len().max(1))).map_err(|e| {
+                model_alloc_err(
+                    "allocating the owned gradients",
+                    4 * owned.len(),
+                    &stream,
+                    e,
+                )
+            })?;
         // The whole buffer is freed (stream-ordered) when replaced.
         self.grads = acc;
         self.grads_hold_params = false;
@@ -198,9 +211,14 @@ impl GpuLlama {
         if self.grad_window.is_some() && self.whole_staging.is_none() {
             let stream = self.stream().clone();
             let numel = self.layout.numel;
-            let buf = stream
-                .alloc_zeros::<f32>(numel.max(1))
-                .map_err(|e| cuda_err("allocating the whole weights for a save or load", e))?;
+            let buf = stream.alloc_zeros::<f32>(numel.max(1)).map_err(|e| {
+                model_alloc_err(
+                    "allocating the whole weights for a save or load",
+                    4 * numel,
+                    &stream,
+                    e,
+                )
+            })?;
             self.whole_staging = Some(buf);
         }
         Ok(match self.whole_staging.as_mut() {

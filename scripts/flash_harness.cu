@@ -10,8 +10,9 @@
 //   - checks and times the head_dim-128 wgmma forward and backward (TILEARN_FLASH_SM90_HD128=0
 //     turns them off) against the mma.sync ones.
 // It is not a test of record (the Rust GPU tests are); bench/RESULTS.md cites its figures as
-// the "development harness". Build with scripts/flash_harness.sh; run `harness` (all shapes) or
-// `harness small` (correctness only, e.g. under compute-sanitizer).
+// the "development harness". Build with scripts/flash_harness.sh; run `harness` (all shapes),
+// `harness small` (correctness only, e.g. under compute-sanitizer) or `harness profile16k` (the
+// 1 x 16 K kernels twice, for ncu).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -278,7 +279,43 @@ bool run_hd128(Shape sh, int dtype, bool timing) {
 
 }  // namespace
 
+// `harness profile16k`: the forward and the one-pass backward at 1 x 16 K (bf16, 32/4 heads),
+// twice each and nothing else, for Nsight Compute to profile (scripts/gpu-phases/attn-profile.sh).
+int profile16k() {
+    const Shape sh{1, 16384, 32, 4};
+    constexpr int kD = 64;
+    using T = __nv_bfloat16;
+    const int dtype = TILEARN_DTYPE_BF16;
+    const size_t nq = size_t(sh.batch) * sh.seq * sh.q_heads * kD;
+    const size_t nk = size_t(sh.batch) * sh.seq * sh.kv_heads * kD;
+    const size_t nl = size_t(sh.batch) * sh.q_heads * sh.seq;
+    std::mt19937 rng(99);
+    Buffer<T> q = random_buffer<T>(rng, nq), k = random_buffer<T>(rng, nk),
+              v = random_buffer<T>(rng, nk), dout = random_buffer<T>(rng, nq);
+    Buffer<T> out(nq), dq(nq), dk(nk), dv(nk);
+    Buffer<float> lse(nl), delta(nl);
+    Buffer<float> acc(tilearn_flash_attention_dq_accum_len(sh.batch, sh.seq, sh.q_heads, kD));
+    for (int rep = 0; rep < 2; ++rep) {
+        check_status(tilearn_flash_attention_forward(dtype, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr,
+                                                     sh.batch, sh.seq, sh.q_heads, sh.kv_heads,
+                                                     kD, 0.125f, nullptr, 0),
+                     "forward");
+        check_status(tilearn_attention_delta(dtype, dout.ptr, out.ptr, sh.batch, sh.seq,
+                                             sh.q_heads, kD, delta.ptr, 0),
+                     "delta");
+        check_status(tilearn_flash_attention_backward(
+                         dtype, dout.ptr, q.ptr, k.ptr, v.ptr, lse.ptr, delta.ptr, dq.ptr, dk.ptr,
+                         dv.ptr, sh.batch, sh.seq, sh.q_heads, sh.kv_heads, kD, 0.125f, nullptr,
+                         acc.ptr, 0),
+                     "backward");
+    }
+    check_cuda(cudaDeviceSynchronize(), "profile16k");
+    std::printf("profile16k: done\n");
+    return 0;
+}
+
 int main(int argc, char** argv) {
+    if (argc > 1 && std::string(argv[1]) == "profile16k") return profile16k();
     const bool small_only = argc > 1 && std::string(argv[1]) == "small";
     bool ok = true;
     ok &= run_shape<__nv_bfloat16>({1, 130, 2, 1}, TILEARN_DTYPE_BF16, false);

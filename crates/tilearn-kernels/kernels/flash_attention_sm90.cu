@@ -266,6 +266,72 @@ struct KvStream {
 };
 #endif
 
+#if TILEARN_HAS_WGMMA
+// The forward's online softmax over one block of scores s (64 x 4N, keys from k0): the causal
+// mask, each row's new running maximum and sum, O rescaled by the correction, s replaced by P
+// (unnormalised, f32). Key 0 is visible to every row and block 0 comes first, so the running
+// maximum is finite from the first block on.
+template <int N, int PANELS>
+__device__ __forceinline__ void online_softmax(float (&s)[N], float (&o)[PANELS][32],
+                                               float (&row_max)[2], float (&row_sum)[2], int k0,
+                                               int row_wg, float sl2, const WgIds& id) {
+    mask_causal(s, k0, row_wg, id, -INFINITY);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 2 * r; i < N; i += 4) mx = fmaxf(mx, fmaxf(s[i], s[i + 1]));
+        mx = quad_max(mx);
+        const float m_new = fmaxf(row_max[r], mx);
+        const float corr = exp2_approx((row_max[r] - m_new) * sl2);
+        row_max[r] = m_new;
+        const float off = m_new * sl2;
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 2 * r; i < N; i += 4) {
+            s[i] = exp2_approx(fmaf(s[i], sl2, -off));
+            s[i + 1] = exp2_approx(fmaf(s[i + 1], sl2, -off));
+            sum += s[i] + s[i + 1];
+        }
+        row_sum[r] = row_sum[r] * corr + sum;
+#pragma unroll
+        for (int p = 0; p < PANELS; ++p) {
+#pragma unroll
+            for (int i = 2 * r; i < 32; i += 4) {
+                o[p][i] *= corr;
+                o[p][i + 1] *= corr;
+            }
+        }
+    }
+}
+
+// The forward's epilogue: lse and O / rowsum of the warpgroup's rows (those < seq).
+template <typename T, int PANELS>
+__device__ __forceinline__ void fwd_store(const Args& a, const QueryBlock<T>& blk,
+                                          float (&o)[PANELS][32], const float (&row_max)[2],
+                                          const float (&row_sum)[2], int row_wg,
+                                          const WgIds& id) {
+    const int seq = a.seq;
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float sum = quad_sum(row_sum[r]);
+        inv[r] = 1.0f / sum;
+        const int row = row_wg + id.wrow + id.g + 8 * r;
+        if (id.t == 0 && row < seq)
+            a.lse_out[(static_cast<size_t>(blk.b) * a.q_heads + blk.h) * seq + row] =
+                row_max[r] * a.scale + logf(sum);
+    }
+#pragma unroll
+    for (int p = 0; p < PANELS; ++p) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) o[p][i] *= inv[(i >> 1) & 1];
+        store_acc<T>(static_cast<T*>(a.o_or_dq) + blk.q_base + p * kD, blk.q_stride, row_wg, seq,
+                     o[p], id);
+    }
+}
+#endif
+
 // ---- forward: one CTA per (64 WGS-query block, batch, query head), key blocks of 128 ----
 // (head_dim 128, PANELS = 2: key blocks of 64, the products over both panels; see fwd_bc.)
 
@@ -313,36 +379,7 @@ __global__ void __launch_bounds__(128 * WGS, fwd_ctas_per_sm<PANELS>() / WGS) fw
         wg::commit();
         wg::wait<0>();
         wg::fence_regs(s);
-        mask_causal(s, kb * kBc, row_wg, id, -INFINITY);
-        // Online softmax; key 0 is visible to every row and block 0 comes first, so the running
-        // maximum is finite from the first block on.
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int i = 2 * r; i < kS; i += 4) mx = fmaxf(mx, fmaxf(s[i], s[i + 1]));
-            mx = quad_max(mx);
-            const float m_new = fmaxf(row_max[r], mx);
-            const float corr = exp2_approx((row_max[r] - m_new) * sl2);
-            row_max[r] = m_new;
-            const float off = m_new * sl2;
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 2 * r; i < kS; i += 4) {
-                s[i] = exp2_approx(fmaf(s[i], sl2, -off));
-                s[i + 1] = exp2_approx(fmaf(s[i + 1], sl2, -off));
-                sum += s[i] + s[i + 1];
-            }
-            row_sum[r] = row_sum[r] * corr + sum;
-#pragma unroll
-            for (int p = 0; p < PANELS; ++p) {
-#pragma unroll
-                for (int i = 2 * r; i < 32; i += 4) {
-                    o[p][i] *= corr;
-                    o[p][i + 1] *= corr;
-                }
-            }
-        }
+        online_softmax(s, o, row_max, row_sum, kb * kBc, row_wg, sl2, id);
         uint32_t pa[kBc / 16][4];
         to_a_frags<T, kBc>(s, pa);
         wg::fence();
@@ -354,23 +391,105 @@ __global__ void __launch_bounds__(128 * WGS, fwd_ctas_per_sm<PANELS>() / WGS) fw
         for (int p = 0; p < PANELS; ++p) wg::fence_regs(o[p]);
     }
 
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float sum = quad_sum(row_sum[r]);
-        inv[r] = 1.0f / sum;
-        const int row = row_wg + id.wrow + id.g + 8 * r;
-        if (id.t == 0 && row < seq)
-            a.lse_out[(static_cast<size_t>(blk.b) * a.q_heads + blk.h) * seq + row] =
-                row_max[r] * a.scale + logf(sum);
+    fwd_store<T, PANELS>(a, blk, o, row_max, row_sum, row_wg, id);
+#endif
+}
+
+// ---- forward with the next block's scores in flight (head_dim 64; opt-in:
+// TILEARN_FLASH_SM90_FWD_OVERLAP=1) ----
+// fwd_kernel's one-warpgroup CTA over 64 queries and key blocks of 128, but S of block kb + 1 is
+// issued before block kb's softmax, so that the tensor cores compute it while the warpgroup
+// exponentiates (FlashAttention-3's intra-warpgroup overlap); P·V of block kb then runs into the
+// next step. Two score blocks live at once (2 x 64 registers): two CTAs an SM instead of three.
+// K and V have rings of three tiles each: at the top of step kb (after the barrier) K of block
+// kb - 1 and V of block kb - 2 are free, so K(kb + 2) and V(kb + 1) load there, one step ahead
+// of their use. The same products in the same order as fwd_kernel: the same bits. Built in a
+// session without device time: checked for ptxas's wgmma serialisation warnings and spills
+// only; the harness times it beside fwd_kernel (scripts/flash_harness.cu).
+
+constexpr int kOvlRing = 3;
+
+constexpr size_t fwd_overlap_smem() {
+    return (64 + 2 * kOvlRing * kFwdBc) * kTile + kAlignSlack;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(128, 2) fwd_overlap_kernel(Args a) {
+#if TILEARN_HAS_WGMMA
+    constexpr int kBc = kFwdBc;
+    constexpr int kS = kBc / 2;
+    T* sQ = smem_tiles<T>();
+    T* sK = sQ + 64 * kD;                // kOvlRing K tiles
+    T* sV = sK + kOvlRing * kBc * kD;    // kOvlRing V tiles
+    const WgIds id = wg_ids();
+    const int seq = a.seq;
+    const QueryBlock<T> blk = query_block<T, kD, 64, kBc>(a);
+    const int q0 = blk.q0, nkb = blk.nkb;
+    auto k_buf = [&](int kb) { return sK + (kb % kOvlRing) * kBc * kD; };
+    auto v_buf = [&](int kb) { return sV + (kb % kOvlRing) * kBc * kD; };
+    auto load_k = [&](int kb) {
+        if (kb < nkb) load_tile<T, kBc, kD, 128>(k_buf(kb), blk.k, blk.kv_stride, kb * kBc, seq, id.tid);
+    };
+    auto load_v = [&](int kb) {
+        if (kb < nkb) load_tile<T, kBc, kD, 128>(v_buf(kb), blk.v, blk.kv_stride, kb * kBc, seq, id.tid);
+    };
+    load_tile<T, 64, kD, 128>(sQ, static_cast<const T*>(a.q) + blk.q_base, blk.q_stride, q0, seq,
+                              id.tid);
+    load_k(0);
+    load_k(1);
+    load_v(0);
+    cp_async_commit();
+
+    const uint32_t q_tile = smem_addr(sQ);
+    const float sl2 = a.scale * kLog2e;
+    float o[1][32];
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.0f, 0.0f};
+    fill(o, 0.0f);
+    float s0[kS], s1[kS];
+
+    cp_async_wait<0>();
+    wg::fence_smem_for_async();
+    __syncthreads();
+    wg::fence();
+    gemm_abt<T>(s0, q_tile, smem_addr(k_buf(0)));  // S(0)
+    wg::commit();
+
+    // Step kb: cur holds S(kb) (in flight), nxt receives S(kb + 1).
+    auto step = [&](float(&cur)[kS], float(&nxt)[kS], int kb) {
+        // K(kb + 1) and V(kb) landed (loaded at the previous step or before the loop); every
+        // thread is past step kb - 1, whose products are complete, so the buffers of K(kb - 1)
+        // and V(kb - 2) are free.
+        cp_async_wait<0>();
+        wg::fence_smem_for_async();
+        __syncthreads();
+        load_k(kb + 2);
+        load_v(kb + 1);
+        cp_async_commit();
+        wg::fence();
+        if (kb + 1 < nkb) {
+            gemm_abt<T>(nxt, q_tile, smem_addr(k_buf(kb + 1)));
+            wg::commit();
+            wg::wait<1>();  // S(kb) and P·V(kb - 1)
+        } else {
+            wg::wait<0>();
+        }
+        wg::fence_regs(cur);
+        wg::fence_regs(o[0]);
+        online_softmax(cur, o, row_max, row_sum, kb * kBc, q0, sl2, id);
+        uint32_t pa[kBc / 16][4];
+        to_a_frags<T, kBc>(cur, pa);
+        wg::fence();
+        gemm_pb<T, kBc>(o[0], pa, smem_addr(v_buf(kb)));
+        wg::commit();
+    };
+    for (int kb = 0; kb < nkb; kb += 2) {
+        step(s0, s1, kb);
+        if (kb + 1 < nkb) step(s1, s0, kb + 1);
     }
-#pragma unroll
-    for (int p = 0; p < PANELS; ++p) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) o[p][i] *= inv[(i >> 1) & 1];
-        store_acc<T>(static_cast<T*>(a.o_or_dq) + blk.q_base + p * kD, blk.q_stride, row_wg, seq,
-                     o[p], id);
-    }
+    wg::wait<0>();
+    wg::fence_regs(o[0]);
+    fwd_store<T, 1>(a, blk, o, row_max, row_sum, q0, id);
 #endif
 }
 
@@ -991,6 +1110,8 @@ cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stre
         if (head_dim == 2 * kD)
             return launch(fwd_kernel<T, kFwdWgs, 2>, blocks, threads_of<kFwdWgs>(),
                           fwd_smem<kFwdWgs, 2>(), a, stream);
+        if (std::getenv("TILEARN_FLASH_SM90_FWD_OVERLAP") != nullptr)
+            return launch(fwd_overlap_kernel<T>, blocks, 128, fwd_overlap_smem(), a, stream);
         return launch(fwd_kernel<T, kFwdWgs>, blocks, threads_of<kFwdWgs>(), fwd_smem<kFwdWgs>(),
                       a, stream);
     }

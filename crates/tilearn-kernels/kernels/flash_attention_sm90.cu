@@ -826,9 +826,9 @@ __global__ void __launch_bounds__(128 * WGS, 1) dkdv_kernel(Args a) {
 }
 
 // ---- one-pass backward, warp-specialised: two math warpgroups and a dQ warpgroup ----
-// The same products and roundings as dkdv_kernel<T, 2, true> (dK and dV the same bits; each dQ
-// block the same bits before its reduce-add), but the CTA's three warpgroups no longer meet at a
-// barrier every step. Warpgroups 0 and 1 (the keys' rows, as in dkdv_kernel) form Sᵀ, dPᵀ, dV,
+// dkdv_kernel's steps (dkdv_products: dK and dV are the deterministic backward's bits) with dQ
+// formed in the same pass, and the CTA's three warpgroups never meet at a barrier inside the
+// loop (the one-pass kernel before it synchronised every step). Warpgroups 0 and 1 (the keys' rows, as in dkdv_kernel) form Sᵀ, dPᵀ, dV,
 // dK and each step's dSᵀ; warpgroup 2 loads the query stages kWsLead steps ahead and forms each
 // step's dQ = dS·K over all 128 keys and 64 columns (one m64n64 product instead of two
 // m64n32 ones reading dS twice), stores it and adds it into dq_accum. Hand-offs are mbarriers in

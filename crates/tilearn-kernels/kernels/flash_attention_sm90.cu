@@ -268,12 +268,12 @@ struct KvStream {
 
 #if TILEARN_HAS_WGMMA
 // The forward's online softmax over one block of scores s (64 x 4N, keys from k0): the causal
-// mask, each row's new running maximum and sum, O rescaled by the correction, s replaced by P
-// (unnormalised, f32). Key 0 is visible to every row and block 0 comes first, so the running
-// maximum is finite from the first block on.
-template <int N, int PANELS>
-__device__ __forceinline__ void online_softmax(float (&s)[N], float (&o)[PANELS][32],
-                                               float (&row_max)[2], float (&row_sum)[2], int k0,
+// mask, each row's new running maximum and sum, s replaced by P (unnormalised, f32); returns in
+// corr what O must be multiplied by before P·V is added. Key 0 is visible to every row and block
+// 0 comes first, so the running maximum is finite from the first block on.
+template <int N>
+__device__ __forceinline__ void softmax_scores(float (&s)[N], float (&row_max)[2],
+                                               float (&row_sum)[2], float (&corr)[2], int k0,
                                                int row_wg, float sl2, const WgIds& id) {
     mask_causal(s, k0, row_wg, id, -INFINITY);
 #pragma unroll
@@ -283,7 +283,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[N], float (&o)[PANELS]
         for (int i = 2 * r; i < N; i += 4) mx = fmaxf(mx, fmaxf(s[i], s[i + 1]));
         mx = quad_max(mx);
         const float m_new = fmaxf(row_max[r], mx);
-        const float corr = exp2_approx((row_max[r] - m_new) * sl2);
+        corr[r] = exp2_approx((row_max[r] - m_new) * sl2);
         row_max[r] = m_new;
         const float off = m_new * sl2;
         float sum = 0.0f;
@@ -293,15 +293,17 @@ __device__ __forceinline__ void online_softmax(float (&s)[N], float (&o)[PANELS]
             s[i + 1] = exp2_approx(fmaf(s[i + 1], sl2, -off));
             sum += s[i] + s[i + 1];
         }
-        row_sum[r] = row_sum[r] * corr + sum;
+        row_sum[r] = row_sum[r] * corr[r] + sum;
+    }
+}
+
+// O *= corr, row by row.
+template <int PANELS>
+__device__ __forceinline__ void rescale_o(float (&o)[PANELS][32], const float (&corr)[2]) {
 #pragma unroll
-        for (int p = 0; p < PANELS; ++p) {
+    for (int p = 0; p < PANELS; ++p) {
 #pragma unroll
-            for (int i = 2 * r; i < 32; i += 4) {
-                o[p][i] *= corr;
-                o[p][i + 1] *= corr;
-            }
-        }
+        for (int i = 0; i < 32; ++i) o[p][i] *= corr[(i >> 1) & 1];
     }
 }
 
@@ -379,7 +381,9 @@ __global__ void __launch_bounds__(128 * WGS, fwd_ctas_per_sm<PANELS>() / WGS) fw
         wg::commit();
         wg::wait<0>();
         wg::fence_regs(s);
-        online_softmax(s, o, row_max, row_sum, kb * kBc, row_wg, sl2, id);
+        float corr[2];
+        softmax_scores(s, row_max, row_sum, corr, kb * kBc, row_wg, sl2, id);
+        rescale_o(o, corr);
         uint32_t pa[kBc / 16][4];
         to_a_frags<T, kBc>(s, pa);
         wg::fence();
@@ -396,48 +400,43 @@ __global__ void __launch_bounds__(128 * WGS, fwd_ctas_per_sm<PANELS>() / WGS) fw
 }
 
 // ---- forward with the next block's scores in flight (head_dim 64; opt-in:
-// TILEARN_FLASH_SM90_FWD_OVERLAP=1) ----
-// fwd_kernel's one-warpgroup CTA over 64 queries and key blocks of 128, but S of block kb + 1 is
-// issued before block kb's softmax, so that the tensor cores compute it while the warpgroup
-// exponentiates (FlashAttention-3's intra-warpgroup overlap); P·V of block kb then runs into the
-// next step. Two score blocks live at once (2 x 64 registers): two CTAs an SM instead of three.
-// K and V have rings of three tiles each: at the top of step kb (after the barrier) K of block
-// kb - 1 and V of block kb - 2 are free, so K(kb + 2) and V(kb + 1) load there, one step ahead
-// of their use. The same products in the same order as fwd_kernel: the same bits. Built in a
-// session without device time: checked for ptxas's wgmma serialisation warnings and spills
-// only; the harness times it beside fwd_kernel (scripts/flash_harness.cu).
+// TILEARN_FLASH_SM90_FWD_OVERLAP=3 or 2, the CTAs an SM it is built for) ----
+// fwd_kernel's one-warpgroup CTA over 64 queries and key blocks of 128, with FlashAttention-3's
+// intra-warpgroup overlap: step kb issues S(kb + 1) = Q·K(kb + 1)ᵀ and then P(kb)·V(kb), waits
+// for the first only and computes block kb + 1's softmax while the tensor cores run P·V; then it
+// waits for P·V, rescales O and forms P(kb + 1) as the next step's A operand. O is touched only
+// once its product is complete. Every product is waited for within its step, so, as in
+// fwd_kernel, two K/V buffers suffice (K(kb + 2) and V(kb + 1) load at step kb, into the
+// buffers of K(kb) and V(kb - 1)). The products, roundings and their order are fwd_kernel's:
+// the same bits. Built in a session without device time: not timed, not the default; the
+// harness checks it bit for bit and times it (scripts/flash_harness.cu).
 
-constexpr int kOvlRing = 3;
+constexpr size_t fwd_overlap_smem() { return fwd_smem<1>(); }
 
-constexpr size_t fwd_overlap_smem() {
-    return (64 + 2 * kOvlRing * kFwdBc) * kTile + kAlignSlack;
-}
-
-template <typename T>
-__global__ void __launch_bounds__(128, 2) fwd_overlap_kernel(Args a) {
+template <typename T, int CTAS_PER_SM>
+__global__ void __launch_bounds__(128, CTAS_PER_SM) fwd_overlap_kernel(Args a) {
 #if TILEARN_HAS_WGMMA
     constexpr int kBc = kFwdBc;
     constexpr int kS = kBc / 2;
+    static_assert(kFwdStages == 2, "two K and two V buffers");
     T* sQ = smem_tiles<T>();
-    T* sK = sQ + 64 * kD;                // kOvlRing K tiles
-    T* sV = sK + kOvlRing * kBc * kD;    // kOvlRing V tiles
+    T* sK = sQ + 64 * kD;
+    T* sV = sK + 2 * kBc * kD;
     const WgIds id = wg_ids();
     const int seq = a.seq;
     const QueryBlock<T> blk = query_block<T, kD, 64, kBc>(a);
     const int q0 = blk.q0, nkb = blk.nkb;
-    auto k_buf = [&](int kb) { return sK + (kb % kOvlRing) * kBc * kD; };
-    auto v_buf = [&](int kb) { return sV + (kb % kOvlRing) * kBc * kD; };
-    auto load_k = [&](int kb) {
-        if (kb < nkb) load_tile<T, kBc, kD, 128>(k_buf(kb), blk.k, blk.kv_stride, kb * kBc, seq, id.tid);
-    };
-    auto load_v = [&](int kb) {
-        if (kb < nkb) load_tile<T, kBc, kD, 128>(v_buf(kb), blk.v, blk.kv_stride, kb * kBc, seq, id.tid);
+    auto k_tile = [&](int kb) { return smem_addr(sK + (kb & 1) * kBc * kD); };
+    auto v_tile = [&](int kb) { return smem_addr(sV + (kb & 1) * kBc * kD); };
+    auto load = [&](T* buf, const T* g, int kb) {
+        if (kb < nkb) load_tile<T, kBc, kD, 128>(buf + (kb & 1) * kBc * kD, g, blk.kv_stride,
+                                                 kb * kBc, seq, id.tid);
     };
     load_tile<T, 64, kD, 128>(sQ, static_cast<const T*>(a.q) + blk.q_base, blk.q_stride, q0, seq,
                               id.tid);
-    load_k(0);
-    load_k(1);
-    load_v(0);
+    load(sK, blk.k, 0);
+    load(sK, blk.k, 1);
+    load(sV, blk.v, 0);
     cp_async_commit();
 
     const uint32_t q_tile = smem_addr(sQ);
@@ -445,48 +444,54 @@ __global__ void __launch_bounds__(128, 2) fwd_overlap_kernel(Args a) {
     float o[1][32];
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.0f, 0.0f};
+    float corr[2];
     fill(o, 0.0f);
-    float s0[kS], s1[kS];
+    float s[kS];
+    uint32_t pa[kBc / 16][4];
 
+    // Block 0's scores and P.
     cp_async_wait<0>();
     wg::fence_smem_for_async();
     __syncthreads();
     wg::fence();
-    gemm_abt<T>(s0, q_tile, smem_addr(k_buf(0)));  // S(0)
+    gemm_abt<T>(s, q_tile, k_tile(0));
     wg::commit();
+    wg::wait<0>();
+    wg::fence_regs(s);
+    softmax_scores(s, row_max, row_sum, corr, 0, q0, sl2, id);
+    to_a_frags<T, kBc>(s, pa);
 
-    // Step kb: cur holds S(kb) (in flight), nxt receives S(kb + 1).
-    auto step = [&](float(&cur)[kS], float(&nxt)[kS], int kb) {
-        // K(kb + 1) and V(kb) landed (loaded at the previous step or before the loop); every
-        // thread is past step kb - 1, whose products are complete, so the buffers of K(kb - 1)
-        // and V(kb - 2) are free.
+    // No branch around a product (ptxas would serialise them all, C7514): the steps with a next
+    // block, then the last block's P·V.
+    auto open_step = [&](int kb) {
+        // K(kb + 1) and V(kb) landed; every thread is past step kb - 1, whose products are
+        // complete, so the buffers of K(kb) and V(kb - 1) are free.
         cp_async_wait<0>();
         wg::fence_smem_for_async();
         __syncthreads();
-        load_k(kb + 2);
-        load_v(kb + 1);
+        load(sK, blk.k, kb + 2);
+        load(sV, blk.v, kb + 1);
         cp_async_commit();
-        wg::fence();
-        if (kb + 1 < nkb) {
-            gemm_abt<T>(nxt, q_tile, smem_addr(k_buf(kb + 1)));
-            wg::commit();
-            wg::wait<1>();  // S(kb) and P·V(kb - 1)
-        } else {
-            wg::wait<0>();
-        }
-        wg::fence_regs(cur);
-        wg::fence_regs(o[0]);
-        online_softmax(cur, o, row_max, row_sum, kb * kBc, q0, sl2, id);
-        uint32_t pa[kBc / 16][4];
-        to_a_frags<T, kBc>(cur, pa);
-        wg::fence();
-        gemm_pb<T, kBc>(o[0], pa, smem_addr(v_buf(kb)));
-        wg::commit();
     };
-    for (int kb = 0; kb < nkb; kb += 2) {
-        step(s0, s1, kb);
-        if (kb + 1 < nkb) step(s1, s0, kb + 1);
+    for (int kb = 0; kb + 1 < nkb; ++kb) {
+        open_step(kb);
+        wg::fence();
+        gemm_abt<T>(s, q_tile, k_tile(kb + 1));
+        wg::commit();
+        gemm_pb<T, kBc>(o[0], pa, v_tile(kb));
+        wg::commit();
+        wg::wait<1>();  // S(kb + 1); P·V(kb) still runs
+        wg::fence_regs(s);
+        softmax_scores(s, row_max, row_sum, corr, (kb + 1) * kBc, q0, sl2, id);
+        wg::wait<0>();
+        wg::fence_regs(o[0]);
+        rescale_o(o, corr);
+        to_a_frags<T, kBc>(s, pa);
     }
+    open_step(nkb - 1);
+    wg::fence();
+    gemm_pb<T, kBc>(o[0], pa, v_tile(nkb - 1));
+    wg::commit();
     wg::wait<0>();
     wg::fence_regs(o[0]);
     fwd_store<T, 1>(a, blk, o, row_max, row_sum, q0, id);
@@ -1110,8 +1115,13 @@ cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stre
         if (head_dim == 2 * kD)
             return launch(fwd_kernel<T, kFwdWgs, 2>, blocks, threads_of<kFwdWgs>(),
                           fwd_smem<kFwdWgs, 2>(), a, stream);
-        if (std::getenv("TILEARN_FLASH_SM90_FWD_OVERLAP") != nullptr)
-            return launch(fwd_overlap_kernel<T>, blocks, 128, fwd_overlap_smem(), a, stream);
+        // TILEARN_FLASH_SM90_FWD_OVERLAP=3: three CTAs an SM (168 registers, 24 bytes of
+        // spills); =2: two (no spills). Not measured yet.
+        if (const char* ovl = std::getenv("TILEARN_FLASH_SM90_FWD_OVERLAP"); ovl != nullptr)
+            return ovl[0] == '2'
+                       ? launch(fwd_overlap_kernel<T, 2>, blocks, 128, fwd_overlap_smem(), a, stream)
+                       : launch(fwd_overlap_kernel<T, 3>, blocks, 128, fwd_overlap_smem(), a,
+                                stream);
         return launch(fwd_kernel<T, kFwdWgs>, blocks, threads_of<kFwdWgs>(), fwd_smem<kFwdWgs>(),
                       a, stream);
     }

@@ -411,8 +411,6 @@ __global__ void __launch_bounds__(128 * WGS, fwd_ctas_per_sm<PANELS>() / WGS) fw
 // the same bits. Built in a session without device time: not timed, not the default; the
 // harness checks it bit for bit and times it (scripts/flash_harness.cu).
 
-constexpr size_t fwd_overlap_smem() { return fwd_smem<1>(); }
-
 template <typename T, int CTAS_PER_SM>
 __global__ void __launch_bounds__(128, CTAS_PER_SM) fwd_overlap_kernel(Args a) {
 #if TILEARN_HAS_WGMMA
@@ -977,8 +975,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkdv_ws_kernel(Args a) {
             wg::wait<0>();
             wg::fence_regs(dq);
             mbar_arrive_warp(&ds_empty[j & 1]);
-            // The add of step j - 2 has read sDq[j % 2]; then every thread writes its part in
-            // dq_fragment_index order (column half c / 32 as its `wgi`).
+            // The add of step j - 2 has read sDq[j % 2]; then every thread writes its 16 pairs
+            // in dq_fragment_index order (pair p is column half p / 8, pair p % 8 of that half).
             if (tid == 0) bulk_wait_read<1>();
             dq_warpgroup_sync();
             float2* out = reinterpret_cast<float2*>(sDq + (j & 1) * kDqBlock);
@@ -1056,11 +1054,11 @@ __global__ void __launch_bounds__(kConvThreads) dq_from_accum_kernel(Args a) {
                         static_cast<size_t>(blockIdx.x) * (kDqBlock / 2);
     for (int p = threadIdx.x; p < kDqBlock / 2; p += kConvThreads) {
         const float2 v = src[p];
-        // p = dq_fragment_index(wgi, warp, j, lane), taken apart.
+        // p = dq_fragment_index(hf, warp, j, lane), taken apart.
         static_assert(dq_fragment_index(1, 2, 5, 9) == (1 << 10 | 2 << 8 | 5 << 5 | 9));
-        const int lane = p & 31, j = (p >> 5) & 7, warp = (p >> 8) & 3, wgi = p >> 10;
+        const int lane = p & 31, j = (p >> 5) & 7, warp = (p >> 8) & 3, hf = p >> 10;
         const int row = 16 * warp + (lane >> 2) + 8 * (j & 1);
-        const int col = 32 * wgi + 8 * (j >> 1) + 2 * (lane & 3);
+        const int col = 32 * hf + 8 * (j >> 1) + 2 * (lane & 3);
         tile[row][col] = v.x;
         tile[row][col + 1] = v.y;
     }
@@ -1119,9 +1117,8 @@ cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stre
         // spills); =2: two (no spills). Not measured yet.
         if (const char* ovl = std::getenv("TILEARN_FLASH_SM90_FWD_OVERLAP"); ovl != nullptr)
             return ovl[0] == '2'
-                       ? launch(fwd_overlap_kernel<T, 2>, blocks, 128, fwd_overlap_smem(), a, stream)
-                       : launch(fwd_overlap_kernel<T, 3>, blocks, 128, fwd_overlap_smem(), a,
-                                stream);
+                       ? launch(fwd_overlap_kernel<T, 2>, blocks, 128, fwd_smem<1>(), a, stream)
+                       : launch(fwd_overlap_kernel<T, 3>, blocks, 128, fwd_smem<1>(), a, stream);
         return launch(fwd_kernel<T, kFwdWgs>, blocks, threads_of<kFwdWgs>(), fwd_smem<kFwdWgs>(),
                       a, stream);
     }

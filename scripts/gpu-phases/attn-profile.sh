@@ -4,8 +4,7 @@
 # `profile16k` mode runs the forward and the one-pass backward twice; the second launch of each
 # is profiled with the sections that say where a kernel waits (throughput against the SM's
 # peaks, pipe utilisation, warp stall reasons, occupancy, memory traffic), to $OUT/attn_ncu.csv.
-# Then the opt-in overlapped forward (TILEARN_FLASH_SM90_FWD_OVERLAP=3) the same way. Needs
-# hopper-bin/harness (scripts/flash_harness.sh). About two minutes.
+# Needs hopper-bin/harness (scripts/flash_harness.sh). About a minute.
 ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ ! -x hopper-bin/harness ]; then
   echo "attn-profile: hopper-bin/harness not carried (build it with scripts/flash_harness.sh)"
@@ -17,13 +16,7 @@ else
     --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats \
     --section WarpStateStats --section LaunchStats --csv --page details \
     hopper-bin/harness profile16k
-  # The forward with the next block's scores in flight (opt-in, fwd_overlap_kernel), the same way.
-  run attn_ncu_overlap timeout 300 env TILEARN_FLASH_SM90_FWD_OVERLAP=3 "$ncu_bin" \
-    --clock-control none -k regex:"fwd_overlap_kernel" --launch-skip 1 --launch-count 1 \
-    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-    --section Occupancy --section SchedulerStats --section WarpStateStats --section LaunchStats \
-    --csv --page details hopper-bin/harness profile16k
-  grep -h '^"' "$OUT/attn_ncu.log" "$OUT/attn_ncu_overlap.log" > "$OUT/attn_ncu.csv"
+  grep -h '^"' "$OUT/attn_ncu.log" > "$OUT/attn_ncu.csv"
   grep -h -E 'Duration|Compute \(SM\) Throughput|Issue Slots Busy|Stall|Warp Cycles Per Issued|Achieved Occupancy' \
     "$OUT/attn_ncu.csv" | cut -c1-200 | head -60
 fi

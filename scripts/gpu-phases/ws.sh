@@ -8,8 +8,7 @@
 #   3. attention alone: gemm-bench attention beside torch SDPA's cuDNN and FlashAttention-2
 #      backends, to $OUT/attn_table.jsonl;
 #   4. end to end: tilearn bench, TinyLlama at 1 x 16 K with checkpointing and at its preset
-#      (8 x 2048), with the one-pass and the deterministic backward, and with the opt-in
-#      overlapped forward (TILEARN_FLASH_SM90_FWD_OVERLAP=3 and 2), to $OUT/e2e_table.jsonl.
+#      (8 x 2048), with the one-pass and the deterministic backward, to $OUT/e2e_table.jsonl.
 if [ -x hopper-bin/harness ]; then
   run flash_harness timeout 240 hopper-bin/harness
 else
@@ -29,15 +28,6 @@ if [ "${WS_BENCH:-1}" = 1 ]; then
     run "e2e_tinyllama_$v" timeout 150 "$B/bin/tilearn" bench --preset tinyllama-1.1b --steps 10 \
       --json $flags
   done
-  # The opt-in overlapped forward (fwd_overlap_kernel, three and two CTAs an SM) end to end.
-  for ctas in 3 2; do
-    run "e2e_16k_ovl$ctas" timeout 150 env TILEARN_FLASH_SM90_FWD_OVERLAP=$ctas "$B/bin/tilearn" \
-      bench --preset tinyllama-1.1b --batch 1 --seq 16384 --gradient-checkpointing --steps 4 \
-      --warmup 2 --json
-    run "e2e_tinyllama_ovl$ctas" timeout 150 env TILEARN_FLASH_SM90_FWD_OVERLAP=$ctas \
-      "$B/bin/tilearn" bench --preset tinyllama-1.1b --steps 10 --json
-  done
-  run attn_ovl3 timeout 180 env TILEARN_FLASH_SM90_FWD_OVERLAP=3 "$B/bin/gemm-bench" attention
   grep -h '"bench":"attention"\|"bench": "attention"' "$OUT"/attn_*.log > "$OUT/attn_table.jsonl"
   grep -h '"impl"' "$OUT"/e2e_*.log > "$OUT/e2e_table.jsonl"
 fi

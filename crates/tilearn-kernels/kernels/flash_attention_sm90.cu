@@ -399,103 +399,6 @@ __global__ void __launch_bounds__(128 * WGS, fwd_ctas_per_sm<PANELS>() / WGS) fw
 #endif
 }
 
-// ---- forward with the next block's scores in flight (head_dim 64; opt-in:
-// TILEARN_FLASH_SM90_FWD_OVERLAP=3 or 2, the CTAs an SM it is built for) ----
-// fwd_kernel's one-warpgroup CTA over 64 queries and key blocks of 128, with FlashAttention-3's
-// intra-warpgroup overlap: step kb issues S(kb + 1) = Q·K(kb + 1)ᵀ and then P(kb)·V(kb), waits
-// for the first only and computes block kb + 1's softmax while the tensor cores run P·V; then it
-// waits for P·V, rescales O and forms P(kb + 1) as the next step's A operand. O is touched only
-// once its product is complete. Every product is waited for within its step, so, as in
-// fwd_kernel, two K/V buffers suffice (K(kb + 2) and V(kb + 1) load at step kb, into the
-// buffers of K(kb) and V(kb - 1)). The products, roundings and their order are fwd_kernel's:
-// the same bits. Built in a session without device time: not timed, not the default; the
-// harness checks it bit for bit and times it (scripts/flash_harness.cu).
-
-template <typename T, int CTAS_PER_SM>
-__global__ void __launch_bounds__(128, CTAS_PER_SM) fwd_overlap_kernel(Args a) {
-#if TILEARN_HAS_WGMMA
-    constexpr int kBc = kFwdBc;
-    constexpr int kS = kBc / 2;
-    static_assert(kFwdStages == 2, "two K and two V buffers");
-    T* sQ = smem_tiles<T>();
-    T* sK = sQ + 64 * kD;
-    T* sV = sK + 2 * kBc * kD;
-    const WgIds id = wg_ids();
-    const int seq = a.seq;
-    const QueryBlock<T> blk = query_block<T, kD, 64, kBc>(a);
-    const int q0 = blk.q0, nkb = blk.nkb;
-    auto k_tile = [&](int kb) { return smem_addr(sK + (kb & 1) * kBc * kD); };
-    auto v_tile = [&](int kb) { return smem_addr(sV + (kb & 1) * kBc * kD); };
-    auto load = [&](T* buf, const T* g, int kb) {
-        if (kb < nkb) load_tile<T, kBc, kD, 128>(buf + (kb & 1) * kBc * kD, g, blk.kv_stride,
-                                                 kb * kBc, seq, id.tid);
-    };
-    load_tile<T, 64, kD, 128>(sQ, static_cast<const T*>(a.q) + blk.q_base, blk.q_stride, q0, seq,
-                              id.tid);
-    load(sK, blk.k, 0);
-    load(sK, blk.k, 1);
-    load(sV, blk.v, 0);
-    cp_async_commit();
-
-    const uint32_t q_tile = smem_addr(sQ);
-    const float sl2 = a.scale * kLog2e;
-    float o[1][32];
-    float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.0f, 0.0f};
-    float corr[2];
-    fill(o, 0.0f);
-    float s[kS];
-    uint32_t pa[kBc / 16][4];
-
-    // Block 0's scores and P.
-    cp_async_wait<0>();
-    wg::fence_smem_for_async();
-    __syncthreads();
-    wg::fence();
-    gemm_abt<T>(s, q_tile, k_tile(0));
-    wg::commit();
-    wg::wait<0>();
-    wg::fence_regs(s);
-    softmax_scores(s, row_max, row_sum, corr, 0, q0, sl2, id);
-    to_a_frags<T, kBc>(s, pa);
-
-    // No branch around a product (ptxas would serialise them all, C7514): the steps with a next
-    // block, then the last block's P·V.
-    auto open_step = [&](int kb) {
-        // K(kb + 1) and V(kb) landed; every thread is past step kb - 1, whose products are
-        // complete, so the buffers of K(kb) and V(kb - 1) are free.
-        cp_async_wait<0>();
-        wg::fence_smem_for_async();
-        __syncthreads();
-        load(sK, blk.k, kb + 2);
-        load(sV, blk.v, kb + 1);
-        cp_async_commit();
-    };
-    for (int kb = 0; kb + 1 < nkb; ++kb) {
-        open_step(kb);
-        wg::fence();
-        gemm_abt<T>(s, q_tile, k_tile(kb + 1));
-        wg::commit();
-        gemm_pb<T, kBc>(o[0], pa, v_tile(kb));
-        wg::commit();
-        wg::wait<1>();  // S(kb + 1); P·V(kb) still runs
-        wg::fence_regs(s);
-        softmax_scores(s, row_max, row_sum, corr, (kb + 1) * kBc, q0, sl2, id);
-        wg::wait<0>();
-        wg::fence_regs(o[0]);
-        rescale_o(o, corr);
-        to_a_frags<T, kBc>(s, pa);
-    }
-    open_step(nkb - 1);
-    wg::fence();
-    gemm_pb<T, kBc>(o[0], pa, v_tile(nkb - 1));
-    wg::commit();
-    wg::wait<0>();
-    wg::fence_regs(o[0]);
-    fwd_store<T, 1>(a, blk, o, row_max, row_sum, q0, id);
-#endif
-}
-
 // ---- backward dQ: one CTA per (64 WGS-query block, batch, query head), key blocks of 64 ----
 // Per warpgroup and key block: S and dP issued as two groups, P formed while dP finishes, then
 // dQ += dS·K. (Leaving dQ running into the next block's S and dP measured no faster.)
@@ -1113,12 +1016,6 @@ cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stre
         if (head_dim == 2 * kD)
             return launch(fwd_kernel<T, kFwdWgs, 2>, blocks, threads_of<kFwdWgs>(),
                           fwd_smem<kFwdWgs, 2>(), a, stream);
-        // TILEARN_FLASH_SM90_FWD_OVERLAP=3: three CTAs an SM (168 registers, 24 bytes of
-        // spills); =2: two (no spills). Not measured yet.
-        if (const char* ovl = std::getenv("TILEARN_FLASH_SM90_FWD_OVERLAP"); ovl != nullptr)
-            return ovl[0] == '2'
-                       ? launch(fwd_overlap_kernel<T, 2>, blocks, 128, fwd_smem<1>(), a, stream)
-                       : launch(fwd_overlap_kernel<T, 3>, blocks, 128, fwd_smem<1>(), a, stream);
         return launch(fwd_kernel<T, kFwdWgs>, blocks, threads_of<kFwdWgs>(), fwd_smem<kFwdWgs>(),
                       a, stream);
     }

@@ -18,7 +18,7 @@ use cudarc::driver::{CudaView, CudaViewMut};
 use tilearn_ops::cuda::{self as k, DeviceFloat};
 
 use super::arena::{Bufs, Dims, GradBufs, LayerBufs, Scratch, resid_in_out};
-use super::linear::{linear_bwd, linear_fwd};
+use super::linear::{linear_bwd, linear_bwd_add_dx, linear_fwd};
 use super::mlp::{MlpBackward, mlp_backward, mlp_forward};
 use super::norms::{NormAt, add_norm_fwd, norm_bwd, norm_bwd_add, norm_fwd};
 use super::resid_offload::{Part, RESID_SLOTS, ResidOffload, boundary_to_load};
@@ -619,7 +619,6 @@ fn block_backward<T: DeviceFloat>(
         &gb.dres.as_view(),
         mlp,
         &mut gb.dxn,
-        &mut gb.dtmp,
     )?;
     let mut lg = scratch.attention()?;
     let xn1 = a.xn1.as_view();
@@ -692,7 +691,8 @@ fn block_backward<T: DeviceFloat>(
         q,
         Some(&mut gb.dxn),
     )?;
-    linear_bwd(
+    // dxn += the k and v projections' input gradients (added by their GEMMs).
+    linear_bwd_add_dx(
         cx,
         w,
         g,
@@ -702,10 +702,9 @@ fn block_backward<T: DeviceFloat>(
         n,
         c,
         kv,
-        Some(&mut gb.dtmp),
+        &mut gb.dxn,
     )?;
-    k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
-    linear_bwd(
+    linear_bwd_add_dx(
         cx,
         w,
         g,
@@ -715,9 +714,8 @@ fn block_backward<T: DeviceFloat>(
         n,
         c,
         kv,
-        Some(&mut gb.dtmp),
+        &mut gb.dxn,
     )?;
-    k::residual_add_inplace(s, &mut gb.dxn, &gb.dtmp)?;
     // Column-parallel q/k/v: each rank's input gradient covers its heads only.
     complete(cx.tp, &mut gb.dxn)?;
     // dres += the norm's input gradient: dres becomes d/dx.

@@ -20,7 +20,7 @@ use half::{bf16, f16};
 use tilearn_ops::cpu::AttnShape;
 use tilearn_ops::cuda::{
     self as k, AttentionImpl, AttentionWorkspace, CudaStream, DeviceFloat, FlashBackward, Gemm,
-    flash_attention_one_pass, flash_attention_supports, flash_dq_accum_len,
+    MatmulSpec, Operand, flash_attention_one_pass, flash_attention_supports, flash_dq_accum_len,
 };
 use tilearn_ops::{KeyMask, OpsError, Result};
 
@@ -219,6 +219,47 @@ impl Matmul {
         let dx = dx.map(|v| v as &mut dyn DevicePtrMut<T>);
         let db = db.map(|v| v as &mut dyn DevicePtrMut<f32>);
         k::linear_backward(&self.gemm, dout, x, w, rows, in_f, out_f, dx, dw, db)
+    }
+
+    /// `dx += dout·W`: a linear layer's input gradient added onto another's (the f32 product
+    /// plus `dx`, rounded once, by the GEMM's beta = 1), where a written gradient and a
+    /// separate sum would round twice and pass over `dx` twice more. `dout` `[rows, out_f]`,
+    /// `w` `[out_f, in_f]`, `dx` `[rows, in_f]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn linear_input_grad_add<T: DeviceFloat>(
+        &mut self,
+        s: &Arc<CudaStream>,
+        dout: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        rows: usize,
+        in_f: usize,
+        out_f: usize,
+        dx: &mut CudaViewMut<'_, T>,
+    ) -> Result<()> {
+        const OP: &str = "linear_input_grad_add";
+        self.same_stream(s, OP)?;
+        let exact = |what: &str, want: usize, got: usize| {
+            if want == got {
+                Ok(())
+            } else {
+                Err(OpsError::Cuda {
+                    context: OP,
+                    message: format!("`{what}` has {got} elements, {want} expected"),
+                })
+            }
+        };
+        exact("dout", rows * out_f, dout.len())?;
+        exact("w", out_f * in_f, w.len())?;
+        exact("dx", rows * in_f, dx.len())?;
+        let mut spec = MatmulSpec::new(
+            rows,
+            in_f,
+            out_f,
+            Operand::plain(out_f),
+            Operand::plain(in_f),
+        );
+        spec.beta = 1.0;
+        self.gemm.matmul::<T, T>(&spec, dout, w, dx)
     }
 
     /// Causal GQA: `out` `[B, T, Hq, D]` and f32 `lse` `[B, Hq, T]` written; with

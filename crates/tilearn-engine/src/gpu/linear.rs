@@ -78,3 +78,26 @@ pub(super) fn linear_bwd<T: DeviceFloat>(
         }
     }
 }
+
+/// Backward of a linear layer whose input gradient is added onto `dx` (`dx += dout·W`, one
+/// rounding: see [`super::linalg::Matmul::linear_input_grad_add`]) rather than written: the
+/// k and v projections onto q's, up onto gate's. Weight and bias gradients as [`linear_bwd`].
+#[allow(clippy::too_many_arguments)]
+pub(super) fn linear_bwd_add_dx<T: DeviceFloat>(
+    cx: &mut Cx<'_>,
+    w: &Weights<'_, T>,
+    g: &mut GradParts<'_>,
+    l: &LinearLayout,
+    dout: &CudaView<'_, T>,
+    x: &CudaView<'_, T>,
+    rows: usize,
+    in_f: usize,
+    out_f: usize,
+    dx: &mut CudaViewMut<'_, T>,
+) -> Result<()> {
+    linear_bwd(cx, w, g, l, dout, x, rows, in_f, out_f, None)?;
+    let weight = w.slice(l.weight.clone())?;
+    cx.mm
+        .linear_input_grad_add(cx.stream, dout, &weight, rows, in_f, out_f, dx)?;
+    Ok(())
+}

@@ -17,7 +17,7 @@ use tilearn_ops::cuda::{self as k, DeviceFloat};
 
 use super::arena::Dims;
 use super::cx::Cx;
-use super::linear::{linear_bwd, linear_fwd};
+use super::linear::{linear_bwd, linear_bwd_add_dx, linear_fwd};
 use super::sink::GradParts;
 use super::views::{view, view_mut, view_of};
 use super::weights::Weights;
@@ -97,7 +97,6 @@ pub(super) struct MlpBackward<'s, T> {
 
 /// Backward: `dres` holds d/d(out); on return `dxn` holds d/d(xn2) (`=`, before a
 /// column-parallel completion), and the three products' weight gradients are added into `g`.
-/// `dtmp` is scratch.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn mlp_backward<T: DeviceFloat>(
     cx: &mut Cx<'_>,
@@ -110,7 +109,6 @@ pub(super) fn mlp_backward<T: DeviceFloat>(
     dres: &CudaView<'_, T>,
     bufs: MlpBackward<'_, T>,
     dxn: &mut CudaViewMut<'_, T>,
-    dtmp: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
     let (c, inter) = (d.c, d.inter);
     let s = cx.stream;
@@ -183,8 +181,8 @@ pub(super) fn mlp_backward<T: DeviceFloat>(
                     inter,
                     Some(&mut dxn_r),
                 )?;
-                let mut dtmp_r = view_mut(dtmp, rc.clone())?;
-                linear_bwd(
+                // dxn += up's input gradient (added by its GEMM).
+                linear_bwd_add_dx(
                     cx,
                     w,
                     g,
@@ -194,7 +192,7 @@ pub(super) fn mlp_backward<T: DeviceFloat>(
                     m,
                     c,
                     inter,
-                    Some(&mut dtmp_r),
+                    &mut dxn_r,
                 )?;
             }
             None => {
@@ -213,9 +211,6 @@ pub(super) fn mlp_backward<T: DeviceFloat>(
                 )?;
             }
         }
-    }
-    if lay.gate.is_some() {
-        k::residual_add_inplace(s, dxn, dtmp)?;
     }
     Ok(())
 }

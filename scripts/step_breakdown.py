@@ -29,7 +29,8 @@ import sys
 # Our kernels are grouped by the source file that defines them (their names are generic:
 # `forward_vec_kernel`), library kernels (cuBLASLt) by name fragments.
 FILE_CATEGORIES = {
-    "flash_attention.cu": "attention", "attention.cu": "attention",
+    "flash_attention.cu": "attention", "flash_attention_sm90.cu": "attention",
+    "attention.cu": "attention",
     "cached_attention.cu": "attention", "cross_entropy.cu": "loss",
     "optim_adam.cu": "optimizer", "optim_norm.cu": "optimizer", "optim_lion.cu": "optimizer",
     "optim_lamb.cu": "optimizer", "optim_sgd.cu": "optimizer",
@@ -42,7 +43,9 @@ KERNELS_DIR = os.path.join(os.path.dirname(__file__), "..", "crates", "tilearn-k
 
 def kernel_files(kernels_dir):
     """Kernel name -> category, from the `__global__` definitions of every .cu file."""
-    pattern = re.compile(r"__global__\s+(?:void\s+)?(?:__launch_bounds__\([^)]*\)\s+)?"
+    # __launch_bounds__'s arguments may hold one level of parentheses (`f<N>() / WGS`).
+    pattern = re.compile(r"__global__\s+(?:void\s+)?"
+                         r"(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?"
                          r"(?:void\s+)?([A-Za-z_0-9]+)\s*\(")
     names = {}
     for path in sorted(glob.glob(os.path.join(kernels_dir, "*.cu"))):

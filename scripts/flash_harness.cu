@@ -4,9 +4,11 @@
 //   - checks the one-pass Hopper backward against the deterministic one (dq relative error,
 //     dk / dv bit for bit), a second one-pass run against the first, and the deterministic
 //     backward against the mma.sync one (TILEARN_FLASH_SM80=1) bit for bit;
+//   - checks the TMA forward (the default) against the cp.async one bit for bit
+//     (TILEARN_FLASH_SM90_FWD_TMA=0);
 //   - with timing on, reports forward, delta and backward milliseconds (CUDA events, mean of
 //     20 launches, 5 at 16 K) and TFLOP/s for mma.sync, the deterministic and the one-pass
-//     backward.
+//     backward, and the two forwards alternately.
 //   - checks and times the head_dim-128 wgmma forward and backward (TILEARN_FLASH_SM90_HD128=0
 //     turns them off) against the mma.sync ones.
 // It is not a test of record (the Rust GPU tests are); bench/RESULTS.md cites its figures as
@@ -44,6 +46,12 @@ void check_status(int status, const char* what) {
 void use_mma_sync(bool on) {
     if (on) setenv("TILEARN_FLASH_SM80", "1", 1);
     else unsetenv("TILEARN_FLASH_SM80");
+}
+
+// The head_dim-64 forward with TMA loads (fwd_tma_kernel, the default) or cp.async (fwd_kernel).
+void use_fwd_tma(bool on) {
+    if (on) unsetenv("TILEARN_FLASH_SM90_FWD_TMA");
+    else setenv("TILEARN_FLASH_SM90_FWD_TMA", "0", 1);
 }
 
 // A device buffer of n elements of T, freed with the owner.
@@ -128,8 +136,8 @@ bool run_shape(Shape sh, int dtype, bool timing) {
     auto random = [&](size_t n) { return random_buffer<T>(rng, n); };
     Buffer<T> q = random(nq), k = random(nk), v = random(nk), dout = random(nq);
     Buffer<T> out(nq), dq_det(nq), dq_one(nq), dq_again(nq), dk_det(nk), dk_one(nk), dv_det(nk),
-        dv_one(nk);
-    Buffer<float> lse(nl), delta(nl);
+        dv_one(nk), out_tma(nq);
+    Buffer<float> lse(nl), delta(nl), lse_tma(nl);
     Buffer<float> acc(tilearn_flash_attention_dq_accum_len(sh.batch, sh.seq, sh.q_heads, kD));
     const float scale = 0.125f;
     auto forward = [&] {
@@ -152,8 +160,18 @@ bool run_shape(Shape sh, int dtype, bool timing) {
     };
 
     use_mma_sync(false);
+    // The TMA forward against fwd_kernel: the same products in the same order, the same bits.
+    use_fwd_tma(true);
+    check_status(tilearn_flash_attention_forward(dtype, q.ptr, k.ptr, v.ptr, out_tma.ptr,
+                                                 lse_tma.ptr, sh.batch, sh.seq, sh.q_heads,
+                                                 sh.kv_heads, kD, scale, nullptr, 0),
+                 "forward (TMA)");
+    use_fwd_tma(false);
     forward();
     check_cuda(cudaDeviceSynchronize(), "forward");
+    use_fwd_tma(true);
+    const size_t tma_diff = differing(out.download(), out_tma.download()) +
+                            differing(lse.download(), lse_tma.download());
     make_delta();
     backward(dq_det.ptr, dk_det.ptr, dv_det.ptr, nullptr);
     backward(dq_one.ptr, dk_one.ptr, dv_one.ptr, acc.ptr);
@@ -169,12 +187,15 @@ bool run_shape(Shape sh, int dtype, bool timing) {
     check_cuda(cudaDeviceSynchronize(), "mma.sync");
     use_mma_sync(false);
     const size_t sm80_diff = differing(dq_det.download(), dq_again.download());
-    const bool ok = e_dq < 4e-3 && e_again < 4e-3 && kv_diff == 0 && sm80_diff == 0;
+    const bool ok =
+        e_dq < 4e-3 && e_again < 4e-3 && kv_diff == 0 && sm80_diff == 0 && tma_diff == 0;
     std::printf(
         "%s B%d T%d H%d/%d %s: one-pass vs deterministic dq %.2e, dk/dv differing %zu; "
-        "one-pass rerun dq %.2e; deterministic vs mma.sync dq differing %zu\n",
+        "one-pass rerun dq %.2e; deterministic vs mma.sync dq differing %zu; TMA forward out/lse "
+        "differing %zu\n",
         ok ? "PASS" : "FAIL", sh.batch, sh.seq, sh.q_heads, sh.kv_heads,
-        dtype == TILEARN_DTYPE_BF16 ? "bf16" : "f16", e_dq, kv_diff, e_again, sm80_diff);
+        dtype == TILEARN_DTYPE_BF16 ? "bf16" : "f16", e_dq, kv_diff, e_again, sm80_diff,
+        tma_diff);
     if (!timing) return ok;
 
     auto time_ms = [&](auto&& launch) { return mean_ms(sh, launch); };
@@ -192,6 +213,17 @@ bool run_shape(Shape sh, int dtype, bool timing) {
             td, tb, 2.5 * fwd_flops / tb / 1e9, tf + td + tb);
     }
     use_mma_sync(false);
+    // The two forwards alternately, twice each (clocks drift within a call).
+    for (int rep = 0; rep < 2; ++rep) {
+        for (bool tma : {false, true}) {
+            use_fwd_tma(tma);
+            const float t = time_ms(forward);
+            std::printf("  TIME fwd-%s B%d T%d H%d/%d: fwd %.3f ms (%.0f TF/s)\n",
+                        tma ? "tma    " : "cp.async", sh.batch, sh.seq, sh.q_heads, sh.kv_heads, t,
+                        fwd_flops / t / 1e9);
+        }
+    }
+    use_fwd_tma(true);
     return ok;
 }
 

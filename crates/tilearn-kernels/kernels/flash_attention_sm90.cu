@@ -20,7 +20,10 @@
 //            dK += dSᵀ·Q (A from registers). dQ (two warpgroups): one CTA per (128-query block,
 //            batch, query head) walks the 64-key blocks up to the diagonal: S = Q·Kᵀ, dP = dO·Vᵀ,
 //            dQ += dS·K. The streamed tiles (K/V, or Q/dO/lse/delta for dK/dV) rotate through
-//            three cp.async buffers, one step ahead; blocks above the diagonal are never loaded.
+//            two or three buffers, one step ahead; blocks above the diagonal are never loaded.
+//            The head_dim-64 forward brings K and V in with TMA (fwd_tma_kernel: one thread, the
+//            bytes counted by an mbarrier; TILEARN_FLASH_SM90_FWD_TMA=0 keeps fwd_kernel's
+//            cp.async, the same bits); everything else loads by cp.async from every thread.
 //            The backward computes exactly what flash_attention.cu's does, in the same order
 //            (same tiles of 64, same roundings): its results are bit-identical to it, at head_dim
 //            128 too (each panel's k-steps in turn into one accumulator).
@@ -47,6 +50,8 @@
 //            fixed order (key blocks ascending; for dK / dV the group's heads, then query blocks,
 //            ascending): bit-identical from run to run. The one-pass backward's dK and dV are the
 //            same bits; its dq varies with the order of the reduce-adds (f32 rounding).
+
+#include <cudaTypedefs.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -941,6 +946,118 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkdv_ws_kernel(Args a) {
 #endif
 }
 
+// ---- forward with TMA loads (head_dim 64, the default; TILEARN_FLASH_SM90_FWD_TMA=0 keeps
+// fwd_kernel) ----
+// fwd_kernel's CTA, step and products, with each K / V block brought in by the Tensor Memory
+// Accelerator: one thread asks for the two 128 x 64 boxes (already in the 128-byte swizzle the
+// wgmma descriptors read) and an mbarrier counts their bytes, instead of every thread issuing
+// 16 cp.async and their address arithmetic a step. Keys past seq come in as zeros (the tensor
+// maps' bounds are each batch entry's sequence), as load_kv's zero fill. The forward is bound by
+// instruction issue (Nsight Compute: 57 % of issue slots, one eligible warp of three), so the
+// loads' instructions were worth removing: ptxas 154 registers (fwd_kernel 167), no spills;
+// out and lse bit-identical to fwd_kernel's.
+
+// K and V of one launch as [batch][seq][kv_heads x 64] tensors, boxes of one head's 128 rows.
+struct KvMaps {
+    CUtensorMap k;
+    CUtensorMap v;
+};
+
+#if TILEARN_HAS_WGMMA
+// Box (c0, c1, c2) of `map` into shared memory at `dst`, its bytes counted by `bar`.
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// This thread's arrival on `bar`, which then also waits for `bytes` bytes of copies.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+#endif
+
+// fwd_kernel's tiles and the two stages' mbarriers.
+constexpr size_t fwd_tma_smem() { return fwd_smem<1>() + kFwdStages * sizeof(uint64_t); }
+
+template <typename T>
+__global__ void __launch_bounds__(128, kFwdCtasPerSm)
+    fwd_tma_kernel(Args a, const __grid_constant__ KvMaps maps) {
+#if TILEARN_HAS_WGMMA
+    constexpr int kBc = kFwdBc;
+    constexpr int kS = kBc / 2;
+    constexpr uint32_t kStageBytes = 2 * kBc * kD * sizeof(T);  // a K and a V box
+    T* sQ = smem_tiles<T>();
+    T* sK = sQ + 64 * kD;
+    T* sV = sK + kFwdStages * kBc * kD;
+    uint64_t* full = reinterpret_cast<uint64_t*>(sV + kFwdStages * kBc * kD);
+    const WgIds id = wg_ids();
+    const int seq = a.seq;
+    const QueryBlock<T> blk = query_block<T, kD, 64, kBc>(a);
+    const int q0 = blk.q0, nkb = blk.nkb;
+    const int hk = blk.h / (a.q_heads / a.kv_heads);
+    if (id.tid == 0) {
+        for (int st = 0; st < kFwdStages; ++st) mbar_init(&full[st], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    // Block kb into buffer kb % kFwdStages (one thread; nothing past the last block).
+    auto load = [&](int kb) {
+        if (id.tid != 0 || kb >= nkb) return;
+        uint64_t* bar = &full[kb % kFwdStages];
+        mbar_arrive_expect_tx(bar, kStageBytes);
+        tma_load_3d(sK + (kb % kFwdStages) * kBc * kD, &maps.k, hk * kD, kb * kBc, blk.b, bar);
+        tma_load_3d(sV + (kb % kFwdStages) * kBc * kD, &maps.v, hk * kD, kb * kBc, blk.b, bar);
+    };
+    load_tile<T, 64, kD, 128>(sQ, static_cast<const T*>(a.q) + blk.q_base, blk.q_stride, q0, seq,
+                              id.tid);
+    cp_async_commit();
+    load(0);
+    cp_async_wait<0>();
+    wg::fence_smem_for_async();
+
+    const uint32_t q_tile = smem_addr(sQ);
+    const float sl2 = a.scale * kLog2e;
+    float o[1][32];
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.0f, 0.0f};
+    fill(o, 0.0f);
+
+    for (int kb = 0; kb < nkb; ++kb) {
+        // Every thread is past step kb - 1, whose products are complete: the buffer of block
+        // kb + 1 (read at step kb - 1) is free, and (at kb = 0) Q is visible to wgmma.
+        __syncthreads();
+        load(kb + 1);
+        mbar_wait(&full[kb % kFwdStages], (kb / kFwdStages) & 1);
+        const uint32_t k_tile = smem_addr(sK + (kb % kFwdStages) * kBc * kD);
+        const uint32_t v_tile = smem_addr(sV + (kb % kFwdStages) * kBc * kD);
+        float s[kS];
+        wg::fence();
+        gemm_abt<T>(s, q_tile, k_tile, false);
+        wg::commit();
+        wg::wait<0>();
+        wg::fence_regs(s);
+        float corr[2];
+        softmax_scores(s, row_max, row_sum, corr, kb * kBc, q0, sl2, id);
+        rescale_o(o, corr);
+        uint32_t pa[kBc / 16][4];
+        to_a_frags<T, kBc>(s, pa);
+        wg::fence();
+        gemm_pb<T, kBc>(o[0], pa, v_tile);
+        wg::commit();
+        wg::wait<0>();
+        wg::fence_regs(o[0]);
+    }
+
+    fwd_store<T, 1>(a, blk, o, row_max, row_sum, q0, id);
+#endif
+}
+
 // ---- one-pass backward: dq from dq_accum ----
 // One CTA per (64-query block, batch, query head): the block's 64 x 64 f32 sums (fragment
 // order, see dq_fragment_index) through shared memory into rows of dq, rounded once to T.
@@ -987,15 +1104,57 @@ __global__ void __launch_bounds__(kConvThreads) dq_from_accum_kernel(Args a) {
 
 // ---- launch ----
 
-template <typename K>
+template <typename K, typename... Extra>
 cudaError_t launch(K kernel, size_t blocks, int threads, size_t smem, const Args& a,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const Extra&... extra) {
     if (blocks == 0 || blocks > 0x7fffffffu) return cudaErrorInvalidValue;
     const cudaError_t e = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;
-    kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(a);
+    kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(a, extra...);
     return cudaGetLastError();
+}
+
+// cuTensorMapEncodeTiled, looked up in the driver once (null where the driver lacks it).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                             cudaEnableDefault, &found) != cudaSuccess ||
+            found != cudaDriverEntryPointSuccess)
+            fn = nullptr;
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    return encode;
+}
+
+// `base` (k or v: [batch][seq][kv_heads x 64] of T) as TMA boxes of 64 x kFwdBc (one kv head's
+// block of keys) in the 128-byte swizzle; rows past seq read as zeros. False if the driver
+// cannot encode it.
+template <typename T>
+bool kv_tensor_map(CUtensorMap* map, const void* base, const Args& a) {
+    const auto encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    const cuuint64_t row = static_cast<cuuint64_t>(a.kv_heads) * kD;
+    const cuuint64_t dims[3] = {row, static_cast<cuuint64_t>(a.seq),
+                                static_cast<cuuint64_t>(a.batch)};
+    const cuuint64_t strides[2] = {row * sizeof(T), row * a.seq * sizeof(T)};
+    const cuuint32_t box[3] = {kD, kFwdBc, 1};
+    const cuuint32_t unit[3] = {1, 1, 1};
+    const CUtensorMapDataType type = std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    return encode(map, type, 3, const_cast<void*>(base), dims, strides, box, unit,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The head_dim-64 forward loads K and V with TMA (fwd_tma_kernel) unless
+// TILEARN_FLASH_SM90_FWD_TMA=0 keeps cp.async (fwd_kernel; the same bits).
+bool fwd_tma_on() {
+    const char* v = std::getenv("TILEARN_FLASH_SM90_FWD_TMA");
+    return v == nullptr || v[0] != '0';
 }
 
 // Measured on an H200 (bf16, head_dim 64, forward / backward ms, mma.sync kernels in brackets):
@@ -1016,6 +1175,12 @@ cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stre
         if (head_dim == 2 * kD)
             return launch(fwd_kernel<T, kFwdWgs, 2>, blocks, threads_of<kFwdWgs>(),
                           fwd_smem<kFwdWgs, 2>(), a, stream);
+        // TMA loads: 0.86 of fwd_kernel's time at 1 x 16 K, 0.86 at TinyLlama's shape, 0.91 at
+        // llama-134m's (H200, harness, the same bits); cp.async where the driver cannot encode
+        // the tensor maps.
+        if (KvMaps maps; fwd_tma_on() && kv_tensor_map<T>(&maps.k, a.k, a) &&
+                         kv_tensor_map<T>(&maps.v, a.v, a))
+            return launch(fwd_tma_kernel<T>, blocks, 128, fwd_tma_smem(), a, stream, maps);
         return launch(fwd_kernel<T, kFwdWgs>, blocks, threads_of<kFwdWgs>(), fwd_smem<kFwdWgs>(),
                       a, stream);
     }

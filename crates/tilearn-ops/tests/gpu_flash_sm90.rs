@@ -38,6 +38,10 @@
 //! of 2 and 8, plain multi-head (the 7B shape's 32 heads at T = 1000), partial tiles, bf16 and
 //! f16.
 //!
+//! The head_dim-64 forward's TMA loads (the default) against its cp.async loads
+//! (`TILEARN_FLASH_SM90_FWD_TMA=0`): bit for bit, with several batch entries and partial last
+//! key blocks.
+//!
 //! Without a GPU, or on a GPU other than compute capability 9.0, the tests print `skipped: ...`
 //! and pass.
 #![cfg(feature = "cuda")]
@@ -270,6 +274,92 @@ fn the_head_dim_128_kernels_match_the_mma_sync_kernels() {
     }
     let s = shape(2, 257, 4, 2, 128);
     compare::<f16>(&dev, &gemm, s, 400, 2e-3);
+}
+
+/// `0` loads the head_dim-64 forward's K / V with cp.async (`fwd_kernel`); unset, with TMA
+/// (`fwd_tma_kernel`, the default).
+const FWD_TMA: &str = "TILEARN_FLASH_SM90_FWD_TMA";
+
+/// The TMA forward against the cp.async one at one shape: the same products in the same order,
+/// so `out` and `lse` are the same bits. Several batch entries and a partial last key block
+/// check the tensor maps' bounds (keys past seq are zeros, not the next entry's).
+fn tma_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64) {
+    let st = dev.stream();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let ql = s.batch * s.seq * s.q_heads * s.head_dim;
+    let kvl = s.batch * s.seq * s.kv_heads * s.head_dim;
+    let rows = s.batch * s.q_heads * s.seq;
+    let (q, _) = random::<T>(&mut rng, ql, 0.05, 2.0);
+    let (k, _) = random::<T>(&mut rng, kvl, 0.05, 2.0);
+    let (v, _) = random::<T>(&mut rng, kvl, 0.05, 1.0);
+    let (q, k, v) = (upload(st, &q), upload(st, &k), upload(st, &v));
+    let mut ws = AttentionWorkspace::new(st, s, size_of::<T>()).unwrap();
+    let mut forward = |tma: bool| {
+        let mut out = upload(st, &vec![T::NAN; ql]);
+        let mut lse = upload(st, &vec![f32::NAN; rows]);
+        // SAFETY: the caller holds `KERNELS` (see `with_kernels`).
+        unsafe {
+            if tma {
+                std::env::remove_var(FWD_TMA);
+            } else {
+                std::env::set_var(FWD_TMA, "0");
+            }
+        }
+        let r = cuda::attention_forward_with(
+            AttentionImpl::Flash,
+            gemm,
+            &mut ws,
+            s,
+            &q,
+            &k,
+            &v,
+            &mut out,
+            &mut lse,
+        );
+        // SAFETY: as above.
+        unsafe { std::env::remove_var(FWD_TMA) };
+        r.unwrap();
+        (download(dev, &out), download(dev, &lse))
+    };
+    let (out_cp, lse_cp) = forward(false);
+    let (out_tma, lse_tma) = forward(true);
+    let out_diff = out_cp
+        .iter()
+        .zip(&out_tma)
+        .filter(|(a, b)| a.bits() != b.bits())
+        .count();
+    let lse_diff = lse_cp
+        .iter()
+        .zip(&lse_tma)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    let tag = format!("{} {s:?}", std::any::type_name::<T>());
+    report(&format!(
+        "gpu_flash_sm90: {tag}: TMA forward against cp.async: out values differing {out_diff}, \
+         lse {lse_diff}"
+    ));
+    assert_eq!((out_diff, lse_diff), (0, 0), "{tag}: the forwards differ");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn the_tma_forward_matches_the_cp_async_forward_bit_for_bit() {
+    const TEST: &str = "the_tma_forward_matches_the_cp_async_forward_bit_for_bit";
+    let Some((_kernels, dev, gemm)) = hopper_or_skip(TEST) else {
+        return;
+    };
+    for (i, &(b, t, hq, hkv)) in [
+        (3, 130, 2, 1),
+        (2, 333, 8, 1),
+        (1, 64, 4, 4),
+        (2, 1024, 32, 4),
+    ]
+    .iter()
+    .enumerate()
+    {
+        tma_case::<bf16>(&dev, &gemm, shape(b, t, hq, hkv, 64), 500 + i as u64);
+    }
+    tma_case::<f16>(&dev, &gemm, shape(2, 257, 4, 2, 64), 600);
 }
 
 /// Fresh random inputs of one attention problem in `T` and the forward's `out` and `lse` (the

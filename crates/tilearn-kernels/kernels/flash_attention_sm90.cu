@@ -339,6 +339,40 @@ __device__ __forceinline__ void fwd_store(const Args& a, const QueryBlock<T>& bl
 }
 #endif
 
+#if TILEARN_HAS_WGMMA
+// One forward step of a warpgroup: S = Q·Kᵀ over the key block at k0 (K and V: `tiles`, panel 0;
+// Q: q_tile, panels q_panel bytes apart), the online softmax, O = O·corr + P·V; every product
+// waited for within the step.
+template <typename T, int PANELS>
+__device__ __forceinline__ void fwd_step(float (&o)[PANELS][32], float (&row_max)[2],
+                                         float (&row_sum)[2], uint32_t q_tile, uint32_t q_panel,
+                                         uint2 tiles, int k0, int row_wg, float sl2,
+                                         const WgIds& id) {
+    constexpr int kBc = fwd_bc<PANELS>();
+    constexpr uint32_t kKvPanel = kBc * kTile;  // bytes from one K (or V) panel to the next
+    float s[kBc / 2];
+    wg::fence();
+#pragma unroll
+    for (int p = 0; p < PANELS; ++p)
+        gemm_abt<T>(s, q_tile + p * q_panel, tiles.x + p * kKvPanel, p > 0);
+    wg::commit();
+    wg::wait<0>();
+    wg::fence_regs(s);
+    float corr[2];
+    softmax_scores(s, row_max, row_sum, corr, k0, row_wg, sl2, id);
+    rescale_o(o, corr);
+    uint32_t pa[kBc / 16][4];
+    to_a_frags<T, kBc>(s, pa);
+    wg::fence();
+#pragma unroll
+    for (int p = 0; p < PANELS; ++p) gemm_pb<T, kBc>(o[p], pa, tiles.y + p * kKvPanel);
+    wg::commit();
+    wg::wait<0>();
+#pragma unroll
+    for (int p = 0; p < PANELS; ++p) wg::fence_regs(o[p]);
+}
+#endif
+
 // ---- forward: one CTA per (64 WGS-query block, batch, query head), key blocks of 128 ----
 // (head_dim 128, PANELS = 2: key blocks of 64, the products over both panels; see fwd_bc.)
 
@@ -348,8 +382,6 @@ __global__ void __launch_bounds__(128 * WGS, fwd_ctas_per_sm<PANELS>() / WGS) fw
     constexpr int kThr = threads_of<WGS>();
     constexpr int kBr = 64 * WGS;
     constexpr int kBc = fwd_bc<PANELS>();
-    constexpr int kS = kBc / 2;               // score registers: a 64 x kBc block
-    constexpr uint32_t kKvPanel = kBc * kTile;  // bytes from one K (or V) panel to the next
     T* sQ = smem_tiles<T>();
     T* sK = sQ + PANELS * kBr * kD;
     T* sV = sK + kFwdStages * PANELS * kBc * kD;
@@ -377,27 +409,7 @@ __global__ void __launch_bounds__(128 * WGS, fwd_ctas_per_sm<PANELS>() / WGS) fw
 
     for (int kb = 0; kb < nkb; ++kb) {
         const uint2 tiles = kv.open_step(kb);
-        const uint32_t k_tile = tiles.x, v_tile = tiles.y;
-        float s[kS];
-        wg::fence();
-#pragma unroll
-        for (int p = 0; p < PANELS; ++p)
-            gemm_abt<T>(s, q_tile + p * kQPanel, k_tile + p * kKvPanel, p > 0);
-        wg::commit();
-        wg::wait<0>();
-        wg::fence_regs(s);
-        float corr[2];
-        softmax_scores(s, row_max, row_sum, corr, kb * kBc, row_wg, sl2, id);
-        rescale_o(o, corr);
-        uint32_t pa[kBc / 16][4];
-        to_a_frags<T, kBc>(s, pa);
-        wg::fence();
-#pragma unroll
-        for (int p = 0; p < PANELS; ++p) gemm_pb<T, kBc>(o[p], pa, v_tile + p * kKvPanel);
-        wg::commit();
-        wg::wait<0>();
-#pragma unroll
-        for (int p = 0; p < PANELS; ++p) wg::fence_regs(o[p]);
+        fwd_step<T, PANELS>(o, row_max, row_sum, q_tile, kQPanel, tiles, kb * kBc, row_wg, sl2, id);
     }
 
     fwd_store<T, PANELS>(a, blk, o, row_max, row_sum, row_wg, id);
@@ -990,7 +1002,6 @@ __global__ void __launch_bounds__(128, kFwdCtasPerSm)
     fwd_tma_kernel(Args a, const __grid_constant__ KvMaps maps) {
 #if TILEARN_HAS_WGMMA
     constexpr int kBc = kFwdBc;
-    constexpr int kS = kBc / 2;
     constexpr uint32_t kStageBytes = 2 * kBc * kD * sizeof(T);  // a K and a V box
     T* sQ = smem_tiles<T>();
     T* sK = sQ + 64 * kD;
@@ -1034,24 +1045,9 @@ __global__ void __launch_bounds__(128, kFwdCtasPerSm)
         __syncthreads();
         load(kb + 1);
         mbar_wait(&full[kb % kFwdStages], (kb / kFwdStages) & 1);
-        const uint32_t k_tile = smem_addr(sK + (kb % kFwdStages) * kBc * kD);
-        const uint32_t v_tile = smem_addr(sV + (kb % kFwdStages) * kBc * kD);
-        float s[kS];
-        wg::fence();
-        gemm_abt<T>(s, q_tile, k_tile, false);
-        wg::commit();
-        wg::wait<0>();
-        wg::fence_regs(s);
-        float corr[2];
-        softmax_scores(s, row_max, row_sum, corr, kb * kBc, q0, sl2, id);
-        rescale_o(o, corr);
-        uint32_t pa[kBc / 16][4];
-        to_a_frags<T, kBc>(s, pa);
-        wg::fence();
-        gemm_pb<T, kBc>(o[0], pa, v_tile);
-        wg::commit();
-        wg::wait<0>();
-        wg::fence_regs(o[0]);
+        const uint2 tiles = make_uint2(smem_addr(sK + (kb % kFwdStages) * kBc * kD),
+                                       smem_addr(sV + (kb % kFwdStages) * kBc * kD));
+        fwd_step<T, 1>(o, row_max, row_sum, q_tile, 0, tiles, kb * kBc, q0, sl2, id);
     }
 
     fwd_store<T, 1>(a, blk, o, row_max, row_sum, q0, id);

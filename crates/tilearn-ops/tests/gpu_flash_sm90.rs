@@ -284,54 +284,39 @@ const FWD_TMA: &str = "TILEARN_FLASH_SM90_FWD_TMA";
 /// so `out` and `lse` are the same bits. Several batch entries and a partial last key block
 /// check the tensor maps' bounds (keys past seq are zeros, not the next entry's).
 fn tma_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64) {
+    // SAFETY: the caller holds `KERNELS` (see `with_kernels`). Unset: the TMA forward.
+    unsafe { std::env::remove_var(FWD_TMA) };
+    let p = Problem::<T>::new(dev, gemm, s, seed, None);
     let st = dev.stream();
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let ql = s.batch * s.seq * s.q_heads * s.head_dim;
-    let kvl = s.batch * s.seq * s.kv_heads * s.head_dim;
-    let rows = s.batch * s.q_heads * s.seq;
-    let (q, _) = random::<T>(&mut rng, ql, 0.05, 2.0);
-    let (k, _) = random::<T>(&mut rng, kvl, 0.05, 2.0);
-    let (v, _) = random::<T>(&mut rng, kvl, 0.05, 1.0);
-    let (q, k, v) = (upload(st, &q), upload(st, &k), upload(st, &v));
-    let mut ws = AttentionWorkspace::new(st, s, size_of::<T>()).unwrap();
-    let mut forward = |tma: bool| {
-        let mut out = upload(st, &vec![T::NAN; ql]);
-        let mut lse = upload(st, &vec![f32::NAN; rows]);
-        // SAFETY: the caller holds `KERNELS` (see `with_kernels`).
-        unsafe {
-            if tma {
-                std::env::remove_var(FWD_TMA);
-            } else {
-                std::env::set_var(FWD_TMA, "0");
-            }
-        }
-        let r = cuda::attention_forward_with(
-            AttentionImpl::Flash,
-            gemm,
-            &mut ws,
-            s,
-            &q,
-            &k,
-            &v,
-            &mut out,
-            &mut lse,
-        );
-        // SAFETY: as above.
-        unsafe { std::env::remove_var(FWD_TMA) };
-        r.unwrap();
-        (download(dev, &out), download(dev, &lse))
-    };
-    let (out_cp, lse_cp) = forward(false);
-    let (out_tma, lse_tma) = forward(true);
-    let out_diff = out_cp
+    let mut out = upload(st, &vec![T::NAN; p.out.len()]);
+    let mut lse = upload(st, &vec![f32::NAN; p.lse.len()]);
+    let mut ws = AttentionWorkspace::for_flash(st, s, FlashBackward::Deterministic).unwrap();
+    // SAFETY: as above.
+    unsafe { std::env::set_var(FWD_TMA, "0") };
+    let r = cuda::attention_forward_masked(
+        AttentionImpl::Flash,
+        gemm,
+        &mut ws,
+        s,
+        key_mask(None),
+        &p.q,
+        &p.k,
+        &p.v,
+        &mut out,
+        &mut lse,
+    );
+    // SAFETY: as above.
+    unsafe { std::env::remove_var(FWD_TMA) };
+    r.unwrap();
+    let out_diff = download(dev, &p.out)
         .iter()
-        .zip(&out_tma)
+        .zip(&download(dev, &out))
         .filter(|(a, b)| a.bits() != b.bits())
         .count();
-    let lse_diff = lse_cp
+    let lse_diff = download(dev, &p.lse)
         .iter()
-        .zip(&lse_tma)
-        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .zip(&download(dev, &lse))
+        .filter(|(a, b): &(&f32, &f32)| a.to_bits() != b.to_bits())
         .count();
     let tag = format!("{} {s:?}", std::any::type_name::<T>());
     report(&format!(

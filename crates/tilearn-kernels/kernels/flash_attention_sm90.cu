@@ -23,7 +23,8 @@
 //            two or three buffers, one step ahead; blocks above the diagonal are never loaded.
 //            The head_dim-64 forward brings K and V in with TMA (fwd_tma_kernel: one thread, the
 //            bytes counted by an mbarrier; TILEARN_FLASH_SM90_FWD_TMA=0 keeps fwd_kernel's
-//            cp.async, the same bits); everything else loads by cp.async from every thread.
+//            cp.async, the same bits, =1 demands TMA); everything else loads by cp.async from
+//            every thread.
 //            The backward computes exactly what flash_attention.cu's does, in the same order
 //            (same tiles of 64, same roundings): its results are bit-identical to it, at head_dim
 //            128 too (each panel's k-steps in turn into one accumulator).
@@ -1146,11 +1147,16 @@ bool kv_tensor_map(CUtensorMap* map, const void* base, const Args& a) {
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The head_dim-64 forward loads K and V with TMA (fwd_tma_kernel) unless
-// TILEARN_FLASH_SM90_FWD_TMA=0 keeps cp.async (fwd_kernel; the same bits).
-bool fwd_tma_on() {
+// How the head_dim-64 forward loads K and V (TILEARN_FLASH_SM90_FWD_TMA): unset, TMA
+// (fwd_tma_kernel) where the driver encodes the tensor maps, else cp.async; `0`, cp.async
+// (fwd_kernel; the same bits); `1`, TMA or an error (tests and benchmarks that must know which
+// kernel ran).
+enum class FwdLoads { Auto, CpAsync, Tma };
+
+FwdLoads fwd_loads() {
     const char* v = std::getenv("TILEARN_FLASH_SM90_FWD_TMA");
-    return v == nullptr || v[0] != '0';
+    if (v == nullptr || v[0] == '\0') return FwdLoads::Auto;
+    return v[0] == '0' ? FwdLoads::CpAsync : FwdLoads::Tma;
 }
 
 // Measured on an H200 (bf16, head_dim 64, forward / backward ms, mma.sync kernels in brackets):
@@ -1172,11 +1178,13 @@ cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stre
             return launch(fwd_kernel<T, kFwdWgs, 2>, blocks, threads_of<kFwdWgs>(),
                           fwd_smem<kFwdWgs, 2>(), a, stream);
         // TMA loads: 0.86 of fwd_kernel's time at 1 x 16 K, 0.86 at TinyLlama's shape, 0.91 at
-        // llama-134m's (H200, harness, the same bits); cp.async where the driver cannot encode
-        // the tensor maps.
-        if (KvMaps maps; fwd_tma_on() && kv_tensor_map<T>(&maps.k, a.k, a) &&
-                         kv_tensor_map<T>(&maps.v, a.v, a))
-            return launch(fwd_tma_kernel<T>, blocks, 128, fwd_tma_smem(), a, stream, maps);
+        // llama-134m's (H200, harness, the same bits).
+        if (const FwdLoads loads = fwd_loads(); loads != FwdLoads::CpAsync) {
+            KvMaps maps;
+            if (kv_tensor_map<T>(&maps.k, a.k, a) && kv_tensor_map<T>(&maps.v, a.v, a))
+                return launch(fwd_tma_kernel<T>, blocks, 128, fwd_tma_smem(), a, stream, maps);
+            if (loads == FwdLoads::Tma) return cudaErrorNotSupported;
+        }
         return launch(fwd_kernel<T, kFwdWgs>, blocks, threads_of<kFwdWgs>(), fwd_smem<kFwdWgs>(),
                       a, stream);
     }

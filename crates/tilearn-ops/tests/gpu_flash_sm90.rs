@@ -276,16 +276,17 @@ fn the_head_dim_128_kernels_match_the_mma_sync_kernels() {
     compare::<f16>(&dev, &gemm, s, 400, 2e-3);
 }
 
-/// `0` loads the head_dim-64 forward's K / V with cp.async (`fwd_kernel`); unset, with TMA
-/// (`fwd_tma_kernel`, the default).
+/// `0` loads the head_dim-64 forward's K / V with cp.async (`fwd_kernel`); `1` with TMA
+/// (`fwd_tma_kernel`) or fails; unset, TMA where the driver encodes its tensor maps.
 const FWD_TMA: &str = "TILEARN_FLASH_SM90_FWD_TMA";
 
 /// The TMA forward against the cp.async one at one shape: the same products in the same order,
 /// so `out` and `lse` are the same bits. Several batch entries and a partial last key block
 /// check the tensor maps' bounds (keys past seq are zeros, not the next entry's).
 fn tma_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64) {
-    // SAFETY: the caller holds `KERNELS` (see `with_kernels`). Unset: the TMA forward.
-    unsafe { std::env::remove_var(FWD_TMA) };
+    // SAFETY: the caller holds `KERNELS` (see `with_kernels`). `1`: TMA or an error, so the
+    // comparison cannot pass by measuring the cp.async fallback against itself.
+    unsafe { std::env::set_var(FWD_TMA, "1") };
     let p = Problem::<T>::new(dev, gemm, s, seed, None);
     let st = dev.stream();
     let mut out = upload(st, &vec![T::NAN; p.out.len()]);

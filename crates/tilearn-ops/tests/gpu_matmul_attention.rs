@@ -423,6 +423,8 @@ fn linear_case<T: Elem>(
     // Non-zero initial parameter gradients: the backward must add to them.
     let (dw0, dw064) = random::<f32>(&mut rng, out_f * in_f, 0.05, 1.0);
     let (db0, db064) = random::<f32>(&mut rng, out_f, 0.05, 1.0);
+    // Another layer's input gradient, for linear_input_grad_add to add onto.
+    let (dx_other, dx_other64) = random::<T>(&mut rng, rows * in_f, 0.05, 1.0);
 
     let (dx_, dw_) = (upload(s, &x), upload(s, &w));
     let dbias = upload(s, &b);
@@ -446,6 +448,9 @@ fn linear_case<T: Elem>(
         if with_bias { Some(&mut db) } else { None },
     )
     .unwrap();
+    let mut dx_sum = upload(s, &dx_other);
+    cuda::linear_input_grad_add(gemm, &ddout, &dw_, rows, in_f, out_f, &mut dx_sum).unwrap();
+    let dx_sum = download_f64(dev, &dx_sum);
     let (out, dx, dw, db) = (
         download_f64(dev, &out),
         download_f64(dev, &dx),
@@ -512,6 +517,17 @@ fn linear_case<T: Elem>(
         test,
         &format!("{tag}: dx"),
         rel_err("dx", &gather_rows(&dx, in_f, &rs), &dx_ref),
+        tol_t,
+    );
+    let dx_sum_ref: Vec<f64> = gather_rows(&dx_other64, in_f, &rs)
+        .iter()
+        .zip(&dx_ref)
+        .map(|(a, b)| a + b)
+        .collect();
+    expect_within(
+        test,
+        &format!("{tag}: dx += (linear_input_grad_add)"),
+        rel_err("dx_sum", &gather_rows(&dx_sum, in_f, &rs), &dx_sum_ref),
         tol_t,
     );
     expect_within(

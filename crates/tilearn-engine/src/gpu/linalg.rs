@@ -20,7 +20,7 @@ use half::{bf16, f16};
 use tilearn_ops::cpu::AttnShape;
 use tilearn_ops::cuda::{
     self as k, AttentionImpl, AttentionWorkspace, CudaStream, DeviceFloat, FlashBackward, Gemm,
-    MatmulSpec, Operand, flash_attention_one_pass, flash_attention_supports, flash_dq_accum_len,
+    flash_attention_one_pass, flash_attention_supports, flash_dq_accum_len,
 };
 use tilearn_ops::{KeyMask, OpsError, Result};
 
@@ -221,10 +221,7 @@ impl Matmul {
         k::linear_backward(&self.gemm, dout, x, w, rows, in_f, out_f, dx, dw, db)
     }
 
-    /// `dx += dout·W`: a linear layer's input gradient added onto another's (the f32 product
-    /// plus `dx`, rounded once, by the GEMM's beta = 1), where a written gradient and a
-    /// separate sum would round twice and pass over `dx` twice more. `dout` `[rows, out_f]`,
-    /// `w` `[out_f, in_f]`, `dx` `[rows, in_f]`.
+    /// `dx += dout·W` (see [`k::linear_input_grad_add`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn linear_input_grad_add<T: DeviceFloat>(
         &mut self,
@@ -236,30 +233,8 @@ impl Matmul {
         out_f: usize,
         dx: &mut CudaViewMut<'_, T>,
     ) -> Result<()> {
-        const OP: &str = "linear_input_grad_add";
-        self.same_stream(s, OP)?;
-        let exact = |what: &str, want: usize, got: usize| {
-            if want == got {
-                Ok(())
-            } else {
-                Err(OpsError::Cuda {
-                    context: OP,
-                    message: format!("`{what}` has {got} elements, {want} expected"),
-                })
-            }
-        };
-        exact("dout", rows * out_f, dout.len())?;
-        exact("w", out_f * in_f, w.len())?;
-        exact("dx", rows * in_f, dx.len())?;
-        let mut spec = MatmulSpec::new(
-            rows,
-            in_f,
-            out_f,
-            Operand::plain(out_f),
-            Operand::plain(in_f),
-        );
-        spec.beta = 1.0;
-        self.gemm.matmul::<T, T>(&spec, dout, w, dx)
+        self.same_stream(s, "linear_input_grad_add")?;
+        k::linear_input_grad_add(&self.gemm, dout, w, rows, in_f, out_f, dx)
     }
 
     /// Causal GQA: `out` `[B, T, Hq, D]` and f32 `lse` `[B, Hq, T]` written; with

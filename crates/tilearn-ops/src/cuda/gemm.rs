@@ -855,14 +855,7 @@ pub fn linear_backward<T: DeviceFloat>(
     bind(stream, OP)?;
     let (dout_ptr, _dout) = dout.device_ptr(stream);
     if let Some(dx) = dx {
-        // dx (rows×in_f) = dout (rows×out_f) · W (out_f×in_f).
-        let spec = MatmulSpec::new(
-            rows,
-            in_f,
-            out_f,
-            Operand::plain(out_f),
-            Operand::plain(in_f),
-        );
+        let spec = input_grad_spec(rows, in_f, out_f, 0.0);
         spec.required_lens(OP)?;
         let (w_ptr, _w) = w.device_ptr(stream);
         let (dx_ptr, _dx) = dx.device_ptr_mut(stream);
@@ -921,4 +914,39 @@ pub fn linear_backward<T: DeviceFloat>(
         check(OP, status)?;
     }
     Ok(())
+}
+
+/// `dx (rows×in_f) = dout (rows×out_f) · W (out_f×in_f) + beta · dx`: the input gradient's
+/// product, written (`beta = 0`) by [`linear_backward`] or added (`beta = 1`) by
+/// [`linear_input_grad_add`].
+fn input_grad_spec(rows: usize, in_f: usize, out_f: usize, beta: f32) -> MatmulSpec {
+    let mut spec = MatmulSpec::new(
+        rows,
+        in_f,
+        out_f,
+        Operand::plain(out_f),
+        Operand::plain(in_f),
+    );
+    spec.beta = beta;
+    spec
+}
+
+/// `dx += dout·W`: a linear layer's input gradient added onto another layer's that read the same
+/// input (the f32 product plus the widened `dx`, rounded once to `T`: the GEMM's beta = 1),
+/// where [`linear_backward`]'s written `dx` and a separate sum would round twice and pass over
+/// `dx` twice more. `dout` `[rows, out_f]`, `w` `[out_f, in_f]`, `dx` `[rows, in_f]`, all `T`.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_input_grad_add<T: DeviceFloat>(
+    gemm: &Gemm,
+    dout: &impl DevicePtr<T>,
+    w: &impl DevicePtr<T>,
+    rows: usize,
+    in_f: usize,
+    out_f: usize,
+    dx: &mut impl DevicePtrMut<T>,
+) -> Result<()> {
+    const OP: &str = "linear_input_grad_add";
+    linear_dims(OP, dx.len(), w.len(), rows, in_f, out_f)?;
+    expect_len(OP, rows * out_f, dout.len())?;
+    gemm.matmul::<T, T>(&input_grad_spec(rows, in_f, out_f, 1.0), dout, w, dx)
 }

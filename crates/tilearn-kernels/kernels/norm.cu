@@ -11,10 +11,11 @@
 //            rows in the backward. The backward's fast path (16-byte aligned tensors, dim a
 //            multiple of 16 bytes' elements, at most 8 such vectors per lane: dim <= 2048 in
 //            bf16/f16, 1024 in f32) gives each row to one warp: a lane loads its 16-byte
-//            vectors of dy and x once into registers, the row's dot product is a warp shuffle
-//            (no block barrier per row), and each lane keeps its columns' dweight sums in
-//            registers; the block's warps take the chunk's rows round-robin and their sums are
-//            added in warp order at the end. Other shapes take the scalar block-per-chunk kernel.
+//            vectors of dy and x (and the residual gradient it adds into) once into registers,
+//            the row's dot product is a warp shuffle (no block barrier per row), and each lane
+//            keeps its columns' dweight sums in its warp's slice of shared memory; the block's
+//            warps take the chunk's rows round-robin and their sums are added in warp order at
+//            the end. Other shapes take the scalar block-per-chunk kernel.
 // Precision: inputs f32, bf16 or f16 (one launcher per op, `dtype` picks the kernel template);
 //            all arithmetic and accumulation in f32; rstd and dweight are always f32; out / dx are
 //            stored in the input type. The 16-bit forwards round like PyTorch's LlamaRMSNorm
@@ -22,8 +23,8 @@
 //            out = T(w * T(x * rstd)) for T = bf16 or f16 (for f32 the inner cast is exact).
 // Gradients: dx is written (`=`); dweight is accumulated (`+=`), deterministically: each block
 //            sums its rows' dy * x * rstd into its own partial (shared memory, or its own slice
-//            of scratch for very wide rows; the fast path: per warp in registers, then the warps
-//            in order), then the partials are added in chunk order (the fast reduction: 32
+//            of scratch for very wide rows; the fast path: per warp in shared memory, then the
+//            warps in order), then the partials are added in chunk order (the fast reduction: 32
 //            groups of chunks per column, summed in order, then the groups in order). No float
 //            atomics, so the result is bit-identical run to run. The chunking and the path
 //            depend only on (rows, dim, dtype, alignment).
@@ -55,6 +56,9 @@ namespace {
 
 constexpr size_t kMaxChunks = 512;          // dweight partials: at most this many rows of scratch
 constexpr unsigned kBwdWarps = 4;           // warps per block of the fast backward
+// Blocks an SM of the fast backward: bf16 rows of 2048 (8 vectors a lane) with the residual
+// gradient fit in 168 registers (ptxas, sm_90a: no spills); at 4 they spill.
+constexpr int kBwdBlocksPerSm = 3;
 constexpr int kMaxBwdVecs = 8;              // 16-byte vectors per lane of the fast backward
 // Widest row whose dweight partial lives in shared memory: 47 KiB of dynamic shared memory, so
 // with block_sum's 128 static bytes a block stays under the 48 KiB that needs no opt-in.
@@ -186,37 +190,72 @@ __global__ void reduce_partials_kernel(const float* __restrict__ partials, size_
 // row (dim = kVecs * 32 * Vec16<T>::kLen at most; lanes past the end hold nothing). The same
 // formulas as rmsnorm_backward_kernel; only the summation order of the dot product and of the
 // chunk's dweight partial differ.
+// Each lane keeps its columns' dweight sums in the warp's slice of shared memory (float4s in lane
+// order, conflict-free; see bwd_acc_index), not in registers: with dy, x and (kAccumulate) the
+// residual gradient of the row all loaded at once, registers then allow several blocks an SM,
+// and the residual gradient's load no longer waits for the row's dot product.
+// Makes the compiler treat v's words as unknown from here on (no instruction): what was
+// computed from v before is computed again from v after, instead of kept in registers.
+template <typename T>
+__device__ __forceinline__ void opaque(tilearn::Vec16<T>& v) {
+    uint32_t* w = reinterpret_cast<uint32_t*>(v.v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(w[i]));
+}
+
+template <typename T, int kVecs>
+__host__ __device__ constexpr size_t bwd_acc_floats() {
+    return static_cast<size_t>(kVecs) * 32 * tilearn::Vec16<T>::kLen;  // per warp
+}
+
+// Where column i * kLen + e (vector i = 32 k + lane of the row, element e) keeps its sum in a
+// warp's slice: float4 (k * kLen / 4 + e / 4) * 32 + lane, component e % 4.
+template <typename T>
+__device__ __forceinline__ size_t bwd_acc_index(size_t i, int e) {
+    constexpr int kLen = tilearn::Vec16<T>::kLen;
+    const size_t k = i / 32, lane = i % 32;
+    return ((k * (kLen / 4) + e / 4) * 32 + lane) * 4 + e % 4;
+}
+
 template <typename T, int kVecs, bool kAccumulate>
-__global__ void __launch_bounds__(kBwdWarps * 32)
+__global__ void __launch_bounds__(kBwdWarps * 32, kBwdBlocksPerSm)
 rmsnorm_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ x,
                              const T* __restrict__ weight, const float* __restrict__ rstd,
                              size_t rows, size_t dim, size_t rows_per_chunk, T* __restrict__ dx,
                              float* __restrict__ partials) {
     using V = tilearn::Vec16<T>;
     constexpr int kLen = V::kLen;
-    extern __shared__ float warp_acc[];  // [kBwdWarps, dim]
+    constexpr int kQuads = kLen / 4;  // float4s of sums a vector
+    constexpr size_t kSlice = bwd_acc_floats<T, kVecs>();
+    extern __shared__ float warp_acc[];  // [kBwdWarps, kSlice]
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const size_t vecs = dim / kLen;
-    float acc[kVecs][kLen];
+    float4* acc = reinterpret_cast<float4*>(warp_acc + warp * kSlice) + lane;
 #pragma unroll
-    for (int k = 0; k < kVecs; ++k)
-#pragma unroll
-        for (int e = 0; e < kLen; ++e) acc[k][e] = 0.0f;
+    for (int q = 0; q < kVecs * kQuads; ++q) acc[q * 32] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const size_t begin = blockIdx.x * rows_per_chunk;
     const size_t end = begin + rows_per_chunk < rows ? begin + rows_per_chunk : rows;
     for (size_t row = begin + warp; row < end; row += kBwdWarps) {
         const V* dyr = reinterpret_cast<const V*>(dout + row * dim);
         const V* xr = reinterpret_cast<const V*>(x + row * dim);
         const V* wr = reinterpret_cast<const V*>(weight);
+        V* out = reinterpret_cast<V*>(dx + row * dim);
         const float r = rstd[row];
-        V dy[kVecs], xv[kVecs];
-        float dot = 0.0f;
+        V dy[kVecs], xv[kVecs], prev[kVecs];
 #pragma unroll
         for (int k = 0; k < kVecs; ++k) {
             const size_t i = lane + static_cast<size_t>(k) * 32;
             if (i < vecs) {
                 dy[k] = dyr[i];
                 xv[k] = xr[i];
+                if (kAccumulate) prev[k] = out[i];
+            }
+        }
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) {
+            const size_t i = lane + static_cast<size_t>(k) * 32;
+            if (i < vecs) {
                 const V w = wr[i];
 #pragma unroll
                 for (int e = 0; e < kLen; ++e)
@@ -229,37 +268,45 @@ rmsnorm_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ x
         for (int k = 0; k < kVecs; ++k) {
             const size_t i = lane + static_cast<size_t>(k) * 32;
             if (i < vecs) {
+                // Widen dy and x again here rather than keep the dot product's f32 copies
+                // alive across the shuffles (twice the registers of the 16-bit vectors).
+                opaque(dy[k]);
+                opaque(xv[k]);
                 const V w = wr[i];
-                V* out = reinterpret_cast<V*>(dx + row * dim) + i;
-                V prev;
-                if (kAccumulate) prev = *out;
                 V g;
+                float sums[kLen];
+#pragma unroll
+                for (int q = 0; q < kQuads; ++q) {
+                    const float4 a = acc[(k * kQuads + q) * 32];
+                    sums[4 * q] = a.x;
+                    sums[4 * q + 1] = a.y;
+                    sums[4 * q + 2] = a.z;
+                    sums[4 * q + 3] = a.w;
+                }
 #pragma unroll
                 for (int e = 0; e < kLen; ++e) {
                     const float d = to_f32(dy[k].v[e]);
                     const float xe = to_f32(xv[k].v[e]);
                     const float ge = r * (to_f32(w.v[e]) * d - xe * c);
                     // As in the scalar kernel: __fadd_rn is never contracted into an FMA.
-                    g.v[e] = from_f32<T>(kAccumulate ? __fadd_rn(to_f32(prev.v[e]), ge) : ge);
-                    acc[k][e] += d * xe * r;
+                    g.v[e] = from_f32<T>(kAccumulate ? __fadd_rn(to_f32(prev[k].v[e]), ge) : ge);
+                    sums[e] += d * xe * r;
                 }
-                *out = g;
+#pragma unroll
+                for (int q = 0; q < kQuads; ++q)
+                    acc[(k * kQuads + q) * 32] = make_float4(sums[4 * q], sums[4 * q + 1],
+                                                             sums[4 * q + 2], sums[4 * q + 3]);
+                out[i] = g;
             }
         }
     }
     // The chunk's partial: the warps' sums added in warp order.
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-        const size_t i = lane + static_cast<size_t>(k) * 32;
-        if (i < vecs)
-#pragma unroll
-            for (int e = 0; e < kLen; ++e) warp_acc[warp * dim + i * kLen + e] = acc[k][e];
-    }
     __syncthreads();
     float* mine = partials + blockIdx.x * dim;
     for (size_t j = threadIdx.x; j < dim; j += blockDim.x) {
-        float sum = warp_acc[j];
-        for (unsigned w = 1; w < kBwdWarps; ++w) sum += warp_acc[w * dim + j];
+        const size_t at = bwd_acc_index<T>(j / kLen, static_cast<int>(j % kLen));
+        float sum = warp_acc[at];
+        for (unsigned w = 1; w < kBwdWarps; ++w) sum += warp_acc[w * kSlice + at];
         mine[j] = sum;
     }
 }
@@ -526,9 +573,10 @@ int launch_backward(const void* dout, const void* x, const void* weight, const f
     T* dxs = static_cast<T*>(dx);
     const int vecs = warp_row_vecs<T>(dim, {dout, x, weight, dx});
     if (vecs > 0) {
-        const size_t smem = kBwdWarps * dim * sizeof(float);  // <= 32 KiB
         const size_t per = rows_per_chunk(rows);
         with_vecs(vecs, [&](auto k) {
+            // <= 32 KiB: kBwdWarps x 8 vectors x 32 lanes x 16 bytes' worth of f32 sums.
+            const size_t smem = kBwdWarps * bwd_acc_floats<T, decltype(k)::value>() * sizeof(float);
             rmsnorm_backward_warp_kernel<T, decltype(k)::value, kAccumulate>
                 <<<static_cast<unsigned>(chunks), kBwdWarps * 32, smem, stream>>>(
                     dy, xs, w, rstd, rows, dim, per, dxs, scratch);

@@ -5,10 +5,12 @@
 //     dk / dv bit for bit), a second one-pass run against the first, and the deterministic
 //     backward against the mma.sync one (TILEARN_FLASH_SM80=1) bit for bit;
 //   - checks the TMA forward (the default) against the cp.async one bit for bit
-//     (TILEARN_FLASH_SM90_FWD_TMA=0);
+//     (TILEARN_FLASH_SM90_FWD_TMA=0), and the one-pass backward with its Q / dO by TMA (the
+//     default) against its cp.async loads (TILEARN_FLASH_SM90_BWD_TMA=0): dk / dv bit for bit,
+//     dq within the one-pass bound;
 //   - with timing on, reports forward, delta and backward milliseconds (CUDA events, mean of
 //     20 launches, 5 at 16 K) and TFLOP/s for mma.sync, the deterministic and the one-pass
-//     backward, and the two forwards alternately.
+//     backward, and the two forwards and the two one-pass backwards alternately.
 //   - checks and times the head_dim-128 wgmma forward and backward (TILEARN_FLASH_SM90_HD128=0
 //     turns them off) against the mma.sync ones.
 // It is not a test of record (the Rust GPU tests are); bench/RESULTS.md cites its figures as
@@ -54,6 +56,9 @@ void use_fwd_tma(bool on) {
     // comparison labelled TMA never measures the cp.async fallback.
     setenv("TILEARN_FLASH_SM90_FWD_TMA", on ? "1" : "0", 1);
 }
+
+// The one-pass backward's Q / dO by TMA (the default) or cp.async; "1" as in use_fwd_tma.
+void use_bwd_tma(bool on) { setenv("TILEARN_FLASH_SM90_BWD_TMA", on ? "1" : "0", 1); }
 
 // A device buffer of n elements of T, freed with the owner.
 template <typename T>
@@ -137,7 +142,7 @@ bool run_shape(Shape sh, int dtype, bool timing) {
     auto random = [&](size_t n) { return random_buffer<T>(rng, n); };
     Buffer<T> q = random(nq), k = random(nk), v = random(nk), dout = random(nq);
     Buffer<T> out(nq), dq_det(nq), dq_one(nq), dq_again(nq), dk_det(nk), dk_one(nk), dv_det(nk),
-        dv_one(nk), out_tma(nq);
+        dv_one(nk), out_tma(nq), dq_cp(nq), dk_cp(nk), dv_cp(nk);
     Buffer<float> lse(nl), delta(nl), lse_tma(nl);
     Buffer<float> acc(tilearn_flash_attention_dq_accum_len(sh.batch, sh.seq, sh.q_heads, kD));
     const float scale = 0.125f;
@@ -183,20 +188,28 @@ bool run_shape(Shape sh, int dtype, bool timing) {
     backward(dq_again.ptr, dk_one.ptr, dv_one.ptr, acc.ptr);
     check_cuda(cudaDeviceSynchronize(), "one-pass again");
     const double e_again = rel_err(dq_one.download(), dq_again.download());
+    // The one-pass backward's cp.async loads against its TMA ones (above, the default "1").
+    use_bwd_tma(false);
+    backward(dq_cp.ptr, dk_cp.ptr, dv_cp.ptr, acc.ptr);
+    check_cuda(cudaDeviceSynchronize(), "one-pass (cp.async)");
+    use_bwd_tma(true);
+    const double e_cp = rel_err(dq_one.download(), dq_cp.download());
+    const size_t cp_diff =
+        differing(dk_one.download(), dk_cp.download()) + differing(dv_one.download(), dv_cp.download());
     use_mma_sync(true);
     backward(dq_again.ptr, dk_one.ptr, dv_one.ptr, nullptr);
     check_cuda(cudaDeviceSynchronize(), "mma.sync");
     use_mma_sync(false);
     const size_t sm80_diff = differing(dq_det.download(), dq_again.download());
-    const bool ok =
-        e_dq < 4e-3 && e_again < 4e-3 && kv_diff == 0 && sm80_diff == 0 && tma_diff == 0;
+    const bool ok = e_dq < 4e-3 && e_again < 4e-3 && e_cp < 4e-3 && kv_diff == 0 &&
+                    cp_diff == 0 && sm80_diff == 0 && tma_diff == 0;
     std::printf(
         "%s B%d T%d H%d/%d %s: one-pass vs deterministic dq %.2e, dk/dv differing %zu; "
-        "one-pass rerun dq %.2e; deterministic vs mma.sync dq differing %zu; TMA forward out/lse "
-        "differing %zu\n",
+        "one-pass rerun dq %.2e; cp.async one-pass dq %.2e, dk/dv differing %zu; deterministic "
+        "vs mma.sync dq differing %zu; TMA forward out/lse differing %zu\n",
         ok ? "PASS" : "FAIL", sh.batch, sh.seq, sh.q_heads, sh.kv_heads,
-        dtype == TILEARN_DTYPE_BF16 ? "bf16" : "f16", e_dq, kv_diff, e_again, sm80_diff,
-        tma_diff);
+        dtype == TILEARN_DTYPE_BF16 ? "bf16" : "f16", e_dq, kv_diff, e_again, e_cp, cp_diff,
+        sm80_diff, tma_diff);
     if (!timing) return ok;
 
     auto time_ms = [&](auto&& launch) { return mean_ms(sh, launch); };
@@ -225,6 +238,15 @@ bool run_shape(Shape sh, int dtype, bool timing) {
         }
     }
     use_fwd_tma(true);
+    for (int rep = 0; rep < 2; ++rep) {
+        for (bool tma : {false, true}) {
+            use_bwd_tma(tma);
+            const float t = time_ms([&] { backward(dq_one.ptr, dk_one.ptr, dv_one.ptr, acc.ptr); });
+            std::printf("  TIME bwd-%s B%d T%d H%d/%d: one-pass bwd %.3f ms (%.0f TF/s)\n",
+                        tma ? "tma    " : "cp.async", sh.batch, sh.seq, sh.q_heads, sh.kv_heads, t,
+                        2.5 * fwd_flops / t / 1e9);
+        }
+    }
     return ok;
 }
 
@@ -349,6 +371,8 @@ int profile16k() {
 }
 
 int main(int argc, char** argv) {
+    use_fwd_tma(true);
+    use_bwd_tma(true);
     if (argc > 1 && std::string(argv[1]) == "profile16k") return profile16k();
     const bool small_only = argc > 1 && std::string(argv[1]) == "small";
     bool ok = true;

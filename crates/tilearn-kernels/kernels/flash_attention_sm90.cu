@@ -23,8 +23,9 @@
 //            two or three buffers, one step ahead; blocks above the diagonal are never loaded.
 //            The head_dim-64 forward brings K and V in with TMA (fwd_tma_kernel: one thread, the
 //            bytes counted by an mbarrier; TILEARN_FLASH_SM90_FWD_TMA=0 keeps fwd_kernel's
-//            cp.async, the same bits, =1 demands TMA); everything else loads by cp.async from
-//            every thread.
+//            cp.async, the same bits, =1 demands TMA), and so does the one-pass backward's Q and
+//            dO (TILEARN_FLASH_SM90_BWD_TMA, the same values); everything else loads by cp.async
+//            from every thread.
 //            The backward computes exactly what flash_attention.cu's does, in the same order
 //            (same tiles of 64, same roundings): its results are bit-identical to it, at head_dim
 //            128 too (each panel's k-steps in turn into one accumulator).
@@ -530,6 +531,19 @@ __device__ __forceinline__ QStage<T> q_stage(T* base, float* fbase, int step) {
             fbase + (i * 2 + 1) * kKvBr};
 }
 
+// Query block qb of head h's lse and delta into a stage by cp.async, zero past seq: threads
+// 0-63 copy lse, 64-127 delta, a value each.
+template <typename T>
+__device__ __forceinline__ void load_lse_delta(const Args& a, const QStage<T>& st, int b, int h,
+                                               int qb, int tid) {
+    if (tid >= 2 * kKvBr) return;
+    const int r = tid % kKvBr;
+    const int row = qb * kKvBr + r;
+    const size_t at = (static_cast<size_t>(b) * a.q_heads + h) * a.seq + min(row, a.seq - 1);
+    if (tid < kKvBr) cp_async4(smem_addr(st.lse + r), a.lse_in + at, row < a.seq);
+    else cp_async4(smem_addr(st.delta + r), a.delta + at, row < a.seq);
+}
+
 // Loads query block qb of head h into a stage, all by cp.async (THREADS >= 128: the first 64
 // threads copy lse, the next 64 delta).
 template <typename T, int THREADS, int PANELS>
@@ -549,13 +563,7 @@ __device__ __forceinline__ void load_q_stage(const Args& a, const QStage<T>& st,
                                          static_cast<const T*>(a.dout) + base + p * kD, q_stride,
                                          q0, seq, tid);
     }
-    if (tid < 2 * kKvBr) {
-        const int r = tid % kKvBr;
-        const int row = q0 + r;
-        const size_t at = (static_cast<size_t>(b) * a.q_heads + h) * seq + min(row, seq - 1);
-        if (tid < kKvBr) cp_async4(smem_addr(st.lse + r), a.lse_in + at, row < seq);
-        else cp_async4(smem_addr(st.delta + r), a.delta + at, row < seq);
-    }
+    load_lse_delta(a, st, b, h, qb, tid);
 }
 
 // What a dK/dV CTA works on: KEYS keys from k0 of (batch b, kv head hk), the heaviest key
@@ -752,12 +760,13 @@ __global__ void __launch_bounds__(128 * WGS, 1) dkdv_kernel(Args a) {
 // ---- one-pass backward, warp-specialised: two math warpgroups and a dQ warpgroup ----
 // dkdv_kernel's steps (dkdv_products: dK and dV are the deterministic backward's bits) with dQ
 // formed in the same pass, and the CTA's three warpgroups never meet at a barrier inside the
-// loop (the one-pass kernel before it synchronised every step). Warpgroups 0 and 1 (the keys' rows, as in dkdv_kernel) form Sᵀ, dPᵀ, dV,
-// dK and each step's dSᵀ; warpgroup 2 loads the query stages kWsLead steps ahead and forms each
+// loop (the one-pass kernel before it synchronised every step). Warpgroups 0 and 1 (the keys'
+// rows, as in dkdv_kernel) form Sᵀ, dPᵀ, dV, dK and each step's dSᵀ; warpgroup 2 loads the query stages kWsLead steps ahead and forms each
 // step's dQ = dS·K over all 128 keys and 64 columns (one m64n64 product instead of two
 // m64n32 ones reading dS twice), stores it and adds it into dq_accum. Hand-offs are mbarriers in
 // shared memory: `full` (a stage's Q, dO, lse and delta have landed: one cp.async arrival per
-// thread of warpgroup 2), `empty` (both math warpgroups are done with a stage: one arrival per warp),
+// thread of warpgroup 2, and with TMA one more from the thread that asks for the Q and dO boxes
+// and sets the bytes to wait for), `empty` (both math warpgroups are done with a stage: one arrival per warp),
 // `ds_full` / `ds_empty` (a step's dSᵀ tile written / read by the dQ products). ptxas fits the
 // kernel in the launch's 168 registers a thread (no spills); the setmaxnreg requests below move
 // physical registers to the math warpgroups at run time, not what ptxas allocates.
@@ -801,6 +810,23 @@ __device__ __forceinline__ void dq_warpgroup_sync() {
     asm volatile("bar.sync 1, 128;\n" ::: "memory");
 }
 
+// Box (c0, c1, c2) of `map` into shared memory at `dst`, its bytes counted by `bar`.
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// This thread's arrival on `bar`, which then also waits for `bytes` bytes of copies.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
 constexpr int kWsLead = 3;  // steps the loads run ahead of the math (kWsStages - 1)
 // setmaxnreg's registers per thread: 2 x 200 + 104 = 3 x 168, the launch's share.
 constexpr int kWsMathRegs = 200;
@@ -818,10 +844,26 @@ constexpr size_t dkdv_ws_smem() {
            + (2 * kWsStages + 4) * sizeof(uint64_t) + kAlignSlack;
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kWsThreads, 1) dkdv_ws_kernel(Args a) {
+// Q and dO of one launch as [batch][seq][q_heads x 64] tensors, boxes of one head's 64 rows (a
+// query stage of the one-pass backward).
+struct QdoMaps {
+    CUtensorMap q;
+    CUtensorMap dout;
+};
+
+// kTma: the query stages' Q and dO tiles by TMA (one thread, their bytes counted by the stage's
+// `full` barrier; `maps` describes them), lse and delta by cp.async as before (a value a thread;
+// a TMA box of them would need seq to be a multiple of 4); else everything by cp.async and
+// `maps` is unused. dK and dV are the same bits either way, dQ the same sums. Why: warpgroup 2
+// shares the schedulers with the math warps, and the kernel issues on 56 % of cycles with one
+// eligible warp (Nsight Compute, 1 x 16 K), so its 16 cp.async a step and their address
+// arithmetic cost the math time; by TMA the backward takes 0.94-0.96 of the time (H200).
+template <typename T, bool kTma>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    dkdv_ws_kernel(Args a, const __grid_constant__ QdoMaps maps) {
 #if TILEARN_HAS_WGMMA
     static_assert(kWsLead == kWsStages - 1, "the loads run one stage short of the buffers ahead");
+    constexpr uint32_t kQdoBytes = 2 * kKvBr * kD * sizeof(T);  // a stage's Q and dO boxes
     constexpr int kBc = kWsKeys;
     T* sK = smem_tiles<T>();
     T* sV = sK + kBc * kD;
@@ -842,13 +884,16 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkdv_ws_kernel(Args a) {
 
     if (id.tid == 0) {
         for (int s = 0; s < kWsStages; ++s) {
-            mbar_init(&full[s], 128);
+            // Every loading thread's cp.async arrival, and with TMA one more that sets the
+            // bytes expected.
+            mbar_init(&full[s], kTma ? 129 : 128);
             mbar_init(&empty[s], 8);
         }
         for (int p = 0; p < 2; ++p) {
             mbar_init(&ds_full[p], 8);
             mbar_init(&ds_empty[p], 4);
         }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
@@ -861,12 +906,24 @@ __global__ void __launch_bounds__(kWsThreads, 1) dkdv_ws_kernel(Args a) {
         load_tile<T, kBc, kD, 128>(sV, static_cast<const T*>(a.v) + kv_base, kv_stride, k0, seq,
                                    tid);
         cp_async_commit();
-        // Step j's stage by cp.async; `full` completes when every thread's copies have landed.
+        // Step j's stage; `full` completes when every thread's cp.async copies have landed
+        // (and, with TMA, the Q and dO boxes' bytes).
         auto produce = [&](int j) {
             const int s = j % kWsStages;
             if (j >= kWsStages) mbar_wait(&empty[s], ((j / kWsStages) - 1) & 1);
-            load_q_stage<T, 128, 1>(a, q_stage<T, 1, kWsStages>(sQ, sF, j), b,
-                                    hk * group + j / nqb, qb_first + j % nqb, tid);
+            const QStage<T> st = q_stage<T, 1, kWsStages>(sQ, sF, j);
+            const int h = hk * group + j / nqb, qb = qb_first + j % nqb;
+            if constexpr (kTma) {
+                if (tid == 0) {
+                    mbar_arrive_expect_tx(&full[s], kQdoBytes);
+                    tma_load_3d(st.q, &maps.q, h * kD, qb * kKvBr, b, &full[s]);
+                    tma_load_3d(st.dout, &maps.dout, h * kD, qb * kKvBr, b, &full[s]);
+                }
+                __syncwarp();
+                load_lse_delta(a, st, b, h, qb, tid);
+            } else {
+                load_q_stage<T, 128, 1>(a, st, b, h, qb, tid);
+            }
             cp_async_commit();
             mbar_arrive_on_copies(&full[s]);
         };
@@ -976,24 +1033,6 @@ struct KvMaps {
     CUtensorMap v;
 };
 
-#if TILEARN_HAS_WGMMA
-// Box (c0, c1, c2) of `map` into shared memory at `dst`, its bytes counted by `bar`.
-__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int c0, int c1,
-                                            int c2, uint64_t* bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(smem_addr(dst)),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
-        : "memory");
-}
-
-// This thread's arrival on `bar`, which then also waits for `bytes` bytes of copies.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-#endif
 
 // fwd_kernel's tiles and the two stages' mbarriers.
 constexpr size_t fwd_tma_smem() { return fwd_smem<1>() + kFwdStages * sizeof(uint64_t); }
@@ -1126,18 +1165,19 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return encode;
 }
 
-// `base` (k or v: [batch][seq][kv_heads x 64] of T) as TMA boxes of 64 x kFwdBc (one kv head's
-// block of keys) in the 128-byte swizzle; rows past seq read as zeros. False if the driver
-// cannot encode it.
+// `base` ([batch][seq][heads x 64] of T: q, k, v or dout) as TMA boxes of 64 x `rows` (one
+// head's block of tokens) in the 128-byte swizzle; rows past seq read as zeros. False if the
+// driver cannot encode it (or `base` is not 16-byte aligned).
 template <typename T>
-bool kv_tensor_map(CUtensorMap* map, const void* base, const Args& a) {
+bool rows_tensor_map(CUtensorMap* map, const void* base, int heads, cuuint32_t rows,
+                     const Args& a) {
     const auto encode = tensor_map_encoder();
     if (encode == nullptr) return false;
-    const cuuint64_t row = static_cast<cuuint64_t>(a.kv_heads) * kD;
+    const cuuint64_t row = static_cast<cuuint64_t>(heads) * kD;
     const cuuint64_t dims[3] = {row, static_cast<cuuint64_t>(a.seq),
                                 static_cast<cuuint64_t>(a.batch)};
     const cuuint64_t strides[2] = {row * sizeof(T), row * a.seq * sizeof(T)};
-    const cuuint32_t box[3] = {kD, kFwdBc, 1};
+    const cuuint32_t box[3] = {kD, rows, 1};
     const cuuint32_t unit[3] = {1, 1, 1};
     const CUtensorMapDataType type = std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
@@ -1147,16 +1187,36 @@ bool kv_tensor_map(CUtensorMap* map, const void* base, const Args& a) {
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// How the head_dim-64 forward loads K and V (TILEARN_FLASH_SM90_FWD_TMA): unset, TMA
-// (fwd_tma_kernel) where the driver encodes the tensor maps, else cp.async; `0`, cp.async
-// (fwd_kernel; the same bits); `1`, TMA or an error (tests and benchmarks that must know which
+// How a head_dim-64 kernel loads its streamed tiles, read from `var`
+// (TILEARN_FLASH_SM90_FWD_TMA: the forward's K and V; TILEARN_FLASH_SM90_BWD_TMA: the one-pass
+// backward's Q and dO): unset, TMA where the driver encodes the tensor maps, else cp.async;
+// `0`, cp.async (the same bits); `1`, TMA or an error (tests and benchmarks that must know which
 // kernel ran).
-enum class FwdLoads { Auto, CpAsync, Tma };
+enum class TmaLoads { Auto, CpAsync, Tma };
 
-FwdLoads fwd_loads() {
-    const char* v = std::getenv("TILEARN_FLASH_SM90_FWD_TMA");
-    if (v == nullptr || v[0] == '\0') return FwdLoads::Auto;
-    return v[0] == '0' ? FwdLoads::CpAsync : FwdLoads::Tma;
+TmaLoads tma_loads(const char* var) {
+    const char* v = std::getenv(var);
+    if (v == nullptr || v[0] == '\0') return TmaLoads::Auto;
+    return v[0] == '0' ? TmaLoads::CpAsync : TmaLoads::Tma;
+}
+
+// The one-pass backward's dK/dV/dQ kernel, its Q and dO by TMA unless `tma_loads` says cp.async.
+// TMA: 0.94 of the cp.async kernel's time at 1 x 16 K (6.27 against 6.71 ms in gemm-bench),
+// 0.96 at TinyLlama's shape, the same at llama-134m's (H200, same call).
+template <typename T>
+cudaError_t launch_dkdv_ws(const Args& a, cudaStream_t stream) {
+    const size_t blocks =
+        (a.seq + kWsKeys - 1) / kWsKeys * static_cast<size_t>(a.batch) * a.kv_heads;
+    QdoMaps maps{};
+    if (const TmaLoads loads = tma_loads("TILEARN_FLASH_SM90_BWD_TMA");
+        loads != TmaLoads::CpAsync) {
+        if (rows_tensor_map<T>(&maps.q, a.q, a.q_heads, kKvBr, a) &&
+            rows_tensor_map<T>(&maps.dout, a.dout, a.q_heads, kKvBr, a))
+            return launch(dkdv_ws_kernel<T, true>, blocks, kWsThreads, dkdv_ws_smem(), a, stream,
+                          maps);
+        if (loads == TmaLoads::Tma) return cudaErrorNotSupported;
+    }
+    return launch(dkdv_ws_kernel<T, false>, blocks, kWsThreads, dkdv_ws_smem(), a, stream, maps);
 }
 
 // Measured on an H200 (bf16, head_dim 64, forward / backward ms, mma.sync kernels in brackets):
@@ -1179,11 +1239,13 @@ cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stre
                           fwd_smem<kFwdWgs, 2>(), a, stream);
         // TMA loads: 0.86 of fwd_kernel's time at 1 x 16 K, 0.86 at TinyLlama's shape, 0.91 at
         // llama-134m's (H200, harness, the same bits).
-        if (const FwdLoads loads = fwd_loads(); loads != FwdLoads::CpAsync) {
+        if (const TmaLoads loads = tma_loads("TILEARN_FLASH_SM90_FWD_TMA");
+            loads != TmaLoads::CpAsync) {
             KvMaps maps;
-            if (kv_tensor_map<T>(&maps.k, a.k, a) && kv_tensor_map<T>(&maps.v, a.v, a))
+            if (rows_tensor_map<T>(&maps.k, a.k, a.kv_heads, kFwdBc, a) &&
+                rows_tensor_map<T>(&maps.v, a.v, a.kv_heads, kFwdBc, a))
                 return launch(fwd_tma_kernel<T>, blocks, 128, fwd_tma_smem(), a, stream, maps);
-            if (loads == FwdLoads::Tma) return cudaErrorNotSupported;
+            if (loads == TmaLoads::Tma) return cudaErrorNotSupported;
         }
         return launch(fwd_kernel<T, kFwdWgs>, blocks, threads_of<kFwdWgs>(), fwd_smem<kFwdWgs>(),
                       a, stream);
@@ -1210,8 +1272,7 @@ cudaError_t run(bool backward, size_t head_dim, const Args& a, cudaStream_t stre
         cudaError_t e =
             cudaMemsetAsync(a.dq_accum, 0, q_blocks * kDqBlock * sizeof(float), stream);
         if (e != cudaSuccess) return e;
-        e = launch(dkdv_ws_kernel<T>, (a.seq + kWsKeys - 1) / kWsKeys * kv_rows, kWsThreads,
-                   dkdv_ws_smem(), a, stream);
+        e = launch_dkdv_ws<T>(a, stream);
         if (e != cudaSuccess) return e;
         return launch(dq_from_accum_kernel<T>, q_blocks, kConvThreads, 0, a, stream);
     }

@@ -40,7 +40,9 @@
 //!
 //! The head_dim-64 forward's TMA loads (the default) against its cp.async loads
 //! (`TILEARN_FLASH_SM90_FWD_TMA=0`): bit for bit, with several batch entries and partial last
-//! key blocks.
+//! key blocks. The one-pass backward's Q / dO by TMA (the default) against its cp.async loads
+//! (`TILEARN_FLASH_SM90_BWD_TMA=0`): dk and dv bit for bit, dq within the one-pass bound (the
+//! reduce-adds' order differs from run to run).
 //!
 //! Without a GPU, or on a GPU other than compute capability 9.0, the tests print `skipped: ...`
 //! and pass.
@@ -642,4 +644,59 @@ fn one_pass_backward_matches_the_deterministic_backward() {
     }
     one_pass_case::<f16>(&dev, &gemm, shape(2, 257, 4, 2, 64), 400, F16_DQ);
     one_pass_case::<f16>(&dev, &gemm, shape(2, 1024, 32, 4, 64), 401, F16_DQ);
+}
+
+/// `0` loads the one-pass backward's query stages (Q, dO) with cp.async; `1` Q and dO with TMA
+/// or fails; unset, TMA where the driver encodes the tensor maps.
+const BWD_TMA: &str = "TILEARN_FLASH_SM90_BWD_TMA";
+
+/// The one-pass backward with TMA loads against its cp.async loads at one shape: dk and dv the
+/// same bits (each CTA's products in a fixed order), dq within `tol_dq` (see the file's
+/// documentation). Several batch entries and partial last query blocks check the tensor maps'
+/// bounds (queries past seq are zeros, not the next entry's).
+fn bwd_tma_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64, tol_dq: f64) {
+    let st = dev.stream();
+    let p = Problem::<T>::new(dev, gemm, s, seed, None);
+    let mut one = AttentionWorkspace::for_flash(st, s, FlashBackward::OnePass).unwrap();
+    let mut run = |loads: &str| {
+        // SAFETY: the caller holds `KERNELS` (see `with_kernels`). `1`: TMA or an error, so the
+        // comparison cannot pass by measuring the cp.async fallback against itself.
+        unsafe { std::env::set_var(BWD_TMA, loads) };
+        let got = p.backward(dev, gemm, &mut one, None, None);
+        // SAFETY: as above.
+        unsafe { std::env::remove_var(BWD_TMA) };
+        got
+    };
+    let [dq_t, dk_t, dv_t] = run("1");
+    let [dq_c, dk_c, dv_c] = run("0");
+    let tag = format!("{} {s:?}", std::any::type_name::<T>());
+    let err = rel_err("dq", &dq_t, &dq_c);
+    let kv_diff = [differing(&dk_t, &dk_c), differing(&dv_t, &dv_c)];
+    report(&format!(
+        "gpu_flash_sm90: {tag}: one-pass backward, TMA against cp.async: dq {err:.2e} (tol \
+         {tol_dq:.0e}), dk / dv values differing {kv_diff:?}"
+    ));
+    assert_eq!(kv_diff, [0, 0], "{tag}: dk / dv differ");
+    assert!(err <= tol_dq, "{tag}: dq {err:.2e} > {tol_dq:.0e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn the_tma_one_pass_backward_matches_its_cp_async_loads() {
+    const TEST: &str = "the_tma_one_pass_backward_matches_its_cp_async_loads";
+    let Some((_kernels, dev, gemm)) = hopper_or_skip(TEST) else {
+        return;
+    };
+    for (i, &(b, t, hq, hkv)) in [
+        (3, 130, 2, 1),
+        (2, 333, 8, 1),
+        (1, 64, 4, 4),
+        (2, 1024, 32, 4),
+    ]
+    .iter()
+    .enumerate()
+    {
+        bwd_tma_case::<bf16>(&dev, &gemm, shape(b, t, hq, hkv, 64), 700 + i as u64, 2e-3);
+    }
+    bwd_tma_case::<f16>(&dev, &gemm, shape(2, 257, 4, 2, 64), 800, 1e-3);
 }

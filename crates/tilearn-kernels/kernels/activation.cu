@@ -30,10 +30,13 @@ constexpr unsigned kMaxBlocks = 65535;  // grid-stride loops cover the rest
 
 // Evaluated on the side where exp cannot overflow: for g < 0, e^g / (1 + e^g) keeps
 // sigmoid(g) down to f32's subnormals (1 / (1 + e^-g) would flush it to 0 below g ~ -88).
+// Written without a branch (e = e^-|g| is e^-g or e^g, the numerator 1 or e): the same
+// operations on the same values as the two-sided form, so the same bits, but a warp whose gates
+// have both signs evaluates one expf and one division an element instead of both sides' (the
+// forward is as much arithmetic as memory traffic: 3.1 TB/s against a 4.2 TB/s copy before).
 __device__ __forceinline__ float sigmoid(float g) {
-    if (g >= 0.0f) return 1.0f / (1.0f + expf(-g));
-    const float e = expf(g);
-    return e / (1.0f + e);
+    const float e = expf(-fabsf(g));
+    return (g >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
 
 __device__ __forceinline__ float swiglu(float g, float u) { return g * sigmoid(g) * u; }

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds scripts/elementwise_harness.cu (the MLP's memory-bound kernels' development harness) for
+# sm_90a into OUT_DIR (default hopper-bin/, which git ignores: carry it to the device with the
+# `run` tool's `carry`). Uses $NVCC, else the pinned nvcc that `cargo xtask setup-cuda` installs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NVCC=${NVCC:-target/cuda/bin/nvcc}
+OUT_DIR=${OUT_DIR:-hopper-bin}
+K=crates/tilearn-kernels/kernels
+mkdir -p "$OUT_DIR"
+"$NVCC" -std=c++17 -O3 -I"$K/include" -gencode=arch=compute_90a,code=sm_90a \
+  scripts/elementwise_harness.cu "$K/activation.cu" -o "$OUT_DIR/elementwise"
+echo "built $OUT_DIR/elementwise"

@@ -94,22 +94,23 @@ fn hopper_or_skip(test: &str) -> Option<(MutexGuard<'static, ()>, GpuDevice, Gem
     Some((kernels, dev, gemm))
 }
 
-/// Runs `f` with the mma.sync kernels forced (`sm80`) or the device's choice.
-fn with_kernels<R>(sm80: bool, f: impl FnOnce() -> R) -> R {
+/// Runs `f` with the environment variable `var` set to `value`, then removes it (every switch
+/// this file sets is unset by default).
+fn with_env<R>(var: &str, value: &str, f: impl FnOnce() -> R) -> R {
     // SAFETY: the caller holds `KERNELS`, as every test of this file does for its whole run,
     // and this file's tests are the only threads of the process that launch kernels or touch
     // the environment.
-    unsafe {
-        if sm80 {
-            std::env::set_var(SWITCH, "1");
-        } else {
-            std::env::remove_var(SWITCH);
-        }
-    }
+    unsafe { std::env::set_var(var, value) };
     let r = f();
     // SAFETY: as above.
-    unsafe { std::env::remove_var(SWITCH) };
+    unsafe { std::env::remove_var(var) };
     r
+}
+
+/// Runs `f` with the mma.sync kernels forced (`sm80`) or the device's choice.
+fn with_kernels<R>(sm80: bool, f: impl FnOnce() -> R) -> R {
+    // The kernels read an empty TILEARN_FLASH_SM80 as unset.
+    with_env(SWITCH, if sm80 { "1" } else { "" }, f)
 }
 
 fn widen<T: Elem>(v: &[T]) -> Vec<f64> {
@@ -250,14 +251,11 @@ fn the_head_dim_128_kernels_match_the_mma_sync_kernels() {
     let Some((_kernels, dev, gemm)) = hopper_or_skip(TEST) else {
         return;
     };
-    // SAFETY: this test holds `KERNELS` (see `with_kernels`). Unset is the default (on).
-    unsafe { std::env::remove_var(HD128) };
+    // Unset (which with_env leaves behind) is the default: on.
+    let off = with_env(HD128, "0", || {
+        cuda::flash_attention_uses_wgmma::<bf16>(128, false)
+    });
     assert!(cuda::flash_attention_uses_wgmma::<bf16>(128, false));
-    // SAFETY: as above.
-    unsafe { std::env::set_var(HD128, "0") };
-    let off = cuda::flash_attention_uses_wgmma::<bf16>(128, false);
-    // SAFETY: as above.
-    unsafe { std::env::remove_var(HD128) };
     assert!(
         !off,
         "TILEARN_FLASH_SM90_HD128=0 keeps head_dim 128 on mma.sync"
@@ -278,6 +276,18 @@ fn the_head_dim_128_kernels_match_the_mma_sync_kernels() {
     compare::<f16>(&dev, &gemm, s, 400, 2e-3);
 }
 
+/// (batch, seq, q_heads, kv_heads) of the TMA tests in bf16: several batch entries with partial
+/// last blocks (the tensor maps' bounds), one tile, TinyLlama's GQA group of 8.
+const TMA_SHAPES_BF16: [(usize, usize, usize, usize); 4] = [
+    (3, 130, 2, 1),
+    (2, 333, 8, 1),
+    (1, 64, 4, 4),
+    (2, 1024, 32, 4),
+];
+
+/// The same in f16.
+const TMA_SHAPE_F16: (usize, usize, usize, usize) = (2, 257, 4, 2);
+
 /// `0` loads the head_dim-64 forward's K / V with cp.async (`fwd_kernel`); `1` with TMA
 /// (`fwd_tma_kernel`) or fails; unset, TMA where the driver encodes its tensor maps.
 const FWD_TMA: &str = "TILEARN_FLASH_SM90_FWD_TMA";
@@ -286,31 +296,28 @@ const FWD_TMA: &str = "TILEARN_FLASH_SM90_FWD_TMA";
 /// so `out` and `lse` are the same bits. Several batch entries and a partial last key block
 /// check the tensor maps' bounds (keys past seq are zeros, not the next entry's).
 fn tma_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64) {
-    // SAFETY: the caller holds `KERNELS` (see `with_kernels`). `1`: TMA or an error, so the
-    // comparison cannot pass by measuring the cp.async fallback against itself.
-    unsafe { std::env::set_var(FWD_TMA, "1") };
-    let p = Problem::<T>::new(dev, gemm, s, seed, None);
+    // `1`: TMA or an error, so the comparison cannot pass by measuring the cp.async fallback
+    // against itself.
+    let p = with_env(FWD_TMA, "1", || Problem::<T>::new(dev, gemm, s, seed, None));
     let st = dev.stream();
     let mut out = upload(st, &vec![T::NAN; p.out.len()]);
     let mut lse = upload(st, &vec![f32::NAN; p.lse.len()]);
     let mut ws = AttentionWorkspace::for_flash(st, s, FlashBackward::Deterministic).unwrap();
-    // SAFETY: as above.
-    unsafe { std::env::set_var(FWD_TMA, "0") };
-    let r = cuda::attention_forward_masked(
-        AttentionImpl::Flash,
-        gemm,
-        &mut ws,
-        s,
-        key_mask(None),
-        &p.q,
-        &p.k,
-        &p.v,
-        &mut out,
-        &mut lse,
-    );
-    // SAFETY: as above.
-    unsafe { std::env::remove_var(FWD_TMA) };
-    r.unwrap();
+    with_env(FWD_TMA, "0", || {
+        cuda::attention_forward_masked(
+            AttentionImpl::Flash,
+            gemm,
+            &mut ws,
+            s,
+            key_mask(None),
+            &p.q,
+            &p.k,
+            &p.v,
+            &mut out,
+            &mut lse,
+        )
+    })
+    .unwrap();
     let out_diff = download(dev, &p.out)
         .iter()
         .zip(&download(dev, &out))
@@ -336,18 +343,11 @@ fn the_tma_forward_matches_the_cp_async_forward_bit_for_bit() {
     let Some((_kernels, dev, gemm)) = hopper_or_skip(TEST) else {
         return;
     };
-    for (i, &(b, t, hq, hkv)) in [
-        (3, 130, 2, 1),
-        (2, 333, 8, 1),
-        (1, 64, 4, 4),
-        (2, 1024, 32, 4),
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (i, &(b, t, hq, hkv)) in TMA_SHAPES_BF16.iter().enumerate() {
         tma_case::<bf16>(&dev, &gemm, shape(b, t, hq, hkv, 64), 500 + i as u64);
     }
-    tma_case::<f16>(&dev, &gemm, shape(2, 257, 4, 2, 64), 600);
+    let (b, t, hq, hkv) = TMA_SHAPE_F16;
+    tma_case::<f16>(&dev, &gemm, shape(b, t, hq, hkv, 64), 600);
 }
 
 /// Fresh random inputs of one attention problem in `T` and the forward's `out` and `lse` (the
@@ -658,17 +658,10 @@ fn bwd_tma_case<T: Elem>(dev: &GpuDevice, gemm: &Gemm, s: AttnShape, seed: u64, 
     let st = dev.stream();
     let p = Problem::<T>::new(dev, gemm, s, seed, None);
     let mut one = AttentionWorkspace::for_flash(st, s, FlashBackward::OnePass).unwrap();
-    let mut run = |loads: &str| {
-        // SAFETY: the caller holds `KERNELS` (see `with_kernels`). `1`: TMA or an error, so the
-        // comparison cannot pass by measuring the cp.async fallback against itself.
-        unsafe { std::env::set_var(BWD_TMA, loads) };
-        let got = p.backward(dev, gemm, &mut one, None, None);
-        // SAFETY: as above.
-        unsafe { std::env::remove_var(BWD_TMA) };
-        got
-    };
-    let [dq_t, dk_t, dv_t] = run("1");
-    let [dq_c, dk_c, dv_c] = run("0");
+    // `1`: TMA or an error, so the comparison cannot pass by measuring the cp.async fallback
+    // against itself.
+    let [dq_t, dk_t, dv_t] = with_env(BWD_TMA, "1", || p.backward(dev, gemm, &mut one, None, None));
+    let [dq_c, dk_c, dv_c] = with_env(BWD_TMA, "0", || p.backward(dev, gemm, &mut one, None, None));
     let tag = format!("{} {s:?}", std::any::type_name::<T>());
     let err = rel_err("dq", &dq_t, &dq_c);
     let kv_diff = [differing(&dk_t, &dk_c), differing(&dv_t, &dv_c)];
@@ -687,16 +680,9 @@ fn the_tma_one_pass_backward_matches_its_cp_async_loads() {
     let Some((_kernels, dev, gemm)) = hopper_or_skip(TEST) else {
         return;
     };
-    for (i, &(b, t, hq, hkv)) in [
-        (3, 130, 2, 1),
-        (2, 333, 8, 1),
-        (1, 64, 4, 4),
-        (2, 1024, 32, 4),
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (i, &(b, t, hq, hkv)) in TMA_SHAPES_BF16.iter().enumerate() {
         bwd_tma_case::<bf16>(&dev, &gemm, shape(b, t, hq, hkv, 64), 700 + i as u64, 2e-3);
     }
-    bwd_tma_case::<f16>(&dev, &gemm, shape(2, 257, 4, 2, 64), 800, 1e-3);
+    let (b, t, hq, hkv) = TMA_SHAPE_F16;
+    bwd_tma_case::<f16>(&dev, &gemm, shape(b, t, hq, hkv, 64), 800, 1e-3);
 }

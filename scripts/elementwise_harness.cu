@@ -4,8 +4,8 @@
 // it replaced, whose sigmoid branched on the sign of the gate (kept below as the baseline),
 // checks that both give the same bits, and times a device-to-device copy of the same bytes as
 // the ceiling. CUDA events, mean of 20 launches after 3 untimed, the variants alternating
-// twice. Build with scripts/elementwise_harness.sh; not a test of record (gpu-test checks the
-// kernel against the CPU reference).
+// twice. scripts/flash_harness.sh builds it beside the flash harness; not a test of record
+// (gpu-test checks the kernel against the CPU reference).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

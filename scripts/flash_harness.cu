@@ -142,16 +142,18 @@ bool run_shape(Shape sh, int dtype, bool timing) {
     auto random = [&](size_t n) { return random_buffer<T>(rng, n); };
     Buffer<T> q = random(nq), k = random(nk), v = random(nk), dout = random(nq);
     Buffer<T> out(nq), dq_det(nq), dq_one(nq), dq_again(nq), dk_det(nk), dk_one(nk), dv_det(nk),
-        dv_one(nk), out_tma(nq), dq_cp(nq), dk_cp(nk), dv_cp(nk);
-    Buffer<float> lse(nl), delta(nl), lse_tma(nl);
+        dv_one(nk), out_other(nq), dq_cp(nq), dk_cp(nk), dv_cp(nk);
+    Buffer<float> lse(nl), delta(nl), lse_other(nl);
     Buffer<float> acc(tilearn_flash_attention_dq_accum_len(sh.batch, sh.seq, sh.q_heads, kD));
     const float scale = 0.125f;
-    auto forward = [&] {
-        check_status(tilearn_flash_attention_forward(dtype, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr,
-                                                     sh.batch, sh.seq, sh.q_heads, sh.kv_heads,
-                                                     kD, scale, nullptr, 0),
-                     "forward");
+    // The forward the switches pick, into (o, l).
+    auto forward_into = [&](T* o, float* l, const char* what) {
+        check_status(tilearn_flash_attention_forward(dtype, q.ptr, k.ptr, v.ptr, o, l, sh.batch,
+                                                     sh.seq, sh.q_heads, sh.kv_heads, kD, scale,
+                                                     nullptr, 0),
+                     what);
     };
+    auto forward = [&] { forward_into(out.ptr, lse.ptr, "forward"); };
     auto make_delta = [&] {
         check_status(tilearn_attention_delta(dtype, dout.ptr, out.ptr, sh.batch, sh.seq,
                                              sh.q_heads, kD, delta.ptr, 0),
@@ -168,27 +170,21 @@ bool run_shape(Shape sh, int dtype, bool timing) {
     use_mma_sync(false);
     // The TMA forward against fwd_kernel: the same products in the same order, the same bits.
     use_fwd_tma(true);
-    check_status(tilearn_flash_attention_forward(dtype, q.ptr, k.ptr, v.ptr, out_tma.ptr,
-                                                 lse_tma.ptr, sh.batch, sh.seq, sh.q_heads,
-                                                 sh.kv_heads, kD, scale, nullptr, 0),
-                 "forward (TMA)");
+    forward_into(out_other.ptr, lse_other.ptr, "forward (TMA)");
     use_fwd_tma(false);
     forward();
     check_cuda(cudaDeviceSynchronize(), "forward");
     use_fwd_tma(true);
-    const size_t tma_diff = differing(out.download(), out_tma.download()) +
-                            differing(lse.download(), lse_tma.download());
+    const size_t tma_diff = differing(out.download(), out_other.download()) +
+                            differing(lse.download(), lse_other.download());
     // The forward against the mma.sync one (key blocks of 64, the running maximum moved at
     // every block): the same softmax to the rounding.
     use_mma_sync(true);
-    check_status(tilearn_flash_attention_forward(dtype, q.ptr, k.ptr, v.ptr, out_tma.ptr,
-                                                 lse_tma.ptr, sh.batch, sh.seq, sh.q_heads,
-                                                 sh.kv_heads, kD, scale, nullptr, 0),
-                 "forward (mma.sync)");
+    forward_into(out_other.ptr, lse_other.ptr, "forward (mma.sync)");
     use_mma_sync(false);
     check_cuda(cudaDeviceSynchronize(), "forward (mma.sync)");
-    const double e_out = rel_err(out_tma.download(), out.download());
-    const double e_lse = rel_err(lse_tma.download(), lse.download());
+    const double e_out = rel_err(out_other.download(), out.download());
+    const double e_lse = rel_err(lse_other.download(), lse.download());
     make_delta();
     backward(dq_det.ptr, dk_det.ptr, dv_det.ptr, nullptr);
     backward(dq_one.ptr, dk_one.ptr, dv_one.ptr, acc.ptr);

@@ -1,28 +1,25 @@
 #!/usr/bin/env python3
 """Sums the kernels of an `ncu --csv --page raw --metrics gpu__time_duration.sum,dram__bytes.sum`
 log (other output, such as the profiled program's own lines, may be interleaved): launches,
-milliseconds, DRAM bytes and the bandwidth they make.
+milliseconds, DRAM bytes and the bandwidth they make. The log is read by step_breakdown.py's
+`read_kernels`.
 
     python3 scripts/ncu_kernel_sum.py norm_ncu.log "rmsnorm backward"
 """
-import csv
+import os
 import sys
 
-TIME = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3}
-BYTES = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_breakdown import read_kernels  # noqa: E402
 
 
 def main(path, label):
-    rows = list(csv.reader(line for line in open(path) if line.startswith('"')))
-    if len(rows) < 3:
-        sys.exit(f"{path}: no ncu rows (was the kernel launched?)")
-    head, units = rows[0], rows[1]
-    dur, byt = head.index("gpu__time_duration.sum"), head.index("dram__bytes.sum")
-    seconds = dram = 0.0
-    for r in rows[2:]:
-        seconds += float(r[dur].replace(",", "")) * TIME[units[dur]]
-        dram += float(r[byt].replace(",", "")) * BYTES[units[byt]]
-    print(f"{label}: {len(rows) - 2} launches, {seconds * 1e3:.3f} ms, {dram / 1e9:.2f} GB of DRAM "
+    kernels = read_kernels(path)
+    seconds = sum(t for _, t, _ in kernels)
+    dram = sum(b for _, _, b in kernels)
+    if not kernels or seconds == 0:
+        sys.exit(f"{path}: no kernel launches profiled")
+    print(f"{label}: {len(kernels)} launches, {seconds * 1e3:.3f} ms, {dram / 1e9:.2f} GB of DRAM "
           f"traffic, {dram / seconds / 1e12:.2f} TB/s")
 
 

@@ -99,7 +99,8 @@ def read_kernels(path):
 
 
 def time_scale(unit):
-    return {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}.get(unit, 1e-9)
+    return {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3,
+            "ms": 1e-3, "second": 1.0, "s": 1.0}.get(unit, 1e-9)
 
 
 def byte_scale(unit):

@@ -29,8 +29,13 @@
 //! then those of the keys each query sees (for packing `T/L` causal blocks of `L`), so TFLOP/s
 //! stay comparable with the causal rows.
 //!
+//! `gemm-bench step [--preset NAME] [--seconds S]`: one training step's matrix products replayed
+//! back to back, burst and sustained time (see `step.rs`).
+//!
 //! `gemm-bench attention --alibi`: the same with ALiBi slopes (Bloom's, one per query head; the
 //! flash kernels' ALiBi instantiations), alone or with the flags above; same FLOPs counted.
+
+mod step;
 
 use std::process::ExitCode;
 
@@ -62,7 +67,10 @@ fn run() -> Result<String, String> {
     let mut dtype = "bf16".to_string();
     let mut attention = false;
     let mut mask = BenchMask::default();
-    let mut args = std::env::args().skip(1);
+    let mut args = std::env::args().skip(1).peekable();
+    if args.peek().is_some_and(|a| a == "step") {
+        return step::run(args.skip(1));
+    }
     while let Some(arg) = args.next() {
         if arg == "attention" {
             attention = true;

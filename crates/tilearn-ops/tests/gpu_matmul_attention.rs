@@ -44,7 +44,7 @@ use tilearn_ops::OpsError;
 use tilearn_ops::cpu::{self, AttnShape};
 use tilearn_ops::cuda::{
     self, AttentionImpl, AttentionWorkspace, CudaSlice, CudaStream, DeviceFloat, DevicePtr,
-    FlashBackward, Gemm, GpuDevice, MatmulSpec, Operand, Transpose,
+    FlashBackward, Gemm, GpuDevice, MatmulSpec, Operand, Transpose, WeightGrad,
 };
 
 /// Writes to the process's stderr directly: libtest captures `eprintln!` of passing tests, and
@@ -612,6 +612,82 @@ fn linear_determinism_case<T: Elem>(test: &str, dev: &GpuDevice, gemm: &Gemm, se
         "{test}: {}: dW and db bit-identical over two runs",
         T::NAME
     ));
+}
+
+/// `WeightGrad::Write` over a NaN-filled dW gives the bits of `WeightGrad::Add` onto zeros
+/// (the CUDA-graph step's first products write gradients nobody zeroed), the bias gradient is
+/// still added, and a product over zero rows writes zeros.
+fn weight_grad_write_case<T: Elem>(test: &str, dev: &GpuDevice, gemm: &Gemm, seed: u64) {
+    let s = dev.stream();
+    let (rows, in_f, out_f) = (777, 96, 301);
+    let mut rng = rng(seed);
+    let (x, _) = random::<T>(&mut rng, rows * in_f, 0.05, 1.0);
+    let (w, _) = random::<T>(&mut rng, out_f * in_f, 0.05, 1.0);
+    let (dout, _) = random::<T>(&mut rng, rows * out_f, 0.05, 1.0);
+    let (x, w, dout) = (upload(s, &x), upload(s, &w), upload(s, &dout));
+    let run = |rows: usize, mut dw: CudaSlice<f32>, mode: WeightGrad| {
+        let mut db = upload(s, &vec![0.5f32; out_f]);
+        cuda::linear_backward_with(
+            gemm,
+            &dout.slice(..rows * out_f),
+            &x.slice(..rows * in_f),
+            &w,
+            rows,
+            in_f,
+            out_f,
+            None,
+            &mut dw,
+            Some(&mut db),
+            mode,
+        )
+        .unwrap();
+        (download(dev, &dw), download(dev, &db))
+    };
+    let zeros = || upload(s, &vec![0.0f32; out_f * in_f]);
+    let (added, db_added) = run(rows, zeros(), WeightGrad::Add);
+    let (written, db_written) = run(rows, poisoned::<f32>(s, out_f * in_f), WeightGrad::Write);
+    let differing = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .filter(|(p, q)| p.to_bits() != q.to_bits())
+            .count()
+    };
+    assert!(added.iter().any(|v| *v != 0.0), "{test}: dW is all zeros");
+    assert_eq!(
+        differing(&added, &written),
+        0,
+        "{test}: {}: written dW differs from dW added onto zeros",
+        T::NAME
+    );
+    assert_eq!(differing(&db_added, &db_written), 0, "{test}: db");
+    assert!(
+        db_written.iter().all(|v| *v != 0.5),
+        "{test}: db was not added to"
+    );
+    let (empty, _) = run(0, poisoned::<f32>(s, out_f * in_f), WeightGrad::Write);
+    assert!(
+        empty.iter().all(|v| v.to_bits() == 0),
+        "{test}: {}: a product over zero rows did not write zeros",
+        T::NAME
+    );
+    report(&format!(
+        "{test}: {}: written dW = dW added onto zeros bit for bit ({} values), zero rows write \
+         zeros",
+        T::NAME,
+        added.len()
+    ));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn a_written_weight_gradient_equals_one_added_onto_zeros() {
+    const TEST: &str = "a_written_weight_gradient_equals_one_added_onto_zeros";
+    let Some((dev, gemm)) = gpu_or_skip(TEST) else {
+        return;
+    };
+    weight_grad_write_case::<f32>(TEST, &dev, &gemm, 33);
+    weight_grad_write_case::<bf16>(TEST, &dev, &gemm, 34);
+    weight_grad_write_case::<f16>(TEST, &dev, &gemm, 35);
 }
 
 #[test]

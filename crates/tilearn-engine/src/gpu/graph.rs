@@ -473,20 +473,18 @@ impl GpuLlama {
         table: &CudaSlice<u32>,
     ) -> Result<()> {
         let stream = self.device.stream().clone();
-        stream
-            .memset_zeros(&mut self.grads)
-            .map_err(|e| cuda_err("zeroing the gradients", e))?;
+        // No zeroing pass: the backward writes each weight's gradient with its first product
+        // and zeroes the rest itself (`Handoff::unzeroed`).
         let factor_view = factor.slice(..1);
         {
             let p = self.pass();
             let mut cx = p.cx;
             let stream = cx.stream;
-            let layout = cx.layout;
             with_elem!(p.precision, T => train_pass::<T>(
                 &mut cx,
                 d,
                 &mut weights::<T>(stream, p.master, p.work, p.numel)?,
-                Handoff::new(p.grads.as_view_mut(), None, layout),
+                Handoff::unzeroed(p.grads.as_view_mut(), stream),
                 &p.ids.slice(..d.n),
                 &p.targets.slice(..d.n),
                 GradFactor::Device(&factor_view),

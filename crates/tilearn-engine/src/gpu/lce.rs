@@ -39,7 +39,7 @@
 //! unchunked path exactly: the fused launch's own totals are the call's.
 
 use cudarc::driver::{CudaView, CudaViewMut};
-use tilearn_ops::cuda::{self as k, CeTotals, DeviceFloat};
+use tilearn_ops::cuda::{self as k, CeTotals, DeviceFloat, WeightGrad};
 
 use super::arena::{Bufs, Dims};
 use super::compute::Cx;
@@ -109,8 +109,15 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
     let (n, c) = (d.n, d.c);
     let raw = w.slice(cx.layout.lm_head.clone())?;
     let head = head_weights(cx, d, &raw, &mut b.head_normed)?;
-    let mut dhead = g.range(cx.layout.lm_head.clone())?;
     let norm_head = d.head_norm_len > 0;
+    // The first chunk's product covers the whole lm_head gradient, so it may write it (see
+    // `GradParts::claim`); NormHead's goes through `dhead_normed` and is added.
+    let mut dhead_grad = if norm_head {
+        WeightGrad::Add
+    } else {
+        g.claim(cx.layout.lm_head.clone())?
+    };
+    let mut dhead = g.range(cx.layout.lm_head.clone())?;
     if norm_head {
         cx.stream
             .memset_zeros(&mut b.dhead_normed)
@@ -188,13 +195,17 @@ pub(crate) fn loss_and_head_backward<T: DeviceFloat>(
             c,
             d.vocab,
             Some(&mut view_mut(&mut b.grad.dxn, r.start * c..r.end * c)?),
-            &mut if norm_head {
-                b.dhead_normed.slice_mut(..)
-            } else {
-                dhead.slice_mut(..)
-            },
+            (
+                &mut if norm_head {
+                    b.dhead_normed.slice_mut(..)
+                } else {
+                    dhead.slice_mut(..)
+                },
+                dhead_grad,
+            ),
             None,
         )?;
+        dhead_grad = WeightGrad::Add;
     }
     if norm_head {
         k::row_normalize_backward(cx.stream, &b.dhead_normed, &raw, c, &mut dhead)?;

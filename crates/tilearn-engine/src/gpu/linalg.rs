@@ -20,7 +20,7 @@ use half::{bf16, f16};
 use tilearn_ops::cpu::AttnShape;
 use tilearn_ops::cuda::{
     self as k, AttentionImpl, AttentionWorkspace, CudaStream, DeviceFloat, FlashBackward, Gemm,
-    flash_attention_one_pass, flash_attention_supports, flash_dq_accum_len,
+    WeightGrad, flash_attention_one_pass, flash_attention_supports, flash_dq_accum_len,
 };
 use tilearn_ops::{KeyMask, OpsError, Result};
 
@@ -199,8 +199,8 @@ impl Matmul {
         k::linear_forward(&self.gemm, x, w, bias, rows, in_f, out_f, out)
     }
 
-    /// `dx = dout·W` (if given), `dw += doutᵀ·x`, `db += colsum(dout)` (if given); f32 `dw`,
-    /// `db`.
+    /// `dx = dout·W` (if given), `dw += doutᵀ·x` (or `=`, as `dw_grad` says), `db +=
+    /// colsum(dout)` (if given); f32 `dw`, `db`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn linear_backward<T: DeviceFloat>(
         &mut self,
@@ -212,13 +212,15 @@ impl Matmul {
         in_f: usize,
         out_f: usize,
         dx: Option<&mut CudaViewMut<'_, T>>,
-        dw: &mut CudaViewMut<'_, f32>,
+        (dw, dw_grad): (&mut CudaViewMut<'_, f32>, WeightGrad),
         db: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
         self.same_stream(s, "linear_backward")?;
         let dx = dx.map(|v| v as &mut dyn DevicePtrMut<T>);
         let db = db.map(|v| v as &mut dyn DevicePtrMut<f32>);
-        k::linear_backward(&self.gemm, dout, x, w, rows, in_f, out_f, dx, dw, db)
+        k::linear_backward_with(
+            &self.gemm, dout, x, w, rows, in_f, out_f, dx, dw, db, dw_grad,
+        )
     }
 
     /// `dx += dout·W` (see [`k::linear_input_grad_add`]).

@@ -37,7 +37,8 @@ pub(super) fn linear_fwd<T: DeviceFloat>(
 }
 
 /// Backward of one linear layer: `dx =` (when asked), weight and bias gradients `+=` into
-/// their ranges of the flat f32 gradient buffer.
+/// their ranges of the flat f32 gradient buffer (the weight's `=` where it is the first
+/// product into an unzeroed buffer).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn linear_bwd<T: DeviceFloat>(
     cx: &mut Cx<'_>,
@@ -52,6 +53,8 @@ pub(super) fn linear_bwd<T: DeviceFloat>(
     dx: Option<&mut CudaViewMut<'_, T>>,
 ) -> Result<()> {
     let weight = w.slice(l.weight.clone())?;
+    // The product covers the whole weight gradient, so it may write it (see `GradParts::claim`).
+    let dw_grad = g.claim(l.weight.clone())?;
     match &l.bias {
         Some(b) => {
             let (mut dw, mut db) = g.two(l.weight.clone(), b.clone())?;
@@ -64,7 +67,7 @@ pub(super) fn linear_bwd<T: DeviceFloat>(
                 in_f,
                 out_f,
                 dx,
-                &mut dw,
+                (&mut dw, dw_grad),
                 Some(&mut db),
             )?;
             Ok(())
@@ -72,7 +75,16 @@ pub(super) fn linear_bwd<T: DeviceFloat>(
         None => {
             let mut dw = g.range(l.weight.clone())?;
             cx.mm.linear_backward(
-                cx.stream, dout, x, &weight, rows, in_f, out_f, dx, &mut dw, None,
+                cx.stream,
+                dout,
+                x,
+                &weight,
+                rows,
+                in_f,
+                out_f,
+                dx,
+                (&mut dw, dw_grad),
+                None,
             )?;
             Ok(())
         }

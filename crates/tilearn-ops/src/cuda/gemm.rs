@@ -794,6 +794,16 @@ pub fn linear_forward<T: DeviceFloat>(
     result
 }
 
+/// Whether a weight gradient's product adds onto what the gradient holds (`+=`, beta = 1: the
+/// parameter-gradient convention, so micro-batches add up) or writes it (`=`, beta = 0: the
+/// first product into a gradient buffer nobody zeroed, which then needs neither the zeroing
+/// pass nor the product's read of the old values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightGrad {
+    Add,
+    Write,
+}
+
 /// Backward of [`linear_forward`]: `dx = dout·W` (written, `=`, rounded once to `T`; skipped
 /// when `dx` is `None`), `dw += doutᵀ·x` (f32, accumulated by the GEMM with beta = 1, so
 /// micro-batches add up without 16-bit rounding), `db += column sums of dout` (f32, accumulated
@@ -813,6 +823,38 @@ pub fn linear_backward<T: DeviceFloat>(
     dx: Option<&mut dyn DevicePtrMut<T>>,
     dw: &mut impl DevicePtrMut<f32>,
     db: Option<&mut dyn DevicePtrMut<f32>>,
+) -> Result<()> {
+    linear_backward_with(
+        gemm,
+        dout,
+        x,
+        w,
+        rows,
+        in_f,
+        out_f,
+        dx,
+        dw,
+        db,
+        WeightGrad::Add,
+    )
+}
+
+/// [`linear_backward`] with the weight gradient added or written as `dw_grad` says (the same
+/// product either way, so the same bits as adding onto zeros); the bias gradient is always
+/// added.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward_with<T: DeviceFloat>(
+    gemm: &Gemm,
+    dout: &impl DevicePtr<T>,
+    x: &impl DevicePtr<T>,
+    w: &impl DevicePtr<T>,
+    rows: usize,
+    in_f: usize,
+    out_f: usize,
+    dx: Option<&mut dyn DevicePtrMut<T>>,
+    dw: &mut impl DevicePtrMut<f32>,
+    db: Option<&mut dyn DevicePtrMut<f32>>,
+    dw_grad: WeightGrad,
 ) -> Result<()> {
     const OP: &str = "linear_backward";
     linear_dims(OP, x.len(), w.len(), rows, in_f, out_f)?;
@@ -848,6 +890,21 @@ pub fn linear_backward<T: DeviceFloat>(
                 message: "out_features must be positive when dx is requested".into(),
             });
         }
+        if dw_grad == WeightGrad::Write && dw.len() > 0 {
+            // A sum over zero rows, written: zeros.
+            bind(stream, OP)?;
+            let bytes = dw.len() * size_of::<f32>();
+            let (dw_ptr, _dw) = dw.device_ptr_mut(stream);
+            // SAFETY: dw holds out_f*in_f f32 (checked above) on the stream's device and is
+            // borrowed mutably; the guard is held past the enqueue.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(dw_ptr, 0, bytes, stream.cu_stream())
+            }
+            .map_err(|e| OpsError::Cuda {
+                context: OP,
+                message: format!("zeroing dw: {e}"),
+            })?;
+        }
         return Ok(());
     }
     gemm.check_types::<T, T>(OP)?;
@@ -863,7 +920,7 @@ pub fn linear_backward<T: DeviceFloat>(
         // dx is borrowed mutably; all on the handle's device; guards held past the enqueue.
         unsafe { gemm.launch::<T, T>(OP, &spec, dout_ptr, w_ptr, dx_ptr, Epilogue::None)? };
     }
-    // dW (out_f×in_f) += doutᵀ (out_f×rows) · x (rows×in_f), accumulated in f32.
+    // dW (out_f×in_f) += (or =) doutᵀ (out_f×rows) · x (rows×in_f), accumulated in f32.
     let mut spec = MatmulSpec::new(
         out_f,
         in_f,
@@ -871,7 +928,10 @@ pub fn linear_backward<T: DeviceFloat>(
         Operand::transposed(out_f),
         Operand::plain(in_f),
     );
-    spec.beta = 1.0;
+    spec.beta = match dw_grad {
+        WeightGrad::Add => 1.0,
+        WeightGrad::Write => 0.0,
+    };
     spec.required_lens(OP)?;
     {
         let (x_ptr, _x) = x.device_ptr(stream);

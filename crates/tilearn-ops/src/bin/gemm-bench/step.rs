@@ -4,10 +4,11 @@
 //! limit can be set beside their time on an idle board (`benches/power_floor.py`).
 //!
 //! Per decoder layer the seven projections (q, k, v, o, gate, up, down) run as the engine runs
-//! them: [`linear_forward`] (`x·Wᵀ`), then in the backward [`linear_backward`] (`dx =` and the
-//! f32 weight gradient `+=`), with k, v and up adding their input gradient into the one before
-//! ([`linear_input_grad_add`]); the lm_head runs chunk by chunk of 2 048 tokens (the engine's
-//! default chunk at these presets). Every layer has its own weights and f32 weight gradients,
+//! them: [`linear_forward`] (`x·Wᵀ`), then in the backward [`linear_backward_with`] (`dx =`
+//! and the f32 weight gradient written by its first product, as the CUDA-graph step does, and
+//! added by the lm_head's later chunks), with k, v and up adding their input gradient into the
+//! one before ([`linear_input_grad_add`]); the lm_head runs chunk by chunk of 2 048 tokens (the
+//! engine's default chunk at these presets). Every layer has its own weights and f32 weight gradients,
 //! as in a real step (so no layer finds another's weights in L2); activations of one shape share
 //! a buffer. Random bf16 values: the tensor cores' power depends on the bits they multiply.
 //!
@@ -20,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use tilearn_ops::cuda::{
-    CudaSlice, Gemm, GpuDevice, linear_backward, linear_forward, linear_input_grad_add,
+    CudaSlice, DevicePtrMut, Gemm, GpuDevice, WeightGrad, linear_backward_with, linear_forward,
+    linear_input_grad_add,
 };
 
 use super::xorshift;
@@ -209,19 +211,15 @@ impl<'a> StepBench<'a> {
             let dlogits = self.dy.slice(..rows * vocab);
             let mut dx = self.dx.slice_mut(..rows * c);
             let dw = &mut self.head.grads[0];
-            linear_backward(
-                gemm,
-                &dlogits,
-                &x,
-                w,
-                rows,
-                c,
-                vocab,
-                Some(&mut dx),
-                dw,
-                None,
-            )
-            .map_err(e)?;
+            // The first chunk writes the lm_head's gradient, the later ones add to it.
+            let dw_grad = if start == 0 {
+                WeightGrad::Write
+            } else {
+                WeightGrad::Add
+            };
+            let dx: Option<&mut dyn DevicePtrMut<bf16>> = Some(&mut dx);
+            linear_backward_with(gemm, &dlogits, &x, w, rows, c, vocab, dx, dw, None, dw_grad)
+                .map_err(e)?;
         }
         for layer in self.layers.iter_mut().rev() {
             for (p, (w, dw)) in self
@@ -230,28 +228,20 @@ impl<'a> StepBench<'a> {
                 .zip(layer.weights.iter().zip(layer.grads.iter_mut()))
                 .rev()
             {
-                let x = self.x.slice(..t * p.fan_in);
-                let dy = self.dy.slice(..t * p.fan_out);
-                let mut dx = self.dx.slice_mut(..t * p.fan_in);
-                if p.adds_dx {
-                    linear_input_grad_add(gemm, &dy, w, t, p.fan_in, p.fan_out, &mut dx)
-                        .map_err(e)?;
-                    linear_backward(gemm, &dy, &x, w, t, p.fan_in, p.fan_out, None, dw, None)
+                let (fan_in, fan_out) = (p.fan_in, p.fan_out);
+                let x = self.x.slice(..t * fan_in);
+                let dy = self.dy.slice(..t * fan_out);
+                let mut dx = self.dx.slice_mut(..t * fan_in);
+                // Each weight's one product writes its gradient.
+                let dx: Option<&mut dyn DevicePtrMut<bf16>> = if p.adds_dx {
+                    linear_input_grad_add(gemm, &dy, w, t, fan_in, fan_out, &mut dx).map_err(e)?;
+                    None
                 } else {
-                    linear_backward(
-                        gemm,
-                        &dy,
-                        &x,
-                        w,
-                        t,
-                        p.fan_in,
-                        p.fan_out,
-                        Some(&mut dx),
-                        dw,
-                        None,
-                    )
-                }
-                .map_err(e)?;
+                    Some(&mut dx)
+                };
+                let write = WeightGrad::Write;
+                linear_backward_with(gemm, &dy, &x, w, t, fan_in, fan_out, dx, dw, None, write)
+                    .map_err(e)?;
             }
         }
         Ok(())

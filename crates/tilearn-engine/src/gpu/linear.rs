@@ -55,40 +55,26 @@ pub(super) fn linear_bwd<T: DeviceFloat>(
     let weight = w.slice(l.weight.clone())?;
     // The product covers the whole weight gradient, so it may write it (see `GradParts::claim`).
     let dw_grad = g.claim(l.weight.clone())?;
-    match &l.bias {
+    let (mut dw, mut db) = match &l.bias {
         Some(b) => {
-            let (mut dw, mut db) = g.two(l.weight.clone(), b.clone())?;
-            cx.mm.linear_backward(
-                cx.stream,
-                dout,
-                x,
-                &weight,
-                rows,
-                in_f,
-                out_f,
-                dx,
-                (&mut dw, dw_grad),
-                Some(&mut db),
-            )?;
-            Ok(())
+            let (dw, db) = g.two(l.weight.clone(), b.clone())?;
+            (dw, Some(db))
         }
-        None => {
-            let mut dw = g.range(l.weight.clone())?;
-            cx.mm.linear_backward(
-                cx.stream,
-                dout,
-                x,
-                &weight,
-                rows,
-                in_f,
-                out_f,
-                dx,
-                (&mut dw, dw_grad),
-                None,
-            )?;
-            Ok(())
-        }
-    }
+        None => (g.range(l.weight.clone())?, None),
+    };
+    cx.mm.linear_backward(
+        cx.stream,
+        dout,
+        x,
+        &weight,
+        rows,
+        in_f,
+        out_f,
+        dx,
+        (&mut dw, dw_grad),
+        db.as_mut(),
+    )?;
+    Ok(())
 }
 
 /// Backward of a linear layer whose input gradient is added onto `dx` (`dx += dout·W`, one

@@ -12,8 +12,11 @@
 //! corrections that change every step, clipping that is active (max_grad_norm below the
 //! measured norms), ~10 % ignored labels so the loss denominator differs per batch, an
 //! evaluation between steps, and a smaller batch midway (a new shape records a new graph).
-//! Also: the refusal (`on`) and the eager fallback with a reason (`auto`) for packed rows and
-//! gradient accumulation.
+//! The eager steps zero the gradients and add; the graph steps do not zero them (each weight's
+//! first product writes its gradient, `Handoff::unzeroed`), so the comparison also covers
+//! that, for Llama and for the families whose gradients are filled in other ways (biases, tied
+//! embeddings, NormHead, LayerNorms). Also: the refusal (`on`) and the eager fallback with a
+//! reason (`auto`) for packed rows and gradient accumulation.
 //!
 //! Without a GPU or driver each test prints `skipped: <reason>` to stderr and passes.
 #![cfg(feature = "cuda")]
@@ -69,8 +72,14 @@ struct Trajectory {
     moments: (Vec<f32>, Vec<f32>),
 }
 
-fn train(dev: &GpuDevice, precision: DType, checkpointing: bool, mode: CudaGraphs) -> Trajectory {
-    let config = config();
+fn train(
+    dev: &GpuDevice,
+    config: &LlamaConfig,
+    precision: DType,
+    checkpointing: bool,
+    mode: CudaGraphs,
+) -> Trajectory {
+    let config = config.clone();
     let model = LlamaForCausalLM::from_config(config.clone(), 71);
     let mut gpu = GpuLlama::with_lce_chunk(
         dev,
@@ -128,10 +137,15 @@ fn train(dev: &GpuDevice, precision: DType, checkpointing: bool, mode: CudaGraph
     t
 }
 
-fn check_graph_matches_eager(dev: &GpuDevice, precision: DType, checkpointing: bool) {
-    let what = format!("{precision} checkpointing={checkpointing}");
-    let eager = train(dev, precision, checkpointing, CudaGraphs::Off);
-    let graph = train(dev, precision, checkpointing, CudaGraphs::On);
+fn check_graph_matches_eager(
+    dev: &GpuDevice,
+    (name, config): (&str, &LlamaConfig),
+    precision: DType,
+    checkpointing: bool,
+) {
+    let what = format!("{name} {precision} checkpointing={checkpointing}");
+    let eager = train(dev, config, precision, checkpointing, CudaGraphs::Off);
+    let graph = train(dev, config, precision, checkpointing, CudaGraphs::On);
     report(&format!("{what}: eager losses {:?}", eager.losses));
     report(&format!("{what}: graph losses {:?}", graph.losses));
     report(&format!(
@@ -189,9 +203,58 @@ fn graph_steps_match_eager_steps_bit_for_bit() {
     let Some(dev) = gpu_or_skip("graph_steps_match_eager_steps_bit_for_bit") else {
         return;
     };
-    check_graph_matches_eager(&dev, DType::F32, false);
-    check_graph_matches_eager(&dev, DType::BF16, false);
-    check_graph_matches_eager(&dev, DType::BF16, true);
+    let llama = ("llama", &config());
+    check_graph_matches_eager(&dev, llama, DType::F32, false);
+    check_graph_matches_eager(&dev, llama, DType::BF16, false);
+    check_graph_matches_eager(&dev, llama, DType::BF16, true);
+}
+
+/// The families whose gradients the graph step fills in other ways than a weight's one
+/// product: biases (added by a reduction kernel), tied embeddings (the lm_head's chunks write,
+/// then the embedding's lookup gradient adds into the same range), NormHead (added through its
+/// own buffer), LayerNorm weights and biases, the embedding's LayerNorm. The eager steps
+/// zero the gradients first; the graph steps do not (`Handoff::unzeroed`).
+fn family_configs() -> Vec<(&'static str, LlamaConfig)> {
+    let shape = r#""hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "vocab_size": 997, "max_position_embeddings": 1024,
+        "initializer_range": 0.2"#;
+    let bloom = r#"{"architectures": ["BloomForCausalLM"], "hidden_size": 192, "n_layer": 2,
+        "n_head": 3, "vocab_size": 997, "initializer_range": 0.2}"#
+        .to_string();
+    [
+        (
+            "qwen2 (q/k/v bias, tied, layer 1 sliding)",
+            format!(
+                r#"{{"architectures": ["Qwen2ForCausalLM"], {shape}, "num_key_value_heads": 1,
+                   "use_sliding_window": true, "sliding_window": 16, "max_window_layers": 1,
+                   "tie_word_embeddings": true}}"#
+            ),
+        ),
+        (
+            "baichuan2-7b (W_pack, NormHead)",
+            format!(r#"{{"architectures": ["BaichuanForCausalLM"], {shape}}}"#),
+        ),
+        ("bloom (ALiBi, LayerNorm, biases, tied)", bloom),
+    ]
+    .into_iter()
+    .map(|(name, json)| {
+        (
+            name,
+            LlamaConfig::from_json_str(&json, "config.json").unwrap(),
+        )
+    })
+    .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn family_graph_steps_match_eager_steps_bit_for_bit() {
+    let Some(dev) = gpu_or_skip("family_graph_steps_match_eager_steps_bit_for_bit") else {
+        return;
+    };
+    for (name, config) in family_configs() {
+        check_graph_matches_eager(&dev, (name, &config), DType::BF16, false);
+    }
 }
 
 /// A learning rate baked into the graph would make the replayed run follow another

@@ -44,13 +44,8 @@ import sys
 import threading
 import time
 
-# Keep in sync with crates/tilearn-llm/src/presets.rs (and benches/pytorch_baseline.py).
-PRESETS = {
-    "llama-134m": dict(vocab=32000, hidden=768, layers=12, q_heads=12, kv_heads=12,
-                       inter=2048, batch=16, seq=1024),
-    "tinyllama-1.1b": dict(vocab=32000, hidden=2048, layers=22, q_heads=32, kv_heads=4,
-                           inter=5632, batch=8, seq=2048),
-}
+# The Llama presets (SwiGLU MLP, no biases); their shapes come from benches/pytorch_baseline.py.
+LLAMA_PRESETS = ["llama-134m", "tinyllama-1.1b"]
 SMI_FIELDS = "clocks.sm,power.draw,power.limit,clocks_event_reasons.active"
 BUSY_WATTS = 250.0
 SW_POWER_CAP = 0x4  # clocks_event_reasons: software power cap
@@ -105,20 +100,22 @@ def summarize(rows, since=0.0):
 
 
 def step_gemms(p, lce_chunk):
-    """(m, n, k, kind) of every product of one step: kind `fwd` is x·Wᵀ, `dx` dy·W, `dw` dyᵀ·x."""
+    """(m, n, k, kind) of every product of one step of preset shape `p` (pytorch_baseline's
+    PRESETS entry): kind `fwd` is x·Wᵀ, `dx` dy·W, `dw` dyᵀ·x."""
     t = p["batch"] * p["seq"]
-    head_dim = p["hidden"] // p["q_heads"]
-    q, kv, c, i = p["q_heads"] * head_dim, p["kv_heads"] * head_dim, p["hidden"], p["inter"]
+    c, i, heads = p["hidden_size"], p["intermediate_size"], p["num_attention_heads"]
+    head_dim = c // heads
+    q, kv = heads * head_dim, p["num_key_value_heads"] * head_dim
     linears = [(c, q), (c, kv), (c, kv), (q, c), (c, i), (c, i), (i, c)]  # (in, out)
     out = []
-    for _ in range(p["layers"]):
+    for _ in range(p["num_hidden_layers"]):
         for fan_in, fan_out in linears:
             out += [(t, fan_out, fan_in, "fwd"), (t, fan_in, fan_out, "dx"),
                     (fan_out, fan_in, t, "dw")]
     chunk = min(lce_chunk, t)
     for _ in range(t // chunk):
-        out += [(chunk, p["vocab"], c, "fwd"), (chunk, c, p["vocab"], "dx"),
-                (p["vocab"], c, chunk, "dw")]
+        out += [(chunk, p["vocab_size"], c, "fwd"), (chunk, c, p["vocab_size"], "dx"),
+                (p["vocab_size"], c, chunk, "dw")]
     return out
 
 
@@ -225,6 +222,7 @@ def floor(args):
         sys.exit("power_floor: PyTorch is not installed (the floor is measured with torch.mm)")
     if not torch.cuda.is_available():
         sys.exit("power_floor: no CUDA device (this measurement needs the GPU machine)")
+    from pytorch_baseline import PRESETS  # imports transformers: only where the floor runs
     p = PRESETS[args.preset]
     gemms = [torch_gemms(torch, p, args)]
     print(json.dumps(gemms[-1]), flush=True)
@@ -279,7 +277,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("floor", help="measure the step's products and a copy at the power limit")
-    f.add_argument("--preset", default="tinyllama-1.1b", choices=list(PRESETS))
+    f.add_argument("--preset", default="tinyllama-1.1b", choices=LLAMA_PRESETS)
     f.add_argument("--lce-chunk", type=int, default=2048,
                    help="tokens per lm_head chunk (tilearn's default at these presets)")
     f.add_argument("--seconds", type=float, default=20.0, help="how long the products replay")
